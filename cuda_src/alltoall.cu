@@ -1,0 +1,161 @@
+// alltoallv over the channel ring buffers, and the notify (count exchange) step.
+//
+// Grid: 2 * num_channels blocks. Block 2c sends for channel c, block 2c+1 receives for it (sender and receiver
+// on different SMs). Inside a block the warps are split into world_size warp groups, one per peer, so every
+// (channel, source, destination) stream progresses on its own and no peer can block another.
+//
+// Ring protocol per (channel c, sender s, receiver d), counters in chunks, only growing, slot = counter % num_slots:
+//   sender:   wait while tail - head == num_slots (backpressure; head read with ld.acquire.sys from our own
+//             buffer, where d's receiver writes it), copy the chunk into d's ring, sync the warp group, then one
+//             thread publishes tail into d's buffer with st.release.sys.
+//   receiver: poll tail with ld.acquire.sys, copy every available chunk out (.cg loads), sync the warp group,
+//             publish head into s's buffer with st.release.sys.
+// Every wait is bounded by timeout_ns; on expiry the error record names rank, peer, channel, head and tail.
+#include "layout.cuh"
+
+extern "C" __global__ void __launch_bounds__(1024)
+symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
+                 const i64* __restrict__ send_off, const i64* __restrict__ send_len,
+                 const i64* __restrict__ recv_off, const i64* __restrict__ recv_len,
+                 const u64* __restrict__ peer_bases, int rank, int world_size, int num_channels,
+                 i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
+                 i64 notify_offset, i64 notify_slot_bytes, u64 timeout_ns, i64* status) {
+  const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
+  const int channel = blockIdx.x >> 1;
+  const bool is_sender = (blockIdx.x & 1) == 0;
+  const int warp = threadIdx.x >> 5;
+  const int warps_per_peer = (blockDim.x >> 5) / world_size;
+  const int peer = warp / warps_per_peer;
+  if (peer >= world_size) return;
+  const int nthreads = warps_per_peer * 32;
+  const int tid = threadIdx.x - peer * nthreads;
+  const bool leader = tid == 0;
+  const int bar_id = 1 + peer;
+
+  __shared__ i64 s_avail[32];
+  __shared__ int s_abort[32];
+
+  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
+  u8* peer_base = reinterpret_cast<u8*>(peer_bases[peer]);
+  const i64 n = is_sender ? send_len[peer] : recv_len[peer];
+  i64 lo, hi;
+  channel_range(n, channel, num_channels, lo, hi);
+  const i64 nchunks = (hi - lo + chunk_bytes - 1) / chunk_bytes;
+  if (nchunks <= 0) return;
+  if (leader) s_abort[peer] = 0;
+
+  if (is_sender) {
+    u8* remote_region = peer_base + L.region(channel, rank);
+    u64* remote_tail = reinterpret_cast<u64*>(remote_region + SYMBUF_TAIL_OFFSET);
+    u8* remote_ring = remote_region + SYMBUF_RING_OFFSET;
+    u8* local_region = my_base + L.region(channel, peer);
+    const u64* local_head = reinterpret_cast<const u64*>(local_region + SYMBUF_HEAD_OFFSET);
+    u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_SEND_TAIL_OFFSET);
+    const u8* src = send_buf + send_off[peer];
+    u64 tail = *state;  // written by this block's leader in the previous launch
+    u64 head = 0;
+    if (leader) head = ld_acquire_sys_global(local_head);
+    for (i64 k = 0; k < nchunks; ++k) {
+      if (leader) {
+        SpinBudget spin(timeout_ns);
+        while (tail - head >= static_cast<u64>(num_slots)) {
+          head = ld_acquire_sys_global(local_head);
+          if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, tail)) { s_abort[peer] = 1; break; }
+        }
+      }
+      group_sync(bar_id, nthreads);
+      if (s_abort[peer]) return;
+      const i64 off = lo + k * chunk_bytes;
+      const i64 len = min(chunk_bytes, hi - off);
+      copy_bytes<false>(remote_ring + static_cast<i64>(tail % static_cast<u64>(num_slots)) * chunk_bytes,
+                        src + off, len, tid, nthreads);
+      group_sync(bar_id, nthreads);  // every warp's payload stores precede the release below
+      ++tail;
+      if (leader) st_release_sys_global(remote_tail, tail);
+    }
+    if (leader) *state = tail;
+  } else {
+    u8* local_region = my_base + L.region(channel, peer);
+    const u64* local_tail = reinterpret_cast<const u64*>(local_region + SYMBUF_TAIL_OFFSET);
+    const u8* local_ring = local_region + SYMBUF_RING_OFFSET;
+    u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_RECV_HEAD_OFFSET);
+    u64* remote_head = reinterpret_cast<u64*>(peer_base + L.region(channel, rank) + SYMBUF_HEAD_OFFSET);
+    u8* dst = recv_buf + recv_off[peer];
+    u64 head = *state;
+    u64 tail = head;
+    i64 k = 0;
+    while (k < nchunks) {
+      if (leader) {
+        SpinBudget spin(timeout_ns);
+        while (tail <= head) {
+          tail = ld_acquire_sys_global(local_tail);
+          if (!spin.ok(status, SYMBUF_ROLE_RECV, rank, peer, channel, head, tail)) { s_abort[peer] = 1; break; }
+        }
+        s_avail[peer] = min(static_cast<i64>(tail - head), nchunks - k);
+      }
+      group_sync(bar_id, nthreads);
+      if (s_abort[peer]) return;
+      const i64 avail = s_avail[peer];
+      for (i64 j = 0; j < avail; ++j) {
+        const i64 off = lo + (k + j) * chunk_bytes;
+        const i64 len = min(chunk_bytes, hi - off);
+        copy_bytes<true>(dst + off, local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes,
+                         len, tid, nthreads);
+      }
+      group_sync(bar_id, nthreads);  // all reads of these slots are done before the sender may reuse them
+      head += avail;
+      k += avail;
+      if (leader) st_release_sys_global(remote_head, head);
+    }
+    if (leader) *state = head;
+  }
+}
+
+// Count exchange through the symmetric buffer. Every rank writes send_meta[p, :] (num_values int64) into rank
+// p's notify slot for this rank, then publishes `epoch` there with st.release.sys; then waits until every source
+// has published `epoch` in our slots and copies their values to recv_meta[s, :]. Slots are double-buffered by
+// epoch parity: a rank can be at most one call ahead of a peer that has not read its values yet.
+// One block; blockDim.x >= world_size.
+extern "C" __global__ void __launch_bounds__(1024)
+symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, int num_values, i64 epoch,
+              const u64* __restrict__ peer_bases, int rank, int world_size,
+              i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
+              i64 notify_offset, i64 notify_slot_bytes, u64 timeout_ns, i64* status) {
+  const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
+  const i64 parity = epoch & 1;
+  const i64 total = static_cast<i64>(world_size) * num_values;
+  for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
+    const int p = static_cast<int>(i / num_values);
+    const i64 m = i % num_values;
+    i64* slot = reinterpret_cast<i64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
+    slot[1 + m] = send_meta[i];
+  }
+  __syncthreads();
+  __shared__ int s_abort;
+  if (threadIdx.x == 0) s_abort = 0;
+  if (threadIdx.x < world_size) {
+    const int p = threadIdx.x;
+    u64* slot = reinterpret_cast<u64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
+    st_release_sys_global(slot, static_cast<u64>(epoch));
+  }
+  __syncthreads();
+  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
+  if (threadIdx.x < world_size) {
+    const int s = threadIdx.x;
+    const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, world_size));
+    SpinBudget spin(timeout_ns);
+    u64 seen = ld_acquire_sys_global(slot);
+    while (seen < static_cast<u64>(epoch)) {
+      seen = ld_acquire_sys_global(slot);
+      if (!spin.ok(status, SYMBUF_ROLE_NOTIFY, rank, s, -1, static_cast<u64>(epoch), seen)) { s_abort = 1; break; }
+    }
+  }
+  __syncthreads();
+  if (s_abort) return;
+  for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
+    const int s = static_cast<int>(i / num_values);
+    const i64 m = i % num_values;
+    const u8* slot = my_base + L.notify_slot(parity, s, world_size);
+    recv_meta[i] = static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + 1 + m));
+  }
+}

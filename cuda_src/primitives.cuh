@@ -1,0 +1,122 @@
+// Memory primitives, named after the PTX they emit (the DeepEP / NCCL habit).
+// Layer 1 of cuda_src/: primitives here, layout and checks in layout.cuh, one .cu per collective.
+#pragma once
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+// ---- counters (ring head/tail, notify epochs) --------------------------------------------------------------
+__device__ __forceinline__ u64 ld_acquire_sys_global(const u64* ptr) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys_global(u64* ptr, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ i64 ld_volatile_global(const i64* ptr) {
+  i64 v;
+  asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ u64 globaltimer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---- payload ------------------------------------------------------------------------------------------------
+// Source that no one writes during the kernel (the user's send buffer): non-coherent path, no L1 allocation.
+__device__ __forceinline__ int4 ld_nc_global(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 ld_nc_global(const u32* p) {
+  u32 v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u8 ld_nc_global(const u8* p) {
+  u32 v;
+  asm volatile("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=r"(v) : "l"(p));
+  return (u8)v;
+}
+
+// Ring payload written by a peer GPU during this kernel: cache at L2 only (.cg), never a stale L1 line.
+__device__ __forceinline__ int4 ld_cg_global(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 ld_cg_global(const u32* p) {
+  u32 v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u8 ld_cg_global(const u8* p) {
+  u32 v;
+  asm volatile("ld.global.cg.u8 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return (u8)v;
+}
+
+__device__ __forceinline__ void st_na_global(int4* p, int4 v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};"
+               ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+__device__ __forceinline__ void st_na_global(u32* p, u32 v) {
+  asm volatile("st.global.L1::no_allocate.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_na_global(u8* p, u8 v) {
+  asm volatile("st.global.L1::no_allocate.u8 [%0], %1;" ::"l"(p), "h"((unsigned short)v) : "memory");
+}
+
+// Load policies for copy_bytes: kFromRing selects .cg (peer-written ring) over .nc (read-only source).
+template <bool kFromRing, typename T>
+__device__ __forceinline__ T ld_payload(const T* p) {
+  if constexpr (kFromRing) return ld_cg_global(p);
+  else return ld_nc_global(p);
+}
+
+// Copy n bytes with the `nthreads` threads of a warp group (thread index tid). 16-byte vectors with 4 loads in
+// flight per thread when both ends are 16-byte aligned (bytes in flight decide NVLink bandwidth), else 4-byte
+// words, else bytes (14-byte rows).
+template <bool kFromRing>
+__device__ __forceinline__ void copy_bytes(u8* dst, const u8* src, i64 n, int tid, int nthreads) {
+  const u64 misalign = reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src);
+  i64 done = 0;
+  if ((misalign & 15) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const i64 nv = n >> 4;
+    const i64 stride = nthreads;
+    i64 i = tid;
+    for (; i + 3 * stride < nv; i += 4 * stride) {
+      const int4 a = ld_payload<kFromRing>(s + i);
+      const int4 b = ld_payload<kFromRing>(s + i + stride);
+      const int4 c = ld_payload<kFromRing>(s + i + 2 * stride);
+      const int4 e = ld_payload<kFromRing>(s + i + 3 * stride);
+      st_na_global(d + i, a);
+      st_na_global(d + i + stride, b);
+      st_na_global(d + i + 2 * stride, c);
+      st_na_global(d + i + 3 * stride, e);
+    }
+    for (; i < nv; i += stride) st_na_global(d + i, ld_payload<kFromRing>(s + i));
+    done = nv << 4;
+  } else if ((misalign & 3) == 0) {
+    const u32* s = reinterpret_cast<const u32*>(src);
+    u32* d = reinterpret_cast<u32*>(dst);
+    const i64 nw = n >> 2;
+    for (i64 i = tid; i < nw; i += nthreads) st_na_global(d + i, ld_payload<kFromRing>(s + i));
+    done = nw << 2;
+  }
+  for (i64 i = done + tid; i < n; i += nthreads) st_na_global(dst + i, ld_payload<kFromRing>(src + i));
+}

@@ -1,0 +1,16 @@
+"""cupy_symbuf: fast all-to-all over a symmetric buffer of per-channel lock-free ring buffers.
+
+``SymBuffer`` maps every rank's equally sized buffer (CUDA IPC on GPUs, an MPI shared-memory window on the host);
+``Communicator`` runs ``alltoall``, ``alltoallv`` and MoE ``get_dispatch_layout``/``dispatch``/``combine``
+(DeepEP semantics) over its channels. Importing needs neither CuPy nor a GPU.
+"""
+from . import layout
+from .communicator import Communicator
+from .config import Config
+from .errors import SymBufferClosedError, SymBufferError, SymBufferTimeoutError
+from .layout import ChannelLayout
+from .symbuffer import SymBuffer
+
+__version__ = "0.1.0"
+__all__ = ["SymBuffer", "Communicator", "Config", "ChannelLayout", "layout", "SymBufferError",
+           "SymBufferTimeoutError", "SymBufferClosedError", "__version__"]

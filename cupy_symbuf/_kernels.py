@@ -1,0 +1,106 @@
+"""The one place that finds, compiles and caches the CUDA sources in ``cuda_src/``.
+
+``get_function(source, name)`` compiles ``cuda_src/<source>`` once per device through ``cupy.RawModule`` (NVRTC)
+and caches the module. ``compile_ptx(source)`` calls NVRTC directly for a given virtual architecture with no GPU,
+which is how CI checks that every kernel compiles (CuPy's RawModule would ask the GPU for its architecture).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+from . import _compat
+
+__all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "compile_ptx"]
+
+_OPTIONS = ("-std=c++17",)
+
+
+def cuda_src_dir() -> Path:
+    """Folder holding the ``.cu``/``.cuh`` files: the source tree's ``cuda_src/`` or the installed package data."""
+    here = Path(__file__).resolve().parent
+    tree = here.parent / "cuda_src"
+    if (tree / "primitives.cuh").is_file():
+        return tree
+    import importlib.resources as resources
+    installed = Path(str(resources.files("cupy_symbuf.cuda_src")))
+    if (installed / "primitives.cuh").is_file():
+        return installed
+    raise FileNotFoundError(f"cupy_symbuf: CUDA sources not found in {tree} nor in the installed package")
+
+
+def list_sources() -> list:
+    """Names of the compilable ``.cu`` files."""
+    return sorted(p.name for p in cuda_src_dir().glob("*.cu"))
+
+
+def _read(source: str) -> str:
+    path = cuda_src_dir() / source
+    if not path.is_file():
+        raise FileNotFoundError(f"cupy_symbuf: no CUDA source {source!r} in {cuda_src_dir()}")
+    return path.read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def get_module(source: str, device_id: int):
+    """``cupy.RawModule`` for ``cuda_src/<source>`` on ``device_id`` (compiled on first use, then cached)."""
+    cp = _compat.cupy
+    options = _OPTIONS + (f"-I{cuda_src_dir()}",)
+    with cp.cuda.Device(device_id):
+        module = cp.RawModule(code=_read(source), options=options, backend="nvrtc")
+        module.compile()
+    return module
+
+
+def get_function(source: str, name: str):
+    """Kernel ``name`` of ``cuda_src/<source>`` for the current CuPy device."""
+    cp = _compat.cupy
+    return get_module(source, cp.cuda.Device().id).get_function(name)
+
+
+def _default_include_dirs() -> list:
+    """Include folders of the pip CUDA headers (``cuda_bf16.h`` from nvidia-cuda-runtime-cu12, ``<cuda/atomic>``
+    from nvidia-cuda-cccl-cu12), where installed."""
+    dirs = []
+    try:
+        import nvidia  # namespace package of the nvidia-* wheels
+        for base in nvidia.__path__:
+            for sub in ("cuda_runtime/include", "cuda_cccl/include", "cu13/include"):
+                p = Path(base) / sub
+                if p.is_dir():
+                    dirs.append(str(p))
+    except ImportError:
+        pass
+    return dirs
+
+
+def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[Iterable[str]] = None) -> str:
+    """Compile ``cuda_src/<source>`` to PTX with NVRTC for ``arch``; no GPU needed.
+
+    Raises ``RuntimeError`` with the NVRTC log when compilation fails.
+    """
+    cp = _compat.cupy
+    if cp is None:
+        raise RuntimeError("compile_ptx needs CuPy (for its NVRTC binding)")
+    from cupy_backends.cuda.libs import nvrtc
+    dirs = list(include_dirs) if include_dirs is not None else _default_include_dirs()
+    opts = list(_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{cuda_src_dir()}"] + [f"-I{d}" for d in dirs]
+    prog = nvrtc.createProgram(_read(source), source, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as exc:
+            log = nvrtc.getProgramLog(prog)
+            raise RuntimeError(f"NVRTC failed to compile {source} for {arch}: {exc}\n{log}") from exc
+        ptx = nvrtc.getPTX(prog)
+        return ptx.decode() if isinstance(ptx, bytes) else ptx
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+if __name__ == "__main__":  # python -m cupy_symbuf._kernels: compile every source to PTX
+    for src in list_sources():
+        ptx = compile_ptx(src)
+        print(f"{src}: {len(ptx)} bytes of PTX ({os.environ.get('CUPY_SYMBUF_ARCH', 'compute_90')})")

@@ -1,0 +1,92 @@
+"""One validation helper for every array argument: array module, device, dtype, shape, counts.
+
+Every check runs before any collective step, so a rejected call raises on the caller's rank, touches no ring, and
+leaves the communicator usable. Messages name the operation, the argument and the rule.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from . import _compat
+
+__all__ = ["as_array", "check_counts"]
+
+
+def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Optional[int] = None,
+             dtypes: Optional[Sequence] = None, contiguous: bool = True):
+    """Return ``x`` as a NumPy (host) or CuPy (cuda) array after checking it.
+
+    Objects with ``__dlpack__`` (PyTorch tensors) are imported zero-copy. Non-contiguous input is copied when
+    ``contiguous``. Raises ``TypeError`` for a wrong array type/device or dtype, ``ValueError`` for a wrong ndim.
+    """
+    cp = _compat.cupy
+    if backend == "cuda":
+        if not _compat.is_cupy_array(x):
+            if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+                try:
+                    x = cp.from_dlpack(x)
+                except Exception as exc:
+                    raise TypeError(f"{op}: argument '{name}' could not be imported through DLPack onto the GPU "
+                                    f"({exc})") from exc
+            else:
+                raise TypeError(f"{op}: argument '{name}' must be a CuPy array (or a DLPack GPU tensor) on the cuda "
+                                f"backend, got {type(x).__module__}.{type(x).__name__}")
+        dev = cp.cuda.Device().id
+        if x.device.id != dev:
+            raise TypeError(f"{op}: argument '{name}' lives on GPU {x.device.id} but this communicator uses GPU {dev}")
+        if contiguous:
+            x = cp.ascontiguousarray(x)
+    else:
+        if _compat.is_cupy_array(x):
+            raise TypeError(f"{op}: argument '{name}' is a CuPy array but this communicator uses the host backend; "
+                            f"pass a NumPy array")
+        if not isinstance(x, np.ndarray):
+            if hasattr(x, "__dlpack__"):
+                try:
+                    x = np.from_dlpack(x)
+                except Exception as exc:
+                    raise TypeError(f"{op}: argument '{name}' could not be imported through DLPack to the host "
+                                    f"({exc})") from exc
+            else:
+                raise TypeError(f"{op}: argument '{name}' must be a NumPy array on the host backend, got "
+                                f"{type(x).__module__}.{type(x).__name__}")
+        if contiguous:
+            x = np.ascontiguousarray(x)
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{op}: argument '{name}' must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if x.ndim < min_ndim:
+        raise ValueError(f"{op}: argument '{name}' must have at least {min_ndim} dimension(s), got shape "
+                         f"{tuple(x.shape)}")
+    if dtypes is not None and np.dtype(x.dtype) not in [np.dtype(d) for d in dtypes]:
+        raise TypeError(f"{op}: argument '{name}' must have dtype in {[str(np.dtype(d)) for d in dtypes]}, "
+                        f"got {x.dtype}")
+    return x
+
+
+def check_counts(op: str, name: str, counts, world_size: int, total: Optional[int] = None) -> np.ndarray:
+    """Validate per-rank row counts: ``[world_size]`` integers >= 0 summing to ``total`` (if given).
+
+    Returns them as a NumPy int64 array (a CuPy array is copied to the host). Raises ``TypeError``/``ValueError``.
+    """
+    if _compat.is_cupy_array(counts):
+        counts = counts.get()
+    elif hasattr(counts, "__dlpack__") and not isinstance(counts, np.ndarray):
+        try:
+            counts = np.from_dlpack(counts)
+        except Exception:
+            counts = np.asarray(counts.cpu()) if hasattr(counts, "cpu") else counts
+    arr = np.asarray(counts)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise TypeError(f"{op}: argument '{name}' must hold integers, got dtype {arr.dtype}")
+    if arr.shape != (world_size,):
+        raise ValueError(f"{op}: argument '{name}' must have shape ({world_size},) (one count per rank), got "
+                         f"{arr.shape}")
+    arr = arr.astype(np.int64)
+    if (arr < 0).any():
+        raise ValueError(f"{op}: argument '{name}' must be >= 0, got {arr.tolist()}")
+    if total is not None and int(arr.sum()) != total:
+        raise ValueError(f"{op}: argument '{name}' must sum to the number of rows ({total}), got sum "
+                         f"{int(arr.sum())}")
+    return arr

@@ -1,0 +1,241 @@
+"""``Communicator``: all-to-all collectives over the channel ring buffers of one :class:`SymBuffer`."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _compat
+from ._validate import as_array, check_counts
+from .config import Config
+from .errors import SymBufferClosedError, SymBufferError
+from .layout import ChannelLayout
+from .symbuffer import SymBuffer, _gpu_identity, resolve_backend
+
+__all__ = ["Communicator"]
+
+
+class Communicator:
+    """All-to-all collectives (``alltoall``, ``alltoallv``, MoE ``dispatch``/``combine``) over a SymBuffer.
+
+    Parameters
+    ----------
+    comm : mpi4py.MPI.Comm
+        Ranks of one node. Construction is collective over ``comm``; so is every method.
+    config : Config, optional
+        Transport tuning; unset fields (``num_sms``, ``chunk_bytes``) get per-backend defaults (``self.config``
+        holds the resolved values).
+    backend : {"auto", "cuda", "host"}
+        ``"cuda"``: CuPy arrays and GPU kernels on the current CuPy device and stream. ``"host"``: NumPy arrays over
+        an MPI shared-memory window. ``"auto"``: cuda when CuPy imports and a GPU is visible.
+
+    Attributes
+    ----------
+    rank, world_size, backend, config, layout (:class:`~cupy_symbuf.layout.ChannelLayout`), buffer (SymBuffer),
+    xp (``numpy`` or ``cupy``).
+
+    Notes
+    -----
+    Every call checks its arguments on the calling rank before any communication; a rejected call raises
+    ``ValueError``/``TypeError`` naming the operation and argument and leaves the communicator usable (all ranks
+    must then skip that call alike). A :class:`~cupy_symbuf.SymBufferTimeoutError` instead leaves the ring counters
+    inconsistent, and the communicator refuses further calls.
+    """
+
+    def __init__(self, comm: MPI.Comm, config: Optional[Config] = None, *, backend: str = "auto"):
+        if config is None:
+            config = Config()
+        if not isinstance(config, Config):
+            raise TypeError(f"Communicator: config must be a cupy_symbuf.Config, got {type(config).__name__}")
+        backend = resolve_backend(backend)
+        ranks_per_gpu, sm_count = 1, 132
+        if backend == "cuda":
+            cp = _compat.cupy
+            ident = _gpu_identity(cp.cuda.Device().id)
+            ids = comm.allgather(ident["uuid"] + "/" + ident["pci_bus_id"])
+            ranks_per_gpu = ids.count(ids[comm.Get_rank()])
+            sm_count = ident["sm_count"] or sm_count
+        self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count)
+        self.world_size = comm.Get_size()
+        self.layout = ChannelLayout.from_config(self.config, self.world_size)
+        self.buffer = SymBuffer(comm, self.layout.total_bytes, backend=backend)
+        self.rank = self.buffer.rank
+        self.backend = self.buffer.backend
+        self.xp = _compat.array_module(self.backend)
+        self._epoch = 0
+        if self.backend == "cuda":
+            from ._cuda import CudaTransport
+            self._transport = CudaTransport(self.buffer, self.layout, self.config.timeout_s)
+        else:
+            from ._host import HostTransport
+            self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
+        self._broken: Optional[str] = None
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the symmetric buffer (collective; idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend == "cuda":
+            self._transport.close()
+        self.buffer.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SymBufferClosedError("Communicator is closed")
+        if self._broken:
+            raise SymBufferError(f"Communicator is unusable after an earlier failure: {self._broken}")
+
+    def describe(self) -> str:
+        """The buffer map (:meth:`ChannelLayout.describe`) and the resolved config."""
+        return f"{self.layout.describe()}\n  backend={self.backend} config={self.config}"
+
+    # ---- transport ------------------------------------------------------------------------------------------
+    def _run(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SymBufferError as exc:
+            self._broken = str(exc)
+            raise
+
+    def _notify(self, send_meta: np.ndarray, op: str = "notify") -> np.ndarray:
+        """Count exchange through the symmetric buffer (every rank calls it, also with nothing to send).
+
+        ``send_meta`` int64 ``[world_size, M]`` (``M <= config.max_notify_ints``): row ``p`` goes to rank ``p``.
+        Returns int64 ``[world_size, M]``: row ``s`` is what rank ``s`` put in its row ``self.rank``.
+        """
+        self._check_open()
+        send_meta = np.ascontiguousarray(send_meta, dtype=np.int64)
+        if send_meta.ndim != 2 or send_meta.shape[0] != self.world_size:
+            raise ValueError(f"{op}: send_meta must be [world_size={self.world_size}, M], got {send_meta.shape}")
+        if not 1 <= send_meta.shape[1] <= self.config.max_notify_ints:
+            raise ValueError(f"{op}: {send_meta.shape[1]} values per rank exceed Config.max_notify_ints="
+                             f"{self.config.max_notify_ints} (or are 0)")
+        self._epoch += 1
+        return self._run(self._transport.notify, send_meta, self._epoch, op=op)
+
+    def _move(self, op: str, send, send_counts: np.ndarray, recv_counts: np.ndarray):
+        """Move rows of the contiguous array ``send`` (grouped by destination) and return the received array."""
+        xp = self.xp
+        row_shape = tuple(send.shape[1:])
+        row_bytes = int(np.dtype(send.dtype).itemsize * math.prod(row_shape))
+        recv = xp.empty((int(recv_counts.sum()),) + row_shape, dtype=send.dtype)
+        send_len = send_counts * row_bytes
+        recv_len = recv_counts * row_bytes
+        send_off = np.concatenate([[0], np.cumsum(send_len)[:-1]]).astype(np.int64)
+        recv_off = np.concatenate([[0], np.cumsum(recv_len)[:-1]]).astype(np.int64)
+        if self.backend == "cuda":
+            self._run(self._transport.alltoallv, send, send_off, send_len, recv, recv_off, recv_len, op=op)
+        else:
+            src = send.reshape(-1).view(np.uint8)
+            dst = recv.reshape(-1).view(np.uint8)
+            self._run(self._transport.alltoallv, src, send_off, send_len, dst, recv_off, recv_len, op=op)
+        return recv
+
+    # ---- collectives ----------------------------------------------------------------------------------------
+    def alltoall(self, sendbuf):
+        """All-to-all of equal blocks: ``recvbuf[j]`` is what rank ``j`` sent to this rank (``sendbuf[rank]`` there).
+
+        Parameters
+        ----------
+        sendbuf : numpy.ndarray (host) or cupy.ndarray (cuda), shape ``[world_size, ...]``, any dtype
+            ``sendbuf[j]`` goes to rank ``j``. Non-contiguous input is copied. On cuda the transfer runs on the
+            current CuPy stream after the work already queued on it.
+
+        Returns
+        -------
+        recvbuf : same array type, shape and dtype as ``sendbuf``.
+
+        Raises
+        ------
+        TypeError
+            Wrong array type for the backend, or an array on another GPU.
+        ValueError
+            ``sendbuf.shape[0] != world_size``.
+        SymBufferTimeoutError
+            A peer did not take part within ``config.timeout_s``.
+        """
+        op = "alltoall"
+        self._check_open()
+        x = as_array(op, "sendbuf", sendbuf, self.backend)
+        if x.shape[0] != self.world_size:
+            raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), got "
+                             f"shape {tuple(x.shape)}")
+        ones = np.ones(self.world_size, dtype=np.int64)
+        return self._move(op, x, ones, ones)
+
+    def alltoallv(self, sendbuf, send_counts, *, recv_counts=None):
+        """All-to-all of variable row counts.
+
+        Parameters
+        ----------
+        sendbuf : numpy.ndarray (host) or cupy.ndarray (cuda), shape ``[num_rows, ...]``, any dtype
+            Rows grouped by destination rank: the first ``send_counts[0]`` rows go to rank 0, and so on.
+        send_counts : sequence of int, shape ``[world_size]``
+            Rows for each destination; >= 0, summing to ``num_rows``.
+        recv_counts : sequence of int, shape ``[world_size]``, optional
+            Rows from each source, when the caller already knows them (a cached layout): skips the count exchange.
+            Must equal what the peers send.
+
+        Returns
+        -------
+        recvbuf : same array type and dtype, shape ``[sum(recv_counts), ...]``, rows grouped by source rank.
+        recv_counts : numpy.ndarray int64 ``[world_size]``.
+
+        Notes
+        -----
+        Without ``recv_counts`` the counts are exchanged first through the symmetric buffer (the notify step);
+        every rank takes part even when it sends or receives nothing. Then every (channel, peer) ring streams its
+        share of the bytes; messages larger than the rings stream through them in chunks.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad array type/device, counts of the wrong shape, negative, or not summing to ``num_rows``.
+        SymBufferTimeoutError
+            A peer did not take part within ``config.timeout_s``.
+        """
+        op = "alltoallv"
+        self._check_open()
+        x = as_array(op, "sendbuf", sendbuf, self.backend)
+        send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
+        if recv_counts is None:
+            meta = self._notify(send_counts.reshape(self.world_size, 1), op=op)
+            recv_counts = meta[:, 0].copy()
+        else:
+            recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
+        return self._move(op, x, send_counts, recv_counts), recv_counts
+
+    # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        """See :func:`cupy_symbuf.moe.get_dispatch_layout`."""
+        from . import moe
+        self._check_open()
+        return moe.get_dispatch_layout(self, topk_idx, num_experts)
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, *, handle=None, expert_alignment=1):
+        """See :func:`cupy_symbuf.moe.dispatch`."""
+        from . import moe
+        self._check_open()
+        return moe.dispatch(self, x, topk_idx, topk_weights, num_experts, handle=handle,
+                            expert_alignment=expert_alignment)
+
+    def combine(self, x, handle, topk_weights=None, **kwargs):
+        """See :func:`cupy_symbuf.moe.combine`."""
+        from . import moe
+        self._check_open()
+        return moe.combine(self, x, handle, topk_weights, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"Communicator(backend={self.backend!r}, rank={getattr(self, 'rank', '?')}, "
+                f"world_size={self.world_size}, num_channels={self.layout.num_channels})")

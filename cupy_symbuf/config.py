@@ -1,0 +1,104 @@
+"""Tunable parameters of the channel transport (:class:`Config`).
+
+Every field is validated at construction and the error names the rule, in the manner of DeepEP's
+``Config`` (``deep_ep/utils.py``) that asserts its invariants up front.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Config", "DEFAULT_GPU_NUM_SMS", "DEFAULT_HOST_NUM_SMS"]
+
+#: Default SMs for the GPU path when one rank owns a GPU. More SMs keep more bytes in flight over NVLink
+#: (measured on H200: 8 sender blocks with 4 loads in flight per thread already reach ~355 GB/s of SM stores),
+#: but every SM taken by communication is one fewer for the overlapping compute kernels; DeepEP uses 20-24.
+DEFAULT_GPU_NUM_SMS = 24
+#: The host path has no SMs; ``num_sms // 2`` is just the number of channels the bytes are striped over.
+DEFAULT_HOST_NUM_SMS = 4
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass(frozen=True)
+class Config:
+    """Channel-transport configuration (immutable; validated on construction).
+
+    Parameters
+    ----------
+    num_sms : int or None
+        Thread blocks (SMs) the GPU kernels take; must be even and >= 2. Block ``2c`` sends for channel ``c`` and
+        block ``2c + 1`` receives for it, so ``num_channels = num_sms // 2``. ``None`` picks a default when the
+        :class:`~cupy_symbuf.Communicator` is built: ``DEFAULT_GPU_NUM_SMS`` for a GPU owned by one rank, shared
+        evenly (and at least 2) when several ranks share one GPU (MPS), and ``DEFAULT_HOST_NUM_SMS`` on the host.
+        Trade-off: more SMs move more bytes in parallel but leave fewer SMs for compute.
+    chunk_bytes : int or None
+        Bytes in one ring slot (the unit the sender publishes with one ``tail`` update); a multiple of 128.
+        ``None``: 64 KiB on the GPU, 256 KiB on the host.
+    num_slots : int
+        Ring capacity in slots per (channel, peer); >= 2. Capacity in bytes is ``num_slots * chunk_bytes``.
+        Messages larger than the ring stream through it, so this bounds memory, not message size.
+    timeout_s : float
+        Bound on every spin-wait (GPU kernels and host path), in seconds; > 0. On expiry a
+        :class:`~cupy_symbuf.SymBufferTimeoutError` names rank, peer, channel, head and tail.
+        Default from the environment variable ``CUPY_SYMBUF_TIMEOUT_S``, else 30 s.
+    max_notify_ints : int
+        Largest number of int64 values one rank sends to each peer in a count exchange (notify); >= 1.
+        MoE dispatch needs ``1 + num_experts // world_size``.
+    """
+
+    num_sms: Optional[int] = None
+    chunk_bytes: Optional[int] = None
+    num_slots: int = 8
+    timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("CUPY_SYMBUF_TIMEOUT_S", 30.0))
+    max_notify_ints: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.num_sms is not None:
+            if not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool):
+                raise TypeError(f"Config: num_sms must be an int, got {type(self.num_sms).__name__}")
+            if self.num_sms < 2 or self.num_sms % 2:
+                raise ValueError(
+                    f"Config: num_sms must be even and >= 2 (one sender and one receiver block per channel), "
+                    f"got {self.num_sms}")
+        if self.chunk_bytes is not None:
+            if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0 or self.chunk_bytes % 128:
+                raise ValueError(
+                    f"Config: chunk_bytes must be a positive multiple of 128 (ring slots are 128-byte aligned), "
+                    f"got {self.chunk_bytes}")
+        if not isinstance(self.num_slots, int) or self.num_slots < 2:
+            raise ValueError(f"Config: num_slots must be an int >= 2 (so the sender can fill one slot while the "
+                             f"receiver drains another), got {self.num_slots}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"Config: timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if not isinstance(self.max_notify_ints, int) or self.max_notify_ints < 1:
+            raise ValueError(f"Config: max_notify_ints must be an int >= 1, got {self.max_notify_ints!r}")
+
+    @property
+    def num_channels(self) -> int:
+        """``num_sms // 2`` (raises ``ValueError`` while ``num_sms`` is unresolved)."""
+        if self.num_sms is None:
+            raise ValueError("Config: num_sms is not resolved yet (None); a Communicator resolves it")
+        return self.num_sms // 2
+
+    def resolved(self, backend: str, *, ranks_per_gpu: int = 1, gpu_sm_count: int = 132) -> "Config":
+        """Return a copy with ``num_sms`` and ``chunk_bytes`` filled in for ``backend`` ("cuda" or "host")."""
+        num_sms = self.num_sms
+        chunk = self.chunk_bytes
+        if backend == "cuda":
+            if num_sms is None:
+                share = max(2, (gpu_sm_count // max(1, ranks_per_gpu)) // 2 * 2)
+                num_sms = min(DEFAULT_GPU_NUM_SMS, share)
+            if chunk is None:
+                chunk = 64 * 1024
+        else:
+            if num_sms is None:
+                num_sms = DEFAULT_HOST_NUM_SMS
+            if chunk is None:
+                chunk = 256 * 1024
+        return dataclasses.replace(self, num_sms=num_sms, chunk_bytes=chunk)

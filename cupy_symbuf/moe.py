@@ -1,0 +1,638 @@
+"""Mixture-of-experts dispatch and combine with DeepEP's normal-mode (intranode) semantics.
+
+The semantics follow DeepEP's ``Buffer.get_dispatch_layout``, ``Buffer.dispatch`` and ``Buffer.combine``
+(``deep_ep/buffer.py``, https://github.com/deepseek-ai/DeepEP), intranode case. This module is the reference
+design, written once over the array module ``xp`` of the communicator (``numpy`` on the host backend, ``cupy`` on
+the cuda backend), so the same code serves both; every array operation of the layout, packing, unpacking and
+reduction runs on the device for CuPy input. Only the counts (``[world_size]`` and ``[num_local_experts]``
+integers) come to the host.
+
+Data flow
+---------
+``dispatch`` = layout (``xp``) -> count exchange ``Communicator._notify`` (DeepEP's ``notify_dispatch``: every rank
+sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts..., row_bytes]``; every rank takes
+part, also with zero tokens) -> pack one byte row per (token, destination rank) -> ``Communicator.alltoallv`` with
+the receive counts already known (no second count exchange) -> unpack.
+Packed row, ``uint8 [row_bytes]``: ``x`` bytes (``hidden * itemsize``) | fp8 scales (``num_scales * 4``) |
+``topk_idx`` (``num_topk * 8``, global expert ids) | ``topk_weights`` (``num_topk * 4``). A cached dispatch (with
+``handle``) sends only ``x`` | scales.
+
+``combine`` = ``alltoallv`` back with both count vectors taken from the handle -> float32 accumulation, one
+source rank at a time in rank order (a token appears at most once per rank, so ``combined[idx] += rows`` is
+race-free and the summation order is fixed: results are bitwise reproducible) -> round back to ``x``'s dtype.
+
+Expert placement
+----------------
+Experts are placed contiguously: with ``num_local_experts = num_experts // world_size``, expert ``e`` lives on rank
+``e // num_local_experts`` and is that rank's local expert ``e % num_local_experts``. ``num_experts`` must be a
+positive multiple of ``world_size``.
+
+Dtypes
+------
+``x`` may be bfloat16 (``ml_dtypes.bfloat16`` on NumPy, CuPy's ``bfloat16`` dtype, or raw ``uint16`` bits, which
+dispatch moves unchanged and ``combine(..., dtype="bfloat16")`` interprets), float16 or float32; or the fp8 tuple
+``(x_fp8, scales)`` with ``x_fp8`` float8_e4m3fn (``ml_dtypes.float8_e4m3fn`` or raw ``uint8`` bits) and
+``scales`` float32 ``[num_tokens, hidden // 128]`` (any strides). Outputs have the input dtypes.
+
+Errors
+------
+Every argument is validated before the first collective step, so a rejected call (made on every rank, as the
+collective contract requires) leaves the communicator usable. ``TypeError``: wrong array module for the backend,
+wrong dtype, a handle that is not a :class:`DispatchHandle`. ``ValueError``: shapes, ranges, divisibility, a
+handle from another communicator. Messages name the operation, the argument and the rule.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+import numpy as np
+
+from . import dtypes as _dt
+
+__all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
+
+#: Elements of ``x`` per fp8 scale: ``scales`` is ``[num_tokens, hidden // FP8_BLOCK]`` (DeepEP's 1x128 blocks).
+FP8_BLOCK = 128
+
+#: Extra int64 columns of the dispatch count exchange besides the per-expert counts:
+#: ``[num_tokens_to_rank, per-local-expert counts..., row_bytes]``.
+_NOTIFY_EXTRA = 2
+
+_DEFAULT_MAX_NOTIFY_INTS = 1024
+
+
+# ------------------------------------------------------------------------------------------------ handle
+
+
+def _make_ref(comm) -> Callable[[], Any]:
+    try:
+        return weakref.ref(comm)
+    except TypeError:  # a class without __weakref__: keep it alive instead
+        return lambda: comm
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """The cached layout of one :func:`dispatch`, needed by :func:`combine` and by a cached dispatch.
+
+    Immutable (frozen dataclass; its NumPy arrays are read-only). Counterpart of DeepEP's intranode handle
+    ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+    send_head)`` in ``deep_ep/buffer.py``. It belongs to the communicator that made it; passing it to another one
+    raises ``ValueError``.
+
+    Attributes
+    ----------
+    rank, world_size : int
+        Of the communicator that made the handle.
+    backend : str
+        ``"host"`` or ``"cuda"``.
+    num_experts : int
+        Global number of experts; ``num_local_experts = num_experts // world_size``.
+    num_tokens : int
+        Tokens this rank dispatched (rows of ``x`` / ``topk_idx``; rows of ``combined_x``).
+    num_topk : int
+        Columns of ``topk_idx``.
+    hidden : int
+        Columns of the dispatched ``x`` (``combine``'s ``x`` must have the same).
+    is_token_in_rank : xp.ndarray, bool ``[num_tokens, world_size]``
+        Whether token ``t`` was sent to rank ``r`` (at least one of its experts lives there).
+    send_token_idx : xp.ndarray, int64 ``[sum(send_counts)]``
+        Source token indices of the sent rows, grouped by destination rank (rank 0's first), ascending within a
+        rank: rows ``send_offsets[r]:send_offsets[r + 1]`` went to rank ``r``.
+    send_counts : numpy.ndarray, int64 ``[world_size]``
+        Tokens sent to each rank (= ``num_tokens_per_rank`` of the layout).
+    recv_counts : numpy.ndarray, int64 ``[world_size]``
+        Tokens received from each rank; ``recv_x`` rows ``recv_offsets[s]:recv_offsets[s + 1]`` came from rank
+        ``s``.
+    num_recv_tokens_per_expert_raw : tuple of int ``[num_local_experts]``
+        Received (token, local expert) pairs per local expert, not aligned.
+    expert_alignment : int
+        The alignment the dispatch that made the handle used.
+    """
+
+    _comm_ref: Callable[[], Any] = field(repr=False)
+    rank: int
+    world_size: int
+    backend: str
+    num_experts: int
+    num_tokens: int
+    num_topk: int
+    hidden: int
+    is_token_in_rank: Any = field(repr=False)
+    send_token_idx: Any = field(repr=False)
+    send_counts: np.ndarray = field(repr=False)
+    recv_counts: np.ndarray = field(repr=False)
+    num_recv_tokens_per_expert_raw: Tuple[int, ...] = field(repr=False)
+    expert_alignment: int = 1
+
+    @property
+    def num_local_experts(self) -> int:
+        """``num_experts // world_size``."""
+        return self.num_experts // self.world_size
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """Rows of ``recv_x`` (``sum(recv_counts)``); rows ``combine``'s ``x`` must have."""
+        return int(self.recv_counts.sum())
+
+    @property
+    def send_offsets(self) -> np.ndarray:
+        """int64 ``[world_size + 1]``: exclusive prefix sum of ``send_counts``."""
+        return np.concatenate([[0], np.cumsum(self.send_counts)]).astype(np.int64)
+
+    @property
+    def recv_offsets(self) -> np.ndarray:
+        """int64 ``[world_size + 1]``: exclusive prefix sum of ``recv_counts``."""
+        return np.concatenate([[0], np.cumsum(self.recv_counts)]).astype(np.int64)
+
+    def num_recv_tokens_per_expert(self, expert_alignment: Optional[int] = None) -> List[int]:
+        """Received tokens per local expert, each rounded up to ``expert_alignment`` (default: the handle's)."""
+        a = self.expert_alignment if expert_alignment is None else expert_alignment
+        return _align_counts(self.num_recv_tokens_per_expert_raw, a)
+
+    def belongs_to(self, comm) -> bool:
+        """True when ``comm`` is the communicator that made this handle."""
+        return self._comm_ref() is comm
+
+
+def _align_counts(raw, alignment: int) -> List[int]:
+    return [int((int(c) + alignment - 1) // alignment * alignment) for c in raw]
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def _type_name(a) -> str:
+    t = type(a)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_array(op: str, name: str, a, comm, *, dims: Optional[Tuple[Tuple[str, Optional[int]], ...]] = None):
+    """The one array check: array module of the backend, then rank and sizes.
+
+    ``dims``: one ``(label, size)`` per axis, ``size`` ``None`` when any size is allowed, e.g.
+    ``(("num_tokens", 128), ("num_topk", None))``. Raises ``TypeError`` / ``ValueError`` naming ``op`` and ``name``.
+    """
+    xp = comm.xp
+    if not isinstance(a, xp.ndarray):
+        raise TypeError(f"{op}: {name} must be a {xp.__name__}.ndarray on the {comm.backend!r} backend "
+                        f"(arrays live where the backend computes), got {_type_name(a)}")
+    if dims is None:
+        return
+    spec = "[" + ", ".join(label for label, _ in dims) + "]"
+    if a.ndim != len(dims):
+        raise ValueError(f"{op}: {name} must be {len(dims)}-D {spec}, got shape {tuple(a.shape)}")
+    for axis, (label, size) in enumerate(dims):
+        if size is not None and a.shape[axis] != size:
+            raise ValueError(f"{op}: {name} must have shape {spec} with {label} = {size}, got shape "
+                             f"{tuple(a.shape)} (axis {axis} is {a.shape[axis]})")
+
+
+def _check_int(op: str, name: str, v, *, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {_type_name(v)}")
+    if v < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
+    return int(v)
+
+
+def _check_num_experts(op: str, comm, num_experts) -> int:
+    if num_experts is None:
+        raise ValueError(f"{op}: num_experts is required (without a handle)")
+    n = _check_int(op, "num_experts", num_experts, minimum=1)
+    w = comm.world_size
+    if n % w:
+        raise ValueError(f"{op}: num_experts must be a multiple of world_size ({w}) so that expert e lives on rank "
+                         f"e // (num_experts // world_size), got num_experts={n}")
+    cfg = getattr(comm, "config", None)
+    max_ints = getattr(cfg, "max_notify_ints", None) or _DEFAULT_MAX_NOTIFY_INTS
+    if n // w + _NOTIFY_EXTRA > max_ints:
+        raise ValueError(f"{op}: num_experts // world_size + {_NOTIFY_EXTRA} must be <= Config.max_notify_ints "
+                         f"({max_ints}) (the count exchange sends one int64 per local expert of each peer), "
+                         f"got num_experts={n}, world_size={w}")
+    return n
+
+
+def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optional[int] = None):
+    """Validate ``topk_idx`` and return it as int64 (a copy only when it was int32)."""
+    _check_array(op, "topk_idx", topk_idx, comm, dims=(("num_tokens", num_tokens), ("num_topk", None)))
+    if topk_idx.dtype not in (np.int64, np.int32):
+        raise TypeError(f"{op}: topk_idx must be int64 (or int32), got dtype {topk_idx.dtype}")
+    if topk_idx.shape[1] < 1:
+        raise ValueError(f"{op}: topk_idx must have num_topk >= 1 columns, got shape {tuple(topk_idx.shape)}")
+    idx = topk_idx.astype(np.int64, copy=False)
+    if idx.size:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = (idx < -1) | (idx >= num_experts)
+            flat = int(comm.xp.argmax(bad.ravel()))
+            t, k = divmod(flat, idx.shape[1])
+            raise ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={num_experts}), "
+                             f"got {int(idx[t, k])} at [{t}, {k}]")
+    return idx
+
+
+def _check_handle(op: str, comm, handle) -> "DispatchHandle":
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"{op}: handle must be a DispatchHandle returned by dispatch, got {_type_name(handle)}")
+    if not handle.belongs_to(comm):
+        raise ValueError(f"{op}: handle comes from another communicator; a handle is valid only on the "
+                         f"communicator whose dispatch returned it")
+    return handle
+
+
+def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int]):
+    """Validate dispatch's ``x`` (array or fp8 tuple). Returns ``(x, scales_or_None, kind)``."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError(f"{op}: x as a tuple must be (x_fp8, scales), got a tuple of {len(x)}")
+        x8, scales = x
+        _check_array(op, "x[0] (x_fp8)", x8, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
+        if _dt.float_kind(x8.dtype, raw_uint8=_dt.FLOAT8_E4M3) != _dt.FLOAT8_E4M3:
+            raise TypeError(f"{op}: x[0] (x_fp8) must be float8_e4m3fn (or its raw uint8 bits), got dtype "
+                            f"{x8.dtype}")
+        n, h = x8.shape
+        if h % FP8_BLOCK:
+            raise ValueError(f"{op}: x[0] (x_fp8) needs hidden divisible by {FP8_BLOCK} (one float32 scale per "
+                             f"1x{FP8_BLOCK} block), got hidden={h}")
+        _check_array(op, "x[1] (scales)", scales, comm,
+                     dims=(("num_tokens", n), (f"hidden // {FP8_BLOCK}", h // FP8_BLOCK)))
+        if scales.dtype != np.float32:
+            raise TypeError(f"{op}: x[1] (scales) must be float32, got dtype {scales.dtype}")
+        return x8, scales, _dt.FLOAT8_E4M3
+    _check_array(op, "x", x, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
+    kind = _dt.float_kind(x.dtype, raw_uint16=_dt.BFLOAT16)
+    if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32):
+        raise TypeError(f"{op}: x must be bfloat16 (or its raw uint16 bits), float16 or float32, or a tuple "
+                        f"(x_fp8, scales); got dtype {x.dtype}")
+    return x, None, kind
+
+
+def _check_weights(op: str, comm, w, num_rows: int, num_topk: int, rows_label: str):
+    if w is None:
+        return None
+    _check_array(op, "topk_weights", w, comm, dims=((rows_label, num_rows), ("num_topk", num_topk)))
+    if w.dtype != np.float32:
+        raise TypeError(f"{op}: topk_weights must be float32, got dtype {w.dtype}")
+    return w
+
+
+def _combine_kind(op: str, x, dtype) -> str:
+    if dtype is None:
+        kind = _dt.float_kind(x.dtype)
+        if kind == _dt.FLOAT8_E4M3 or kind is None:
+            extra = " (for raw bfloat16 bits pass dtype='bfloat16')" if x.dtype == np.uint16 else ""
+            raise TypeError(f"{op}: x must be bfloat16, float16 or float32{extra}, got dtype {x.dtype}")
+        return kind
+    want = _dt.float_kind(dtype)
+    if want not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32):
+        raise TypeError(f"{op}: dtype must be 'bfloat16', float16 or float32, got {dtype!r}")
+    if want == _dt.BFLOAT16:
+        if x.dtype != np.uint16 and not _dt.is_bfloat16(x.dtype):
+            raise TypeError(f"{op}: dtype='bfloat16' needs x as bfloat16 or raw uint16 bits, got dtype {x.dtype}")
+    elif np.dtype(x.dtype) != np.dtype(want):
+        raise TypeError(f"{op}: dtype={dtype!r} does not match x.dtype {x.dtype}")
+    return want
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _to_host(comm, a) -> np.ndarray:
+    return a.get() if comm.backend == "cuda" else np.asarray(a)
+
+
+def _as_bytes(xp, a, n_rows: int):
+    """``a`` (``[n_rows, ...]``, C-contiguous) viewed as ``uint8 [n_rows, row_bytes]``."""
+    a = xp.ascontiguousarray(a)
+    return _dt.raw_bits(a, xp).view(np.uint8).reshape(n_rows, -1) if n_rows else None
+
+
+def _take_cols(xp, buf, start: int, stop: int, dtype, n_cols: int):
+    """Bytes ``[start, stop)`` of every row of ``buf`` (``uint8 [n, row_bytes]``) as a contiguous ``dtype``
+    array ``[n, n_cols]``."""
+    n = buf.shape[0]
+    if n == 0:
+        return xp.empty((0, n_cols), dtype=dtype)
+    col = xp.ascontiguousarray(buf[:, start:stop])
+    return col.view(dtype).reshape(n, n_cols)
+
+
+def _layout(xp, idx, num_experts: int, world_size: int):
+    """Layout of int64 ``idx [T, K]`` (already validated): see :func:`get_dispatch_layout`."""
+    num_tokens, _ = idx.shape
+    epr = num_experts // world_size
+    valid = idx >= 0
+    dest = xp.where(valid, idx // epr, world_size)           # invalid -> spare column world_size
+    hit = xp.zeros((num_tokens, world_size + 1), dtype=bool)
+    if idx.size:
+        hit[xp.arange(num_tokens)[:, None], dest] = True
+    is_token_in_rank = xp.ascontiguousarray(hit[:, :world_size])
+    num_tokens_per_rank = is_token_in_rank.sum(axis=0).astype(np.int32)
+    if idx.size:
+        num_tokens_per_expert = xp.bincount((idx + 1).ravel(), minlength=num_experts + 1)[1:].astype(np.int32)
+    else:
+        num_tokens_per_expert = xp.zeros(num_experts, dtype=np.int32)
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+
+
+# ------------------------------------------------------------------------------------------------ API
+
+
+def get_dispatch_layout(comm, topk_idx, num_experts: int):
+    """Where each token goes, computed locally with ``xp`` ops (on the device for CuPy input); no communication.
+
+    DeepEP: ``Buffer.get_dispatch_layout`` (``deep_ep/buffer.py``), intranode (no RDMA ranks).
+
+    Parameters
+    ----------
+    topk_idx : xp.ndarray ``[num_tokens, num_topk]``, int64 (int32 accepted)
+        Expert chosen by each token in each of its top-k slots; ``-1`` means no expert (the slot is ignored).
+        Expert ``e`` lives on rank ``e // (num_experts // world_size)``.
+    num_experts : int
+        Global number of experts, a positive multiple of ``world_size``.
+
+    Returns
+    -------
+    num_tokens_per_rank : xp.ndarray ``[world_size]`` int32
+        Tokens to send to each rank; a token counts once per rank however many of its experts live there.
+    num_tokens_per_expert : xp.ndarray ``[num_experts]`` int32
+        (token, slot) pairs naming each expert (``-1`` slots not counted).
+    is_token_in_rank : xp.ndarray ``[num_tokens, world_size]`` bool
+        Whether token ``t`` goes to rank ``r``. A row whose slots are all ``-1`` is all False.
+
+    Raises
+    ------
+    TypeError
+        ``topk_idx`` not an array of the backend's module, or not int64/int32; ``num_experts`` not an int.
+    ValueError
+        ``topk_idx`` not 2-D or without columns; a value ``< -1`` or ``>= num_experts``; ``num_experts`` not a
+        positive multiple of ``world_size``.
+    """
+    op = "get_dispatch_layout"
+    comm._check_open()
+    n_exp = _check_num_experts(op, comm, num_experts)
+    idx = _check_topk_idx(op, comm, topk_idx, n_exp)
+    return _layout(comm.xp, idx, n_exp, comm.world_size)
+
+
+def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
+             handle: Optional[DispatchHandle] = None, expert_alignment: int = 1):
+    """Send each token to every rank that holds at least one of its experts, once per rank. Collective.
+
+    DeepEP: ``Buffer.dispatch`` (``deep_ep/buffer.py``), intranode normal mode; the layout that DeepEP takes as
+    ``num_tokens_per_rank``/``is_token_in_rank``/``num_tokens_per_expert`` arguments is computed here from
+    ``topk_idx`` and ``num_experts`` (see :func:`get_dispatch_layout`). Every rank must call it, also with zero
+    tokens; all ranks must pass the same ``num_experts``, ``hidden``, dtype and choice of ``topk_weights``
+    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves).
+
+    Parameters
+    ----------
+    x : xp.ndarray ``[num_tokens, hidden]``, or tuple ``(x_fp8, scales)``
+        Tokens: bfloat16 (or raw ``uint16`` bfloat16 bits), float16 or float32; any strides. Or ``x_fp8``
+        ``[num_tokens, hidden]`` float8_e4m3fn (or raw ``uint8`` bits) with ``hidden % 128 == 0`` and ``scales``
+        ``[num_tokens, hidden // 128]`` float32 of any strides (e.g. column-major), which travel with their tokens.
+    topk_idx : xp.ndarray ``[num_tokens, num_topk]`` int64 (int32 accepted), or None with ``handle``
+        Global expert per top-k slot; ``-1`` = none. A slot is never sent or counted when ``-1``. Required without
+        ``handle``; must be None with ``handle``.
+    topk_weights : xp.ndarray ``[num_tokens, num_topk]`` float32, optional
+        Gate weights travelling with ``topk_idx``. Must be None with ``handle``.
+    num_experts : int
+        Global number of experts, a positive multiple of ``world_size``. Required without ``handle``; with
+        ``handle`` it may be omitted or must equal the handle's.
+    handle : DispatchHandle, optional (keyword-only)
+        From an earlier ``dispatch`` on this communicator with the same routing: skips the layout and the count
+        exchange and sends only ``x`` (any dtype above; ``num_tokens`` must equal the handle's).
+    expert_alignment : int >= 1 (keyword-only)
+        Round each entry of ``num_recv_tokens_per_expert`` up to a multiple of this.
+
+    Returns
+    -------
+    recv_x : xp.ndarray ``[num_recv_tokens, hidden]`` of ``x``'s dtype, or tuple ``(recv_x_fp8, recv_scales)``
+        with ``recv_scales`` ``[num_recv_tokens, hidden // 128]`` float32 (C-contiguous). Rows are ordered by
+        source rank, then by source token index (rows of source ``s`` are ``handle.recv_offsets[s]:...[s + 1]``).
+    recv_topk_idx : xp.ndarray ``[num_recv_tokens, num_topk]`` int64, or None for a cached dispatch
+        Local expert index (``e - rank * num_local_experts``) where the slot's expert lives on this rank, else ``-1``
+        (other ranks' experts and ``-1`` slots alike).
+    recv_topk_weights : xp.ndarray ``[num_recv_tokens, num_topk]`` float32, or None
+        The sent weights, ``0.0`` where ``recv_topk_idx`` is ``-1`` (as DeepEP). None for a cached dispatch or when
+        ``topk_weights`` was None.
+    num_recv_tokens_per_expert : list of int ``[num_local_experts]``
+        Received (token, slot) pairs per local expert, each rounded up to ``expert_alignment``. (DeepEP returns
+        None in cached mode; here the cached counts are returned, aligned with this call's alignment.)
+    handle : DispatchHandle
+        The layout, for :func:`combine` and cached dispatches (in cached mode: the handle passed in).
+
+    Raises
+    ------
+    TypeError
+        An array not of the backend's module (e.g. NumPy on the cuda backend); a dtype outside those above;
+        ``handle`` not a :class:`DispatchHandle`.
+    ValueError
+        ``topk_idx`` value ``< -1`` or ``>= num_experts``; ``num_experts`` not a positive multiple of
+        ``world_size`` (or too many local experts for ``Config.max_notify_ints``); rows of ``x``, ``topk_idx``,
+        ``topk_weights`` or ``scales`` disagreeing, or ``num_topk`` of ``topk_weights`` differing from
+        ``topk_idx``'s; fp8 ``hidden`` not divisible by 128 or ``scales`` not ``[num_tokens, hidden // 128]``;
+        ``handle`` from another communicator, or given together with ``topk_idx``/``topk_weights``/a different
+        ``num_experts``; ``expert_alignment < 1``; after the count exchange, ranks disagreeing on the row size.
+    """
+    op = "dispatch"
+    comm._check_open()
+    xp = comm.xp
+    align = _check_int(op, "expert_alignment", expert_alignment, minimum=1)
+
+    if handle is not None:
+        h = _check_handle(op, comm, handle)
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError(f"{op}: with handle (cached layout), topk_idx and topk_weights must be None; the "
+                             f"routing is the handle's")
+        if num_experts is not None and num_experts != h.num_experts:
+            raise ValueError(f"{op}: num_experts={num_experts} differs from the handle's ({h.num_experts})")
+        xv, scales, _ = _check_x(op, comm, x, h.num_tokens, None)
+        recv_x, recv_scales, _, _ = _exchange(comm, xv, scales, None, None, h.send_token_idx, h.send_counts,
+                                              h.recv_counts)
+        out_x = (recv_x, recv_scales) if scales is not None else recv_x
+        return out_x, None, None, h.num_recv_tokens_per_expert(align), h
+
+    n_exp = _check_num_experts(op, comm, num_experts)
+    if topk_idx is None:
+        raise ValueError(f"{op}: topk_idx is required without a handle")
+    xv, scales, _ = _check_x(op, comm, x, None, None)
+    num_tokens = xv.shape[0]
+    idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens)
+    weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens")
+
+    # ---- layout and count exchange (notify_dispatch)
+    w_size, rank = comm.world_size, comm.rank
+    epr = n_exp // w_size
+    per_rank, per_expert, in_rank = _layout(xp, idx, n_exp, w_size)
+    _, send_token_idx = xp.nonzero(xp.ascontiguousarray(in_rank.T))      # grouped by dest, ascending tokens
+    send_token_idx = send_token_idx.astype(np.int64, copy=False)
+    send_counts = _to_host(comm, per_rank).astype(np.int64)
+    row_bytes = _row_bytes(xv, scales, idx.shape[1], weights is not None)
+    meta = np.zeros((w_size, epr + _NOTIFY_EXTRA), dtype=np.int64)
+    meta[:, 0] = send_counts
+    meta[:, 1:1 + epr] = _to_host(comm, per_expert).astype(np.int64).reshape(w_size, epr)
+    meta[:, epr + 1] = row_bytes
+    recv_meta = np.asarray(comm._notify(meta))
+    peers_rb = recv_meta[:, epr + 1]
+    if (peers_rb != row_bytes).any():
+        raise ValueError(f"{op}: ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + "
+                         f"top-k): rank {rank} has {row_bytes}, per rank {peers_rb.tolist()}; all ranks must pass "
+                         f"the same hidden, dtype, num_topk and choice of topk_weights (no data was sent)")
+    recv_counts = recv_meta[:, 0].copy()
+    raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
+
+    # ---- data
+    recv_x, recv_scales, recv_gidx, recv_w = _exchange(comm, xv, scales, idx, weights, send_token_idx,
+                                                       send_counts, recv_counts)
+    local = recv_gidx - rank * epr
+    mine = (recv_gidx >= 0) & (local >= 0) & (local < epr)
+    recv_topk_idx = xp.where(mine, local, -1).astype(np.int64, copy=False)
+    recv_topk_weights = None
+    if recv_w is not None:
+        recv_topk_weights = xp.where(mine, recv_w, np.float32(0)).astype(np.float32, copy=False)
+
+    send_counts.setflags(write=False)
+    recv_counts.setflags(write=False)
+    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(idx.shape[1]),
+                       hidden=int(xv.shape[1]), is_token_in_rank=in_rank, send_token_idx=send_token_idx,
+                       send_counts=send_counts, recv_counts=recv_counts,
+                       num_recv_tokens_per_expert_raw=raw_per_expert, expert_alignment=align)
+    out_x = (recv_x, recv_scales) if scales is not None else recv_x
+    return out_x, recv_topk_idx, recv_topk_weights, h.num_recv_tokens_per_expert(align), h
+
+
+def _row_bytes(xv, scales, num_topk: int, with_weights: bool) -> int:
+    rb = xv.shape[1] * xv.dtype.itemsize
+    if scales is not None:
+        rb += scales.shape[1] * 4
+    if num_topk:
+        rb += num_topk * 8
+    if with_weights:
+        rb += num_topk * 4
+    return int(rb)
+
+
+def _exchange(comm, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts):
+    """Pack the rows ``send_token_idx`` (``x`` | scales | idx | weights; None parts are left out), exchange them
+    with known counts, unpack. Returns ``(recv_x, recv_scales, recv_idx, recv_weights)`` (None for absent parts).
+    """
+    xp = comm.xp
+    n_send = int(send_token_idx.shape[0])
+    hidden = xv.shape[1]
+    parts = [(xv, xv.dtype, hidden)]
+    if scales is not None:
+        parts.append((scales, np.dtype(np.float32), scales.shape[1]))
+    if idx is not None:
+        parts.append((idx, np.dtype(np.int64), idx.shape[1]))
+    if weights is not None:
+        parts.append((weights, np.dtype(np.float32), weights.shape[1]))
+    widths = [np.dtype(dt).itemsize * n for _, dt, n in parts]
+    row_bytes = int(sum(widths))
+
+    packed = xp.empty((n_send, row_bytes), dtype=np.uint8)
+    if n_send:
+        col = 0
+        for (a, _, _), width in zip(parts, widths):
+            if width:
+                # same-itemsize view first (always allowed, keeps strides), then gather rows -> contiguous copy
+                rows = _dt.raw_bits(a, xp) if a.dtype.itemsize in (1, 2, 4) and a.flags.c_contiguous is False \
+                    else a
+                packed[:, col:col + width] = _as_bytes(xp, rows[send_token_idx], n_send)
+            col += width
+    recv, _ = comm.alltoallv(packed, send_counts, recv_counts=recv_counts)
+
+    out = []
+    col = 0
+    for (_, dt, n), width in zip(parts, widths):
+        out.append(_take_cols(xp, recv, col, col + width, dt, n))
+        col += width
+    out += [None] * (4 - len(out))
+    recv_x = out[0]
+    k = 1
+    recv_scales = recv_idx = recv_w = None
+    if scales is not None:
+        recv_scales = out[k]
+        k += 1
+    if idx is not None:
+        recv_idx = out[k]
+        k += 1
+    if weights is not None:
+        recv_w = out[k]
+    return recv_x, recv_scales, recv_idx, recv_w
+
+
+def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
+    """Return each dispatched token's rows to its source rank and sum them there. Collective.
+
+    DeepEP: ``Buffer.combine`` (``deep_ep/buffer.py``), intranode: a plain sum **without** weights (weight the
+    expert outputs before calling), accumulated in float32. Every rank must call it with a handle from the same
+    ``dispatch``, and all ranks must make the same choice of ``topk_weights`` (None or not) and ``dtype``.
+
+    Parameters
+    ----------
+    x : xp.ndarray ``[num_recv_tokens, hidden]``
+        One row per row of the dispatch's ``recv_x`` (same order; ``num_recv_tokens = handle.num_recv_tokens``,
+        ``hidden = handle.hidden``), typically the expert outputs already weighted and summed locally. bfloat16
+        (or raw ``uint16`` bits with ``dtype="bfloat16"``), float16 or float32; any strides.
+    handle : DispatchHandle
+        From ``dispatch`` on this communicator.
+    topk_weights : xp.ndarray ``[num_recv_tokens, num_topk]`` float32, optional
+        Per received row, reduced the same way (DeepEP passes ``recv_topk_weights`` here).
+    dtype : optional, keyword-only
+        How to read ``x``: ``None`` (from ``x.dtype``), ``"bfloat16"`` / ``ml_dtypes.bfloat16`` (``x`` may then be
+        raw ``uint16`` bits: CuPy builds without a bfloat16 dtype hold bf16 so), ``numpy.float16`` or
+        ``numpy.float32`` (must equal ``x.dtype``).
+
+    Returns
+    -------
+    combined_x : xp.ndarray ``[num_tokens, hidden]``, ``x``'s dtype
+        ``combined_x[t]`` = sum over the ranks token ``t`` was sent to of that rank's row for ``t``, in float32,
+        ranks in ascending order, rounded to nearest even once at the end. Tokens sent nowhere (all ``topk_idx``
+        ``-1``) are zeros.
+    combined_topk_weights : xp.ndarray ``[num_tokens, num_topk]`` float32, or None
+        Same sum of the ``topk_weights`` rows; None when ``topk_weights`` is None.
+
+    Raises
+    ------
+    TypeError
+        An array not of the backend's module; ``x`` not bfloat16/float16/float32 (``uint16`` without
+        ``dtype="bfloat16"``); ``topk_weights`` not float32; ``handle`` not a :class:`DispatchHandle`.
+    ValueError
+        ``handle`` from another communicator; ``x`` not ``[handle.num_recv_tokens, handle.hidden]``;
+        ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``.
+    """
+    op = "combine"
+    comm._check_open()
+    xp = comm.xp
+    h = _check_handle(op, comm, handle)
+    n_recv = h.num_recv_tokens
+    _check_array(op, "x", x, comm, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
+    kind = _combine_kind(op, x, dtype)
+    weights = _check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
+
+    # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
+    ident = xp.arange(n_recv, dtype=np.int64)
+    back_x, _, _, back_w = _exchange(comm, x, None, None, weights, ident, h.recv_counts, h.send_counts)
+
+    num_tokens = h.num_tokens
+    acc = xp.zeros((num_tokens, h.hidden), dtype=np.float32)
+    acc_w = xp.zeros((num_tokens, h.num_topk), dtype=np.float32) if weights is not None else None
+    if back_x.shape[0]:
+        back_f = _dt.to_float32(xp, back_x, kind)
+        offs = h.send_offsets
+        for r in range(h.world_size):
+            lo, hi = int(offs[r]), int(offs[r + 1])
+            if hi == lo:
+                continue
+            tok = h.send_token_idx[lo:hi]              # unique within one rank: the scatter-add is race-free
+            acc[tok] += back_f[lo:hi]
+            if acc_w is not None:
+                acc_w[tok] += back_w[lo:hi]
+    out_dtype = x.dtype
+    combined = _dt.from_float32(xp, acc, kind, out_dtype)
+    return combined, acc_w
