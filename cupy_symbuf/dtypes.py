@@ -101,15 +101,10 @@ def float_kind(dtype: Any, *, raw_uint16: Optional[str] = None, raw_uint8: Optio
 
 
 def raw_bits(a, xp=None):
-    """View ``a`` (itemsize 1, 2 or 4) as unsigned integers of the same size (no copy when ``a`` allows a view;
-    a non-contiguous ``a`` is copied contiguous first)."""
-    xp = np if xp is None else xp
-    udt = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
-    if a.dtype == udt:
-        return a
-    if not a.flags.c_contiguous:
-        a = xp.ascontiguousarray(a)
-    return a.view(udt)
+    """View ``a`` (itemsize 1, 2, 4 or 8) as unsigned integers of the same size (a view, never a copy: a
+    same-itemsize view keeps any strides). ``xp`` is accepted for symmetry and unused."""
+    udt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    return a if a.dtype == udt else a.view(udt)
 
 
 def bf16_bits_to_float32(xp, bits):

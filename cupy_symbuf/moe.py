@@ -217,7 +217,7 @@ def _check_num_experts(op: str, comm, num_experts) -> int:
 
 def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optional[int] = None):
     """Validate ``topk_idx`` and return it as int64 (a copy only when it was int32)."""
-    _check_array(op, "topk_idx", topk_idx, comm, dims=(("num_tokens", num_tokens), ("num_topk", None)))
+    _check_array(op, "topk_idx", topk_idx, comm, dims=(("num_tokens (rows of x)", num_tokens), ("num_topk", None)))
     if topk_idx.dtype not in (np.int64, np.int32):
         raise TypeError(f"{op}: topk_idx must be int64 (or int32), got dtype {topk_idx.dtype}")
     if topk_idx.shape[1] < 1:
@@ -273,7 +273,7 @@ def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int])
 def _check_weights(op: str, comm, w, num_rows: int, num_topk: int, rows_label: str):
     if w is None:
         return None
-    _check_array(op, "topk_weights", w, comm, dims=((rows_label, num_rows), ("num_topk", num_topk)))
+    _check_array(op, "topk_weights", w, comm, dims=((rows_label, num_rows), ("num_topk (of topk_idx)", num_topk)))
     if w.dtype != np.float32:
         raise TypeError(f"{op}: topk_weights must be float32, got dtype {w.dtype}")
     return w
@@ -304,10 +304,12 @@ def _to_host(comm, a) -> np.ndarray:
     return a.get() if comm.backend == "cuda" else np.asarray(a)
 
 
+_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _as_bytes(xp, a, n_rows: int):
-    """``a`` (``[n_rows, ...]``, C-contiguous) viewed as ``uint8 [n_rows, row_bytes]``."""
-    a = xp.ascontiguousarray(a)
-    return _dt.raw_bits(a, xp).view(np.uint8).reshape(n_rows, -1) if n_rows else None
+    """``a`` (``[n_rows, ...]``, unsigned ints) as a C-contiguous ``uint8 [n_rows, row_bytes]`` (n_rows > 0)."""
+    return xp.ascontiguousarray(a).view(np.uint8).reshape(n_rows, -1)
 
 
 def _take_cols(xp, buf, start: int, stop: int, dtype, n_cols: int):
@@ -462,7 +464,7 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     xv, scales, _ = _check_x(op, comm, x, None, None)
     num_tokens = xv.shape[0]
     idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens)
-    weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens")
+    weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank
@@ -539,10 +541,10 @@ def _exchange(comm, xv, scales, idx, weights, send_token_idx, send_counts, recv_
         col = 0
         for (a, _, _), width in zip(parts, widths):
             if width:
-                # same-itemsize view first (always allowed, keeps strides), then gather rows -> contiguous copy
-                rows = _dt.raw_bits(a, xp) if a.dtype.itemsize in (1, 2, 4) and a.flags.c_contiguous is False \
-                    else a
-                packed[:, col:col + width] = _as_bytes(xp, rows[send_token_idx], n_send)
+                # same-itemsize unsigned view (keeps any strides; no dtype-specific kernels, e.g. for bf16/fp8),
+                # then gather the rows (a contiguous copy) and store their bytes
+                bits = a.view(_UINT_OF_SIZE[a.dtype.itemsize])
+                packed[:, col:col + width] = _as_bytes(xp, bits[send_token_idx], n_send)
             col += width
     recv, _ = comm.alltoallv(packed, send_counts, recv_counts=recv_counts)
 

@@ -1,0 +1,46 @@
+# cupy_symbuf: `make demo` and `make test` work on a fresh machine (they create .venv and install everything,
+# MPI included, from PyPI). `make test-gpu` runs the GPU suite on a machine with GPUs and Open MPI.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+MPIEXEC ?= $(VENV)/bin/mpiexec
+# Every pytest run is bounded twice: per test (pytest-timeout) and per mpiexec run (timeout), so a wedged rank
+# fails the run instead of hanging CI.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --timeout=300
+RUN_LIMIT ?= 1200
+NP ?= 4
+
+.PHONY: install demo test test-unit test-mpi test-gpu bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[mpi,test]'
+	touch $@
+
+demo: install
+	timeout $(RUN_LIMIT) $(MPIEXEC) -n $(NP) $(PY) examples/alltoall.py
+
+test: install test-unit test-mpi
+
+test-unit: install
+	CUPY_SYMBUF_REQUIRE_NVRTC=1 timeout $(RUN_LIMIT) $(PYTEST) tests
+
+# The same suite under 1, 2 and 4 ranks; mpiexec fails if any rank fails.
+test-mpi: install
+	for n in 1 2 4; do \
+	  echo "== mpiexec -n $$n pytest"; \
+	  CUPY_SYMBUF_REQUIRE_NVRTC=1 timeout $(RUN_LIMIT) $(MPIEXEC) -n $$n $(PYTEST) tests || exit 1; \
+	done
+
+# On a GPU machine (Open MPI's mpirun, CuPy installed, run from the source tree): see .ci/gpu_suite.sh.
+test-gpu:
+	bash .ci/gpu_suite.sh
+
+bench: install
+	timeout $(RUN_LIMIT) $(MPIEXEC) -n $(NP) $(PY) -m cupy_symbuf.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

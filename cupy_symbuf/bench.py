@@ -1,0 +1,142 @@
+"""Benchmarks: ``mpiexec -n N python -m cupy_symbuf.bench [--sizes 1M,16M,128M] [--nccl]``.
+
+Times ``Communicator.alltoall`` on equal blocks for each per-rank input size, and the same traffic through a
+reference engine in the same run: NCCL grouped send/recv (``cupy.cuda.nccl``) on GPUs, ``MPI.Alltoall`` on the
+host. Bandwidths:
+
+* ``algbw``: per-rank input bytes / time.
+* ``busbw``: bytes that leave each rank for OTHER ranks / time = ``(W - 1) / W * input / time``
+  (for 2 ranks: half the input, i.e. what crosses NVLink per direction; the convention of ``shared/DEVICE.md``).
+
+Times are the median over ``--iters`` back-to-back calls (after ``--warmup``), max over ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _compat
+from .communicator import Communicator
+from .config import Config
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``"16M"`` -> 16 MiB in bytes."""
+    text = text.strip().upper().rstrip("IB")
+    if text and text[-1] in _UNITS:
+        return int(float(text[:-1]) * _UNITS[text[-1]])
+    return int(text)
+
+
+def _fmt(nbytes: int) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
+            return f"{nbytes // _UNITS[unit]} {unit}iB"
+    return f"{nbytes} B"
+
+
+class _Timer:
+    def __init__(self, backend: str):
+        self.backend = backend
+
+    def time(self, fn, iters: int, warmup: int, comm) -> float:
+        """Median seconds per call, max over ranks."""
+        for _ in range(warmup):
+            fn()
+        samples = []
+        if self.backend == "cuda":
+            cp = _compat.cupy
+            for _ in range(iters):
+                comm.Barrier()
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                samples.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
+        else:
+            for _ in range(iters):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+        return comm.allreduce(float(np.median(samples)), op=MPI.MAX)
+
+
+def _nccl_alltoall(comm, nbytes_per_peer: int):
+    """A function doing all-to-all of ``nbytes_per_peer`` bytes per peer through NCCL grouped send/recv."""
+    cp = _compat.cupy
+    from cupy.cuda import nccl
+    W, me = comm.Get_size(), comm.Get_rank()
+    uid = comm.bcast(nccl.get_unique_id() if me == 0 else None, root=0)
+    nc = nccl.NcclCommunicator(W, uid, me)
+    send = cp.empty(W * nbytes_per_peer, cp.uint8)
+    recv = cp.empty_like(send)
+
+    def run():
+        stream = cp.cuda.get_current_stream().ptr
+        nccl.groupStart()
+        for p in range(W):
+            nc.send(send.data.ptr + p * nbytes_per_peer, nbytes_per_peer, nccl.NCCL_UINT8, p, stream)
+            nc.recv(recv.data.ptr + p * nbytes_per_peer, nbytes_per_peer, nccl.NCCL_UINT8, p, stream)
+        nccl.groupEnd()
+    return run, nc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1M,16M,128M", help="per-rank input sizes, comma-separated (K/M/G suffix)")
+    ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--num-sms", type=int, default=None, help="Config.num_sms (default: per device)")
+    ap.add_argument("--chunk-bytes", type=parse_size, default=None)
+    ap.add_argument("--num-slots", type=int, default=8)
+    ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
+    ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
+    args = ap.parse_args(argv)
+
+    comm = MPI.COMM_WORLD
+    cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, num_slots=args.num_slots)
+    results = []
+    with Communicator(comm, cfg, backend=args.backend) as c:
+        W, me, xp = c.world_size, c.rank, c.xp
+        timer = _Timer(c.backend)
+        if me == 0:
+            print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
+                  f"chunk={c.config.chunk_bytes} slots={c.config.num_slots}")
+            print(f"{'size/rank':>10} {'engine':>12} {'time_us':>10} {'algbw_GB/s':>11} {'busbw_GB/s':>11}")
+        for size in [parse_size(s) for s in args.sizes.split(",")]:
+            per_peer = size // W
+            x = xp.asarray(np.random.default_rng(me).integers(0, 255, (W, per_peer), dtype=np.uint8))
+            rows = {"ours": timer.time(lambda: c.alltoall(x), args.iters, args.warmup, comm)}
+            if not args.no_reference:
+                if c.backend == "cuda":
+                    run, nc = _nccl_alltoall(comm, per_peer)
+                    rows["nccl"] = timer.time(run, args.iters, args.warmup, comm)
+                    del nc
+                else:
+                    xh = np.asarray(x)
+                    yh = np.empty_like(xh)
+                    rows["mpi"] = timer.time(lambda: comm.Alltoall(xh, yh), args.iters, args.warmup, comm)
+            for engine, t in rows.items():
+                algbw = W * per_peer / t / 1e9
+                busbw = (W - 1) * per_peer / t / 1e9
+                results.append({"size_per_rank": W * per_peer, "engine": engine, "time_us": t * 1e6,
+                                "algbw_GBps": algbw, "busbw_GBps": busbw, "world_size": W, "backend": c.backend})
+                if me == 0:
+                    print(f"{_fmt(W * per_peer):>10} {engine:>12} {t * 1e6:10.1f} {algbw:11.1f} {busbw:11.1f}")
+    if me == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

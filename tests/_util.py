@@ -1,0 +1,40 @@
+"""Helpers for tests: move arrays between NumPy and the backend, poison outputs, build references."""
+import numpy as np
+
+
+def to_backend(x: np.ndarray, backend: str):
+    if backend == "cuda":
+        import cupy
+        return cupy.asarray(x)
+    return x
+
+
+def to_numpy(x):
+    if hasattr(x, "get"):
+        return x.get()
+    return np.asarray(x)
+
+
+def rng_for(comm, test_seed: int):
+    """Fresh random stream per (test, rank)."""
+    return np.random.default_rng([test_seed, comm.Get_rank(), comm.Get_size()])
+
+
+def random_rows(rng, nrows: int, row_shape, dtype) -> np.ndarray:
+    """Random data (never zeros) of any dtype: random bytes, so every bit pattern is exercised."""
+    dtype = np.dtype(dtype)
+    nbytes = nrows * int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
+    raw = rng.integers(1, 256, size=nbytes, dtype=np.uint8)
+    return raw.view(dtype).reshape((nrows,) + tuple(row_shape))
+
+
+def reference_alltoallv(comm, send: np.ndarray, counts: np.ndarray):
+    """What this rank must receive: rows that each rank j sends to us, in source-rank order (NumPy only)."""
+    everything = comm.allgather((send, np.asarray(counts)))
+    me = comm.Get_rank()
+    parts, recv_counts = [], []
+    for s_j, c_j in everything:
+        off = np.concatenate([[0], np.cumsum(c_j)])
+        parts.append(s_j[off[me]: off[me + 1]])
+        recv_counts.append(int(c_j[me]))
+    return np.concatenate(parts, axis=0), np.array(recv_counts, dtype=np.int64)

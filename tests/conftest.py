@@ -1,0 +1,50 @@
+"""Test setup shared by every file: runs unchanged on 1 rank and under ``mpiexec -n N python -m pytest``.
+
+Each test is parametrized over the backends this machine has (``host`` always, ``cuda`` when CuPy sees a GPU).
+Ranks other than 0 print only failures, so the log has one report per failing rank.
+"""
+import os
+
+import pytest
+from mpi4py import MPI
+
+from cupy_symbuf import _compat
+
+
+def pytest_configure(config):
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        config.option.verbose = -1
+        config.option.reportchars = "fE"
+
+
+def available_backends():
+    names = ["host"]
+    if _compat.cuda_available():
+        names.append("cuda")
+    only = os.environ.get("CUPY_SYMBUF_TEST_BACKENDS")
+    if only:
+        names = [n for n in names if n in only.split(",")]
+    return names
+
+
+@pytest.fixture(params=available_backends())
+def backend(request):
+    if request.param == "cuda":
+        import cupy
+        cupy.cuda.Device(_gpu_for_rank()).use()
+    return request.param
+
+
+def _gpu_for_rank():
+    """One GPU per local rank when there are enough, else all ranks share GPU 0 (MPS)."""
+    import cupy
+    n = cupy.cuda.runtime.getDeviceCount()
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    r = local.Get_rank()
+    local.Free()
+    return r % n
+
+
+@pytest.fixture
+def comm():
+    return MPI.COMM_WORLD

@@ -1,0 +1,206 @@
+"""alltoall / alltoallv against a NumPy reference (allgather + slicing), on every available backend."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cupy_symbuf as cs
+from _util import random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
+
+SMALL_RING = cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=60)
+
+
+@pytest.fixture
+def small(backend, comm):
+    """A communicator with tiny rings (2 x 1 KiB per channel and peer), so most messages stream through."""
+    c = cs.Communicator(comm, SMALL_RING, backend=backend)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def default(backend, comm):
+    c = cs.Communicator(comm, backend=backend)
+    yield c
+    c.close()
+
+
+def _check_alltoallv(c, comm, send, counts, backend, **kw):
+    expected, expected_counts = reference_alltoallv(comm, send, counts)
+    got, got_counts = c.alltoallv(to_backend(send, backend), counts, **kw)
+    assert type(got).__module__.split(".")[0] == ("cupy" if backend == "cuda" else "numpy")
+    np.testing.assert_array_equal(got_counts, expected_counts)
+    assert got.dtype == send.dtype and got.shape == expected.shape
+    np.testing.assert_array_equal(to_numpy(got).view(np.uint8), expected.view(np.uint8))
+    return got
+
+
+@pytest.mark.parametrize("dtype, row_shape", [(np.float32, (33,)), (np.int8, ()), (np.uint16, (7,)),
+                                              (np.float64, (2, 3)), (np.uint8, (14,))])
+def test_alltoall_dtypes(small, comm, backend, dtype, row_shape):
+    rng = rng_for(comm, 1)
+    x = random_rows(rng, comm.size, row_shape, dtype)
+    everything = comm.allgather(x)
+    y = small.alltoall(to_backend(x, backend))
+    expected = np.stack([everything[j][comm.rank] for j in range(comm.size)])
+    np.testing.assert_array_equal(to_numpy(y).view(np.uint8), expected.view(np.uint8))
+
+
+def test_alltoallv_uneven_random(small, comm, backend):
+    rng = rng_for(comm, 2)
+    for trial in range(3):
+        counts = rng.integers(0, 40, comm.size)
+        send = random_rows(rng, int(counts.sum()), (5,), np.float32)
+        _check_alltoallv(small, comm, send, counts, backend)
+
+
+def test_rank_sends_nothing(small, comm, backend):
+    """Rank 0 sends 0 rows to everyone (so rank 3 receives 0 from rank 0 and must not hang)."""
+    rng = rng_for(comm, 3)
+    counts = np.zeros(comm.size, np.int64) if comm.rank == 0 else rng.integers(1, 9, comm.size)
+    send = random_rows(rng, int(counts.sum()), (3,), np.int32)
+    _check_alltoallv(small, comm, send, counts, backend)
+
+
+def test_zero_to_one_peer(small, comm, backend):
+    """Rank 0 sends 0 rows to the last rank only; the receiver's count comes from the sender."""
+    rng = rng_for(comm, 4)
+    counts = rng.integers(1, 9, comm.size)
+    if comm.rank == 0:
+        counts[-1] = 0
+    send = random_rows(rng, int(counts.sum()), (2,), np.float32)
+    got = _check_alltoallv(small, comm, send, counts, backend)
+    assert got.shape[0] == sum(int(c[comm.rank]) for c in comm.allgather(counts))
+
+
+def test_all_rows_to_one_rank(small, comm, backend):
+    rng = rng_for(comm, 5)
+    counts = np.zeros(comm.size, np.int64)
+    counts[comm.size - 1] = 37
+    send = random_rows(rng, 37, (11,), np.uint8)
+    _check_alltoallv(small, comm, send, counts, backend)
+
+
+def test_everything_empty(small, comm, backend):
+    counts = np.zeros(comm.size, np.int64)
+    send = np.zeros((0, 4), np.float32)
+    got = _check_alltoallv(small, comm, send, counts, backend)
+    assert got.shape == (0, 4)
+
+
+def test_one_rank_communicator(backend, comm):
+    with cs.Communicator(MPI.COMM_SELF, SMALL_RING, backend=backend) as c:
+        rng = rng_for(comm, 6)
+        x = random_rows(rng, 1, (100,), np.float32)
+        np.testing.assert_array_equal(to_numpy(c.alltoall(to_backend(x, backend))), x)
+        y, rc = c.alltoallv(to_backend(x, backend), [1])
+        np.testing.assert_array_equal(to_numpy(y), x)
+        assert rc.tolist() == [1]
+
+
+def test_messages_many_times_larger_than_ring(small, comm, backend):
+    """Each (channel, peer) ring holds 2 KiB; ~200 KiB per peer must stream through it."""
+    rng = rng_for(comm, 7)
+    counts = rng.integers(150, 250, comm.size)
+    send = random_rows(rng, int(counts.sum()), (256,), np.float32)  # 1 KiB rows
+    ring = small.layout.ring_bytes
+    assert send.nbytes // comm.size > 50 * ring
+    _check_alltoallv(small, comm, send, counts, backend)
+
+
+@pytest.mark.parametrize("row_bytes", [1, 14])
+def test_odd_row_sizes(small, comm, backend, row_bytes):
+    rng = rng_for(comm, 8 + row_bytes)
+    counts = rng.integers(0, 300, comm.size)
+    send = random_rows(rng, int(counts.sum()), (row_bytes,), np.uint8)
+    _check_alltoallv(small, comm, send, counts, backend)
+
+
+def test_repeats_are_bitwise_identical(default, comm, backend):
+    """100 runs on the same input: any difference between runs is a race."""
+    rng = rng_for(comm, 9)
+    counts = rng.integers(0, 64, comm.size)
+    send = random_rows(rng, int(counts.sum()), (7168 // 2,), np.uint16)  # bf16-sized rows as raw bits
+    expected, _ = reference_alltoallv(comm, send, counts)
+    dev = to_backend(send, backend)
+    recv_counts = None
+    for i in range(100):
+        got, recv_counts = default.alltoallv(dev, counts, recv_counts=recv_counts if i % 2 else None)
+        if i % 10 == 0 or i == 99:
+            assert np.array_equal(to_numpy(got), expected), f"run {i} differs"
+
+
+def test_non_contiguous_input(small, comm, backend):
+    rng = rng_for(comm, 10)
+    counts = rng.integers(0, 20, comm.size)
+    big = random_rows(rng, int(counts.sum()), (24,), np.float32)
+    view = to_backend(big, backend)[:, ::3]
+    expected, _ = reference_alltoallv(comm, np.ascontiguousarray(big[:, ::3]), counts)
+    got, _ = small.alltoallv(view, counts)
+    np.testing.assert_array_equal(to_numpy(got), expected)
+
+
+def test_bf16_rows(small, comm, backend):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = rng_for(comm, 11)
+    counts = rng.integers(0, 6, comm.size)
+    x = rng.standard_normal((int(counts.sum()), 7168)).astype(ml_dtypes.bfloat16)
+    if backend == "cuda":
+        x = x.view(np.uint16)  # CuPy moves bf16 as raw 16-bit words
+    _check_alltoallv(small, comm, x, counts, backend)
+
+
+def test_bad_inputs_leave_communicator_usable(small, comm, backend):
+    rng = rng_for(comm, 12)
+    W = comm.size
+    good = random_rows(rng, W, (4,), np.float32)
+    with pytest.raises(ValueError, match=r"alltoall: argument 'sendbuf' must have shape\[0\] == world_size"):
+        small.alltoall(to_backend(good[:0] if W > 0 else good, backend))
+    with pytest.raises(ValueError, match="alltoallv: argument 'send_counts' must sum"):
+        small.alltoallv(to_backend(good, backend), np.full(W, 2))
+    with pytest.raises(ValueError, match="alltoallv: argument 'send_counts' must be >= 0"):
+        small.alltoallv(to_backend(good, backend), np.array([-1] + [1] * (W - 1) + [0])[:W] if W > 1 else [-1])
+    with pytest.raises(ValueError, match=r"alltoallv: argument 'send_counts' must have shape"):
+        small.alltoallv(to_backend(good, backend), np.ones(W + 1, np.int64))
+    with pytest.raises(TypeError, match="alltoallv: argument 'send_counts' must hold integers"):
+        small.alltoallv(to_backend(good, backend), np.ones(W) * 1.5)
+    wrong = good if backend == "cuda" else _other_module(good)
+    if wrong is not None:
+        with pytest.raises(TypeError, match="alltoall: argument 'sendbuf'"):
+            small.alltoall(wrong)
+    with pytest.raises(TypeError, match="alltoall: argument 'sendbuf'"):
+        small.alltoall([[1.0]] * W)
+    # still works
+    counts = np.ones(W, np.int64)
+    _check_alltoallv(small, comm, good, counts, backend)
+
+
+def _other_module(x):
+    try:
+        import cupy
+        if cupy.cuda.is_available():
+            return cupy.asarray(x)
+    except Exception:
+        pass
+    return None
+
+
+def test_timeout_names_rank_peer_channel(backend, comm):
+    """A peer that never joins: the waiting rank raises after timeout_s with rank, peer, channel, head and tail."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=1.0), backend=backend)
+    try:
+        if comm.rank == 0:
+            x = to_backend(np.ones((4, 1024), np.float32), backend)
+            counts = np.zeros(comm.size, np.int64)
+            counts[1] = 4
+            with pytest.raises(cs.SymBufferTimeoutError) as info:
+                c.alltoallv(x, counts, recv_counts=np.zeros(comm.size, np.int64))
+            err = info.value
+            assert err.rank == 0 and err.peer == 1 and err.role == "send" and err.tail - err.head == 2
+            assert "rank 0, peer 1, channel" in str(err) and "head=" in str(err) and "tail=" in str(err)
+            with pytest.raises(cs.SymBufferError, match="unusable"):
+                c.alltoall(to_backend(np.ones((comm.size, 1), np.float32), backend))
+        comm.Barrier()
+    finally:
+        c.close()

@@ -1,0 +1,82 @@
+"""Config and ChannelLayout unit tests (no communication)."""
+import dataclasses
+
+import pytest
+
+import cupy_symbuf as cs
+from cupy_symbuf.layout import ChannelLayout, channel_byte_range, num_chunks, LINE_BYTES
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"num_sms": 3}, "even"), ({"num_sms": 0}, "even"), ({"chunk_bytes": 100}, "multiple of 128"),
+    ({"num_slots": 1}, ">= 2"), ({"timeout_s": 0}, "positive"), ({"max_notify_ints": 0}, ">= 1"),
+])
+def test_config_rejects_with_rule(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        cs.Config(**kwargs)
+
+
+def test_config_frozen_and_resolved():
+    cfg = cs.Config(num_slots=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_slots = 5
+    gpu = cfg.resolved("cuda", ranks_per_gpu=1, gpu_sm_count=132)
+    assert gpu.num_sms == 24 and gpu.num_channels == 12 and gpu.chunk_bytes == 65536
+    shared = cfg.resolved("cuda", ranks_per_gpu=8, gpu_sm_count=132)
+    assert shared.num_sms == 16 and shared.num_sms * 8 <= 132
+    many = cfg.resolved("cuda", ranks_per_gpu=100, gpu_sm_count=132)
+    assert many.num_sms == 2
+    host = cfg.resolved("host")
+    assert host.num_channels == 2 and host.chunk_bytes == 256 * 1024
+    with pytest.raises(ValueError, match="not resolved"):
+        cfg.num_channels
+
+
+@pytest.mark.parametrize("world_size, channels, slots, chunk", [(1, 1, 2, 128), (4, 3, 5, 1024), (8, 12, 8, 65536)])
+def test_layout_offsets_disjoint_and_aligned(world_size, channels, slots, chunk):
+    L = ChannelLayout(world_size, channels, slots, chunk, max_notify_ints=17)
+    spans = []
+    for c in range(channels):
+        for p in range(world_size):
+            for off, size in ((L.tail_offset(c, p), LINE_BYTES), (L.head_offset(c, p), LINE_BYTES),
+                              (L.send_tail_offset(c, p), LINE_BYTES), (L.recv_head_offset(c, p), LINE_BYTES),
+                              (L.ring_offset(c, p), L.ring_bytes)):
+                assert off % LINE_BYTES == 0
+                spans.append((off, off + size))
+    for parity in (0, 1):
+        for s in range(world_size):
+            off = L.notify_slot_offset(parity, s)
+            assert off % LINE_BYTES == 0
+            spans.append((off, off + L.notify_slot_bytes))
+    spans.sort()
+    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+        assert a1 <= b0, "regions overlap"
+    assert spans[-1][1] == L.total_bytes
+    assert sum(b - a for a, b in spans) == L.total_bytes  # no gaps either
+    assert L.slot_offset(0, 0, slots + 1) == L.ring_offset(0, 0) + chunk  # slot = counter % num_slots
+    text = L.describe()
+    assert "tail" in text and "head" in text and str(L.total_bytes) in text
+
+
+def test_layout_64bit_offsets():
+    L = ChannelLayout(8, 64, 64, 1 << 20)  # > 32 GiB map: offsets must not wrap
+    assert L.ring_offset(63, 7) > 2 ** 32
+    assert L.total_bytes == 64 * 8 * (512 + 64 * (1 << 20)) + L.notify_bytes
+
+
+def test_layout_rejects():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ChannelLayout(2, 1, 2, 100)
+    with pytest.raises(IndexError):
+        ChannelLayout(2, 1, 2, 128).ring_offset(1, 0)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 14, 15, 16, 17, 1000, 7168 * 2 * 3 + 14, 10 ** 9 + 7])
+@pytest.mark.parametrize("channels", [1, 3, 12])
+def test_channel_split_covers_message(nbytes, channels):
+    ranges = [channel_byte_range(nbytes, c, channels) for c in range(channels)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == nbytes
+    for (lo, hi), (lo2, hi2) in zip(ranges, ranges[1:]):
+        assert hi == lo2 and lo <= hi and lo % 16 == 0
+    total = sum(num_chunks(hi - lo, 4096) for lo, hi in ranges)
+    assert total >= (nbytes + 4095) // 4096
