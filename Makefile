@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 MPIEXEC ?= $(VENV)/bin/mpiexec
 # Every pytest run is bounded twice: per test (pytest-timeout) and per mpiexec run (timeout), so a wedged rank
 # fails the run instead of hanging CI.
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider --timeout=300
+PYTEST := $(PY) -m pytest -q --color=no -p no:cacheprovider --timeout=300
 RUN_LIMIT ?= 1200
 NP ?= 4
 

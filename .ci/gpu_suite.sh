@@ -11,7 +11,7 @@ export CUPY_SYMBUF_TIMEOUT_S=${CUPY_SYMBUF_TIMEOUT_S:-20}
 LOG=${OUT:-/tmp}
 NGPU=$(nvidia-smi -L | grep -c GPU)
 MPIRUN="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_SYMBUF_TIMEOUT_S"
-PYTEST="python3 -m pytest -q -p no:cacheprovider --timeout=300 ${PYTEST_ARGS:-}"
+PYTEST="python3 -m pytest -q --color=no -p no:cacheprovider --timeout=${TEST_TIMEOUT:-120} ${PYTEST_ARGS:-}"
 TESTS=${TESTS:-tests}
 STAGES=${*:-single multi cvd mps}
 fail=0

@@ -22,6 +22,7 @@ from mpi4py import MPI
 from . import _compat
 from .communicator import Communicator
 from .config import Config
+from .utils import select_device
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD
+    if args.backend != "host":
+        select_device(comm)
     cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, num_slots=args.num_slots)
     results = []
     with Communicator(comm, cfg, backend=args.backend) as c:

@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import cupy_symbuf as cs
+from cupy_symbuf.utils import select_device
 
 
 def rows_for(seed: int, src: int, dst: int, n: int, hidden: int, itemsize: int) -> np.ndarray:
@@ -31,15 +32,8 @@ def main() -> int:
     args = ap.parse_args()
 
     comm = MPI.COMM_WORLD
-    if args.backend in ("auto", "cuda"):
-        try:
-            import cupy
-            if cupy.cuda.runtime.getDeviceCount():
-                local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-                cupy.cuda.Device(local.Get_rank() % cupy.cuda.runtime.getDeviceCount()).use()
-                local.Free()
-        except Exception:
-            pass
+    if args.backend != "host":
+        select_device(comm)  # one GPU per local rank (shared round-robin if fewer GPUs)
     with cs.Communicator(comm, backend=args.backend) as c:
         W, me, xp = c.world_size, c.rank, c.xp
         # bf16 travels as raw 16-bit words on the GPU (the kernels move bytes); float32 on the host.

@@ -30,19 +30,9 @@ def available_backends():
 @pytest.fixture(params=available_backends())
 def backend(request):
     if request.param == "cuda":
-        import cupy
-        cupy.cuda.Device(_gpu_for_rank()).use()
+        from cupy_symbuf.utils import select_device
+        select_device(MPI.COMM_WORLD)  # one GPU per local rank, or all on GPU 0 under MPS
     return request.param
-
-
-def _gpu_for_rank():
-    """One GPU per local rank when there are enough, else all ranks share GPU 0 (MPS)."""
-    import cupy
-    n = cupy.cuda.runtime.getDeviceCount()
-    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
-    r = local.Get_rank()
-    local.Free()
-    return r % n
 
 
 @pytest.fixture

@@ -189,18 +189,56 @@ def test_timeout_names_rank_peer_channel(backend, comm):
     if comm.size < 2:
         pytest.skip("needs two ranks")
     c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=1.0), backend=backend)
+    failure = None
     try:
         if comm.rank == 0:
-            x = to_backend(np.ones((4, 1024), np.float32), backend)
+            # 256 KiB to rank 1 through rings of 2 x 1 KiB per channel: far more than every channel can hold.
+            rows = 64 * c.layout.num_channels
+            assert rows * 4096 > 4 * c.layout.num_channels * c.layout.ring_bytes
+            x = to_backend(np.ones((rows, 1024), np.float32), backend)
             counts = np.zeros(comm.size, np.int64)
-            counts[1] = 4
-            with pytest.raises(cs.SymBufferTimeoutError) as info:
-                c.alltoallv(x, counts, recv_counts=np.zeros(comm.size, np.int64))
-            err = info.value
-            assert err.rank == 0 and err.peer == 1 and err.role == "send" and err.tail - err.head == 2
-            assert "rank 0, peer 1, channel" in str(err) and "head=" in str(err) and "tail=" in str(err)
-            with pytest.raises(cs.SymBufferError, match="unusable"):
-                c.alltoall(to_backend(np.ones((comm.size, 1), np.float32), backend))
-        comm.Barrier()
+            counts[1] = rows
+            try:
+                with pytest.raises(cs.SymBufferTimeoutError) as info:
+                    c.alltoallv(x, counts, recv_counts=np.zeros(comm.size, np.int64))
+                err = info.value
+                assert err.rank == 0 and err.peer == 1 and err.role == "send" and err.tail - err.head == 2
+                assert "rank 0, peer 1, channel" in str(err) and "head=" in str(err) and "tail=" in str(err)
+                with pytest.raises(cs.SymBufferError, match="unusable"):
+                    c.alltoall(to_backend(np.ones((comm.size, 1), np.float32), backend))
+            except BaseException as exc:  # keep the other ranks in step: report after the barrier
+                failure = exc
     finally:
+        comm.Barrier()
         c.close()
+    if failure is not None:
+        raise failure
+
+
+def test_send_buffer_filled_on_non_default_stream(default, comm, backend):
+    """A kernel on a non-default stream fills the send buffer right before the collective on that stream:
+    the collective must run after it (stream order), 100 times, with identical results."""
+    if backend != "cuda":
+        pytest.skip("CUDA streams only")
+    import cupy
+    W = comm.size
+    counts = np.full(W, 512, np.int64)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    fill = cupy.ElementwiseKernel("int64 seed", "float32 y",
+                                  "y = (float)((i * 2654435761ll + seed) % 1000003)", "symbuf_test_fill")
+    first = None
+    with stream:
+        x = cupy.empty((int(counts.sum()), 1024), cupy.float32)
+        for run in range(100):
+            x.fill(-1.0)  # poison, then refill: a collective that ran early would send -1s
+            fill(np.int64(comm.rank * 7 + 1), x)
+            got, _ = default.alltoallv(x, counts, recv_counts=counts)
+            host = got.get()
+            if first is None:
+                first = host
+                for s in range(W):  # reference: what rank s's fill kernel wrote into its block for us
+                    idx = (np.arange(comm.rank * 512 * 1024, (comm.rank + 1) * 512 * 1024, dtype=np.int64))
+                    ref = ((idx * 2654435761 + (s * 7 + 1)) % 1000003).astype(np.float32).reshape(512, 1024)
+                    np.testing.assert_array_equal(host[s * 512:(s + 1) * 512], ref)
+            else:
+                assert np.array_equal(host, first), f"run {run} differs"
