@@ -5,9 +5,10 @@
 // (channel, source, destination) stream progresses on its own and no peer can block another.
 //
 // Ring protocol per (channel c, sender s, receiver d), counters in chunks, only growing, slot = counter % num_slots:
-//   sender:   wait while tail - head == num_slots (backpressure; head read with ld.acquire.sys from our own
-//             buffer, where d's receiver writes it), copy the chunk into d's ring, sync the warp group, then one
-//             thread publishes tail into d's buffer with st.release.sys.
+//   sender:   each warp owns every warps_per_peer-th chunk: wait while tail - head == num_slots (backpressure;
+//             head read with ld.acquire.sys from our own buffer, where d's receiver writes it), copy the chunk
+//             into d's ring, __syncwarp, then lane 0 publishes tail = chunk + 1 into d's buffer with
+//             st.release.sys, in chunk order (it waits for the previous chunk's warp to publish first).
 //   receiver: poll tail with ld.acquire.sys, copy every available chunk out (.cg loads), sync the warp group,
 //             publish head into s's buffer with st.release.sys.
 // Every wait is bounded by timeout_ns; on expiry the error record names rank, peer, channel, head and tail.
@@ -33,6 +34,7 @@ symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
   const int bar_id = 1 + peer;
 
   __shared__ i64 s_avail[32];
+  __shared__ u64 s_pub[32];
   __shared__ int s_abort[32];
 
   u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
@@ -45,6 +47,9 @@ symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
   if (leader) s_abort[peer] = 0;
 
   if (is_sender) {
+    // Each warp of the group owns every warps_per_peer-th chunk, copies it alone and publishes it in order:
+    // while one warp waits for its stores to be acknowledged (the release fence, one NVLink round trip), the
+    // other warps keep copying. s_pub[peer] is the last tail published by this group (shared memory).
     u8* remote_region = peer_base + L.region(channel, rank);
     u64* remote_tail = reinterpret_cast<u64*>(remote_region + SYMBUF_TAIL_OFFSET);
     u8* remote_ring = remote_region + SYMBUF_RING_OFFSET;
@@ -52,28 +57,45 @@ symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
     const u64* local_head = reinterpret_cast<const u64*>(local_region + SYMBUF_HEAD_OFFSET);
     u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_SEND_TAIL_OFFSET);
     const u8* src = send_buf + send_off[peer];
-    u64 tail = *state;  // written by this block's leader in the previous launch
+    const u64 tail0 = *state;  // written by this group's leader at the end of the previous launch
+    const int lane = tid & 31;
+    const int warp_in_group = tid >> 5;
+    volatile u64* pub = reinterpret_cast<volatile u64*>(&s_pub[peer]);
+    volatile int* abort_flag = &s_abort[peer];
+    if (leader) *pub = tail0;
+    group_sync(bar_id, nthreads);
     u64 head = 0;
-    if (leader) head = ld_acquire_sys_global(local_head);
-    for (i64 k = 0; k < nchunks; ++k) {
-      if (leader) {
+    if (lane == 0) head = ld_acquire_sys_global(local_head);
+    for (i64 k = warp_in_group; k < nchunks; k += warps_per_peer) {
+      const u64 t = tail0 + static_cast<u64>(k);  // ring counter of this chunk
+      if (lane == 0) {
         SpinBudget spin(timeout_ns);
-        while (tail - head >= static_cast<u64>(num_slots)) {
+        while (t + 1 - head > static_cast<u64>(num_slots) && !*abort_flag) {  // backpressure
           head = ld_acquire_sys_global(local_head);
-          if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, tail)) { s_abort[peer] = 1; break; }
+          if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, t)) { *abort_flag = 1; break; }
         }
       }
-      group_sync(bar_id, nthreads);
-      if (s_abort[peer]) return;
+      __syncwarp();
+      if (*abort_flag) break;
       const i64 off = lo + k * chunk_bytes;
       const i64 len = min(chunk_bytes, hi - off);
-      copy_bytes<false>(remote_ring + static_cast<i64>(tail % static_cast<u64>(num_slots)) * chunk_bytes,
-                        src + off, len, tid, nthreads);
-      group_sync(bar_id, nthreads);  // every warp's payload stores precede the release below
-      ++tail;
-      if (leader) st_release_sys_global(remote_tail, tail);
+      copy_bytes<false>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, src + off,
+                        len, lane, 32);
+      __syncwarp();  // the warp's payload stores precede lane 0's release below
+      if (lane == 0) {
+        SpinBudget spin(timeout_ns);
+        while (*pub != t && !*abort_flag) {  // publish in order: chunk t - 1 first
+          if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, t)) { *abort_flag = 1; break; }
+        }
+        if (!*abort_flag) {
+          st_release_sys_global(remote_tail, t + 1);
+          *pub = t + 1;
+        }
+      }
+      __syncwarp();
     }
-    if (leader) *state = tail;
+    group_sync(bar_id, nthreads);
+    if (leader && !*abort_flag) *state = tail0 + static_cast<u64>(nchunks);
   } else {
     u8* local_region = my_base + L.region(channel, peer);
     const u64* local_tail = reinterpret_cast<const u64*>(local_region + SYMBUF_TAIL_OFFSET);

@@ -86,7 +86,7 @@ __device__ __forceinline__ T ld_payload(const T* p) {
   else return ld_nc_global(p);
 }
 
-// Copy n bytes with the `nthreads` threads of a warp group (thread index tid). 16-byte vectors with 4 loads in
+// Copy n bytes with `nthreads` threads (thread index tid). 16-byte vectors with 8 loads in
 // flight per thread when both ends are 16-byte aligned (bytes in flight decide NVLink bandwidth), else 4-byte
 // words, else bytes (14-byte rows).
 template <bool kFromRing>
@@ -98,16 +98,14 @@ __device__ __forceinline__ void copy_bytes(u8* dst, const u8* src, i64 n, int ti
     int4* d = reinterpret_cast<int4*>(dst);
     const i64 nv = n >> 4;
     const i64 stride = nthreads;
+    constexpr int kUnroll = 8;  // 8 x 16 B loads in flight per thread: 4 KiB per warp
     i64 i = tid;
-    for (; i + 3 * stride < nv; i += 4 * stride) {
-      const int4 a = ld_payload<kFromRing>(s + i);
-      const int4 b = ld_payload<kFromRing>(s + i + stride);
-      const int4 c = ld_payload<kFromRing>(s + i + 2 * stride);
-      const int4 e = ld_payload<kFromRing>(s + i + 3 * stride);
-      st_na_global(d + i, a);
-      st_na_global(d + i + stride, b);
-      st_na_global(d + i + 2 * stride, c);
-      st_na_global(d + i + 3 * stride, e);
+    for (; i + (kUnroll - 1) * stride < nv; i += kUnroll * stride) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld_payload<kFromRing>(s + i + u * stride);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) st_na_global(d + i + u * stride, v[u]);
     }
     for (; i < nv; i += stride) st_na_global(d + i, ld_payload<kFromRing>(s + i));
     done = nv << 4;

@@ -16,7 +16,8 @@ _STATUS_INTS = 8
 
 
 def threads_per_block(world_size: int) -> int:
-    """Threads of one channel block: ``world_size`` warp groups of ``max(1, 16 // world_size)`` warps.
+    """Threads of one channel block: ``world_size`` warp groups of ``max(1, 32 // world_size)`` warps (1024
+    threads for world sizes that divide 32).
 
     Named barriers (ids 1..15) sync a group of several warps, so groups of more than one warp need
     ``world_size <= 15``; larger worlds get one warp per peer (``__syncwarp``), up to 32 peers.
@@ -24,7 +25,7 @@ def threads_per_block(world_size: int) -> int:
     if world_size > 32:
         raise ValueError(f"world_size must be <= 32 for the GPU path (one warp per peer in a 1024-thread block), "
                          f"got {world_size}")
-    warps_per_peer = max(1, 16 // world_size)
+    warps_per_peer = max(1, 32 // world_size) if world_size <= 15 else 1
     return world_size * warps_per_peer * 32
 
 
@@ -57,6 +58,8 @@ class CudaTransport:
         self.timeout_ns = np.uint64(int(timeout_s * 1e9))
         self._status = _Pinned(_STATUS_INTS)
         self._meta = _Pinned(self.world_size * layout.max_notify_ints)
+        # send_off, send_len, recv_off, recv_len: read by the kernel straight from pinned host memory (no copy)
+        self._offsets = _Pinned(4 * self.world_size)
         self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
         self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv")
@@ -66,6 +69,7 @@ class CudaTransport:
     def close(self) -> None:
         self._status.free()
         self._meta.free()
+        self._offsets.free()
 
     def _check(self, op: str, stream) -> None:
         stream.synchronize()
@@ -79,20 +83,23 @@ class CudaTransport:
             self.broken = str(err)
             raise err
 
-    def alltoallv(self, src, send_off, send_len, dst, recv_off, recv_len, op: str = "alltoallv",
-                  sync: bool = True) -> None:
-        """``src``/``dst``: CuPy arrays (any dtype, contiguous); offsets/lengths in bytes, host int64 ``[W]``."""
+    def alltoallv(self, src, send_off, send_len, dst, recv_off, recv_len, op: str = "alltoallv") -> None:
+        """``src``/``dst``: CuPy arrays (any dtype, contiguous); offsets/lengths in bytes, host int64 ``[W]``.
+
+        Launches on the current stream and waits for it (the error record must be read before returning).
+        """
         cp = _compat.cupy
         stream = cp.cuda.get_current_stream()
-        meta = cp.asarray(np.concatenate([send_off, send_len, recv_off, recv_len]).astype(np.int64))
         W = self.world_size
-        args = (src.data.ptr if src.size else 0, dst.data.ptr if dst.size else 0,
-                meta[0:W], meta[W:2 * W], meta[2 * W:3 * W], meta[3 * W:4 * W],
+        offs = self._offsets.array
+        offs[0:W], offs[W:2 * W], offs[2 * W:3 * W], offs[3 * W:4 * W] = send_off, send_len, recv_off, recv_len
+        base = self._offsets.ptr
+        args = (np.uint64(src.data.ptr if src.size else 0), np.uint64(dst.data.ptr if dst.size else 0),
+                np.uint64(base), np.uint64(base + 8 * W), np.uint64(base + 16 * W), np.uint64(base + 24 * W),
                 self.buf.peer_ptrs_device, np.int32(self.rank), np.int32(W), np.int32(self.layout.num_channels),
                 *self._layout_args, self.timeout_ns, np.uint64(self._status.ptr))
         self._k_alltoallv((2 * self.layout.num_channels,), (self.threads,), args)
-        if sync:
-            self._check(op, stream)
+        self._check(op, stream)
 
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify") -> np.ndarray:
         cp = _compat.cupy

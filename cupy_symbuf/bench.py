@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--num-sms", type=int, default=None, help="Config.num_sms (default: per device)")
     ap.add_argument("--chunk-bytes", type=parse_size, default=None)
-    ap.add_argument("--num-slots", type=int, default=8)
+    ap.add_argument("--num-slots", type=int, default=16)
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
     ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
     args = ap.parse_args(argv)

@@ -39,7 +39,7 @@ class Config:
         Trade-off: more SMs move more bytes in parallel but leave fewer SMs for compute.
     chunk_bytes : int or None
         Bytes in one ring slot (the unit the sender publishes with one ``tail`` update); a multiple of 128.
-        ``None``: 64 KiB on the GPU, 256 KiB on the host.
+        ``None``: 64 KiB on the GPU (one warp copies one slot), 256 KiB on the host.
     num_slots : int
         Ring capacity in slots per (channel, peer); >= 2. Capacity in bytes is ``num_slots * chunk_bytes``.
         Messages larger than the ring stream through it, so this bounds memory, not message size.
@@ -54,7 +54,7 @@ class Config:
 
     num_sms: Optional[int] = None
     chunk_bytes: Optional[int] = None
-    num_slots: int = 8
+    num_slots: int = 16
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("CUPY_SYMBUF_TIMEOUT_S", 30.0))
     max_notify_ints: int = 1024
 

@@ -38,3 +38,9 @@ def backend(request):
 @pytest.fixture
 def comm():
     return MPI.COMM_WORLD
+
+
+def _gpu_for_rank():
+    """Ordinal of the GPU this rank uses (see cupy_symbuf.utils.select_device)."""
+    from cupy_symbuf.utils import select_device
+    return select_device(MPI.COMM_WORLD)

@@ -202,7 +202,9 @@ def test_timeout_names_rank_peer_channel(backend, comm):
                 with pytest.raises(cs.SymBufferTimeoutError) as info:
                     c.alltoallv(x, counts, recv_counts=np.zeros(comm.size, np.int64))
                 err = info.value
-                assert err.rank == 0 and err.peer == 1 and err.role == "send" and err.tail - err.head == 2
+                assert err.rank == 0 and err.peer == 1 and err.role == "send"
+                # the waiting chunk's counter is a full ring (2 slots) or more ahead of what the receiver freed
+                assert err.tail - err.head >= c.config.num_slots
                 assert "rank 0, peer 1, channel" in str(err) and "head=" in str(err) and "tail=" in str(err)
                 with pytest.raises(cs.SymBufferError, match="unusable"):
                     c.alltoall(to_backend(np.ones((comm.size, 1), np.float32), backend))

@@ -222,7 +222,7 @@ class Case:
     num_topk: int = 4
     dtype: str = "fp32"              # fp32, fp16, bf16, bf16raw, fp8 (dispatch; combine then uses bf16)
     align: int = 1
-    x_layout: str = "contig"         # contig, strided (big[:, ::2])
+    x_layout: str = "contig"         # contig, strided (big[:, ::2]), offset (C-contiguous, misaligned by 1 item)
     scales_layout: str = "contig"    # contig, colmajor, strided
     weights: bool = True
     idx_dtype: str = "int64"
@@ -251,6 +251,8 @@ CASES = [
     Case("masked_fp32_top8", routing="masked", num_experts=64, num_topk=8),
     Case("strided_x_fp16", hidden=96, dtype="fp16", x_layout="strided"),
     Case("strided_x_bf16_h7", hidden=7, dtype="bf16", x_layout="strided", routing="masked", num_experts=16),
+    Case("offset_x_bf16", hidden=64, dtype="bf16", x_layout="offset", num_topk=2),
+    Case("offset_x_fp32_weights_h6", hidden=6, dtype="fp32", x_layout="offset"),
     Case("fp8_h256", hidden=256, dtype="fp8"),
     Case("fp8_h7168_colmajor_scales", num_tokens=12, hidden=7168, num_experts=64, num_topk=8, dtype="fp8",
          scales_layout="colmajor"),
@@ -260,6 +262,22 @@ CASES = [
     Case("deepseek_like_bf16", num_tokens=1024, hidden=7168, num_experts=256, num_topk=8, dtype="bf16",
          cuda_only=True),
 ]
+
+
+def laid_out(comm, rng, a: np.ndarray, case: Case, dtype: Optional[str] = None):
+    """``a`` on the backend in the case's memory layout: ``strided`` = ``big[:, ::2]``; ``offset`` = C-contiguous
+    but starting one item into an allocation (so its address is not aligned to wider words)."""
+    dtype = dtype or case.dtype
+    n, h = a.shape
+    if case.x_layout == "strided":
+        big = make_values(rng, (n, 2 * h), dtype)
+        big[:, ::2] = a
+        return to_dev(comm, big)[:, ::2]
+    if case.x_layout == "offset":
+        flat = make_values(rng, (n * h + 1,), dtype)
+        flat[1:] = a.reshape(-1)
+        return to_dev(comm, flat)[1:].reshape(n, h)
+    return to_dev(comm, a)
 
 
 def run_case(comm, case: Case, *, key=(), handle_out: Optional[list] = None):
@@ -279,12 +297,7 @@ def run_case(comm, case: Case, *, key=(), handle_out: Optional[list] = None):
     scales_np = rng.uniform(0.5, 2.0, size=(num_tokens, case.hidden // 128)).astype(np.float32) if fp8 else None
 
     # device inputs, in the requested memory layouts
-    if case.x_layout == "strided":
-        big = make_values(rng, (num_tokens, 2 * case.hidden), case.dtype)
-        big[:, ::2] = x_np
-        x_dev = to_dev(comm, big)[:, ::2]
-    else:
-        x_dev = to_dev(comm, x_np)
+    x_dev = laid_out(comm, rng, x_np, case)
     if fp8:
         if case.scales_layout == "colmajor":
             s_dev = xp.asfortranarray(to_dev(comm, scales_np))
@@ -352,12 +365,7 @@ def run_case(comm, case: Case, *, key=(), handle_out: Optional[list] = None):
     c_dtype = "bf16" if fp8 else case.dtype
     cx = make_values(rng, (n_recv, case.hidden), c_dtype)
     cw = rng.uniform(0.05, 1.0, size=(n_recv, case.num_topk)).astype(np.float32) if case.weights else None
-    if case.x_layout == "strided":
-        big = make_values(rng, (n_recv, 2 * case.hidden), c_dtype)
-        big[:, ::2] = cx
-        cx_dev = to_dev(comm, big)[:, ::2]
-    else:
-        cx_dev = to_dev(comm, cx)
+    cx_dev = laid_out(comm, rng, cx, case, c_dtype)
     cw_dev = to_dev(comm, cw) if cw is not None else None
     kw = {"dtype": "bfloat16"} if c_dtype == "bf16raw" else {}
     combined, combined_w = comm.combine(cx_dev, handle, cw_dev, **kw)
