@@ -8,6 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _compat
+from . import moe as _moe
 from ._validate import as_array, check_counts
 from .config import Config
 from .errors import SymBufferClosedError, SymBufferError
@@ -218,24 +219,28 @@ class Communicator:
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
-        """See :func:`cupy_symbuf.moe.get_dispatch_layout`."""
-        from . import moe
+        # docstring: cupy_symbuf.moe.get_dispatch_layout (assigned below)
         self._check_open()
-        return moe.get_dispatch_layout(self, topk_idx, num_experts)
+        return _moe.get_dispatch_layout(self, topk_idx, num_experts)
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, *, handle=None, expert_alignment=1):
-        """See :func:`cupy_symbuf.moe.dispatch`."""
-        from . import moe
+        # docstring: cupy_symbuf.moe.dispatch (assigned below)
         self._check_open()
-        return moe.dispatch(self, x, topk_idx, topk_weights, num_experts, handle=handle,
+        return _moe.dispatch(self, x, topk_idx, topk_weights, num_experts, handle=handle,
                             expert_alignment=expert_alignment)
 
-    def combine(self, x, handle, topk_weights=None, **kwargs):
-        """See :func:`cupy_symbuf.moe.combine`."""
-        from . import moe
+    def combine(self, x, handle, topk_weights=None, *, dtype=None):
+        # docstring: cupy_symbuf.moe.combine (assigned below)
         self._check_open()
-        return moe.combine(self, x, handle, topk_weights, **kwargs)
+        return _moe.combine(self, x, handle, topk_weights, dtype=dtype)
 
     def __repr__(self) -> str:
         return (f"Communicator(backend={self.backend!r}, rank={getattr(self, 'rank', '?')}, "
                 f"world_size={self.world_size}, num_channels={self.layout.num_channels})")
+
+
+# The MoE methods carry the full DeepEP-semantics docstrings of cupy_symbuf.moe (one text, two entry points;
+# there the communicator is the first argument ``comm``).
+Communicator.get_dispatch_layout.__doc__ = _moe.get_dispatch_layout.__doc__
+Communicator.dispatch.__doc__ = _moe.dispatch.__doc__
+Communicator.combine.__doc__ = _moe.combine.__doc__
