@@ -3,6 +3,8 @@
 #   1 rank; one rank per GPU; one rank per GPU with CUDA_VISIBLE_DEVICES set per rank (every rank sees ordinal 0);
 #   2, 4 and 8 ranks on GPU 0 under MPS. Logs go to ${OUT:-/tmp}/gpu_*.log.
 # Usage: bash .ci/gpu_suite.sh [stage...]   stages: single multi cvd mps examples bench (default: the four tests)
+#        node = the whole one-node session in one call (issue 4: 8 or 4 GPUs, one rank per GPU):
+#               single multi cvd examples bench; the bench times NCCL in the same run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -14,6 +16,7 @@ MPIRUN="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED 
 PYTEST="python3 -m pytest -q --color=no -p no:cacheprovider --timeout=${TEST_TIMEOUT:-120} ${PYTEST_ARGS:-}"
 TESTS=${TESTS:-tests}
 STAGES=${*:-single multi cvd mps}
+STAGES=${STAGES/node/single multi cvd examples bench}
 fail=0
 run() {  # name, command...
   local name=$1; shift

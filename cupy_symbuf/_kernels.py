@@ -21,14 +21,11 @@ _OPTIONS = ("-std=c++17",)
 def cuda_src_dir() -> Path:
     """Folder holding the ``.cu``/``.cuh`` files: the source tree's ``cuda_src/`` or the installed package data."""
     here = Path(__file__).resolve().parent
-    tree = here.parent / "cuda_src"
-    if (tree / "primitives.cuh").is_file():
-        return tree
-    import importlib.resources as resources
-    installed = Path(str(resources.files("cupy_symbuf.cuda_src")))
-    if (installed / "primitives.cuh").is_file():
-        return installed
-    raise FileNotFoundError(f"cupy_symbuf: CUDA sources not found in {tree} nor in the installed package")
+    # source tree (cuda_src/ beside the package), then an installed wheel (package data at cupy_symbuf/cuda_src/)
+    for candidate in (here.parent / "cuda_src", here / "cuda_src"):
+        if (candidate / "primitives.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"cupy_symbuf: CUDA sources not found in {here.parent / 'cuda_src'} nor in {here / 'cuda_src'}")
 
 
 def list_sources() -> list:
