@@ -36,8 +36,6 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
         dev = cp.cuda.Device().id
         if x.device.id != dev:
             raise TypeError(f"{op}: argument '{name}' lives on GPU {x.device.id} but this communicator uses GPU {dev}")
-        if contiguous:
-            x = cp.ascontiguousarray(x)
     else:
         if _compat.is_cupy_array(x):
             raise TypeError(f"{op}: argument '{name}' is a CuPy array but this communicator uses the host backend; "
@@ -52,8 +50,9 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
             else:
                 raise TypeError(f"{op}: argument '{name}' must be a NumPy array on the host backend, got "
                                 f"{type(x).__module__}.{type(x).__name__}")
-        if contiguous:
-            x = np.ascontiguousarray(x)
+    if x.dtype.hasobject:
+        raise TypeError(f"{op}: argument '{name}' has dtype {x.dtype}, which holds Python object references; only "
+                        f"plain-data dtypes can be moved between ranks")
     if ndim is not None and x.ndim != ndim:
         raise ValueError(f"{op}: argument '{name}' must have {ndim} dimensions, got shape {tuple(x.shape)}")
     if x.ndim < min_ndim:
@@ -62,6 +61,8 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
     if dtypes is not None and np.dtype(x.dtype) not in [np.dtype(d) for d in dtypes]:
         raise TypeError(f"{op}: argument '{name}' must have dtype in {[str(np.dtype(d)) for d in dtypes]}, "
                         f"got {x.dtype}")
+    if contiguous:  # after the ndim checks: ascontiguousarray turns a 0-d array into 1-d
+        x = cp.ascontiguousarray(x) if backend == "cuda" else np.ascontiguousarray(x)
     return x
 
 
@@ -83,9 +84,9 @@ def check_counts(op: str, name: str, counts, world_size: int, total: Optional[in
     if arr.shape != (world_size,):
         raise ValueError(f"{op}: argument '{name}' must have shape ({world_size},) (one count per rank), got "
                          f"{arr.shape}")
+    if arr.size and (arr.min() < 0 or int(arr.max()) > np.iinfo(np.int64).max):
+        raise ValueError(f"{op}: argument '{name}' must be >= 0 and fit in int64, got {arr.tolist()}")
     arr = arr.astype(np.int64)
-    if (arr < 0).any():
-        raise ValueError(f"{op}: argument '{name}' must be >= 0, got {arr.tolist()}")
     if total is not None and int(arr.sum()) != total:
         raise ValueError(f"{op}: argument '{name}' must sum to the number of rows ({total}), got sum "
                          f"{int(arr.sum())}")

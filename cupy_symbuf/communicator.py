@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -157,6 +158,9 @@ class Communicator:
         -------
         recvbuf : same array type, shape and dtype as ``sendbuf``.
 
+        Every rank must pass the same dtype and shape; that is not checked (no count exchange on this path;
+        :meth:`alltoallv` without ``recv_counts`` checks it).
+
         Raises
         ------
         TypeError
@@ -196,8 +200,13 @@ class Communicator:
         Notes
         -----
         Without ``recv_counts`` the counts are exchanged first through the symmetric buffer (the notify step);
-        every rank takes part even when it sends or receives nothing. Then every (channel, peer) ring streams its
-        share of the bytes; messages larger than the rings stream through them in chunks.
+        every rank takes part even when it sends or receives nothing, and ranks whose dtype or row shape differ
+        all raise ``ValueError``. Then every (channel, peer) ring streams its share of the bytes; messages larger
+        than the rings stream through them in chunks.
+
+        With ``recv_counts`` nothing is exchanged first, so nothing is checked across ranks: the counts must be
+        exactly what the peers send, with the same dtype and row shape, or the rings fall out of step and this and
+        later calls receive wrong bytes (as with ``MPI_Alltoallv``).
 
         Raises
         ------
@@ -211,7 +220,15 @@ class Communicator:
         x = as_array(op, "sendbuf", sendbuf, self.backend)
         send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
         if recv_counts is None:
-            meta = self._notify(send_counts.reshape(self.world_size, 1), op=op)
+            # Notify: [rows for that peer, signature of (dtype, row shape)]; every rank sees every peer's signature,
+            # so a rank whose rows differ makes all ranks raise, before any payload moves.
+            sig = zlib.crc32(f"{np.dtype(x.dtype).str}|{tuple(x.shape[1:])}".encode())
+            send_meta = np.stack([send_counts, np.full(self.world_size, sig, np.int64)], axis=1)
+            meta = self._notify(send_meta, op=op)
+            if (meta[:, 1] != sig).any():
+                bad = int(np.flatnonzero(meta[:, 1] != sig)[0])
+                raise ValueError(f"{op}: every rank must send rows of the same dtype and row shape; this rank has "
+                                 f"{x.dtype} rows of shape {tuple(x.shape[1:])} but rank {bad} does not")
             recv_counts = meta[:, 0].copy()
         else:
             recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)

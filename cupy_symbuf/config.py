@@ -6,6 +6,8 @@ Every field is validated at construction and the error names the rule, in the ma
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -22,7 +24,16 @@ DEFAULT_HOST_NUM_SMS = 4
 
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
-    return float(value) if value else default
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be a number of seconds, got {value!r}") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -59,8 +70,12 @@ class Config:
     max_notify_ints: int = 1024
 
     def __post_init__(self) -> None:
+        for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
+            value = getattr(self, name)
+            if _is_int(value):
+                object.__setattr__(self, name, int(value))
         if self.num_sms is not None:
-            if not isinstance(self.num_sms, int) or isinstance(self.num_sms, bool):
+            if not _is_int(self.num_sms):
                 raise TypeError(f"Config: num_sms must be an int, got {type(self.num_sms).__name__}")
             if self.num_sms < 2 or self.num_sms % 2:
                 raise ValueError(
@@ -74,8 +89,10 @@ class Config:
         if not isinstance(self.num_slots, int) or self.num_slots < 2:
             raise ValueError(f"Config: num_slots must be an int >= 2 (so the sender can fill one slot while the "
                              f"receiver drains another), got {self.num_slots}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"Config: timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real)
+                or not math.isfinite(self.timeout_s) or not 0 < self.timeout_s <= 1e9):
+            raise ValueError(f"Config: timeout_s must be a finite positive number of seconds (<= 1e9), got "
+                             f"{self.timeout_s!r}")
         if not isinstance(self.max_notify_ints, int) or self.max_notify_ints < 1:
             raise ValueError(f"Config: max_notify_ints must be an int >= 1, got {self.max_notify_ints!r}")
 

@@ -17,7 +17,8 @@ class SymBufferTimeoutError(SymBufferError):
 
     Attributes ``rank``, ``peer``, ``channel``, ``role`` ("send", "recv" or "notify"), ``head`` and ``tail``
     (ring counters in chunks; for notify, ``head`` is the epoch awaited and ``tail`` the epoch seen) say which
-    wait expired. The ring counters of this communicator are then inconsistent: it refuses further calls.
+    wait expired. The ring counters of this communicator (and of its peers) are then inconsistent: it refuses
+    further calls; close it on every rank and build a new Communicator.
     """
 
     def __init__(self, *, rank: int, peer: int, channel: int, role: str, head: int, tail: int,

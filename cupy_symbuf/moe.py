@@ -406,7 +406,8 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     ``num_tokens_per_rank``/``is_token_in_rank``/``num_tokens_per_expert`` arguments is computed here from
     ``topk_idx`` and ``num_experts`` (see :func:`get_dispatch_layout`). Every rank must call it, also with zero
     tokens; all ranks must pass the same ``num_experts``, ``hidden``, dtype and choice of ``topk_weights``
-    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves).
+    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves; a cached
+    dispatch with ``handle`` has no count exchange, so there it is the caller's duty).
 
     Parameters
     ----------

@@ -84,7 +84,7 @@ class SymBuffer:
     def __init__(self, comm: MPI.Comm, nbytes: int, *, backend: str = "auto"):
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"SymBuffer: comm must be an mpi4py intra-communicator, got {comm!r}")
-        if not isinstance(nbytes, (int, np.integer)) or int(nbytes) < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or int(nbytes) < 0:
             raise ValueError(f"SymBuffer: nbytes must be an int >= 0, got {nbytes!r}")
         nbytes = int(nbytes)
         self._closed = True
@@ -149,6 +149,8 @@ class SymBuffer:
         self._check_open()
         if self.backend != "host":
             raise ValueError("SymBuffer.host_view: only for backend='host'")
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"SymBuffer.host_view: rank {rank} not in [0, {self.world_size})")
         return self._host_views[rank]
 
     # ---- cuda ---------------------------------------------------------------------------------------------
@@ -234,6 +236,8 @@ class SymBuffer:
         elif isinstance(shape, (int, np.integer)):
             shape = (int(shape),)
         shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"SymBuffer.peer_view: shape must not have negative sizes, got {shape}")
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if offset_bytes + size > self.nbytes:
             raise IndexError(f"SymBuffer.peer_view: {size} bytes at offset {offset_bytes} exceed nbytes={self.nbytes}")

@@ -244,3 +244,33 @@ def test_send_buffer_filled_on_non_default_stream(default, comm, backend):
                     np.testing.assert_array_equal(host[s * 512:(s + 1) * 512], ref)
             else:
                 assert np.array_equal(host, first), f"run {run} differs"
+
+
+def test_mismatched_rows_across_ranks_raise_everywhere(small, comm, backend):
+    """A rank whose rows differ in dtype or shape: every rank raises in the notify step, before payload moves,
+    and the communicator still works afterwards."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    rng = rng_for(comm, 13)
+    counts = np.ones(comm.size, np.int64)
+    width = 5 if comm.rank == 0 else 4
+    x = random_rows(rng, comm.size, (width,), np.float32)
+    with pytest.raises(ValueError, match="same dtype and row shape"):
+        small.alltoallv(to_backend(x, backend), counts)
+    y = random_rows(rng, comm.size, (4,), np.float64 if comm.rank == 1 else np.int64)
+    with pytest.raises(ValueError, match="same dtype and row shape"):
+        small.alltoallv(to_backend(y, backend), counts)
+    good = random_rows(rng, comm.size, (4,), np.float32)
+    _check_alltoallv(small, comm, good, counts, backend)
+
+
+def test_argument_edge_cases(small, comm, backend):
+    W = comm.size
+    with pytest.raises(TypeError, match="object references"):
+        small.alltoall(np.array([object()] * W, dtype=object))
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        small.alltoall(to_backend(np.array(5.0), backend))
+    with pytest.raises(ValueError, match="fit in int64"):
+        small.alltoallv(to_backend(np.zeros((W, 1), np.float32), backend), np.full(W, 2 ** 63, np.uint64))
+    # still usable
+    _check_alltoallv(small, comm, random_rows(rng_for(comm, 14), W, (3,), np.float32), np.ones(W, np.int64), backend)

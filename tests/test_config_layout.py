@@ -80,3 +80,15 @@ def test_channel_split_covers_message(nbytes, channels):
         assert hi == lo2 and lo <= hi and lo % 16 == 0
     total = sum(num_chunks(hi - lo, 4096) for lo, hi in ranges)
     assert total >= (nbytes + 4095) // 4096
+
+
+def test_config_accepts_numpy_ints_and_rejects_odd_numbers(monkeypatch):
+    import numpy as np
+    cfg = cs.Config(chunk_bytes=np.int64(256), num_slots=np.int32(4), num_sms=np.int64(8))
+    assert (cfg.chunk_bytes, cfg.num_slots, cfg.num_sms) == (256, 4, 8) and type(cfg.chunk_bytes) is int
+    for bad in (True, float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="timeout_s"):
+            cs.Config(timeout_s=bad)
+    monkeypatch.setenv("CUPY_SYMBUF_TIMEOUT_S", "abc")
+    with pytest.raises(ValueError, match="CUPY_SYMBUF_TIMEOUT_S"):
+        cs.Config()

@@ -96,3 +96,16 @@ def test_bad_arguments(backend, comm):
             buf.peer_view(0, np.float64, (9,))
         with pytest.raises(ValueError, match="multiple of the itemsize"):
             buf.peer_view(0, np.float32, (1,), offset_bytes=2)
+
+
+def test_view_and_size_edge_cases(backend, comm):
+    with pytest.raises(ValueError, match="nbytes"):
+        cs.SymBuffer(comm, True, backend=backend)
+    with cs.SymBuffer(comm, 64, backend=backend) as buf:
+        with pytest.raises(ValueError, match="negative"):
+            buf.peer_view(0, np.float32, (-1,))
+        if backend == "host":
+            with pytest.raises(IndexError):
+                buf.host_view(-1)
+            with pytest.raises(IndexError):
+                buf.host_view(comm.size)
