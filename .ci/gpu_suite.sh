@@ -2,7 +2,7 @@
 # GPU test suite, run from the source tree on a GPU machine with Open MPI (the device machine):
 #   1 rank; one rank per GPU; one rank per GPU with CUDA_VISIBLE_DEVICES set per rank (every rank sees ordinal 0);
 #   2, 4 and 8 ranks on GPU 0 under MPS. Logs go to ${OUT:-/tmp}/gpu_*.log.
-# Usage: bash .ci/gpu_suite.sh [stage...]   stages: single multi cvd mps examples bench (default: the four tests)
+# Usage: bash .ci/gpu_suite.sh [stage...]   stages: single multi cvd mps examples bench sweep (default: the four tests)
 #        node = the whole one-node session in one call (issue 4: 8 or 4 GPUs, one rank per GPU):
 #               single multi cvd examples bench; the bench times NCCL in the same run.
 set -uo pipefail
@@ -43,6 +43,12 @@ for stage in $STAGES; do
       run example_alltoall $MPIRUN -n $NGPU python3 examples/alltoall.py
       [ -f examples/moe_layer.py ] && run example_moe $MPIRUN -n $NGPU python3 examples/moe_layer.py ;;
     bench) run bench $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --sizes ${BENCH_SIZES:-1M,16M,128M,1G} ;;
+    sweep)  # Config sweep (each size checked against NumPy before it is timed); NCCL once, in the bench stage
+      for cfg in "--num-sms 24" "--num-sms 32 --chunk-bytes 128K --num-slots 8" "--num-sms 48 --chunk-bytes 128K --num-slots 8" \
+                 "--num-sms 64 --chunk-bytes 128K --num-slots 8" "--num-sms 32 --chunk-bytes 256K --num-slots 4"; do
+        run "sweep${cfg// /}" $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --no-reference --sizes 16M,128M,1G $cfg
+        grep -E "ours" "$LOG/gpu_sweep${cfg// /}.log"
+      done ;;
   esac
 done
 exit $fail

@@ -117,7 +117,15 @@ def main(argv=None) -> int:
             print(f"{'size/rank':>10} {'engine':>12} {'time_us':>10} {'algbw_GB/s':>11} {'busbw_GB/s':>11}")
         for size in [parse_size(s) for s in args.sizes.split(",")]:
             per_peer = size // W
-            x = xp.asarray(np.random.default_rng(me).integers(0, 255, (W, per_peer), dtype=np.uint8))
+            host_x = np.random.default_rng([me, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)
+            x = xp.asarray(host_x)
+            # Correct first: one checked exchange per size against the NumPy reference before any timing.
+            got = c.alltoall(x)
+            got = got.get() if hasattr(got, "get") else got
+            expected = np.stack([np.random.default_rng([j, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)[me]
+                                 for j in range(W)])
+            if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
+                raise RuntimeError(f"bench: alltoall of {_fmt(W * per_peer)} per rank gave wrong data; not timing it")
             rows = {"ours": timer.time(lambda: c.alltoall(x), args.iters, args.warmup, comm)}
             if not args.no_reference:
                 if c.backend == "cuda":

@@ -1,0 +1,23 @@
+"""The benchmark entry point runs (tiny sizes, host path) and checks its data before timing; no timing asserted."""
+import json
+
+from mpi4py import MPI
+
+from cupy_symbuf import bench
+
+
+def test_parse_size():
+    assert bench.parse_size("16M") == 16 << 20 and bench.parse_size("1G") == 1 << 30
+    assert bench.parse_size("4KiB") == 4096 and bench.parse_size("1000") == 1000
+
+
+def test_bench_runs_and_reports(tmp_path):
+    path = MPI.COMM_WORLD.bcast(str(tmp_path / "bench.json"), root=0)
+    assert bench.main(["--backend", "host", "--sizes", "64K", "--iters", "2", "--warmup", "1", "--json", path]) == 0
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        rows = json.load(open(path))
+        engines = {r["engine"] for r in rows}
+        assert engines == {"ours", "mpi"}
+        assert all(r["time_us"] > 0 and r["size_per_rank"] == 64 * 1024 // MPI.COMM_WORLD.Get_size()
+                   * MPI.COMM_WORLD.Get_size() for r in rows)
