@@ -64,7 +64,6 @@ class CudaTransport:
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
         self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv")
         self._k_notify = _kernels.get_function("alltoall.cu", "symbuf_notify")
-        self.broken = None
 
     def close(self) -> None:
         self._status.free()
@@ -80,7 +79,6 @@ class CudaTransport:
             err = SymBufferTimeoutError(rank=int(info[2]), peer=int(info[3]), channel=int(info[4]),
                                         role=_ROLES.get(int(info[1]), str(info[1])), head=int(info[5]),
                                         tail=int(info[6]), timeout_s=self.timeout_s, op=op)
-            self.broken = str(err)
             raise err
 
     def alltoallv(self, src, send_off, send_len, dst, recv_off, recv_len, op: str = "alltoallv") -> None:
