@@ -1,5 +1,7 @@
 """The benchmark entry point runs (tiny sizes, host path) and checks its data before timing; no timing asserted."""
 import json
+import os
+import tempfile
 
 from mpi4py import MPI
 
@@ -11,8 +13,9 @@ def test_parse_size():
     assert bench.parse_size("4KiB") == 4096 and bench.parse_size("1000") == 1000
 
 
-def test_bench_runs_and_reports(tmp_path):
-    path = MPI.COMM_WORLD.bcast(str(tmp_path / "bench.json"), root=0)
+def test_bench_runs_and_reports():
+    # One file made by rank 0 (pytest's tmp_path would make every rank clean one shared base folder: a race).
+    path = MPI.COMM_WORLD.bcast(tempfile.mkstemp(suffix=".json")[1] if MPI.COMM_WORLD.Get_rank() == 0 else None)
     assert bench.main(["--backend", "host", "--sizes", "64K", "--iters", "2", "--warmup", "1", "--json", path]) == 0
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.Get_rank() == 0:
@@ -21,3 +24,4 @@ def test_bench_runs_and_reports(tmp_path):
         assert engines == {"ours", "mpi"}
         assert all(r["time_us"] > 0 and r["size_per_rank"] == 64 * 1024 // MPI.COMM_WORLD.Get_size()
                    * MPI.COMM_WORLD.Get_size() for r in rows)
+        os.remove(path)
