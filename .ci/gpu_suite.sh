@@ -44,9 +44,8 @@ for stage in $STAGES; do
       [ -f examples/moe_layer.py ] && run example_moe $MPIRUN -n $NGPU python3 examples/moe_layer.py ;;
     bench) run bench $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --sizes ${BENCH_SIZES:-1M,16M,128M,1G} ;;
     sweep)  # Config sweep (each size checked against NumPy before it is timed); NCCL once, in the bench stage
-      for cfg in "--num-sms 24" "--num-sms 24 --num-slots 32" "--num-sms 24 --chunk-bytes 32K --num-slots 64" \
-                 "--num-sms 32 --chunk-bytes 128K --num-slots 8" "--num-sms 32 --chunk-bytes 128K --num-slots 32" \
-                 "--num-sms 64 --chunk-bytes 128K --num-slots 8"; do
+      for cfg in ${SWEEP:-"--num-sms 24 --num-slots 32" "--num-sms 24 --chunk-bytes 128K --num-slots 16" \
+                 "--num-sms 32" "--num-sms 48" "--num-sms 64 --chunk-bytes 128K --num-slots 8"}; do
         run "sweep${cfg// /}" $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --no-reference --sizes 16M,128M,1G $cfg
         grep -E "ours" "$LOG/gpu_sweep${cfg// /}.log"
       done ;;

@@ -3,66 +3,93 @@
 // Grid: 2 * num_channels blocks. Block 2c sends for channel c, block 2c+1 receives for it (sender and receiver
 // on different SMs). Inside a block the warps are split into world_size warp groups, one per peer, so every
 // (channel, source, destination) stream progresses on its own and no peer can block another.
+// What moves is described by the launch descriptor (layout.cuh, DESC_*): per peer a stream of rows, each row
+// gathered from up to 4 parts on the send side (MoE dispatch: x | scales | topk_idx | weights of the token
+// index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte stream.
 //
 // Ring protocol per (channel c, sender s, receiver d), counters in chunks, only growing, slot = counter % num_slots:
-//   sender:   each warp owns every warps_per_peer-th chunk: wait while tail - head == num_slots (backpressure;
-//             head read with ld.acquire.sys from our own buffer, where d's receiver writes it), copy the chunk
-//             into d's ring, __syncwarp, then lane 0 publishes tail = chunk + 1 into d's buffer with
-//             st.release.sys, in chunk order (it waits for the previous chunk's warp to publish first).
+//   sender (v3): each warp owns every warps_per_peer-th chunk: lane 0 waits while tail - head == num_slots
+//             (backpressure; head read with ld.acquire.sys from our own buffer, where d's receiver writes it);
+//             the warp copies the chunk into d's ring; __syncwarp; lane 0 fences (fence.acq_rel.sys: the warp's
+//             payload stores are visible system-wide; all warps fence in parallel), then, in chunk order (a
+//             shared counter handed from warp to warp with st.release.cta / ld.acquire.cta), publishes
+//             tail = chunk + 1 into d's buffer with red.release.sys.max (max: tail stays monotonic whatever order
+//             the updates of different warps arrive in).
 //   receiver: poll tail with ld.acquire.sys, copy every available chunk out (.cg loads), sync the warp group,
 //             publish head into s's buffer with st.release.sys.
 // Every wait is bounded by timeout_ns; on expiry the error record names rank, peer, channel, head and tail.
 #include "layout.cuh"
 
 extern "C" __global__ void __launch_bounds__(1024)
-symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
-                 const i64* __restrict__ send_off, const i64* __restrict__ send_len,
-                 const i64* __restrict__ recv_off, const i64* __restrict__ recv_len,
-                 const u64* __restrict__ peer_bases, int rank, int world_size, int num_channels,
-                 i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
-                 i64 notify_offset, i64 notify_slot_bytes, u64 timeout_ns, i64* status) {
-  const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
+symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_bases, i64* status) {
+  __shared__ i64 s_desc[DESC_WORDS];
+  __shared__ i64 s_avail[SYMBUF_MAX_PEERS];
+  __shared__ u64 s_pub[SYMBUF_MAX_PEERS];
+  __shared__ int s_abort[SYMBUF_MAX_PEERS];
+  for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc[i];  // one round trip to the host
+  __syncthreads();
+  const int rank = static_cast<int>(s_desc[DESC_RANK]);
+  const int world_size = static_cast<int>(s_desc[DESC_WORLD_SIZE]);
+  const int num_channels = static_cast<int>(s_desc[DESC_NUM_CHANNELS]);
+  const Layout L{s_desc[DESC_REGION_BYTES], s_desc[DESC_CHANNEL_BYTES], s_desc[DESC_NUM_SLOTS],
+                 s_desc[DESC_CHUNK_BYTES], 0, 0};
+  const i64 num_slots = L.num_slots, chunk_bytes = L.chunk_bytes;
+  const u64 timeout_ns = static_cast<u64>(s_desc[DESC_TIMEOUT_NS]);
+  const i64 row_bytes = s_desc[DESC_ROW_BYTES];
+
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5;
   const int warps_per_peer = (blockDim.x >> 5) / world_size;
   const int peer = warp / warps_per_peer;
-  if (peer >= world_size) return;
+  if (peer >= world_size || row_bytes <= 0) return;
   const int nthreads = warps_per_peer * 32;
   const int tid = threadIdx.x - peer * nthreads;
   const bool leader = tid == 0;
   const int bar_id = 1 + peer;
 
-  __shared__ i64 s_avail[32];
-  __shared__ u64 s_pub[32];
-  __shared__ int s_abort[32];
-
-  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
-  u8* peer_base = reinterpret_cast<u8*>(peer_bases[peer]);
-  const i64 n = is_sender ? send_len[peer] : recv_len[peer];
+  const i64* peers = s_desc + DESC_PEERS;
+  RowStream stream;
+  stream.row_bytes = row_bytes;
+  if (is_sender) {
+    stream.parts = reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS);
+    stream.num_parts = static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]);
+    stream.index = reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]);
+    stream.row0 = peers[peer];
+  } else {
+    stream.parts = reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS);
+    stream.num_parts = static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]);
+    stream.index = reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]);
+    stream.row0 = peers[2 * world_size + peer];
+  }
+  const i64 rows = is_sender ? peers[world_size + peer] : peers[3 * world_size + peer];
   i64 lo, hi;
-  channel_range(n, channel, num_channels, lo, hi);
+  channel_range(rows, channel, num_channels, s_desc[DESC_ROW_ALIGN], lo, hi);
+  lo *= row_bytes;  // bytes of this peer's stream carried by this channel
+  hi *= row_bytes;
   const i64 nchunks = (hi - lo + chunk_bytes - 1) / chunk_bytes;
   if (nchunks <= 0) return;
   if (leader) s_abort[peer] = 0;
 
+  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
+  u8* peer_base = reinterpret_cast<u8*>(peer_bases[peer]);
   if (is_sender) {
-    // Each warp of the group owns every warps_per_peer-th chunk, copies it alone and publishes it in order:
-    // while one warp waits for its stores to be acknowledged (the release fence, one NVLink round trip), the
-    // other warps keep copying. s_pub[peer] is the last tail published by this group (shared memory).
+    // Each warp of the group owns every warps_per_peer-th chunk, copies it alone, fences its own stores, then
+    // publishes in chunk order; s_pub[peer] is the last tail published by this group (shared memory). The slow
+    // part (the fence: every store of the chunk acknowledged over NVLink) overlaps across warps; the in-order
+    // part is a shared-memory hand-off and one fire-and-forget remote max.
     u8* remote_region = peer_base + L.region(channel, rank);
     u64* remote_tail = reinterpret_cast<u64*>(remote_region + SYMBUF_TAIL_OFFSET);
     u8* remote_ring = remote_region + SYMBUF_RING_OFFSET;
     u8* local_region = my_base + L.region(channel, peer);
     const u64* local_head = reinterpret_cast<const u64*>(local_region + SYMBUF_HEAD_OFFSET);
     u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_SEND_TAIL_OFFSET);
-    const u8* src = send_buf + send_off[peer];
     const u64 tail0 = *state;  // written by this group's leader at the end of the previous launch
     const int lane = tid & 31;
     const int warp_in_group = tid >> 5;
-    volatile u64* pub = reinterpret_cast<volatile u64*>(&s_pub[peer]);
+    u64* pub = &s_pub[peer];
     volatile int* abort_flag = &s_abort[peer];
-    if (leader) *pub = tail0;
+    if (leader) st_release_cta(pub, tail0);
     group_sync(bar_id, nthreads);
     u64 head = 0;
     if (lane == 0) head = ld_acquire_sys_global(local_head);
@@ -79,17 +106,18 @@ symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
       if (*abort_flag) break;
       const i64 off = lo + k * chunk_bytes;
       const i64 len = min(chunk_bytes, hi - off);
-      copy_bytes<false>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, src + off,
-                        len, lane, 32);
-      __syncwarp();  // the warp's payload stores precede lane 0's release below
+      stream.copy<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, off, len,
+                        lane, 32);
+      __syncwarp();  // the warp's payload stores precede lane 0's fence below
       if (lane == 0) {
+        fence_acq_rel_sys();  // this warp's payload is visible system-wide (overlaps with other warps' copies)
         SpinBudget spin(timeout_ns);
-        while (*pub != t && !*abort_flag) {  // publish in order: chunk t - 1 first
+        while (ld_acquire_cta(pub) != t && !*abort_flag) {  // publish in order: chunk t - 1 first
           if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, t)) { *abort_flag = 1; break; }
         }
         if (!*abort_flag) {
-          st_release_sys_global(remote_tail, t + 1);
-          *pub = t + 1;
+          red_release_sys_max_global(remote_tail, t + 1);  // release: also covers the chunks acquired via pub
+          st_release_cta(pub, t + 1);
         }
       }
       __syncwarp();
@@ -99,10 +127,9 @@ symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
   } else {
     u8* local_region = my_base + L.region(channel, peer);
     const u64* local_tail = reinterpret_cast<const u64*>(local_region + SYMBUF_TAIL_OFFSET);
-    const u8* local_ring = local_region + SYMBUF_RING_OFFSET;
+    u8* local_ring = local_region + SYMBUF_RING_OFFSET;
     u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_RECV_HEAD_OFFSET);
     u64* remote_head = reinterpret_cast<u64*>(peer_base + L.region(channel, rank) + SYMBUF_HEAD_OFFSET);
-    u8* dst = recv_buf + recv_off[peer];
     u64 head = *state;
     u64 tail = head;
     i64 k = 0;
@@ -121,8 +148,8 @@ symbuf_alltoallv(const u8* __restrict__ send_buf, u8* __restrict__ recv_buf,
       for (i64 j = 0; j < avail; ++j) {
         const i64 off = lo + (k + j) * chunk_bytes;
         const i64 len = min(chunk_bytes, hi - off);
-        copy_bytes<true>(dst + off, local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes,
-                         len, tid, nthreads);
+        stream.copy<false>(local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes,
+                           off, len, tid, nthreads);
       }
       group_sync(bar_id, nthreads);  // all reads of these slots are done before the sender may reuse them
       head += avail;

@@ -27,11 +27,69 @@ struct Layout {
   }
 };
 
-// Bytes [lo, hi) of an n-byte message carried by `channel` (same formula as layout.channel_byte_range).
-__device__ __forceinline__ void channel_range(i64 n, int channel, int num_channels, i64& lo, i64& hi) {
-  lo = (n * channel / num_channels) / 16 * 16;
-  hi = (channel == num_channels - 1) ? n : (n * (channel + 1) / num_channels) / 16 * 16;
+// Rows [lo, hi) of an n-row stream carried by `channel`, boundaries rounded down to multiples of `align` rows
+// (same formula as layout.channel_row_range; byte streams use 1-byte rows and align = 16).
+__device__ __forceinline__ void channel_range(i64 n, int channel, int num_channels, i64 align, i64& lo, i64& hi) {
+  lo = (n * channel / num_channels) / align * align;
+  hi = (channel == num_channels - 1) ? n : (n * (channel + 1) / num_channels) / align * align;
 }
+
+// ---- launch descriptor of symbuf_alltoallv ------------------------------------------------------------------
+// int64 words in host-mapped pinned memory, written by cupy_symbuf/_cuda.py (its DESC_* constants must match;
+// tests/test_kernels_compile.py checks) and loaded into shared memory by every block at launch.
+// A "row stream" is the rows one rank sends to (or receives from) one peer. A row is the concatenation of up to
+// SYMBUF_MAX_PARTS parts; part i of row r is `width` bytes at base + token(r) * stride, where token(r) is
+// index[r] (a device int64 array) or r itself when there is no index. Byte streams are rows of 1 byte.
+#define SYMBUF_MAX_PARTS 4
+#define SYMBUF_MAX_PEERS 32
+enum {
+  DESC_RANK = 0, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS,
+  DESC_CHUNK_BYTES, DESC_TIMEOUT_NS,                     // static: from ChannelLayout.kernel_args() and Config
+  DESC_ROW_BYTES = 8, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS,
+  DESC_SEND_PARTS = 16,                                  // SYMBUF_MAX_PARTS x {base, stride, width, offset in row}
+  DESC_RECV_PARTS = 32,
+  DESC_PEERS = 48,                                       // [4][world_size]: send row offset, send rows,
+                                                         //                  recv row offset, recv rows
+  DESC_WORDS = DESC_PEERS + 4 * SYMBUF_MAX_PEERS
+};
+
+struct Part {
+  i64 base, stride, width, offset;  // bytes; offset = first byte of the part inside the packed row
+};
+
+// One side of one peer's row stream, with its parts in shared memory.
+struct RowStream {
+  const Part* parts;
+  int num_parts;
+  i64 row_bytes;
+  const i64* index;  // row -> token, or nullptr (identity)
+  i64 row0;          // first row of this peer's stream (into index, or into the parts' rows)
+
+  // Copy packed-stream bytes [b0, b0 + n) (relative to row0) between the parts and the contiguous `flat`
+  // (a ring slot). kToFlat: parts -> flat (sender, read-only source); else flat -> parts (receiver, ring source).
+  template <bool kToFlat>
+  __device__ __forceinline__ void copy(u8* flat, i64 b0, i64 n, int tid, int nthreads) const {
+    if (num_parts == 1 && index == nullptr && parts[0].stride == parts[0].width) {  // dense: one span
+      u8* p = reinterpret_cast<u8*>(parts[0].base) + row0 * row_bytes + b0;
+      if (kToFlat) copy_bytes<false>(flat, p, n, tid, nthreads);
+      else copy_bytes<true>(p, flat, n, tid, nthreads);
+      return;
+    }
+    for (i64 b = b0, end = b0 + n; b < end;) {
+      const i64 r = b / row_bytes;
+      const i64 w = b - r * row_bytes;
+      int i = 0;
+      while (i + 1 < num_parts && w >= parts[i + 1].offset) ++i;
+      const Part& P = parts[i];
+      const i64 seg = min(end - b, P.offset + P.width - w);
+      const i64 token = index ? __ldg(index + row0 + r) : row0 + r;
+      u8* p = reinterpret_cast<u8*>(P.base) + token * P.stride + (w - P.offset);
+      if (kToFlat) copy_bytes<false>(flat + (b - b0), p, seg, tid, nthreads);
+      else copy_bytes<true>(p, flat + (b - b0), seg, tid, nthreads);
+      b += seg;
+    }
+  }
+};
 
 // Error record (i64[8], host-mapped): [0] set to 1 by the first failing wait; then role, rank, peer, channel,
 // head, tail. Roles: 0 = send (waiting for space), 1 = recv (waiting for data), 2 = notify.

@@ -45,8 +45,28 @@ class _Pinned:
             self.ptr = 0
 
 
+# Words of the alltoallv launch descriptor; must match the DESC_* enum of cuda_src/layout.cuh (a CPU test checks).
+DESC_RANK, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS, \
+    DESC_CHUNK_BYTES, DESC_TIMEOUT_NS = range(8)
+DESC_ROW_BYTES, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS = \
+    range(8, 14)
+DESC_SEND_PARTS = 16
+DESC_RECV_PARTS = 32
+DESC_PEERS = 48
+MAX_PARTS = 4
+MAX_PEERS = 32
+DESC_WORDS = DESC_PEERS + 4 * MAX_PEERS
+
+
+def part_geometry(a) -> tuple:
+    """``(base address, row stride, row width)`` in bytes of a 2-D array whose rows are contiguous."""
+    width = a.shape[1] * a.dtype.itemsize
+    stride = a.strides[0] if a.shape[0] > 1 else width
+    return int(a.data.ptr), int(stride), int(width)
+
+
 class CudaTransport:
-    """Runs alltoallv byte streams and the notify step over a cuda :class:`~cupy_symbuf.SymBuffer`."""
+    """Runs row streams (alltoallv) and the notify step over a cuda :class:`~cupy_symbuf.SymBuffer`."""
 
     def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
         self.buf = buf
@@ -58,8 +78,15 @@ class CudaTransport:
         self.timeout_ns = np.uint64(int(timeout_s * 1e9))
         self._status = _Pinned(_STATUS_INTS)
         self._meta = _Pinned(self.world_size * layout.max_notify_ints)
-        # send_off, send_len, recv_off, recv_len: read by the kernel straight from pinned host memory (no copy)
-        self._offsets = _Pinned(4 * self.world_size)
+        self._meta_in = _Pinned(self.world_size * layout.max_notify_ints)
+        # The launch descriptor, read by the kernel straight from pinned host memory (one round trip per block)
+        self._desc = _Pinned(DESC_WORDS)
+        d = self._desc.array
+        d[DESC_RANK], d[DESC_WORLD_SIZE], d[DESC_NUM_CHANNELS] = self.rank, self.world_size, layout.num_channels
+        d[DESC_REGION_BYTES], d[DESC_CHANNEL_BYTES] = layout.region_bytes, layout.channel_bytes
+        d[DESC_NUM_SLOTS], d[DESC_CHUNK_BYTES], d[DESC_TIMEOUT_NS] = layout.num_slots, layout.chunk_bytes, \
+            int(self.timeout_ns)
+        self._desc_args = (np.uint64(self._desc.ptr), buf.peer_ptrs_device, np.uint64(self._status.ptr))
         self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
         self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv")
@@ -68,7 +95,8 @@ class CudaTransport:
     def close(self) -> None:
         self._status.free()
         self._meta.free()
-        self._offsets.free()
+        self._meta_in.free()
+        self._desc.free()
 
     def _check(self, op: str, stream) -> None:
         stream.synchronize()
@@ -81,31 +109,57 @@ class CudaTransport:
                                         tail=int(info[6]), timeout_s=self.timeout_s, op=op)
             raise err
 
-    def alltoallv(self, src, send_off, send_len, dst, recv_off, recv_len, op: str = "alltoallv") -> None:
-        """``src``/``dst``: CuPy arrays (any dtype, contiguous); offsets/lengths in bytes, host int64 ``[W]``.
+    def exchange_rows(self, send_parts, send_index, send_counts, recv_parts, recv_counts, op: str) -> None:
+        """Send rows to every peer and receive rows from every peer, in one kernel launch on the current stream.
 
-        Launches on the current stream and waits for it (the error record must be read before returning).
+        ``send_parts``: 2-D CuPy arrays ``[n, cols_i]`` with contiguous rows (any row stride); a sent row is the
+        concatenation of the parts' rows ``send_index[r]`` (``send_index``: int64 CuPy array ``[sum(send_counts)]``,
+        or None for rows ``0, 1, ...``), grouped by destination (``send_counts`` int64 ``[W]``). ``recv_parts``:
+        C-contiguous 2-D CuPy arrays ``[sum(recv_counts), cols_i]`` with the same byte widths, filled in order.
+        Waits for the stream (the error record must be read before returning).
         """
         cp = _compat.cupy
-        stream = cp.cuda.get_current_stream()
         W = self.world_size
-        offs = self._offsets.array
-        offs[0:W], offs[W:2 * W], offs[2 * W:3 * W], offs[3 * W:4 * W] = send_off, send_len, recv_off, recv_len
-        base = self._offsets.ptr
-        args = (np.uint64(src.data.ptr if src.size else 0), np.uint64(dst.data.ptr if dst.size else 0),
-                np.uint64(base), np.uint64(base + 8 * W), np.uint64(base + 16 * W), np.uint64(base + 24 * W),
-                self.buf.peer_ptrs_device, np.int32(self.rank), np.int32(W), np.int32(self.layout.num_channels),
-                *self._layout_args, self.timeout_ns, np.uint64(self._status.ptr))
-        self._k_alltoallv((2 * self.layout.num_channels,), (self.threads,), args)
+        sgeo = [part_geometry(a) for a in send_parts]
+        rgeo = [part_geometry(a) for a in recv_parts]
+        row_bytes = sum(g[2] for g in sgeo)
+        if row_bytes == 0 or (not send_counts.any() and not recv_counts.any()):
+            return  # nothing moves; ring counters unchanged on every rank alike
+        d = self._desc.array
+        scounts, rcounts = send_counts, recv_counts
+        if len(sgeo) == 1 and len(rgeo) == 1 and send_index is None and sgeo[0][1] == row_bytes \
+                and rgeo[0][1] == row_bytes:
+            # dense on both sides: a byte stream (1-byte rows; channel boundaries 16-byte aligned)
+            sgeo = [(sgeo[0][0], 1, 1)]
+            rgeo = [(rgeo[0][0], 1, 1)]
+            scounts, rcounts = send_counts * row_bytes, recv_counts * row_bytes
+            d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = 1, 16
+        else:
+            d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = row_bytes, 1
+        d[DESC_SEND_INDEX] = 0 if send_index is None else send_index.data.ptr
+        d[DESC_RECV_INDEX] = 0
+        for base, geo in ((DESC_SEND_PARTS, sgeo), (DESC_RECV_PARTS, rgeo)):
+            off = 0
+            for i, (ptr, stride, width) in enumerate(geo):
+                d[base + 4 * i: base + 4 * i + 4] = (ptr, stride, width, off)
+                off += width
+        d[DESC_NUM_SEND_PARTS], d[DESC_NUM_RECV_PARTS] = len(sgeo), len(rgeo)
+        peers = d[DESC_PEERS: DESC_PEERS + 4 * W].reshape(4, W)
+        peers[1], peers[3] = scounts, rcounts
+        peers[0, 0] = peers[2, 0] = 0
+        np.cumsum(scounts[:-1], out=peers[0, 1:])
+        np.cumsum(rcounts[:-1], out=peers[2, 1:])
+        stream = cp.cuda.get_current_stream()
+        self._k_alltoallv((2 * self.layout.num_channels,), (self.threads,), self._desc_args)
         self._check(op, stream)
 
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify") -> np.ndarray:
         cp = _compat.cupy
         stream = cp.cuda.get_current_stream()
         W, M = send_meta.shape
-        dev_meta = cp.asarray(np.ascontiguousarray(send_meta, dtype=np.int64))
+        self._meta_in.array[: W * M] = send_meta.reshape(-1)  # read by the kernel from pinned memory
         threads = max(32, min(1024, (W + 31) // 32 * 32))
-        args = (dev_meta, np.uint64(self._meta.ptr), np.int32(M), np.int64(epoch), self.buf.peer_ptrs_device,
+        args = (np.uint64(self._meta_in.ptr), np.uint64(self._meta.ptr), np.int32(M), np.int64(epoch), self.buf.peer_ptrs_device,
                 np.int32(self.rank), np.int32(W), *self._layout_args, self.timeout_ns, np.uint64(self._status.ptr))
         self._k_notify((1,), (threads,), args)
         self._check(op, stream)

@@ -33,6 +33,42 @@ class HostTransport:
     def _u64(self, rank: int, offset: int) -> np.ndarray:
         return self.views[rank][offset: offset + 8].view(np.uint64)
 
+    # ---- row streams -----------------------------------------------------------------------------------------
+    def exchange_rows(self, send_parts, send_index, send_counts, recv_parts, recv_counts, op: str) -> None:
+        """Host twin of :meth:`CudaTransport.exchange_rows` (same arguments, NumPy arrays): rows are packed
+        into one contiguous byte array (NumPy gathers), streamed through the rings, and unpacked into the parts."""
+        n_send = int(send_counts.sum())
+        n_recv = int(recv_counts.sum())
+        widths = [a.shape[1] * a.dtype.itemsize for a in send_parts]
+        row_bytes = sum(widths)
+        if row_bytes == 0 or (n_send == 0 and n_recv == 0):
+            return
+        if len(send_parts) == 1 and send_index is None and send_parts[0].flags.c_contiguous:
+            packed = send_parts[0].reshape(-1).view(np.uint8)
+        else:
+            packed = np.empty((n_send, row_bytes), dtype=np.uint8)
+            col = 0
+            for a, w in zip(send_parts, widths):
+                rows = a if send_index is None else a[send_index]
+                packed[:, col: col + w] = np.ascontiguousarray(rows).view(np.uint8).reshape(n_send, w)
+                col += w
+            packed = packed.reshape(-1)
+        if len(recv_parts) == 1:
+            dst = recv_parts[0].reshape(-1).view(np.uint8)
+        else:
+            dst = np.empty(n_recv * row_bytes, dtype=np.uint8)
+        send_len = send_counts * row_bytes
+        recv_len = recv_counts * row_bytes
+        send_off = np.concatenate([[0], np.cumsum(send_len)[:-1]]).astype(np.int64)
+        recv_off = np.concatenate([[0], np.cumsum(recv_len)[:-1]]).astype(np.int64)
+        self.alltoallv(packed, send_off, send_len, dst, recv_off, recv_len, op=op)
+        if len(recv_parts) > 1:
+            rows = dst.reshape(n_recv, row_bytes)
+            col = 0
+            for a, w in zip(recv_parts, widths):
+                a.view(np.uint8).reshape(n_recv, w)[:] = rows[:, col: col + w]
+                col += w
+
     # ---- alltoallv ------------------------------------------------------------------------------------------
     def alltoallv(self, src: np.ndarray, send_off, send_len, dst: np.ndarray, recv_off, recv_len,
                   op: str = "alltoallv") -> None:

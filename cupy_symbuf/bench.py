@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--num-sms", type=int, default=None, help="Config.num_sms (default: per device)")
     ap.add_argument("--chunk-bytes", type=parse_size, default=None)
-    ap.add_argument("--num-slots", type=int, default=16)
+    ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
     ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
     args = ap.parse_args(argv)
@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     if args.backend != "host":
         select_device(comm)
-    cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, num_slots=args.num_slots)
+    cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes,
+                 **({} if args.num_slots is None else {"num_slots": args.num_slots}))
     results = []
     with Communicator(comm, cfg, backend=args.backend) as c:
         W, me, xp = c.world_size, c.rank, c.xp

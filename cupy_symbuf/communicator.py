@@ -126,22 +126,27 @@ class Communicator:
         self._epoch += 1
         return self._run(self._transport.notify, send_meta, self._epoch, op=op)
 
+    def _exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
+                       recv_counts: np.ndarray) -> None:
+        """Row exchange of the transport (both backends): a sent row is the concatenation of row ``send_index[r]``
+        (or ``r``) of every 2-D array of ``send_parts`` (rows contiguous, any row stride), rows grouped by
+        destination; received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``.
+        """
+        for a in list(send_parts) + list(recv_parts):
+            if a.ndim != 2 or (a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize):
+                raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no contiguous rows")
+        if len(send_parts) > 4:
+            raise AssertionError(f"{op}: internal: at most 4 parts")
+        self._run(self._transport.exchange_rows, list(send_parts), send_index, send_counts, list(recv_parts),
+                  recv_counts, op=op)
+
     def _move(self, op: str, send, send_counts: np.ndarray, recv_counts: np.ndarray):
         """Move rows of the contiguous array ``send`` (grouped by destination) and return the received array."""
-        xp = self.xp
         row_shape = tuple(send.shape[1:])
-        row_bytes = int(np.dtype(send.dtype).itemsize * math.prod(row_shape))
-        recv = xp.empty((int(recv_counts.sum()),) + row_shape, dtype=send.dtype)
-        send_len = send_counts * row_bytes
-        recv_len = recv_counts * row_bytes
-        send_off = np.concatenate([[0], np.cumsum(send_len)[:-1]]).astype(np.int64)
-        recv_off = np.concatenate([[0], np.cumsum(recv_len)[:-1]]).astype(np.int64)
-        if self.backend == "cuda":
-            self._run(self._transport.alltoallv, send, send_off, send_len, recv, recv_off, recv_len, op=op)
-        else:
-            src = send.reshape(-1).view(np.uint8)
-            dst = recv.reshape(-1).view(np.uint8)
-            self._run(self._transport.alltoallv, src, send_off, send_len, dst, recv_off, recv_len, op=op)
+        recv = self.xp.empty((int(recv_counts.sum()),) + row_shape, dtype=send.dtype)
+        row_elems = math.prod(row_shape)
+        self._exchange_rows(op, [send.reshape(send.shape[0], row_elems)], None, send_counts,
+                            [recv.reshape(recv.shape[0], row_elems)], recv_counts)
         return recv
 
     # ---- collectives ----------------------------------------------------------------------------------------

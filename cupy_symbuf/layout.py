@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LINE_BYTES", "ChannelLayout", "channel_byte_range", "num_chunks"]
+__all__ = ["LINE_BYTES", "ChannelLayout", "channel_byte_range", "channel_row_range", "num_chunks"]
 
 #: Bytes per metadata line (two GPU cache sectors / one L2 line pair; avoids false sharing).
 LINE_BYTES = 128
@@ -176,15 +176,21 @@ class ChannelLayout:
         return "\n".join(lines)
 
 
-def channel_byte_range(nbytes: int, channel: int, num_channels: int) -> tuple:
-    """Bytes ``[lo, hi)`` of an ``nbytes`` message carried by ``channel``: an even split, 16-byte aligned.
+def channel_row_range(rows: int, channel: int, num_channels: int, align: int = 1) -> tuple:
+    """Rows ``[lo, hi)`` of a ``rows``-row stream carried by ``channel``: an even split whose inner boundaries are
+    multiples of ``align`` rows.
 
-    Sender and receiver compute the same split from the same ``nbytes``, so no offsets travel.
+    Sender and receiver compute the same split from the same row count, so no offsets travel.
     The same formula is in ``cuda_src/layout.cuh`` (``channel_range``).
     """
-    lo = (nbytes * channel // num_channels) // 16 * 16
-    hi = nbytes if channel == num_channels - 1 else (nbytes * (channel + 1) // num_channels) // 16 * 16
+    lo = (rows * channel // num_channels) // align * align
+    hi = rows if channel == num_channels - 1 else (rows * (channel + 1) // num_channels) // align * align
     return lo, hi
+
+
+def channel_byte_range(nbytes: int, channel: int, num_channels: int) -> tuple:
+    """Bytes ``[lo, hi)`` of an ``nbytes`` byte stream carried by ``channel``: 1-byte rows, 16-byte aligned."""
+    return channel_row_range(nbytes, channel, num_channels, 16)
 
 
 def num_chunks(nbytes: int, chunk_bytes: int) -> int:

@@ -307,39 +307,6 @@ def _to_host(comm, a) -> np.ndarray:
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _data_ptr(a) -> int:
-    """Address of ``a``'s first element (NumPy or CuPy)."""
-    if isinstance(a, np.ndarray):
-        return int(a.__array_interface__["data"][0])   # works for ml_dtypes dtypes too (no buffer protocol)
-    return int(a.data.ptr)
-
-
-def _word_size(*byte_counts: int) -> int:
-    """Largest of 8, 4, 2, 1 dividing every value: the widest unsigned word copies can move (fewer, wider
-    elements make the gather and column copies several times faster on the GPU)."""
-    for w in (8, 4, 2):
-        if all(b % w == 0 for b in byte_counts):
-            return w
-    return 1
-
-
-def _as_bytes(xp, a, n_rows: int):
-    """``a`` (``[n_rows, ...]``, unsigned ints) as a C-contiguous ``uint8 [n_rows, row_bytes]`` (n_rows > 0)."""
-    return xp.ascontiguousarray(a).view(np.uint8).reshape(n_rows, -1)
-
-
-def _take_cols(xp, buf, start: int, stop: int, dtype, n_cols: int):
-    """Bytes ``[start, stop)`` of every row of ``buf`` (C-contiguous ``uint8 [n, row_bytes]``) as a contiguous
-    ``dtype`` array ``[n, n_cols]``."""
-    n = buf.shape[0]
-    if n == 0:
-        return xp.empty((0, n_cols), dtype=dtype)
-    w = _word_size(buf.shape[1], start, stop, _data_ptr(buf))
-    words = buf.view(_UINT_OF_SIZE[w]) if w > 1 else buf
-    col = xp.ascontiguousarray(words[:, start // w:stop // w])
-    return col.view(dtype).reshape(n, n_cols)
-
-
 def _layout(xp, idx, num_experts: int, world_size: int):
     """Layout of int64 ``idx [T, K]`` (already validated): see :func:`get_dispatch_layout`."""
     num_tokens, _ = idx.shape
@@ -538,67 +505,79 @@ def _row_bytes(xv, scales, num_topk: int, with_weights: bool) -> int:
     return int(rb)
 
 
+def _rows_part(xp, a):
+    """``a`` (2-D, any dtype) as an unsigned-int view whose rows are contiguous (copied only when they are not),
+    for the transport's row gather."""
+    if a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
+        a = xp.ascontiguousarray(a)
+    return a.view(_UINT_OF_SIZE[a.dtype.itemsize])
+
+
 def _exchange(comm, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts):
-    """Pack the rows ``send_token_idx`` (``x`` | scales | idx | weights; None parts are left out), exchange them
-    with known counts, unpack. ``send_token_idx`` None sends every row in order (combine). Returns
-    ``(recv_x, recv_scales, recv_idx, recv_weights)`` (None for absent parts).
+    """Send rows ``send_token_idx`` of ``x`` | scales | idx | weights (None parts left out) and receive them into
+    new C-contiguous arrays. ``send_token_idx`` None sends every row in order (combine). The rows are gathered
+    from the parts straight into the channel rings by the transport (one kernel on the GPU; no packed copy) and
+    scattered from the rings into the outputs. Returns ``(recv_x, recv_scales, recv_idx, recv_weights)``.
     """
     xp = comm.xp
-    n_send = int(xv.shape[0] if send_token_idx is None else send_token_idx.shape[0])
-    hidden = xv.shape[1]
-    parts = [(xv, xv.dtype, hidden)]
-    if scales is not None:
-        parts.append((scales, np.dtype(np.float32), scales.shape[1]))
-    if idx is not None:
-        parts.append((idx, np.dtype(np.int64), idx.shape[1]))
-    if weights is not None:
-        parts.append((weights, np.dtype(np.float32), weights.shape[1]))
-    widths = [np.dtype(dt).itemsize * n for _, dt, n in parts]
-    row_bytes = int(sum(widths))
-
-    def rows_of(a):
-        # An unsigned view: no dtype-specific kernels (bf16/fp8). C-contiguous, aligned rows are viewed as the
-        # widest words dividing the row; otherwise words of the item size (such a view keeps any strides). Then
-        # the selected rows as contiguous bytes (a gather copies; in-order rows are copied only if non-contiguous).
-        size = a.dtype.itemsize
-        if a.flags.c_contiguous:
-            size = max(size, _word_size(a.shape[1] * a.dtype.itemsize, _data_ptr(a)))
-        bits = a.view(_UINT_OF_SIZE[size])
-        return _as_bytes(xp, bits if send_token_idx is None else bits[send_token_idx], n_send)
-
-    if n_send and len(parts) == 1 and widths[0]:
-        packed = rows_of(xv)                      # x alone: its row bytes are the packed rows
-    else:
-        packed = xp.empty((n_send, row_bytes), dtype=np.uint8)
-        if n_send:
-            col = 0
-            for (a, _, _), width in zip(parts, widths):
-                if width:
-                    src = rows_of(a)
-                    w = _word_size(row_bytes, col, width, _data_ptr(src))
-                    dst = packed.view(_UINT_OF_SIZE[w]) if w > 1 else packed
-                    dst[:, col // w:(col + width) // w] = src.view(_UINT_OF_SIZE[w]) if w > 1 else src
-                col += width
-    recv, _ = comm.alltoallv(packed, send_counts, recv_counts=recv_counts)
-
-    out = []
-    col = 0
-    for (_, dt, n), width in zip(parts, widths):
-        out.append(_take_cols(xp, recv, col, col + width, dt, n))
-        col += width
-    out += [None] * (4 - len(out))
-    recv_x = out[0]
+    n_recv = int(recv_counts.sum())
+    parts = [(xv, xv.dtype, xv.shape[1])]
+    for a, dt in ((scales, np.float32), (idx, np.int64), (weights, np.float32)):
+        if a is not None:
+            parts.append((a, np.dtype(dt), a.shape[1]))
+    send_parts, recv_parts, outs = [], [], []
+    for a, dt, n in parts:
+        out = xp.empty((n_recv, n), dtype=dt)
+        outs.append(out)
+        if n == 0:
+            continue
+        send_parts.append(_rows_part(xp, a))
+        recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
+    if send_parts:
+        comm._exchange_rows("dispatch" if send_token_idx is not None else "combine", send_parts, send_token_idx,
+                            np.asarray(send_counts, np.int64), recv_parts, np.asarray(recv_counts, np.int64))
+    recv_x = outs[0]
     k = 1
     recv_scales = recv_idx = recv_w = None
     if scales is not None:
-        recv_scales = out[k]
+        recv_scales = outs[k]
         k += 1
     if idx is not None:
-        recv_idx = out[k]
+        recv_idx = outs[k]
         k += 1
     if weights is not None:
-        recv_w = out[k]
+        recv_w = outs[k]
     return recv_x, recv_scales, recv_idx, recv_w
+
+
+FLOAT32_KIND = _dt.FLOAT32
+_REDUCE_KERNELS = {_dt.BFLOAT16: "symbuf_combine_reduce_bf16", _dt.FLOAT16: "symbuf_combine_reduce_f16",
+                   _dt.FLOAT32: "symbuf_combine_reduce_f32"}
+
+
+def _combine_positions(xp, h: "DispatchHandle"):
+    """int64 ``[num_tokens, world_size]``: row of the combine's received array holding token ``t``'s row from rank
+    ``r`` (rows from rank ``r`` are its tokens in ascending order at ``send_offsets[r]``), or -1."""
+    in_rank = h.is_token_in_rank
+    offs = xp.asarray(h.send_offsets[:-1].astype(np.int64))
+    rank_pos = xp.cumsum(in_rank, axis=0, dtype=np.int64) - 1
+    return xp.ascontiguousarray(xp.where(in_rank, rank_pos + offs[None, :], -1))
+
+
+def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int):
+    """``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as ``out_dtype``."""
+    from . import _compat, _kernels
+    cp = _compat.cupy
+    hidden = back.shape[1]
+    out = cp.empty((num_tokens, hidden), dtype=out_dtype)
+    if num_tokens and hidden:
+        kernel = _kernels.get_function("moe.cu", _REDUCE_KERNELS[kind])
+        bits = _UINT_OF_SIZE[back.dtype.itemsize]
+        grid = min(num_tokens, 65535)
+        kernel((grid,), (min(256, max(32, (hidden + 31) // 32 * 32)),),
+               (back.view(bits) if back.shape[0] else cp.empty((1, hidden), bits), pos, out.view(bits),
+                np.int64(num_tokens), np.int64(hidden), np.int32(pos.shape[1])))
+    return out
 
 
 def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
@@ -654,6 +633,12 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
     back_x, _, _, back_w = _exchange(comm, x, None, None, weights, None, h.recv_counts, h.send_counts)
 
     num_tokens = h.num_tokens
+    if comm.backend == "cuda":
+        # one reduction kernel per part (cuda_src/moe.cu): the same float32 sum, ranks in ascending order
+        pos = _combine_positions(xp, h)
+        combined = _reduce_cuda(back_x, pos, kind, x.dtype, num_tokens)
+        acc_w = _reduce_cuda(back_w, pos, FLOAT32_KIND, np.float32, num_tokens) if weights is not None else None
+        return combined, acc_w
     acc = xp.zeros((num_tokens, h.hidden), dtype=np.float32)
     acc_w = xp.zeros((num_tokens, h.num_topk), dtype=np.float32) if weights is not None else None
     if back_x.shape[0]:

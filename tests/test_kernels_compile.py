@@ -32,10 +32,36 @@ def test_compiles_for_sm90(source):
 def test_ring_protocol_uses_release_acquire():
     _nvrtc_or_skip()
     ptx = _kernels.compile_ptx("alltoall.cu", "compute_90")
-    assert "st.release.sys.global.u64" in ptx
+    assert "st.release.sys.global.u64" in ptx      # receiver publishes head
+    assert "red.release.sys.global.max.u64" in ptx  # senders publish tail
+    assert "fence.acq_rel.sys" in ptx               # each warp's payload before the tail hand-off
     assert "ld.acquire.sys.global.u64" in ptx
     assert "%globaltimer" in ptx  # every wait is bounded
 
 
 def test_sources_found():
     assert "alltoall.cu" in _kernels.list_sources()
+
+
+def test_descriptor_words_match_header():
+    """The launch descriptor written by _cuda.py and read by alltoall.cu use the same word numbers."""
+    from cupy_symbuf import _cuda
+    text = (_kernels.cuda_src_dir() / "layout.cuh").read_text()
+    enum = text[text.index("enum {\n  DESC_RANK"):]
+    enum = enum[:enum.index("};")]
+    names, value = {}, -1
+    for item in re.sub(r"//[^\n]*", "", enum[len("enum {"):]).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            name, expr = (t.strip() for t in item.split("="))
+            value = eval(expr.replace("SYMBUF_MAX_PEERS", str(_cuda.MAX_PEERS)), {}, dict(names))
+        else:
+            name, value = item, value + 1
+        names[name] = value
+    assert len(names) == 18
+    for name, v in names.items():
+        assert getattr(_cuda, name) == v, name
+    assert f"#define SYMBUF_MAX_PARTS {_cuda.MAX_PARTS}" in text
+    assert f"#define SYMBUF_MAX_PEERS {_cuda.MAX_PEERS}" in text
