@@ -42,11 +42,11 @@ for stage in $STAGES; do
     examples)
       run example_alltoall $MPIRUN -n $NGPU python3 examples/alltoall.py
       [ -f examples/moe_layer.py ] && run example_moe $MPIRUN -n $NGPU python3 examples/moe_layer.py ;;
-    bench) run bench $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --sizes ${BENCH_SIZES:-1M,16M,128M,1G} ;;
+    bench) run bench $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --breakdown --sizes ${BENCH_SIZES:-1M,16M,128M,1G} ;;
     sweep)  # Config sweep (each size checked against NumPy before it is timed); NCCL once, in the bench stage
-      for cfg in ${SWEEP:-"--num-sms 24 --num-slots 32" "--num-sms 24 --chunk-bytes 128K --num-slots 16" \
-                 "--num-sms 32" "--num-sms 48" "--num-sms 64 --chunk-bytes 128K --num-slots 8"}; do
-        run "sweep${cfg// /}" $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --no-reference --sizes 16M,128M,1G $cfg
+      for cfg in ${SWEEP:-"--num-sms 24 --num-slots 32" "--num-sms 32 --num-slots 32" "--num-sms 48 --num-slots 32" \
+                 "--num-sms 64 --chunk-bytes 128K --num-slots 16"}; do
+        run "sweep${cfg// /}" $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --no-reference --breakdown --sizes 16M,128M,1G $cfg
         grep -E "ours" "$LOG/gpu_sweep${cfg// /}.log"
       done ;;
   esac

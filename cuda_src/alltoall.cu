@@ -5,18 +5,21 @@
 // (channel, source, destination) stream progresses on its own and no peer can block another.
 // What moves is described by the launch descriptor (layout.cuh, DESC_*): per peer a stream of rows, each row
 // gathered from up to 4 parts on the send side (MoE dispatch: x | scales | topk_idx | weights of the token
-// index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte stream.
+// index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte stream (1-byte rows).
+// Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
 //
 // Ring protocol per (channel c, sender s, receiver d), counters in chunks, only growing, slot = counter % num_slots:
-//   sender (v3): each warp owns every warps_per_peer-th chunk: lane 0 waits while tail - head == num_slots
+//   sender (v4): each warp owns every warps_per_peer-th chunk: lane 0 waits while tail - head == num_slots
 //             (backpressure; head read with ld.acquire.sys from our own buffer, where d's receiver writes it);
-//             the warp copies the chunk into d's ring; __syncwarp; lane 0 fences (fence.acq_rel.sys: the warp's
-//             payload stores are visible system-wide; all warps fence in parallel), then, in chunk order (a
-//             shared counter handed from warp to warp with st.release.cta / ld.acquire.cta), publishes
+//             the warp copies the chunk's rows into d's ring; __syncwarp; lane 0 fences (fence.acq_rel.sys: the
+//             warp's payload stores are visible system-wide; all warps fence in parallel), then, in chunk order
+//             (a shared counter handed from warp to warp with st.release.cta / ld.acquire.cta), publishes
 //             tail = chunk + 1 into d's buffer with red.release.sys.max (max: tail stays monotonic whatever order
 //             the updates of different warps arrive in).
-//   receiver: poll tail with ld.acquire.sys, copy every available chunk out (.cg loads), sync the warp group,
-//             publish head into s's buffer with st.release.sys.
+//   receiver: poll tail with ld.acquire.sys, copy every available chunk out (.cg loads; rows spread over the
+//             group's warps), sync the warp group, publish head into s's buffer with st.release.sys.
+// A rank's rows to itself skip the ring: the sender block's and the receiver block's self groups each copy half
+// of the channel's rows straight from the send parts to the receive parts.
 // Every wait is bounded by timeout_ns; on expiry the error record names rank, peer, channel, head and tail.
 #include "layout.cuh"
 
@@ -36,41 +39,48 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
   const i64 num_slots = L.num_slots, chunk_bytes = L.chunk_bytes;
   const u64 timeout_ns = static_cast<u64>(s_desc[DESC_TIMEOUT_NS]);
   const i64 row_bytes = s_desc[DESC_ROW_BYTES];
+  const i64 align = s_desc[DESC_ROW_ALIGN];
 
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
   const int warp = threadIdx.x >> 5;
   const int warps_per_peer = (blockDim.x >> 5) / world_size;
   const int peer = warp / warps_per_peer;
-  if (peer >= world_size || row_bytes <= 0) return;
+  if (peer >= world_size || row_bytes <= 0 || row_bytes > chunk_bytes) return;
   const int nthreads = warps_per_peer * 32;
   const int tid = threadIdx.x - peer * nthreads;
+  const int lane = tid & 31;
+  const int warp_in_group = tid >> 5;
   const bool leader = tid == 0;
   const int bar_id = 1 + peer;
+  const i64 rows_per_chunk = chunk_bytes / row_bytes;
 
-  const i64* peers = s_desc + DESC_PEERS;
-  RowStream stream;
-  stream.row_bytes = row_bytes;
-  if (is_sender) {
-    stream.parts = reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS);
-    stream.num_parts = static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]);
-    stream.index = reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]);
-    stream.row0 = peers[peer];
-  } else {
-    stream.parts = reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS);
-    stream.num_parts = static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]);
-    stream.index = reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]);
-    stream.row0 = peers[2 * world_size + peer];
-  }
+  const i64* peers = s_desc + DESC_PEERS;  // [4][world_size]: send row offset, send rows, recv row offset, recv rows
+  const RowStream send{reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS),
+                       static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]), row_bytes,
+                       reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]), peers[peer]};
+  const RowStream recv{reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS),
+                       static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]), row_bytes,
+                       reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]), peers[2 * world_size + peer]};
   const i64 rows = is_sender ? peers[world_size + peer] : peers[3 * world_size + peer];
   i64 lo, hi;
-  channel_range(rows, channel, num_channels, s_desc[DESC_ROW_ALIGN], lo, hi);
-  lo *= row_bytes;  // bytes of this peer's stream carried by this channel
-  hi *= row_bytes;
-  const i64 nchunks = (hi - lo + chunk_bytes - 1) / chunk_bytes;
-  if (nchunks <= 0) return;
-  if (leader) s_abort[peer] = 0;
+  channel_range(rows, channel, num_channels, align, lo, hi);
+  if (hi <= lo) return;
 
+  if (peer == rank) {  // to ourselves: no ring; the sender block copies the first half, the receiver block the rest
+    const i64 mid = lo + (hi - lo) / 2 / align * align;
+    const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
+    if (send.dense() && recv.dense()) {
+      copy_bytes<false>(recv.at(0, a), send.at(0, a), (b - a) * row_bytes, tid, nthreads);
+    } else {
+      for (i64 r = a + warp_in_group; r < b; r += warps_per_peer)
+        for (int i = 0; i < send.num_parts; ++i) copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane, 32);
+    }
+    return;
+  }
+
+  const i64 nchunks = (hi - lo + rows_per_chunk - 1) / rows_per_chunk;
+  if (leader) s_abort[peer] = 0;
   u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
   u8* peer_base = reinterpret_cast<u8*>(peer_bases[peer]);
   if (is_sender) {
@@ -85,8 +95,6 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
     const u64* local_head = reinterpret_cast<const u64*>(local_region + SYMBUF_HEAD_OFFSET);
     u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_SEND_TAIL_OFFSET);
     const u64 tail0 = *state;  // written by this group's leader at the end of the previous launch
-    const int lane = tid & 31;
-    const int warp_in_group = tid >> 5;
     u64* pub = &s_pub[peer];
     volatile int* abort_flag = &s_abort[peer];
     if (leader) st_release_cta(pub, tail0);
@@ -104,10 +112,9 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
       }
       __syncwarp();
       if (*abort_flag) break;
-      const i64 off = lo + k * chunk_bytes;
-      const i64 len = min(chunk_bytes, hi - off);
-      stream.copy<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, off, len,
-                        lane, 32);
+      const i64 r = lo + k * rows_per_chunk;
+      send.copy_rows<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
+                           min(rows_per_chunk, hi - r), lane, 32);
       __syncwarp();  // the warp's payload stores precede lane 0's fence below
       if (lane == 0) {
         fence_acq_rel_sys();  // this warp's payload is visible system-wide (overlaps with other warps' copies)
@@ -130,6 +137,7 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
     u8* local_ring = local_region + SYMBUF_RING_OFFSET;
     u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_RECV_HEAD_OFFSET);
     u64* remote_head = reinterpret_cast<u64*>(peer_base + L.region(channel, rank) + SYMBUF_HEAD_OFFSET);
+    const bool dense = recv.dense();
     u64 head = *state;
     u64 tail = head;
     i64 k = 0;
@@ -145,11 +153,20 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
       group_sync(bar_id, nthreads);
       if (s_abort[peer]) return;
       const i64 avail = s_avail[peer];
-      for (i64 j = 0; j < avail; ++j) {
-        const i64 off = lo + (k + j) * chunk_bytes;
-        const i64 len = min(chunk_bytes, hi - off);
-        stream.copy<false>(local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes,
-                           off, len, tid, nthreads);
+      const i64 r0 = lo + k * rows_per_chunk;
+      if (dense) {  // contiguous rows: the whole group copies each chunk
+        for (i64 j = 0; j < avail; ++j) {
+          const i64 r = r0 + j * rows_per_chunk;
+          recv.copy_rows<false>(local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes,
+                                r, min(rows_per_chunk, hi - r), tid, nthreads);
+        }
+      } else {  // scattered rows: one warp per row
+        const i64 nrows = min(hi, r0 + avail * rows_per_chunk) - r0;
+        for (i64 q = warp_in_group; q < nrows; q += warps_per_peer) {
+          const i64 j = q / rows_per_chunk;
+          u8* slot = local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes;
+          recv.copy_rows<false>(slot + (q - j * rows_per_chunk) * row_bytes, r0 + q, 1, lane, 32);
+        }
       }
       group_sync(bar_id, nthreads);  // all reads of these slots are done before the sender may reuse them
       head += avail;

@@ -57,7 +57,8 @@ struct Part {
   i64 base, stride, width, offset;  // bytes; offset = first byte of the part inside the packed row
 };
 
-// One side of one peer's row stream, with its parts in shared memory.
+// One side of one peer's row stream, with its parts in shared memory. Ring slots hold whole packed rows
+// (rows_per_chunk = chunk_bytes / row_bytes of them); a byte stream has 1-byte rows and one dense part.
 struct RowStream {
   const Part* parts;
   int num_parts;
@@ -65,28 +66,31 @@ struct RowStream {
   const i64* index;  // row -> token, or nullptr (identity)
   i64 row0;          // first row of this peer's stream (into index, or into the parts' rows)
 
-  // Copy packed-stream bytes [b0, b0 + n) (relative to row0) between the parts and the contiguous `flat`
-  // (a ring slot). kToFlat: parts -> flat (sender, read-only source); else flat -> parts (receiver, ring source).
+  // One contiguous part, rows in order: any run of rows is one span of bytes.
+  __device__ __forceinline__ bool dense() const {
+    return num_parts == 1 && index == nullptr && parts[0].stride == parts[0].width;
+  }
+  // Address of part i of stream row r.
+  __device__ __forceinline__ u8* at(int i, i64 r) const {
+    const i64 token = index ? __ldg(index + row0 + r) : row0 + r;
+    return reinterpret_cast<u8*>(parts[i].base) + token * parts[i].stride;
+  }
+  // Copy stream rows [r, r + n) between the parts and packed rows at `flat` (a ring slot).
+  // kToFlat: parts -> flat (sender; the source is read-only during the kernel); else flat -> parts (receiver).
   template <bool kToFlat>
-  __device__ __forceinline__ void copy(u8* flat, i64 b0, i64 n, int tid, int nthreads) const {
-    if (num_parts == 1 && index == nullptr && parts[0].stride == parts[0].width) {  // dense: one span
-      u8* p = reinterpret_cast<u8*>(parts[0].base) + row0 * row_bytes + b0;
-      if (kToFlat) copy_bytes<false>(flat, p, n, tid, nthreads);
-      else copy_bytes<true>(p, flat, n, tid, nthreads);
+  __device__ __forceinline__ void copy_rows(u8* flat, i64 r, i64 n, int tid, int nthreads) const {
+    if (dense()) {
+      u8* p = reinterpret_cast<u8*>(parts[0].base) + (row0 + r) * row_bytes;
+      if (kToFlat) copy_bytes<false>(flat, p, n * row_bytes, tid, nthreads);
+      else copy_bytes<true>(p, flat, n * row_bytes, tid, nthreads);
       return;
     }
-    for (i64 b = b0, end = b0 + n; b < end;) {
-      const i64 r = b / row_bytes;
-      const i64 w = b - r * row_bytes;
-      int i = 0;
-      while (i + 1 < num_parts && w >= parts[i + 1].offset) ++i;
-      const Part& P = parts[i];
-      const i64 seg = min(end - b, P.offset + P.width - w);
-      const i64 token = index ? __ldg(index + row0 + r) : row0 + r;
-      u8* p = reinterpret_cast<u8*>(P.base) + token * P.stride + (w - P.offset);
-      if (kToFlat) copy_bytes<false>(flat + (b - b0), p, seg, tid, nthreads);
-      else copy_bytes<true>(p, flat + (b - b0), seg, tid, nthreads);
-      b += seg;
+    for (i64 j = 0; j < n; ++j) {
+      for (int i = 0; i < num_parts; ++i) {
+        u8* f = flat + j * row_bytes + parts[i].offset;
+        if (kToFlat) copy_bytes<false>(f, at(i, r + j), parts[i].width, tid, nthreads);
+        else copy_bytes<true>(at(i, r + j), f, parts[i].width, tid, nthreads);
+      }
     }
   }
 };

@@ -86,6 +86,8 @@ class CudaTransport:
         d[DESC_REGION_BYTES], d[DESC_CHANNEL_BYTES] = layout.region_bytes, layout.channel_bytes
         d[DESC_NUM_SLOTS], d[DESC_CHUNK_BYTES], d[DESC_TIMEOUT_NS] = layout.num_slots, layout.chunk_bytes, \
             int(self.timeout_ns)
+        #: (start, stop) CUDA events recorded around each alltoallv launch when set (``bench --breakdown``)
+        self.kernel_events = None
         self._desc_args = (np.uint64(self._desc.ptr), buf.peer_ptrs_device, np.uint64(self._status.ptr))
         self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
@@ -125,6 +127,8 @@ class CudaTransport:
         row_bytes = sum(g[2] for g in sgeo)
         if row_bytes == 0 or (not send_counts.any() and not recv_counts.any()):
             return  # nothing moves; ring counters unchanged on every rank alike
+        if [g[2] for g in sgeo] != [g[2] for g in rgeo] or len(sgeo) > MAX_PARTS:
+            raise AssertionError(f"{op}: internal: send and receive parts differ ({sgeo} vs {rgeo})")
         d = self._desc.array
         scounts, rcounts = send_counts, recv_counts
         if len(sgeo) == 1 and len(rgeo) == 1 and send_index is None and sgeo[0][1] == row_bytes \
@@ -135,7 +139,13 @@ class CudaTransport:
             scounts, rcounts = send_counts * row_bytes, recv_counts * row_bytes
             d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = 1, 16
         else:
+            if row_bytes > self.layout.chunk_bytes:
+                raise ValueError(f"{op}: one row is {row_bytes} bytes (all its parts), more than "
+                                 f"Config.chunk_bytes={self.layout.chunk_bytes}: ring slots hold whole rows on the "
+                                 f"GPU path; build the Communicator with a larger chunk_bytes")
             d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = row_bytes, 1
+        if send_index is not None:
+            send_index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
         d[DESC_SEND_INDEX] = 0 if send_index is None else send_index.data.ptr
         d[DESC_RECV_INDEX] = 0
         for base, geo in ((DESC_SEND_PARTS, sgeo), (DESC_RECV_PARTS, rgeo)):
@@ -150,7 +160,11 @@ class CudaTransport:
         np.cumsum(scounts[:-1], out=peers[0, 1:])
         np.cumsum(rcounts[:-1], out=peers[2, 1:])
         stream = cp.cuda.get_current_stream()
+        if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
+            self.kernel_events[0].record(stream)
         self._k_alltoallv((2 * self.layout.num_channels,), (self.threads,), self._desc_args)
+        if self.kernel_events is not None:
+            self.kernel_events[1].record(stream)
         self._check(op, stream)
 
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify") -> np.ndarray:

@@ -101,6 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
     ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="GPU: also time the ring kernel alone (CUDA events around the launch); the rest of a "
+                         "call is host work (argument checks, descriptor, launch, synchronisation)")
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD
@@ -128,6 +131,17 @@ def main(argv=None) -> int:
             if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
                 raise RuntimeError(f"bench: alltoall of {_fmt(W * per_peer)} per rank gave wrong data; not timing it")
             rows = {"ours": timer.time(lambda: c.alltoall(x), args.iters, args.warmup, comm)}
+            if args.breakdown and c.backend == "cuda":
+                cp = _compat.cupy
+                tr = c._transport
+                tr.kernel_events = (cp.cuda.Event(), cp.cuda.Event())
+                samples = []
+                for _ in range(args.iters):
+                    comm.Barrier()
+                    c.alltoall(x)
+                    samples.append(cp.cuda.get_elapsed_time(*tr.kernel_events) * 1e-3)
+                tr.kernel_events = None
+                rows["ours-kernel"] = comm.allreduce(float(np.median(samples)), op=MPI.MAX)
             if not args.no_reference:
                 if c.backend == "cuda":
                     run, nc = _nccl_alltoall(comm, per_peer)

@@ -457,7 +457,8 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     epr = n_exp // w_size
     per_rank, per_expert, in_rank = _layout(xp, idx, n_exp, w_size)
     _, send_token_idx = xp.nonzero(xp.ascontiguousarray(in_rank.T))      # grouped by dest, ascending tokens
-    send_token_idx = send_token_idx.astype(np.int64, copy=False)
+    # contiguous: CuPy's nonzero returns strided column views of one [N, 2] array
+    send_token_idx = xp.ascontiguousarray(send_token_idx, dtype=np.int64)
     send_counts = _to_host(comm, per_rank).astype(np.int64)
     row_bytes = _row_bytes(xv, scales, idx.shape[1], weights is not None)
     meta = np.zeros((w_size, epr + _NOTIFY_EXTRA), dtype=np.int64)
