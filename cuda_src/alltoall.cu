@@ -9,13 +9,13 @@
 // Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
 //
 // Ring protocol per (channel c, sender s, receiver d), counters in chunks, only growing, slot = counter % num_slots:
-//   sender (v4): each warp owns every warps_per_peer-th chunk: lane 0 waits while tail - head == num_slots
-//             (backpressure; head read with ld.acquire.sys from our own buffer, where d's receiver writes it);
-//             the warp copies the chunk's rows into d's ring; __syncwarp; lane 0 fences (fence.acq_rel.sys: the
-//             warp's payload stores are visible system-wide; all warps fence in parallel), then, in chunk order
-//             (a shared counter handed from warp to warp with st.release.cta / ld.acquire.cta), publishes
-//             tail = chunk + 1 into d's buffer with red.release.sys.max (max: tail stays monotonic whatever order
-//             the updates of different warps arrive in).
+//   sender (v5): warp 0 of each group publishes, the others copy, each owning every (warps_per_peer - 1)-th
+//             chunk: lane 0 waits while tail - head == num_slots (backpressure; head read with ld.acquire.sys from
+//             our own buffer, where d's receiver writes it); the warp copies the chunk's rows into d's ring;
+//             __syncwarp; lane 0 marks the chunk done in shared memory (st.release.cta). The publisher acquires
+//             the marks in chunk order (ld.acquire.cta) and publishes each run of finished chunks with one
+//             st.release.sys of tail into d's buffer: cumulative, so it makes every acquired warp's payload
+//             visible before the tail that announces it, and the copy warps never wait on a system fence.
 //   receiver: poll tail with ld.acquire.sys, copy every available chunk out (.cg loads; rows spread over the
 //             group's warps), sync the warp group, publish head into s's buffer with st.release.sys.
 // A rank's rows to itself skip the ring: the sender block's and the receiver block's self groups each copy half
@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_bases, i64* status) {
   __shared__ i64 s_desc[DESC_WORDS];
   __shared__ i64 s_avail[SYMBUF_MAX_PEERS];
-  __shared__ u64 s_pub[SYMBUF_MAX_PEERS];
+  __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[SYMBUF_MAX_PEERS];
   for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc[i];  // one round trip to the host
   __syncthreads();
@@ -84,10 +84,12 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
   u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
   u8* peer_base = reinterpret_cast<u8*>(peer_bases[peer]);
   if (is_sender) {
-    // Each warp of the group owns every warps_per_peer-th chunk, copies it alone, fences its own stores, then
-    // publishes in chunk order; s_pub[peer] is the last tail published by this group (shared memory). The slow
-    // part (the fence: every store of the chunk acknowledged over NVLink) overlaps across warps; the in-order
-    // part is a shared-memory hand-off and one fire-and-forget remote max.
+    // Warp 0 of the group publishes; the other warps copy, each owning every num_copy-th chunk. A copy warp that
+    // finished chunk t hands it over with st.release.cta of s_done = t + 1 (no system-scope fence on the copy
+    // path); the publisher acquires the done marks in chunk order and publishes every run of finished chunks with
+    // ONE st.release.sys of tail (cumulative: it covers the payload of every warp it acquired from). A release
+    // costs an NVLink round trip, so one per run instead of one per chunk keeps the copy warps streaming.
+    // A group of one warp (world_size > 15) copies and publishes each chunk itself.
     u8* remote_region = peer_base + L.region(channel, rank);
     u64* remote_tail = reinterpret_cast<u64*>(remote_region + SYMBUF_TAIL_OFFSET);
     u8* remote_ring = remote_region + SYMBUF_RING_OFFSET;
@@ -95,42 +97,58 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
     const u64* local_head = reinterpret_cast<const u64*>(local_region + SYMBUF_HEAD_OFFSET);
     u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_SEND_TAIL_OFFSET);
     const u64 tail0 = *state;  // written by this group's leader at the end of the previous launch
-    u64* pub = &s_pub[peer];
+    const u64 end = tail0 + static_cast<u64>(nchunks);
+    const bool solo = warps_per_peer == 1;
+    const int num_copy = solo ? 1 : warps_per_peer - 1;
+    const int copy_id = solo ? 0 : warp_in_group - 1;
+    u64* done = &s_done[peer * warps_per_peer + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
     volatile int* abort_flag = &s_abort[peer];
-    if (leader) st_release_cta(pub, tail0);
+    if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], tail0);
     group_sync(bar_id, nthreads);
-    u64 head = 0;
-    if (lane == 0) head = ld_acquire_sys_global(local_head);
-    for (i64 k = warp_in_group; k < nchunks; k += warps_per_peer) {
-      const u64 t = tail0 + static_cast<u64>(k);  // ring counter of this chunk
+    if (copy_id < 0) {  // the publisher (lane 0 of warp 0)
       if (lane == 0) {
+        u64 published = tail0;
         SpinBudget spin(timeout_ns);
-        while (t + 1 - head > static_cast<u64>(num_slots) && !*abort_flag) {  // backpressure
-          head = ld_acquire_sys_global(local_head);
-          if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, t)) { *abort_flag = 1; break; }
+        while (published < end && !*abort_flag) {
+          u64 ready = published;
+          while (ready < end && ld_acquire_cta(&done[(ready - tail0) % num_copy]) > ready) ++ready;
+          if (ready > published) {
+            st_release_sys_global(remote_tail, ready);
+            published = ready;
+            spin = SpinBudget(timeout_ns);
+          } else if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, published, published)) {
+            *abort_flag = 1;
+          }
         }
       }
       __syncwarp();
-      if (*abort_flag) break;
-      const i64 r = lo + k * rows_per_chunk;
-      send.copy_rows<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
-                           min(rows_per_chunk, hi - r), lane, 32);
-      __syncwarp();  // the warp's payload stores precede lane 0's fence below
-      if (lane == 0) {
-        fence_acq_rel_sys();  // this warp's payload is visible system-wide (overlaps with other warps' copies)
-        SpinBudget spin(timeout_ns);
-        while (ld_acquire_cta(pub) != t && !*abort_flag) {  // publish in order: chunk t - 1 first
-          if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, t)) { *abort_flag = 1; break; }
+    } else {
+      u64 head = 0;
+      if (lane == 0) head = ld_acquire_sys_global(local_head);
+      for (i64 k = copy_id; k < nchunks; k += num_copy) {
+        const u64 t = tail0 + static_cast<u64>(k);  // ring counter of this chunk
+        if (lane == 0) {
+          SpinBudget spin(timeout_ns);
+          while (t + 1 - head > static_cast<u64>(num_slots) && !*abort_flag) {  // backpressure
+            head = ld_acquire_sys_global(local_head);
+            if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, t)) { *abort_flag = 1; break; }
+          }
         }
-        if (!*abort_flag) {
-          red_release_sys_max_global(remote_tail, t + 1);  // release: also covers the chunks acquired via pub
-          st_release_cta(pub, t + 1);
+        __syncwarp();
+        if (*abort_flag) break;
+        const i64 r = lo + k * rows_per_chunk;
+        send.copy_rows<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
+                             min(rows_per_chunk, hi - r), lane, 32);
+        __syncwarp();  // every lane's payload stores precede lane 0's release below
+        if (lane == 0) {
+          if (solo) st_release_sys_global(remote_tail, t + 1);
+          else st_release_cta(&done[copy_id], t + 1);
         }
+        __syncwarp();
       }
-      __syncwarp();
     }
     group_sync(bar_id, nthreads);
-    if (leader && !*abort_flag) *state = tail0 + static_cast<u64>(nchunks);
+    if (leader && !*abort_flag) *state = end;
   } else {
     u8* local_region = my_base + L.region(channel, peer);
     const u64* local_tail = reinterpret_cast<const u64*>(local_region + SYMBUF_TAIL_OFFSET);

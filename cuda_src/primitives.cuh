@@ -19,14 +19,6 @@ __device__ __forceinline__ void st_release_sys_global(u64* ptr, u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
-// Release-ordered 64-bit max into a peer's counter: several warps publish one tail; max keeps it monotonic
-// whatever order their updates reach the peer in.
-__device__ __forceinline__ void red_release_sys_max_global(u64* ptr, u64 v) {
-  asm volatile("red.release.sys.global.max.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-
 // CTA-scope hand-off between warps of one block (generic addresses into shared memory).
 __device__ __forceinline__ u64 ld_acquire_cta(const u64* ptr) {
   u64 v;

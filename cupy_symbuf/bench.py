@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
     ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the host-side cProfile of the timed calls of the first size (rank 0)")
     ap.add_argument("--breakdown", action="store_true",
                     help="GPU: also time the ring kernel alone (CUDA events around the launch); the rest of a "
                          "call is host work (argument checks, descriptor, launch, synchronisation)")
@@ -130,7 +132,16 @@ def main(argv=None) -> int:
                                  for j in range(W)])
             if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
                 raise RuntimeError(f"bench: alltoall of {_fmt(W * per_peer)} per rank gave wrong data; not timing it")
+            prof = None
+            if args.profile and me == 0 and not results:
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
             rows = {"ours": timer.time(lambda: c.alltoall(x), args.iters, args.warmup, comm)}
+            if prof is not None:
+                import pstats
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
             if args.breakdown and c.backend == "cuda":
                 cp = _compat.cupy
                 tr = c._transport

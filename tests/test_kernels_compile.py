@@ -32,10 +32,9 @@ def test_compiles_for_sm90(source):
 def test_ring_protocol_uses_release_acquire():
     _nvrtc_or_skip()
     ptx = _kernels.compile_ptx("alltoall.cu", "compute_90")
-    assert "st.release.sys.global.u64" in ptx      # receiver publishes head
-    assert "red.release.sys.global.max.u64" in ptx  # senders publish tail
-    assert "fence.acq_rel.sys" in ptx               # each warp's payload before the tail hand-off
+    assert "st.release.sys.global.u64" in ptx  # tail (publisher) and head (receiver)
     assert "ld.acquire.sys.global.u64" in ptx
+    assert "st.release.cta.u64" in ptx and "ld.acquire.cta.u64" in ptx  # copy warps -> publisher hand-off
     assert "%globaltimer" in ptx  # every wait is bounded
 
 
