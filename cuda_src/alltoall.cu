@@ -9,15 +9,17 @@
 // Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
 //
 // Ring protocol per (channel c, sender s, receiver d), counters in chunks, only growing, slot = counter % num_slots:
-//   sender (v5): warp 0 of each group publishes, the others copy, each owning every (warps_per_peer - 1)-th
+//   sender (v6): warp 0 of each group publishes, the others copy, each owning every (warps_per_peer - 1)-th
 //             chunk: lane 0 waits while tail - head == num_slots (backpressure; head read with ld.acquire.sys from
 //             our own buffer, where d's receiver writes it); the warp copies the chunk's rows into d's ring;
 //             __syncwarp; lane 0 marks the chunk done in shared memory (st.release.cta). The publisher acquires
 //             the marks in chunk order (ld.acquire.cta) and publishes each run of finished chunks with one
 //             st.release.sys of tail into d's buffer: cumulative, so it makes every acquired warp's payload
 //             visible before the tail that announces it, and the copy warps never wait on a system fence.
-//   receiver: poll tail with ld.acquire.sys, copy every available chunk out (.cg loads; rows spread over the
-//             group's warps), sync the warp group, publish head into s's buffer with st.release.sys.
+//   receiver: the mirror image: warp 0 publishes head, the other warps each own every (warps_per_peer - 1)-th
+//             chunk: lane 0 polls tail with ld.acquire.sys until it covers the chunk, the warp copies it out (.cg
+//             loads), lane 0 marks it done (st.release.cta); the publisher releases head over each run of done
+//             chunks with one st.release.sys into s's buffer.
 // A rank's rows to itself skip the ring: the sender block's and the receiver block's self groups each copy half
 // of the channel's rows straight from the send parts to the receive parts.
 // Every wait is bounded by timeout_ns; on expiry the error record names rank, peer, channel, head and tail.
@@ -26,7 +28,6 @@
 extern "C" __global__ void __launch_bounds__(1024)
 symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_bases, i64* status) {
   __shared__ i64 s_desc[DESC_WORDS];
-  __shared__ i64 s_avail[SYMBUF_MAX_PEERS];
   __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[SYMBUF_MAX_PEERS];
   for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc[i];  // one round trip to the host
@@ -150,48 +151,67 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
     group_sync(bar_id, nthreads);
     if (leader && !*abort_flag) *state = end;
   } else {
+    // The mirror image: warp 0 of the group publishes head, the others copy chunks out of the ring, each owning
+    // every num_copy-th chunk (lane 0 waits with ld.acquire.sys until tail covers it). A copy warp marks its chunk
+    // done (st.release.cta, after its ring reads); the publisher releases head over each run of done chunks with
+    // one st.release.sys into the sender's buffer, so a slot is handed back only after every read of it.
     u8* local_region = my_base + L.region(channel, peer);
     const u64* local_tail = reinterpret_cast<const u64*>(local_region + SYMBUF_TAIL_OFFSET);
     u8* local_ring = local_region + SYMBUF_RING_OFFSET;
     u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_RECV_HEAD_OFFSET);
     u64* remote_head = reinterpret_cast<u64*>(peer_base + L.region(channel, rank) + SYMBUF_HEAD_OFFSET);
-    const bool dense = recv.dense();
-    u64 head = *state;
-    u64 tail = head;
-    i64 k = 0;
-    while (k < nchunks) {
-      if (leader) {
+    const u64 head0 = *state;  // written by this group's leader at the end of the previous launch
+    const u64 end = head0 + static_cast<u64>(nchunks);
+    const bool solo = warps_per_peer == 1;
+    const int num_copy = solo ? 1 : warps_per_peer - 1;
+    const int copy_id = solo ? 0 : warp_in_group - 1;
+    u64* done = &s_done[peer * warps_per_peer + (solo ? 0 : 1)];
+    volatile int* abort_flag = &s_abort[peer];
+    if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], head0);
+    group_sync(bar_id, nthreads);
+    if (copy_id < 0) {  // the head publisher (lane 0 of warp 0)
+      if (lane == 0) {
+        u64 released = head0;
         SpinBudget spin(timeout_ns);
-        while (tail <= head) {
-          tail = ld_acquire_sys_global(local_tail);
-          if (!spin.ok(status, SYMBUF_ROLE_RECV, rank, peer, channel, head, tail)) { s_abort[peer] = 1; break; }
-        }
-        s_avail[peer] = min(static_cast<i64>(tail - head), nchunks - k);
-      }
-      group_sync(bar_id, nthreads);
-      if (s_abort[peer]) return;
-      const i64 avail = s_avail[peer];
-      const i64 r0 = lo + k * rows_per_chunk;
-      if (dense) {  // contiguous rows: the whole group copies each chunk
-        for (i64 j = 0; j < avail; ++j) {
-          const i64 r = r0 + j * rows_per_chunk;
-          recv.copy_rows<false>(local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes,
-                                r, min(rows_per_chunk, hi - r), tid, nthreads);
-        }
-      } else {  // scattered rows: one warp per row
-        const i64 nrows = min(hi, r0 + avail * rows_per_chunk) - r0;
-        for (i64 q = warp_in_group; q < nrows; q += warps_per_peer) {
-          const i64 j = q / rows_per_chunk;
-          u8* slot = local_ring + static_cast<i64>((head + j) % static_cast<u64>(num_slots)) * chunk_bytes;
-          recv.copy_rows<false>(slot + (q - j * rows_per_chunk) * row_bytes, r0 + q, 1, lane, 32);
+        while (released < end && !*abort_flag) {
+          u64 ready = released;
+          while (ready < end && ld_acquire_cta(&done[(ready - head0) % num_copy]) > ready) ++ready;
+          if (ready > released) {
+            st_release_sys_global(remote_head, ready);
+            released = ready;
+            spin = SpinBudget(timeout_ns);
+          } else if (!spin.ok(status, SYMBUF_ROLE_RECV, rank, peer, channel, released, released)) {
+            *abort_flag = 1;
+          }
         }
       }
-      group_sync(bar_id, nthreads);  // all reads of these slots are done before the sender may reuse them
-      head += avail;
-      k += avail;
-      if (leader) st_release_sys_global(remote_head, head);
+      __syncwarp();
+    } else {
+      u64 tail = head0;
+      for (i64 k = copy_id; k < nchunks; k += num_copy) {
+        const u64 t = head0 + static_cast<u64>(k);  // ring counter of this chunk
+        if (lane == 0) {
+          SpinBudget spin(timeout_ns);
+          while (tail <= t && !*abort_flag) {
+            tail = ld_acquire_sys_global(local_tail);
+            if (!spin.ok(status, SYMBUF_ROLE_RECV, rank, peer, channel, t, tail)) { *abort_flag = 1; break; }
+          }
+        }
+        __syncwarp();  // lane 0's acquire of tail precedes every lane's ring reads
+        if (*abort_flag) break;
+        const i64 r = lo + k * rows_per_chunk;
+        recv.copy_rows<false>(local_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
+                              min(rows_per_chunk, hi - r), lane, 32);
+        __syncwarp();  // every lane's ring reads precede lane 0's hand-off below
+        if (lane == 0) {
+          if (solo) st_release_sys_global(remote_head, t + 1);
+          else st_release_cta(&done[copy_id], t + 1);
+        }
+        __syncwarp();
+      }
     }
-    if (leader) *state = head;
+    group_sync(bar_id, nthreads);
+    if (leader && !*abort_flag) *state = end;
   }
 }
 

@@ -132,16 +132,19 @@ def main(argv=None) -> int:
                                  for j in range(W)])
             if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
                 raise RuntimeError(f"bench: alltoall of {_fmt(W * per_peer)} per rank gave wrong data; not timing it")
-            prof = None
-            if args.profile and me == 0 and not results:
-                import cProfile
-                prof = cProfile.Profile()
-                prof.enable()
             rows = {"ours": timer.time(lambda: c.alltoall(x), args.iters, args.warmup, comm)}
-            if prof is not None:
+            if args.profile and not results:
+                import cProfile
                 import pstats
+                prof = cProfile.Profile()
+                comm.Barrier()
+                prof.enable()
+                for _ in range(100):
+                    c.alltoall(x)
                 prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+                if me == 0:
+                    print("# host profile of 100 calls (rank 0):")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(16)
             if args.breakdown and c.backend == "cuda":
                 cp = _compat.cupy
                 tr = c._transport

@@ -59,7 +59,8 @@ class Communicator:
             ids = comm.allgather(ident["uuid"] + "/" + ident["pci_bus_id"])
             ranks_per_gpu = ids.count(ids[comm.Get_rank()])
             sm_count = ident["sm_count"] or sm_count
-        self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count)
+        self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
+                                      world_size=comm.Get_size())
         self.world_size = comm.Get_size()
         self.layout = ChannelLayout.from_config(self.config, self.world_size)
         self.buffer = SymBuffer(comm, self.layout.total_bytes, backend=backend)

@@ -51,8 +51,12 @@ class Config:
     chunk_bytes : int or None
         Bytes in one ring slot (the unit the sender publishes with one ``tail`` update); a multiple of 128.
         ``None``: 64 KiB on the GPU (one warp copies one slot), 256 KiB on the host.
-    num_slots : int
+    num_slots : int or None
         Ring capacity in slots per (channel, peer); >= 2. Capacity in bytes is ``num_slots * chunk_bytes``.
+        ``None``: on the GPU twice the copy warps a (channel, peer) stream has on each side
+        (``2 * (32 // world_size)``, at least 4), so senders can fill one set of slots while the receivers drain the
+        other (ring memory then stays about ``num_channels * 64 * chunk_bytes`` per rank whatever the world size);
+        16 on the host.
         Messages larger than the ring stream through it, so this bounds memory, not message size.
     timeout_s : float
         Bound on every spin-wait (GPU kernels and host path), in seconds; > 0. On expiry a
@@ -65,7 +69,7 @@ class Config:
 
     num_sms: Optional[int] = None
     chunk_bytes: Optional[int] = None
-    num_slots: int = 16
+    num_slots: Optional[int] = None
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("CUPY_SYMBUF_TIMEOUT_S", 30.0))
     max_notify_ints: int = 1024
 
@@ -86,7 +90,7 @@ class Config:
                 raise ValueError(
                     f"Config: chunk_bytes must be a positive multiple of 128 (ring slots are 128-byte aligned), "
                     f"got {self.chunk_bytes}")
-        if not isinstance(self.num_slots, int) or self.num_slots < 2:
+        if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 2):
             raise ValueError(f"Config: num_slots must be an int >= 2 (so the sender can fill one slot while the "
                              f"receiver drains another), got {self.num_slots}")
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real)
@@ -103,10 +107,16 @@ class Config:
             raise ValueError("Config: num_sms is not resolved yet (None); a Communicator resolves it")
         return self.num_sms // 2
 
-    def resolved(self, backend: str, *, ranks_per_gpu: int = 1, gpu_sm_count: int = 132) -> "Config":
-        """Return a copy with ``num_sms`` and ``chunk_bytes`` filled in for ``backend`` ("cuda" or "host")."""
+    def resolved(self, backend: str, *, ranks_per_gpu: int = 1, gpu_sm_count: int = 132,
+                 world_size: int = 1) -> "Config":
+        """Return a copy with ``num_sms``, ``chunk_bytes`` and ``num_slots`` filled in for ``backend`` ("cuda" or
+        "host") and ``world_size`` ranks."""
         num_sms = self.num_sms
         chunk = self.chunk_bytes
+        slots = self.num_slots
+        if slots is None:
+            slots = max(4, 2 * (32 // world_size)) if backend == "cuda" and world_size <= 15 else \
+                (4 if backend == "cuda" else 16)
         if backend == "cuda":
             if num_sms is None:
                 share = max(2, (gpu_sm_count // max(1, ranks_per_gpu)) // 2 * 2)
@@ -118,4 +128,4 @@ class Config:
                 num_sms = DEFAULT_HOST_NUM_SMS
             if chunk is None:
                 chunk = 256 * 1024
-        return dataclasses.replace(self, num_sms=num_sms, chunk_bytes=chunk)
+        return dataclasses.replace(self, num_sms=num_sms, chunk_bytes=chunk, num_slots=slots)

@@ -28,6 +28,12 @@ def test_config_frozen_and_resolved():
     assert many.num_sms == 2
     host = cfg.resolved("host")
     assert host.num_channels == 2 and host.chunk_bytes == 256 * 1024
+    assert gpu.num_slots == host.num_slots == 4  # an explicit num_slots is kept
+    auto = cs.Config()
+    assert auto.num_slots is None
+    # default ring depth: twice the copy warps per (channel, peer) stream on the GPU, 16 on the host
+    assert [auto.resolved("cuda", world_size=w).num_slots for w in (1, 2, 4, 8, 16, 32)] == [64, 32, 16, 8, 4, 4]
+    assert auto.resolved("host", world_size=4).num_slots == 16
     with pytest.raises(ValueError, match="not resolved"):
         cfg.num_channels
 
