@@ -25,6 +25,12 @@
 // Every wait is bounded by timeout_ns; on expiry the error record names rank, peer, channel, head and tail.
 #include "layout.cuh"
 
+// The sender's publisher releases tail once at least this many chunks are ready (or the stream is complete, or
+// nothing new became ready for a while): fewer system-scope releases, each covering more payload.
+#ifndef SYMBUF_PUBLISH_BATCH
+#define SYMBUF_PUBLISH_BATCH 1
+#endif
+
 extern "C" __global__ void __launch_bounds__(1024)
 symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_bases, i64* status) {
   __shared__ i64 s_desc[DESC_WORDS];
@@ -108,16 +114,18 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
     group_sync(bar_id, nthreads);
     if (copy_id < 0) {  // the publisher (lane 0 of warp 0)
       if (lane == 0) {
-        u64 published = tail0;
+        u64 published = tail0, ready = tail0;
+        u32 idle = 0;
         SpinBudget spin(timeout_ns);
         while (published < end && !*abort_flag) {
-          u64 ready = published;
+          const u64 before = ready;
           while (ready < end && ld_acquire_cta(&done[(ready - tail0) % num_copy]) > ready) ++ready;
-          if (ready > published) {
+          idle = ready == before ? idle + 1 : 0;
+          if (ready > published && (ready - published >= SYMBUF_PUBLISH_BATCH || ready == end || idle > 32)) {
             st_release_sys_global(remote_tail, ready);
             published = ready;
             spin = SpinBudget(timeout_ns);
-          } else if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, published, published)) {
+          } else if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, published, ready)) {
             *abort_flag = 1;
           }
         }

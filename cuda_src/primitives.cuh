@@ -41,7 +41,10 @@ __device__ __forceinline__ u64 globaltimer_ns() {
   return t;
 }
 
-// ---- payload ------------------------------------------------------------------------------------------------
+// ---- payload ----
+#ifndef SYMBUF_UNROLL
+#define SYMBUF_UNROLL 8
+#endif--------------------------------------------------------------------------------------------
 // Source that no one writes during the kernel (the user's send buffer): non-coherent path, no L1 allocation.
 __device__ __forceinline__ int4 ld_nc_global(const int4* p) {
   int4 v;
@@ -108,7 +111,7 @@ __device__ __forceinline__ void copy_bytes(u8* dst, const u8* src, i64 n, int ti
     int4* d = reinterpret_cast<int4*>(dst);
     const i64 nv = n >> 4;
     const i64 stride = nthreads;
-    constexpr int kUnroll = 8;  // 8 x 16 B loads in flight per thread: 4 KiB per warp
+    constexpr int kUnroll = SYMBUF_UNROLL;  // 16 B loads in flight per thread (8: 4 KiB per warp)
     i64 i = tid;
     for (; i + (kUnroll - 1) * stride < nv; i += kUnroll * stride) {
       int4 v[kUnroll];

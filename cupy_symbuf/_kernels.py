@@ -18,6 +18,17 @@ __all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "compil
 _OPTIONS = ("-std=c++17",)
 
 
+def _tuning_defines() -> tuple:
+    """Extra ``-D`` options from ``CUPY_SYMBUF_NVRTC_DEFINES`` (space-separated, e.g. ``"-DSYMBUF_UNROLL=4"``): the
+    compile-time tuning knobs of ``cuda_src`` (``SYMBUF_UNROLL``, ``SYMBUF_PUBLISH_BATCH``), for benchmark sweeps.
+    Read once per process, when a source is first compiled."""
+    opts = tuple(os.environ.get("CUPY_SYMBUF_NVRTC_DEFINES", "").split())
+    for o in opts:
+        if not o.startswith("-D"):
+            raise ValueError(f"CUPY_SYMBUF_NVRTC_DEFINES: only -D options are accepted, got {o!r}")
+    return opts
+
+
 def cuda_src_dir() -> Path:
     """Folder holding the ``.cu``/``.cuh`` files: the source tree's ``cuda_src/`` or the installed package data."""
     here = Path(__file__).resolve().parent
@@ -44,7 +55,7 @@ def _read(source: str) -> str:
 def get_module(source: str, device_id: int):
     """``cupy.RawModule`` for ``cuda_src/<source>`` on ``device_id`` (compiled on first use, then cached)."""
     cp = _compat.cupy
-    options = _OPTIONS + (f"-I{cuda_src_dir()}",)
+    options = _OPTIONS + (f"-I{cuda_src_dir()}",) + _tuning_defines()
     with cp.cuda.Device(device_id):
         module = cp.RawModule(code=_read(source), options=options, backend="nvrtc")
         module.compile()
@@ -83,7 +94,8 @@ def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[It
         raise RuntimeError("compile_ptx needs CuPy (for its NVRTC binding)")
     from cupy_backends.cuda.libs import nvrtc
     dirs = list(include_dirs) if include_dirs is not None else _default_include_dirs()
-    opts = list(_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{cuda_src_dir()}"] + [f"-I{d}" for d in dirs]
+    opts = list(_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{cuda_src_dir()}"] + [f"-I{d}" for d in dirs] \
+        + list(_tuning_defines())
     prog = nvrtc.createProgram(_read(source), source, [], [])
     try:
         try:

@@ -120,6 +120,10 @@ def main(argv=None) -> int:
         if me == 0:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
                   f"chunk={c.config.chunk_bytes} slots={c.config.num_slots}")
+            if c.backend == "cuda":
+                k = c._transport._k_alltoallv
+                print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
+                      f"(spills), {c._transport.threads} threads/block")
             print(f"{'size/rank':>10} {'engine':>12} {'time_us':>10} {'algbw_GB/s':>11} {'busbw_GB/s':>11}")
         for size in [parse_size(s) for s in args.sizes.split(",")]:
             per_peer = size // W
