@@ -43,11 +43,13 @@ for stage in $STAGES; do
       run example_alltoall $MPIRUN -n $NGPU python3 examples/alltoall.py
       [ -f examples/moe_layer.py ] && run example_moe $MPIRUN -n $NGPU python3 examples/moe_layer.py ;;
     bench) run bench $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --breakdown --sizes ${BENCH_SIZES:-1M,16M,128M,1G} ;;
-    sweep)  # Config sweep (each size checked against NumPy before it is timed); NCCL once, in the bench stage
-      for cfg in ${SWEEP:-"--num-sms 24 --num-slots 32" "--num-sms 32 --num-slots 32" "--num-sms 48 --num-slots 32" \
-                 "--num-sms 64 --chunk-bytes 128K --num-slots 16"}; do
-        run "sweep${cfg// /}" $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --no-reference --breakdown --sizes 16M,128M,1G $cfg
-        grep -E "ours" "$LOG/gpu_sweep${cfg// /}.log"
+    sweep)  # Config and compile-time sweep, entries "NVRTC_DEFINES|bench args" (each size checked against NumPy
+            # before it is timed); NCCL once, in the bench stage
+      IFS=';' read -ra CFGS <<< "${SWEEP:-|--num-sms 32;|--num-sms 48;-DSYMBUF_MAX_THREADS=512|--num-sms 24;-DSYMBUF_MAX_THREADS=512|--num-sms 32;-DSYMBUF_MAX_THREADS=512|--num-sms 48}"
+      for cfg in "${CFGS[@]}"; do
+        name="sweep${cfg//[ |=-]/}"
+        CUPY_SYMBUF_NVRTC_DEFINES="${cfg%%|*}" run "$name" $MPIRUN -x CUPY_SYMBUF_NVRTC_DEFINES -n $NGPU python3 -m cupy_symbuf.bench --no-reference --breakdown --sizes 16M,128M,1G ${cfg#*|}
+        echo "   [$cfg]"; grep -E "ours|registers" "$LOG/$name.log"
       done ;;
   esac
 done

@@ -31,7 +31,12 @@
 #define SYMBUF_PUBLISH_BATCH 1
 #endif
 
-extern "C" __global__ void __launch_bounds__(1024)
+// Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128.
+#ifndef SYMBUF_MAX_THREADS
+#define SYMBUF_MAX_THREADS 1024
+#endif
+
+extern "C" __global__ void __launch_bounds__(SYMBUF_MAX_THREADS)
 symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_bases, i64* status) {
   __shared__ i64 s_desc[DESC_WORDS];
   __shared__ u64 s_done[32];  // per warp of the block
@@ -63,12 +68,21 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
   const i64 rows_per_chunk = chunk_bytes / row_bytes;
 
   const i64* peers = s_desc + DESC_PEERS;  // [4][world_size]: send row offset, send rows, recv row offset, recv rows
-  const RowStream send{reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS),
-                       static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]), row_bytes,
-                       reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]), peers[peer]};
-  const RowStream recv{reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS),
-                       static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]), row_bytes,
-                       reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]), peers[2 * world_size + peer]};
+  // The two row streams of this group live in shared memory (read on use, not held in registers: the copy
+  // loops need the registers; 1024-thread blocks get 64 per thread).
+  __shared__ RowStream s_streams[2 * SYMBUF_MAX_PEERS];
+  if (lane == 0 && warp_in_group == 0) {
+    s_streams[2 * peer] = RowStream{reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS),
+                                    static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]), row_bytes,
+                                    reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]), peers[peer]};
+    s_streams[2 * peer + 1] = RowStream{reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS),
+                                        static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]), row_bytes,
+                                        reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]),
+                                        peers[2 * world_size + peer]};
+  }
+  group_sync(bar_id, nthreads);
+  const RowStream& send = s_streams[2 * peer];
+  const RowStream& recv = s_streams[2 * peer + 1];
   const i64 rows = is_sender ? peers[world_size + peer] : peers[3 * world_size + peer];
   i64 lo, hi;
   channel_range(rows, channel, num_channels, align, lo, hi);
@@ -77,11 +91,14 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
   if (peer == rank) {  // to ourselves: no ring; the sender block copies the first half, the receiver block the rest
     const i64 mid = lo + (hi - lo) / 2 / align * align;
     const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
-    if (send.dense() && recv.dense()) {
-      copy_bytes<false>(recv.at(0, a), send.at(0, a), (b - a) * row_bytes, tid, nthreads);
-    } else {
+    if (send.dense() && recv.dense()) {  // one span of bytes, cut into 16-byte aligned slices, one per warp
+      const i64 n = (b - a) * row_bytes;
+      const i64 lo_b = n * warp_in_group / warps_per_peer / 16 * 16;
+      const i64 hi_b = warp_in_group == warps_per_peer - 1 ? n : n * (warp_in_group + 1) / warps_per_peer / 16 * 16;
+      copy_bytes<false>(recv.at(0, a) + lo_b, send.at(0, a) + lo_b, hi_b - lo_b, lane);
+    } else {  // one warp per row
       for (i64 r = a + warp_in_group; r < b; r += warps_per_peer)
-        for (int i = 0; i < send.num_parts; ++i) copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane, 32);
+        for (int i = 0; i < send.num_parts; ++i) copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
     }
     return;
   }
@@ -147,7 +164,7 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
         if (*abort_flag) break;
         const i64 r = lo + k * rows_per_chunk;
         send.copy_rows<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
-                             min(rows_per_chunk, hi - r), lane, 32);
+                             min(rows_per_chunk, hi - r), lane);
         __syncwarp();  // every lane's payload stores precede lane 0's release below
         if (lane == 0) {
           if (solo) st_release_sys_global(remote_tail, t + 1);
@@ -209,7 +226,7 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
         if (*abort_flag) break;
         const i64 r = lo + k * rows_per_chunk;
         recv.copy_rows<false>(local_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
-                              min(rows_per_chunk, hi - r), lane, 32);
+                              min(rows_per_chunk, hi - r), lane);
         __syncwarp();  // every lane's ring reads precede lane 0's hand-off below
         if (lane == 0) {
           if (solo) st_release_sys_global(remote_head, t + 1);

@@ -75,21 +75,21 @@ struct RowStream {
     const i64 token = index ? __ldg(index + row0 + r) : row0 + r;
     return reinterpret_cast<u8*>(parts[i].base) + token * parts[i].stride;
   }
-  // Copy stream rows [r, r + n) between the parts and packed rows at `flat` (a ring slot).
+  // One warp copies stream rows [r, r + n) between the parts and packed rows at `flat` (a ring slot).
   // kToFlat: parts -> flat (sender; the source is read-only during the kernel); else flat -> parts (receiver).
   template <bool kToFlat>
-  __device__ __forceinline__ void copy_rows(u8* flat, i64 r, i64 n, int tid, int nthreads) const {
+  __device__ __forceinline__ void copy_rows(u8* flat, i64 r, i64 n, int lane) const {
     if (dense()) {
       u8* p = reinterpret_cast<u8*>(parts[0].base) + (row0 + r) * row_bytes;
-      if (kToFlat) copy_bytes<false>(flat, p, n * row_bytes, tid, nthreads);
-      else copy_bytes<true>(p, flat, n * row_bytes, tid, nthreads);
+      if (kToFlat) copy_bytes<false>(flat, p, n * row_bytes, lane);
+      else copy_bytes<true>(p, flat, n * row_bytes, lane);
       return;
     }
     for (i64 j = 0; j < n; ++j) {
       for (int i = 0; i < num_parts; ++i) {
         u8* f = flat + j * row_bytes + parts[i].offset;
-        if (kToFlat) copy_bytes<false>(f, at(i, r + j), parts[i].width, tid, nthreads);
-        else copy_bytes<true>(at(i, r + j), f, parts[i].width, tid, nthreads);
+        if (kToFlat) copy_bytes<false>(f, at(i, r + j), parts[i].width, lane);
+        else copy_bytes<true>(at(i, r + j), f, parts[i].width, lane);
       }
     }
   }

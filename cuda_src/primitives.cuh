@@ -99,35 +99,36 @@ __device__ __forceinline__ T ld_payload(const T* p) {
   else return ld_nc_global(p);
 }
 
-// Copy n bytes with `nthreads` threads (thread index tid). 16-byte vectors with 8 loads in
-// flight per thread when both ends are 16-byte aligned (bytes in flight decide NVLink bandwidth), else 4-byte
-// words, else bytes (14-byte rows).
+// One warp copies n bytes (lane = thread index in the warp). 16-byte vectors with SYMBUF_UNROLL loads in flight
+// per lane when both ends are 16-byte aligned (bytes in flight decide NVLink bandwidth), else 4-byte words, else
+// bytes (14-byte rows). The warp width is a compile-time constant, so the unrolled accesses are one base address
+// plus immediate offsets: the loop needs no per-access address registers (1024-thread blocks have 64 per thread).
 template <bool kFromRing>
-__device__ __forceinline__ void copy_bytes(u8* dst, const u8* src, i64 n, int tid, int nthreads) {
+__device__ __forceinline__ void copy_bytes(u8* dst, const u8* src, i64 n, int lane) {
+  constexpr int kThreads = 32;
   const u64 misalign = reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src);
   i64 done = 0;
   if ((misalign & 15) == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
     const i64 nv = n >> 4;
-    const i64 stride = nthreads;
-    constexpr int kUnroll = SYMBUF_UNROLL;  // 16 B loads in flight per thread (8: 4 KiB per warp)
-    i64 i = tid;
-    for (; i + (kUnroll - 1) * stride < nv; i += kUnroll * stride) {
+    constexpr int kUnroll = SYMBUF_UNROLL;  // 16 B loads in flight per lane (8: 4 KiB per warp)
+    const int4* s = reinterpret_cast<const int4*>(src) + lane;
+    int4* d = reinterpret_cast<int4*>(dst) + lane;
+    const int4* const s_end = reinterpret_cast<const int4*>(src) + nv;
+    for (; s + (kUnroll - 1) * kThreads < s_end; s += kUnroll * kThreads, d += kUnroll * kThreads) {
       int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = ld_payload<kFromRing>(s + i + u * stride);
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld_payload<kFromRing>(s + u * kThreads);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) st_na_global(d + i + u * stride, v[u]);
+      for (int u = 0; u < kUnroll; ++u) st_na_global(d + u * kThreads, v[u]);
     }
-    for (; i < nv; i += stride) st_na_global(d + i, ld_payload<kFromRing>(s + i));
+    for (; s < s_end; s += kThreads, d += kThreads) st_na_global(d, ld_payload<kFromRing>(s));
     done = nv << 4;
   } else if ((misalign & 3) == 0) {
     const u32* s = reinterpret_cast<const u32*>(src);
     u32* d = reinterpret_cast<u32*>(dst);
     const i64 nw = n >> 2;
-    for (i64 i = tid; i < nw; i += nthreads) st_na_global(d + i, ld_payload<kFromRing>(s + i));
+    for (i64 i = lane; i < nw; i += kThreads) st_na_global(d + i, ld_payload<kFromRing>(s + i));
     done = nw << 2;
   }
-  for (i64 i = done + tid; i < n; i += nthreads) st_na_global(dst + i, ld_payload<kFromRing>(src + i));
+  for (i64 i = done + lane; i < n; i += kThreads) st_na_global(dst + i, ld_payload<kFromRing>(src + i));
 }

@@ -15,17 +15,19 @@ _ROLES = {0: "send", 1: "recv", 2: "notify"}
 _STATUS_INTS = 8
 
 
-def threads_per_block(world_size: int) -> int:
-    """Threads of one channel block: ``world_size`` warp groups of ``max(1, 32 // world_size)`` warps (1024
-    threads for world sizes that divide 32).
+def threads_per_block(world_size: int, max_threads: int = 1024) -> int:
+    """Threads of one channel block: ``world_size`` warp groups of ``max(1, (max_threads // 32) // world_size)``
+    warps (``max_threads`` for world sizes that divide ``max_threads // 32``). ``max_threads`` is the kernel's
+    ``__launch_bounds__`` (``SYMBUF_MAX_THREADS``, 1024 by default).
 
     Named barriers (ids 1..15) sync a group of several warps, so groups of more than one warp need
-    ``world_size <= 15``; larger worlds get one warp per peer (``__syncwarp``), up to 32 peers.
+    ``world_size <= 15``; larger worlds get one warp per peer (``__syncwarp``), up to ``max_threads // 32`` peers.
     """
-    if world_size > 32:
-        raise ValueError(f"world_size must be <= 32 for the GPU path (one warp per peer in a 1024-thread block), "
-                         f"got {world_size}")
-    warps_per_peer = max(1, 32 // world_size) if world_size <= 15 else 1
+    max_warps = max_threads // 32
+    if world_size > max_warps:
+        raise ValueError(f"world_size must be <= {max_warps} for the GPU path (one warp per peer in a "
+                         f"{max_threads}-thread block), got {world_size}")
+    warps_per_peer = max(1, max_warps // world_size) if world_size <= 15 else 1
     return world_size * warps_per_peer * 32
 
 
@@ -74,7 +76,6 @@ class CudaTransport:
         self.timeout_s = timeout_s
         self.rank = buf.rank
         self.world_size = buf.world_size
-        self.threads = threads_per_block(self.world_size)
         self.timeout_ns = np.uint64(int(timeout_s * 1e9))
         self._status = _Pinned(_STATUS_INTS)
         self._meta = _Pinned(self.world_size * layout.max_notify_ints)
@@ -93,6 +94,7 @@ class CudaTransport:
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
         self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv")
         self._k_notify = _kernels.get_function("alltoall.cu", "symbuf_notify")
+        self.threads = threads_per_block(self.world_size, int(self._k_alltoallv.max_threads_per_block))
         # The ring kernel's three arguments never change (everything per call is in the descriptor), so its
         # parameter block is built once and launched through the driver API (a few us instead of CuPy's argument
         # marshalling). Falls back to the RawKernel call where that API is not reachable.

@@ -98,3 +98,14 @@ def test_config_accepts_numpy_ints_and_rejects_odd_numbers(monkeypatch):
     monkeypatch.setenv("CUPY_SYMBUF_TIMEOUT_S", "abc")
     with pytest.raises(ValueError, match="CUPY_SYMBUF_TIMEOUT_S"):
         cs.Config()
+
+
+def test_threads_per_block():
+    from cupy_symbuf._cuda import threads_per_block
+    # world_size warp groups, as many warps each as fit; one warp per peer beyond 15 peers (named-barrier ids)
+    assert [threads_per_block(w) for w in (1, 2, 3, 8, 15, 16, 32)] == [1024, 1024, 960, 1024, 960, 512, 1024]
+    assert [threads_per_block(w, 512) for w in (1, 2, 3, 8, 16)] == [512, 512, 480, 512, 512]
+    with pytest.raises(ValueError, match="world_size must be <= 32"):
+        threads_per_block(33)
+    with pytest.raises(ValueError, match="world_size must be <= 16"):
+        threads_per_block(17, 512)
