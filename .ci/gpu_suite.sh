@@ -49,7 +49,7 @@ for stage in $STAGES; do
       for cfg in "${CFGS[@]}"; do
         name="sweep${cfg//[ |=-]/}"
         CUPY_SYMBUF_NVRTC_DEFINES="${cfg%%|*}" run "$name" $MPIRUN -x CUPY_SYMBUF_NVRTC_DEFINES -n $NGPU python3 -m cupy_symbuf.bench --no-reference --breakdown --sizes 16M,128M,1G ${cfg#*|}
-        echo "   [$cfg]"; grep -E "ours|registers" "$LOG/$name.log"
+        echo "   [$cfg]"; grep -E "ours|registers" "$LOG/gpu_$name.log"
       done ;;
   esac
 done

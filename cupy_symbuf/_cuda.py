@@ -31,6 +31,13 @@ def threads_per_block(world_size: int, max_threads: int = 1024) -> int:
     return world_size * warps_per_peer * 32
 
 
+def ring_kernel_defines(world_size: int) -> tuple:
+    """Compile-time variant of the ring kernel for ``world_size`` ranks: 512-thread blocks (128 registers per
+    thread, no spills; measured faster for 2 ranks on H200, docs/perf-notes.md) while that still leaves every peer
+    group 4 warps (``world_size <= 4``), else 1024-thread blocks (64 registers) so that groups keep several warps."""
+    return ("-DSYMBUF_MAX_THREADS=512",) if world_size <= 4 else ("-DSYMBUF_MAX_THREADS=1024",)
+
+
 class _Pinned:
     """Host-mapped pinned int64 array, written by kernels and read by the host without a copy (UVA)."""
 
@@ -92,7 +99,8 @@ class CudaTransport:
         self._desc_args = (np.uint64(self._desc.ptr), buf.peer_ptrs_device, np.uint64(self._status.ptr))
         self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
-        self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv")
+        self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv",
+                                                  ring_kernel_defines(self.world_size))
         self._k_notify = _kernels.get_function("alltoall.cu", "symbuf_notify")
         self.threads = threads_per_block(self.world_size, int(self._k_alltoallv.max_threads_per_block))
         # The ring kernel's three arguments never change (everything per call is in the descriptor), so its

@@ -52,20 +52,21 @@ def _read(source: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def get_module(source: str, device_id: int):
-    """``cupy.RawModule`` for ``cuda_src/<source>`` on ``device_id`` (compiled on first use, then cached)."""
+def get_module(source: str, device_id: int, defines: tuple = ()):
+    """``cupy.RawModule`` for ``cuda_src/<source>`` on ``device_id`` compiled with the ``-D`` options ``defines``
+    (a variant chosen by the caller, e.g. ``("-DSYMBUF_MAX_THREADS=512",)``); compiled on first use, then cached."""
     cp = _compat.cupy
-    options = _OPTIONS + (f"-I{cuda_src_dir()}",) + _tuning_defines()
+    options = _OPTIONS + (f"-I{cuda_src_dir()}",) + tuple(defines) + _tuning_defines()
     with cp.cuda.Device(device_id):
         module = cp.RawModule(code=_read(source), options=options, backend="nvrtc")
         module.compile()
     return module
 
 
-def get_function(source: str, name: str):
-    """Kernel ``name`` of ``cuda_src/<source>`` for the current CuPy device."""
+def get_function(source: str, name: str, defines: tuple = ()):
+    """Kernel ``name`` of ``cuda_src/<source>`` (variant ``defines``) for the current CuPy device."""
     cp = _compat.cupy
-    return get_module(source, cp.cuda.Device().id).get_function(name)
+    return get_module(source, cp.cuda.Device().id, tuple(defines)).get_function(name)
 
 
 def _default_include_dirs() -> list:
@@ -84,7 +85,8 @@ def _default_include_dirs() -> list:
     return dirs
 
 
-def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[Iterable[str]] = None) -> str:
+def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[Iterable[str]] = None,
+                defines: tuple = ()) -> str:
     """Compile ``cuda_src/<source>`` to PTX with NVRTC for ``arch``; no GPU needed.
 
     Raises ``RuntimeError`` with the NVRTC log when compilation fails.
@@ -95,7 +97,7 @@ def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[It
     from cupy_backends.cuda.libs import nvrtc
     dirs = list(include_dirs) if include_dirs is not None else _default_include_dirs()
     opts = list(_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{cuda_src_dir()}"] + [f"-I{d}" for d in dirs] \
-        + list(_tuning_defines())
+        + list(defines) + list(_tuning_defines())
     prog = nvrtc.createProgram(_read(source), source, [], [])
     try:
         try:

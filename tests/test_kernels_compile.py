@@ -20,10 +20,11 @@ def _nvrtc_or_skip():
         pytest.skip(f"NVRTC not available: {exc}")
 
 
+@pytest.mark.parametrize("defines", [(), ("-DSYMBUF_MAX_THREADS=512",)], ids=["default", "512-threads"])
 @pytest.mark.parametrize("source", _kernels.list_sources())
-def test_compiles_for_sm90(source):
+def test_compiles_for_sm90(source, defines):
     _nvrtc_or_skip()
-    ptx = _kernels.compile_ptx(source, "compute_90")
+    ptx = _kernels.compile_ptx(source, "compute_90", defines=defines)
     assert ".target sm_90" in ptx
     entries = re.findall(r"\.entry (\w+)", ptx)
     assert entries, f"no kernels in {source}"
