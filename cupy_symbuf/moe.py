@@ -11,15 +11,19 @@ Data flow
 ---------
 ``dispatch`` = layout (``xp``) -> count exchange ``Communicator._notify`` (DeepEP's ``notify_dispatch``: every rank
 sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts..., row_bytes]``; every rank takes
-part, also with zero tokens) -> pack one byte row per (token, destination rank) -> ``Communicator.alltoallv`` with
-the receive counts already known (no second count exchange) -> unpack.
-Packed row, ``uint8 [row_bytes]``: ``x`` bytes (``hidden * itemsize``) | fp8 scales (``num_scales * 4``) |
-``topk_idx`` (``num_topk * 8``, global expert ids) | ``topk_weights`` (``num_topk * 4``). A cached dispatch (with
-``handle``) sends only ``x`` | scales.
+part, also with zero tokens) -> one row exchange ``Communicator._exchange_rows`` with the receive counts already
+known (no second count exchange). A row is ``x`` | fp8 scales | ``topk_idx`` (global expert ids) | ``topk_weights``
+of one (token, destination rank); a cached dispatch (with ``handle``) sends only ``x`` | scales.
+On the GPU the ring kernel (``cuda_src/alltoall.cu``) gathers each row's parts from the caller's arrays through
+the token index straight into the channel rings and scatters them from the rings into the output arrays (no packed
+copy); ring slots hold whole rows, so a row must fit in ``Config.chunk_bytes`` there (``ValueError`` otherwise).
+On the host the rows are packed with NumPy, streamed through the same ring protocol and unpacked.
 
-``combine`` = ``alltoallv`` back with both count vectors taken from the handle -> float32 accumulation, one
-source rank at a time in rank order (a token appears at most once per rank, so ``combined[idx] += rows`` is
-race-free and the summation order is fixed: results are bitwise reproducible) -> round back to ``x``'s dtype.
+``combine`` = the row exchange back (rows ``x`` | ``topk_weights``) with both count vectors taken from the handle
+-> float32 accumulation, one source rank at a time in rank order (a token appears at most once per rank, so the
+summation order is fixed: results are bitwise reproducible) -> rounded once to ``x``'s dtype. On the GPU the
+accumulation is one kernel per part (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``); on the host NumPy
+scatter-adds.
 
 Expert placement
 ----------------
