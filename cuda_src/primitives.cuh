@@ -41,10 +41,10 @@ __device__ __forceinline__ u64 globaltimer_ns() {
   return t;
 }
 
-// ---- payload ----
+// ---- payload ------------------------------------------------------------------------------------------------
 #ifndef SYMBUF_UNROLL
 #define SYMBUF_UNROLL 8
-#endif--------------------------------------------------------------------------------------------
+#endif
 // Source that no one writes during the kernel (the user's send buffer): non-coherent path, no L1 allocation.
 __device__ __forceinline__ int4 ld_nc_global(const int4* p) {
   int4 v;

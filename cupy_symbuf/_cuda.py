@@ -31,6 +31,22 @@ def threads_per_block(world_size: int, max_threads: int = 1024) -> int:
     return world_size * warps_per_peer * 32
 
 
+def is_byte_stream(num_parts: int, has_index: bool) -> bool:
+    """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries, full
+    ``chunk_bytes`` slots) for one part sent in row order, else packed rows (cuts on row boundaries, whole rows per
+    slot). Decided only from what every rank of a collective shares (number of parts, gather or not), never from a
+    rank's own strides: sender and receiver must cut every stream the same way."""
+    return num_parts == 1 and not has_index
+
+
+def check_row_fits(op: str, row_bytes: int, chunk_bytes: int, byte_stream: bool) -> None:
+    """Packed rows travel whole in one ring slot: ``ValueError`` when a row is larger than ``Config.chunk_bytes``."""
+    if not byte_stream and row_bytes > chunk_bytes:
+        raise ValueError(f"{op}: one row is {row_bytes} bytes (all its parts), more than Config.chunk_bytes="
+                         f"{chunk_bytes}: on the GPU path ring slots hold whole rows; build the Communicator with "
+                         f"Config(chunk_bytes=...) of at least {(row_bytes + 127) // 128 * 128}")
+
+
 def ring_kernel_defines(world_size: int) -> tuple:
     """Compile-time variant of the ring kernel for ``world_size`` ranks: 512-thread blocks (128 registers per
     thread, no spills; measured faster for 2 ranks on H200, docs/perf-notes.md) while that still leaves every peer
@@ -148,19 +164,26 @@ class CudaTransport:
         Waits for the stream (the error record must be read before returning).
         """
         cp = _compat.cupy
-        sgeo = [part_geometry(a) for a in send_parts]
-        rgeo = [part_geometry(a) for a in recv_parts]
-        row_bytes = sum(g[2] for g in sgeo)
+        byte_stream = is_byte_stream(len(send_parts), send_index is not None)
+        row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in send_parts)
+        # Checked on every rank, before the early return below: ranks with nothing to move raise alike.
+        check_row_fits(op, row_bytes, self.layout.chunk_bytes, byte_stream)
         if row_bytes == 0 or (not send_counts.any() and not recv_counts.any()):
             return  # nothing moves; ring counters unchanged on every rank alike
-        if [g[2] for g in sgeo] != [g[2] for g in rgeo] or len(sgeo) > MAX_PARTS:
+        if byte_stream:  # one span of bytes per peer: the rows must be contiguous (copied here when they are not)
+            send_parts = [cp.ascontiguousarray(send_parts[0])]
+        sgeo = [part_geometry(a) for a in send_parts]
+        rgeo = [part_geometry(a) for a in recv_parts]
+        if [g[2] for g in sgeo] != [g[2] for g in rgeo] or len(sgeo) > MAX_PARTS or \
+                (byte_stream and not (sgeo[0][1] == sgeo[0][2] == rgeo[0][1])):
             raise AssertionError(f"{op}: internal: send and receive parts differ ({sgeo} vs {rgeo})")
         if send_index is not None:
             send_index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
         key = (tuple(sgeo), tuple(rgeo), 0 if send_index is None else send_index.data.ptr, send_counts.tobytes(),
                recv_counts.tobytes())
         if key != self._desc_key:  # repeated calls with the same shapes and buffers reuse the descriptor
-            self._write_desc(sgeo, rgeo, send_index, send_counts, recv_counts, op)
+            self._desc_key = None
+            self._write_desc(byte_stream, sgeo, rgeo, send_index, send_counts, recv_counts)
             self._desc_key = key
         stream = cp.cuda.get_current_stream()
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
@@ -173,23 +196,17 @@ class CudaTransport:
             self.kernel_events[1].record(stream)
         self._check(op, stream)
 
-    def _write_desc(self, sgeo, rgeo, send_index, send_counts, recv_counts, op: str) -> None:
+    def _write_desc(self, byte_stream: bool, sgeo, rgeo, send_index, send_counts, recv_counts) -> None:
         W = self.world_size
         row_bytes = sum(g[2] for g in sgeo)
         d = self._desc.array
         scounts, rcounts = send_counts, recv_counts
-        if len(sgeo) == 1 and len(rgeo) == 1 and send_index is None and sgeo[0][1] == row_bytes \
-                and rgeo[0][1] == row_bytes:
-            # dense on both sides: a byte stream (1-byte rows; channel boundaries 16-byte aligned)
+        if byte_stream:  # 1-byte rows; channel boundaries 16-byte aligned
             sgeo = [(sgeo[0][0], 1, 1)]
             rgeo = [(rgeo[0][0], 1, 1)]
             scounts, rcounts = send_counts * row_bytes, recv_counts * row_bytes
             d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = 1, 16
         else:
-            if row_bytes > self.layout.chunk_bytes:
-                raise ValueError(f"{op}: one row is {row_bytes} bytes (all its parts), more than "
-                                 f"Config.chunk_bytes={self.layout.chunk_bytes}: ring slots hold whole rows on the "
-                                 f"GPU path; build the Communicator with a larger chunk_bytes")
             d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = row_bytes, 1
         d[DESC_SEND_INDEX] = 0 if send_index is None else send_index.data.ptr
         d[DESC_RECV_INDEX] = 0

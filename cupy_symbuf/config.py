@@ -53,10 +53,11 @@ class Config:
         ``None``: 64 KiB on the GPU (one warp copies one slot), 256 KiB on the host.
     num_slots : int or None
         Ring capacity in slots per (channel, peer); >= 2. Capacity in bytes is ``num_slots * chunk_bytes``.
-        ``None``: on the GPU twice the copy warps a (channel, peer) stream has on each side
-        (``2 * (32 // world_size)``, at least 4), so senders can fill one set of slots while the receivers drain the
-        other (ring memory then stays about ``num_channels * 64 * chunk_bytes`` per rank whatever the world size);
-        16 on the host.
+        ``None``: on the GPU ``2 * (32 // world_size)`` (at least 4): twice the warps of a peer group in a
+        1024-thread block, so senders can fill one set of slots while the receivers drain another (ring memory then
+        stays about ``num_channels * 64 * chunk_bytes`` per rank whatever the world size; up to 4 ranks the kernel
+        runs 512-thread blocks, where this is about 4x the copy warps: 32 and 64 slots measured the same for 2
+        ranks, docs/perf-notes.md); 16 on the host.
         Messages larger than the ring stream through it, so this bounds memory, not message size.
     timeout_s : float
         Bound on every spin-wait (GPU kernels and host path), in seconds; > 0. On expiry a

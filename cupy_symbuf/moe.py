@@ -428,7 +428,9 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``topk_weights`` or ``scales`` disagreeing, or ``num_topk`` of ``topk_weights`` differing from
         ``topk_idx``'s; fp8 ``hidden`` not divisible by 128 or ``scales`` not ``[num_tokens, hidden // 128]``;
         ``handle`` from another communicator, or given together with ``topk_idx``/``topk_weights``/a different
-        ``num_experts``; ``expert_alignment < 1``; after the count exchange, ranks disagreeing on the row size.
+        ``num_experts``; ``expert_alignment < 1``; after the count exchange, ranks disagreeing on the row size, or
+        (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger than ``Config.chunk_bytes`` (ring
+        slots hold whole rows; every rank raises alike, the communicator stays usable).
     """
     op = "dispatch"
     comm._check_open()
@@ -623,7 +625,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
         ``dtype="bfloat16"``); ``topk_weights`` not float32; ``handle`` not a :class:`DispatchHandle`.
     ValueError
         ``handle`` from another communicator; ``x`` not ``[handle.num_recv_tokens, handle.hidden]``;
-        ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``.
+        ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``; (GPU) with ``topk_weights``, a row
+        ``hidden * itemsize + num_topk * 4`` bytes larger than ``Config.chunk_bytes``.
     """
     op = "combine"
     comm._check_open()

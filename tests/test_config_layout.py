@@ -109,3 +109,16 @@ def test_threads_per_block():
         threads_per_block(33)
     with pytest.raises(ValueError, match="world_size must be <= 16"):
         threads_per_block(17, 512)
+
+
+def test_wire_format_depends_only_on_shared_facts():
+    """The row-exchange wire format (byte stream or packed rows) must be the same on every rank: it depends only on
+    the number of parts and on whether rows are gathered, never on a rank's strides."""
+    from cupy_symbuf._cuda import check_row_fits, is_byte_stream
+    assert is_byte_stream(1, False)                     # alltoall(v), combine without weights
+    assert not is_byte_stream(1, True)                  # cached dispatch (gather through the token index)
+    assert not is_byte_stream(3, True) and not is_byte_stream(2, False)   # dispatch, combine with weights
+    check_row_fits("dispatch", 65536, 65536, False)    # a row may fill a slot exactly
+    check_row_fits("alltoall", 1 << 30, 65536, True)   # byte streams have no row limit
+    with pytest.raises(ValueError, match=r"dispatch: one row is 65537 bytes .* Config\.chunk_bytes=65536.*65664"):
+        check_row_fits("dispatch", 65537, 65536, False)

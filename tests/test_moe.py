@@ -520,6 +520,24 @@ def test_moe_roundtrip_identity(moe_comm):
     all_ranks(check)
 
 
+def test_combine_row_strided_x_on_some_ranks(moe_comm):
+    """combine of x whose rows are strided (a column slice of a wider buffer) on even ranks and contiguous on odd
+    ranks: every rank must cut the streams the same way whatever its own strides (a review found the GPU path
+    choosing its wire format from local strides). Integers in fp32: exact."""
+    comm = moe_comm
+    rng = rng_for("strided-combine", comm.backend)
+    n_exp = 4 * W
+    idx = make_routing("random", rng, 48, n_exp, 3)
+    x = rng.integers(1, 50, size=(48, 24)).astype(np.float32)
+    recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), None, n_exp)
+    wide = comm.xp.zeros((recv_x.shape[0], 40), dtype=np.float32)
+    wide[:, :24] = recv_x
+    y = wide[:, :24] if RANK % 2 == 0 else recv_x    # even ranks: row stride 160 B, row width 96 B
+    combined, _ = comm.combine(y, h)
+    reached = np.array([len({int(e) // (n_exp // W) for e in row if e >= 0}) for row in idx], dtype=np.float32)
+    all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 GOOD = Case("after_error", routing="masked", num_tokens=24, hidden=32, num_experts=8, num_topk=3, dtype="bf16")
