@@ -98,7 +98,8 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
       copy_bytes<false>(recv.at(0, a) + lo_b, send.at(0, a) + lo_b, hi_b - lo_b, lane);
     } else {  // one warp per row
       for (i64 r = a + warp_in_group; r < b; r += warps_per_peer)
-        for (int i = 0; i < send.num_parts; ++i) copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
+        for (int i = 0; i < send.num_parts; ++i)
+          copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
     }
     return;
   }

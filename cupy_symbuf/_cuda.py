@@ -228,7 +228,8 @@ class CudaTransport:
         W, M = send_meta.shape
         self._meta_in.array[: W * M] = send_meta.reshape(-1)  # read by the kernel from pinned memory
         threads = max(32, min(1024, (W + 31) // 32 * 32))
-        args = (np.uint64(self._meta_in.ptr), np.uint64(self._meta.ptr), np.int32(M), np.int64(epoch), self.buf.peer_ptrs_device,
+        args = (np.uint64(self._meta_in.ptr), np.uint64(self._meta.ptr), np.int32(M), np.int64(epoch),
+                self.buf.peer_ptrs_device,
                 np.int32(self.rank), np.int32(W), *self._layout_args, self.timeout_ns, np.uint64(self._status.ptr))
         self._k_notify((1,), (threads,), args)
         self._check(op, stream)

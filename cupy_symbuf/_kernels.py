@@ -36,7 +36,8 @@ def cuda_src_dir() -> Path:
     for candidate in (here.parent / "cuda_src", here / "cuda_src"):
         if (candidate / "primitives.cuh").is_file():
             return candidate
-    raise FileNotFoundError(f"cupy_symbuf: CUDA sources not found in {here.parent / 'cuda_src'} nor in {here / 'cuda_src'}")
+    raise FileNotFoundError(f"cupy_symbuf: CUDA sources not found in {here.parent / 'cuda_src'} nor in "
+                            f"{here / 'cuda_src'}")
 
 
 def list_sources() -> list:

@@ -135,7 +135,8 @@ class Communicator:
         """
         for a in list(send_parts) + list(recv_parts):
             if a.ndim != 2 or (a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize):
-                raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no contiguous rows")
+                raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no "
+                                     f"contiguous rows")
         if len(send_parts) > 4:
             raise AssertionError(f"{op}: internal: at most 4 parts")
         self._run(self._transport.exchange_rows, list(send_parts), send_index, send_counts, list(recv_parts),

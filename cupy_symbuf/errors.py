@@ -27,7 +27,8 @@ class SymBufferTimeoutError(SymBufferError):
         self.head, self.tail, self.timeout_s, self.op = head, tail, timeout_s, op
         what = {"send": "sender waiting for ring space (tail - head == capacity)",
                 "recv": "receiver waiting for data (tail == head)",
-                "notify": "notify waiting for the peer's count (head = epoch awaited, tail = epoch seen)"}.get(role, role)
+                "notify": "notify waiting for the peer's count (head = epoch awaited, tail = epoch seen)"}
+        what = what.get(role, role)
         super().__init__(
             f"{op + ': ' if op else ''}timeout after {timeout_s:g} s on rank {rank}, peer {peer}, channel {channel}: "
             f"{what}; head={head} tail={tail}. A peer rank probably failed or is not calling the same collective.")

@@ -429,8 +429,9 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``topk_idx``'s; fp8 ``hidden`` not divisible by 128 or ``scales`` not ``[num_tokens, hidden // 128]``;
         ``handle`` from another communicator, or given together with ``topk_idx``/``topk_weights``/a different
         ``num_experts``; ``expert_alignment < 1``; after the count exchange, ranks disagreeing on the row size, or
-        (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger than ``Config.chunk_bytes`` (ring
-        slots hold whole rows; every rank raises alike, the communicator stays usable).
+        (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger
+        than ``Config.chunk_bytes`` (ring slots hold whole rows; every rank raises alike, the communicator stays
+        usable).
     """
     op = "dispatch"
     comm._check_open()
