@@ -5,6 +5,7 @@
 # Usage: bash .ci/gpu_suite.sh [stage...]   stages: single multi cvd mps examples bench sweep (default: the four tests)
 #        node = the whole one-node session in one call (issue 4: 8 or 4 GPUs, one rank per GPU):
 #               single multi cvd examples bench; the bench times NCCL in the same run.
+#        x2 = multi cvd examples bench (one call on nvidia-h200-x2); h200 = mps single (one call on nvidia-h200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -17,6 +18,8 @@ PYTEST="python3 -m pytest -q --color=no -p no:cacheprovider --timeout=${TEST_TIM
 TESTS=${TESTS:-tests}
 STAGES=${*:-single multi cvd mps}
 STAGES=${STAGES/node/single multi cvd examples bench}
+STAGES=${STAGES/x2/multi cvd examples bench}   # one call on nvidia-h200-x2
+STAGES=${STAGES/h200/mps single}               # one call on nvidia-h200
 fail=0
 run() {  # name, command...
   local name=$1; shift

@@ -162,7 +162,7 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
           }
         }
         __syncwarp();
-        if (*abort_flag) break;
+        if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
         const i64 r = lo + k * rows_per_chunk;
         send.copy_rows<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
                              min(rows_per_chunk, hi - r), lane);
@@ -224,7 +224,7 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
           }
         }
         __syncwarp();  // lane 0's acquire of tail precedes every lane's ring reads
-        if (*abort_flag) break;
+        if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
         const i64 r = lo + k * rows_per_chunk;
         recv.copy_rows<false>(local_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
                               min(rows_per_chunk, hi - r), lane);
