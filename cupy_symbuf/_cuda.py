@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _compat, _kernels
 from .errors import SymBufferTimeoutError
-from .layout import ChannelLayout
+from .layout import ChannelLayout, check_row_fits, is_byte_stream
 
 __all__ = ["CudaTransport", "threads_per_block"]
 
@@ -29,22 +29,6 @@ def threads_per_block(world_size: int, max_threads: int = 1024) -> int:
                          f"{max_threads}-thread block), got {world_size}")
     warps_per_peer = max(1, max_warps // world_size) if world_size <= 15 else 1
     return world_size * warps_per_peer * 32
-
-
-def is_byte_stream(num_parts: int, has_index: bool) -> bool:
-    """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries, full
-    ``chunk_bytes`` slots) for one part sent in row order, else packed rows (cuts on row boundaries, whole rows per
-    slot). Decided only from what every rank of a collective shares (number of parts, gather or not), never from a
-    rank's own strides: sender and receiver must cut every stream the same way."""
-    return num_parts == 1 and not has_index
-
-
-def check_row_fits(op: str, row_bytes: int, chunk_bytes: int, byte_stream: bool) -> None:
-    """Packed rows travel whole in one ring slot: ``ValueError`` when a row is larger than ``Config.chunk_bytes``."""
-    if not byte_stream and row_bytes > chunk_bytes:
-        raise ValueError(f"{op}: one row is {row_bytes} bytes (all its parts), more than Config.chunk_bytes="
-                         f"{chunk_bytes}: on the GPU path ring slots hold whole rows; build the Communicator with "
-                         f"Config(chunk_bytes=...) of at least {(row_bytes + 127) // 128 * 128}")
 
 
 def ring_kernel_defines(world_size: int) -> tuple:

@@ -1,4 +1,10 @@
-"""Host twin of the GPU kernels: the same ring protocol over the MPI shared-memory window, with NumPy copies.
+"""Host twin of the GPU kernels: the same ring protocol and wire format over the MPI shared-memory window, with
+NumPy copies.
+
+A row exchange moves, per peer, a stream of rows cut the same way as on the GPU (``layout.stream_units``): a byte
+stream (channel cuts on 16-byte boundaries, full slots) for one part in row order, else packed rows (cuts on row
+boundaries, whole rows per slot, each row gathered from its parts through the token index when sending and
+scattered into the receive parts). A rank's rows to itself are copied directly, as on the GPU.
 
 One progress loop per rank drives every (channel, peer) send stream and receive stream without blocking on any
 one of them (the GPU gives each its own warp group; here a stream that cannot move is skipped), so no peer can
@@ -14,13 +20,66 @@ import time
 import numpy as np
 
 from .errors import SymBufferTimeoutError
-from .layout import ChannelLayout, channel_byte_range, num_chunks
+from .layout import ChannelLayout, channel_row_range, check_row_fits, is_byte_stream, stream_units
 
 __all__ = ["HostTransport"]
 
 
+def _bytes2d(a: np.ndarray) -> np.ndarray:
+    """``a`` (2-D, rows contiguous in memory) as ``uint8 [rows, row_width_bytes]``; a view (writes go to ``a``)."""
+    return a.view(np.uint8).reshape(a.shape[0], a.shape[1] * a.dtype.itemsize)
+
+
+class _Side:
+    """One side (send or receive) of a row exchange: where stream unit ``u`` of peer ``p``'s stream lives.
+
+    ``fill``/``drain`` copy units ``[u, u + n)`` of a peer stream between the parts and a packed ring slot.
+    """
+
+    def __init__(self, parts, index, counts, byte_stream: bool, row_bytes: int):
+        self.byte_stream = byte_stream
+        if byte_stream:
+            a = parts[0]
+            self.flat = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1).view(np.uint8)
+            self.units = counts * row_bytes
+        else:
+            self.parts = []
+            off = 0
+            for a in parts:
+                b = _bytes2d(a)
+                self.parts.append((b, off, off + b.shape[1]))
+                off += b.shape[1]
+            self.units = counts.copy()
+        self.index = index
+        self.row_bytes = row_bytes
+        self.first = np.concatenate([[0], np.cumsum(self.units)[:-1]]).astype(np.int64)
+
+    def _tokens(self, p: int, u: int, n: int):
+        r = int(self.first[p]) + u
+        return self.index[r: r + n] if self.index is not None else slice(r, r + n)
+
+    def fill(self, slot: np.ndarray, p: int, u: int, n: int) -> None:
+        if self.byte_stream:
+            r = int(self.first[p]) + u
+            slot[:n] = self.flat[r: r + n]
+            return
+        rows = slot[: n * self.row_bytes].reshape(n, self.row_bytes)
+        tok = self._tokens(p, u, n)
+        for b, lo, hi in self.parts:
+            rows[:, lo:hi] = b[tok]
+
+    def drain(self, slot: np.ndarray, p: int, u: int, n: int) -> None:
+        r = int(self.first[p]) + u
+        if self.byte_stream:
+            self.flat[r: r + n] = slot[:n]
+            return
+        rows = slot[: n * self.row_bytes].reshape(n, self.row_bytes)
+        for b, lo, hi in self.parts:
+            b[r: r + n] = rows[:, lo:hi]
+
+
 class HostTransport:
-    """Runs alltoallv byte streams and the notify step over a host :class:`~cupy_symbuf.SymBuffer`."""
+    """Runs row exchanges and the notify step over a host :class:`~cupy_symbuf.SymBuffer`."""
 
     def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
         self.buf = buf
@@ -33,114 +92,84 @@ class HostTransport:
     def _u64(self, rank: int, offset: int) -> np.ndarray:
         return self.views[rank][offset: offset + 8].view(np.uint64)
 
-    # ---- row streams -----------------------------------------------------------------------------------------
+    # ---- row exchange ---------------------------------------------------------------------------------------
     def exchange_rows(self, send_parts, send_index, send_counts, recv_parts, recv_counts, op: str) -> None:
-        """Host twin of :meth:`CudaTransport.exchange_rows` (same arguments, NumPy arrays): rows are packed
-        into one contiguous byte array (NumPy gathers), streamed through the rings, and unpacked into the parts."""
-        n_send = int(send_counts.sum())
-        n_recv = int(recv_counts.sum())
-        widths = [a.shape[1] * a.dtype.itemsize for a in send_parts]
-        row_bytes = sum(widths)
-        if row_bytes == 0 or (n_send == 0 and n_recv == 0):
-            return
-        if len(send_parts) == 1 and send_index is None and send_parts[0].flags.c_contiguous:
-            packed = send_parts[0].reshape(-1).view(np.uint8)
-        else:
-            packed = np.empty((n_send, row_bytes), dtype=np.uint8)
-            col = 0
-            for a, w in zip(send_parts, widths):
-                rows = a if send_index is None else a[send_index]
-                packed[:, col: col + w] = np.ascontiguousarray(rows).view(np.uint8).reshape(n_send, w)
-                col += w
-            packed = packed.reshape(-1)
-        if len(recv_parts) == 1:
-            dst = recv_parts[0].reshape(-1).view(np.uint8)
-        else:
-            dst = np.empty(n_recv * row_bytes, dtype=np.uint8)
-        send_len = send_counts * row_bytes
-        recv_len = recv_counts * row_bytes
-        send_off = np.concatenate([[0], np.cumsum(send_len)[:-1]]).astype(np.int64)
-        recv_off = np.concatenate([[0], np.cumsum(recv_len)[:-1]]).astype(np.int64)
-        self.alltoallv(packed, send_off, send_len, dst, recv_off, recv_len, op=op)
-        if len(recv_parts) > 1:
-            rows = dst.reshape(n_recv, row_bytes)
-            col = 0
-            for a, w in zip(recv_parts, widths):
-                a.view(np.uint8).reshape(n_recv, w)[:] = rows[:, col: col + w]
-                col += w
-
-    # ---- alltoallv ------------------------------------------------------------------------------------------
-    def alltoallv(self, src: np.ndarray, send_off, send_len, dst: np.ndarray, recv_off, recv_len,
-                  op: str = "alltoallv") -> None:
-        """Move ``send_len[p]`` bytes at ``src[send_off[p]:]`` to every peer ``p`` and receive ``recv_len[p]``
-        bytes into ``dst[recv_off[p]:]``; ``src``/``dst`` are flat ``uint8`` arrays."""
+        """Host twin of :meth:`CudaTransport.exchange_rows` (same arguments, NumPy arrays, same wire format)."""
         L = self.layout
+        byte_stream = is_byte_stream(len(send_parts), send_index is not None)
+        row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in send_parts)
+        check_row_fits(op, row_bytes, L.chunk_bytes, byte_stream)   # on every rank, before the early return
+        if row_bytes == 0 or (not send_counts.any() and not recv_counts.any()):
+            return
+        send = _Side(send_parts, send_index, send_counts, byte_stream, row_bytes)
+        recv = _Side(recv_parts, None, recv_counts, byte_stream, row_bytes)
+        unit, align, per_chunk = stream_units(byte_stream, row_bytes, L.chunk_bytes)
         me = self.rank
-        C = L.num_channels
-        chunk = L.chunk_bytes
+        # to ourselves: no ring (as on the GPU)
+        n_self = int(send.units[me])
+        if n_self:
+            scratch = np.empty(n_self * unit, dtype=np.uint8)
+            send.fill(scratch, me, 0, n_self)
+            recv.drain(scratch, me, 0, n_self)
         sends, recvs = [], []
-        for c in range(C):
+        for c in range(L.num_channels):
             for p in range(self.world_size):
-                lo, hi = channel_byte_range(int(send_len[p]), c, C)
-                n = num_chunks(hi - lo, chunk)
-                if n:
+                if p == me:
+                    continue
+                lo, hi = channel_row_range(int(send.units[p]), c, L.num_channels, align)
+                if hi > lo:
                     state = self._u64(me, L.send_tail_offset(c, p))
-                    sends.append({"c": c, "p": p, "pos": int(send_off[p]) + lo, "end": int(send_off[p]) + hi,
-                                  "left": n, "tail": int(state[0]), "state": state,
+                    sends.append({"c": c, "p": p, "pos": lo, "end": hi, "tail": int(state[0]), "state": state,
                                   "head_line": self._u64(me, L.head_offset(c, p)),
                                   "remote_tail": self._u64(p, L.tail_offset(c, me)),
                                   "ring": self.views[p], "ring_off": L.ring_offset(c, me)})
-                lo, hi = channel_byte_range(int(recv_len[p]), c, C)
-                n = num_chunks(hi - lo, chunk)
-                if n:
+                lo, hi = channel_row_range(int(recv.units[p]), c, L.num_channels, align)
+                if hi > lo:
                     state = self._u64(me, L.recv_head_offset(c, p))
-                    recvs.append({"c": c, "p": p, "pos": int(recv_off[p]) + lo, "end": int(recv_off[p]) + hi,
-                                  "left": n, "head": int(state[0]), "state": state,
+                    recvs.append({"c": c, "p": p, "pos": lo, "end": hi, "head": int(state[0]), "state": state,
                                   "tail_line": self._u64(me, L.tail_offset(c, p)),
                                   "remote_head": self._u64(p, L.head_offset(c, me)),
                                   "ring": self.views[me], "ring_off": L.ring_offset(c, p)})
-        last_progress = time.monotonic()
-        idle = 0
+        chunk = L.chunk_bytes
         num_slots = L.num_slots
         sync = self.buf.sync
+        last_progress = time.monotonic()
+        idle = 0
         while sends or recvs:
             progressed = False
             for s in list(sends):
                 head = int(s["head_line"][0])
                 sync()
                 moved = 0
-                while s["left"] and s["tail"] - head < num_slots:
-                    n = min(chunk, s["end"] - s["pos"])
+                while s["pos"] < s["end"] and s["tail"] - head < num_slots:
+                    n = min(per_chunk, s["end"] - s["pos"])
                     off = s["ring_off"] + (s["tail"] % num_slots) * chunk
-                    s["ring"][off: off + n] = src[s["pos"]: s["pos"] + n]
+                    send.fill(s["ring"][off: off + chunk], s["p"], s["pos"], n)
                     s["pos"] += n
                     s["tail"] += 1
-                    s["left"] -= 1
                     moved += 1
                 if moved:
                     sync()  # payload before tail
                     s["remote_tail"][0] = s["tail"]
                     s["state"][0] = s["tail"]
                     progressed = True
-                if not s["left"]:
+                if s["pos"] >= s["end"]:
                     sends.remove(s)
             for r in list(recvs):
                 tail = int(r["tail_line"][0])
                 if tail > r["head"]:
                     sync()  # tail before payload
-                    take = min(tail - r["head"], r["left"])
-                    for _ in range(take):
-                        n = min(chunk, r["end"] - r["pos"])
+                    while r["head"] < tail and r["pos"] < r["end"]:
+                        n = min(per_chunk, r["end"] - r["pos"])
                         off = r["ring_off"] + (r["head"] % num_slots) * chunk
-                        dst[r["pos"]: r["pos"] + n] = r["ring"][off: off + n]
+                        recv.drain(r["ring"][off: off + chunk], r["p"], r["pos"], n)
                         r["pos"] += n
                         r["head"] += 1
-                        r["left"] -= 1
                     sync()  # reads of the slots before head
                     r["remote_head"][0] = r["head"]
                     r["state"][0] = r["head"]
                     progressed = True
-                    if not r["left"]:
+                    if r["pos"] >= r["end"]:
                         recvs.remove(r)
             if progressed:
                 last_progress = time.monotonic()

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LINE_BYTES", "ChannelLayout", "channel_byte_range", "channel_row_range", "num_chunks"]
+__all__ = ["LINE_BYTES", "ChannelLayout", "channel_byte_range", "channel_row_range", "num_chunks", "is_byte_stream",
+           "check_row_fits", "stream_units"]
 
 #: Bytes per metadata line (two GPU cache sectors / one L2 line pair; avoids false sharing).
 LINE_BYTES = 128
@@ -196,3 +197,30 @@ def channel_byte_range(nbytes: int, channel: int, num_channels: int) -> tuple:
 def num_chunks(nbytes: int, chunk_bytes: int) -> int:
     """Ring slots needed for ``nbytes``: ``ceil(nbytes / chunk_bytes)``."""
     return (nbytes + chunk_bytes - 1) // chunk_bytes
+
+
+# ---- wire format of a row exchange (both backends, and cuda_src/alltoall.cu) ---------------------------------
+
+def is_byte_stream(num_parts: int, has_index: bool) -> bool:
+    """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries, full
+    ``chunk_bytes`` slots) for one part sent in row order, else packed rows (cuts on row boundaries, whole rows per
+    slot). Decided only from what every rank of a collective shares (number of parts, gather or not), never from a
+    rank's own strides: sender and receiver must cut every stream the same way."""
+    return num_parts == 1 and not has_index
+
+
+def check_row_fits(op: str, row_bytes: int, chunk_bytes: int, byte_stream: bool) -> None:
+    """Packed rows travel whole in one ring slot: ``ValueError`` when a row is larger than ``Config.chunk_bytes``."""
+    if not byte_stream and row_bytes > chunk_bytes:
+        raise ValueError(f"{op}: one row is {row_bytes} bytes (all its parts), more than Config.chunk_bytes="
+                         f"{chunk_bytes}: ring slots hold whole rows; build the Communicator with "
+                         f"Config(chunk_bytes=...) of at least {(row_bytes + 127) // 128 * 128}")
+
+
+def stream_units(byte_stream: bool, row_bytes: int, chunk_bytes: int) -> tuple:
+    """``(unit_bytes, align, units_per_chunk)`` of a stream: the unit its channels are cut in (a byte, or one
+    packed row), the alignment of the cuts in units (16 bytes, or 1 row), and the units one ring slot holds.
+    The kernel derives the same values from the descriptor (``DESC_ROW_BYTES``, ``DESC_ROW_ALIGN``)."""
+    if byte_stream:
+        return 1, 16, chunk_bytes
+    return row_bytes, 1, chunk_bytes // row_bytes

@@ -114,7 +114,7 @@ def test_threads_per_block():
 def test_wire_format_depends_only_on_shared_facts():
     """The row-exchange wire format (byte stream or packed rows) must be the same on every rank: it depends only on
     the number of parts and on whether rows are gathered, never on a rank's strides."""
-    from cupy_symbuf._cuda import check_row_fits, is_byte_stream
+    from cupy_symbuf.layout import check_row_fits, is_byte_stream, stream_units
     assert is_byte_stream(1, False)                     # alltoall(v), combine without weights
     assert not is_byte_stream(1, True)                  # cached dispatch (gather through the token index)
     assert not is_byte_stream(3, True) and not is_byte_stream(2, False)   # dispatch, combine with weights
@@ -122,3 +122,5 @@ def test_wire_format_depends_only_on_shared_facts():
     check_row_fits("alltoall", 1 << 30, 65536, True)   # byte streams have no row limit
     with pytest.raises(ValueError, match=r"dispatch: one row is 65537 bytes .* Config\.chunk_bytes=65536.*65664"):
         check_row_fits("dispatch", 65537, 65536, False)
+    assert stream_units(True, 14, 65536) == (1, 16, 65536)      # bytes, cuts 16-byte aligned, full slots
+    assert stream_units(False, 14432, 65536) == (14432, 1, 4)   # DeepSeek-V3 dispatch rows: 4 per 64 KiB slot
