@@ -538,6 +538,29 @@ def test_combine_row_strided_x_on_some_ranks(moe_comm):
     all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
 
 
+@pytest.mark.parametrize("backend", available_backends())
+def test_row_larger_than_slot_rejected_on_every_rank(backend):
+    """Ring slots hold whole packed rows: a dispatch row larger than Config.chunk_bytes raises ValueError on every
+    rank alike (also a rank with no tokens), and the communicator keeps working."""
+    from cupy_symbuf import Config
+    if backend == "cuda":
+        import cupy
+        cupy.cuda.Device(_gpu_for_rank()).use()
+    with Communicator(WORLD, Config(chunk_bytes=1024, num_slots=4, timeout_s=60), backend=backend) as comm:
+        rng = rng_for("row-too-big", backend)
+        n_exp = 2 * W
+        num_tokens = 0 if RANK == W - 1 else 8          # the last rank has nothing to send
+        idx = make_routing("random", rng, num_tokens, n_exp, 2)
+        big = rng.uniform(-1, 1, size=(num_tokens, 300)).astype(np.float32)   # 1200 B + 16 B of top-k > 1024
+        with pytest.raises(ValueError, match=r"dispatch: one row is 1216 bytes .*Config\.chunk_bytes=1024"):
+            comm.dispatch(to_dev(comm, big), to_dev(comm, idx), None, n_exp)
+        x = rng.integers(1, 50, size=(num_tokens, 40)).astype(np.float32)  # 160 + 16 B rows fit
+        recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), None, n_exp)
+        combined, _ = comm.combine(recv_x, h)
+        reached = np.array([len({int(e) // (n_exp // W) for e in row if e >= 0}) for row in idx], dtype=np.float32)
+        all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 GOOD = Case("after_error", routing="masked", num_tokens=24, hidden=32, num_experts=8, num_topk=3, dtype="bf16")
