@@ -48,8 +48,8 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
                     raise TypeError(f"{op}: argument '{name}' could not be imported through DLPack to the host "
                                     f"({exc})") from exc
             else:
-                raise TypeError(f"{op}: argument '{name}' must be a NumPy array on the host backend, got "
-                                f"{type(x).__module__}.{type(x).__name__}")
+                raise TypeError(f"{op}: argument '{name}' must be a NumPy array (or a DLPack CPU tensor) on the host "
+                                f"backend, got {type(x).__module__}.{type(x).__name__}")
     if x.dtype.hasobject:
         raise TypeError(f"{op}: argument '{name}' has dtype {x.dtype}, which holds Python object references; only "
                         f"plain-data dtypes can be moved between ranks")

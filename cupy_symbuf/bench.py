@@ -1,4 +1,4 @@
-"""Benchmarks: ``mpiexec -n N python -m cupy_symbuf.bench [--sizes 1M,16M,128M] [--nccl]``.
+"""Benchmarks: ``mpiexec -n N python -m cupy_symbuf.bench [--sizes 1M,16M,128M] [--no-reference] [--breakdown]``.
 
 Times ``Communicator.alltoall`` on equal blocks for each per-rank input size, and the same traffic through a
 reference engine in the same run: NCCL grouped send/recv (``cupy.cuda.nccl``) on GPUs, ``MPI.Alltoall`` on the
@@ -93,19 +93,23 @@ def _nccl_alltoall(comm, nbytes_per_peer: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1M,16M,128M", help="per-rank input sizes, comma-separated (K/M/G suffix)")
-    ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"),
+                    help="cuda (CuPy arrays, GPU kernels) or host (NumPy, MPI shared memory); default: auto")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per size (median reported; default 20)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
     ap.add_argument("--num-sms", type=int, default=None, help="Config.num_sms (default: per device)")
-    ap.add_argument("--chunk-bytes", type=parse_size, default=None)
+    ap.add_argument("--chunk-bytes", type=parse_size, default=None,
+                    help="Config.chunk_bytes, e.g. 64K (default: per backend)")
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
     ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
     ap.add_argument("--profile", action="store_true",
-                    help="print the host-side cProfile of the timed calls of the first size (rank 0)")
+                    help="after timing the first size, run 100 more calls under cProfile and print rank 0's "
+                         "profile after the table (host-side cost per call)")
     ap.add_argument("--breakdown", action="store_true",
-                    help="GPU: also time the ring kernel alone (CUDA events around the launch); the rest of a "
-                         "call is host work (argument checks, descriptor, launch, synchronisation)")
+                    help="GPU only (ignored on the host): also time the ring kernel alone (CUDA events around the "
+                         "launch); the rest of a call is host work (argument checks, descriptor, launch, "
+                         "synchronisation)")
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD
@@ -113,6 +117,7 @@ def main(argv=None) -> int:
         select_device(comm)
     cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes,
                  **({} if args.num_slots is None else {"num_slots": args.num_slots}))
+    profile_stats = None
     results = []
     with Communicator(comm, cfg, backend=args.backend) as c:
         W, me, xp = c.world_size, c.rank, c.xp
@@ -146,9 +151,7 @@ def main(argv=None) -> int:
                 for _ in range(100):
                     c.alltoall(x)
                 prof.disable()
-                if me == 0:
-                    print("# host profile of 100 calls (rank 0):")
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(16)
+                profile_stats = pstats.Stats(prof) if me == 0 else None
             if args.breakdown and c.backend == "cuda":
                 cp = _compat.cupy
                 tr = c._transport
@@ -176,6 +179,9 @@ def main(argv=None) -> int:
                                 "algbw_GBps": algbw, "busbw_GBps": busbw, "world_size": W, "backend": c.backend})
                 if me == 0:
                     print(f"{_fmt(W * per_peer):>10} {engine:>12} {t * 1e6:10.1f} {algbw:11.1f} {busbw:11.1f}")
+    if profile_stats is not None:
+        print("# host profile of 100 extra calls of the first size (rank 0):")
+        profile_stats.sort_stats("tottime").print_stats(16)
     if me == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

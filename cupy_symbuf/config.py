@@ -56,8 +56,8 @@ class Config:
         ``None``: on the GPU ``2 * (32 // world_size)`` (at least 4): twice the warps of a peer group in a
         1024-thread block, so senders can fill one set of slots while the receivers drain another (ring memory then
         stays about ``num_channels * 64 * chunk_bytes`` per rank whatever the world size; up to 4 ranks the kernel
-        runs 512-thread blocks, where this is about 4x the copy warps: 32 and 64 slots measured the same for 2
-        ranks, docs/perf-notes.md); 16 on the host.
+        runs 512-thread blocks, where this is about 4.6x the 7 copy warps; 32 and 64 slots measured the same for
+        2 ranks with 1024-thread blocks, docs/perf-notes.md v6); 16 on the host.
         Messages larger than the ring stream through it, so this bounds memory, not message size.
     timeout_s : float
         Bound on every spin-wait (GPU kernels and host path), in seconds; > 0. On expiry a

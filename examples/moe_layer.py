@@ -32,8 +32,8 @@ Timing: median over ``--iters`` runs after ``--warmup``, with a barrier and (GPU
 call. Bandwidth, per rank, in two labelled conventions, counting token payload bytes only (``hidden * itemsize`` per
 row; the top-k indices and weights that ride along are not counted):
 
-- "NVLink bytes": rows received from OTHER ranks (dispatch) / rows sent to other ranks (combine): what crosses the
-  interconnect;
+- "NVLink bytes": rows received from OTHER ranks (dispatch) / the same rows sent back to them (combine): what
+  crosses the interconnect;
 - "DeepEP convention": all rows received, including a rank's own tokens to itself (``recv_x.numel() * itemsize``
   in DeepEP's ``tests/test_intranode.py``), so it is higher than what crosses NVLink.
 """
@@ -209,12 +209,11 @@ def main() -> int:
     send_counts = np.asarray(handle.send_counts)
     recv_all = int(recv_counts.sum())
     recv_other = recv_all - int(recv_counts[RANK])
-    send_other = int(send_counts.sum()) - int(send_counts[RANK])
     row = H * itemsize
     stats = dict(rank=RANK, send=send_counts.tolist(), recv=recv_counts.tolist(), per_expert_total=sum(per_expert),
                  t_d=t_dispatch, t_cd=t_cached, t_c=t_combine,
                  d_nvl=recv_other * row / t_dispatch / 1e9, d_deepep=recv_all * row / t_dispatch / 1e9,
-                 c_nvl=send_other * row / t_combine / 1e9, c_deepep=recv_all * row / t_combine / 1e9,
+                 c_nvl=recv_other * row / t_combine / 1e9, c_deepep=recv_all * row / t_combine / 1e9,
                  ok=ok, report=report)
     allstats = WORLD.gather(stats, root=0)
     all_ok = WORLD.allreduce(ok, op=MPI.LAND)
@@ -233,8 +232,8 @@ def main() -> int:
         for s in allstats:
             print(f"  {s['rank']:4d} | {s['t_d'] * 1e6:11.1f} | {s['t_cd'] * 1e6:18.1f} | {s['t_c'] * 1e6:10.1f} | "
                   f"{s['d_nvl']:14.2f} / {s['d_deepep']:6.2f}       | {s['c_nvl']:13.2f} / {s['c_deepep']:6.2f}")
-        print('  "NVLink" = bytes received from (dispatch) / sent to (combine) OTHER ranks; "DeepEP-conv" = all '
-              "received bytes incl. a rank's own tokens (DeepEP's convention)")
+        print('  "NVLink" = bytes received from OTHER ranks (dispatch) and sent back to them (combine); "DeepEP-conv" = '
+              "all received rows incl. a rank's own tokens, for both (DeepEP's convention)")
         for s in allstats:
             print(f"  check rank {s['rank']}: {s['report']}")
         print("RESULT:", "PASS" if all_ok else "FAIL")
