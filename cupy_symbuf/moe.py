@@ -54,6 +54,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from . import dtypes as _dt
+from ._validate import as_array
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
 
@@ -174,17 +175,16 @@ def _type_name(a) -> str:
 
 
 def _check_array(op: str, name: str, a, comm, *, dims: Optional[Tuple[Tuple[str, Optional[int]], ...]] = None):
-    """The one array check: array module of the backend, then rank and sizes.
+    """Array module and device through the project's one helper (:func:`cupy_symbuf._validate.as_array`: NumPy on
+    the host, CuPy on the communicator's GPU, DLPack tensors such as PyTorch's imported zero-copy; strides kept),
+    then rank and sizes. Returns the array.
 
     ``dims``: one ``(label, size)`` per axis, ``size`` ``None`` when any size is allowed, e.g.
     ``(("num_tokens", 128), ("num_topk", None))``. Raises ``TypeError`` / ``ValueError`` naming ``op`` and ``name``.
     """
-    xp = comm.xp
-    if not isinstance(a, xp.ndarray):
-        raise TypeError(f"{op}: {name} must be a {xp.__name__}.ndarray on the {comm.backend!r} backend "
-                        f"(arrays live where the backend computes), got {_type_name(a)}")
+    a = as_array(op, name, a, comm.backend, min_ndim=0, contiguous=False)
     if dims is None:
-        return
+        return a
     spec = "[" + ", ".join(label for label, _ in dims) + "]"
     if a.ndim != len(dims):
         raise ValueError(f"{op}: {name} must be {len(dims)}-D {spec}, got shape {tuple(a.shape)}")
@@ -192,6 +192,7 @@ def _check_array(op: str, name: str, a, comm, *, dims: Optional[Tuple[Tuple[str,
         if size is not None and a.shape[axis] != size:
             raise ValueError(f"{op}: {name} must have shape {spec} with {label} = {size}, got shape "
                              f"{tuple(a.shape)} (axis {axis} is {a.shape[axis]})")
+    return a
 
 
 def _check_int(op: str, name: str, v, *, minimum: int) -> int:
@@ -221,7 +222,8 @@ def _check_num_experts(op: str, comm, num_experts) -> int:
 
 def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optional[int] = None):
     """Validate ``topk_idx`` and return it as int64 (a copy only when it was int32)."""
-    _check_array(op, "topk_idx", topk_idx, comm, dims=(("num_tokens (rows of x)", num_tokens), ("num_topk", None)))
+    topk_idx = _check_array(op, "topk_idx", topk_idx, comm,
+                            dims=(("num_tokens (rows of x)", num_tokens), ("num_topk", None)))
     if topk_idx.dtype not in (np.int64, np.int32):
         raise TypeError(f"{op}: topk_idx must be int64 (or int32), got dtype {topk_idx.dtype}")
     if topk_idx.shape[1] < 1:
@@ -253,7 +255,7 @@ def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int])
         if len(x) != 2:
             raise ValueError(f"{op}: x as a tuple must be (x_fp8, scales), got a tuple of {len(x)}")
         x8, scales = x
-        _check_array(op, "x[0] (x_fp8)", x8, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
+        x8 = _check_array(op, "x[0] (x_fp8)", x8, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
         if _dt.float_kind(x8.dtype, raw_uint8=_dt.FLOAT8_E4M3) != _dt.FLOAT8_E4M3:
             raise TypeError(f"{op}: x[0] (x_fp8) must be float8_e4m3fn (or its raw uint8 bits), got dtype "
                             f"{x8.dtype}")
@@ -261,12 +263,12 @@ def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int])
         if h % FP8_BLOCK:
             raise ValueError(f"{op}: x[0] (x_fp8) needs hidden divisible by {FP8_BLOCK} (one float32 scale per "
                              f"1x{FP8_BLOCK} block), got hidden={h}")
-        _check_array(op, "x[1] (scales)", scales, comm,
-                     dims=(("num_tokens", n), (f"hidden // {FP8_BLOCK}", h // FP8_BLOCK)))
+        scales = _check_array(op, "x[1] (scales)", scales, comm,
+                              dims=(("num_tokens", n), (f"hidden // {FP8_BLOCK}", h // FP8_BLOCK)))
         if scales.dtype != np.float32:
             raise TypeError(f"{op}: x[1] (scales) must be float32, got dtype {scales.dtype}")
         return x8, scales, _dt.FLOAT8_E4M3
-    _check_array(op, "x", x, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
+    x = _check_array(op, "x", x, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
     kind = _dt.float_kind(x.dtype, raw_uint16=_dt.BFLOAT16)
     if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32):
         raise TypeError(f"{op}: x must be bfloat16 (or its raw uint16 bits), float16 or float32, or a tuple "
@@ -277,7 +279,8 @@ def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int])
 def _check_weights(op: str, comm, w, num_rows: int, num_topk: int, rows_label: str):
     if w is None:
         return None
-    _check_array(op, "topk_weights", w, comm, dims=((rows_label, num_rows), ("num_topk (of topk_idx)", num_topk)))
+    w = _check_array(op, "topk_weights", w, comm,
+                     dims=((rows_label, num_rows), ("num_topk (of topk_idx)", num_topk)))
     if w.dtype != np.float32:
         raise TypeError(f"{op}: topk_weights must be float32, got dtype {w.dtype}")
     return w
@@ -634,7 +637,7 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
     xp = comm.xp
     h = _check_handle(op, comm, handle)
     n_recv = h.num_recv_tokens
-    _check_array(op, "x", x, comm, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
+    x = _check_array(op, "x", x, comm, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
     kind = _combine_kind(op, x, dtype)
     weights = _check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
 

@@ -38,3 +38,16 @@ def reference_alltoallv(comm, send: np.ndarray, counts: np.ndarray):
         parts.append(s_j[off[me]: off[me + 1]])
         recv_counts.append(int(c_j[me]))
     return np.concatenate(parts, axis=0), np.array(recv_counts, dtype=np.int64)
+
+
+class DLPackOnly:
+    """An object that offers nothing but the DLPack protocol of an array, the way a PyTorch tensor arrives."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
