@@ -501,6 +501,13 @@ def xp_fortran(comm, a):
     return comm.xp.asfortranarray(to_dev(comm, a))
 
 
+def ranks_reached(idx: np.ndarray, num_experts: int) -> np.ndarray:
+    """float32 ``[num_tokens]``: how many distinct ranks each token's valid top-k experts live on (NumPy reference
+    for combining a dispatched token: with contiguous placement it comes back once from each of those ranks)."""
+    per_rank = num_experts // W
+    return np.array([len({int(e) // per_rank for e in row if e >= 0}) for row in idx], dtype=np.float32)
+
+
 def test_moe_roundtrip_identity(moe_comm):
     """combine(recv_x) with fp32 tokens = x times the number of ranks each token reached (small integers: exact)."""
     comm = moe_comm
@@ -510,7 +517,7 @@ def test_moe_roundtrip_identity(moe_comm):
     x = rng.integers(1, 100, size=(64, 32)).astype(np.float32)
     recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), None, n_exp)
     combined, cw = comm.combine(recv_x, h)
-    reached = np.array([len({int(e) // (n_exp // W) for e in row if e >= 0}) for row in idx], dtype=np.float32)
+    reached = ranks_reached(idx, n_exp)
 
     def check():
         assert cw is None
@@ -534,7 +541,7 @@ def test_combine_row_strided_x_on_some_ranks(moe_comm):
     wide[:, :24] = recv_x
     y = wide[:, :24] if RANK % 2 == 0 else recv_x    # even ranks: row stride 160 B, row width 96 B
     combined, _ = comm.combine(y, h)
-    reached = np.array([len({int(e) // (n_exp // W) for e in row if e >= 0}) for row in idx], dtype=np.float32)
+    reached = ranks_reached(idx, n_exp)
     all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
 
 
@@ -557,7 +564,7 @@ def test_row_larger_than_slot_rejected_on_every_rank(backend):
         x = rng.integers(1, 50, size=(num_tokens, 40)).astype(np.float32)  # 160 + 16 B rows fit
         recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), None, n_exp)
         combined, _ = comm.combine(recv_x, h)
-        reached = np.array([len({int(e) // (n_exp // W) for e in row if e >= 0}) for row in idx], dtype=np.float32)
+        reached = ranks_reached(idx, n_exp)
         all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
 
 
