@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LINE_BYTES", "ChannelLayout", "channel_byte_range", "channel_row_range", "num_chunks", "is_byte_stream",
-           "check_row_fits", "stream_units"]
+__all__ = ["LINE_BYTES", "ChannelLayout", "channel_row_range", "is_byte_stream", "check_row_fits", "stream_units"]
 
 #: Bytes per metadata line (two GPU cache sectors / one L2 line pair; avoids false sharing).
 LINE_BYTES = 128
@@ -188,15 +187,6 @@ def channel_row_range(rows: int, channel: int, num_channels: int, align: int = 1
     hi = rows if channel == num_channels - 1 else (rows * (channel + 1) // num_channels) // align * align
     return lo, hi
 
-
-def channel_byte_range(nbytes: int, channel: int, num_channels: int) -> tuple:
-    """Bytes ``[lo, hi)`` of an ``nbytes`` byte stream carried by ``channel``: 1-byte rows, 16-byte aligned."""
-    return channel_row_range(nbytes, channel, num_channels, 16)
-
-
-def num_chunks(nbytes: int, chunk_bytes: int) -> int:
-    """Ring slots needed for ``nbytes``: ``ceil(nbytes / chunk_bytes)``."""
-    return (nbytes + chunk_bytes - 1) // chunk_bytes
 
 
 # ---- wire format of a row exchange (both backends, and cuda_src/alltoall.cu) ---------------------------------

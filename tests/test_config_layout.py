@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf.layout import ChannelLayout, channel_byte_range, num_chunks, LINE_BYTES
+from cupy_symbuf.layout import ChannelLayout, channel_row_range, LINE_BYTES
 
 
 @pytest.mark.parametrize("kwargs, word", [
@@ -80,11 +80,11 @@ def test_layout_rejects():
 @pytest.mark.parametrize("nbytes", [0, 1, 14, 15, 16, 17, 1000, 7168 * 2 * 3 + 14, 10 ** 9 + 7])
 @pytest.mark.parametrize("channels", [1, 3, 12])
 def test_channel_split_covers_message(nbytes, channels):
-    ranges = [channel_byte_range(nbytes, c, channels) for c in range(channels)]
+    ranges = [channel_row_range(nbytes, c, channels, 16) for c in range(channels)]  # a byte stream's cuts
     assert ranges[0][0] == 0 and ranges[-1][1] == nbytes
     for (lo, hi), (lo2, hi2) in zip(ranges, ranges[1:]):
         assert hi == lo2 and lo <= hi and lo % 16 == 0
-    total = sum(num_chunks(hi - lo, 4096) for lo, hi in ranges)
+    total = sum((hi - lo + 4095) // 4096 for lo, hi in ranges)
     assert total >= (nbytes + 4095) // 4096
 
 
