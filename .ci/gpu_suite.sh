@@ -45,7 +45,7 @@ for stage in $STAGES; do
     examples)
       run example_alltoall $MPIRUN -n $NGPU python3 examples/alltoall.py
       [ -f examples/moe_layer.py ] && run example_moe $MPIRUN -n $NGPU python3 examples/moe_layer.py ;;
-    bench) run bench $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --breakdown --sizes ${BENCH_SIZES:-1M,16M,128M,1G} ;;
+    bench) run bench $MPIRUN -n $NGPU python3 -m cupy_symbuf.bench --breakdown --profile --sizes ${BENCH_SIZES:-1M,16M,128M,1G} ;;
     sweep)  # Config and compile-time sweep, entries "NVRTC_DEFINES|bench args" (each size checked against NumPy
             # before it is timed); NCCL once, in the bench stage
       IFS=';' read -ra CFGS <<< "${SWEEP:-|--num-sms 32;|--num-sms 48;-DSYMBUF_MAX_THREADS=512|--num-sms 24;-DSYMBUF_MAX_THREADS=512|--num-sms 32;-DSYMBUF_MAX_THREADS=512|--num-sms 48}"

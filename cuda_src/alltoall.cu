@@ -36,12 +36,39 @@
 #define SYMBUF_MAX_THREADS 1024
 #endif
 
+// The publisher of one warp group (lane 0 of its warp 0): acquires the copy warps' done marks in counter order
+// (ld.acquire.cta; copy warp i owns every num_copy-th chunk and stores chunk + 1 into done[i] after its last access
+// to it) and releases the counter into the peer's buffer with ONE st.release.sys per run of finished chunks: tail
+// for a sender, head for a receiver. A run is published once it holds `batch` chunks, reaches `end`, or nothing new
+// got ready for a while. The release is cumulative: it covers every access of each warp acquired from.
+__device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* done, int num_copy, u64 first, u64 end,
+                                             u64 batch, volatile int* abort_flag, i64* status, int role, int rank,
+                                             int peer, int channel, u64 timeout_ns) {
+  u64 published = first, ready = first;
+  u32 idle = 0;
+  SpinBudget spin(timeout_ns);
+  while (published < end && !*abort_flag) {
+    const u64 before = ready;
+    while (ready < end && ld_acquire_cta(&done[(ready - first) % num_copy]) > ready) ++ready;
+    idle = ready == before ? idle + 1 : 0;
+    if (ready > published && (ready - published >= batch || ready == end || idle > 32)) {
+      st_release_sys_global(remote_counter, ready);
+      published = ready;
+      spin = SpinBudget(timeout_ns);
+    } else if (!spin.ok(status, role, rank, peer, channel, published, ready)) {
+      *abort_flag = 1;
+    }
+  }
+}
+
+// The descriptor is the kernel's parameter, passed by value: the driver copies it at launch, so the host may
+// rewrite its own copy for the next call while this one is still queued (calls return without waiting).
 extern "C" __global__ void __launch_bounds__(SYMBUF_MAX_THREADS)
-symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_bases, i64* status) {
+symbuf_alltoallv(const __grid_constant__ Desc desc, const u64* __restrict__ peer_bases, i64* status) {
   __shared__ i64 s_desc[DESC_WORDS];
   __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[SYMBUF_MAX_PEERS];
-  for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc[i];  // one round trip to the host
+  for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc.words[i];  // constant bank
   __syncthreads();
   const int rank = static_cast<int>(s_desc[DESC_RANK]);
   const int world_size = static_cast<int>(s_desc[DESC_WORLD_SIZE]);
@@ -106,139 +133,66 @@ symbuf_alltoallv(const i64* __restrict__ desc, const u64* __restrict__ peer_base
 
   const i64 nchunks = (hi - lo + rows_per_chunk - 1) / rows_per_chunk;
   if (leader) s_abort[peer] = 0;
-  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
-  u8* peer_base = reinterpret_cast<u8*>(peer_bases[peer]);
-  if (is_sender) {
-    // Warp 0 of the group publishes; the other warps copy, each owning every num_copy-th chunk. A copy warp that
-    // finished chunk t hands it over with st.release.cta of s_done = t + 1 (no system-scope fence on the copy
-    // path); the publisher acquires the done marks in chunk order and publishes every run of finished chunks with
-    // ONE st.release.sys of tail (cumulative: it covers the payload of every warp it acquired from). A release
-    // costs an NVLink round trip, so one per run instead of one per chunk keeps the copy warps streaming.
-    // A group of one warp (world_size > 15) copies and publishes each chunk itself.
-    u8* remote_region = peer_base + L.region(channel, rank);
-    u64* remote_tail = reinterpret_cast<u64*>(remote_region + SYMBUF_TAIL_OFFSET);
-    u8* remote_ring = remote_region + SYMBUF_RING_OFFSET;
-    u8* local_region = my_base + L.region(channel, peer);
-    const u64* local_head = reinterpret_cast<const u64*>(local_region + SYMBUF_HEAD_OFFSET);
-    u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_SEND_TAIL_OFFSET);
-    const u64 tail0 = *state;  // written by this group's leader at the end of the previous launch
-    const u64 end = tail0 + static_cast<u64>(nchunks);
-    const bool solo = warps_per_peer == 1;
-    const int num_copy = solo ? 1 : warps_per_peer - 1;
-    const int copy_id = solo ? 0 : warp_in_group - 1;
-    u64* done = &s_done[peer * warps_per_peer + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
-    volatile int* abort_flag = &s_abort[peer];
-    if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], tail0);
-    group_sync(bar_id, nthreads);
-    if (copy_id < 0) {  // the publisher (lane 0 of warp 0)
-      if (lane == 0) {
-        u64 published = tail0, ready = tail0;
-        u32 idle = 0;
-        SpinBudget spin(timeout_ns);
-        while (published < end && !*abort_flag) {
-          const u64 before = ready;
-          while (ready < end && ld_acquire_cta(&done[(ready - tail0) % num_copy]) > ready) ++ready;
-          idle = ready == before ? idle + 1 : 0;
-          if (ready > published && (ready - published >= SYMBUF_PUBLISH_BATCH || ready == end || idle > 32)) {
-            st_release_sys_global(remote_tail, ready);
-            published = ready;
-            spin = SpinBudget(timeout_ns);
-          } else if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, published, ready)) {
-            *abort_flag = 1;
-          }
-        }
-      }
-      __syncwarp();
-    } else {
-      u64 head = 0;
-      if (lane == 0) head = ld_acquire_sys_global(local_head);
-      for (i64 k = copy_id; k < nchunks; k += num_copy) {
-        const u64 t = tail0 + static_cast<u64>(k);  // ring counter of this chunk
-        if (lane == 0) {
-          SpinBudget spin(timeout_ns);
-          while (t + 1 - head > static_cast<u64>(num_slots) && !*abort_flag) {  // backpressure
-            head = ld_acquire_sys_global(local_head);
-            if (!spin.ok(status, SYMBUF_ROLE_SEND, rank, peer, channel, head, t)) { *abort_flag = 1; break; }
-          }
-        }
-        __syncwarp();
-        if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
-        const i64 r = lo + k * rows_per_chunk;
-        send.copy_rows<true>(remote_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
-                             min(rows_per_chunk, hi - r), lane);
-        __syncwarp();  // every lane's payload stores precede lane 0's release below
-        if (lane == 0) {
-          if (solo) st_release_sys_global(remote_tail, t + 1);
-          else st_release_cta(&done[copy_id], t + 1);
-        }
-        __syncwarp();
-      }
-    }
-    group_sync(bar_id, nthreads);
-    if (leader && !*abort_flag) *state = end;
+  // Sender: copy warps write chunks into the peer's ring and the publisher releases tail there; backpressure reads
+  // head from our own region, where the peer's receiver releases it. Receiver: the mirror image (tail read from our
+  // region, head released into the peer's). Warp 0 of a group publishes, the others copy, each owning every
+  // num_copy-th chunk and handing it over with st.release.cta of done = chunk + 1 (no system-scope fence on the
+  // copy path; one release per run of chunks, see publish_runs). A group of one warp (world_size > 15) copies and
+  // releases each chunk itself.
+  u8* local_region = reinterpret_cast<u8*>(peer_bases[rank]) + L.region(channel, peer);
+  u8* remote_region = reinterpret_cast<u8*>(peer_bases[peer]) + L.region(channel, rank);
+  u64* remote_counter = reinterpret_cast<u64*>(remote_region + (is_sender ? SYMBUF_TAIL_OFFSET : SYMBUF_HEAD_OFFSET));
+  const u64* local_counter =
+      reinterpret_cast<const u64*>(local_region + (is_sender ? SYMBUF_HEAD_OFFSET : SYMBUF_TAIL_OFFSET));
+  // Our side's counter at the end of the previous launch (written by this group's leader below).
+  u64* state = reinterpret_cast<u64*>(local_region + (is_sender ? SYMBUF_SEND_TAIL_OFFSET : SYMBUF_RECV_HEAD_OFFSET));
+  const u64 first = *state;
+  const u64 end = first + static_cast<u64>(nchunks);
+  const bool solo = warps_per_peer == 1;
+  const int num_copy = solo ? 1 : warps_per_peer - 1;
+  const int copy_id = solo ? 0 : warp_in_group - 1;
+  u64* done = &s_done[peer * warps_per_peer + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
+  volatile int* abort_flag = &s_abort[peer];
+  const int role = is_sender ? SYMBUF_ROLE_SEND : SYMBUF_ROLE_RECV;
+  if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], first);
+  group_sync(bar_id, nthreads);
+  if (copy_id < 0) {  // the publisher (lane 0 of warp 0); a receiver hands each slot back as soon as it is read
+    if (lane == 0)
+      publish_runs(remote_counter, done, num_copy, first, end, is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag,
+                   status, role, rank, peer, channel, timeout_ns);
+    __syncwarp();
   } else {
-    // The mirror image: warp 0 of the group publishes head, the others copy chunks out of the ring, each owning
-    // every num_copy-th chunk (lane 0 waits with ld.acquire.sys until tail covers it). A copy warp marks its chunk
-    // done (st.release.cta, after its ring reads); the publisher releases head over each run of done chunks with
-    // one st.release.sys into the sender's buffer, so a slot is handed back only after every read of it.
-    u8* local_region = my_base + L.region(channel, peer);
-    const u64* local_tail = reinterpret_cast<const u64*>(local_region + SYMBUF_TAIL_OFFSET);
-    u8* local_ring = local_region + SYMBUF_RING_OFFSET;
-    u64* state = reinterpret_cast<u64*>(local_region + SYMBUF_RECV_HEAD_OFFSET);
-    u64* remote_head = reinterpret_cast<u64*>(peer_base + L.region(channel, rank) + SYMBUF_HEAD_OFFSET);
-    const u64 head0 = *state;  // written by this group's leader at the end of the previous launch
-    const u64 end = head0 + static_cast<u64>(nchunks);
-    const bool solo = warps_per_peer == 1;
-    const int num_copy = solo ? 1 : warps_per_peer - 1;
-    const int copy_id = solo ? 0 : warp_in_group - 1;
-    u64* done = &s_done[peer * warps_per_peer + (solo ? 0 : 1)];
-    volatile int* abort_flag = &s_abort[peer];
-    if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], head0);
-    group_sync(bar_id, nthreads);
-    if (copy_id < 0) {  // the head publisher (lane 0 of warp 0)
-      if (lane == 0) {
-        u64 released = head0;
+    u8* ring = (is_sender ? remote_region : local_region) + SYMBUF_RING_OFFSET;
+    u64 seen = is_sender ? 0 : first;  // sender: the last head read; receiver: the last tail read
+    if (is_sender && lane == 0) seen = ld_acquire_sys_global(local_counter);
+    for (i64 k = copy_id; k < nchunks; k += num_copy) {
+      const u64 t = first + static_cast<u64>(k);  // ring counter of this chunk
+      if (lane == 0) {  // sender: wait while the ring is full (backpressure); receiver: wait until tail covers t
         SpinBudget spin(timeout_ns);
-        while (released < end && !*abort_flag) {
-          u64 ready = released;
-          while (ready < end && ld_acquire_cta(&done[(ready - head0) % num_copy]) > ready) ++ready;
-          if (ready > released) {
-            st_release_sys_global(remote_head, ready);
-            released = ready;
-            spin = SpinBudget(timeout_ns);
-          } else if (!spin.ok(status, SYMBUF_ROLE_RECV, rank, peer, channel, released, released)) {
+        while ((is_sender ? t + 1 - seen > static_cast<u64>(num_slots) : seen <= t) && !*abort_flag) {
+          seen = ld_acquire_sys_global(local_counter);
+          if (!spin.ok(status, role, rank, peer, channel, is_sender ? seen : t, is_sender ? t : seen)) {
             *abort_flag = 1;
+            break;
           }
         }
+      }
+      __syncwarp();  // lane 0's acquire precedes every lane's accesses to the slot
+      if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
+      const i64 r = lo + k * rows_per_chunk;
+      u8* slot = ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes;
+      if (is_sender) send.copy_rows<true>(slot, r, min(rows_per_chunk, hi - r), lane);
+      else recv.copy_rows<false>(slot, r, min(rows_per_chunk, hi - r), lane);
+      __syncwarp();  // every lane's accesses to the slot precede lane 0's hand-off below
+      if (lane == 0) {
+        if (solo) st_release_sys_global(remote_counter, t + 1);
+        else st_release_cta(&done[copy_id], t + 1);
       }
       __syncwarp();
-    } else {
-      u64 tail = head0;
-      for (i64 k = copy_id; k < nchunks; k += num_copy) {
-        const u64 t = head0 + static_cast<u64>(k);  // ring counter of this chunk
-        if (lane == 0) {
-          SpinBudget spin(timeout_ns);
-          while (tail <= t && !*abort_flag) {
-            tail = ld_acquire_sys_global(local_tail);
-            if (!spin.ok(status, SYMBUF_ROLE_RECV, rank, peer, channel, t, tail)) { *abort_flag = 1; break; }
-          }
-        }
-        __syncwarp();  // lane 0's acquire of tail precedes every lane's ring reads
-        if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
-        const i64 r = lo + k * rows_per_chunk;
-        recv.copy_rows<false>(local_ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes, r,
-                              min(rows_per_chunk, hi - r), lane);
-        __syncwarp();  // every lane's ring reads precede lane 0's hand-off below
-        if (lane == 0) {
-          if (solo) st_release_sys_global(remote_head, t + 1);
-          else st_release_cta(&done[copy_id], t + 1);
-        }
-        __syncwarp();
-      }
     }
-    group_sync(bar_id, nthreads);
-    if (leader && !*abort_flag) *state = end;
   }
+  group_sync(bar_id, nthreads);
+  if (leader && !*abort_flag) *state = end;
 }
 
 // Count exchange through the symmetric buffer. Every rank writes send_meta[p, :] (num_values int64) into rank

@@ -35,8 +35,9 @@ __device__ __forceinline__ void channel_range(i64 n, int channel, int num_channe
 }
 
 // ---- launch descriptor of symbuf_alltoallv ------------------------------------------------------------------
-// int64 words in host-mapped pinned memory, written by cupy_symbuf/_cuda.py (its DESC_* constants must match;
-// tests/test_kernels_compile.py checks) and loaded into shared memory by every block at launch.
+// DESC_WORDS int64 words passed by value as the kernel's first parameter (1408 bytes, inside the 4 KiB parameter
+// space), written by cupy_symbuf/_cuda.py (its DESC_* constants must match; tests/test_kernels_compile.py checks)
+// and copied into shared memory by every block at launch.
 // A "row stream" is the rows one rank sends to (or receives from) one peer. A row is the concatenation of up to
 // SYMBUF_MAX_PARTS parts; part i of row r is `width` bytes at base + token(r) * stride, where token(r) is
 // index[r] (a device int64 array) or r itself when there is no index. Byte streams are rows of 1 byte.
@@ -51,6 +52,10 @@ enum {
   DESC_PEERS = 48,                                       // [4][world_size]: send row offset, send rows,
                                                          //                  recv row offset, recv rows
   DESC_WORDS = DESC_PEERS + 4 * SYMBUF_MAX_PEERS
+};
+
+struct Desc {
+  i64 words[DESC_WORDS];
 };
 
 struct Part {
@@ -95,20 +100,22 @@ struct RowStream {
   }
 };
 
-// Error record (i64[8], host-mapped): [0] set to 1 by the first failing wait; then role, rank, peer, channel,
-// head, tail. Roles: 0 = send (waiting for space), 1 = recv (waiting for data), 2 = notify.
+// Error record (i64[8], host-mapped): [1..6] role, rank, peer, channel, head, tail of the first failing wait,
+// which claims the record through [7] and then sets [0] = 1 with a system-scope release, so a host that reads
+// [0] == 1 while kernels still run (calls return without waiting) sees the fields complete.
+// Roles: 0 = send (waiting for space), 1 = recv (waiting for data), 2 = notify.
 enum { SYMBUF_ROLE_SEND = 0, SYMBUF_ROLE_RECV = 1, SYMBUF_ROLE_NOTIFY = 2 };
 
 __device__ __forceinline__ void report_timeout(i64* status, int role, int rank, int peer, int channel, u64 head,
                                                u64 tail) {
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(status), 0ull, 1ull) == 0ull) {
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(status + 7), 0ull, 1ull) == 0ull) {
     status[1] = role;
     status[2] = rank;
     status[3] = peer;
     status[4] = channel;
     status[5] = static_cast<i64>(head);
     status[6] = static_cast<i64>(tail);
-    __threadfence_system();
+    st_release_sys_global(reinterpret_cast<u64*>(status), 1ull);
   }
 }
 
@@ -119,7 +126,7 @@ struct SpinBudget {
   u32 polls;
   __device__ __forceinline__ SpinBudget(u64 t) : start(globaltimer_ns()), timeout_ns(t), polls(0) {}
   __device__ __forceinline__ bool ok(i64* status, int role, int rank, int peer, int channel, u64 head, u64 tail) {
-    if ((++polls & 1023u) == 0 && ld_volatile_global(status) != 0) return false;  // someone else failed
+    if ((++polls & 1023u) == 0 && ld_volatile_global(status + 7) != 0) return false;  // someone else failed
     if (globaltimer_ns() - start > timeout_ns) {
       report_timeout(status, role, rank, peer, channel, head, tail);
       return false;

@@ -87,56 +87,60 @@ class CudaTransport:
         self._status = _Pinned(_STATUS_INTS)
         self._meta = _Pinned(self.world_size * layout.max_notify_ints)
         self._meta_in = _Pinned(self.world_size * layout.max_notify_ints)
-        # The launch descriptor, read by the kernel straight from pinned host memory (one round trip per block)
-        self._desc = _Pinned(DESC_WORDS)
-        d = self._desc.array
+        # The launch descriptor: the kernel's first parameter, passed by value (the driver copies it at launch, so
+        # it may be rewritten for the next call while this one is still queued on the stream).
+        self._desc = np.zeros(DESC_WORDS, np.int64)
+        d = self._desc
         d[DESC_RANK], d[DESC_WORLD_SIZE], d[DESC_NUM_CHANNELS] = self.rank, self.world_size, layout.num_channels
         d[DESC_REGION_BYTES], d[DESC_CHANNEL_BYTES] = layout.region_bytes, layout.channel_bytes
         d[DESC_NUM_SLOTS], d[DESC_CHUNK_BYTES], d[DESC_TIMEOUT_NS] = layout.num_slots, layout.chunk_bytes, \
             int(self.timeout_ns)
         #: (start, stop) CUDA events recorded around each alltoallv launch when set (``bench --breakdown``)
         self.kernel_events = None
-        self._desc_args = (np.uint64(self._desc.ptr), buf.peer_ptrs_device, np.uint64(self._status.ptr))
         self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
         self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv",
                                                   ring_kernel_defines(self.world_size))
         self._k_notify = _kernels.get_function("alltoall.cu", "symbuf_notify")
         self.threads = threads_per_block(self.world_size, int(self._k_alltoallv.max_threads_per_block))
-        # The ring kernel's three arguments never change (everything per call is in the descriptor), so its
-        # parameter block is built once and launched through the driver API (a few us instead of CuPy's argument
-        # marshalling). Falls back to the RawKernel call where that API is not reachable.
-        self._launch = None
-        try:
-            from cupy_backends.cuda.api import driver
-            fn = int(self._k_alltoallv.kernel.ptr)
-            self._arg_vals = (ctypes.c_uint64 * 3)(self._desc.ptr, buf.peer_ptrs_device.data.ptr, self._status.ptr)
-            base = ctypes.addressof(self._arg_vals)
-            self._arg_ptrs = (ctypes.c_void_p * 3)(base, base + 8, base + 16)
-            params = ctypes.addressof(self._arg_ptrs)
-            grid, threads = 2 * layout.num_channels, self.threads
-            self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream_ptr,
-                                                                  params, 0)
-        except Exception:  # pragma: no cover - depends on the CuPy build
-            self._launch = None
+        # The ring kernel is launched through the driver API (cuLaunchKernel) with a parameter block built once:
+        # the descriptor array, the device array of peer bases and the error record. A few us per call instead of
+        # CuPy's argument marshalling, and the only way to pass a struct by value.
+        from cupy_backends.cuda.api import driver
+        fn = int(self._k_alltoallv.kernel.ptr)
+        self._ptr_args = (ctypes.c_uint64 * 2)(buf.peer_ptrs_device.data.ptr, self._status.ptr)
+        base = ctypes.addressof(self._ptr_args)
+        self._arg_ptrs = (ctypes.c_void_p * 3)(self._desc.ctypes.data, base, base + 8)
+        params = ctypes.addressof(self._arg_ptrs)
+        grid, threads = 2 * layout.num_channels, self.threads
+        self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream_ptr,
+                                                              params, 0)
         self._desc_key = None
+        #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
+        #: next call or by ``check()``; True: every call waits for its kernel and raises its own timeout.
+        self.blocking = False
 
     def close(self) -> None:
+        _compat.cupy.cuda.runtime.deviceSynchronize()  # queued kernels still write the error record
         self._status.free()
         self._meta.free()
         self._meta_in.free()
-        self._desc.free()
 
-    def _check(self, op: str, stream) -> None:
-        stream.synchronize()
+    def check(self, op: str, stream=None) -> None:
+        """Raise the :class:`SymBufferTimeoutError` a kernel recorded, if any; with ``stream``, wait for it first.
+
+        Without ``stream`` this only reads the host-mapped error record (no synchronisation): it sees the failures
+        of kernels that already ended. The record stays set (a failed communicator refuses further calls; queued
+        kernels that still wait see it on the device and give up at once).
+        """
+        if stream is not None:
+            stream.synchronize()
         st = self._status.array
         if st[0]:
             info = st.copy()
-            st[:] = 0
-            err = SymBufferTimeoutError(rank=int(info[2]), peer=int(info[3]), channel=int(info[4]),
+            raise SymBufferTimeoutError(rank=int(info[2]), peer=int(info[3]), channel=int(info[4]),
                                         role=_ROLES.get(int(info[1]), str(info[1])), head=int(info[5]),
                                         tail=int(info[6]), timeout_s=self.timeout_s, op=op)
-            raise err
 
     def exchange_rows(self, send_parts, send_index, send_counts, recv_parts, recv_counts, op: str) -> None:
         """Send rows to every peer and receive rows from every peer, in one kernel launch on the current stream.
@@ -145,7 +149,8 @@ class CudaTransport:
         concatenation of the parts' rows ``send_index[r]`` (``send_index``: int64 CuPy array ``[sum(send_counts)]``,
         or None for rows ``0, 1, ...``), grouped by destination (``send_counts`` int64 ``[W]``). ``recv_parts``:
         C-contiguous 2-D CuPy arrays ``[sum(recv_counts), cols_i]`` with the same byte widths, filled in order.
-        Waits for the stream (the error record must be read before returning).
+        Returns once the kernel is queued (``self.blocking``: once it ended); raises a timeout an earlier kernel
+        recorded.
         """
         cp = _compat.cupy
         byte_stream = is_byte_stream(len(send_parts), send_index is not None)
@@ -172,18 +177,17 @@ class CudaTransport:
         stream = cp.cuda.get_current_stream()
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
-        if self._launch is not None:
-            self._launch(stream.ptr)
-        else:
-            self._k_alltoallv((2 * self.layout.num_channels,), (self.threads,), self._desc_args)
+        self.check(op)  # a failure of an earlier, unawaited call surfaces here, before more is queued
+        self._launch(stream.ptr)
         if self.kernel_events is not None:
             self.kernel_events[1].record(stream)
-        self._check(op, stream)
+        if self.blocking:
+            self.check(op, stream)
 
     def _write_desc(self, byte_stream: bool, sgeo, rgeo, send_index, send_counts, recv_counts) -> None:
         W = self.world_size
         row_bytes = sum(g[2] for g in sgeo)
-        d = self._desc.array
+        d = self._desc
         scounts, rcounts = send_counts, recv_counts
         if byte_stream:  # 1-byte rows; channel boundaries 16-byte aligned
             sgeo = [(sgeo[0][0], 1, 1)]
@@ -215,6 +219,7 @@ class CudaTransport:
         args = (np.uint64(self._meta_in.ptr), np.uint64(self._meta.ptr), np.int32(M), np.int64(epoch),
                 self.buf.peer_ptrs_device,
                 np.int32(self.rank), np.int32(W), *self._layout_args, self.timeout_ns, np.uint64(self._status.ptr))
+        self.check(op)
         self._k_notify((1,), (threads,), args)
-        self._check(op, stream)
+        self.check(op, stream)  # the host needs the counts: always waits
         return self._meta.array[: W * M].reshape(W, M).copy()

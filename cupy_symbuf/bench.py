@@ -8,7 +8,12 @@ host. Bandwidths:
 * ``busbw``: bytes that leave each rank for OTHER ranks / time = ``(W - 1) / W * input / time``
   (for 2 ranks: half the input, i.e. what crosses NVLink per direction; the convention of ``shared/DEVICE.md``).
 
-Times are the median over ``--iters`` back-to-back calls (after ``--warmup``), max over ranks.
+Two timings (``--timing``), each the max over ranks:
+
+* ``call``: every call timed alone, after a barrier (CUDA events around it on the GPU), median over ``--iters``.
+  Host work before the launch and the ranks' skew count in full.
+* ``loop``: the nccl-tests method: ``--iters`` calls issued back to back after one barrier, one pair of events around
+  all of them, time / iters. Host work overlaps the previous call's kernel, as in a training step.
 """
 from __future__ import annotations
 
@@ -46,14 +51,16 @@ class _Timer:
     def __init__(self, backend: str):
         self.backend = backend
 
-    def time(self, fn, iters: int, warmup: int, comm) -> float:
-        """Median seconds per call, max over ranks."""
+    def time(self, fn, iters: int, warmup: int, comm, sync=None) -> float:
+        """``call`` timing: median seconds of one call after a barrier, max over ranks. ``sync()`` is called after
+        the timed calls (outside the timing) to raise what a queued call recorded."""
         for _ in range(warmup):
             fn()
         samples = []
         if self.backend == "cuda":
             cp = _compat.cupy
             for _ in range(iters):
+                cp.cuda.get_current_stream().synchronize()
                 comm.Barrier()
                 start, stop = cp.cuda.Event(), cp.cuda.Event()
                 start.record()
@@ -67,7 +74,35 @@ class _Timer:
                 t0 = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - t0)
+        if sync is not None:
+            sync()
         return comm.allreduce(float(np.median(samples)), op=MPI.MAX)
+
+    def time_loop(self, fn, iters: int, warmup: int, comm, sync=None) -> float:
+        """``loop`` timing (nccl-tests): ``iters`` calls back to back after one barrier; seconds per call, max over
+        ranks."""
+        for _ in range(warmup):
+            fn()
+        if self.backend == "cuda":
+            cp = _compat.cupy
+            cp.cuda.get_current_stream().synchronize()
+            comm.Barrier()
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(iters):
+                fn()
+            stop.record()
+            stop.synchronize()
+            elapsed = cp.cuda.get_elapsed_time(start, stop) * 1e-3
+        else:
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            elapsed = time.perf_counter() - t0
+        if sync is not None:
+            sync()
+        return comm.allreduce(elapsed / iters, op=MPI.MAX)
 
 
 def _nccl_alltoall(comm, nbytes_per_peer: int):
@@ -102,6 +137,9 @@ def main(argv=None) -> int:
                     help="Config.chunk_bytes, e.g. 64K (default: per backend)")
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
+    ap.add_argument("--timing", default="both", choices=("call", "loop", "both"),
+                    help="call: each call alone after a barrier (median); loop: nccl-tests style, calls back to "
+                         "back (mean); default both")
     ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing the first size, run 100 more calls under cProfile and print rank 0's "
@@ -129,7 +167,17 @@ def main(argv=None) -> int:
                 k = c._transport._k_alltoallv
                 print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
                       f"(spills), {c._transport.threads} threads/block")
-            print(f"{'size/rank':>10} {'engine':>12} {'time_us':>10} {'algbw_GB/s':>11} {'busbw_GB/s':>11}")
+            print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
+                  f"{'busbw_GB/s':>11}")
+        timings = ("call", "loop") if args.timing == "both" else (args.timing,)
+
+        def timed(fn, sync=None):  # {timing: seconds per call}
+            out = {}
+            if "call" in timings:
+                out["call"] = timer.time(fn, args.iters, args.warmup, comm, sync)
+            if "loop" in timings:
+                out["loop"] = timer.time_loop(fn, args.iters, args.warmup, comm, sync)
+            return out
         for size in [parse_size(s) for s in args.sizes.split(",")]:
             per_peer = size // W
             host_x = np.random.default_rng([me, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)
@@ -141,7 +189,7 @@ def main(argv=None) -> int:
                                  for j in range(W)])
             if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
                 raise RuntimeError(f"bench: alltoall of {_fmt(W * per_peer)} per rank gave wrong data; not timing it")
-            rows = {"ours": timer.time(lambda: c.alltoall(x), args.iters, args.warmup, comm)}
+            rows = {"ours": timed(lambda: c.alltoall(x), c.synchronize)}
             if args.profile and not results:
                 import cProfile
                 import pstats
@@ -150,6 +198,7 @@ def main(argv=None) -> int:
                 prof.enable()
                 for _ in range(100):
                     c.alltoall(x)
+                c.synchronize()
                 prof.disable()
                 profile_stats = pstats.Stats(prof) if me == 0 else None
             if args.breakdown and c.backend == "cuda":
@@ -160,25 +209,32 @@ def main(argv=None) -> int:
                 for _ in range(args.iters):
                     comm.Barrier()
                     c.alltoall(x)
+                    c.synchronize()
                     samples.append(cp.cuda.get_elapsed_time(*tr.kernel_events) * 1e-3)
                 tr.kernel_events = None
-                rows["ours-kernel"] = comm.allreduce(float(np.median(samples)), op=MPI.MAX)
+                rows["ours-kernel"] = {"call": comm.allreduce(float(np.median(samples)), op=MPI.MAX)}
             if not args.no_reference:
                 if c.backend == "cuda":
                     run, nc = _nccl_alltoall(comm, per_peer)
-                    rows["nccl"] = timer.time(run, args.iters, args.warmup, comm)
+                    rows["nccl"] = timed(run)
                     del nc
                 else:
                     xh = np.asarray(x)
                     yh = np.empty_like(xh)
-                    rows["mpi"] = timer.time(lambda: comm.Alltoall(xh, yh), args.iters, args.warmup, comm)
-            for engine, t in rows.items():
-                algbw = W * per_peer / t / 1e9
-                busbw = (W - 1) * per_peer / t / 1e9
-                results.append({"size_per_rank": W * per_peer, "engine": engine, "time_us": t * 1e6,
-                                "algbw_GBps": algbw, "busbw_GBps": busbw, "world_size": W, "backend": c.backend})
-                if me == 0:
-                    print(f"{_fmt(W * per_peer):>10} {engine:>12} {t * 1e6:10.1f} {algbw:11.1f} {busbw:11.1f}")
+                    rows["mpi"] = timed(lambda: comm.Alltoall(xh, yh))
+            for timing in ("call", "loop"):
+                for engine, by_timing in rows.items():
+                    if timing not in by_timing:
+                        continue
+                    t = by_timing[timing]
+                    algbw = W * per_peer / t / 1e9
+                    busbw = (W - 1) * per_peer / t / 1e9
+                    results.append({"size_per_rank": W * per_peer, "engine": engine, "timing": timing,
+                                    "time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw, "world_size": W,
+                                    "backend": c.backend})
+                    if me == 0:
+                        print(f"{_fmt(W * per_peer):>10} {engine:>12} {timing:>7} {t * 1e6:10.1f} {algbw:11.1f} "
+                              f"{busbw:11.1f}")
     if profile_stats is not None:
         print("# host profile of 100 extra calls of the first size (rank 0):")
         profile_stats.sort_stats("tottime").print_stats(16)

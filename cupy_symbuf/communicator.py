@@ -44,6 +44,10 @@ class Communicator:
     ``ValueError``/``TypeError`` naming the operation and argument and leaves the communicator usable (all ranks
     must then skip that call alike). A :class:`~cupy_symbuf.SymBufferTimeoutError` instead leaves the ring counters
     inconsistent, and the communicator refuses further calls.
+
+    On the GPU path a collective is queued on the current CuPy stream and returns without waiting for it (like
+    NCCL; ``Config.blocking=True`` waits): read the result in stream order, and call :meth:`synchronize` (or any
+    later collective) to have a recorded timeout raised.
     """
 
     def __init__(self, comm: MPI.Comm, config: Optional[Config] = None, *, backend: str = "auto"):
@@ -71,6 +75,7 @@ class Communicator:
         if self.backend == "cuda":
             from ._cuda import CudaTransport
             self._transport = CudaTransport(self.buffer, self.layout, self.config.timeout_s)
+            self._transport.blocking = self.config.blocking
         else:
             from ._host import HostTransport
             self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
@@ -86,6 +91,23 @@ class Communicator:
         if self.backend == "cuda":
             self._transport.close()
         self.buffer.close()
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued collectives on the current CuPy stream and raise a timeout they recorded.
+
+        On the GPU path collectives return once queued (``Config.blocking=False``, the default); this is where
+        their :class:`~cupy_symbuf.SymBufferTimeoutError` surfaces if no later call raised it first. Local (no
+        communication); a no-op on the host path, whose calls complete before returning.
+
+        Raises
+        ------
+        SymBufferTimeoutError
+            A queued kernel's wait expired (rank, peer, channel, head and tail named); the communicator is then
+            unusable.
+        """
+        self._check_open()
+        if self.backend == "cuda":
+            self._run(self._transport.check, "synchronize", _compat.cupy.cuda.get_current_stream())
 
     def __enter__(self) -> "Communicator":
         return self
@@ -175,7 +197,8 @@ class Communicator:
         ValueError
             ``sendbuf.shape[0] != world_size``.
         SymBufferTimeoutError
-            A peer did not take part within ``config.timeout_s``.
+            A peer did not take part within ``config.timeout_s`` (on the GPU path raised by a later call or by
+            :meth:`synchronize` unless ``Config.blocking``).
         """
         op = "alltoall"
         self._check_open()
@@ -220,7 +243,8 @@ class Communicator:
         TypeError, ValueError
             Bad array type/device, counts of the wrong shape, negative, or not summing to ``num_rows``.
         SymBufferTimeoutError
-            A peer did not take part within ``config.timeout_s``.
+            A peer did not take part within ``config.timeout_s`` (on the GPU path raised by a later call or by
+            :meth:`synchronize` unless ``Config.blocking``).
         """
         op = "alltoallv"
         self._check_open()

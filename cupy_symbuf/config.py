@@ -66,6 +66,13 @@ class Config:
     max_notify_ints : int
         Largest number of int64 values one rank sends to each peer in a count exchange (notify); >= 1.
         MoE dispatch needs ``1 + num_experts // world_size``.
+    blocking : bool
+        GPU path only. ``False`` (default): a collective returns once its kernel is queued on the current CuPy
+        stream, like NCCL; the result is ready in stream order, and a timeout the kernel records is raised by the
+        next call on the communicator or by :meth:`Communicator.synchronize`. ``True``: every call waits for its
+        kernel and raises its own timeout (simpler to debug, costs a host synchronisation per call). Steps whose
+        results the host needs (the count exchange of ``alltoallv`` without ``recv_counts``, MoE ``dispatch``
+        without a handle) always wait. The host path always completes within the call.
     """
 
     num_sms: Optional[int] = None
@@ -73,6 +80,7 @@ class Config:
     num_slots: Optional[int] = None
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("CUPY_SYMBUF_TIMEOUT_S", 30.0))
     max_notify_ints: int = 1024
+    blocking: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
@@ -98,6 +106,8 @@ class Config:
                 or not math.isfinite(self.timeout_s) or not 0 < self.timeout_s <= 1e9):
             raise ValueError(f"Config: timeout_s must be a finite positive number of seconds (<= 1e9), got "
                              f"{self.timeout_s!r}")
+        if not isinstance(self.blocking, bool):
+            raise TypeError(f"Config: blocking must be True or False, got {self.blocking!r}")
         if not isinstance(self.max_notify_ints, int) or self.max_notify_ints < 1:
             raise ValueError(f"Config: max_notify_ints must be an int >= 1, got {self.max_notify_ints!r}")
 

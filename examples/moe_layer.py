@@ -153,9 +153,8 @@ def main() -> int:
     cdt = {"dtype": "bfloat16"} if tdt == np.uint16 else {}
     itemsize = tdt.itemsize
 
-    def sync():
-        if backend == "cuda":
-            xp.cuda.get_current_stream().synchronize()
+    def sync():  # GPU collectives return once queued; this waits for them (and raises a recorded timeout)
+        comm.synchronize()
 
     # ---- inputs and weights (weights identical on all ranks; tokens per rank)
     x_np32 = np.random.default_rng([args.seed, 3, RANK]).standard_normal((T, H), dtype=np.float32)

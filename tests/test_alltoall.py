@@ -184,11 +184,14 @@ def _other_module(x):
     return None
 
 
-def test_timeout_names_rank_peer_channel(backend, comm):
-    """A peer that never joins: the waiting rank raises after timeout_s with rank, peer, channel, head and tail."""
+@pytest.mark.parametrize("blocking", [False, True])
+def test_timeout_names_rank_peer_channel(backend, comm, blocking):
+    """A peer that never joins: the waiting rank raises after timeout_s with rank, peer, channel, head and tail
+    (GPU, default: from synchronize(), the call itself only queued the kernel; blocking=True: from the call)."""
     if comm.size < 2:
         pytest.skip("needs two ranks")
-    c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=1.0), backend=backend)
+    c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=1.0, blocking=blocking),
+                        backend=backend)
     failure = None
     try:
         if comm.rank == 0:
@@ -201,6 +204,8 @@ def test_timeout_names_rank_peer_channel(backend, comm):
             try:
                 with pytest.raises(cs.SymBufferTimeoutError) as info:
                     c.alltoallv(x, counts, recv_counts=np.zeros(comm.size, np.int64))
+                    if not blocking:
+                        c.synchronize()
                 err = info.value
                 assert err.rank == 0 and err.peer == 1 and err.role == "send"
                 # the waiting chunk's counter is a full ring (2 slots) or more ahead of what the receiver freed
