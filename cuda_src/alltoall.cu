@@ -9,14 +9,14 @@
 // Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
 //
 // Ring protocol per (channel c, sender s, receiver d), counters in chunks, only growing, slot = counter % num_slots:
-//   sender (v6): warp 0 of each group publishes, the others copy, each owning every (warps_per_peer - 1)-th
+//   sender (v6): warp 0 of each group publishes, the others copy, each owning every (ring_warps - 1)-th
 //             chunk: lane 0 waits while tail - head == num_slots (backpressure; head read with ld.acquire.sys from
 //             our own buffer, where d's receiver writes it); the warp copies the chunk's rows into d's ring;
 //             __syncwarp; lane 0 marks the chunk done in shared memory (st.release.cta). The publisher acquires
 //             the marks in chunk order (ld.acquire.cta) and publishes each run of finished chunks with one
 //             st.release.sys of tail into d's buffer: cumulative, so it makes every acquired warp's payload
 //             visible before the tail that announces it, and the copy warps never wait on a system fence.
-//   receiver: the mirror image: warp 0 publishes head, the other warps each own every (warps_per_peer - 1)-th
+//   receiver: the mirror image: warp 0 publishes head, the other warps each own every (ring_warps - 1)-th
 //             chunk: lane 0 polls tail with ld.acquire.sys until it covers the chunk, the warp copies it out (.cg
 //             loads), lane 0 marks it done (st.release.cta); the publisher releases head over each run of done
 //             chunks with one st.release.sys into s's buffer.
@@ -61,6 +61,21 @@ __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* don
   }
 }
 
+// Rows per chunk of an n-row stream on one channel: num_copy chunks per round, in as few rounds as whole slots
+// allow (a short stream is spread over every copy warp instead of one warp copying one slot; a long one ends on a
+// full round); at least 4 KiB of rows (one unrolled warp pass), a multiple of 512 bytes of rows (one vector pass;
+// keeps byte streams 16-byte aligned), at most one slot. Sender and receiver compute it from the same n (the rows
+// the one sends the other receives) and the same num_copy (same kernel variant on every rank), so they cut the
+// stream alike. Same formula as cupy_symbuf/layout.py chunk_rows (the host path uses it with one copy worker).
+__device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chunk_bytes, int num_copy) {
+  const i64 max_rows = chunk_bytes / row_bytes;
+  const i64 grain = min(max_rows, (512 + row_bytes - 1) / row_bytes);
+  const i64 least = min(max_rows, (4096 + row_bytes - 1) / row_bytes);
+  const i64 rounds = (n + num_copy * max_rows - 1) / (num_copy * max_rows);
+  const i64 per = (n + num_copy * rounds - 1) / (num_copy * rounds);
+  return min(max_rows, max(least, (per + grain - 1) / grain * grain));
+}
+
 // The descriptor is the kernel's parameter, passed by value: the driver copies it at launch, so the host may
 // rewrite its own copy for the next call while this one is still queued (calls return without waiting).
 extern "C" __global__ void __launch_bounds__(SYMBUF_MAX_THREADS)
@@ -82,17 +97,33 @@ symbuf_alltoallv(const __grid_constant__ Desc desc, const u64* __restrict__ peer
 
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
+  // Warp groups in peer order: ring_warps warps for every other rank, self_warps for our own rows (_cuda.warp_groups)
   const int warp = threadIdx.x >> 5;
-  const int warps_per_peer = (blockDim.x >> 5) / world_size;
-  const int peer = warp / warps_per_peer;
+  const int ring_warps = static_cast<int>(s_desc[DESC_RING_WARPS]);
+  const int self_warps = static_cast<int>(s_desc[DESC_SELF_WARPS]);
+  const int self_first = rank * ring_warps;  // first warp of the self group
+  int peer, first_warp, group_warps;
+  if (warp < self_first) {
+    peer = warp / ring_warps;
+    first_warp = peer * ring_warps;
+    group_warps = ring_warps;
+  } else if (warp < self_first + self_warps) {
+    peer = rank;
+    first_warp = self_first;
+    group_warps = self_warps;
+  } else {
+    const int k = (warp - self_first - self_warps) / ring_warps;
+    peer = rank + 1 + k;
+    first_warp = self_first + self_warps + k * ring_warps;
+    group_warps = ring_warps;
+  }
   if (peer >= world_size || row_bytes <= 0 || row_bytes > chunk_bytes) return;
-  const int nthreads = warps_per_peer * 32;
-  const int tid = threadIdx.x - peer * nthreads;
+  const int nthreads = group_warps * 32;
+  const int tid = threadIdx.x - first_warp * 32;
   const int lane = tid & 31;
   const int warp_in_group = tid >> 5;
   const bool leader = tid == 0;
   const int bar_id = 1 + peer;
-  const i64 rows_per_chunk = chunk_bytes / row_bytes;
 
   const i64* peers = s_desc + DESC_PEERS;  // [4][world_size]: send row offset, send rows, recv row offset, recv rows
   // The two row streams of this group live in shared memory (read on use, not held in registers: the copy
@@ -120,18 +151,17 @@ symbuf_alltoallv(const __grid_constant__ Desc desc, const u64* __restrict__ peer
     const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
     if (send.dense() && recv.dense()) {  // one span of bytes, cut into 16-byte aligned slices, one per warp
       const i64 n = (b - a) * row_bytes;
-      const i64 lo_b = n * warp_in_group / warps_per_peer / 16 * 16;
-      const i64 hi_b = warp_in_group == warps_per_peer - 1 ? n : n * (warp_in_group + 1) / warps_per_peer / 16 * 16;
+      const i64 lo_b = n * warp_in_group / group_warps / 16 * 16;
+      const i64 hi_b = warp_in_group == group_warps - 1 ? n : n * (warp_in_group + 1) / group_warps / 16 * 16;
       copy_bytes<false>(recv.at(0, a) + lo_b, send.at(0, a) + lo_b, hi_b - lo_b, lane);
     } else {  // one warp per row
-      for (i64 r = a + warp_in_group; r < b; r += warps_per_peer)
+      for (i64 r = a + warp_in_group; r < b; r += group_warps)
         for (int i = 0; i < send.num_parts; ++i)
           copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
     }
     return;
   }
 
-  const i64 nchunks = (hi - lo + rows_per_chunk - 1) / rows_per_chunk;
   if (leader) s_abort[peer] = 0;
   // Sender: copy warps write chunks into the peer's ring and the publisher releases tail there; backpressure reads
   // head from our own region, where the peer's receiver releases it. Receiver: the mirror image (tail read from our
@@ -146,12 +176,14 @@ symbuf_alltoallv(const __grid_constant__ Desc desc, const u64* __restrict__ peer
       reinterpret_cast<const u64*>(local_region + (is_sender ? SYMBUF_HEAD_OFFSET : SYMBUF_TAIL_OFFSET));
   // Our side's counter at the end of the previous launch (written by this group's leader below).
   u64* state = reinterpret_cast<u64*>(local_region + (is_sender ? SYMBUF_SEND_TAIL_OFFSET : SYMBUF_RECV_HEAD_OFFSET));
+  const bool solo = group_warps == 1;
+  const int num_copy = solo ? 1 : group_warps - 1;
+  const int copy_id = solo ? 0 : warp_in_group - 1;
+  const i64 rows_per_chunk = chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy);
+  const i64 nchunks = (hi - lo + rows_per_chunk - 1) / rows_per_chunk;
   const u64 first = *state;
   const u64 end = first + static_cast<u64>(nchunks);
-  const bool solo = warps_per_peer == 1;
-  const int num_copy = solo ? 1 : warps_per_peer - 1;
-  const int copy_id = solo ? 0 : warp_in_group - 1;
-  u64* done = &s_done[peer * warps_per_peer + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
+  u64* done = &s_done[first_warp + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
   volatile int* abort_flag = &s_abort[peer];
   const int role = is_sender ? SYMBUF_ROLE_SEND : SYMBUF_ROLE_RECV;
   if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], first);

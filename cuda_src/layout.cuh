@@ -47,6 +47,7 @@ enum {
   DESC_RANK = 0, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS,
   DESC_CHUNK_BYTES, DESC_TIMEOUT_NS,                     // static: from ChannelLayout.kernel_args() and Config
   DESC_ROW_BYTES = 8, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS,
+  DESC_RING_WARPS, DESC_SELF_WARPS,                      // warps of a peer's group and of the rank's own group
   DESC_SEND_PARTS = 16,                                  // SYMBUF_MAX_PARTS x {base, stride, width, offset in row}
   DESC_RECV_PARTS = 32,
   DESC_PEERS = 48,                                       // [4][world_size]: send row offset, send rows,

@@ -9,26 +9,39 @@ from . import _compat, _kernels
 from .errors import SymBufferTimeoutError
 from .layout import ChannelLayout, check_row_fits, is_byte_stream
 
-__all__ = ["CudaTransport", "threads_per_block"]
+__all__ = ["CudaTransport", "warp_groups"]
 
 _ROLES = {0: "send", 1: "recv", 2: "notify"}
 _STATUS_INTS = 8
 
 
-def threads_per_block(world_size: int, max_threads: int = 1024) -> int:
-    """Threads of one channel block: ``world_size`` warp groups of ``max(1, (max_threads // 32) // world_size)``
-    warps (``max_threads`` for world sizes that divide ``max_threads // 32``). ``max_threads`` is the kernel's
-    ``__launch_bounds__`` (``SYMBUF_MAX_THREADS``, 1024 by default).
+def warp_groups(world_size: int, max_threads: int = 1024) -> tuple:
+    """``(ring_warps, self_warps)``: warps of each peer's group in one channel block, and of the rank's own group.
+
+    A block is ``(world_size - 1) * ring_warps + self_warps`` warps of at most ``max_threads`` threads (the kernel's
+    ``__launch_bounds__``, ``SYMBUF_MAX_THREADS``). A ring group is one publisher warp and ``ring_warps - 1`` copy
+    warps streaming through that peer's ring; the self group copies the rank's rows to itself straight (half of
+    them in the sender block, half in the receiver block), about a third of a ring group's bytes and all local, so
+    it gets ``ceil((ring_warps - 1) / 2)`` warps (at least 1) plus whatever is left over, and the ring groups get
+    the rest (for 2 ranks in 512 threads: 11 ring warps and 5 self warps instead of 8 and 8). Every rank computes
+    the same split (same ``world_size``, same kernel variant), so sender and receiver cut streams alike.
 
     Named barriers (ids 1..15) sync a group of several warps, so groups of more than one warp need
-    ``world_size <= 15``; larger worlds get one warp per peer (``__syncwarp``), up to ``max_threads // 32`` peers.
+    ``world_size <= 15``; larger worlds get one warp per group (``__syncwarp``), up to ``max_threads // 32`` ranks.
+    Raises ``ValueError`` when ``world_size`` exceeds ``max_threads // 32``.
     """
     max_warps = max_threads // 32
     if world_size > max_warps:
         raise ValueError(f"world_size must be <= {max_warps} for the GPU path (one warp per peer in a "
                          f"{max_threads}-thread block), got {world_size}")
-    warps_per_peer = max(1, max_warps // world_size) if world_size <= 15 else 1
-    return world_size * warps_per_peer * 32
+    if world_size == 1:
+        return 0, max_warps
+    if world_size > 15:
+        return 1, 1
+    ring = 1
+    while (world_size - 1) * (ring + 1) + max(1, -(-ring // 2)) <= max_warps:
+        ring += 1
+    return ring, max_warps - (world_size - 1) * ring
 
 
 def ring_kernel_defines(world_size: int) -> tuple:
@@ -57,8 +70,8 @@ class _Pinned:
 # Words of the alltoallv launch descriptor; must match the DESC_* enum of cuda_src/layout.cuh (a CPU test checks).
 DESC_RANK, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS, \
     DESC_CHUNK_BYTES, DESC_TIMEOUT_NS = range(8)
-DESC_ROW_BYTES, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS = \
-    range(8, 14)
+DESC_ROW_BYTES, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS, \
+    DESC_RING_WARPS, DESC_SELF_WARPS = range(8, 16)
 DESC_SEND_PARTS = 16
 DESC_RECV_PARTS = 32
 DESC_PEERS = 48
@@ -102,7 +115,10 @@ class CudaTransport:
         self._k_alltoallv = _kernels.get_function("alltoall.cu", "symbuf_alltoallv",
                                                   ring_kernel_defines(self.world_size))
         self._k_notify = _kernels.get_function("alltoall.cu", "symbuf_notify")
-        self.threads = threads_per_block(self.world_size, int(self._k_alltoallv.max_threads_per_block))
+        self.ring_warps, self.self_warps = warp_groups(self.world_size,
+                                                       int(self._k_alltoallv.max_threads_per_block))
+        self.threads = 32 * ((self.world_size - 1) * self.ring_warps + self.self_warps)
+        d[DESC_RING_WARPS], d[DESC_SELF_WARPS] = self.ring_warps, self.self_warps
         # The ring kernel is launched through the driver API (cuLaunchKernel) with a parameter block built once:
         # the descriptor array, the device array of peer bases and the error record. A few us per call instead of
         # CuPy's argument marshalling, and the only way to pass a struct by value.

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from .errors import SymBufferTimeoutError
-from .layout import ChannelLayout, channel_row_range, check_row_fits, is_byte_stream, stream_units
+from .layout import ChannelLayout, channel_row_range, check_row_fits, chunk_rows, is_byte_stream, stream_units
 
 __all__ = ["HostTransport"]
 
@@ -103,7 +103,7 @@ class HostTransport:
             return
         send = _Side(send_parts, send_index, send_counts, byte_stream, row_bytes)
         recv = _Side(recv_parts, None, recv_counts, byte_stream, row_bytes)
-        unit, align, per_chunk = stream_units(byte_stream, row_bytes, L.chunk_bytes)
+        unit, align, _ = stream_units(byte_stream, row_bytes, L.chunk_bytes)
         me = self.rank
         # to ourselves: no ring (as on the GPU)
         n_self = int(send.units[me])
@@ -120,6 +120,7 @@ class HostTransport:
                 if hi > lo:
                     state = self._u64(me, L.send_tail_offset(c, p))
                     sends.append({"c": c, "p": p, "pos": lo, "end": hi, "tail": int(state[0]), "state": state,
+                                  "per_chunk": chunk_rows(hi - lo, unit, L.chunk_bytes),
                                   "head_line": self._u64(me, L.head_offset(c, p)),
                                   "remote_tail": self._u64(p, L.tail_offset(c, me)),
                                   "ring": self.views[p], "ring_off": L.ring_offset(c, me)})
@@ -127,6 +128,7 @@ class HostTransport:
                 if hi > lo:
                     state = self._u64(me, L.recv_head_offset(c, p))
                     recvs.append({"c": c, "p": p, "pos": lo, "end": hi, "head": int(state[0]), "state": state,
+                                  "per_chunk": chunk_rows(hi - lo, unit, L.chunk_bytes),
                                   "tail_line": self._u64(me, L.tail_offset(c, p)),
                                   "remote_head": self._u64(p, L.head_offset(c, me)),
                                   "ring": self.views[me], "ring_off": L.ring_offset(c, p)})
@@ -142,7 +144,7 @@ class HostTransport:
                 sync()
                 moved = 0
                 while s["pos"] < s["end"] and s["tail"] - head < num_slots:
-                    n = min(per_chunk, s["end"] - s["pos"])
+                    n = min(s["per_chunk"], s["end"] - s["pos"])
                     off = s["ring_off"] + (s["tail"] % num_slots) * chunk
                     send.fill(s["ring"][off: off + chunk], s["p"], s["pos"], n)
                     s["pos"] += n
@@ -160,7 +162,7 @@ class HostTransport:
                 if tail > r["head"]:
                     sync()  # tail before payload
                     while r["head"] < tail and r["pos"] < r["end"]:
-                        n = min(per_chunk, r["end"] - r["pos"])
+                        n = min(r["per_chunk"], r["end"] - r["pos"])
                         off = r["ring_off"] + (r["head"] % num_slots) * chunk
                         recv.drain(r["ring"][off: off + chunk], r["p"], r["pos"], n)
                         r["pos"] += n

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LINE_BYTES", "ChannelLayout", "channel_row_range", "is_byte_stream", "check_row_fits", "stream_units"]
+__all__ = ["LINE_BYTES", "ChannelLayout", "channel_row_range", "chunk_rows", "is_byte_stream", "check_row_fits",
+           "stream_units"]
 
 #: Bytes per metadata line (two GPU cache sectors / one L2 line pair; avoids false sharing).
 LINE_BYTES = 128
@@ -187,6 +188,23 @@ def channel_row_range(rows: int, channel: int, num_channels: int, align: int = 1
     hi = rows if channel == num_channels - 1 else (rows * (channel + 1) // num_channels) // align * align
     return lo, hi
 
+
+def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) -> int:
+    """Units (rows, or bytes of a byte stream) per ring chunk of a ``rows``-unit stream on one channel.
+
+    ``num_copy`` workers copy chunks in parallel (GPU: the copy warps of a peer group; host: 1). The stream is cut
+    into ``num_copy`` chunks per round in as few rounds as whole slots allow: a short stream is spread over every
+    worker instead of one worker copying one slot, and a long one ends on a full round. A chunk is at least 4 KiB
+    of units (one unrolled warp pass), a multiple of 512 bytes of units (one vector pass of a warp; keeps byte
+    streams 16-byte aligned), and at most one slot (``chunk_bytes // unit_bytes`` units). Sender and receiver derive
+    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/alltoall.cu``.
+    """
+    max_rows = chunk_bytes // unit_bytes
+    grain = min(max_rows, -(-512 // unit_bytes))
+    least = min(max_rows, -(-4096 // unit_bytes))
+    rounds = -(-rows // (num_copy * max_rows))
+    per = -(-rows // (num_copy * rounds))
+    return min(max_rows, max(least, -(-per // grain) * grain))
 
 
 # ---- wire format of a row exchange (both backends, and cuda_src/alltoall.cu) ---------------------------------

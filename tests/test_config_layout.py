@@ -1,6 +1,7 @@
 """Config and ChannelLayout unit tests (no communication)."""
 import dataclasses
 
+import numpy as np
 import pytest
 
 import cupy_symbuf as cs
@@ -100,15 +101,25 @@ def test_config_accepts_numpy_ints_and_rejects_odd_numbers(monkeypatch):
         cs.Config()
 
 
-def test_threads_per_block():
-    from cupy_symbuf._cuda import threads_per_block
-    # world_size warp groups, as many warps each as fit; one warp per peer beyond 15 peers (named-barrier ids)
-    assert [threads_per_block(w) for w in (1, 2, 3, 8, 15, 16, 32)] == [1024, 1024, 960, 1024, 960, 512, 1024]
-    assert [threads_per_block(w, 512) for w in (1, 2, 3, 8, 16)] == [512, 512, 480, 512, 512]
+def test_warp_groups():
+    from cupy_symbuf._cuda import warp_groups
+    # (ring warps per peer group, self-group warps); the block is (W - 1) * ring + self warps
+    assert warp_groups(1, 512) == (0, 16)             # one rank: only the self copy
+    assert warp_groups(2, 512) == (11, 5)             # 10 copy warps on the ring, 5 on the half-size local copy
+    assert warp_groups(4, 512) == (4, 4) and warp_groups(8, 1024) == (4, 4)
+    assert warp_groups(3, 1024) == (13, 6) and warp_groups(15, 512) == (1, 2)
+    assert warp_groups(16) == (1, 1) and warp_groups(32) == (1, 1)   # beyond 15 peers: one warp per group
+    for w in range(1, 33):
+        for max_threads in (512, 1024):
+            if w > max_threads // 32:
+                continue
+            ring, own = warp_groups(w, max_threads)
+            assert (w - 1) * ring + own <= max_threads // 32 and own >= 1 and (ring >= 1 or w == 1)
+            assert own >= -(-(ring - 1) // 2)         # the self group keeps up with half a ring group's bytes
     with pytest.raises(ValueError, match="world_size must be <= 32"):
-        threads_per_block(33)
+        warp_groups(33)
     with pytest.raises(ValueError, match="world_size must be <= 16"):
-        threads_per_block(17, 512)
+        warp_groups(17, 512)
 
 
 def test_wire_format_depends_only_on_shared_facts():
@@ -124,3 +135,31 @@ def test_wire_format_depends_only_on_shared_facts():
         check_row_fits("dispatch", 65537, 65536, False)
     assert stream_units(True, 14, 65536) == (1, 16, 65536)      # bytes, cuts 16-byte aligned, full slots
     assert stream_units(False, 14432, 65536) == (14432, 1, 4)   # DeepSeek-V3 dispatch rows: 4 per 64 KiB slot
+
+
+def test_chunk_rows_spreads_short_streams_and_keeps_alignment():
+    """Ring chunks (the same formula as the kernel's chunk_rows): at most one slot, at least 4 KiB, byte streams cut
+    on 512-byte multiples (16-byte aligned copies), a short stream spread over every copy warp, no extra rounds."""
+    from cupy_symbuf.layout import chunk_rows
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        unit = int(rng.choice([1, 2, 14, 4096, 14432]))
+        chunk = int(rng.choice([1024, 4096, 65536, 3 * 128]))
+        if unit > chunk:
+            continue
+        num_copy = int(rng.choice([1, 3, 7, 15]))
+        n = int(rng.integers(1, 10 ** int(rng.integers(1, 8)) + 1))
+        r = chunk_rows(n, unit, chunk, num_copy)
+        max_rows = chunk // unit
+        assert 1 <= r <= max_rows
+        if unit == 1:
+            assert r % 16 == 0 and (r % 512 == 0 or r == max_rows)
+        assert r * unit >= min(4096, max_rows * unit) or r == max_rows
+        chunks = -(-n // r)
+        rounds = -(-n // (num_copy * max_rows))
+        assert chunks <= num_copy * rounds  # never more rounds than whole slots need
+    # 1 MiB alltoall on 2 ranks, 12 channels: 43690 bytes per channel go to all 7 copy warps, not to one
+    assert -(-43690 // chunk_rows(43690, 1, 65536, 7)) == 7
+    # 128 MiB: 91 chunks = 13 full rounds of 7 warps (whole 64 KiB slots would give 86: a last round of 2)
+    assert -(-5592405 // chunk_rows(5592405, 1, 65536, 7)) == 91
+    assert chunk_rows(10 ** 6, 1, 65536, 1) <= 65536 and chunk_rows(5, 14432, 65536, 7) == 1
