@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 
@@ -81,10 +82,27 @@ DESC_WORDS = DESC_PEERS + 4 * MAX_PEERS
 
 
 def part_geometry(a) -> tuple:
-    """``(base address, row stride, row width)`` in bytes of a 2-D array whose rows are contiguous."""
-    width = a.shape[1] * a.dtype.itemsize
+    """``(base address, row stride, row width)`` in bytes of an array whose rows (everything after axis 0) are
+    contiguous."""
+    width = a.dtype.itemsize * math.prod(a.shape[1:])
     stride = a.strides[0] if a.shape[0] > 1 else width
     return int(a.data.ptr), int(stride), int(width)
+
+
+class _Plan:
+    """A launch descriptor for one shape of row exchange (everything but the buffer addresses, which are written
+    per call), or ``desc is None`` when nothing moves."""
+
+    __slots__ = ("desc", "copy_send", "send_words", "recv_words")
+
+    def __init__(self, desc, copy_send: bool, num_send: int, num_recv: int):
+        self.desc = desc
+        self.copy_send = copy_send
+        self.send_words = [DESC_SEND_PARTS + 4 * i for i in range(num_send)]
+        self.recv_words = [DESC_RECV_PARTS + 4 * i for i in range(num_recv)]
+
+
+_MAX_PLANS = 64
 
 
 class CudaTransport:
@@ -100,8 +118,9 @@ class CudaTransport:
         self._status = _Pinned(_STATUS_INTS)
         self._meta = _Pinned(self.world_size * layout.max_notify_ints)
         self._meta_in = _Pinned(self.world_size * layout.max_notify_ints)
-        # The launch descriptor: the kernel's first parameter, passed by value (the driver copies it at launch, so
-        # it may be rewritten for the next call while this one is still queued on the stream).
+        # The launch descriptor's static words; each row-exchange shape gets a copy completed by _plan. It is the
+        # kernel's first parameter, passed by value (the driver copies it at launch, so it may be rewritten for the
+        # next call while this one is still queued on the stream).
         self._desc = np.zeros(DESC_WORDS, np.int64)
         d = self._desc
         d[DESC_RANK], d[DESC_WORLD_SIZE], d[DESC_NUM_CHANNELS] = self.rank, self.world_size, layout.num_channels
@@ -131,7 +150,7 @@ class CudaTransport:
         grid, threads = 2 * layout.num_channels, self.threads
         self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream_ptr,
                                                               params, 0)
-        self._desc_key = None
+        self._plans = {}  # row-exchange shape -> _Plan
         #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
         #: next call or by ``check()``; True: every call waits for its kernel and raises its own timeout.
         self.blocking = False
@@ -161,35 +180,39 @@ class CudaTransport:
     def exchange_rows(self, send_parts, send_index, send_counts, recv_parts, recv_counts, op: str) -> None:
         """Send rows to every peer and receive rows from every peer, in one kernel launch on the current stream.
 
-        ``send_parts``: 2-D CuPy arrays ``[n, cols_i]`` with contiguous rows (any row stride); a sent row is the
-        concatenation of the parts' rows ``send_index[r]`` (``send_index``: int64 CuPy array ``[sum(send_counts)]``,
-        or None for rows ``0, 1, ...``), grouped by destination (``send_counts`` int64 ``[W]``). ``recv_parts``:
-        C-contiguous 2-D CuPy arrays ``[sum(recv_counts), cols_i]`` with the same byte widths, filled in order.
+        ``send_parts``: CuPy arrays ``[n, ...]`` whose rows (all axes after the first) are contiguous, any row
+        stride; a sent row is the concatenation of the parts' rows ``send_index[r]`` (``send_index``: int64 CuPy
+        array ``[sum(send_counts)]``, or None for rows ``0, 1, ...``), grouped by destination (``send_counts`` int64
+        ``[W]``). ``recv_parts``: C-contiguous CuPy arrays ``[sum(recv_counts), ...]`` with the same row widths in
+        bytes, filled in order.
         Returns once the kernel is queued (``self.blocking``: once it ended); raises a timeout an earlier kernel
         recorded.
         """
         cp = _compat.cupy
-        byte_stream = is_byte_stream(len(send_parts), send_index is not None)
-        row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in send_parts)
-        # Checked on every rank, before the early return below: ranks with nothing to move raise alike.
-        check_row_fits(op, row_bytes, self.layout.chunk_bytes, byte_stream)
-        if row_bytes == 0 or (not send_counts.any() and not recv_counts.any()):
+        # The plan (descriptor) depends on shapes, strides and counts, never on addresses: repeated calls of one
+        # shape (every training step) only write the buffer addresses into it.
+        key = (tuple((a.shape, a.strides, a.dtype.itemsize) for a in send_parts),
+               tuple((a.shape, a.strides, a.dtype.itemsize) for a in recv_parts), send_index is None,
+               send_counts.tobytes(), recv_counts.tobytes())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(op, send_parts, send_index, send_counts, recv_parts, recv_counts)
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        d = plan.desc
+        if d is None:
             return  # nothing moves; ring counters unchanged on every rank alike
-        if byte_stream:  # one span of bytes per peer: the rows must be contiguous (copied here when they are not)
+        if plan.copy_send:  # a byte stream is one span per peer: rows that are not contiguous are copied first
             send_parts = [cp.ascontiguousarray(send_parts[0])]
-        sgeo = [part_geometry(a) for a in send_parts]
-        rgeo = [part_geometry(a) for a in recv_parts]
-        if [g[2] for g in sgeo] != [g[2] for g in rgeo] or len(sgeo) > MAX_PARTS or \
-                (byte_stream and not (sgeo[0][1] == sgeo[0][2] == rgeo[0][1])):
-            raise AssertionError(f"{op}: internal: send and receive parts differ ({sgeo} vs {rgeo})")
+        for w, a in zip(plan.send_words, send_parts):
+            d[w] = a.data.ptr
+        for w, a in zip(plan.recv_words, recv_parts):
+            d[w] = a.data.ptr
         if send_index is not None:
             send_index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
-        key = (tuple(sgeo), tuple(rgeo), 0 if send_index is None else send_index.data.ptr, send_counts.tobytes(),
-               recv_counts.tobytes())
-        if key != self._desc_key:  # repeated calls with the same shapes and buffers reuse the descriptor
-            self._desc_key = None
-            self._write_desc(byte_stream, sgeo, rgeo, send_index, send_counts, recv_counts)
-            self._desc_key = key
+            d[DESC_SEND_INDEX] = send_index.data.ptr
+        self._arg_ptrs[0] = d.ctypes.data  # the driver copies the descriptor at launch: it may change after
         stream = cp.cuda.get_current_stream()
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
@@ -200,24 +223,35 @@ class CudaTransport:
         if self.blocking:
             self.check(op, stream)
 
-    def _write_desc(self, byte_stream: bool, sgeo, rgeo, send_index, send_counts, recv_counts) -> None:
+    def _plan(self, op: str, send_parts, send_index, send_counts, recv_parts, recv_counts) -> _Plan:
+        """Check one shape of row exchange and build its descriptor (addresses are filled per call)."""
         W = self.world_size
+        byte_stream = is_byte_stream(len(send_parts), send_index is not None)
+        sgeo = [part_geometry(a) for a in send_parts]
+        rgeo = [part_geometry(a) for a in recv_parts]
         row_bytes = sum(g[2] for g in sgeo)
-        d = self._desc
+        # Checked on every rank, before the nothing-to-move return: ranks with nothing to move raise alike.
+        check_row_fits(op, row_bytes, self.layout.chunk_bytes, byte_stream)
+        if row_bytes == 0 or (not send_counts.any() and not recv_counts.any()):
+            return _Plan(None, False, 0, 0)
+        copy_send = byte_stream and sgeo[0][1] != sgeo[0][2]
+        if [g[2] for g in sgeo] != [g[2] for g in rgeo] or len(sgeo) > MAX_PARTS or \
+                (byte_stream and rgeo[0][1] != rgeo[0][2]):
+            raise AssertionError(f"{op}: internal: send and receive parts differ ({sgeo} vs {rgeo})")
+        d = self._desc.copy()  # the static words (rank, layout, warps) and room for this shape
         scounts, rcounts = send_counts, recv_counts
         if byte_stream:  # 1-byte rows; channel boundaries 16-byte aligned
-            sgeo = [(sgeo[0][0], 1, 1)]
-            rgeo = [(rgeo[0][0], 1, 1)]
+            sgeo = [(0, 1, 1)]
+            rgeo = [(0, 1, 1)]
             scounts, rcounts = send_counts * row_bytes, recv_counts * row_bytes
             d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = 1, 16
         else:
             d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = row_bytes, 1
-        d[DESC_SEND_INDEX] = 0 if send_index is None else send_index.data.ptr
-        d[DESC_RECV_INDEX] = 0
+        d[DESC_SEND_INDEX] = d[DESC_RECV_INDEX] = 0
         for base, geo in ((DESC_SEND_PARTS, sgeo), (DESC_RECV_PARTS, rgeo)):
             off = 0
-            for i, (ptr, stride, width) in enumerate(geo):
-                d[base + 4 * i: base + 4 * i + 4] = (ptr, stride, width, off)
+            for i, (_, stride, width) in enumerate(geo):
+                d[base + 4 * i: base + 4 * i + 4] = (0, stride, width, off)  # base address: per call
                 off += width
         d[DESC_NUM_SEND_PARTS], d[DESC_NUM_RECV_PARTS] = len(sgeo), len(rgeo)
         peers = d[DESC_PEERS: DESC_PEERS + 4 * W].reshape(4, W)
@@ -225,6 +259,7 @@ class CudaTransport:
         peers[0, 0] = peers[2, 0] = 0
         np.cumsum(scounts[:-1], out=peers[0, 1:])
         np.cumsum(rcounts[:-1], out=peers[2, 1:])
+        return _Plan(d, copy_send, len(sgeo), len(rgeo))
 
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify") -> np.ndarray:
         cp = _compat.cupy

@@ -14,6 +14,7 @@ reads ``tail``, ``Win.Sync()``, copies out, ``Win.Sync()``, then stores ``head``
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -26,8 +27,9 @@ __all__ = ["HostTransport"]
 
 
 def _bytes2d(a: np.ndarray) -> np.ndarray:
-    """``a`` (2-D, rows contiguous in memory) as ``uint8 [rows, row_width_bytes]``; a view (writes go to ``a``)."""
-    return a.view(np.uint8).reshape(a.shape[0], a.shape[1] * a.dtype.itemsize)
+    """``a`` (rows, i.e. all axes after the first, contiguous in memory) as ``uint8 [rows, row_width_bytes]``; a
+    view (writes go to ``a``)."""
+    return a.reshape(a.shape[0], math.prod(a.shape[1:])).view(np.uint8)
 
 
 class _Side:
@@ -97,7 +99,7 @@ class HostTransport:
         """Host twin of :meth:`CudaTransport.exchange_rows` (same arguments, NumPy arrays, same wire format)."""
         L = self.layout
         byte_stream = is_byte_stream(len(send_parts), send_index is not None)
-        row_bytes = sum(a.shape[1] * a.dtype.itemsize for a in send_parts)
+        row_bytes = sum(a.dtype.itemsize * math.prod(a.shape[1:]) for a in send_parts)
         check_row_fits(op, row_bytes, L.chunk_bytes, byte_stream)   # on every rank, before the early return
         if row_bytes == 0 or (not send_counts.any() and not recv_counts.any()):
             return

@@ -1,7 +1,6 @@
 """``Communicator``: all-to-all collectives over the channel ring buffers of one :class:`SymBuffer`."""
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Optional
 
@@ -72,6 +71,8 @@ class Communicator:
         self.backend = self.buffer.backend
         self.xp = _compat.array_module(self.backend)
         self._epoch = 0
+        self._ones = np.ones(self.world_size, dtype=np.int64)  # alltoall's counts (read only)
+        self._ones.flags.writeable = False
         if self.backend == "cuda":
             from ._cuda import CudaTransport
             self._transport = CudaTransport(self.buffer, self.layout, self.config.timeout_s)
@@ -155,22 +156,20 @@ class Communicator:
         (or ``r``) of every 2-D array of ``send_parts`` (rows contiguous, any row stride), rows grouped by
         destination; received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``.
         """
-        for a in list(send_parts) + list(recv_parts):
-            if a.ndim != 2 or (a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize):
+        for a in send_parts + recv_parts:
+            if not (a.flags.c_contiguous or (a.ndim == 2 and (a.shape[1] <= 1 or a.strides[1] == a.dtype.itemsize))):
                 raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no "
                                      f"contiguous rows")
         if len(send_parts) > 4:
             raise AssertionError(f"{op}: internal: at most 4 parts")
-        self._run(self._transport.exchange_rows, list(send_parts), send_index, send_counts, list(recv_parts),
-                  recv_counts, op=op)
+        self._run(self._transport.exchange_rows, send_parts, send_index, send_counts, recv_parts, recv_counts,
+                  op=op)
 
-    def _move(self, op: str, send, send_counts: np.ndarray, recv_counts: np.ndarray):
-        """Move rows of the contiguous array ``send`` (grouped by destination) and return the received array."""
-        row_shape = tuple(send.shape[1:])
-        recv = self.xp.empty((int(recv_counts.sum()),) + row_shape, dtype=send.dtype)
-        row_elems = math.prod(row_shape)
-        self._exchange_rows(op, [send.reshape(send.shape[0], row_elems)], None, send_counts,
-                            [recv.reshape(recv.shape[0], row_elems)], recv_counts)
+    def _move(self, op: str, send, send_counts: np.ndarray, recv_counts: np.ndarray, num_recv: int):
+        """Move rows of the C-contiguous array ``send`` (grouped by destination) and return the ``num_recv`` rows
+        received (``num_recv == recv_counts.sum()``)."""
+        recv = self.xp.empty((num_recv,) + send.shape[1:], dtype=send.dtype)
+        self._exchange_rows(op, [send], None, send_counts, [recv], recv_counts)
         return recv
 
     # ---- collectives ----------------------------------------------------------------------------------------
@@ -206,8 +205,7 @@ class Communicator:
         if x.shape[0] != self.world_size:
             raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), got "
                              f"shape {tuple(x.shape)}")
-        ones = np.ones(self.world_size, dtype=np.int64)
-        return self._move(op, x, ones, ones)
+        return self._move(op, x, self._ones, self._ones, self.world_size)
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None):
         """All-to-all of variable row counts.
@@ -263,7 +261,7 @@ class Communicator:
             recv_counts = meta[:, 0].copy()
         else:
             recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
-        return self._move(op, x, send_counts, recv_counts), recv_counts
+        return self._move(op, x, send_counts, recv_counts, int(recv_counts.sum())), recv_counts
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
