@@ -93,10 +93,11 @@ class _Plan:
     """A launch descriptor for one shape of row exchange (everything but the buffer addresses, which are written
     per call), or ``desc is None`` when nothing moves."""
 
-    __slots__ = ("desc", "copy_send", "send_words", "recv_words")
+    __slots__ = ("desc", "addr", "copy_send", "send_words", "recv_words")
 
     def __init__(self, desc, copy_send: bool, num_send: int, num_recv: int):
         self.desc = desc
+        self.addr = 0 if desc is None else desc.ctypes.data
         self.copy_send = copy_send
         self.send_words = [DESC_SEND_PARTS + 4 * i for i in range(num_send)]
         self.recv_words = [DESC_RECV_PARTS + 4 * i for i in range(num_recv)]
@@ -212,7 +213,7 @@ class CudaTransport:
         if send_index is not None:
             send_index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
             d[DESC_SEND_INDEX] = send_index.data.ptr
-        self._arg_ptrs[0] = d.ctypes.data  # the driver copies the descriptor at launch: it may change after
+        self._arg_ptrs[0] = plan.addr  # the driver copies the descriptor at launch: it may change after
         stream = cp.cuda.get_current_stream()
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
