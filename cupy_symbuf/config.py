@@ -49,15 +49,15 @@ class Config:
         evenly (and at least 2) when several ranks share one GPU (MPS), and ``DEFAULT_HOST_NUM_SMS`` on the host.
         Trade-off: more SMs move more bytes in parallel but leave fewer SMs for compute.
     chunk_bytes : int or None
-        Bytes in one ring slot (the unit the sender publishes with one ``tail`` update); a multiple of 128.
-        ``None``: 64 KiB on the GPU (one warp copies one slot), 256 KiB on the host.
+        Bytes in one ring slot: the largest chunk the sender publishes with one ``tail`` update (short streams are
+        cut into smaller chunks so that every copy warp gets one, ``layout.chunk_rows``); a multiple of 128.
+        ``None``: 64 KiB on the GPU (one warp copies one chunk), 256 KiB on the host.
     num_slots : int or None
         Ring capacity in slots per (channel, peer); >= 2. Capacity in bytes is ``num_slots * chunk_bytes``.
-        ``None``: on the GPU ``2 * (32 // world_size)`` (at least 4): twice the warps of a peer group in a
-        1024-thread block, so senders can fill one set of slots while the receivers drain another (ring memory then
-        stays about ``num_channels * 64 * chunk_bytes`` per rank whatever the world size; up to 4 ranks the kernel
-        runs 512-thread blocks, where this is about 4.6x the 7 copy warps; 32 and 64 slots measured the same for
-        2 ranks with 1024-thread blocks, docs/perf-notes.md v6); 16 on the host.
+        ``None``: on the GPU ``2 * (32 // world_size)`` (at least 4), so senders can fill one set of slots while the
+        receivers drain another (ring memory then stays about ``num_channels * 64 * chunk_bytes`` per rank whatever
+        the world size; for 2 ranks 32 slots, 3.2x the 10 copy warps of a peer group, and 32 and 64 slots measured
+        the same, docs/perf-notes.md v6); 16 on the host.
         Messages larger than the ring stream through it, so this bounds memory, not message size.
     timeout_s : float
         Bound on every spin-wait (GPU kernels and host path), in seconds; > 0. On expiry a
