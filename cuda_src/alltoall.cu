@@ -43,10 +43,10 @@
 // got ready for a while. The release is cumulative: it covers every access of each warp acquired from.
 __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* done, int num_copy, u64 first, u64 end,
                                              u64 batch, volatile int* abort_flag, i64* status, int role, int rank,
-                                             int peer, int channel, u64 timeout_ns) {
+                                             int peer, int channel, u64 timeout_ns, u64 seq) {
   u64 published = first, ready = first;
   u32 idle = 0;
-  SpinBudget spin(timeout_ns);
+  SpinBudget spin(timeout_ns, seq);
   while (published < end && !*abort_flag) {
     const u64 before = ready;
     while (ready < end && ld_acquire_cta(&done[(ready - first) % num_copy]) > ready) ++ready;
@@ -54,7 +54,7 @@ __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* don
     if (ready > published && (ready - published >= batch || ready == end || idle > 32)) {
       st_release_sys_global(remote_counter, ready);
       published = ready;
-      spin = SpinBudget(timeout_ns);
+      spin = SpinBudget(timeout_ns, seq);
     } else if (!spin.ok(status, role, rank, peer, channel, published, ready)) {
       *abort_flag = 1;
     }
@@ -67,8 +67,9 @@ __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* don
 // keeps byte streams 16-byte aligned), at most one slot. Sender and receiver compute it from the same n (the rows
 // the one sends the other receives) and the same num_copy (same kernel variant on every rank), so they cut the
 // stream alike. Same formula as cupy_symbuf/layout.py chunk_rows (the host path uses it with one copy worker).
-__device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chunk_bytes, int num_copy) {
+__host__ __device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chunk_bytes, int num_copy) {
   const i64 max_rows = chunk_bytes / row_bytes;
+  if (n <= 0) return max_rows;  // no chunks
   const i64 grain = min(max_rows, (512 + row_bytes - 1) / row_bytes);
   const i64 least = min(max_rows, (4096 + row_bytes - 1) / row_bytes);
   const i64 rounds = (n + num_copy * max_rows - 1) / (num_copy * max_rows);
@@ -92,6 +93,7 @@ symbuf_alltoallv(const __grid_constant__ Desc desc, const u64* __restrict__ peer
                  s_desc[DESC_CHUNK_BYTES], 0, 0};
   const i64 num_slots = L.num_slots, chunk_bytes = L.chunk_bytes;
   const u64 timeout_ns = static_cast<u64>(s_desc[DESC_TIMEOUT_NS]);
+  const u64 seq = static_cast<u64>(s_desc[DESC_SEQ]);
   const i64 row_bytes = s_desc[DESC_ROW_BYTES];
   const i64 align = s_desc[DESC_ROW_ALIGN];
 
@@ -191,7 +193,7 @@ symbuf_alltoallv(const __grid_constant__ Desc desc, const u64* __restrict__ peer
   if (copy_id < 0) {  // the publisher (lane 0 of warp 0); a receiver hands each slot back as soon as it is read
     if (lane == 0)
       publish_runs(remote_counter, done, num_copy, first, end, is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag,
-                   status, role, rank, peer, channel, timeout_ns);
+                   status, role, rank, peer, channel, timeout_ns, seq);
     __syncwarp();
   } else {
     u8* ring = (is_sender ? remote_region : local_region) + SYMBUF_RING_OFFSET;
@@ -200,7 +202,7 @@ symbuf_alltoallv(const __grid_constant__ Desc desc, const u64* __restrict__ peer
     for (i64 k = copy_id; k < nchunks; k += num_copy) {
       const u64 t = first + static_cast<u64>(k);  // ring counter of this chunk
       if (lane == 0) {  // sender: wait while the ring is full (backpressure); receiver: wait until tail covers t
-        SpinBudget spin(timeout_ns);
+        SpinBudget spin(timeout_ns, seq);
         while ((is_sender ? t + 1 - seen > static_cast<u64>(num_slots) : seen <= t) && !*abort_flag) {
           seen = ld_acquire_sys_global(local_counter);
           if (!spin.ok(status, role, rank, peer, channel, is_sender ? seen : t, is_sender ? t : seen)) {
@@ -236,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, int num_values, i64 epoch,
               const u64* __restrict__ peer_bases, int rank, int world_size,
               i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
-              i64 notify_offset, i64 notify_slot_bytes, u64 timeout_ns, i64* status) {
+              i64 notify_offset, i64 notify_slot_bytes, u64 timeout_ns, i64* status, u64 seq) {
   const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
   const i64 parity = epoch & 1;
   const i64 total = static_cast<i64>(world_size) * num_values;
@@ -259,7 +261,7 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
   if (threadIdx.x < world_size) {
     const int s = threadIdx.x;
     const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, world_size));
-    SpinBudget spin(timeout_ns);
+    SpinBudget spin(timeout_ns, seq);
     u64 seen = ld_acquire_sys_global(slot);
     while (seen < static_cast<u64>(epoch)) {
       seen = ld_acquire_sys_global(slot);

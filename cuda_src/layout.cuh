@@ -35,7 +35,7 @@ __device__ __forceinline__ void channel_range(i64 n, int channel, int num_channe
 }
 
 // ---- launch descriptor of symbuf_alltoallv ------------------------------------------------------------------
-// DESC_WORDS int64 words passed by value as the kernel's first parameter (1408 bytes, inside the 4 KiB parameter
+// DESC_WORDS int64 words passed by value as the kernel's first parameter (1416 bytes, inside the 4 KiB parameter
 // space), written by cupy_symbuf/_cuda.py (its DESC_* constants must match; tests/test_kernels_compile.py checks)
 // and copied into shared memory by every block at launch.
 // A "row stream" is the rows one rank sends to (or receives from) one peer. A row is the concatenation of up to
@@ -52,7 +52,8 @@ enum {
   DESC_RECV_PARTS = 32,
   DESC_PEERS = 48,                                       // [4][world_size]: send row offset, send rows,
                                                          //                  recv row offset, recv rows
-  DESC_WORDS = DESC_PEERS + 4 * SYMBUF_MAX_PEERS
+  DESC_SEQ = DESC_PEERS + 4 * SYMBUF_MAX_PEERS,          // launch number, written into the error record
+  DESC_WORDS
 };
 
 struct Desc {
@@ -63,8 +64,8 @@ struct Part {
   i64 base, stride, width, offset;  // bytes; offset = first byte of the part inside the packed row
 };
 
-// One side of one peer's row stream, with its parts in shared memory. Ring slots hold whole packed rows
-// (rows_per_chunk = chunk_bytes / row_bytes of them); a byte stream has 1-byte rows and one dense part.
+// One side of one peer's row stream, with its parts in shared memory. Ring chunks hold whole packed rows (at most
+// chunk_bytes / row_bytes of them, chunk_rows in alltoall.cu); a byte stream has 1-byte rows and one dense part.
 struct RowStream {
   const Part* parts;
   int num_parts;
@@ -102,14 +103,15 @@ struct RowStream {
 };
 
 // Error record (i64[8], host-mapped): [1..6] role, rank, peer, channel, head, tail of the first failing wait,
-// which claims the record through [7] and then sets [0] = 1 with a system-scope release, so a host that reads
-// [0] == 1 while kernels still run (calls return without waiting) sees the fields complete.
+// which claims the record by writing its launch number `seq` (>= 1) into [7] and then sets [0] = 1 with a
+// system-scope release, so a host that reads [0] == 1 while kernels still run (calls return without waiting)
+// finds the fields written, and knows which queued call failed.
 // Roles: 0 = send (waiting for space), 1 = recv (waiting for data), 2 = notify.
 enum { SYMBUF_ROLE_SEND = 0, SYMBUF_ROLE_RECV = 1, SYMBUF_ROLE_NOTIFY = 2 };
 
-__device__ __forceinline__ void report_timeout(i64* status, int role, int rank, int peer, int channel, u64 head,
-                                               u64 tail) {
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(status + 7), 0ull, 1ull) == 0ull) {
+__device__ __forceinline__ void report_timeout(i64* status, u64 seq, int role, int rank, int peer, int channel,
+                                               u64 head, u64 tail) {
+  if (atomicCAS(reinterpret_cast<unsigned long long*>(status + 7), 0ull, seq) == 0ull) {
     status[1] = role;
     status[2] = rank;
     status[3] = peer;
@@ -121,15 +123,16 @@ __device__ __forceinline__ void report_timeout(i64* status, int role, int rank, 
 }
 
 // Bounded spin: true while the wait may go on; false (and the error record written) once it expired or
-// another wait of this launch already failed.
+// another wait already failed (this launch or an earlier one: the record stays set, so queued launches of a
+// failed communicator give up at their first wait).
 struct SpinBudget {
-  u64 start, timeout_ns;
+  u64 start, timeout_ns, seq;
   u32 polls;
-  __device__ __forceinline__ SpinBudget(u64 t) : start(globaltimer_ns()), timeout_ns(t), polls(0) {}
+  __device__ __forceinline__ SpinBudget(u64 t, u64 s) : start(globaltimer_ns()), timeout_ns(t), seq(s), polls(0) {}
   __device__ __forceinline__ bool ok(i64* status, int role, int rank, int peer, int channel, u64 head, u64 tail) {
     if ((++polls & 1023u) == 0 && ld_volatile_global(status + 7) != 0) return false;  // someone else failed
     if (globaltimer_ns() - start > timeout_ns) {
-      report_timeout(status, role, rank, peer, channel, head, tail);
+      report_timeout(status, seq, role, rank, peer, channel, head, tail);
       return false;
     }
     return true;

@@ -23,9 +23,10 @@ def warp_groups(world_size: int, max_threads: int = 1024) -> tuple:
     ``__launch_bounds__``, ``SYMBUF_MAX_THREADS``). A ring group is one publisher warp and ``ring_warps - 1`` copy
     warps streaming through that peer's ring; the self group copies the rank's rows to itself straight (half of
     them in the sender block, half in the receiver block), about a third of a ring group's bytes and all local, so
-    it gets ``ceil((ring_warps - 1) / 2)`` warps (at least 1) plus whatever is left over, and the ring groups get
-    the rest (for 2 ranks in 512 threads: 11 ring warps and 5 self warps instead of 8 and 8). Every rank computes
-    the same split (same ``world_size``, same kernel variant), so sender and receiver cut streams alike.
+    ring groups are made as large as possible while the self group keeps ``ceil((ring_warps - 1) / 2)`` warps (at
+    least 1); warps left over go to the self group (for 2 ranks in 512 threads: 11 ring warps and 5 self warps
+    instead of 8 and 8; for some sizes the self group ends up the larger, e.g. 6 ranks: 5 and 7). Every rank
+    computes the same split (same ``world_size``, same kernel variant), so sender and receiver cut streams alike.
 
     Named barriers (ids 1..15) sync a group of several warps, so groups of more than one warp need
     ``world_size <= 15``; larger worlds get one warp per group (``__syncwarp``), up to ``max_threads // 32`` ranks.
@@ -78,7 +79,8 @@ DESC_RECV_PARTS = 32
 DESC_PEERS = 48
 MAX_PARTS = 4
 MAX_PEERS = 32
-DESC_WORDS = DESC_PEERS + 4 * MAX_PEERS
+DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS
+DESC_WORDS = DESC_SEQ + 1
 
 
 def part_geometry(a) -> tuple:
@@ -104,6 +106,7 @@ class _Plan:
 
 
 _MAX_PLANS = 64
+_OPS_KEPT = 256
 
 
 class CudaTransport:
@@ -153,30 +156,71 @@ class CudaTransport:
                                                               params, 0)
         self._plans = {}  # row-exchange shape -> _Plan
         #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
-        #: next call or by ``check()``; True: every call waits for its kernel and raises its own timeout.
+        #: next call or by ``synchronize()``; True: every call waits for its kernel and raises its own timeout.
         self.blocking = False
+        self._seq = 0                  # launches so far; a failing wait writes its launch's number into the record
+        self._ops = [""] * _OPS_KEPT   # op name of launch seq, at seq % _OPS_KEPT
+        self._last_stream = None       # stream of the last launch (collectives are ordered across streams)
+        self._reported = False
 
-    def close(self) -> None:
+    def close(self):
+        """Wait for queued kernels, free the host records; return the timeout error recorded but not yet raised
+        (or None)."""
         _compat.cupy.cuda.runtime.deviceSynchronize()  # queued kernels still write the error record
+        err = None
+        if not self._reported:
+            try:
+                self.check("close")
+            except SymBufferTimeoutError as exc:
+                err = exc
         self._status.free()
         self._meta.free()
         self._meta_in.free()
+        return err
+
+    def _next_launch(self, op: str, stream) -> int:
+        """Number this launch (for the error record) and order it after the previous launch when that one went
+        to another stream: every kernel starts from the ring counters the previous one left."""
+        last = self._last_stream
+        if last is not None and last.ptr != stream.ptr:
+            ev = _compat.cupy.cuda.Event(disable_timing=True)
+            ev.record(last)
+            stream.wait_event(ev)
+        self._last_stream = stream
+        self._seq += 1
+        self._ops[self._seq % _OPS_KEPT] = op
+        return self._seq
+
+    def synchronize(self, op: str = "synchronize") -> None:
+        """Wait for the last launch (and the current stream), then raise a recorded timeout."""
+        if self._last_stream is not None:
+            self._last_stream.synchronize()
+        self.check(op, _compat.cupy.cuda.get_current_stream())
 
     def check(self, op: str, stream=None) -> None:
         """Raise the :class:`SymBufferTimeoutError` a kernel recorded, if any; with ``stream``, wait for it first.
 
-        Without ``stream`` this only reads the host-mapped error record (no synchronisation): it sees the failures
-        of kernels that already ended. The record stays set (a failed communicator refuses further calls; queued
-        kernels that still wait see it on the device and give up at once).
+        Without ``stream`` this reads the host-mapped error record without waiting: a failure shows as soon as a
+        wait has recorded it. The record stays set (a failed communicator refuses further calls; queued kernels
+        that still wait see it on the device and give up at once). The error names the operation whose kernel
+        failed, and ``op`` (the call that found it) when that was a later one.
         """
         if stream is not None:
             stream.synchronize()
         st = self._status.array
         if st[0]:
+            if stream is None:  # order our reads of the fields after the flag (and let the failing kernels end)
+                _compat.cupy.cuda.runtime.deviceSynchronize()
             info = st.copy()
+            seq = int(info[7])
+            failed = self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else ""
+            # after our own launch (stream given, same launch) the failure is this call's; else an earlier call's
+            where = op if stream is not None and seq == self._seq and failed == op else \
+                f"{failed or 'an earlier collective'} (queued earlier; found by {op})"
+            self._reported = True
             raise SymBufferTimeoutError(rank=int(info[2]), peer=int(info[3]), channel=int(info[4]),
                                         role=_ROLES.get(int(info[1]), str(info[1])), head=int(info[5]),
-                                        tail=int(info[6]), timeout_s=self.timeout_s, op=op)
+                                        tail=int(info[6]), timeout_s=self.timeout_s, op=where)
 
     def exchange_rows(self, send_parts, send_index, send_counts, recv_parts, recv_counts, op: str) -> None:
         """Send rows to every peer and receive rows from every peer, in one kernel launch on the current stream.
@@ -190,6 +234,7 @@ class CudaTransport:
         recorded.
         """
         cp = _compat.cupy
+        self.check(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         # The plan (descriptor) depends on shapes, strides and counts, never on addresses: repeated calls of one
         # shape (every training step) only write the buffer addresses into it.
         key = (tuple((a.shape, a.strides, a.dtype.itemsize) for a in send_parts),
@@ -213,11 +258,11 @@ class CudaTransport:
         if send_index is not None:
             send_index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
             d[DESC_SEND_INDEX] = send_index.data.ptr
-        self._arg_ptrs[0] = plan.addr  # the driver copies the descriptor at launch: it may change after
         stream = cp.cuda.get_current_stream()
+        d[DESC_SEQ] = self._next_launch(op, stream)
+        self._arg_ptrs[0] = plan.addr  # the driver copies the descriptor at launch: it may change after
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
-        self.check(op)  # a failure of an earlier, unawaited call surfaces here, before more is queued
         self._launch(stream.ptr)
         if self.kernel_events is not None:
             self.kernel_events[1].record(stream)
@@ -264,14 +309,15 @@ class CudaTransport:
 
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify") -> np.ndarray:
         cp = _compat.cupy
+        self.check(op)  # a failure of an earlier, unawaited call surfaces first
         stream = cp.cuda.get_current_stream()
         W, M = send_meta.shape
         self._meta_in.array[: W * M] = send_meta.reshape(-1)  # read by the kernel from pinned memory
         threads = max(32, min(1024, (W + 31) // 32 * 32))
         args = (np.uint64(self._meta_in.ptr), np.uint64(self._meta.ptr), np.int32(M), np.int64(epoch),
                 self.buf.peer_ptrs_device,
-                np.int32(self.rank), np.int32(W), *self._layout_args, self.timeout_ns, np.uint64(self._status.ptr))
-        self.check(op)
+                np.int32(self.rank), np.int32(W), *self._layout_args, self.timeout_ns, np.uint64(self._status.ptr),
+                np.uint64(self._next_launch(op, stream)))
         self._k_notify((1,), (threads,), args)
         self.check(op, stream)  # the host needs the counts: always waits
         return self._meta.array[: W * M].reshape(W, M).copy()

@@ -1,10 +1,11 @@
 """Host twin of the GPU kernels: the same ring protocol and wire format over the MPI shared-memory window, with
 NumPy copies.
 
-A row exchange moves, per peer, a stream of rows cut the same way as on the GPU (``layout.stream_units``): a byte
-stream (channel cuts on 16-byte boundaries, full slots) for one part in row order, else packed rows (cuts on row
-boundaries, whole rows per slot, each row gathered from its parts through the token index when sending and
-scattered into the receive parts). A rank's rows to itself are copied directly, as on the GPU.
+A row exchange moves, per peer, a stream of rows in the same wire format as on the GPU (``layout.stream_units``): a
+byte stream (channel cuts on 16-byte boundaries) for one part in row order, else packed rows (cuts on row
+boundaries, whole rows per chunk, each row gathered from its parts through the token index when sending and
+scattered into the receive parts); chunks are cut by ``layout.chunk_rows`` with one copy worker (the GPU has one per
+copy warp). A rank's rows to itself are copied directly, as on the GPU.
 
 One progress loop per rank drives every (channel, peer) send stream and receive stream without blocking on any
 one of them (the GPU gives each its own warp group; here a stream that cannot move is skipped), so no peer can
@@ -105,7 +106,7 @@ class HostTransport:
             return
         send = _Side(send_parts, send_index, send_counts, byte_stream, row_bytes)
         recv = _Side(recv_parts, None, recv_counts, byte_stream, row_bytes)
-        unit, align, _ = stream_units(byte_stream, row_bytes, L.chunk_bytes)
+        unit, align = stream_units(byte_stream, row_bytes)
         me = self.rank
         # to ourselves: no ring (as on the GPU)
         n_self = int(send.units[me])

@@ -46,7 +46,10 @@ class Communicator:
 
     On the GPU path a collective is queued on the current CuPy stream and returns without waiting for it (like
     NCCL; ``Config.blocking=True`` waits): read the result in stream order, and call :meth:`synchronize` (or any
-    later collective) to have a recorded timeout raised.
+    later collective) to have a recorded timeout raised. Collectives of one communicator run in call order even
+    when issued on different streams (a call on a new stream waits for the previous call's stream). Inputs must
+    stay alive, unmodified, until stream order reaches the collective (as with NCCL; with PyTorch tensors from
+    another stream, ``tensor.record_stream``).
     """
 
     def __init__(self, comm: MPI.Comm, config: Optional[Config] = None, *, backend: str = "auto"):
@@ -85,20 +88,30 @@ class Communicator:
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the symmetric buffer (collective; idempotent)."""
+        """Free the symmetric buffer (collective; idempotent).
+
+        Waits for queued GPU collectives first; raises the :class:`~cupy_symbuf.SymBufferTimeoutError` one of them
+        recorded if no earlier call raised it (after freeing everything).
+        """
         if self._closed:
             return
         self._closed = True
-        if self.backend == "cuda":
-            self._transport.close()
-        self.buffer.close()
+        err = None
+        try:
+            if self.backend == "cuda":
+                err = self._transport.close()
+        finally:
+            self.buffer.close()  # collective: peers wait for it, whatever happened above
+        if err is not None and not self._broken:
+            raise err  # a queued collective timed out and nothing raised it yet (its results are not valid)
 
     def synchronize(self) -> None:
-        """Wait for this rank's queued collectives on the current CuPy stream and raise a timeout they recorded.
+        """Wait for this rank's queued collectives (and the current CuPy stream) and raise a timeout they recorded.
 
         On the GPU path collectives return once queued (``Config.blocking=False``, the default); this is where
-        their :class:`~cupy_symbuf.SymBufferTimeoutError` surfaces if no later call raised it first. Local (no
-        communication); a no-op on the host path, whose calls complete before returning.
+        their :class:`~cupy_symbuf.SymBufferTimeoutError` surfaces if no later call raised it first. Results of
+        collectives queued before such an error are not valid. Local (no communication); a no-op on the host path,
+        whose calls complete before returning.
 
         Raises
         ------
@@ -108,7 +121,7 @@ class Communicator:
         """
         self._check_open()
         if self.backend == "cuda":
-            self._run(self._transport.check, "synchronize", _compat.cupy.cuda.get_current_stream())
+            self._run(self._transport.synchronize)
 
     def __enter__(self) -> "Communicator":
         return self
@@ -153,7 +166,7 @@ class Communicator:
     def _exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
                        recv_counts: np.ndarray) -> None:
         """Row exchange of the transport (both backends): a sent row is the concatenation of row ``send_index[r]``
-        (or ``r``) of every 2-D array of ``send_parts`` (rows contiguous, any row stride), rows grouped by
+        (or ``r``) of every array of ``send_parts`` (``[n, ...]``, rows contiguous, any row stride), rows grouped by
         destination; received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``.
         """
         for a in send_parts + recv_parts:

@@ -197,9 +197,12 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) 
     worker instead of one worker copying one slot, and a long one ends on a full round. A chunk is at least 4 KiB
     of units (one unrolled warp pass), a multiple of 512 bytes of units (one vector pass of a warp; keeps byte
     streams 16-byte aligned), and at most one slot (``chunk_bytes // unit_bytes`` units). Sender and receiver derive
-    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/alltoall.cu``.
+    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/alltoall.cu``. An empty
+    stream (``rows <= 0``) has no chunks; the slot size is returned.
     """
     max_rows = chunk_bytes // unit_bytes
+    if rows <= 0:
+        return max_rows
     grain = min(max_rows, -(-512 // unit_bytes))
     least = min(max_rows, -(-4096 // unit_bytes))
     rounds = -(-rows // (num_copy * max_rows))
@@ -210,9 +213,8 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) 
 # ---- wire format of a row exchange (both backends, and cuda_src/alltoall.cu) ---------------------------------
 
 def is_byte_stream(num_parts: int, has_index: bool) -> bool:
-    """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries, full
-    ``chunk_bytes`` slots) for one part sent in row order, else packed rows (cuts on row boundaries, whole rows per
-    slot). Decided only from what every rank of a collective shares (number of parts, gather or not), never from a
+    """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries) for one part
+    sent in row order, else packed rows (cuts on row boundaries, whole rows per chunk). Decided only from what every rank of a collective shares (number of parts, gather or not), never from a
     rank's own strides: sender and receiver must cut every stream the same way."""
     return num_parts == 1 and not has_index
 
@@ -225,10 +227,9 @@ def check_row_fits(op: str, row_bytes: int, chunk_bytes: int, byte_stream: bool)
                          f"Config(chunk_bytes=...) of at least {(row_bytes + 127) // 128 * 128}")
 
 
-def stream_units(byte_stream: bool, row_bytes: int, chunk_bytes: int) -> tuple:
-    """``(unit_bytes, align, units_per_chunk)`` of a stream: the unit its channels are cut in (a byte, or one
-    packed row), the alignment of the cuts in units (16 bytes, or 1 row), and the units one ring slot holds.
-    The kernel derives the same values from the descriptor (``DESC_ROW_BYTES``, ``DESC_ROW_ALIGN``)."""
-    if byte_stream:
-        return 1, 16, chunk_bytes
-    return row_bytes, 1, chunk_bytes // row_bytes
+def stream_units(byte_stream: bool, row_bytes: int) -> tuple:
+    """``(unit_bytes, align)`` of a stream: the unit its channels and chunks are cut in (a byte, or one packed
+    row) and the alignment of the channel cuts in units (16 bytes, or 1 row); ``chunk_rows(rows, unit_bytes,
+    chunk_bytes, ...)`` then cuts a channel's share into ring chunks. The kernel gets the same values in its
+    descriptor (``DESC_ROW_BYTES``, ``DESC_ROW_ALIGN``)."""
+    return (1, 16) if byte_stream else (row_bytes, 1)

@@ -184,14 +184,19 @@ def _other_module(x):
     return None
 
 
-@pytest.mark.parametrize("blocking", [False, True])
-def test_timeout_names_rank_peer_channel(backend, comm, blocking):
-    """A peer that never joins: the waiting rank raises after timeout_s with rank, peer, channel, head and tail
-    (GPU, default: from synchronize(), the call itself only queued the kernel; blocking=True: from the call)."""
+@pytest.mark.parametrize("raised_by", ["call", "synchronize", "next_call"])
+def test_timeout_names_rank_peer_channel(backend, comm, raised_by):
+    """A peer that never joins: the waiting rank gets a timeout naming rank, peer, channel, head and tail.
+    ``call``: Config(blocking=True) (and always on the host) raises from the call itself. GPU default (calls return
+    once queued): the call returns at once, and the error comes from synchronize() or from the next call, which
+    names the earlier collective that failed."""
     if comm.size < 2:
         pytest.skip("needs two ranks")
-    c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=1.0, blocking=blocking),
-                        backend=backend)
+    if backend == "host" and raised_by != "call":
+        pytest.skip("host calls complete before returning")
+    import time
+    c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=1.0,
+                                        blocking=raised_by == "call"), backend=backend)
     failure = None
     try:
         if comm.rank == 0:
@@ -201,16 +206,29 @@ def test_timeout_names_rank_peer_channel(backend, comm, blocking):
             x = to_backend(np.ones((rows, 1024), np.float32), backend)
             counts = np.zeros(comm.size, np.int64)
             counts[1] = rows
+            none = np.zeros(comm.size, np.int64)
             try:
-                with pytest.raises(cs.SymBufferTimeoutError) as info:
-                    c.alltoallv(x, counts, recv_counts=np.zeros(comm.size, np.int64))
-                    if not blocking:
-                        c.synchronize()
+                if raised_by == "call":
+                    with pytest.raises(cs.SymBufferTimeoutError) as info:
+                        c.alltoallv(x, counts, recv_counts=none)
+                else:
+                    t0 = time.monotonic()
+                    c.alltoallv(x, counts, recv_counts=none)  # queued: returns without waiting for the peer
+                    assert time.monotonic() - t0 < 0.5
+                    with pytest.raises(cs.SymBufferTimeoutError) as info:
+                        if raised_by == "synchronize":
+                            c.synchronize()
+                        else:
+                            time.sleep(3.0)  # the queued kernel records its timeout after 1 s
+                            c.alltoall(to_backend(np.ones((comm.size, 1), np.float32), backend))
                 err = info.value
                 assert err.rank == 0 and err.peer == 1 and err.role == "send"
                 # the waiting chunk's counter is a full ring (2 slots) or more ahead of what the receiver freed
                 assert err.tail - err.head >= c.config.num_slots
                 assert "rank 0, peer 1, channel" in str(err) and "head=" in str(err) and "tail=" in str(err)
+                assert err.op.startswith("alltoallv")  # the collective that failed, also when a later one found it
+                if raised_by != "call":
+                    assert f"found by {'synchronize' if raised_by == 'synchronize' else 'alltoall'}" in err.op
                 with pytest.raises(cs.SymBufferError, match="unusable"):
                     c.alltoall(to_backend(np.ones((comm.size, 1), np.float32), backend))
             except BaseException as exc:  # keep the other ranks in step: report after the barrier
@@ -220,6 +238,31 @@ def test_timeout_names_rank_peer_channel(backend, comm, blocking):
         c.close()
     if failure is not None:
         raise failure
+
+
+def test_collectives_keep_call_order_across_streams(default, comm, backend):
+    """Calls issued on different CUDA streams, back to back without waiting, still run in call order (each kernel
+    starts from the ring counters the previous one left): results equal the NumPy reference, 20 rounds."""
+    if backend != "cuda":
+        pytest.skip("CUDA streams only")
+    import cupy
+    rng = rng_for(comm, 91)
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3)]
+    sends, outs = [], []
+    for i in range(20):
+        counts = rng.integers(0, 300, comm.size)
+        send = random_rows(rng, int(counts.sum()), (37,), np.float32)
+        expected, recv_counts = reference_alltoallv(comm, send, counts)
+        x = cupy.asarray(send)
+        cupy.cuda.get_current_stream().synchronize()
+        with streams[i % 3]:  # recv_counts given: no count exchange, nothing waits between the calls
+            got, _ = default.alltoallv(x, counts, recv_counts=recv_counts)
+        sends.append(x)
+        outs.append((got, expected, streams[i % 3]))
+    default.synchronize()
+    for got, expected, stream in outs:
+        stream.synchronize()
+        np.testing.assert_array_equal(cupy.asnumpy(got), expected)
 
 
 def test_send_buffer_filled_on_non_default_stream(default, comm, backend):

@@ -133,8 +133,8 @@ def test_wire_format_depends_only_on_shared_facts():
     check_row_fits("alltoall", 1 << 30, 65536, True)   # byte streams have no row limit
     with pytest.raises(ValueError, match=r"dispatch: one row is 65537 bytes .* Config\.chunk_bytes=65536.*65664"):
         check_row_fits("dispatch", 65537, 65536, False)
-    assert stream_units(True, 14, 65536) == (1, 16, 65536)      # bytes, cuts 16-byte aligned, full slots
-    assert stream_units(False, 14432, 65536) == (14432, 1, 4)   # DeepSeek-V3 dispatch rows: 4 per 64 KiB slot
+    assert stream_units(True, 14) == (1, 16)            # bytes, channel cuts 16-byte aligned
+    assert stream_units(False, 14432) == (14432, 1)     # DeepSeek-V3 dispatch rows, cut on row boundaries
 
 
 def test_chunk_rows_spreads_short_streams_and_keeps_alignment():
@@ -163,3 +163,38 @@ def test_chunk_rows_spreads_short_streams_and_keeps_alignment():
     # 128 MiB: 91 chunks = 13 full rounds of 7 warps (whole 64 KiB slots would give 86: a last round of 2)
     assert -(-5592405 // chunk_rows(5592405, 1, 65536, 7)) == 91
     assert chunk_rows(10 ** 6, 1, 65536, 1) <= 65536 and chunk_rows(5, 14432, 65536, 7) == 1
+    assert chunk_rows(0, 1, 65536, 7) == 65536           # an empty stream has no chunks (no division by zero)
+    assert chunk_rows(4, 14432, 65536, 7) == 1           # 4 packed rows over 4 copy warps, one row each
+
+
+def test_chunk_rows_same_in_kernel_source():
+    """The kernel's chunk_rows (cuda_src/alltoall.cu, __host__ __device__) compiled by the host C++ compiler gives
+    what layout.chunk_rows gives, over a grid of stream lengths, row sizes, slot sizes and copy warps: sender
+    (GPU) and the Python mirror that documents and tests the formula must not drift apart."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    from cupy_symbuf import _kernels
+    from cupy_symbuf.layout import chunk_rows
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    text = (_kernels.cuda_src_dir() / "alltoall.cu").read_text()
+    body = re.search(r"__host__ __device__ __forceinline__ i64 chunk_rows\(.*?\n}\n", text, re.S).group(0)
+    cases = [(n, unit, chunk, nc) for n in (0, 1, 5, 15, 16, 511, 4096, 43690, 733003, 5592405, 44739242)
+             for unit in (1, 2, 14, 4096, 14432) for chunk in (1024, 65536) for nc in (1, 3, 7, 10, 15)
+             if unit <= chunk]
+    src = ("#include <algorithm>\n#include <cstdio>\ntypedef long long i64;\nusing std::min; using std::max;\n"
+           "#define __host__\n#define __device__\n#define __forceinline__ inline\n" + body +
+           "int main() { i64 n, u, c; int k; while (std::scanf(\"%lld %lld %lld %d\", &n, &u, &c, &k) == 4) "
+           "std::printf(\"%lld\\n\", chunk_rows(n, u, c, k)); return 0; }\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "c.cpp"), "w") as f:
+            f.write(src)
+        subprocess.run([cxx, "-std=c++17", "-O1", "-o", os.path.join(tmp, "c"), os.path.join(tmp, "c.cpp")],
+                       check=True, capture_output=True)
+        out = subprocess.run([os.path.join(tmp, "c")], input="\n".join(" ".join(map(str, c)) for c in cases),
+                             check=True, capture_output=True, text=True).stdout.split()
+    assert [int(v) for v in out] == [chunk_rows(*c) for c in cases]
