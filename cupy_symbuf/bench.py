@@ -6,7 +6,7 @@ host. Bandwidths:
 
 * ``algbw``: per-rank input bytes / time.
 * ``busbw``: bytes that leave each rank for OTHER ranks / time = ``(W - 1) / W * input / time``
-  (for 2 ranks: half the input, i.e. what crosses NVLink per direction; the convention of ``shared/DEVICE.md``).
+  (for 2 ranks: half the input, i.e. what crosses NVLink per direction).
 
 Two timings (``--timing``), each the max over ranks:
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1M,16M,128M", help="per-rank input sizes, comma-separated (K/M/G suffix)")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"),
                     help="cuda (CuPy arrays, GPU kernels) or host (NumPy, MPI shared memory); default: auto")
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per size (median reported; default 20)")
+    ap.add_argument("--iters", type=int, default=20, help="timed calls per size (call timing: median; loop: mean; default 20)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
     ap.add_argument("--num-sms", type=int, default=None, help="Config.num_sms (default: per device)")
     ap.add_argument("--chunk-bytes", type=parse_size, default=None,
@@ -146,8 +146,7 @@ def main(argv=None) -> int:
                          "profile after the table (host-side cost per call)")
     ap.add_argument("--breakdown", action="store_true",
                     help="GPU only (ignored on the host): also time the ring kernel alone (CUDA events around the "
-                         "launch); the rest of a call is host work (argument checks, descriptor, launch, "
-                         "synchronisation)")
+                         "launch); the rest of a call is host work (argument checks, launch plan, launch)")
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD

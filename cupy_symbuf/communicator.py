@@ -90,7 +90,7 @@ class Communicator:
     def close(self) -> None:
         """Free the symmetric buffer (collective; idempotent).
 
-        Waits for queued GPU collectives first; raises the :class:`~cupy_symbuf.SymBufferTimeoutError` one of them
+        Waits for all work queued on the device first (``cudaDeviceSynchronize``, every stream); raises the :class:`~cupy_symbuf.SymBufferTimeoutError` one of them
         recorded if no earlier call raised it (after freeing everything).
         """
         if self._closed:
@@ -109,8 +109,8 @@ class Communicator:
         """Wait for this rank's queued collectives (and the current CuPy stream) and raise a timeout they recorded.
 
         On the GPU path collectives return once queued (``Config.blocking=False``, the default); this is where
-        their :class:`~cupy_symbuf.SymBufferTimeoutError` surfaces if no later call raised it first. Results of
-        collectives queued before such an error are not valid. Local (no communication); a no-op on the host path,
+        their :class:`~cupy_symbuf.SymBufferTimeoutError` surfaces if no later call raised it first. The results
+        of the collective that timed out and of every one queued after it are not valid. Local (no communication); a no-op on the host path,
         whose calls complete before returning.
 
         Raises
@@ -246,8 +246,9 @@ class Communicator:
         than the rings stream through them in chunks.
 
         With ``recv_counts`` nothing is exchanged first, so nothing is checked across ranks: the counts must be
-        exactly what the peers send, with the same dtype and row shape, or the rings fall out of step and this and
-        later calls receive wrong bytes (as with ``MPI_Alltoallv``).
+        exactly what the peers send, with the same dtype and row shape, or the rings fall out of step: this and
+        later calls receive wrong bytes or time out (as with ``MPI_Alltoallv``), and after a timeout the communicator
+        is unusable.
 
         Raises
         ------

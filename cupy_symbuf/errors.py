@@ -31,4 +31,5 @@ class SymBufferTimeoutError(SymBufferError):
         what = what.get(role, role)
         super().__init__(
             f"{op + ': ' if op else ''}timeout after {timeout_s:g} s on rank {rank}, peer {peer}, channel {channel}: "
-            f"{what}; head={head} tail={tail}. A peer rank probably failed or is not calling the same collective.")
+            f"{what}; head={head} tail={tail}. A peer rank probably failed or is not calling the same collective (or "
+            f"recv_counts given to alltoallv differ from what the peers send).")
