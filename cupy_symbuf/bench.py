@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="1M,16M,128M", help="per-rank input sizes, comma-separated (K/M/G suffix)")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"),
                     help="cuda (CuPy arrays, GPU kernels) or host (NumPy, MPI shared memory); default: auto")
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per size (call timing: median; loop: mean; default 20)")
+    ap.add_argument("--iters", type=int, default=20,
+                    help="timed calls per size (call timing: median; loop: mean; default 20)")
     ap.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
     ap.add_argument("--num-sms", type=int, default=None, help="Config.num_sms (default: per device)")
     ap.add_argument("--chunk-bytes", type=parse_size, default=None,

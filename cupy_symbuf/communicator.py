@@ -90,8 +90,9 @@ class Communicator:
     def close(self) -> None:
         """Free the symmetric buffer (collective; idempotent).
 
-        Waits for all work queued on the device first (``cudaDeviceSynchronize``, every stream); raises the :class:`~cupy_symbuf.SymBufferTimeoutError` one of them
-        recorded if no earlier call raised it (after freeing everything).
+        Waits for all work queued on the device first (``cudaDeviceSynchronize``, every stream); raises the
+        :class:`~cupy_symbuf.SymBufferTimeoutError` a queued collective recorded if no earlier call raised it (after
+        freeing everything).
         """
         if self._closed:
             return
@@ -110,8 +111,8 @@ class Communicator:
 
         On the GPU path collectives return once queued (``Config.blocking=False``, the default); this is where
         their :class:`~cupy_symbuf.SymBufferTimeoutError` surfaces if no later call raised it first. The results
-        of the collective that timed out and of every one queued after it are not valid. Local (no communication); a no-op on the host path,
-        whose calls complete before returning.
+        of the collective that timed out and of every one queued after it are not valid. Local (no communication);
+        a no-op on the host path, whose calls complete before returning.
 
         Raises
         ------
