@@ -249,7 +249,8 @@ def main(argv=None) -> int:
         print(f"{'self_us':>9} {'total_us':>9} {'calls':>6}  function")
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]
         for (path, line, name), (_, ncalls, tottime, cumtime, _) in rows:
-            print(f"{tottime * 1e4:9.2f} {cumtime * 1e4:9.2f} {ncalls / 100:6.1f}  {path.split('/')[-1]}:{line}({name})")
+            where = f"{path.split('/')[-1]}:{line}({name})"
+            print(f"{tottime * 1e4:9.2f} {cumtime * 1e4:9.2f} {ncalls / 100:6.1f}  {where}")
     if me == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

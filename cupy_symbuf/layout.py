@@ -214,8 +214,9 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) 
 
 def is_byte_stream(num_parts: int, has_index: bool) -> bool:
     """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries) for one part
-    sent in row order, else packed rows (cuts on row boundaries, whole rows per chunk). Decided only from what every rank of a collective shares (number of parts, gather or not), never from a
-    rank's own strides: sender and receiver must cut every stream the same way."""
+    sent in row order, else packed rows (cuts on row boundaries, whole rows per chunk). Decided only from what
+    every rank of a collective shares (number of parts, gather or not), never from a rank's own strides: sender
+    and receiver must cut every stream the same way."""
     return num_parts == 1 and not has_index
 
 
