@@ -508,16 +508,22 @@ def ranks_reached(idx: np.ndarray, num_experts: int) -> np.ndarray:
     return np.array([len({int(e) // per_rank for e in row if e >= 0}) for row in idx], dtype=np.float32)
 
 
+def dispatch_integers(comm, seed: str, kind: str, tokens: int, hidden: int, topk: int, high: int):
+    """Dispatch fp32 tokens holding small integers (sums stay exact) over ``4 * W`` experts with routing ``kind``.
+    Returns ``(idx, x, recv_x, handle, reached)``; ``reached`` is :func:`ranks_reached` of the routing."""
+    rng = rng_for(seed, comm.backend)
+    n_exp = 4 * W
+    idx = make_routing(kind, rng, tokens, n_exp, topk)
+    x = rng.integers(1, high, size=(tokens, hidden)).astype(np.float32)
+    recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), None, n_exp)
+    return idx, x, recv_x, h, ranks_reached(idx, n_exp)
+
+
 def test_moe_roundtrip_identity(moe_comm):
     """combine(recv_x) with fp32 tokens = x times the number of ranks each token reached (small integers: exact)."""
     comm = moe_comm
-    rng = rng_for("identity", comm.backend)
-    n_exp = 4 * W
-    idx = make_routing("masked", rng, 64, n_exp, 4)
-    x = rng.integers(1, 100, size=(64, 32)).astype(np.float32)
-    recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), None, n_exp)
+    idx, x, recv_x, h, reached = dispatch_integers(comm, "identity", "masked", 64, 32, 4, 100)
     combined, cw = comm.combine(recv_x, h)
-    reached = ranks_reached(idx, n_exp)
 
     def check():
         assert cw is None
@@ -532,16 +538,11 @@ def test_combine_row_strided_x_on_some_ranks(moe_comm):
     ranks: every rank must cut the streams the same way whatever its own strides (a review found the GPU path
     choosing its wire format from local strides). Integers in fp32: exact."""
     comm = moe_comm
-    rng = rng_for("strided-combine", comm.backend)
-    n_exp = 4 * W
-    idx = make_routing("random", rng, 48, n_exp, 3)
-    x = rng.integers(1, 50, size=(48, 24)).astype(np.float32)
-    recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), None, n_exp)
+    idx, x, recv_x, h, reached = dispatch_integers(comm, "strided-combine", "random", 48, 24, 3, 50)
     wide = comm.xp.zeros((recv_x.shape[0], 40), dtype=np.float32)
     wide[:, :24] = recv_x
     y = wide[:, :24] if RANK % 2 == 0 else recv_x    # even ranks: row stride 160 B, row width 96 B
     combined, _ = comm.combine(y, h)
-    reached = ranks_reached(idx, n_exp)
     all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
 
 
