@@ -7,10 +7,12 @@
 from . import layout
 from .communicator import Communicator
 from .config import Config
-from .errors import SymBufferClosedError, SymBufferError, SymBufferTimeoutError
+from .errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
+                     SymBufferRejectedError, SymBufferTimeoutError)
 from .layout import ChannelLayout
 from .symbuffer import SymBuffer
 
 __version__ = "0.1.0"
 __all__ = ["SymBuffer", "Communicator", "Config", "ChannelLayout", "layout", "SymBufferError",
-           "SymBufferTimeoutError", "SymBufferClosedError", "__version__"]
+           "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError", "SymBufferAbortedError",
+           "SymBufferRejectedError", "__version__"]

@@ -1,7 +1,8 @@
 """Exceptions raised by cupy_symbuf."""
 from __future__ import annotations
 
-__all__ = ["SymBufferError", "SymBufferTimeoutError", "SymBufferClosedError"]
+__all__ = ["SymBufferError", "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError",
+           "SymBufferAbortedError", "SymBufferRejectedError"]
 
 
 class SymBufferError(RuntimeError):
@@ -33,3 +34,40 @@ class SymBufferTimeoutError(SymBufferError):
             f"{op + ': ' if op else ''}timeout after {timeout_s:g} s on rank {rank}, peer {peer}, channel {channel}: "
             f"{what}; head={head} tail={tail}. A peer rank probably failed or is not calling the same collective (or "
             f"recv_counts given to alltoallv differ from what the peers send).")
+
+
+class SymBufferMismatchError(SymBufferError):
+    """Ranks disagree on a collective: the call header a peer sent (or its notify slot, or its construction
+    fingerprint) differs from this rank's call, so the data cannot be trusted.
+
+    Attributes ``rank``, ``peer``, ``channel`` (-1 for the notify step), ``op`` (this rank's operation), ``field``
+    (what differed, e.g. "operation", "row signature", "row count sent to this rank"), ``expected`` (this rank's
+    value) and ``got`` (the peer's). Raised on every rank involved (the detecting rank sets the abort word on all
+    ranks); the communicator is then unusable: close it on every rank.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, peer: int = -1, channel: int = -1, op: str = "",
+                 field: str = "", expected=None, got=None):
+        self.rank, self.peer, self.channel, self.op = rank, peer, channel, op
+        self.field, self.expected, self.got = field, expected, got
+        super().__init__(message)
+
+
+class SymBufferAbortedError(SymBufferError):
+    """Another rank (or this one) aborted the communicator: :meth:`Communicator.abort`, a timeout or a mismatch
+    found there. ``aborting_rank`` names it, ``reason`` says why; the communicator is unusable."""
+
+    def __init__(self, message: str, *, rank: int = -1, aborting_rank: int = -1, reason: str = "", op: str = ""):
+        self.rank, self.aborting_rank, self.reason, self.op = rank, aborting_rank, reason, op
+        super().__init__(message)
+
+
+class SymBufferRejectedError(ValueError):
+    """A collective was rejected by another rank's argument checks (the peer raised ``ValueError``/``TypeError``
+    for its own arguments and told its peers through the call header or the count exchange). Nothing was
+    delivered from that call; the communicator stays usable. ``rejecting_rank`` names the rank, ``op`` the call.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, rejecting_rank: int = -1, op: str = ""):
+        self.rank, self.rejecting_rank, self.op = rank, rejecting_rank, op
+        super().__init__(message)

@@ -9,11 +9,15 @@ Every rank's buffer has the same map. It is carved in order, channel first, then
                          Written by p's sender block (remote, st.release.sys); read by our receiver (ld.acquire.sys).
         +128  head       (send side) uint64 chunks of OUR ring on peer p, i.e. p's ring (c, rank), that p consumed.
                          Written by p's receiver block (remote, st.release.sys); read by our sender (ld.acquire.sys).
-        +256  send_tail  our sender's own running tail towards p (local state, survives between calls).
-        +384  recv_head  our receiver's own running head from p (local state, survives between calls).
-        +512  ring       num_slots * chunk_bytes payload bytes, written by p, read by us.
+        +256  send state our sender's state towards p: [tail at the end of the last call, calls made] (local).
+        +384  recv state our receiver's state from p: [head at the end of the last call, calls made] (local).
+        +512  ring       num_slots * chunk_bytes payload bytes, written by p, read by us. Each call starts with one
+                         call-header slot (cupy_symbuf._protocol), then its payload chunks.
     notify:                                         # count exchange (notify step), double-buffered by call parity
-      for parity in (0, 1): for source rank s: slot of notify_slot_bytes = [epoch int64 | values int64 * max]
+      for parity in (0, 1): for source rank s: slot of notify_slot_bytes =
+                         [epoch, op, status, signature | values int64 * max_notify_ints]
+    abort:               one line: [flag, aborting rank, reason, peer, channel, detail], written by whoever aborts
+                         into every rank's buffer (cupy_symbuf._protocol).
 
 All counters only grow (64-bit); the ring slot of counter ``n`` is ``n % num_slots``. Each counter sits alone on
 its own 128-byte line and every region is 128-byte aligned. All offsets are Python ints (64-bit in the kernels).
@@ -22,17 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import _protocol as P
+from ._protocol import LINE_BYTES
+
 __all__ = ["LINE_BYTES", "ChannelLayout", "channel_row_range", "chunk_rows", "is_byte_stream", "check_row_fits",
            "stream_units"]
 
-#: Bytes per metadata line (two GPU cache sectors / one L2 line pair; avoids false sharing).
-LINE_BYTES = 128
-
-TAIL_OFFSET = 0 * LINE_BYTES
-HEAD_OFFSET = 1 * LINE_BYTES
-SEND_TAIL_OFFSET = 2 * LINE_BYTES
-RECV_HEAD_OFFSET = 3 * LINE_BYTES
-RING_OFFSET = 4 * LINE_BYTES
+TAIL_OFFSET = P.TAIL_OFFSET
+HEAD_OFFSET = P.HEAD_OFFSET
+SEND_TAIL_OFFSET = P.SEND_STATE_OFFSET
+RECV_HEAD_OFFSET = P.RECV_STATE_OFFSET
+RING_OFFSET = P.RING_OFFSET
 
 
 def _align(value: int, alignment: int = LINE_BYTES) -> int:
@@ -98,8 +102,9 @@ class ChannelLayout:
 
     @property
     def notify_slot_bytes(self) -> int:
-        """One source rank's notify slot: epoch + ``max_notify_ints`` values, 128-byte aligned."""
-        return _align(8 * (1 + self.max_notify_ints))
+        """One source rank's notify slot: header words (epoch, op, status, signature) + ``max_notify_ints``
+        values, 128-byte aligned."""
+        return _align(8 * (P.NOTIFY_HDR_WORDS + self.max_notify_ints))
 
     @property
     def notify_bytes(self) -> int:
@@ -107,9 +112,14 @@ class ChannelLayout:
         return 2 * self.world_size * self.notify_slot_bytes
 
     @property
+    def abort_offset(self) -> int:
+        """The abort line, after the notify region (``_protocol.ABORT_*`` words)."""
+        return self.notify_offset + self.notify_bytes
+
+    @property
     def total_bytes(self) -> int:
         """Bytes every rank allocates for its symmetric buffer."""
-        return self.notify_offset + self.notify_bytes
+        return self.abort_offset + LINE_BYTES
 
     # ---- offsets -----------------------------------------------------------------------------------------
     def region_offset(self, channel: int, peer: int) -> int:
@@ -172,7 +182,8 @@ class ChannelLayout:
             f"    +{RECV_HEAD_OFFSET:<6d} recv_head  uint64, 128 B line (local receiver state)",
             f"    +{RING_OFFSET:<6d} ring       {self.num_slots} slots x {self.chunk_bytes} B = {self.ring_bytes} B",
             f"  notify at {self.notify_offset}: 2 parities x {self.world_size} slots x {self.notify_slot_bytes} B "
-            f"= {self.notify_bytes} B (epoch + {self.max_notify_ints} int64)",
+            f"= {self.notify_bytes} B (epoch, op, status, signature + {self.max_notify_ints} int64)",
+            f"  abort line at {self.abort_offset}: {LINE_BYTES} B (flag, aborting rank, reason, peer, channel)",
         ]
         return "\n".join(lines)
 
@@ -203,8 +214,8 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) 
     max_rows = chunk_bytes // unit_bytes
     if rows <= 0:
         return max_rows
-    grain = min(max_rows, -(-512 // unit_bytes))
-    least = min(max_rows, -(-4096 // unit_bytes))
+    grain = min(max_rows, -(-P.CHUNK_GRAIN_BYTES // unit_bytes))
+    least = min(max_rows, -(-P.CHUNK_LEAST_BYTES // unit_bytes))
     rounds = -(-rows // (num_copy * max_rows))
     per = -(-rows // (num_copy * rounds))
     return min(max_rows, max(least, -(-per // grain) * grain))
@@ -233,4 +244,4 @@ def stream_units(byte_stream: bool, row_bytes: int) -> tuple:
     row) and the alignment of the channel cuts in units (16 bytes, or 1 row); ``chunk_rows(rows, unit_bytes,
     chunk_bytes, ...)`` then cuts a channel's share into ring chunks. The kernel gets the same values in its
     descriptor (``DESC_ROW_BYTES``, ``DESC_ROW_ALIGN``)."""
-    return (1, 16) if byte_stream else (row_bytes, 1)
+    return (1, P.BYTE_STREAM_ALIGN) if byte_stream else (row_bytes, 1)

@@ -1,0 +1,148 @@
+"""The one source of the wire protocol's constants, shared by the host engine (``_host.py``), the GPU launch code
+(``_cuda.py``) and the kernels (``cuda_src/``): :func:`cuda_header` turns them into the C++ header that
+``_kernels`` puts in front of every CUDA source at NVRTC time, so nothing is copied by hand.
+
+Ring protocol, per call and per (channel c, sender s, receiver d), counters in ring slots (only growing,
+slot = counter % num_slots), ``first`` = the counter the previous call left:
+
+* counter ``first`` is the **call header** (``HDR_*`` int64 words at the start of the slot), written by the sender
+  before any payload: magic, the per-(channel, peer) call sequence number, operation, row signature, the units the
+  sender sends to d in the whole call, the payload chunks that follow on this channel, and a status (``HDR_OK`` or
+  ``HDR_REJECTED``: the sender's rank rejected the call; no payload follows). Every call sends it, also with
+  nothing to move on that channel, so a receiver always learns what its peer is doing before it consumes a byte.
+* counters ``first + 1 ... first + nchunks`` carry payload chunks.
+* the receiver checks the header against its own call (magic, seq, op, signature, units) before any payload is
+  consumed. A difference is fatal: an error record with ``ERR_MISMATCH`` and the field (``FIELD_*``), the
+  expected and the received value, and the abort word set on every rank, so every rank involved raises. A
+  ``HDR_REJECTED`` header is not an error of the ring: the receiver consumes the header, skips nothing (no payload
+  follows) and records the rejection (``STATUS_REJECTED_BY``); a rejecting rank's receiver drains what its peers
+  send (``nchunks`` of their headers) without copying, so the rings stay in step and the communicator usable.
+
+Per-(channel, peer) state lines (local to a rank, written only by its own sender or receiver group):
+``STATE_COUNTER`` = ring counter at the end of the last call, ``STATE_SEQ`` = calls made on this stream.
+
+Abort word: one line per rank's buffer (``ChannelLayout.abort_offset``), ``ABORT_*`` words. Whoever aborts (a
+timeout, a header mismatch, :meth:`Communicator.abort`) writes rank, reason and detail into every rank's line and
+then sets ``ABORT_FLAG`` (release); every wait (kernels and host loops) polls its own line and leaves with
+``ERR_ABORTED`` naming the aborting rank.
+
+Error record (GPU: a host-mapped int64 array per communicator; host engine: Python exceptions with the same
+fields): ``STATUS_*`` words; ``STATUS_FLAG`` is set last with a system-scope release.
+"""
+from __future__ import annotations
+
+import zlib
+
+__all__ = ["cuda_header", "op_code", "op_name", "signature"]
+
+#: Bytes per metadata line: every counter alone on a 128-byte line (two GPU L2 sectors; no false sharing).
+LINE_BYTES = 128
+#: (channel, peer) region: four counter lines, then the ring.
+TAIL_OFFSET = 0 * LINE_BYTES        # recv side: chunks the peer published into our ring; written by the peer
+HEAD_OFFSET = 1 * LINE_BYTES        # send side: chunks of ours the peer consumed; written by the peer
+SEND_STATE_OFFSET = 2 * LINE_BYTES  # our sender's state towards the peer (local)
+RECV_STATE_OFFSET = 3 * LINE_BYTES  # our receiver's state from the peer (local)
+RING_OFFSET = 4 * LINE_BYTES
+#: Words of a state line.
+STATE_COUNTER = 0
+STATE_SEQ = 1
+
+#: Call header words (int64) at the start of the header slot.
+HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RANK, HDR_CHANNEL = range(9)
+HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
+#: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
+PROTOCOL_VERSION = 8
+HDR_MAGIC_VALUE = (0x53594D42 << 32) | PROTOCOL_VERSION
+HDR_OK = 0
+HDR_REJECTED = 1
+
+#: Operation codes carried by call headers and notify slots.
+OPS = {"alltoall": 1, "alltoallv": 2, "dispatch": 3, "combine": 4, "notify": 5}
+_OP_NAMES = {v: k for k, v in OPS.items()}
+
+#: Notify (count exchange) slot: these header words, then the values.
+NOTIFY_EPOCH, NOTIFY_OP, NOTIFY_STATUS, NOTIFY_SIG = range(4)
+NOTIFY_HDR_WORDS = 4
+
+#: Abort line words.
+ABORT_FLAG, ABORT_RANK, ABORT_REASON, ABORT_PEER, ABORT_CHANNEL, ABORT_DETAIL = range(6)
+#: Why a rank aborted (ABORT_REASON; also the error kinds of the record).
+ERR_NONE, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED, ERR_INVARIANT, ERR_USER = range(6)
+ERR_NAMES = {ERR_TIMEOUT: "timeout", ERR_MISMATCH: "call header mismatch", ERR_ABORTED: "abort",
+             ERR_INVARIANT: "ring invariant violated", ERR_USER: "Communicator.abort()"}
+
+#: Roles of a wait.
+ROLE_SEND, ROLE_RECV, ROLE_NOTIFY = range(3)
+ROLE_NAMES = {ROLE_SEND: "send", ROLE_RECV: "recv", ROLE_NOTIFY: "notify"}
+
+#: Header fields a mismatch names (the error record's STATUS_FIELD).
+FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING = range(1, 8)
+FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIELD_SEQ: "call sequence number",
+               FIELD_OP: "operation", FIELD_SIG: "row signature (dtype / row shape / parts)",
+               FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
+               FIELD_RING: "ring counters (head <= tail <= head + capacity)"}
+
+#: GPU error record (int64 words, host-mapped).
+STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
+    STATUS_KIND, STATUS_FIELD, STATUS_ABORT_RANK, STATUS_REJECTED_BY, STATUS_REJECTED_SEQ = range(13)
+STATUS_WORDS = 16
+
+#: Launch descriptor of the ring kernel (int64 words, passed by value as its first parameter).
+MAX_PARTS = 4
+MAX_PEERS = 32
+DESC_RANK, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS, \
+    DESC_CHUNK_BYTES, DESC_TIMEOUT_NS, DESC_ROW_BYTES, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, \
+    DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS, DESC_RING_WARPS, DESC_SELF_WARPS, DESC_OP, DESC_SIG, DESC_FLAGS, \
+    DESC_ABORT_OFFSET = range(20)
+DESC_SEND_PARTS = 24                       # MAX_PARTS x {base, stride, width, offset in row}
+DESC_RECV_PARTS = DESC_SEND_PARTS + 4 * MAX_PARTS
+DESC_PEERS = DESC_RECV_PARTS + 4 * MAX_PARTS   # [4][world_size]: send offset, send units, recv offset, recv units
+DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS      # launch number, written into the error record
+DESC_WORDS = DESC_SEQ + 1
+#: DESC_FLAGS bits.
+FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
+
+#: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
+#: a warp; keeps byte streams 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
+CHUNK_GRAIN_BYTES = 512
+CHUNK_LEAST_BYTES = 4096
+#: Byte streams are cut between channels on this alignment (bytes).
+BYTE_STREAM_ALIGN = 16
+
+
+def op_code(op: str) -> int:
+    """Code of operation ``op`` (``OPS``); ``ValueError`` for an unknown name."""
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown operation {op!r}; known: {sorted(OPS)}") from None
+
+
+def op_name(code: int) -> str:
+    return _OP_NAMES.get(int(code), f"op#{int(code)}")
+
+
+def signature(*fields) -> int:
+    """A 31-bit signature of what both ends of a stream must agree on (wire format, row bytes, parts, dtype,
+    row shape): CRC-32 of their text, so it is the same on every rank and every run."""
+    return zlib.crc32("|".join(str(f) for f in fields).encode()) & 0x7FFFFFFF
+
+
+def _constants() -> list:
+    names = [n for n in globals() if n.isupper() and isinstance(globals()[n], int) and not n.startswith("_")]
+    return [(n, globals()[n]) for n in names]
+
+
+def cuda_header() -> str:
+    """C++ text defining every constant above for the kernels (``constexpr``), plus the op codes as
+    ``OP_<NAME>``. ``_kernels`` prepends it to each source; kernels include no hand copy."""
+    lines = ["// Generated from cupy_symbuf/_protocol.py at NVRTC time: do not edit; change the Python.",
+             "#ifndef SYMBUF_PROTOCOL_GENERATED", "#define SYMBUF_PROTOCOL_GENERATED"]
+    for name, value in _constants():
+        ctype = "unsigned long long" if value >= 2 ** 31 else "int"
+        suffix = "ull" if ctype != "int" else ""
+        lines.append(f"constexpr {ctype} {name} = {value}{suffix};")
+    for name, value in OPS.items():
+        lines.append(f"constexpr int OP_{name.upper()} = {value};")
+    lines.append("#endif")
+    return "\n".join(lines) + "\n"
