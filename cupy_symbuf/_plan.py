@@ -72,3 +72,174 @@ def kernel_geometry(world_size: int) -> KernelGeometry:
     num_copy = 1 if ring <= 1 else ring - 1
     threads = 32 * ((world_size - 1) * ring + self_w)
     return KernelGeometry((max_threads, ring, self_w, num_copy, threads))
+
+
+# ---- the exchange plan ---------------------------------------------------------------------------------------
+
+import math  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from . import _protocol as P  # noqa: E402
+from .layout import channel_row_range, check_row_fits, chunk_rows, is_byte_stream, stream_units  # noqa: E402
+
+#: Largest number of units one stream may carry: offsets stay far from int64 overflow in both engines.
+MAX_UNITS = 1 << 60
+
+
+class ExchangePlan:
+    """Everything fixed for one shape of row exchange: the wire format, the per-peer stream sizes and the call
+    header's fields; built once per shape (:class:`PlanCache`) and consumed by both engines.
+
+    A *row* is the concatenation of the parts' rows (``part_widths`` bytes each, ``row_bytes`` in all); the rows
+    one rank sends to one peer form that peer's *stream*, measured in *units*: bytes for a byte stream (one part
+    sent in row order; channel cuts on 16-byte boundaries), else whole packed rows (``layout.is_byte_stream``).
+    Channel ``c`` carries units ``channel_range(units, c)`` of every stream, in ring chunks of
+    ``rows_per_chunk(lo, hi)`` units, after the call header (``_protocol``). The GPU kernel derives the same cuts
+    from the descriptor this plan fills (``_cuda``); the host engine calls the methods below.
+
+    Attributes
+    ----------
+    op, op_code, sig : str, int, int
+        Operation, its code and the row signature the call header carries (``_protocol.signature`` of the wire
+        format, part widths and the caller's dtype / row-shape text).
+    reject : bool
+        This rank rejected the call: it sends only rejected headers and drains what its peers send.
+    byte_stream, row_bytes, unit_bytes, align, part_widths
+    send_units, recv_units, send_first, recv_first : numpy.ndarray int64 ``[world_size]`` (read-only)
+        Units to / from each peer and the first unit of each peer's stream.
+    num_channels, num_copy, chunk_bytes : int
+        From the layout and :func:`kernel_geometry` (the copy workers of one ring stream on the GPU).
+    moves : bool
+        False when the call moves nothing on any rank's ring... computed locally: the GPU skips the launch only
+        when ``world_size == 1`` and nothing moves (with peers, every call sends its headers).
+    """
+
+    __slots__ = ("op", "op_code", "sig", "reject", "byte_stream", "row_bytes", "unit_bytes", "align",
+                 "part_widths", "send_units", "recv_units", "send_first", "recv_first", "num_channels",
+                 "num_copy", "chunk_bytes", "world_size", "rank", "engine_data")
+
+    def __init__(self, *, op: str, sig_text: str, part_widths, has_index: bool, send_counts, recv_counts,
+                 layout, rank: int, reject: bool = False):
+        self.op = op
+        self.op_code = P.op_code(op)
+        self.reject = bool(reject)
+        self.world_size = W = layout.world_size
+        self.rank = rank
+        self.num_channels = layout.num_channels
+        self.chunk_bytes = layout.chunk_bytes
+        self.num_copy = kernel_geometry(W).num_copy
+        self.engine_data = None  # the engine's own cache for this plan (the GPU's launch descriptor)
+        zeros = np.zeros(W, np.int64)
+        if self.reject:
+            self.sig, self.byte_stream, self.row_bytes, self.unit_bytes, self.align = 0, True, 1, 1, 1
+            self.part_widths = ()
+            self.send_units = self.recv_units = self.send_first = self.recv_first = zeros
+            zeros.flags.writeable = False
+            return
+        widths = tuple(int(w) for w in part_widths)
+        if len(widths) > MAX_PARTS:
+            raise AssertionError(f"{op}: internal: at most {MAX_PARTS} parts")
+        self.part_widths = widths
+        self.byte_stream = is_byte_stream(len(widths), has_index)
+        self.row_bytes = sum(widths)
+        check_row_fits(op, self.row_bytes, layout.chunk_bytes, self.byte_stream)
+        self.unit_bytes, self.align = stream_units(self.byte_stream, self.row_bytes)
+        self.sig = P.signature(op, "bytes" if self.byte_stream else "rows", widths, sig_text)
+        scale = self.row_bytes if self.byte_stream else 1
+        for name, counts in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+            total = sum(int(c) for c in counts)  # exact (Python ints): never wraps
+            if total * max(1, self.row_bytes) >= MAX_UNITS:
+                raise ValueError(f"{op}: argument '{name}' asks for {total} rows of {self.row_bytes} bytes, more "
+                                 f"than the transport can address (2**60 bytes)")
+        self.send_units = _frozen(np.asarray(send_counts, np.int64) * scale)
+        self.recv_units = _frozen(np.asarray(recv_counts, np.int64) * scale)
+        self.send_first = _frozen(_exclusive_cumsum(self.send_units))
+        self.recv_first = _frozen(_exclusive_cumsum(self.recv_units))
+
+    # ---- cuts (the kernel computes the same from its descriptor) ----------------------------------------
+    def channel_range(self, units: int, channel: int) -> tuple:
+        """Units ``[lo, hi)`` of a ``units``-unit stream that ``channel`` carries."""
+        return channel_row_range(int(units), channel, self.num_channels, self.align)
+
+    def rows_per_chunk(self, lo: int, hi: int) -> int:
+        """Units per ring chunk of a channel's share ``[lo, hi)`` (``layout.chunk_rows`` with the GPU's copy
+        workers, so both engines cut the same chunks)."""
+        return chunk_rows(hi - lo, self.unit_bytes, self.chunk_bytes, self.num_copy)
+
+    def num_chunks(self, lo: int, hi: int) -> int:
+        """Payload chunks of a channel's share (the call header not counted)."""
+        if hi <= lo:
+            return 0
+        per = self.rows_per_chunk(lo, hi)
+        return -(-(hi - lo) // per)
+
+    def header(self, seq: int, peer: int, channel: int) -> np.ndarray:
+        """The call header this rank sends to ``peer`` on ``channel`` (int64 ``[HDR_WORDS]``)."""
+        h = np.zeros(P.HDR_WORDS, np.int64)
+        h[P.HDR_MAGIC] = P.HDR_MAGIC_VALUE
+        h[P.HDR_SEQ], h[P.HDR_OP], h[P.HDR_SIG] = seq, self.op_code, self.sig
+        h[P.HDR_RANK], h[P.HDR_CHANNEL] = self.rank, channel
+        if self.reject:
+            h[P.HDR_STATUS] = P.HDR_REJECTED
+            return h
+        units = int(self.send_units[peer])
+        lo, hi = self.channel_range(units, channel)
+        h[P.HDR_UNITS], h[P.HDR_NCHUNKS], h[P.HDR_STATUS] = units, self.num_chunks(lo, hi), P.HDR_OK
+        return h
+
+    def __repr__(self) -> str:
+        return (f"ExchangePlan(op={self.op!r}, reject={self.reject}, byte_stream={self.byte_stream}, "
+                f"row_bytes={self.row_bytes}, send_units={self.send_units.tolist()}, "
+                f"recv_units={self.recv_units.tolist()})")
+
+
+MAX_PARTS = P.MAX_PARTS
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _exclusive_cumsum(a: np.ndarray) -> np.ndarray:
+    out = np.zeros_like(a)
+    np.cumsum(a[:-1], out=out[1:])
+    return out
+
+
+class PlanCache:
+    """Plans by call shape (operation, signature text, part widths, gather or not, counts): a repeated call (every
+    training step) finds its plan, and with it the engine's launch descriptor, without rebuilding either."""
+
+    def __init__(self, layout, rank: int, max_plans: int = 64):
+        self.layout, self.rank, self.max_plans = layout, rank, max_plans
+        self._plans = {}
+        self._rejects = {}
+
+    def get(self, op: str, sig_text: str, part_widths, has_index: bool, send_counts: np.ndarray,
+            recv_counts: np.ndarray) -> ExchangePlan:
+        key = (op, sig_text, tuple(part_widths), has_index, send_counts.tobytes(), recv_counts.tobytes())
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index,
+                                send_counts=send_counts, recv_counts=recv_counts, layout=self.layout, rank=self.rank)
+            if len(self._plans) >= self.max_plans:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def reject(self, op: str) -> ExchangePlan:
+        """The plan of a call this rank rejected: headers with ``HDR_REJECTED``, nothing else."""
+        plan = self._rejects.get(op)
+        if plan is None:
+            W = self.layout.world_size
+            plan = ExchangePlan(op=op, sig_text="", part_widths=(), has_index=False, send_counts=np.zeros(W),
+                                recv_counts=np.zeros(W), layout=self.layout, rank=self.rank, reject=True)
+            self._rejects[op] = plan
+        return plan
+
+
+def part_width(a) -> int:
+    """Bytes of one row of ``a`` (all axes after the first)."""
+    return int(a.dtype.itemsize * math.prod(a.shape[1:]))

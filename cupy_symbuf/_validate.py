@@ -87,7 +87,11 @@ def check_counts(op: str, name: str, counts, world_size: int, total: Optional[in
     if arr.size and (arr.min() < 0 or int(arr.max()) > np.iinfo(np.int64).max):
         raise ValueError(f"{op}: argument '{name}' must be >= 0 and fit in int64, got {arr.tolist()}")
     arr = arr.astype(np.int64)
-    if total is not None and int(arr.sum()) != total:
-        raise ValueError(f"{op}: argument '{name}' must sum to the number of rows ({total}), got sum "
-                         f"{int(arr.sum())}")
+    # the int64 sum may wrap (e.g. [0, n + 2, 2**63 - 1, 2**63 - 1]): sum exactly unless it cannot overflow
+    exact = int(arr.sum()) if not arr.size or int(arr.max()) <= (1 << 62) // arr.size else sum(arr.tolist())
+    if exact >= 1 << 62:
+        raise ValueError(f"{op}: argument '{name}' sums to {exact} rows, more than the transport can address "
+                         f"(2**62)")
+    if total is not None and exact != total:
+        raise ValueError(f"{op}: argument '{name}' must sum to the number of rows ({total}), got sum {exact}")
     return arr

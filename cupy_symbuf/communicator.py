@@ -1,7 +1,6 @@
 """``Communicator``: all-to-all collectives over the channel ring buffers of one :class:`SymBuffer`."""
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import numpy as np
@@ -9,6 +8,7 @@ from mpi4py import MPI
 
 from . import _compat
 from . import moe as _moe
+from ._engine import row_signature
 from ._validate import as_array, check_counts
 from .config import Config
 from .errors import SymBufferClosedError, SymBufferError
@@ -141,50 +141,19 @@ class Communicator:
         return f"{self.layout.describe()}\n  backend={self.backend} config={self.config}"
 
     # ---- transport ------------------------------------------------------------------------------------------
+    @property
+    def _engine(self):
+        """The internal interface of the collectives (:class:`cupy_symbuf._engine.Engine`), made on first use."""
+        eng = self.__dict__.get("_engine_obj")
+        if eng is None:
+            from ._engine import Engine
+            eng = Engine(self, self._transport, self.layout, self.config, rank=self.rank,
+                         world_size=self.world_size, backend=self.backend)
+            self.__dict__["_engine_obj"] = eng
+        return eng
+
     def _run(self, fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except SymBufferError as exc:
-            self._broken = str(exc)
-            raise
-
-    def _notify(self, send_meta: np.ndarray, op: str = "notify") -> np.ndarray:
-        """Count exchange through the symmetric buffer (every rank calls it, also with nothing to send).
-
-        ``send_meta`` int64 ``[world_size, M]`` (``M <= config.max_notify_ints``): row ``p`` goes to rank ``p``.
-        Returns int64 ``[world_size, M]``: row ``s`` is what rank ``s`` put in its row ``self.rank``.
-        """
-        self._check_open()
-        send_meta = np.ascontiguousarray(send_meta, dtype=np.int64)
-        if send_meta.ndim != 2 or send_meta.shape[0] != self.world_size:
-            raise ValueError(f"{op}: send_meta must be [world_size={self.world_size}, M], got {send_meta.shape}")
-        if not 1 <= send_meta.shape[1] <= self.config.max_notify_ints:
-            raise ValueError(f"{op}: {send_meta.shape[1]} values per rank exceed Config.max_notify_ints="
-                             f"{self.config.max_notify_ints} (or are 0)")
-        self._epoch += 1
-        return self._run(self._transport.notify, send_meta, self._epoch, op=op)
-
-    def _exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
-                       recv_counts: np.ndarray) -> None:
-        """Row exchange of the transport (both backends): a sent row is the concatenation of row ``send_index[r]``
-        (or ``r``) of every array of ``send_parts`` (``[n, ...]``, rows contiguous, any row stride), rows grouped by
-        destination; received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``.
-        """
-        for a in send_parts + recv_parts:
-            if not (a.flags.c_contiguous or (a.ndim == 2 and (a.shape[1] <= 1 or a.strides[1] == a.dtype.itemsize))):
-                raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no "
-                                     f"contiguous rows")
-        if len(send_parts) > 4:
-            raise AssertionError(f"{op}: internal: at most 4 parts")
-        self._run(self._transport.exchange_rows, send_parts, send_index, send_counts, recv_parts, recv_counts,
-                  op=op)
-
-    def _move(self, op: str, send, send_counts: np.ndarray, recv_counts: np.ndarray, num_recv: int):
-        """Move rows of the C-contiguous array ``send`` (grouped by destination) and return the ``num_recv`` rows
-        received (``num_recv == recv_counts.sum()``)."""
-        recv = self.xp.empty((num_recv,) + send.shape[1:], dtype=send.dtype)
-        self._exchange_rows(op, [send], None, send_counts, [recv], recv_counts)
-        return recv
+        return self._engine._run(fn, *args, **kwargs)
 
     # ---- collectives ----------------------------------------------------------------------------------------
     def alltoall(self, sendbuf):
@@ -200,26 +169,34 @@ class Communicator:
         -------
         recvbuf : same array type, shape and dtype as ``sendbuf``.
 
-        Every rank must pass the same dtype and shape; that is not checked (no count exchange on this path;
-        :meth:`alltoallv` without ``recv_counts`` checks it).
+        Every rank must pass the same dtype and shape: every receiver checks it in the call header of each peer
+        before it takes a byte (a difference raises :class:`~cupy_symbuf.SymBufferMismatchError` on every rank
+        involved and the communicator is unusable).
 
         Raises
         ------
         TypeError
             Wrong array type for the backend, or an array on another GPU.
         ValueError
-            ``sendbuf.shape[0] != world_size``.
-        SymBufferTimeoutError
-            A peer did not take part within ``config.timeout_s`` (on the GPU path raised by a later call or by
-            :meth:`synchronize` unless ``Config.blocking``).
+            ``sendbuf.shape[0] != world_size``. The peers are told: they raise
+            :class:`~cupy_symbuf.SymBufferRejectedError` (a ValueError), on the GPU path from this call with
+            ``Config.blocking`` or else from :meth:`synchronize`; the communicator stays usable.
+        SymBufferMismatchError
+            A peer called another collective or passed another dtype / row shape.
+        SymBufferTimeoutError, SymBufferAbortedError
+            A peer did not take part within ``config.timeout_s``, or a rank aborted (on the GPU path raised by a
+            later call or by :meth:`synchronize` unless ``Config.blocking``).
         """
         op = "alltoall"
-        self._check_open()
-        x = as_array(op, "sendbuf", sendbuf, self.backend)
-        if x.shape[0] != self.world_size:
-            raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), got "
-                             f"shape {tuple(x.shape)}")
-        return self._move(op, x, self._ones, self._ones, self.world_size)
+        eng = self._engine
+        with eng.call(op, notify=False):
+            x = as_array(op, "sendbuf", sendbuf, self.backend)
+            if x.shape[0] != self.world_size:
+                raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), "
+                                 f"got shape {tuple(x.shape)}")
+            recv = self.xp.empty(x.shape, dtype=x.dtype)
+            eng.exchange_rows(op, [x], None, self._ones, [recv], self._ones, row_signature(x))
+        return recv
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None):
         """All-to-all of variable row counts.
@@ -232,7 +209,8 @@ class Communicator:
             Rows for each destination; >= 0, summing to ``num_rows``.
         recv_counts : sequence of int, shape ``[world_size]``, optional
             Rows from each source, when the caller already knows them (a cached layout): skips the count exchange.
-            Must equal what the peers send.
+            Must equal what the peers send (checked in every peer's call header before any byte is taken), and
+            ``recv_counts[rank] == send_counts[rank]``. Every rank must make the same choice (given or None).
 
         Returns
         -------
@@ -243,57 +221,54 @@ class Communicator:
         -----
         Without ``recv_counts`` the counts are exchanged first through the symmetric buffer (the notify step);
         every rank takes part even when it sends or receives nothing, and ranks whose dtype or row shape differ
-        all raise ``ValueError``. Then every (channel, peer) ring streams its share of the bytes; messages larger
-        than the rings stream through them in chunks.
-
-        With ``recv_counts`` nothing is exchanged first, so nothing is checked across ranks: the counts must be
-        exactly what the peers send, with the same dtype and row shape, or the rings fall out of step: this and
-        later calls receive wrong bytes or time out (as with ``MPI_Alltoallv``), and after a timeout the communicator
-        is unusable.
+        all raise ``ValueError`` before any payload moves (the communicator stays usable). Then every
+        (channel, peer) ring streams its share of the bytes behind a call header; messages larger than the rings
+        stream through them in chunks.
 
         Raises
         ------
         TypeError, ValueError
-            Bad array type/device, counts of the wrong shape, negative, or not summing to ``num_rows``.
-        SymBufferTimeoutError
-            A peer did not take part within ``config.timeout_s`` (on the GPU path raised by a later call or by
-            :meth:`synchronize` unless ``Config.blocking``).
+            Bad array type/device, counts of the wrong shape, negative, not summing to ``num_rows`` or too large
+            to address, ``recv_counts[rank] != send_counts[rank]``. A call rejected on one rank is rejected on
+            every rank (the peers raise :class:`~cupy_symbuf.SymBufferRejectedError`; with ``recv_counts`` on the
+            GPU path from :meth:`synchronize` unless ``Config.blocking``); the communicator stays usable.
+        SymBufferMismatchError
+            ``recv_counts`` differ from what a peer sends, or a peer called another collective or passed another
+            dtype / row shape: every rank involved raises, the communicator is unusable.
+        SymBufferTimeoutError, SymBufferAbortedError
+            A peer did not take part within ``config.timeout_s``, or a rank aborted.
         """
         op = "alltoallv"
-        self._check_open()
-        x = as_array(op, "sendbuf", sendbuf, self.backend)
-        send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
-        if recv_counts is None:
-            # Notify: [rows for that peer, signature of (dtype, row shape)]; every rank sees every peer's signature,
-            # so a rank whose rows differ makes all ranks raise, before any payload moves.
-            sig = zlib.crc32(f"{np.dtype(x.dtype).str}|{tuple(x.shape[1:])}".encode())
-            send_meta = np.stack([send_counts, np.full(self.world_size, sig, np.int64)], axis=1)
-            meta = self._notify(send_meta, op=op)
-            if (meta[:, 1] != sig).any():
-                bad = int(np.flatnonzero(meta[:, 1] != sig)[0])
-                raise ValueError(f"{op}: every rank must send rows of the same dtype and row shape; this rank has "
-                                 f"{x.dtype} rows of shape {tuple(x.shape[1:])} but rank {bad} does not")
-            recv_counts = meta[:, 0].copy()
-        else:
-            recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
-        return self._move(op, x, send_counts, recv_counts, int(recv_counts.sum())), recv_counts
+        eng = self._engine
+        with eng.call(op, notify=recv_counts is None):
+            x = as_array(op, "sendbuf", sendbuf, self.backend)
+            send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
+            sig = row_signature(x)
+            if recv_counts is None:
+                recv_counts = eng.notify(op, send_counts[:, None], sig)[:, 0].copy()
+            else:
+                recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
+                if recv_counts[self.rank] != send_counts[self.rank]:
+                    raise ValueError(f"{op}: recv_counts[{self.rank}] ({recv_counts[self.rank]}) must equal "
+                                     f"send_counts[{self.rank}] ({send_counts[self.rank]}): the rows this rank sends "
+                                     f"to itself")
+            recv = self.xp.empty((int(recv_counts.sum()),) + tuple(x.shape[1:]), dtype=x.dtype)
+            eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig)
+        return recv, recv_counts
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
         # docstring: cupy_symbuf.moe.get_dispatch_layout (assigned below)
-        self._check_open()
-        return _moe.get_dispatch_layout(self, topk_idx, num_experts)
+        return _moe.get_dispatch_layout(self._engine, topk_idx, num_experts)
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, *, handle=None, expert_alignment=1):
         # docstring: cupy_symbuf.moe.dispatch (assigned below)
-        self._check_open()
-        return _moe.dispatch(self, x, topk_idx, topk_weights, num_experts, handle=handle,
-                            expert_alignment=expert_alignment)
+        return _moe.dispatch(self._engine, x, topk_idx, topk_weights, num_experts, handle=handle,
+                             expert_alignment=expert_alignment)
 
     def combine(self, x, handle, topk_weights=None, *, dtype=None):
         # docstring: cupy_symbuf.moe.combine (assigned below)
-        self._check_open()
-        return _moe.combine(self, x, handle, topk_weights, dtype=dtype)
+        return _moe.combine(self._engine, x, handle, topk_weights, dtype=dtype)
 
     def __repr__(self) -> str:
         return (f"Communicator(backend={self.backend!r}, rank={getattr(self, 'rank', '?')}, "

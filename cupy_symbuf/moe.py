@@ -9,10 +9,13 @@ integers) come to the host.
 
 Data flow
 ---------
-``dispatch`` = layout (``xp``) -> count exchange ``Communicator._notify`` (DeepEP's ``notify_dispatch``: every rank
-sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts..., row_bytes]``; every rank takes
-part, also with zero tokens) -> one row exchange ``Communicator._exchange_rows`` with the receive counts already
-known (no second count exchange). A row is ``x`` | fp8 scales | ``topk_idx`` (global expert ids) | ``topk_weights``
+The functions take the communicator's internal interface (``cupy_symbuf._engine.Engine``: ``call``, ``notify``,
+``exchange_rows``, ``xp``, ``backend``, ``rank``, ``world_size``, ``config``), never ``Communicator`` privates.
+
+``dispatch`` = layout (``xp``) -> count exchange ``Engine.notify`` (DeepEP's ``notify_dispatch``: every rank
+sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts...]`` and the row layout as the
+notify signature; every rank takes part, also with zero tokens) -> one row exchange ``Engine.exchange_rows`` with
+the receive counts already known (no second count exchange), each ring stream behind its call header. A row is ``x`` | fp8 scales | ``topk_idx`` (global expert ids) | ``topk_weights``
 of one (token, destination rank); a cached dispatch (with ``handle``) sends only ``x`` | scales.
 On the GPU the ring kernel (``cuda_src/alltoall.cu``) gathers each row's parts from the caller's arrays through
 the token index straight into the channel rings and scatters them from the rings into the output arrays (no packed
@@ -62,8 +65,8 @@ __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_
 FP8_BLOCK = 128
 
 #: Extra int64 columns of the dispatch count exchange besides the per-expert counts:
-#: ``[num_tokens_to_rank, per-local-expert counts..., row_bytes]``.
-_NOTIFY_EXTRA = 2
+#: ``[num_tokens_to_rank, per-local-expert counts...]`` (the row layout travels as the notify signature).
+_NOTIFY_EXTRA = 1
 
 _DEFAULT_MAX_NOTIFY_INTS = 1024
 
@@ -158,8 +161,9 @@ class DispatchHandle:
         return _align_counts(self.num_recv_tokens_per_expert_raw, a)
 
     def belongs_to(self, comm) -> bool:
-        """True when ``comm`` is the communicator that made this handle."""
-        return self._comm_ref() is comm
+        """True when ``comm`` is the communicator that made this handle (or its internal engine)."""
+        owner = self._comm_ref()
+        return owner is comm or owner is getattr(comm, "__dict__", {}).get("_engine_obj")
 
 
 def _align_counts(raw, alignment: int) -> List[int]:
@@ -366,7 +370,7 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
         positive multiple of ``world_size``.
     """
     op = "get_dispatch_layout"
-    comm._check_open()
+    comm.check_open()
     n_exp = _check_num_experts(op, comm, num_experts)
     idx = _check_topk_idx(op, comm, topk_idx, n_exp)
     return _layout(comm.xp, idx, n_exp, comm.world_size)
@@ -437,7 +441,12 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         usable).
     """
     op = "dispatch"
-    comm._check_open()
+    # the count exchange comes first without a handle; a call rejected here is told to the peers (_engine.call)
+    with comm.call(op, notify=handle is None):
+        return _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+
+
+def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment):
     xp = comm.xp
     align = _check_int(op, "expert_alignment", expert_alignment, minimum=1)
 
@@ -448,16 +457,16 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
                              f"routing is the handle's")
         if num_experts is not None and num_experts != h.num_experts:
             raise ValueError(f"{op}: num_experts={num_experts} differs from the handle's ({h.num_experts})")
-        xv, scales, _ = _check_x(op, comm, x, h.num_tokens, None)
-        recv_x, recv_scales, _, _ = _exchange(comm, xv, scales, None, None, h.send_token_idx, h.send_counts,
-                                              h.recv_counts)
+        xv, scales, kind = _check_x(op, comm, x, h.num_tokens, None)
+        recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx, h.send_counts,
+                                              h.recv_counts, f"cached|{kind}")
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         return out_x, None, None, h.num_recv_tokens_per_expert(align), h
 
     n_exp = _check_num_experts(op, comm, num_experts)
     if topk_idx is None:
         raise ValueError(f"{op}: topk_idx is required without a handle")
-    xv, scales, _ = _check_x(op, comm, x, None, None)
+    xv, scales, kind = _check_x(op, comm, x, None, None)
     num_tokens = xv.shape[0]
     idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens)
     weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
@@ -474,19 +483,18 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     meta = np.zeros((w_size, epr + _NOTIFY_EXTRA), dtype=np.int64)
     meta[:, 0] = send_counts
     meta[:, 1:1 + epr] = _to_host(comm, per_expert).astype(np.int64).reshape(w_size, epr)
-    meta[:, epr + 1] = row_bytes
-    recv_meta = np.asarray(comm._notify(meta))
-    peers_rb = recv_meta[:, epr + 1]
-    if (peers_rb != row_bytes).any():
-        raise ValueError(f"{op}: ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + "
-                         f"top-k): rank {rank} has {row_bytes}, per rank {peers_rb.tolist()}; all ranks must pass "
-                         f"the same hidden, dtype, num_topk and choice of topk_weights (no data was sent)")
+    # every rank checks every rank's row layout (dtype, hidden, scales, top-k, weights) in the count exchange
+    sig = f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|weights={weights is not None}"
+    recv_meta = comm.notify(op, meta, sig, sig_what=(
+        f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + top-k): rank {rank} "
+        f"has {row_bytes} bytes ({sig}); all ranks must pass the same hidden, dtype, num_topk and choice of "
+        f"topk_weights"))
     recv_counts = recv_meta[:, 0].copy()
     raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
 
     # ---- data
-    recv_x, recv_scales, recv_gidx, recv_w = _exchange(comm, xv, scales, idx, weights, send_token_idx,
-                                                       send_counts, recv_counts)
+    recv_x, recv_scales, recv_gidx, recv_w = _exchange(comm, op, xv, scales, idx, weights, send_token_idx,
+                                                       send_counts, recv_counts, sig)
     local = recv_gidx - rank * epr
     mine = (recv_gidx >= 0) & (local >= 0) & (local < epr)
     recv_topk_idx = xp.where(mine, local, -1).astype(np.int64, copy=False)
@@ -524,7 +532,7 @@ def _rows_part(xp, a):
     return a.view(_UINT_OF_SIZE[a.dtype.itemsize])
 
 
-def _exchange(comm, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts):
+def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig: str):
     """Send rows ``send_token_idx`` of ``x`` | scales | idx | weights (None parts left out) and receive them into
     new C-contiguous arrays. ``send_token_idx`` None sends every row in order (combine). The rows are gathered
     from the parts straight into the channel rings by the transport (one kernel on the GPU; no packed copy) and
@@ -545,8 +553,8 @@ def _exchange(comm, xv, scales, idx, weights, send_token_idx, send_counts, recv_
         send_parts.append(_rows_part(xp, a))
         recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
     if send_parts:
-        comm._exchange_rows("dispatch" if send_token_idx is not None else "combine", send_parts, send_token_idx,
-                            np.asarray(send_counts, np.int64), recv_parts, np.asarray(recv_counts, np.int64))
+        comm.exchange_rows(op, send_parts, send_token_idx, np.asarray(send_counts, np.int64), recv_parts,
+                           np.asarray(recv_counts, np.int64), sig)
     recv_x = outs[0]
     k = 1
     recv_scales = recv_idx = recv_w = None
@@ -633,7 +641,11 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
         ``hidden * itemsize + num_topk * 4`` bytes larger than ``Config.chunk_bytes``.
     """
     op = "combine"
-    comm._check_open()
+    with comm.call(op, notify=False):
+        return _combine(comm, op, x, handle, topk_weights, dtype)
+
+
+def _combine(comm, op, x, handle, topk_weights, dtype):
     xp = comm.xp
     h = _check_handle(op, comm, handle)
     n_recv = h.num_recv_tokens
@@ -642,7 +654,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
     weights = _check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
 
     # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
-    back_x, _, _, back_w = _exchange(comm, x, None, None, weights, None, h.recv_counts, h.send_counts)
+    back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts,
+                                     f"{kind}|hidden={h.hidden}|weights={weights is not None}")
 
     num_tokens = h.num_tokens
     if comm.backend == "cuda":

@@ -55,6 +55,8 @@ def test_layout_offsets_disjoint_and_aligned(world_size, channels, slots, chunk)
             off = L.notify_slot_offset(parity, s)
             assert off % LINE_BYTES == 0
             spans.append((off, off + L.notify_slot_bytes))
+    assert L.abort_offset % LINE_BYTES == 0
+    spans.append((L.abort_offset, L.abort_offset + LINE_BYTES))
     spans.sort()
     for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
         assert a1 <= b0, "regions overlap"
@@ -68,7 +70,7 @@ def test_layout_offsets_disjoint_and_aligned(world_size, channels, slots, chunk)
 def test_layout_64bit_offsets():
     L = ChannelLayout(8, 64, 64, 1 << 20)  # > 32 GiB map: offsets must not wrap
     assert L.ring_offset(63, 7) > 2 ** 32
-    assert L.total_bytes == 64 * 8 * (512 + 64 * (1 << 20)) + L.notify_bytes
+    assert L.total_bytes == 64 * 8 * (512 + 64 * (1 << 20)) + L.notify_bytes + LINE_BYTES  # + the abort line
 
 
 def test_layout_rejects():

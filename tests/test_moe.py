@@ -457,7 +457,7 @@ def test_cached_dispatch(moe_comm, monkeypatch):
     s8 = rng.uniform(0.5, 2, size=(idx.shape[0], 2)).astype(np.float32)
 
     calls = {"notify": 0, "recv_counts_none": 0}
-    real_notify, real_a2a = comm._notify, comm.alltoallv
+    real_notify, real_a2a = comm._engine.notify, comm.alltoallv
 
     def notify(*a, **k):
         calls["notify"] += 1
@@ -467,7 +467,7 @@ def test_cached_dispatch(moe_comm, monkeypatch):
         calls["recv_counts_none"] += recv_counts is None
         return real_a2a(sendbuf, send_counts, recv_counts=recv_counts)
 
-    monkeypatch.setattr(comm, "_notify", notify)
+    monkeypatch.setattr(comm._engine, "notify", notify)
     monkeypatch.setattr(comm, "alltoallv", a2a)
     out2 = comm.dispatch(to_dev(comm, x2), handle=handle, expert_alignment=8)
     out8 = comm.dispatch((to_dev(comm, x8), xp_fortran(comm, s8)), handle=handle)

@@ -1,0 +1,162 @@
+"""The internal interface every collective uses (``communicator.py`` for alltoall(v), ``moe.py`` for dispatch and
+combine): agreed plans, the count exchange, row exchanges, and the rules that keep ranks in step.
+
+A collective runs inside :meth:`Engine.call`. Until its first communication step it may reject its arguments;
+a rejection (any exception) is then told to the peers under the same call (a rejected count exchange, or rejected
+call headers in every ring), so every rank raises and no ring falls out of step: the rejecting rank its own
+error, the peers :class:`~cupy_symbuf.SymBufferRejectedError`. Any exception inside a transport step marks the
+communicator broken (its ring counters may be out of step).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from . import _compat
+from . import _protocol as P
+from ._plan import PlanCache, part_width
+from ._host import mismatch_error
+from .errors import SymBufferRejectedError
+
+__all__ = ["Engine", "row_signature"]
+
+
+def row_signature(a) -> str:
+    """What the rows of ``a`` must agree on across ranks: dtype and row shape (everything after axis 0)."""
+    return f"{np.dtype(a.dtype).str}{tuple(a.shape[1:])}"
+
+
+class _CallState:
+    __slots__ = ("started",)
+
+    def __init__(self):
+        self.started = False
+
+
+class Engine:
+    """The transport of one communicator behind the collectives.
+
+    Attributes ``rank``, ``world_size``, ``backend``, ``xp``, ``config``, ``layout``, ``transport``, ``plans``
+    (:class:`~cupy_symbuf._plan.PlanCache`). ``owner`` is the :class:`~cupy_symbuf.Communicator` (its
+    ``_check_open`` and ``_broken`` are the lifecycle's).
+    """
+
+    def __init__(self, owner, transport, layout, config, *, rank: int, world_size: int, backend: str):
+        self.owner = owner
+        self.transport = transport
+        self.layout, self.config = layout, config
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.xp = _compat.array_module(backend)
+        self.plans = PlanCache(layout, rank)
+        self._epoch = 0
+        self._state: Optional[_CallState] = None
+
+    # ---- lifecycle hooks ------------------------------------------------------------------------------------
+    def check_open(self) -> None:
+        self.owner._check_open()
+
+    def _run(self, fn, *args, **kwargs):
+        """Run one transport step; an exception of any type marks the communicator broken."""
+        if self._state is not None:
+            self._state.started = True
+        try:
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            if not getattr(self.owner, "_broken", None):
+                self.owner._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    # ---- one collective call -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def call(self, op: str, *, notify: bool):
+        """Context of one collective ``op`` (``notify``: its first step is a count exchange). An exception raised
+        before the first step is a rejection: the peers are told (they raise
+        :class:`~cupy_symbuf.SymBufferRejectedError`), then it propagates unchanged."""
+        self.check_open()
+        state = _CallState()
+        outer, self._state = self._state, state
+        try:
+            yield state
+        except Exception:
+            if not state.started and not getattr(self.owner, "_broken", None):
+                self._state = None
+                self._tell_rejected(op, notify)
+            raise
+        finally:
+            self._state = outer
+
+    def _tell_rejected(self, op: str, notify: bool) -> None:
+        """Take part in the call just far enough to tell every peer this rank rejected it."""
+        if self.world_size == 1:
+            return
+        if notify:
+            self._epoch += 1
+            self._run(self.transport.notify, np.zeros((self.world_size, 1), np.int64), self._epoch, op,
+                      op_code=P.op_code(op), status=P.HDR_REJECTED, sig=0)
+        else:
+            self._run(self.transport.exchange_rows, self.plans.reject(op), [], None, [], op)
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+    def notify(self, op: str, send_meta: np.ndarray, sig_text: str = "", *, sig_what: str = "") -> np.ndarray:
+        """Count exchange through the symmetric buffer (every rank calls it, also with nothing to send).
+
+        ``send_meta`` int64 ``[world_size, M]`` (``1 <= M <= config.max_notify_ints``): row ``p`` goes to rank
+        ``p``. Returns int64 ``[world_size, M]``: row ``s`` is what rank ``s`` put in its row ``self.rank``.
+        Every rank sees every rank's operation, status and signature, so all raise alike: a rank that rejected
+        the call -> :class:`~cupy_symbuf.SymBufferRejectedError` (communicator usable); another operation ->
+        :class:`~cupy_symbuf.SymBufferMismatchError` (broken); another ``sig_text`` (dtype / row shape) ->
+        ``ValueError`` (usable: nothing moved).
+        """
+        send_meta = np.ascontiguousarray(send_meta, dtype=np.int64)
+        W = self.world_size
+        if send_meta.ndim != 2 or send_meta.shape[0] != W:
+            raise AssertionError(f"{op}: internal: send_meta must be [world_size={W}, M], got {send_meta.shape}")
+        if not 1 <= send_meta.shape[1] <= self.config.max_notify_ints:
+            raise ValueError(f"{op}: {send_meta.shape[1]} values per rank exceed Config.max_notify_ints="
+                             f"{self.config.max_notify_ints} (or are 0)")
+        code, sig = P.op_code(op), P.signature(op, sig_text)
+        self._epoch += 1
+        out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig)
+        ops, status, sigs = out[:, 0], out[:, 1], out[:, 2]
+        if (status == P.HDR_REJECTED).any():
+            who = int(np.flatnonzero(status == P.HDR_REJECTED)[0])
+            raise SymBufferRejectedError(
+                f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
+                f"nothing was exchanged and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=op)
+        if (ops != code).any():
+            who = int(np.flatnonzero(ops != code)[0])
+            err = mismatch_error(op, self.rank, who, -1, P.FIELD_OP, code, int(ops[who]))
+            self.owner._broken = str(err)
+            raise err
+        if (sigs != sig).any():
+            who = int(np.flatnonzero(sigs != sig)[0])
+            what = sig_what or f"every rank must send rows of the same dtype and row shape; this rank has {sig_text}"
+            raise ValueError(f"{op}: {what}, but rank {who} does not (no data was sent)")
+        return out[:, P.NOTIFY_HDR_WORDS - 1:]
+
+    def exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
+                      recv_counts: np.ndarray, sig_text: str) -> None:
+        """Row exchange (both backends): a sent row is the concatenation of row ``send_index[r]`` (or ``r``) of
+        every array of ``send_parts`` (``[n, ...]``, rows contiguous, any row stride), rows grouped by destination;
+        received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``. ``sig_text``:
+        what the peers' rows must agree on (dtype and row shape), checked by every receiver in the call header.
+        Raises :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (the host path, or
+        ``Config.blocking``; queued GPU calls report it from :meth:`Communicator.synchronize`).
+        """
+        for a in list(send_parts) + list(recv_parts):
+            if not (a.flags.c_contiguous or (a.ndim == 2 and (a.shape[1] <= 1 or a.strides[1] == a.dtype.itemsize))):
+                raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no "
+                                     f"contiguous rows")
+        plan = self.plans.get(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
+                              send_counts, recv_counts)
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op)
+        if rejected:
+            who = int(rejected[0])
+            raise SymBufferRejectedError(
+                f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
+                f"the rows from rank {who} were not delivered; the communicator stays usable", rank=self.rank,
+                rejecting_rank=who, op=op)
+
+
