@@ -1,15 +1,14 @@
-// The device side of cupy_symbuf/layout.py (ChannelLayout): the same offsets, handed in as scalars by
-// ChannelLayout.kernel_args(), and the error record every bounded wait writes on timeout.
+// The device side of cupy_symbuf/layout.py (ChannelLayout): the region arithmetic, handed in as scalars by
+// ChannelLayout.kernel_args() or the launch descriptor, the launch descriptor's type, the row streams and the
+// group barrier. Every protocol constant (offsets TAIL_OFFSET ... RING_OFFSET, DESC_*, MAX_PARTS, MAX_PEERS, ...)
+// comes from the header cupy_symbuf/_protocol.py generates and cupy_symbuf/_kernels.py puts in front of every
+// source: nothing here copies one by hand. The ring protocol itself is in protocol.cuh.
 #pragma once
 #include "primitives.cuh"
 
-// Offsets inside one (channel, peer) region; must match layout.py (TAIL_OFFSET ... RING_OFFSET).
-#define SYMBUF_LINE 128
-#define SYMBUF_TAIL_OFFSET (0 * SYMBUF_LINE)       // written by the peer's sender (remote), read by our receiver
-#define SYMBUF_HEAD_OFFSET (1 * SYMBUF_LINE)       // written by the peer's receiver (remote), read by our sender
-#define SYMBUF_SEND_TAIL_OFFSET (2 * SYMBUF_LINE)  // local sender state
-#define SYMBUF_RECV_HEAD_OFFSET (3 * SYMBUF_LINE)  // local receiver state
-#define SYMBUF_RING_OFFSET (4 * SYMBUF_LINE)       // num_slots * chunk_bytes payload
+#ifndef SYMBUF_PROTOCOL_GENERATED
+#error "cuda_src/ is compiled through cupy_symbuf._kernels, which prepends the generated protocol header"
+#endif
 
 struct Layout {
   i64 region_bytes;       // 4 lines + ring
@@ -34,28 +33,13 @@ __device__ __forceinline__ void channel_range(i64 n, int channel, int num_channe
   hi = (channel == num_channels - 1) ? n : (n * (channel + 1) / num_channels) / align * align;
 }
 
-// ---- launch descriptor of symbuf_alltoallv ------------------------------------------------------------------
-// DESC_WORDS int64 words passed by value as the kernel's first parameter (1416 bytes, inside the 4 KiB parameter
-// space), written by cupy_symbuf/_cuda.py (its DESC_* constants must match; tests/test_kernels_compile.py checks)
-// and copied into shared memory by every block at launch.
+// ---- launch descriptor of symbuf_ring_exchange -------------------------------------------------------------
+// DESC_WORDS int64 words (_protocol: DESC_*) passed by value as the kernel's first parameter (inside the 4 KiB
+// parameter space), written by cupy_symbuf/_cuda.py and copied into shared memory by every block at launch.
 // A "row stream" is the rows one rank sends to (or receives from) one peer. A row is the concatenation of up to
-// SYMBUF_MAX_PARTS parts; part i of row r is `width` bytes at base + token(r) * stride, where token(r) is
+// MAX_PARTS parts; part i of row r is `width` bytes at base + token(r) * stride, where token(r) is
 // index[r] (a device int64 array) or r itself when there is no index. Byte streams are rows of 1 byte.
-#define SYMBUF_MAX_PARTS 4
-#define SYMBUF_MAX_PEERS 32
-enum {
-  DESC_RANK = 0, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS,
-  DESC_CHUNK_BYTES, DESC_TIMEOUT_NS,                     // static: from ChannelLayout.kernel_args() and Config
-  DESC_ROW_BYTES = 8, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS,
-  DESC_RING_WARPS, DESC_SELF_WARPS,                      // warps of a peer's group and of the rank's own group
-  DESC_SEND_PARTS = 16,                                  // SYMBUF_MAX_PARTS x {base, stride, width, offset in row}
-  DESC_RECV_PARTS = 32,
-  DESC_PEERS = 48,                                       // [4][world_size]: send row offset, send rows,
-                                                         //                  recv row offset, recv rows
-  DESC_SEQ = DESC_PEERS + 4 * SYMBUF_MAX_PEERS,          // launch number, written into the error record
-  DESC_WORDS
-};
-
+// DESC_PEERS is [4][world_size]: send unit offset, send units, recv unit offset, recv units (whole streams).
 struct Desc {
   i64 words[DESC_WORDS];
 };
@@ -65,7 +49,7 @@ struct Part {
 };
 
 // One side of one peer's row stream, with its parts in shared memory. Ring chunks hold whole packed rows (at most
-// chunk_bytes / row_bytes of them, chunk_rows in alltoall.cu); a byte stream has 1-byte rows and one dense part.
+// chunk_bytes / row_bytes of them, chunk_rows in ring_exchange.cu); a byte stream has 1-byte rows and one dense part.
 struct RowStream {
   const Part* parts;
   int num_parts;
@@ -99,43 +83,6 @@ struct RowStream {
         else copy_bytes<true>(at(i, r + j), f, parts[i].width, lane);
       }
     }
-  }
-};
-
-// Error record (i64[8], host-mapped): [1..6] role, rank, peer, channel, head, tail of the first failing wait,
-// which claims the record by writing its launch number `seq` (>= 1) into [7] and then sets [0] = 1 with a
-// system-scope release, so a host that reads [0] == 1 while kernels still run (calls return without waiting)
-// finds the fields written, and knows which queued call failed.
-// Roles: 0 = send (waiting for space), 1 = recv (waiting for data), 2 = notify.
-enum { SYMBUF_ROLE_SEND = 0, SYMBUF_ROLE_RECV = 1, SYMBUF_ROLE_NOTIFY = 2 };
-
-__device__ __forceinline__ void report_timeout(i64* status, u64 seq, int role, int rank, int peer, int channel,
-                                               u64 head, u64 tail) {
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(status + 7), 0ull, seq) == 0ull) {
-    status[1] = role;
-    status[2] = rank;
-    status[3] = peer;
-    status[4] = channel;
-    status[5] = static_cast<i64>(head);
-    status[6] = static_cast<i64>(tail);
-    st_release_sys_global(reinterpret_cast<u64*>(status), 1ull);
-  }
-}
-
-// Bounded spin: true while the wait may go on; false (and the error record written) once it expired or
-// another wait already failed (this launch or an earlier one: the record stays set, so queued launches of a
-// failed communicator give up at their first wait).
-struct SpinBudget {
-  u64 start, timeout_ns, seq;
-  u32 polls;
-  __device__ __forceinline__ SpinBudget(u64 t, u64 s) : start(globaltimer_ns()), timeout_ns(t), seq(s), polls(0) {}
-  __device__ __forceinline__ bool ok(i64* status, int role, int rank, int peer, int channel, u64 head, u64 tail) {
-    if ((++polls & 1023u) == 0 && ld_volatile_global(status + 7) != 0) return false;  // someone else failed
-    if (globaltimer_ns() - start > timeout_ns) {
-      report_timeout(status, seq, role, rank, peer, channel, head, tail);
-      return false;
-    }
-    return true;
   }
 };
 

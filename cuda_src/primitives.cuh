@@ -1,5 +1,6 @@
 // Memory primitives, named after the PTX they emit (the DeepEP / NCCL habit).
-// Layer 1 of cuda_src/: primitives here, layout and checks in layout.cuh, one .cu per collective.
+// Layer 1 of cuda_src/: primitives here, the memory map in layout.cuh, the ring protocol (call header, bounded
+// waits, abort word, error record) in protocol.cuh, one .cu per kernel family.
 #pragma once
 
 typedef unsigned long long u64;

@@ -3,21 +3,27 @@
 ``get_function(source, name)`` compiles ``cuda_src/<source>`` once per device through ``cupy.RawModule`` (NVRTC)
 and caches the module. ``compile_ptx(source)`` calls NVRTC directly for a given virtual architecture with no GPU,
 which is how CI checks that every kernel compiles (CuPy's RawModule would ask the GPU for its architecture).
+
+Every source is compiled as ``_protocol.cuda_header()`` (the protocol constants, generated: no hand copy in
+``cuda_src/``) followed by the file's text; ``build_id`` hashes exactly that text, every ``cuda_src/*.cuh`` it may
+include and the option list, for the construction fingerprint (ranks must run the same kernels).
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Iterable, Optional
 
-from . import _compat
+from . import _compat, _protocol
 
-__all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "compile_ptx"]
+__all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "compile_ptx", "build_id", "source_text"]
 
 _OPTIONS = ("-std=c++17",)
 
 
+@functools.lru_cache(maxsize=None)
 def _tuning_defines() -> tuple:
     """Extra ``-D`` options from ``CUPY_SYMBUF_NVRTC_DEFINES`` (space-separated, e.g. ``"-DSYMBUF_UNROLL=4"``): the
     compile-time tuning knobs of ``cuda_src`` (``SYMBUF_UNROLL``, ``SYMBUF_PUBLISH_BATCH``), for benchmark sweeps.
@@ -27,6 +33,18 @@ def _tuning_defines() -> tuple:
         if not o.startswith("-D"):
             raise ValueError(f"CUPY_SYMBUF_NVRTC_DEFINES: only -D options are accepted, got {o!r}")
     return opts
+
+
+@functools.lru_cache(maxsize=None)
+def _debug_defines() -> tuple:
+    """``("-DSYMBUF_DEBUG=1",)`` when ``CUPY_SYMBUF_DEBUG`` is set (and not ``0``): the kernels then check every ring
+    slot against its (channel, peer) region and the ring invariants after every counter read. Read once."""
+    return ("-DSYMBUF_DEBUG=1",) if os.environ.get("CUPY_SYMBUF_DEBUG", "") not in ("", "0") else ()
+
+
+def _defines(defines: Iterable[str] = ()) -> tuple:
+    """Every ``-D`` option of a compilation: the caller's variant, then the environment's tuning and debug."""
+    return tuple(defines) + _tuning_defines() + _debug_defines()
 
 
 def cuda_src_dir() -> Path:
@@ -52,14 +70,44 @@ def _read(source: str) -> str:
     return path.read_text()
 
 
+def source_text(source: str) -> str:
+    """The exact text NVRTC compiles for ``cuda_src/<source>``: the generated protocol header, then the file (a
+    ``#line`` directive keeps NVRTC's line numbers those of the file; the header's unused constants do not warn)."""
+    # 177: a constant of the generated header that this source does not use (most of them, in every source)
+    return "#pragma nv_diag_suppress 177\n" + _protocol.cuda_header() + "#pragma nv_diag_default 177\n" \
+        + f'#line 1 "{source}"\n' + _read(source)
+
+
+def build_id(source: str, defines: Iterable[str] = ()) -> str:
+    """sha256 (hex) of what decides the compiled kernel: the text compiled for ``cuda_src/<source>``
+    (:func:`source_text`), every ``cuda_src/*.cuh`` (name and text, the headers it may include) and the options
+    (the fixed ones, ``defines``, ``CUPY_SYMBUF_NVRTC_DEFINES``, ``CUPY_SYMBUF_DEBUG``). Include folders and the
+    architecture are left out (they differ between machines, not between what ranks run)."""
+    h = hashlib.sha256()
+
+    def put(text: str) -> None:
+        data = text.encode()
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+
+    put(source)
+    put(source_text(source))
+    for path in sorted(cuda_src_dir().glob("*.cuh")):
+        put(path.name)
+        put(path.read_text())
+    for opt in _OPTIONS + _defines(defines):
+        put(opt)
+    return h.hexdigest()
+
+
 @functools.lru_cache(maxsize=None)
 def get_module(source: str, device_id: int, defines: tuple = ()):
     """``cupy.RawModule`` for ``cuda_src/<source>`` on ``device_id`` compiled with the ``-D`` options ``defines``
     (a variant chosen by the caller, e.g. ``("-DSYMBUF_MAX_THREADS=512",)``); compiled on first use, then cached."""
     cp = _compat.cupy
-    options = _OPTIONS + (f"-I{cuda_src_dir()}",) + tuple(defines) + _tuning_defines()
+    options = _OPTIONS + (f"-I{cuda_src_dir()}",) + _defines(defines)
     with cp.cuda.Device(device_id):
-        module = cp.RawModule(code=_read(source), options=options, backend="nvrtc")
+        module = cp.RawModule(code=source_text(source), options=options, backend="nvrtc")
         module.compile()
     return module
 
@@ -87,8 +135,9 @@ def _default_include_dirs() -> list:
 
 
 def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[Iterable[str]] = None,
-                defines: tuple = ()) -> str:
-    """Compile ``cuda_src/<source>`` to PTX with NVRTC for ``arch``; no GPU needed.
+                defines: tuple = (), return_log: bool = False):
+    """Compile ``cuda_src/<source>`` to PTX with NVRTC for ``arch``; no GPU needed. With ``return_log``,
+    ``(ptx, log)``: NVRTC's log (its warnings) of a successful compilation.
 
     Raises ``RuntimeError`` with the NVRTC log when compilation fails.
     """
@@ -98,8 +147,8 @@ def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[It
     from cupy_backends.cuda.libs import nvrtc
     dirs = list(include_dirs) if include_dirs is not None else _default_include_dirs()
     opts = list(_OPTIONS) + [f"--gpu-architecture={arch}", f"-I{cuda_src_dir()}"] + [f"-I{d}" for d in dirs] \
-        + list(defines) + list(_tuning_defines())
-    prog = nvrtc.createProgram(_read(source), source, [], [])
+        + list(_defines(defines))
+    prog = nvrtc.createProgram(source_text(source), source, [], [])
     try:
         try:
             nvrtc.compileProgram(prog, opts)
@@ -107,7 +156,12 @@ def compile_ptx(source: str, arch: str = "compute_90", include_dirs: Optional[It
             log = nvrtc.getProgramLog(prog)
             raise RuntimeError(f"NVRTC failed to compile {source} for {arch}: {exc}\n{log}") from exc
         ptx = nvrtc.getPTX(prog)
-        return ptx.decode() if isinstance(ptx, bytes) else ptx
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        if not return_log:
+            return ptx
+        log = nvrtc.getProgramLog(prog)
+        log = log.decode() if isinstance(log, bytes) else log
+        return ptx, log.strip("\x00").strip()
     finally:
         nvrtc.destroyProgram(prog)
 

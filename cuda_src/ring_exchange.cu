@@ -1,0 +1,455 @@
+// The ring exchange (alltoall, alltoallv, MoE dispatch / combine) over the channel ring buffers, and the notify
+// (count exchange) step.
+//
+// Grid: 2 * num_channels blocks. Block 2c sends for channel c, block 2c+1 receives for it (sender and receiver
+// on different SMs). Inside a block the warps are split into world_size warp groups, one per peer, so every
+// (channel, source, destination) stream progresses on its own and no peer can block another.
+// What moves is described by the launch descriptor (layout.cuh, DESC_*): per peer a stream of rows, each row
+// gathered from up to 4 parts on the send side (MoE dispatch: x | scales | topk_idx | weights of the token
+// index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte stream (1-byte rows).
+// Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
+//
+// Ring protocol v8 per (channel c, sender s, receiver d) (protocol.cuh: who writes which word), counters in
+// slots, only growing, slot = counter % num_slots; first = the counter the previous call left (state line):
+//   call header: counter `first`, every call, for every ring group, also when the channel's share is empty. s's
+//             publisher waits for space for it (backpressure as for chunks), writes the HDR_* words into d's ring
+//             and releases tail = first + 1 at once; d's publisher waits for it, checks magic, seq, op, then (both
+//             sides not rejecting) signature and units of the whole stream, before any payload is consumed.
+//             A difference is fatal (ERR_MISMATCH, abort word set on every rank); a rejected call moves headers
+//             only (FLAG_REJECT: the rejecting rank sends HDR_REJECTED headers and drains what its peers send).
+//   sender (v6): warp 0 of each group publishes, the others copy, each owning every (ring_warps - 1)-th
+//             payload chunk k (counter first + 1 + k): lane 0 waits while tail - head == num_slots (backpressure;
+//             head read with ld.acquire.sys from our own buffer, where d's receiver writes it); the warp copies the
+//             chunk's rows into d's ring; __syncwarp; lane 0 marks the chunk done in shared memory
+//             (st.release.cta). The publisher acquires the marks in chunk order (ld.acquire.cta) and publishes each
+//             run of finished chunks with one st.release.sys of tail into d's buffer.
+//   receiver: the mirror image: warp 0 checks the call header and then publishes head, the other warps wait for
+//             its verdict (a shared word, release/acquire at cta scope), then each owns every (ring_warps - 1)-th
+//             chunk: lane 0 polls tail with ld.acquire.sys until it covers the chunk, the warp copies it out (.cg
+//             loads), lane 0 marks it done (st.release.cta); the publisher releases head over each run of done
+//             chunks with one st.release.sys into s's buffer.
+// Memory ordering (unchanged by the header): a copy warp's payload stores (sender) or loads (receiver) of a slot
+// are ordered before its lane 0's st.release.cta of the done mark by __syncwarp (bar.warp.sync: the lanes' accesses
+// happen before lane 0's release, at cta scope); the publisher's ld.acquire.cta of that mark synchronises with it,
+// and its st.release.sys of tail / head is cumulative: every access that happened before it (the acquired warps'
+// included) is visible, at system scope, to whoever acquires the counter. So d sees the payload before the tail
+// that announces it, s overwrites a slot only after d's reads of it, and copy warps never issue a system fence.
+// The header is stored by the publisher itself before its own release of tail = first + 1 (program order).
+// A rank's rows to itself skip the ring: the sender block's and the receiver block's self groups each copy half
+// of the channel's rows straight from the send parts to the receive parts (nothing under FLAG_REJECT).
+// Every wait is bounded by DESC_TIMEOUT_NS and polls this rank's abort word (protocol.cuh, SpinBudget); the first
+// failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
+#include "protocol.cuh"
+
+// The sender's publisher releases tail once at least this many chunks are ready (or the stream is complete, or
+// nothing new became ready for a while): fewer system-scope releases, each covering more payload.
+#ifndef SYMBUF_PUBLISH_BATCH
+#define SYMBUF_PUBLISH_BATCH 1
+#endif
+
+// Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128.
+#ifndef SYMBUF_MAX_THREADS
+#define SYMBUF_MAX_THREADS 1024
+#endif
+
+// The publisher of one warp group (lane 0 of its warp 0): acquires the copy warps' done marks in counter order
+// (ld.acquire.cta; `first` = the first payload counter; copy warp i owns every num_copy-th chunk and stores
+// chunk + 1 into done[i] after its last access to it) and releases the counter into the peer's buffer with ONE
+// st.release.sys per run of finished chunks: tail for a sender, head for a receiver. A run is published once it
+// holds `batch` chunks, reaches `end`, or nothing new got ready for a while. The release is cumulative: it covers
+// every access of each warp acquired from.
+__device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* done, int num_copy, u64 first, u64 end,
+                                             u64 batch, volatile int* abort_flag, const WaitCtx* ctx, int role,
+                                             int peer) {
+  u64 published = first, ready = first;
+  u32 idle = 0;
+  SpinBudget spin(ctx);
+  while (published < end && !*abort_flag) {
+    const u64 before = ready;
+    while (ready < end && ld_acquire_cta(&done[(ready - first) % num_copy]) > ready) ++ready;
+    idle = ready == before ? idle + 1 : 0;
+    if (ready > published && (ready - published >= batch || ready == end || idle > 32)) {
+      st_release_sys_global(remote_counter, ready);  // publish_tail / publish_head (protocol.cuh)
+      published = ready;
+      spin = SpinBudget(ctx);
+    } else if (!spin.ok(role, peer, published, ready)) {
+      *abort_flag = 1;
+    }
+  }
+}
+
+// Rows per chunk of an n-row stream on one channel: num_copy chunks per round, in as few rounds as whole slots
+// allow (a short stream is spread over every copy warp instead of one warp copying one slot; a long one ends on a
+// full round); at least CHUNK_LEAST_BYTES of rows (one unrolled warp pass), a multiple of CHUNK_GRAIN_BYTES of rows
+// (one vector pass; keeps byte streams 16-byte aligned), at most one slot. Sender and receiver compute it from the
+// same n (the rows the one sends the other receives) and the same num_copy (same kernel variant on every rank), so
+// they cut the stream alike. Same formula as cupy_symbuf/layout.py chunk_rows (the host path uses it with one
+// copy worker).
+__host__ __device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chunk_bytes, int num_copy) {
+  const i64 max_rows = chunk_bytes / row_bytes;
+  if (n <= 0) return max_rows;  // no chunks
+  const i64 grain = min(max_rows, (CHUNK_GRAIN_BYTES + row_bytes - 1) / row_bytes);
+  const i64 least = min(max_rows, (CHUNK_LEAST_BYTES + row_bytes - 1) / row_bytes);
+  const i64 rounds = (n + num_copy * max_rows - 1) / (num_copy * max_rows);
+  const i64 per = (n + num_copy * rounds - 1) / (num_copy * rounds);
+  return min(max_rows, max(least, (per + grain - 1) / grain * grain));
+}
+
+// Verdict of a receiver group's publisher on the call header, for its copy warps (a shared word per group).
+constexpr u64 kGateWait = 0;   // not checked yet
+constexpr u64 kGateCopy = 1;   // header verified: copy the payload
+constexpr u64 kGateSkip = 2;   // no payload to copy (the peer rejected, or this rank rejects and drains)
+constexpr u64 kGateAbort = 3;  // mismatch, failed wait or abort: leave
+
+// What the leader's call-header step needs; built by the leader only and handed by reference to a function that
+// is not inlined, so that the header's registers do not weigh on the copy loops (64 per thread at 1024 threads).
+struct HeaderStep {
+  const WaitCtx* ctx;
+  u8* ring_region;            // the (channel, peer) region whose ring the group accesses (the peer's for a sender)
+  u64* remote_counter;        // sender: tail in the peer's buffer; receiver: head in the peer's buffer
+  const u64* local_counter;   // sender: head in our buffer; receiver: tail in our buffer
+  volatile int* abort_flag;   // the group's
+  u64* gate;                  // the group's verdict word (kGate*)
+  CallHeader mine;            // sender: the header to send; receiver: what it expects
+  u64 first, num_slots;       // first: the header's counter
+  i64 chunk_bytes, region_bytes, row_bytes;
+  int peer, role;
+  bool is_sender, reject;
+};
+
+// The call header, by the leader (lane 0 of warp 0) of a ring group, every call. Sender: waits for space for the
+// header slot, writes the header, releases tail = first + 1 at once. Receiver: waits for tail >= first + 1, checks
+// the header (check_call_header), then: agreement -> head = first + 1, verdict kGateCopy; the peer rejected ->
+// the rejection recorded, head = first + 1, kGateSkip; this rank rejects -> the header and the header's nchunks
+// payload chunks drained (head released over them, nothing read), kGateSkip; a difference -> ERR_MISMATCH, the
+// abort word set on every rank, kGateAbort (nothing consumed). Publishes the verdict to the copy warps
+// (st.release.cta; kGateSkip before the drain so they need not wait for it) and returns it; `end` becomes the
+// counter after the call's last slot when the drain changes it.
+__device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
+  const WaitCtx& c = *g.ctx;
+  const u64 c0 = g.first + 1;
+  u8* slot = g.ring_region + RING_OFFSET + static_cast<i64>(g.first % g.num_slots) * g.chunk_bytes;
+  u64 verdict = kGateAbort;
+  volatile int* abort_flag = g.abort_flag;
+  if (!g.reject && g.row_bytes > g.chunk_bytes) {  // a row that fits no slot (the host checks it: never here)
+    fail(c, g.role, g.peer, g.chunk_bytes, g.row_bytes, ERR_INVARIANT, FIELD_OFFSET);
+    *abort_flag = 1;
+  }
+#if SYMBUF_DEBUG
+  if (!*abort_flag && !slot_in_region(g.ring_region, slot, HDR_WORDS * 8, g.region_bytes, g.chunk_bytes)) {
+    fail(c, g.role, g.peer, slot - g.ring_region, slot - g.ring_region + HDR_WORDS * 8, ERR_INVARIANT,
+         FIELD_OFFSET);
+    *abort_flag = 1;
+  }
+#endif
+  if (*abort_flag) {
+    // leave: kGateAbort
+  } else if (g.is_sender) {  // wait for space for the header slot, write it, announce it at once
+    u64 head = 0;
+    if (wait_for_space(&c, g.peer, g.local_counter, g.first, g.num_slots, head, abort_flag)) {
+      write_call_header(slot, g.mine);
+      publish_tail(g.remote_counter, c0);  // release: the header's stores are visible before the tail
+      verdict = kGateCopy;
+    }
+  } else {  // wait for the header, check it, consume it
+    u64 tail = 0;
+    if (wait_for_data(&c, g.peer, g.local_counter, c0, g.first, g.first, g.num_slots, tail, abort_flag)) {
+      const CallHeader got = read_call_header(slot);  // after the acquire of tail >= first + 1
+      const bool peer_rejects = got.status == HDR_REJECTED;
+      i64 expected = 0, received = 0;
+      const int field = check_call_header(got, g.mine, !peer_rejects && !g.reject, expected, received);
+      if (field) {  // fatal: nothing of this call is consumed; every rank leaves
+        fail(c, ROLE_RECV, g.peer, expected, received, ERR_MISMATCH, field);
+        *abort_flag = 1;
+      } else if (peer_rejects || g.reject) {
+        // The peer rejected: record it (not fatal), consume its header (no payload follows). This rank rejects:
+        // drain the header and the got.nchunks payload chunks the peer sends, copying nothing, so the rings stay
+        // in step. Either way the copy warps have nothing to do.
+        if (peer_rejects) record_rejection(c, g.peer);
+        verdict = kGateSkip;
+        st_release_cta(g.gate, verdict);
+        end = c0 + (peer_rejects || got.nchunks <= 0 ? 0ull : static_cast<u64>(got.nchunks));
+        u64 head = g.first;
+        while (head < end) {  // head released over what arrived (the slots are never read)
+          if (!wait_for_data(&c, g.peer, g.local_counter, head + 1, head, head, g.num_slots, tail, abort_flag)) break;
+          head = min(tail, end);
+          publish_head(g.remote_counter, head);
+        }
+        return verdict;
+      } else if (got.nchunks != g.mine.nchunks) {  // same units, other chunking: the kernels differ
+        fail(c, ROLE_RECV, g.peer, g.mine.nchunks, got.nchunks, ERR_INVARIANT, FIELD_RING);
+        *abort_flag = 1;
+      } else {
+        publish_head(g.remote_counter, c0);  // the header slot goes back to the sender at once
+        verdict = kGateCopy;
+      }
+    }
+  }
+  st_release_cta(g.gate, verdict);
+  return verdict;
+}
+
+// The descriptor is the kernel's parameter, passed by value: the driver copies it at launch, so the host may
+// rewrite its own copy for the next call while this one is still queued (calls return without waiting).
+extern "C" __global__ void __launch_bounds__(SYMBUF_MAX_THREADS)
+symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ peer_bases, i64* status) {
+  __shared__ i64 s_desc[DESC_WORDS];
+  __shared__ u64 s_done[32];  // per warp of the block
+  __shared__ int s_abort[MAX_PEERS];
+  __shared__ u64 s_gate[MAX_PEERS];  // receiver: the publisher's verdict on the call header (kGate*)
+  __shared__ WaitCtx s_ctx;
+  for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc.words[i];  // constant bank
+  if (threadIdx.x == 0)
+    s_ctx = make_wait_ctx(status, peer_bases, static_cast<int>(desc.words[DESC_RANK]),
+                          static_cast<int>(desc.words[DESC_WORLD_SIZE]), static_cast<int>(blockIdx.x >> 1),
+                          desc.words[DESC_ABORT_OFFSET], static_cast<u64>(desc.words[DESC_TIMEOUT_NS]),
+                          static_cast<u64>(desc.words[DESC_SEQ]));
+  __syncthreads();
+  const int rank = static_cast<int>(s_desc[DESC_RANK]);
+  const int world_size = static_cast<int>(s_desc[DESC_WORLD_SIZE]);
+  const int num_channels = static_cast<int>(s_desc[DESC_NUM_CHANNELS]);
+  const Layout L{s_desc[DESC_REGION_BYTES], s_desc[DESC_CHANNEL_BYTES], s_desc[DESC_NUM_SLOTS],
+                 s_desc[DESC_CHUNK_BYTES], 0, 0};
+  const i64 num_slots = L.num_slots, chunk_bytes = L.chunk_bytes;
+  const i64 row_bytes = s_desc[DESC_ROW_BYTES];
+  const i64 align = s_desc[DESC_ROW_ALIGN];
+  // FLAG_REJECT: this rank rejected the call: ring groups send HDR_REJECTED headers and drain what peers send;
+  // nothing is copied (the parts, row size and alignment of the descriptor are not read).
+  const bool reject = (s_desc[DESC_FLAGS] & FLAG_REJECT) != 0;
+  const bool moves = !reject && row_bytes > 0 && row_bytes <= chunk_bytes;
+
+  const int channel = blockIdx.x >> 1;
+  const bool is_sender = (blockIdx.x & 1) == 0;
+  // Warp groups in peer order: ring_warps warps for every other rank, self_warps for our own rows (_cuda.warp_groups)
+  const int warp = threadIdx.x >> 5;
+  const int ring_warps = static_cast<int>(s_desc[DESC_RING_WARPS]);
+  const int self_warps = static_cast<int>(s_desc[DESC_SELF_WARPS]);
+  const int self_first = rank * ring_warps;  // first warp of the self group
+  int peer, first_warp, group_warps;
+  if (warp < self_first) {
+    peer = warp / ring_warps;
+    first_warp = peer * ring_warps;
+    group_warps = ring_warps;
+  } else if (warp < self_first + self_warps) {
+    peer = rank;
+    first_warp = self_first;
+    group_warps = self_warps;
+  } else {
+    const int k = (warp - self_first - self_warps) / ring_warps;
+    peer = rank + 1 + k;
+    first_warp = self_first + self_warps + k * ring_warps;
+    group_warps = ring_warps;
+  }
+  if (peer >= world_size) return;
+  const int nthreads = group_warps * 32;
+  const int tid = threadIdx.x - first_warp * 32;
+  const int lane = tid & 31;
+  const int warp_in_group = tid >> 5;
+  const bool leader = tid == 0;
+  const int bar_id = 1 + peer;
+
+  const i64* peers = s_desc + DESC_PEERS;  // [4][world_size]: send unit offset, send units, recv offset, recv units
+  // The two row streams of this group live in shared memory (read on use, not held in registers: the copy
+  // loops need the registers; 1024-thread blocks get 64 per thread).
+  __shared__ RowStream s_streams[2 * MAX_PEERS];
+  if (lane == 0 && warp_in_group == 0) {
+    s_streams[2 * peer] = RowStream{reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS),
+                                    static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]), row_bytes,
+                                    reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]), peers[peer]};
+    s_streams[2 * peer + 1] = RowStream{reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS),
+                                        static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]), row_bytes,
+                                        reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]),
+                                        peers[2 * world_size + peer]};
+  }
+  group_sync(bar_id, nthreads);
+  const RowStream& send = s_streams[2 * peer];
+  const RowStream& recv = s_streams[2 * peer + 1];
+  // Units of the whole stream to (sender) or from (receiver) this peer: the call header carries / checks them.
+  const i64 rows = is_sender ? peers[world_size + peer] : peers[3 * world_size + peer];
+  i64 lo = 0, hi = 0;
+  if (moves) channel_range(rows, channel, num_channels, align, lo, hi);
+
+  if (peer == rank) {  // to ourselves: no ring; the sender block copies the first half, the receiver block the rest
+    if (hi <= lo) return;  // an empty share, or FLAG_REJECT: nothing to copy, no header
+    const i64 mid = lo + (hi - lo) / 2 / align * align;
+    const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
+    if (send.dense() && recv.dense()) {  // one span of bytes, cut into 16-byte aligned slices, one per warp
+      const i64 n = (b - a) * row_bytes;
+      const i64 lo_b = n * warp_in_group / group_warps / 16 * 16;
+      const i64 hi_b = warp_in_group == group_warps - 1 ? n : n * (warp_in_group + 1) / group_warps / 16 * 16;
+      copy_bytes<false>(recv.at(0, a) + lo_b, send.at(0, a) + lo_b, hi_b - lo_b, lane);
+    } else {  // one warp per row
+      for (i64 r = a + warp_in_group; r < b; r += group_warps)
+        for (int i = 0; i < send.num_parts; ++i)
+          copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
+    }
+    return;
+  }
+
+  // A ring group goes on even with an empty share: the call header is exchanged on every call.
+  if (leader) {
+    s_abort[peer] = 0;
+    s_gate[peer] = kGateWait;
+  }
+  // Sender: copy warps write chunks into the peer's ring and the publisher releases tail there; backpressure reads
+  // head from our own region, where the peer's receiver releases it. Receiver: the mirror image (tail read from our
+  // region, head released into the peer's). Warp 0 of a group publishes, the others copy, each owning every
+  // num_copy-th chunk and handing it over with st.release.cta of done = chunk + 1 (no system-scope fence on the
+  // copy path; one release per run of chunks, see publish_runs). A group of one warp (world_size > 15) copies and
+  // releases each chunk itself. Lane 0 of warp 0 (the leader) also handles the call header.
+  u8* local_region = reinterpret_cast<u8*>(peer_bases[rank]) + L.region(channel, peer);
+  u8* remote_region = reinterpret_cast<u8*>(peer_bases[peer]) + L.region(channel, rank);
+  u8* ring_region = is_sender ? remote_region : local_region;  // the region whose ring this group accesses
+  u8* ring = ring_region + RING_OFFSET;
+  u64* remote_counter = reinterpret_cast<u64*>(remote_region + (is_sender ? TAIL_OFFSET : HEAD_OFFSET));
+  const u64* local_counter = reinterpret_cast<const u64*>(local_region + (is_sender ? HEAD_OFFSET : TAIL_OFFSET));
+  // Our side's state line: [STATE_COUNTER] the counter the previous call left, [STATE_SEQ] calls made on this
+  // stream; written by the leader at the end of a call that did not abort.
+  u64* state = reinterpret_cast<u64*>(local_region + (is_sender ? SEND_STATE_OFFSET : RECV_STATE_OFFSET));
+  const bool solo = group_warps == 1;
+  const int num_copy = solo ? 1 : group_warps - 1;
+  const int copy_id = solo ? 0 : warp_in_group - 1;
+  const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
+  const i64 nchunks = hi > lo ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
+  const u64 first = state[STATE_COUNTER];  // the call header's counter
+  const u64 call_seq = state[STATE_SEQ] + 1;
+  const u64 c0 = first + 1;                // payload chunk k has counter c0 + k
+  u64 end = c0 + static_cast<u64>(nchunks);  // after this call's last slot (a draining receiver: from the header)
+  u64* done = &s_done[first_warp + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
+  volatile int* abort_flag = &s_abort[peer];
+  const int role = is_sender ? ROLE_SEND : ROLE_RECV;
+  if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], c0);
+  group_sync(bar_id, nthreads);
+
+  u64 verdict = kGateAbort;  // the leader's: header sent (sender) / checked (receiver)
+  if (leader) {
+    const HeaderStep h{&s_ctx, ring_region, remote_counter, local_counter, abort_flag, &s_gate[peer],
+                       CallHeader{static_cast<i64>(HDR_MAGIC_VALUE), static_cast<i64>(call_seq), s_desc[DESC_OP],
+                                  s_desc[DESC_SIG], rows, nchunks, reject ? HDR_REJECTED : HDR_OK, rank, channel},
+                       first, static_cast<u64>(num_slots), chunk_bytes, L.region_bytes, row_bytes, peer, role,
+                       is_sender, reject};
+    verdict = call_header_step(h, end);
+  }
+
+  if (copy_id < 0) {  // the publisher (lane 0 of warp 0); a receiver hands each slot back as soon as it is read
+    if (lane == 0 && verdict == kGateCopy)
+      publish_runs(remote_counter, done, num_copy, c0, end, is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag,
+                   &s_ctx, role, peer);
+    __syncwarp();
+  } else {
+    // A receiver's copy warps touch no payload slot before the publisher verified the call header (its
+    // st.release.cta of the verdict, acquired here). A sender's copy warps need no verdict: their slots are
+    // counters >= first + 1, which the receiver reads only after the header; a failed header wait shows in
+    // *abort_flag below.
+    u64 go = kGateCopy;
+    if (!is_sender) {
+      if (lane == 0) {  // bounded: the publisher sets it on every path, after its own bounded waits
+        do go = ld_acquire_cta(&s_gate[peer]);
+        while (go == kGateWait);
+      }
+      go = __shfl_sync(0xffffffffu, go, 0);
+    }
+    const i64 todo = go == kGateCopy ? nchunks : 0;
+    u64 seen = is_sender ? 0 : c0;  // sender: the last head read; receiver: the last tail read
+    for (i64 k = copy_id; k < todo; k += num_copy) {
+      const u64 t = c0 + static_cast<u64>(k);  // ring counter of this chunk
+      if (lane == 0) {  // sender: wait while the ring is full (backpressure); receiver: wait until tail covers t
+        if (is_sender) wait_for_space(&s_ctx, peer, local_counter, t, num_slots, seen, abort_flag);
+        else wait_for_data(&s_ctx, peer, local_counter, t + 1, c0, t, num_slots, seen, abort_flag);
+#if SYMBUF_DEBUG
+        const u8* at = ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes;
+        const i64 bytes = min(rows_per_chunk, hi - lo - k * rows_per_chunk) * row_bytes;
+        if (!*abort_flag && !slot_in_region(ring_region, at, bytes, L.region_bytes, chunk_bytes)) {
+          fail(s_ctx, role, peer, at - ring_region, at - ring_region + bytes, ERR_INVARIANT, FIELD_OFFSET);
+          *abort_flag = 1;
+        }
+#endif
+      }
+      __syncwarp();  // lane 0's acquire precedes every lane's accesses to the slot
+      if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
+      const i64 r = lo + k * rows_per_chunk;
+      u8* slot = ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes;
+      if (is_sender) send.copy_rows<true>(slot, r, min(rows_per_chunk, hi - r), lane);
+      else recv.copy_rows<false>(slot, r, min(rows_per_chunk, hi - r), lane);
+      __syncwarp();  // every lane's accesses to the slot precede lane 0's hand-off below
+      if (lane == 0) {
+        if (solo) st_release_sys_global(remote_counter, t + 1);  // publish_tail / publish_head
+        else st_release_cta(&done[copy_id], t + 1);
+      }
+      __syncwarp();
+    }
+  }
+  group_sync(bar_id, nthreads);
+  if (leader && !*abort_flag) {
+    state[STATE_COUNTER] = end;
+    state[STATE_SEQ] = call_seq;
+  }
+}
+
+// Count exchange through the symmetric buffer. Every rank writes, into rank p's notify slot for this rank, the
+// slot header [NOTIFY_OP, NOTIFY_STATUS, NOTIFY_SIG] = op, call_status, sig and the values send_meta[p, :]
+// (num_values int64), then publishes NOTIFY_EPOCH = epoch there with st.release.sys (after a __syncthreads: the
+// release is cumulative over the block's stores); then waits until every source s has published `epoch` in our
+// slot for it and copies its header and values, [op, status, sig, values...] (NOTIFY_HDR_WORDS - 1 + num_values
+// words), into recv_meta[s, :]: the host checks op / status / sig. Slots are double-buffered by epoch parity: a
+// rank can be at most one call ahead of a peer that has not read its values yet. The waits are bounded and poll
+// this rank's abort word (abort_offset) like the ring's. One block; blockDim.x >= world_size.
+static_assert(NOTIFY_EPOCH == 0 && NOTIFY_STATUS == NOTIFY_OP + 1 && NOTIFY_SIG == NOTIFY_OP + 2 &&
+                  NOTIFY_HDR_WORDS == NOTIFY_SIG + 1,
+              "symbuf_notify copies the slot words from NOTIFY_OP on as one run");
+extern "C" __global__ void __launch_bounds__(1024)
+symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, int num_values, i64 epoch, i64 op,
+              i64 call_status, i64 sig, const u64* __restrict__ peer_bases, int rank, int world_size,
+              i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
+              i64 notify_offset, i64 notify_slot_bytes, i64 abort_offset, u64 timeout_ns, i64* status, u64 seq) {
+  const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
+  __shared__ WaitCtx s_ctx;
+  __shared__ int s_abort;
+  if (threadIdx.x == 0) {
+    s_ctx = make_wait_ctx(status, peer_bases, rank, world_size, -1, abort_offset, timeout_ns, seq);
+    s_abort = 0;
+  }
+  const i64 parity = epoch & 1;
+  const i64 total = static_cast<i64>(world_size) * num_values;
+  for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
+    const int p = static_cast<int>(i / num_values);
+    const i64 m = i % num_values;
+    i64* slot = reinterpret_cast<i64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
+    slot[NOTIFY_HDR_WORDS + m] = send_meta[i];
+  }
+  __syncthreads();
+  if (threadIdx.x < world_size) {
+    const int p = threadIdx.x;
+    u64* slot = reinterpret_cast<u64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
+    i64* words = reinterpret_cast<i64*>(slot);
+    words[NOTIFY_OP] = op;
+    words[NOTIFY_STATUS] = call_status;
+    words[NOTIFY_SIG] = sig;
+    st_release_sys_global(slot + NOTIFY_EPOCH, static_cast<u64>(epoch));
+  }
+  __syncthreads();
+  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
+  if (threadIdx.x < world_size) {
+    const int s = threadIdx.x;
+    const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, world_size));
+    SpinBudget spin(&s_ctx);
+    u64 seen = ld_acquire_sys_global(slot + NOTIFY_EPOCH);
+    while (seen < static_cast<u64>(epoch)) {
+      if (!spin.ok(ROLE_NOTIFY, s, static_cast<u64>(epoch), seen)) {
+        s_abort = 1;
+        break;
+      }
+      seen = ld_acquire_sys_global(slot + NOTIFY_EPOCH);
+    }
+  }
+  __syncthreads();
+  if (s_abort) return;
+  const i64 row = NOTIFY_HDR_WORDS - 1 + num_values;  // recv_meta[s, :] = [op, status, sig, values...]
+  const i64 total_in = static_cast<i64>(world_size) * row;
+  for (i64 i = threadIdx.x; i < total_in; i += blockDim.x) {
+    const int s = static_cast<int>(i / row);
+    const i64 j = i % row;
+    const u8* slot = my_base + L.notify_slot(parity, s, world_size);
+    recv_meta[i] = static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_OP + j));
+  }
+}
