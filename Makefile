@@ -10,7 +10,7 @@ PYTEST := $(PY) -m pytest -q --color=no -p no:cacheprovider --timeout=300
 RUN_LIMIT ?= 1200
 NP ?= 4
 
-.PHONY: install demo test test-unit test-mpi test-gpu bench clean
+.PHONY: install demo test test-unit test-mpi test-gpu bench clean soak sanitize
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,17 @@ test-gpu:
 
 bench: install
 	timeout $(RUN_LIMIT) $(MPIEXEC) -n $(NP) $(PY) -m cupy_symbuf.bench
+
+# Soak (issue 9): mixed alltoall / alltoallv / MoE dispatch-combine iterations with sampled bitwise checks, host
+# path. The full 10,000-iteration run on GPUs: mpirun -n 2 python3 examples/soak.py --backend cuda.
+SOAK_ITERS ?= 2000
+soak: install
+	timeout $(RUN_LIMIT) $(MPIEXEC) -n $(NP) $(PY) examples/soak.py --iters $(SOAK_ITERS) --backend host --check-every 5
+
+# compute-sanitizer memcheck/racecheck/synccheck/initcheck over a small GPU soak at 1 and 2 ranks (GPU machine, Open
+# MPI's mpirun, CuPy's pool off); logs in $${OUT:-/tmp}/sanitize_*.log. See tests/faults/sanitize.sh for knobs.
+sanitize:
+	bash tests/faults/sanitize.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
