@@ -53,8 +53,15 @@ def fault(what: str) -> None:
     say(f"FAULT t={time.time():.3f} rank {R}: {what}")
 
 
-def tag(label: str) -> str:
-    return f"[on rank {R} during {label}]"
+def tag(label: str, exc: BaseException = None) -> str:
+    """``[on rank R during LABEL t=TIME isa CLASSES]``: CLASSES are the public cupy_symbuf.errors classes (and
+    ValueError) the exception is an instance of, so a private subclass still matches what users catch."""
+    isa = ""
+    if exc is not None:
+        names = [n for n in cs.errors.__all__ if isinstance(exc, getattr(cs.errors, n))]
+        names += [b.__name__ for b in (ValueError, TypeError) if isinstance(exc, b)]
+        isa = " isa " + ",".join(names or ["-"])
+    return f"[on rank {R} during {label} t={time.time():.3f}{isa}]"
 
 
 def one_line(exc: BaseException) -> str:
@@ -90,13 +97,13 @@ def attempt(c, label: str, fn, *, expect_error: bool):
         if c is not None and BACKEND == "cuda":
             c.synchronize()
     except ValueError as exc:                      # a rejected call (incl. SymBufferRejectedError): recoverable
-        say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag(label)}")
+        say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag(label, exc)}")
         return exc, None
     except Exception as exc:
         if HANDLED:
-            say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag(label)}")
+            say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag(label, exc)}")
             return exc, None
-        say(f"RAISING {type(exc).__name__} {one_line(exc)} {tag(label)}")
+        say(f"RAISING {type(exc).__name__} {one_line(exc)} {tag(label, exc)}")
         raise
     if expect_error:
         say(f"NO ERROR {tag(label)}: the call returned although ranks disagree")
@@ -212,7 +219,7 @@ def _raise_before(use_with: bool):
         except SymBufferError as exc:   # what close() raised in __exit__
             if not HANDLED:
                 raise
-            say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag('close in __exit__')}")
+            say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag('close in __exit__', exc)}")
     else:
         c = make_comm()
         body(c)                         # the raising rank never calls close()
@@ -438,7 +445,7 @@ def case_config_mismatch():
     try:
         c = make_comm(cfg)
     except ValueError as exc:
-        say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag('Communicator()')}")
+        say(f"CAUGHT {type(exc).__name__} {one_line(exc)} {tag('Communicator()', exc)}")
         if not HANDLED:
             raise
         finish()
