@@ -1,6 +1,8 @@
 """``Communicator``: all-to-all collectives over the channel ring buffers of one :class:`SymBuffer`."""
 from __future__ import annotations
 
+import warnings as _warnings
+from os import getpid as _getpid
 from typing import Optional
 
 import numpy as np
@@ -50,61 +52,167 @@ class Communicator:
     when issued on different streams (a call on a new stream waits for the previous call's stream). Inputs must
     stay alive, unmodified, until stream order reaches the collective (as with NCCL; with PyTorch tensors from
     another stream, ``tensor.record_stream``).
+
+    Lifecycle. Construction is bounded by ``config.timeout_s``: a peer that never constructs gives every waiting rank
+    a :class:`~cupy_symbuf.SymBufferTimeoutError` (role "construction") naming the missing ranks. Before allocating,
+    the ranks compare a fingerprint of everything that shapes the wire (the resolved Config except the local policy
+    fields ``timeout_s``, ``blocking`` and ``abort_on_failure``; the layout; backend; kernel variant and warp split;
+    compile-time defines and ``CUPY_SYMBUF_DEBUG``; package and protocol version): a difference raises
+    ``ValueError`` on every rank naming the field, the values and the ranks. The buffer must fit in free memory
+    (host: ``/dev/shm`` and RAM for every rank of the node; GPU: free device memory for the ranks sharing it).
+    :meth:`close` is bounded the same way. A failed communicator (timeout, mismatch, :meth:`abort`) ends the job
+    with ``MPI.COMM_WORLD.Abort(1)`` when it is closed or reaches interpreter exit, unless
+    ``Config.abort_on_failure`` is off. Dropped unclosed, a communicator warns (``ResourceWarning``; freeing is
+    collective, so the garbage collector cannot do it); ``atexit`` closes the ones still open, newest first. After
+    ``os.fork()`` the child neither uses, closes nor frees the parent's communicators.
     """
 
     def __init__(self, comm: MPI.Comm, config: Optional[Config] = None, *, backend: str = "auto"):
+        import os
+
+        from . import _agree, _lifecycle
+        self._closed = True  # until construction completes (close() and __del__ of a half-built object do nothing)
+        self._broken: Optional[str] = None
         if config is None:
             config = Config()
         if not isinstance(config, Config):
             raise TypeError(f"Communicator: config must be a cupy_symbuf.Config, got {type(config).__name__}")
-        backend = resolve_backend(backend)
-        ranks_per_gpu, sm_count = 1, 132
-        if backend == "cuda":
-            cp = _compat.cupy
-            ident = _gpu_identity(cp.cuda.Device().id)
-            ids = comm.allgather(ident["uuid"] + "/" + ident["pci_bus_id"])
-            ranks_per_gpu = ids.count(ids[comm.Get_rank()])
-            sm_count = ident["sm_count"] or sm_count
-        self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
-                                      world_size=comm.Get_size())
-        self.world_size = comm.Get_size()
-        self.layout = ChannelLayout.from_config(self.config, self.world_size)
-        self.buffer = SymBuffer(comm, self.layout.total_bytes, backend=backend)
+        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"Communicator: comm must be an mpi4py intra-communicator, got {comm!r}")
+        timeout = config.timeout_s
+        what = "Communicator construction"
+        try:
+            # 1. Every rank is here (bounded), with its backend and GPU; a local failure is told to all.
+            err, gpu, sm_count = None, None, 132
+            try:
+                backend = resolve_backend(backend)
+                if backend == "cuda":
+                    ident = _gpu_identity(_compat.cupy.cuda.Device().id)
+                    gpu = ident["uuid"] + "/" + ident["pci_bus_id"]
+                    sm_count = ident["sm_count"] or sm_count
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"
+            step = _agree.exchange_all(comm, (backend, gpu, err), timeout, what)
+            _agree.raise_if_any_failed([e for _, _, e in step], "Communicator")
+            _agree.check_agreement([{"backend": b} for b, _, _ in step], "Communicator")
+            ranks_per_gpu = [g for _, g, _ in step].count(gpu) if backend == "cuda" else 1
+            # 2. Everything that shapes the wire, compared before anything is allocated.
+            world_size = comm.Get_size()
+            err, fp = None, None
+            try:
+                self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
+                                              world_size=world_size)
+                self.layout = ChannelLayout.from_config(self.config, world_size)
+                fp = _agree.fingerprint(self.config, self.layout, backend)
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+            step = _agree.exchange_all(comm, (fp, err), timeout, what + " (fingerprint)")
+            _agree.raise_if_any_failed([e for _, e in step], "Communicator")
+            _agree.check_agreement([f for f, _ in step], "Communicator")
+            self.world_size = world_size
+            # 3. The buffer (its size checked against free memory on every rank first).
+            self.buffer = SymBuffer(comm, self.layout.total_bytes, backend=backend, timeout_s=timeout,
+                                    _managed=True)
+        except SymBufferError as exc:  # a construction timeout: the excepthook applies this config's policy
+            exc.abort_on_failure = config.abort_on_failure
+            raise
         self.rank = self.buffer.rank
         self.backend = self.buffer.backend
         self.xp = _compat.array_module(self.backend)
         self._epoch = 0
         self._ones = np.ones(self.world_size, dtype=np.int64)  # alltoall's counts (read only)
         self._ones.flags.writeable = False
-        if self.backend == "cuda":
-            from ._cuda import CudaTransport
-            self._transport = CudaTransport(self.buffer, self.layout, self.config.timeout_s)
-            self._transport.blocking = self.config.blocking
-        else:
-            from ._host import HostTransport
-            self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
-        self._broken: Optional[str] = None
+        try:
+            if self.backend == "cuda":
+                from ._cuda import CudaTransport
+                self._transport = CudaTransport(self.buffer, self.layout, self.config.timeout_s)
+                self._transport.blocking = self.config.blocking
+            else:
+                from ._host import HostTransport
+                self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
+        except BaseException:
+            self.buffer.close()
+            raise
+        self._pid = os.getpid()
         self._closed = False
+        self._token = _lifecycle.register(self)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the symmetric buffer (collective; idempotent).
+        """Free the symmetric buffer (collective, bounded by ``config.timeout_s``; idempotent).
 
         Waits for all work queued on the device first (``cudaDeviceSynchronize``, every stream); raises the
         :class:`~cupy_symbuf.SymBufferTimeoutError` a queued collective recorded if no earlier call raised it (after
         freeing everything).
+
+        A failed communicator (a timeout, a mismatch, :meth:`abort`; or one whose queued collective recorded a
+        timeout) with ``Config.abort_on_failure`` (the default) prints the error and calls
+        ``MPI.COMM_WORLD.Abort(1)``: the job ends instead of hanging on peers that may never close. Otherwise the
+        close is bounded: a peer that does not close within ``timeout_s`` (it died, exited or never closes) gives
+        :class:`~cupy_symbuf.SymBufferTimeoutError` (role "close") naming the missing ranks, and this rank's buffer
+        stays allocated (a peer may still write into it). In a process forked from the creator, close() only
+        forgets the communicator.
         """
-        if self._closed:
+        import os
+
+        from . import _lifecycle
+        if getattr(self, "_closed", True):
             return
         self._closed = True
+        _lifecycle.unregister(self._token)
+        if os.getpid() != self._pid:
+            self.buffer.close()  # forgets it there: the parent's memory is not freed by a child
+            return
+        was_broken = self._broken
         err = None
         try:
             if self.backend == "cuda":
-                err = self._transport.close()
-        finally:
-            self.buffer.close()  # collective: peers wait for it, whatever happened above
+                err = self._transport.close()  # waits for queued kernels; a recorded, unreported error or None
+        except Exception as exc:
+            err = exc
         if err is not None and not self._broken:
-            raise err  # a queued collective timed out and nothing raised it yet (its results are not valid)
+            self._broken = f"{type(err).__name__}: {err}"
+        if self._broken and self.config.abort_on_failure:
+            _lifecycle.abort_job(f"closing a failed Communicator: {self._broken}", self.rank)
+            return  # reached only where the abort is replaced (tests)
+        try:
+            self.buffer.close()  # collective and bounded: peers wait for it, whatever happened above
+        except SymBufferError as exc:
+            if not self._broken:
+                self._broken = str(exc)
+            if self.config.abort_on_failure:
+                _lifecycle.abort_job(f"Communicator.close: {exc}", self.rank)
+                return
+            raise
+        if err is not None and not was_broken:
+            raise err  # a queued collective failed and nothing raised it yet (its results are not valid)
+
+    def abort(self, reason: str = "") -> None:
+        """Abort this communicator on every rank, like ``ncclCommAbort`` (local: returns at once, no communication).
+
+        Writes the abort line into every rank's symmetric buffer, so the peers' waits (kernels and host loops)
+        leave with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank; marks this communicator broken
+        ("aborted by this rank"). Every rank must still :meth:`close` it (with ``Config.abort_on_failure``, the
+        default, closing a failed communicator ends the job with ``MPI.COMM_WORLD.Abort``). A no-op once closed.
+        """
+        from . import _protocol
+        if getattr(self, "_closed", True):
+            return
+        set_abort = getattr(self._transport, "set_abort", None)
+        if set_abort is not None:
+            set_abort(_protocol.ERR_USER)
+        msg = f"aborted by this rank (rank {self.rank})" + (f": {reason}" if reason else "")
+        self._broken = msg if not self._broken else f"{self._broken}; then {msg}"
+
+    def __del__(self):
+        if getattr(self, "_closed", True) or getattr(self, "_pid", None) != _getpid():
+            return
+        try:
+            _warnings.warn(f"unclosed {self!r}: freeing is collective, so its buffer and MPI communicator stay "
+                          f"allocated until exit (call close() on every rank, or use 'with')", ResourceWarning,
+                          source=self)
+        except Exception:  # pragma: no cover - interpreter shutting down
+            pass
 
     def synchronize(self) -> None:
         """Wait for this rank's queued collectives (and the current CuPy stream) and raise a timeout they recorded.
@@ -127,18 +235,36 @@ class Communicator:
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_exc:  # the exception that left the block stays the one reported
+            note = (f"cupy_symbuf: leaving 'with Communicator', close() failed too: {type(close_exc).__name__}: "
+                    f"{close_exc}")
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            else:  # pragma: no cover - Python < 3.11
+                import sys
+                sys.stderr.write(note + "\n")
 
     def _check_open(self) -> None:
         if self._closed:
             raise SymBufferClosedError("Communicator is closed")
         if self._broken:
             raise SymBufferError(f"Communicator is unusable after an earlier failure: {self._broken}")
+        if _getpid() != self._pid:
+            raise SymBufferError(f"Communicator was created by process {self._pid}; after os.fork() only that "
+                                 f"process may use it (create a new one in the child)")
 
     def describe(self) -> str:
-        """The buffer map (:meth:`ChannelLayout.describe`) and the resolved config."""
-        return f"{self.layout.describe()}\n  backend={self.backend} config={self.config}"
+        """The buffer map (:meth:`ChannelLayout.describe`), the resolved config and the lifecycle state."""
+        state = "closed" if self._closed else (f"broken ({self._broken})" if self._broken else "open")
+        return (f"{self.layout.describe()}\n  backend={self.backend} config={self.config}\n"
+                f"  state={state} (created by pid {getattr(self, '_pid', '?')}; fields compared across ranks at "
+                f"construction: all but timeout_s, blocking, abort_on_failure)")
 
     # ---- transport ------------------------------------------------------------------------------------------
     @property

@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Config", "DEFAULT_GPU_NUM_SMS", "DEFAULT_HOST_NUM_SMS"]
+__all__ = ["Config", "DEFAULT_GPU_NUM_SMS", "DEFAULT_HOST_NUM_SMS", "MAX_NUM_SMS", "MAX_CHUNK_BYTES", "MAX_NUM_SLOTS",
+           "MAX_NOTIFY_INTS", "MAX_TIMEOUT_S"]
 
 #: Default SMs for the GPU path when one rank owns a GPU. More SMs keep more bytes in flight over NVLink
 #: (measured on H200: 8 sender blocks with 4 loads in flight per thread already reach ~355 GB/s of SM stores),
@@ -20,6 +21,19 @@ __all__ = ["Config", "DEFAULT_GPU_NUM_SMS", "DEFAULT_HOST_NUM_SMS"]
 DEFAULT_GPU_NUM_SMS = 24
 #: The host path has no SMs; ``num_sms // 2`` is just the number of channels the bytes are striped over.
 DEFAULT_HOST_NUM_SMS = 4
+
+#: Upper bounds of the fields (every field is bounded; the buffer size is checked against free memory as well).
+#: ``num_sms``: a thread block per SM at most (no GPU has more than 1024 SMs; on the GPU path also at most twice
+#: the device's SM count, checked when the Communicator resolves the config).
+MAX_NUM_SMS = 1024
+#: ``chunk_bytes``: one ring slot; 64 MiB is far beyond the point where larger slots stop helping.
+MAX_CHUNK_BYTES = 64 << 20
+#: ``num_slots``: ring depth per (channel, peer).
+MAX_NUM_SLOTS = 4096
+#: ``max_notify_ints``: int64 values per peer in one count exchange (8 MiB per notify slot).
+MAX_NOTIFY_INTS = 1 << 20
+#: ``timeout_s``: about 31 years; larger values overflow the kernels' nanosecond deadline arithmetic.
+MAX_TIMEOUT_S = 1e9
 
 
 def _env_float(name: str, default: float) -> float:
@@ -30,6 +44,11 @@ def _env_float(name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"environment variable {name} must be a number of seconds, got {value!r}") from None
+
+
+def _env_abort_default() -> bool:
+    from ._lifecycle import env_abort_default
+    return env_abort_default()
 
 
 def _is_int(value) -> bool:
@@ -73,6 +92,22 @@ class Config:
         kernel and raises its own timeout (simpler to debug, costs a host synchronisation per call). Steps whose
         results the host needs (the count exchange of ``alltoallv`` without ``recv_counts``, MoE ``dispatch``
         without a handle) always wait. The host path always completes within the call.
+    abort_on_failure : bool
+        "The job always ends": when a failed communicator (a timeout, a mismatch between ranks, :meth:`abort`) is
+        closed, or is still open at interpreter exit, or a ``SymBufferError`` reaches the top level uncaught, the
+        rank prints the error and calls ``MPI.COMM_WORLD.Abort(1)`` instead of hanging in a window free or
+        ``MPI_Finalize``. ``False``: close() of a failed communicator does a bounded close and frees what it can
+        (if peers never come it leaves the buffer allocated and raises), for callers who recover themselves.
+        Default from the environment variable ``CUPY_SYMBUF_ABORT_ON_FAILURE`` ("0"/"false" turn it off), else on.
+
+    Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
+    ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit
+    in free memory (checked before allocating).
+
+    Agreement: every rank of a Communicator must have the same resolved values of ``num_sms``, ``chunk_bytes``,
+    ``num_slots`` and ``max_notify_ints`` (they shape the wire); construction raises ``ValueError`` on every rank
+    naming the field otherwise. ``timeout_s``, ``blocking`` and ``abort_on_failure`` are local policy and may
+    differ between ranks.
     """
 
     num_sms: Optional[int] = None
@@ -81,6 +116,7 @@ class Config:
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("CUPY_SYMBUF_TIMEOUT_S", 30.0))
     max_notify_ints: int = 1024
     blocking: bool = False
+    abort_on_failure: bool = dataclasses.field(default_factory=_env_abort_default)
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
@@ -94,22 +130,36 @@ class Config:
                 raise ValueError(
                     f"Config: num_sms must be even and >= 2 (one sender and one receiver block per channel), "
                     f"got {self.num_sms}")
+            if self.num_sms > MAX_NUM_SMS:
+                raise ValueError(f"Config: num_sms must be <= {MAX_NUM_SMS} (one thread block per SM), got "
+                                 f"{self.num_sms}")
         if self.chunk_bytes is not None:
             if not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0 or self.chunk_bytes % 128:
                 raise ValueError(
                     f"Config: chunk_bytes must be a positive multiple of 128 (ring slots are 128-byte aligned), "
                     f"got {self.chunk_bytes}")
+            if self.chunk_bytes > MAX_CHUNK_BYTES:
+                raise ValueError(f"Config: chunk_bytes must be <= {MAX_CHUNK_BYTES} (64 MiB per ring slot), got "
+                                 f"{self.chunk_bytes}")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 2):
             raise ValueError(f"Config: num_slots must be an int >= 2 (so the sender can fill one slot while the "
                              f"receiver drains another), got {self.num_slots}")
+        if self.num_slots is not None and self.num_slots > MAX_NUM_SLOTS:
+            raise ValueError(f"Config: num_slots must be <= {MAX_NUM_SLOTS} (ring depth per channel and peer), got "
+                             f"{self.num_slots}")
         if (isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real)
-                or not math.isfinite(self.timeout_s) or not 0 < self.timeout_s <= 1e9):
+                or not math.isfinite(self.timeout_s) or not 0 < self.timeout_s <= MAX_TIMEOUT_S):
             raise ValueError(f"Config: timeout_s must be a finite positive number of seconds (<= 1e9), got "
                              f"{self.timeout_s!r}")
         if not isinstance(self.blocking, bool):
             raise TypeError(f"Config: blocking must be True or False, got {self.blocking!r}")
         if not isinstance(self.max_notify_ints, int) or self.max_notify_ints < 1:
             raise ValueError(f"Config: max_notify_ints must be an int >= 1, got {self.max_notify_ints!r}")
+        if self.max_notify_ints > MAX_NOTIFY_INTS:
+            raise ValueError(f"Config: max_notify_ints must be <= {MAX_NOTIFY_INTS} (2**20 int64 per peer in a "
+                             f"count exchange), got {self.max_notify_ints}")
+        if not isinstance(self.abort_on_failure, bool):
+            raise TypeError(f"Config: abort_on_failure must be True or False, got {self.abort_on_failure!r}")
 
     @property
     def num_channels(self) -> int:
@@ -134,6 +184,9 @@ class Config:
                 num_sms = min(DEFAULT_GPU_NUM_SMS, share)
             if chunk is None:
                 chunk = 64 * 1024
+            if gpu_sm_count and num_sms > 2 * gpu_sm_count:
+                raise ValueError(f"Config: num_sms must be <= 2 * the GPU's SM count ({2 * gpu_sm_count}) on the "
+                                 f"cuda backend, got {num_sms}")
         else:
             if num_sms is None:
                 num_sms = DEFAULT_HOST_NUM_SMS

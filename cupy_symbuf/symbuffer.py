@@ -9,13 +9,16 @@ identified by UUID / PCI bus id, never by ordinal, since ordinals differ under `
 """
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import warnings
 from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _compat
+from . import _agree, _compat, _lifecycle
 from .errors import SymBufferClosedError
 
 __all__ = ["SymBuffer", "resolve_backend"]
@@ -49,6 +52,52 @@ def _gpu_identity(device_id: int) -> dict:
     return {"uuid": str(uuid), "pci_bus_id": str(bus).lower(), "sm_count": int(props.get("multiProcessorCount", 0))}
 
 
+def _host_available_bytes() -> tuple:
+    """``(bytes, what)``: memory a shared-memory window of the node can still take: the smaller of the free space
+    of ``/dev/shm`` and ``MemAvailable`` of ``/proc/meminfo`` (either missing: the other; both: ``(None, ...)``)."""
+    found = []
+    try:
+        st = os.statvfs("/dev/shm")
+        found.append((st.f_bavail * st.f_frsize, "free in /dev/shm"))
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if not found:
+        return None, "unknown"
+    return min(found)
+
+
+def _gpu_free_bytes() -> tuple:
+    """``(bytes, what)``: free memory of the current GPU (``cudaMemGetInfo``), shared by the ranks on it."""
+    free, _total = _compat.cupy.cuda.runtime.memGetInfo()
+    return int(free), f"free on GPU {_compat.cupy.cuda.Device().id} (cudaMemGetInfo)"
+
+
+def _memory_verdict(nbytes: int, sharing: int, backend: str) -> Optional[str]:
+    """``None`` when ``sharing`` buffers of ``nbytes`` fit in what is free (host: the node's shared memory for all
+    ranks; cuda: the GPU's free memory for the ranks on it), else the error text naming needed and available."""
+    if not nbytes:
+        return None
+    try:
+        available, what = _gpu_free_bytes() if backend == "cuda" else _host_available_bytes()
+    except Exception:  # pragma: no cover - a probe that fails does not block allocation
+        return None
+    needed = sharing * nbytes
+    if available is None or needed <= available:
+        return None
+    where = "ranks on this node" if backend == "host" else "ranks on this GPU"
+    return (f"the symmetric buffers need {needed} bytes ({sharing} {where} x {nbytes} bytes, "
+            f"{needed / 2**30:.2f} GiB) but only {available} bytes ({available / 2**30:.2f} GiB) are available "
+            f"({what}); reduce Config.num_slots, chunk_bytes, num_sms or max_notify_ints")
+
+
 class SymBuffer:
     """One ``nbytes`` buffer per rank of ``comm``, with every peer's buffer mapped locally.
 
@@ -60,11 +109,17 @@ class SymBuffer:
         Bytes per rank (>= 0), identical on every rank.
     backend : {"auto", "cuda", "host"}
         See module docstring. ``"auto"`` picks cuda when CuPy imports and a GPU is visible.
+    timeout_s : float, optional
+        Bound on construction's and ``close()``'s waits for the peers (default ``Config().timeout_s``): a peer that
+        never arrives gives :class:`~cupy_symbuf.SymBufferTimeoutError` naming it instead of a hang.
 
     Raises
     ------
     ValueError
-        ``nbytes`` negative or different across ranks (the message names both sizes), or unknown ``backend``.
+        ``nbytes`` negative or different across ranks (the message names both sizes), unknown ``backend``, or the
+        buffers do not fit in free memory (bytes needed and available named); raised on every rank alike.
+    SymBufferTimeoutError
+        A peer did not construct within ``timeout_s`` (role "construction", ``missing`` lists the ranks).
     NotImplementedError
         ``comm`` spans more than one node (scale-out is not implemented yet).
     RuntimeError
@@ -79,25 +134,48 @@ class SymBuffer:
         (cuda) the same as a ``uint64 [world_size]`` device array, for kernels.
     gpu_identities : list of dict
         (cuda) ``{"uuid", "pci_bus_id", "sm_count", "hostname"}`` of every rank's GPU.
+
+    Notes
+    -----
+    Freeing is collective, so a SymBuffer garbage-collected unclosed is not freed: it warns (``ResourceWarning``)
+    and its memory stays allocated. Buffers still open at interpreter exit are closed (bounded) by an ``atexit``
+    handler, newest first. After ``os.fork()`` the child never closes or frees the parent's buffers.
     """
 
-    def __init__(self, comm: MPI.Comm, nbytes: int, *, backend: str = "auto"):
+    _closed = True  # until construction completes (also seen by __del__ of a half-built object)
+    _pid = -1
+
+    def __init__(self, comm: MPI.Comm, nbytes: int, *, backend: str = "auto", timeout_s: Optional[float] = None,
+                 _managed: bool = False):
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"SymBuffer: comm must be an mpi4py intra-communicator, got {comm!r}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or int(nbytes) < 0:
             raise ValueError(f"SymBuffer: nbytes must be an int >= 0, got {nbytes!r}")
         nbytes = int(nbytes)
+        if timeout_s is None:
+            from .config import Config
+            timeout_s = Config().timeout_s
+        self.timeout_s = float(timeout_s)
         self._closed = True
+        self._managed = _managed  # owned by a Communicator, which closes it and warns for it
         self.backend = resolve_backend(backend)
-        # Agree on the backend too: one rank on cuda and another on host would deadlock later.
-        sizes = comm.allgather((nbytes, self.backend))
-        for r, (n, b) in enumerate(sizes):
+        # Agree on size and backend (one rank on cuda and another on host would deadlock later), bounded: a peer
+        # that never constructs gives a timeout naming it. On the host the memory verdict travels with them.
+        me = comm.Get_rank()
+        verdict = None
+        if self.backend == "host":
+            verdict = _memory_verdict(nbytes, comm.Get_size(), "host")
+        sizes = _agree.exchange_all(comm, (nbytes, self.backend, verdict), self.timeout_s,
+                                    "SymBuffer construction")
+        for r, (n, b, _) in enumerate(sizes):
             if n != nbytes:
-                raise ValueError(f"SymBuffer: nbytes must be the same on every rank: rank {comm.Get_rank()} asked "
+                raise ValueError(f"SymBuffer: nbytes must be the same on every rank: rank {me} asked "
                                  f"for {nbytes} bytes but rank {r} asked for {n} bytes")
             if b != self.backend:
-                raise ValueError(f"SymBuffer: backend must resolve the same on every rank: rank {comm.Get_rank()} "
+                raise ValueError(f"SymBuffer: backend must resolve the same on every rank: rank {me} "
                                  f"has {self.backend!r} but rank {r} has {b!r}")
+        _agree.raise_if_any_failed([v for _, _, v in sizes], "SymBuffer")
+        # every rank is here: the blocking collectives below complete
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         node_size = node.Get_size()
         node.Free()
@@ -106,6 +184,7 @@ class SymBuffer:
                 f"SymBuffer: comm spans more than one node ({comm.Get_size()} ranks, {node_size} on this node); "
                 f"only single-node communicators are supported for now (multi-node scale-out comes later)")
         self.comm = comm.Dup()
+        _lifecycle.count("comm", 1)
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
         self.nbytes = nbytes
@@ -122,13 +201,22 @@ class SymBuffer:
             else:
                 self._init_host()
         except BaseException:
-            self.comm.Free()
+            self._free_comm()
             raise
+        self._pid = os.getpid()
         self._closed = False
+        self._token = None if _managed else _lifecycle.register(self)
+
+    def _free_comm(self) -> None:
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+            _lifecycle.count("comm", -1)
 
     # ---- host ---------------------------------------------------------------------------------------------
     def _init_host(self) -> None:
         win = MPI.Win.Allocate_shared(self.nbytes, 1, comm=self.comm)
+        _lifecycle.count("win", 1)
         win.Lock_all(MPI.MODE_NOCHECK)  # passive-target epoch, so Win.Sync() is a memory barrier
         self._win = win
         for r in range(self.world_size):
@@ -137,7 +225,7 @@ class SymBuffer:
             self._host_views.append(view[: self.nbytes])
         self._host_views[self.rank][:] = 0
         win.Sync()
-        self.comm.Barrier()
+        _agree.barrier(self.comm, self.timeout_s, "SymBuffer construction (zeroed)", role="construction")
 
     def sync(self) -> None:
         """Memory barrier over the window (host backend; ``MPI_Win_sync``). No-op on cuda."""
@@ -160,18 +248,35 @@ class SymBuffer:
         self.device_id = cp.cuda.Device().id
         ident = _gpu_identity(self.device_id)
         ident["hostname"] = socket.gethostname()
+        idents = _agree.exchange_all(self.comm, ident, self.timeout_s, "SymBuffer construction (GPUs)")
+        key = (ident["uuid"], ident["pci_bus_id"], ident["hostname"])
+        sharing = sum(1 for i in idents if (i["uuid"], i["pci_bus_id"], i["hostname"]) == key)
+        _agree.raise_if_any_failed(
+            _agree.exchange_all(self.comm, _memory_verdict(self.nbytes, sharing, "cuda"), self.timeout_s,
+                                "SymBuffer construction (memory)"), "SymBuffer")
         ptr = 0
         handle = b""
+        err = None
         if self.nbytes:
-            ptr = rt.malloc(self.nbytes)  # a plain cudaMalloc: IPC handles cover whole allocations
-            rt.memset(ptr, 0, self.nbytes)
-            handle = bytes(rt.ipcGetMemHandle(ptr))
+            try:
+                ptr = rt.malloc(self.nbytes)  # a plain cudaMalloc: IPC handles cover whole allocations
+                rt.memset(ptr, 0, self.nbytes)
+                handle = bytes(rt.ipcGetMemHandle(ptr))
+            except Exception as exc:  # tell the peers instead of leaving them waiting
+                err = f"cudaMalloc/IPC handle of {self.nbytes} bytes failed: {exc}"
         self._local_ptr = ptr
-        infos = self.comm.allgather((ident, handle))
-        self.gpu_identities = [i for i, _ in infos]
+        infos = _agree.exchange_all(self.comm, (ident, handle, err), self.timeout_s, "SymBuffer construction (IPC)")
+        try:
+            _agree.raise_if_any_failed([e for _, _, e in infos], "SymBuffer", RuntimeError)
+        except RuntimeError:
+            if ptr:
+                rt.free(ptr)
+            self._local_ptr = 0
+            raise
+        self.gpu_identities = [i for i, _, _ in infos]
         ptrs = []
         try:
-            for r, (_, h) in enumerate(infos):
+            for r, (_, h, _) in enumerate(infos):
                 if r == self.rank or not self.nbytes:
                     ptrs.append(ptr)  # never open our own handle
                 else:
@@ -185,7 +290,7 @@ class SymBuffer:
         self.peer_ptrs = ptrs
         self.peer_ptrs_device = cp.array(np.array(ptrs, dtype=np.uint64))
         cp.cuda.runtime.deviceSynchronize()
-        self.comm.Barrier()
+        _agree.barrier(self.comm, self.timeout_s, "SymBuffer construction (mapped)", role="construction")
 
     @property
     def ranks_per_gpu(self) -> int:
@@ -258,29 +363,74 @@ class SymBuffer:
         return self._closed
 
     def close(self) -> None:
-        """Unmap peers and free the buffer; collective over ``comm``. Idempotent."""
+        """Unmap peers and free the buffer; collective over ``comm``, bounded by ``timeout_s``. Idempotent.
+
+        A peer that never closes (failed, exited) gives :class:`~cupy_symbuf.SymBufferTimeoutError` (role "close",
+        ``missing`` names the ranks) within ``timeout_s``; this rank's buffer then stays allocated (a peer may still
+        write into it) and the SymBuffer is closed all the same. In a process forked from the one that made the
+        buffer, close() only forgets it (nothing is freed: it belongs to the parent).
+        """
         if self._closed:
             return
         self._closed = True
+        _lifecycle.unregister(getattr(self, "_token", None))
+        if os.getpid() != self._pid:
+            return
+        what = "SymBuffer.close"
+        slow = self._slow_note()
         if self.backend == "cuda":
             rt = _compat.cupy.cuda.runtime
-            rt.deviceSynchronize()
-            self.comm.Barrier()  # nobody may still write into a buffer we are about to free
-            for p in self._opened:
-                rt.ipcCloseMemHandle(p)
-            self._opened = []
-            self.comm.Barrier()
+            try:
+                rt.deviceSynchronize()
+            finally:
+                # nobody may still write into a buffer we are about to free (raises when a peer never comes: the
+                # buffer is then left allocated, our mappings of the peers are still closed below)
+                try:
+                    _agree.barrier(self.comm, self.timeout_s, what, on_slow=slow)
+                finally:
+                    for p in self._opened:
+                        rt.ipcCloseMemHandle(p)
+                    self._opened = []
+                    self.peer_ptrs_device = None
+            _agree.barrier(self.comm, self.timeout_s, what + " (unmapped)")
             if self._local_ptr:
                 rt.free(self._local_ptr)
             self._local_ptr = 0
-            self.peer_ptrs_device = None
         else:
-            self.comm.Barrier()
+            _agree.barrier(self.comm, self.timeout_s, what, on_slow=slow)  # raises: window, comm left allocated
             self._host_views = []
             self._win.Unlock_all()
-            self._win.Free()
+            self._win.Free()  # collective, but every rank is here now
             self._win = None
-        self.comm.Free()
+            _lifecycle.count("win", -1)
+        self._free_comm()
+
+    def _slow_note(self):
+        """When close() runs while an exception propagates (``with`` exit, ``finally``) and the peers are slow to
+        close, say so at once: a peer's failure may end the job (``MPI.Abort``) before that exception is printed."""
+        pending = sys.exc_info()[1]
+        if pending is None:
+            return None
+        rank, t = self.rank, self.timeout_s
+
+        def note(missing):
+            try:
+                sys.stderr.write(f"cupy_symbuf: rank {rank}: close() waits (up to {t:g} s) for rank(s) "
+                                 f"{', '.join(map(str, missing))} while this exception propagates: "
+                                 f"{type(pending).__name__}: {pending}\n")
+                sys.stderr.flush()
+            except Exception:  # pragma: no cover
+                pass
+        return (0.5, note)
+
+    def __del__(self):
+        if self._closed or self._pid != os.getpid() or getattr(self, "_managed", False):
+            return
+        try:
+            warnings.warn(f"unclosed {self!r}: freeing is collective, so it stays allocated until exit (call "
+                          f"close() on every rank, or use 'with')", ResourceWarning, source=self)
+        except Exception:  # pragma: no cover - interpreter shutting down
+            pass
 
     def __enter__(self) -> "SymBuffer":
         return self

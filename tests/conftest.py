@@ -5,10 +5,14 @@ Ranks other than 0 print only failures, so the log has one report per failing ra
 """
 import os
 
-import pytest
-from mpi4py import MPI
+# In-process tests catch cupy_symbuf's failures themselves: a failed communicator must not end pytest with
+# MPI.COMM_WORLD.Abort (Config.abort_on_failure; the fault tests in subprocesses exercise the default).
+os.environ.setdefault("CUPY_SYMBUF_ABORT_ON_FAILURE", "0")
 
-from cupy_symbuf import _compat
+import pytest  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from cupy_symbuf import _compat  # noqa: E402
 
 
 def pytest_configure(config):

@@ -1,0 +1,331 @@
+"""Lifecycle (issue 9): construction agreement, bounds and memory checks, bounded construction and close, abort(),
+ResourceWarning on leaks, atexit, re-creation, fork. Runs on 1 rank and under mpiexec; multi-rank cases skip on 1."""
+import gc
+import os
+import time
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cupy_symbuf as cs
+from cupy_symbuf import _agree, _lifecycle, symbuffer
+from cupy_symbuf.layout import ChannelLayout
+from _util import to_backend, to_numpy
+
+
+def _need2(comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+
+
+def _check_alltoall(c, width=3):
+    W, R = c.world_size, c.rank
+    x = (R * 1000 + np.arange(W)[:, None] * 10 + np.arange(width)[None, :]).astype(np.float32)
+    y = to_numpy(c.alltoall(to_backend(x, c.backend)))
+    expected = (np.arange(W)[:, None] * 1000 + R * 10 + np.arange(width)[None, :]).astype(np.float32)
+    np.testing.assert_array_equal(y, expected)
+
+
+def _all_ranks(comm, ok: bool) -> None:
+    """Keep ranks in step: every rank learns whether every rank's part passed."""
+    assert all(comm.allgather(ok)), "another rank's part failed"
+
+
+# ---- construction agreement ----------------------------------------------------------------------------------
+
+def test_mismatched_config_same_total_size_raises_on_every_rank(backend, comm):
+    _need2(comm)
+    a, b = cs.Config(chunk_bytes=1024, num_slots=4), cs.Config(chunk_bytes=2048, num_slots=2)
+    la, lb = (ChannelLayout.from_config(cfg.resolved(backend, world_size=comm.size), comm.size) for cfg in (a, b))
+    assert la.total_bytes == lb.total_bytes  # the hazard: the buffers alone cannot tell them apart
+    others = "rank 1 has 2048" if comm.size == 2 else "ranks " + ",".join(map(str, range(1, comm.size))) + \
+        " have 2048"
+    with pytest.raises(ValueError) as info:
+        cs.Communicator(comm, a if comm.rank == 0 else b, backend=backend)
+    assert str(info.value).startswith(f"Communicator: ranks disagree on config.chunk_bytes: rank 0 has 1024, "
+                                      f"{others}")
+    with cs.Communicator(comm, a, backend=backend) as c:  # a correct construction afterwards works
+        assert c.config.chunk_bytes == 1024 and c.config.num_slots == 4
+        _check_alltoall(c)
+
+
+@pytest.fixture
+def fresh_defines():
+    """The compile-time defines are read once per process: re-read them for the test, and after it."""
+    from cupy_symbuf import _kernels
+    caches = [f for f in (getattr(_kernels, n, None) for n in ("_tuning_defines", "_debug_defines"))
+              if hasattr(f, "cache_clear")]
+    for f in caches:
+        f.cache_clear()
+    yield
+    for f in caches:
+        f.cache_clear()
+
+
+def test_mismatched_defines_and_debug_switch(backend, comm, monkeypatch, fresh_defines):
+    _need2(comm)
+    from cupy_symbuf import _kernels
+    monkeypatch.setenv("CUPY_SYMBUF_NVRTC_DEFINES", f"-DSYMBUF_UNROLL={2 + (comm.rank > 0) * 2}")
+    with pytest.raises(ValueError, match=r"ranks disagree on defines: rank 0 has '-DSYMBUF_UNROLL=2', "
+                                         r"ranks? [\d,]+ ha(s|ve) '-DSYMBUF_UNROLL=4'"):
+        cs.Communicator(comm, backend=backend)
+    monkeypatch.delenv("CUPY_SYMBUF_NVRTC_DEFINES")
+    _kernels._tuning_defines.cache_clear()
+    monkeypatch.setenv("CUPY_SYMBUF_DEBUG", "1" if comm.rank == 0 else "")
+    if hasattr(_kernels, "_debug_defines"):
+        _kernels._debug_defines.cache_clear()
+    with pytest.raises(ValueError, match=r"ranks disagree on debug: rank 0 has '-DSYMBUF_DEBUG=1'"):
+        cs.Communicator(comm, backend=backend)
+
+
+def test_local_policy_fields_may_differ(backend, comm):
+    cfg = cs.Config(timeout_s=5.0 + comm.rank, blocking=comm.rank % 2 == 1, abort_on_failure=comm.rank == 0)
+    with cs.Communicator(comm, cfg, backend=backend) as c:
+        assert c.config.timeout_s == 5.0 + comm.rank and c.config.abort_on_failure == (comm.rank == 0)
+        _check_alltoall(c)
+
+
+def test_fingerprint_covers_the_wire_and_names_field():
+    cfg = cs.Config(num_sms=4, chunk_bytes=1024, num_slots=4).resolved("host", world_size=2)
+    fp = _agree.fingerprint(cfg, ChannelLayout.from_config(cfg, 2), "host")
+    for key in ("config.num_sms", "config.chunk_bytes", "config.num_slots", "config.max_notify_ints",
+                "layout.total_bytes", "layout.num_channels", "backend", "kernel.ring_warps", "kernel.self_warps",
+                "kernel.max_threads", "defines", "debug", "package_version", "protocol_version"):
+        assert key in fp, key
+    assert not any(k.endswith(f) for k in fp for f in _agree.LOCAL_POLICY_FIELDS)
+    assert fp["kernel.ring_warps"] == 11 and fp["kernel.self_warps"] == 5  # 2 ranks: 11 + 5 warps
+    other = dict(fp, **{"kernel.ring_warps": 8})
+    with pytest.raises(ValueError, match=r"^X: ranks disagree on kernel\.ring_warps: ranks 0,2 have 11, rank 1 "
+                                         r"has 8"):
+        _agree.check_agreement([fp, other, fp], "X")
+    _agree.check_agreement([fp, dict(fp)], "X")  # equal: no error
+
+
+# ---- bounds and memory --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, rule", [
+    ({"num_slots": 10 ** 6}, r"num_slots must be <= 4096"),
+    ({"num_sms": 2048}, r"num_sms must be <= 1024"),
+    ({"chunk_bytes": 128 << 20}, r"chunk_bytes must be <= 67108864 \(64 MiB"),
+    ({"max_notify_ints": 1 << 21}, r"max_notify_ints must be <= 1048576"),
+    ({"timeout_s": 2e9}, r"<= 1e9"),
+])
+def test_config_upper_bounds(kwargs, rule):
+    with pytest.raises(ValueError, match=rule):
+        cs.Config(**kwargs)
+
+
+def test_config_abort_on_failure_field(monkeypatch):
+    for text, want in (("0", False), ("false", False), ("1", True), ("", True)):
+        monkeypatch.setenv("CUPY_SYMBUF_ABORT_ON_FAILURE", text)
+        assert cs.Config().abort_on_failure is want
+    with pytest.raises(TypeError, match="abort_on_failure"):
+        cs.Config(abort_on_failure=1)
+    with pytest.raises(ValueError, match=r"num_sms must be <= 2 \* the GPU's SM count \(264\)"):
+        cs.Config(num_sms=300).resolved("cuda", gpu_sm_count=132)
+
+
+def test_buffer_larger_than_free_memory_raises_on_every_rank(comm, monkeypatch):
+    # only rank 0 "has" 1000 bytes: every rank raises, alike, naming needed and available bytes
+    if comm.rank == 0:
+        monkeypatch.setattr(symbuffer, "_host_available_bytes", lambda: (1000, "test probe"))
+    with pytest.raises(ValueError, match=r"^Communicator|^SymBuffer") as info:
+        cs.Communicator(comm, backend="host")
+    msg = str(info.value)
+    assert msg.startswith("SymBuffer: rank 0: the symmetric buffers need ") and "only 1000 bytes" in msg
+    needed = int(msg.split(" need ")[1].split()[0])
+    layout = ChannelLayout.from_config(cs.Config().resolved("host", world_size=comm.size), comm.size)
+    assert needed == comm.size * layout.total_bytes
+    monkeypatch.undo()
+    with cs.Communicator(comm, backend="host") as c:  # and then it works
+        _check_alltoall(c)
+
+
+def test_memory_probe_reports_real_numbers():
+    available, what = symbuffer._host_available_bytes()
+    assert available is None or available > 0
+    assert symbuffer._memory_verdict(0, 4, "host") is None
+    assert symbuffer._memory_verdict(1 << 62, 1, "host") is None or "need" in symbuffer._memory_verdict(1 << 62, 1,
+                                                                                                       "host")
+
+
+# ---- bounded construction and close ------------------------------------------------------------------------
+
+def test_peer_that_never_constructs_times_out_naming_it(comm):
+    _need2(comm)
+    sub = comm.Dup()  # leftovers of a failed construction stay on this communicator, freed below
+    try:
+        if comm.rank == 0:
+            t0 = time.monotonic()
+            with pytest.raises(cs.SymBufferTimeoutError) as info:
+                cs.Communicator(sub, cs.Config(timeout_s=0.5), backend="host")
+            assert time.monotonic() - t0 < 3.0
+            err = info.value
+            assert err.role == "construction" and err.missing == list(range(1, comm.size))
+            assert "never arrived" in str(err) and f"rank 0: rank{'s' if comm.size > 2 else ''} 1" in str(err)
+        comm.Barrier()
+        if comm.rank != 0:  # a late arrival does not go on alone: rank 0 withdrew
+            with pytest.raises(cs.SymBufferTimeoutError, match=r"rank 0 gave up waiting") as info:
+                cs.Communicator(sub, cs.Config(timeout_s=2.0), backend="host")
+            assert info.value.withdrawn and 0 in info.value.missing
+    finally:
+        comm.Barrier()
+        time.sleep(0.05)
+        _agree.discard_leftovers(sub)  # MPI may hand a freed communicator's unreceived messages to a later one
+        comm.Barrier()
+        sub.Free()
+
+
+def test_close_with_a_peer_that_never_closes_is_bounded(comm):
+    _need2(comm)
+    c = cs.Communicator(comm, cs.Config(timeout_s=0.5), backend="host")
+    _check_alltoall(c)
+    if comm.rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(cs.SymBufferTimeoutError) as info:
+            c.close()
+        assert time.monotonic() - t0 < 3.0
+        assert info.value.role == "close" and info.value.missing == list(range(1, comm.size))
+        c.close()  # idempotent: closed (its buffer left allocated) after the timeout
+    comm.Barrier()
+    if comm.rank != 0:
+        with pytest.raises(cs.SymBufferTimeoutError, match=r"gave up waiting"):
+            c.close()
+    assert c._closed
+    comm.Barrier()
+
+
+def test_closing_a_failed_communicator_ends_the_job_by_default(comm, monkeypatch):
+    calls = []
+    monkeypatch.setattr(_lifecycle, "_mpi_abort", lambda code: calls.append(code))
+    monkeypatch.setattr(_lifecycle, "GRACE_S", 0.0)
+    c = cs.Communicator(comm, cs.Config(abort_on_failure=True), backend="host")
+    buf = c.buffer
+    c._broken = "test failure"
+    c.close()
+    assert calls == [1]
+    assert c._closed
+    buf.close()  # what the abort would have ended: free it here to keep the test clean
+
+
+def test_abort_is_local_and_peers_raise_naming_the_rank(backend, comm):
+    c = cs.Communicator(comm, cs.Config(timeout_s=10.0), backend=backend)
+    try:
+        _check_alltoall(c)
+        comm.Barrier()
+        if comm.rank == 0:
+            c.abort("test abort")
+            assert "aborted by this rank (rank 0): test abort" in c.describe()
+            with pytest.raises(cs.SymBufferError, match=r"unusable .*aborted by this rank \(rank 0\): test abort"):
+                c.alltoall(to_backend(np.ones((comm.size, 2), np.float32), backend))
+        comm.Barrier()
+        if comm.rank != 0:
+            t0 = time.monotonic()
+            with pytest.raises(cs.SymBufferError) as info:
+                c.alltoall(to_backend(np.ones((comm.size, 2), np.float32), backend))
+                if backend == "cuda":
+                    c.synchronize()
+            assert time.monotonic() - t0 < 5.0, "peers must leave well before timeout_s"
+            assert isinstance(info.value, cs.SymBufferAbortedError), repr(info.value)
+            assert info.value.aborting_rank == 0 and "rank 0" in str(info.value)
+    finally:
+        comm.Barrier()
+        c.close()
+
+
+# ---- leaks, re-creation, fork ------------------------------------------------------------------------------
+
+def test_unclosed_communicator_warns_and_closed_one_does_not(comm):
+    c = cs.Communicator(comm, backend="host")
+    buf = c.buffer  # keep the buffer to free it collectively after the warning
+    with pytest.warns(ResourceWarning, match=r"unclosed Communicator"):
+        del c
+        gc.collect()
+    buf.close()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        c = cs.Communicator(comm, backend="host")
+        c.close()
+        del c
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+
+
+def test_unclosed_symbuffer_warns(comm):
+    b = cs.SymBuffer(comm, 1024, backend="host")
+    win, dup = b._win, b.comm
+    with pytest.warns(ResourceWarning, match=r"unclosed SymBuffer"):
+        del b
+        gc.collect()
+    comm.Barrier()
+    win.Unlock_all()
+    win.Free()
+    dup.Free()
+    _lifecycle.count("win", -1)
+    _lifecycle.count("comm", -1)
+
+
+def test_create_close_cycles_do_not_leak_mpi_objects(comm):
+    before = _lifecycle.live_mpi_objects()
+    cfg = cs.Config(num_sms=2, chunk_bytes=1024, num_slots=2)
+    for i in range(100):
+        with cs.Communicator(comm, cfg, backend="host") as c:
+            assert c.world_size == comm.size
+            if i % 25 == 0:
+                _check_alltoall(c)
+            assert _lifecycle.live_mpi_objects() == {"comm": before["comm"] + 1, "win": before["win"] + 1}
+    assert _lifecycle.live_mpi_objects() == before
+    assert not [o for o in _lifecycle._open_objects() if isinstance(o, cs.Communicator)]
+
+
+def test_sub_communicator_after_closing_the_world_one(backend, comm):
+    with cs.Communicator(comm, backend=backend) as c:
+        _check_alltoall(c)
+    sub = comm.Split(comm.rank % 2, comm.rank)
+    try:
+        with cs.Communicator(sub, backend=backend) as c:
+            assert c.world_size == (comm.size + 1 - comm.rank % 2) // 2
+            _check_alltoall(c)
+    finally:
+        sub.Free()
+
+
+def test_fork_child_leaves_the_parents_communicator_alone(comm):
+    c = cs.Communicator(comm, backend="host")
+    try:
+        _check_alltoall(c)
+        pid = os.fork()
+        if pid == 0:  # child: nothing of the parent's may be used, closed or freed
+            code = 3
+            try:
+                try:
+                    c.alltoall(np.ones((comm.size, 1), np.float32))
+                    code = 1
+                except cs.SymBufferError as exc:
+                    code = 0 if "os.fork()" in str(exc) else 2
+                c.close()  # forgets it here, frees nothing
+                del c
+                gc.collect()
+                _lifecycle._at_exit()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        _check_alltoall(c)  # the parent keeps working
+        _check_alltoall(c, width=5)
+    finally:
+        comm.Barrier()
+        c.close()
+
+
+def test_atexit_closes_open_communicators_newest_first(comm, monkeypatch):
+    order = []
+    a = cs.Communicator(comm, backend="host")
+    b = cs.Communicator(comm, backend="host")
+    for name, obj in (("a", a), ("b", b)):
+        real = obj.close
+        monkeypatch.setattr(obj, "close", lambda real=real, name=name: (order.append(name), real()))
+    _lifecycle._at_exit()
+    assert order == ["b", "a"] and a._closed and b._closed
