@@ -184,9 +184,10 @@ def _both(rc_default: str, rc_handled: str, records=(), output=()):
 
 
 # rank 0's recv_counts differ from what rank 1 sends: rank 0 raises; rank 1's call returns right data (checked)
-# and its next call raises, naming rank 0
-RECV_COUNTS_OFF = (((0,), DISAGREE, r"alltoallv.*" + ANY_RANK, r"^alltoallv$"),
-                   ((1,), DISAGREE, r"alltoallv.*rank 0", r"^call after failure$"))
+# and (handled mode: by default rank 0's MPI.Abort may end the job first) its next call raises, naming rank 0
+RECV_0 = ((0,), DISAGREE, r"alltoallv.*" + ANY_RANK, r"^alltoallv$")
+RECV_COUNTS_OFF = dict(default=Expect("nonzero", (RECV_0,)),
+                       handled=Expect("zero", (RECV_0, ((1,), DISAGREE, r"alltoallv.*rank 0", r"^call after failure$"))))
 
 
 # close() with a peer that never closes: handled, a SymBufferTimeoutError naming rank 1; by default closing the failed
@@ -225,8 +226,8 @@ CASES = [
     Case("diff_op_same_bytes", 4, **_both("nonzero", "zero",
                                           records=(((0, 1, 2, 3), DISAGREE, r"alltoall", r"^alltoallv?$"),)),),
     # inconsistent counts
-    Case("recv_more", 2, **_both("nonzero", "zero", records=RECV_COUNTS_OFF)),
-    Case("recv_fewer", 2, **_both("nonzero", "zero", records=RECV_COUNTS_OFF)),
+    Case("recv_more", 2, **RECV_COUNTS_OFF),
+    Case("recv_fewer", 2, **RECV_COUNTS_OFF),
     Case("recv_self_off", 2, **_both("zero", "zero",
                                      records=(((0, 1), ("ValueError",), r"recv_counts\[\d\].*send_counts",
                                                r"^alltoallv$"),))),
@@ -309,15 +310,25 @@ def test_fault(name, mode):
     elif exp.rc == "nonzero":
         assert run.rc != 0, f"expected a nonzero exit status\n{why}"
     recs = run.records()
+    # calls made before the fault ("warm-up") and valid calls after a rejection ("valid ...") must succeed
+    bad = [x for x in recs if x["during"].startswith(("warm-up", "valid"))]
+    assert not bad, f"a valid call failed: {[(x['rank'], x['during'], x['cls'], x['msg'][:160]) for x in bad]}\n{why}"
     if exp.no_records:
         assert not recs, f"no exception expected\n{why}"
     for ranks, classes, msg_re, during_re in exp.records:
+        # By default the first rank to fail ends the job (MPI.Abort), which may kill the others before their lines
+        # reach the launcher: there one of the ranks must show it; handled, every listed rank must.
+        need = 1 if mode == "default" else len(ranks)
+        found, seen = 0, []
         for r in ranks:
             hits = [x for x in recs if x["rank"] == r and re.search(during_re, x["during"])]
-            assert hits, f"rank {r} printed no CAUGHT/RAISING record during /{during_re}/\n{why}"
-            ok = [x for x in hits if x["isa"] & set(classes) and re.search(msg_re, x["msg"], re.I)]
-            assert ok, (f"rank {r}: expected one of {classes} matching /{msg_re}/ during /{during_re}/, got "
-                        f"{[(x['cls'], x['msg'][:160]) for x in hits]}\n{why}")
+            seen += [(r, x["cls"], x["msg"][:160]) for x in hits]
+            if any(x["isa"] & set(classes) and re.search(msg_re, x["msg"], re.I) for x in hits):
+                found += 1
+            elif mode != "default":
+                assert hits, f"rank {r} printed no CAUGHT/RAISING record during /{during_re}/\n{why}"
+        assert found >= need, (f"ranks {ranks}: expected one of {classes} matching /{msg_re}/ during /{during_re}/ "
+                               f"on {need} of them, got {seen}\n{why}")
     for rx in exp.output:
         assert re.search(rx, run.out), f"output lacks /{rx}/\n{why}"
     if case.max_after_abort_s is not None:
