@@ -365,9 +365,12 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
     if field == P.FIELD_OP:
         detail = f"this rank called {P.op_name(expected)}, rank {peer} called {P.op_name(got)}"
     elif field == P.FIELD_UNITS:
-        unit = "bytes" if plan is not None and plan.byte_stream else "rows"
-        detail = (f"this rank expects {expected} {unit} from rank {peer} (its recv_counts), rank {peer} sends "
-                  f"{got}")
+        def rows(units):  # byte streams count bytes on the wire
+            if plan is not None and plan.byte_stream and plan.row_bytes > 1:
+                return f"{units // plan.row_bytes} rows ({units} bytes)" if units % plan.row_bytes == 0 else \
+                    f"{units} bytes"
+            return f"{units} rows"
+        detail = f"this rank expects {rows(expected)} from rank {peer} (its recv_counts), rank {peer} sends {rows(got)}"
     elif field == P.FIELD_SIG:
         detail = "the peer's dtype, row shape or parts differ from this rank's"
     else:

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
                   f"chunk={c.config.chunk_bytes} slots={c.config.num_slots}")
             if c.backend == "cuda":
-                k = c._transport._k_alltoallv
+                k = c._transport._k_ring
                 print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
                       f"(spills), {c._transport.threads} threads/block")
             print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "

@@ -208,7 +208,7 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) 
     worker instead of one worker copying one slot, and a long one ends on a full round. A chunk is at least 4 KiB
     of units (one unrolled warp pass), a multiple of 512 bytes of units (one vector pass of a warp; keeps byte
     streams 16-byte aligned), and at most one slot (``chunk_bytes // unit_bytes`` units). Sender and receiver derive
-    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/alltoall.cu``. An empty
+    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/ring_exchange.cu``. An empty
     stream (``rows <= 0``) has no chunks; the slot size is returned.
     """
     max_rows = chunk_bytes // unit_bytes
@@ -221,7 +221,7 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) 
     return min(max_rows, max(least, -(-per // grain) * grain))
 
 
-# ---- wire format of a row exchange (both backends, and cuda_src/alltoall.cu) ---------------------------------
+# ---- wire format of a row exchange (both backends, and cuda_src/ring_exchange.cu) ---------------------------------
 
 def is_byte_stream(num_parts: int, has_index: bool) -> bool:
     """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries) for one part

@@ -17,7 +17,7 @@ sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts...]`
 notify signature; every rank takes part, also with zero tokens) -> one row exchange ``Engine.exchange_rows`` with
 the receive counts already known (no second count exchange), each ring stream behind its call header. A row is ``x`` | fp8 scales | ``topk_idx`` (global expert ids) | ``topk_weights``
 of one (token, destination rank); a cached dispatch (with ``handle``) sends only ``x`` | scales.
-On the GPU the ring kernel (``cuda_src/alltoall.cu``) gathers each row's parts from the caller's arrays through
+On the GPU the ring kernel (``cuda_src/ring_exchange.cu``) gathers each row's parts from the caller's arrays through
 the token index straight into the channel rings and scatters them from the rings into the output arrays (no packed
 copy); ring slots hold whole rows, so a row must fit in ``Config.chunk_bytes`` there (``ValueError`` otherwise).
 On the host the rows are packed with NumPy, streamed through the same ring protocol and unpacked.

@@ -1,0 +1,240 @@
+"""Ranks agree, or every rank fails loudly (issue 9): a call rejected on one rank only, counts / dtype / operation
+that differ between ranks. Every case checks real values against NumPy: a call either returns the reference rows
+or raises, never wrong data; after a rejection the communicator keeps working.
+
+In-process (every rank runs pytest); the whole-job fault cases (dead peers, hangs, MPI.Abort) are in
+test_faults.py.
+"""
+import numpy as np
+import pytest
+
+import cupy_symbuf as cs
+from _util import random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
+
+CFG = dict(chunk_bytes=1024, num_slots=4, timeout_s=20)
+
+
+def _blocking(backend):
+    """Rejections by a peer are raised by the call itself on the host path and with Config.blocking on the GPU."""
+    return backend == "cuda"
+
+
+@pytest.fixture
+def comm2(backend, comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = cs.Communicator(comm, cs.Config(blocking=_blocking(backend), **CFG), backend=backend)
+    yield c
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
+
+
+def _prepared_alltoall(c, comm, backend, seed):
+    """A valid alltoall on fresh random data, its reference computed now (collectively): returns the call, which
+    itself does no MPI communication (so ranks that fail at different points cannot deadlock in MPI)."""
+    rng = rng_for(comm, seed)
+    x = random_rows(rng, comm.size, (37,), np.float32)
+    everything = comm.allgather(x)
+    want = np.stack([everything[j][comm.rank] for j in range(comm.size)])
+
+    def run():
+        y = c.alltoall(to_backend(x, backend))
+        np.testing.assert_array_equal(to_numpy(y).view(np.uint8), want.view(np.uint8))
+    return run
+
+
+def _valid_alltoall(c, comm, backend, seed):
+    _prepared_alltoall(c, comm, backend, seed)()
+
+
+def _valid_alltoallv(c, comm, backend, seed, **kw):
+    rng = rng_for(comm, seed)
+    counts = rng.integers(0, 30, comm.size)
+    send = random_rows(rng, int(counts.sum()), (9,), np.int16)
+    want, want_counts = reference_alltoallv(comm, send, counts)
+    if kw.pop("with_recv_counts", False):
+        kw["recv_counts"] = want_counts
+    got, got_counts = c.alltoallv(to_backend(send, backend), counts, **kw)
+    np.testing.assert_array_equal(got_counts, want_counts)
+    np.testing.assert_array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
+
+
+REJECT_CASES = ["alltoall-shape", "alltoallv-sum", "alltoallv-recv_counts", "alltoallv-self", "alltoallv-wrap"]
+
+
+@pytest.mark.parametrize("case", REJECT_CASES)
+def test_call_rejected_on_one_rank_only(comm2, comm, backend, case):
+    """Rank 0 passes bad arguments, the others valid ones: rank 0 raises its own error, every other rank raises
+    SymBufferRejectedError naming rank 0 (nothing is delivered from rank 0), and the next calls of every rank
+    return the NumPy reference (the rings stayed in step)."""
+    c = comm2
+    W, me = comm.size, comm.rank
+    rng = rng_for(comm, 11)
+    counts = rng.integers(1, 20, W)
+    send = to_backend(random_rows(rng, int(counts.sum()), (5,), np.float32), backend)
+    recv_counts = np.array(comm.alltoall([int(v) for v in counts]), np.int64)
+    bad = me == 0
+    if case == "alltoall-shape":
+        x = to_backend(random_rows(rng, W + (1 if bad else 0), (5,), np.float32), backend)
+        call = lambda: c.alltoall(x)  # noqa: E731
+        own = r"must have shape\[0\] == world_size"
+    elif case == "alltoallv-sum":
+        sc = counts + (1 if bad else 0)
+        call = lambda: c.alltoallv(send, sc)  # noqa: E731
+        own = "must sum to the number of rows"
+    elif case == "alltoallv-recv_counts":
+        rc = recv_counts.copy()
+        if bad:
+            rc[0] = -1
+        call = lambda: c.alltoallv(send, counts, recv_counts=rc)  # noqa: E731
+        own = "must be >= 0"
+    elif case == "alltoallv-self":
+        rc = recv_counts.copy()
+        if bad:
+            rc[0] += 1
+        call = lambda: c.alltoallv(send, counts, recv_counts=rc)  # noqa: E731
+        own = r"recv_counts\[0\] .* must equal send_counts\[0\]"
+    else:  # counts whose int64 sum wraps to the row count
+        sc = counts.copy()
+        if bad:
+            huge = np.iinfo(np.int64).max
+            sc = np.zeros(W, np.int64)
+            sc[0] = int(counts.sum()) + 2
+            if W >= 2:
+                sc[1] = huge
+            if W >= 3:
+                sc[2] = huge
+            assert W < 3 or int(sc.sum()) == int(counts.sum())  # wraps around in int64
+        call = lambda: c.alltoallv(send, sc)  # noqa: E731
+        own = "sum|more than the transport can address"
+    if bad:
+        with pytest.raises(ValueError, match=own) as info:
+            call()
+        assert not isinstance(info.value, cs.SymBufferRejectedError)
+    else:
+        with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected") as info:
+            call()
+        assert info.value.rejecting_rank == 0 and info.value.rank == me
+    for seed in range(3):  # still usable, and in step: fresh random data every time
+        _valid_alltoall(c, comm, backend, 100 + seed)
+        _valid_alltoallv(c, comm, backend, 200 + seed, with_recv_counts=seed == 1)
+
+
+def test_call_rejected_on_every_rank_stays_usable(comm2, comm, backend):
+    c = comm2
+    x = to_backend(np.ones((comm.size + 1, 3), np.float32), backend)
+    with pytest.raises(ValueError, match="world_size"):
+        c.alltoall(x)
+    _valid_alltoall(c, comm, backend, 5)
+
+
+def _every_rank_fails(comm, first, second):
+    """Run ``first`` then ``second`` on this rank: each either returns correct data (the call checks it) or raises
+    a SymBufferError; returns the error this rank saw (first one). No rank may return wrong data."""
+    seen = None
+    for fn in (first, second):
+        try:
+            fn()
+        except cs.SymBufferError as exc:
+            seen = seen or exc
+            if isinstance(exc, (cs.SymBufferMismatchError, cs.SymBufferAbortedError)):
+                break
+    return seen
+
+
+@pytest.mark.parametrize("delta", [1, -1], ids=["one-more", "one-fewer"])
+def test_recv_counts_differ_from_what_the_peer_sends(backend, comm, delta):
+    """Rank 0 expects one row more (or fewer) than rank 1 sends: rank 0 raises SymBufferMismatchError naming the
+    peer and both counts before taking a byte, and every rank raises (this call or its next one)."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = cs.Communicator(comm, cs.Config(blocking=True, **CFG), backend=backend)
+    W, me = comm.size, comm.rank
+    rng = rng_for(comm, 21)
+    counts = rng.integers(1, 20, W)
+    send = random_rows(rng, int(counts.sum()), (6,), np.uint8)
+    want, want_counts = reference_alltoallv(comm, send, counts)
+    rc = want_counts.copy()
+    if me == 0:
+        rc[1] += delta
+
+    def first():
+        got, _ = c.alltoallv(to_backend(send, backend), counts, recv_counts=rc)
+        np.testing.assert_array_equal(to_numpy(got), want)  # only a rank whose counts were right may get here
+
+    err = _every_rank_fails(comm, first, _prepared_alltoall(c, comm, backend, 22))
+    assert err is not None, f"rank {me} saw no error"
+    if me == 0:
+        assert isinstance(err, cs.SymBufferMismatchError) and err.peer == 1 and "row count" in err.field, err
+        assert f"expects {want_counts[1] + delta} rows" in str(err) and f"sends {want_counts[1]} rows" in str(err)
+    third = _prepared_alltoall(c, comm, backend, 23)
+    with pytest.raises(cs.SymBufferError, match="unusable|aborted"):
+        third()
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
+
+
+@pytest.mark.parametrize("what", ["dtype", "row_shape", "operation"])
+def test_peer_disagrees_on_dtype_shape_or_operation(backend, comm, what):
+    """One rank passes another dtype (same bytes), another row shape (same bytes), or calls another collective:
+    every rank raises a SymBufferError (the receivers a SymBufferMismatchError naming the field), none returns
+    rows."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = cs.Communicator(comm, cs.Config(blocking=True, **CFG), backend=backend)
+    me, W = comm.rank, comm.size
+    rng = rng_for(comm, 31)
+    x = random_rows(rng, W, (4, 6), np.float32)
+    if me == 1:
+        if what == "dtype":
+            x = x.view(np.int32)
+        elif what == "row_shape":
+            x = x.reshape(W, 6, 4)
+    everything = comm.allgather(x)
+
+    def first():
+        if me == 1 and what == "operation":
+            got, _ = c.alltoallv(to_backend(x, backend), np.ones(W, np.int64), recv_counts=np.ones(W, np.int64))
+        else:
+            got = c.alltoall(to_backend(x, backend))
+        want = np.stack([everything[j][me] for j in range(W)])
+        np.testing.assert_array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
+
+    err = _every_rank_fails(comm, first, _prepared_alltoall(c, comm, backend, 32))
+    assert err is not None, f"rank {me} saw no error"
+    if isinstance(err, cs.SymBufferMismatchError) and err.peer == 1:
+        field = {"dtype": "signature", "row_shape": "signature", "operation": "operation"}[what]
+        assert field in err.field, err
+        if what == "operation":
+            assert "called alltoall" in str(err) and "called alltoallv" in str(err)
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
+
+
+def test_notify_agreement_dtype_differs_stays_usable(comm2, comm, backend):
+    """Without recv_counts the count exchange carries each rank's row signature: every rank raises ValueError
+    before any payload moves, and the communicator stays usable."""
+    c = comm2
+    me, W = comm.rank, comm.size
+    dt = np.float32 if me else np.int32
+    x = to_backend(np.ones((W, 3), dt), backend)
+    with pytest.raises(ValueError, match="same dtype and row shape"):
+        c.alltoallv(x, np.ones(W, np.int64))
+    _valid_alltoallv(c, comm, backend, 41)
+
+
+def test_call_headers_checked_repeatedly(comm2, comm, backend):
+    """Many calls of mixed shapes in a row: every header's sequence number and counts match (a race or a stale
+    header would raise or give wrong rows)."""
+    c = comm2
+    for i in range(20):
+        if i % 3 == 0:
+            _valid_alltoall(c, comm, backend, 300 + i)
+        else:
+            _valid_alltoallv(c, comm, backend, 300 + i, with_recv_counts=i % 3 == 2)
