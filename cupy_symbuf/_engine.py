@@ -63,6 +63,8 @@ class Engine:
             self._state.started = True
         try:
             return fn(*args, **kwargs)
+        except SymBufferRejectedError:
+            raise  # a peer rejected a queued call (synchronize): the rings are in step, the communicator usable
         except BaseException as exc:
             if not getattr(self.owner, "_broken", None):
                 self.owner._broken = f"{type(exc).__name__}: {exc}"
