@@ -18,15 +18,16 @@ for stage in $STAGES; do
     faults)  # single-process pytest launching mpirun per case (ranks share GPU 0, MPS on)
       mps_on
       CUPY_SYMBUF_FAULT_BACKEND=cuda MPIEXEC="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x CUPY_SYMBUF_ABORT_ON_FAILURE -x CUPY_SYMBUF_FAULT_BACKEND" \
-        timeout 300 python3 -m pytest -q --color=no -p no:cacheprovider -x --timeout=120 tests/test_faults.py -k "not soak" > $LOG/faults.log 2>&1
+        timeout ${FAULTS_LIMIT:-240} python3 -m pytest -q --color=no -p no:cacheprovider --timeout=100 tests/test_faults.py -k "not soak" > $LOG/faults.log 2>&1
       echo "== [faults] rc=$?"; grep -E "passed|failed|FAILED|XPASS|xfail" $LOG/faults.log | tail -15
       mps_off ;;
     perf)  # 64 KiB (host issue time, --profile) and 1 MiB loop; before (.old) and after, 2 ranks under MPS
       mps_on
-      for tree in .old .; do
-        (cd $tree && PYTHONPATH=$PWD timeout 150 $MPIRUN -x PYTHONPATH -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench \
-           --sizes 64K,1M,128M --no-reference --iters 200 --warmup 20 --profile --breakdown > $LOG/perf_$( [ $tree = . ] && echo new || echo old ).log 2>&1)
-        echo "== [perf $tree] rc=$?"; grep -E "^ *[0-9.]+[KMG]i?B?|ours|issue|per call|us/call" $LOG/perf_$( [ $tree = . ] && echo new || echo old ).log | head -14
+      for v in old new nofold; do  # nofold: this tree with -DSYMBUF_HEADER_FOLD=0
+        tree=.; [ $v = old ] && tree=.old; defs=""; [ $v = nofold ] && defs="-DSYMBUF_HEADER_FOLD=0"
+        (cd $tree && PYTHONPATH=$PWD CUPY_SYMBUF_NVRTC_DEFINES="$defs" timeout 120 $MPIRUN -x PYTHONPATH -x CUPY_SYMBUF_NVRTC_DEFINES -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench \
+           --sizes 64K,1M,128M --no-reference --iters 200 --warmup 20 --profile --breakdown > $LOG/perf_$v.log 2>&1)
+        echo "== [perf $v] rc=$?"; grep -E "^ *[0-9.]+ [KMG]iB|issue one call" $LOG/perf_$v.log | head -12
       done
       mps_off ;;
     soak)

@@ -47,6 +47,13 @@
 #define SYMBUF_PUBLISH_BATCH 1
 #endif
 
+// 1: the call header's slot is announced together with the first run of payload chunks (one system-scope release
+// fewer per group and call, on both sides; a header alone is released at once when no payload follows or no chunk
+// got ready for a while). 0: the header is released on its own at once (tail = first + 1, head = first + 1).
+#ifndef SYMBUF_HEADER_FOLD
+#define SYMBUF_HEADER_FOLD 1
+#endif
+
 // Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128.
 #ifndef SYMBUF_MAX_THREADS
 #define SYMBUF_MAX_THREADS 1024
@@ -57,18 +64,21 @@
 // chunk + 1 into done[i] after its last access to it) and releases the counter into the peer's buffer with ONE
 // st.release.sys per run of finished chunks: tail for a sender, head for a receiver. A run is published once it
 // holds `batch` chunks, reaches `end`, or nothing new got ready for a while. The release is cumulative: it covers
-// every access of each warp acquired from.
+// every access of each warp acquired from. `published0` (<= first) is the counter already released: first - 1 when
+// the call header's slot (counter first - 1, written by this lane or checked by it) is still to be announced with
+// the first run (SYMBUF_HEADER_FOLD), so that run counts only payload chunks towards `batch`.
 __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* done, int num_copy, u64 first, u64 end,
-                                             u64 batch, volatile int* abort_flag, const WaitCtx* ctx, int role,
-                                             int peer) {
-  u64 published = first, ready = first;
+                                             u64 published0, u64 batch, volatile int* abort_flag,
+                                             const WaitCtx* ctx, int role, int peer) {
+  u64 published = published0, ready = first;
   u32 idle = 0;
   SpinBudget spin(ctx);
   while (published < end && !*abort_flag) {
     const u64 before = ready;
     while (ready < end && ld_acquire_cta(&done[(ready - first) % num_copy]) > ready) ++ready;
     idle = ready == before ? idle + 1 : 0;
-    if (ready > published && (ready - published >= batch || ready == end || idle > 32)) {
+    const u64 base = published > first ? published : first;  // payload chunks not yet released
+    if (ready > published && (ready - base >= batch || ready == end || idle > 32)) {
       st_release_sys_global(remote_counter, ready);  // publish_tail / publish_head (protocol.cuh)
       published = ready;
       spin = SpinBudget(ctx);
@@ -148,7 +158,8 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
     u64 head = 0;
     if (wait_for_space(&c, g.peer, g.local_counter, g.first, g.num_slots, head, abort_flag)) {
       write_call_header(slot, g.mine);
-      publish_tail(g.remote_counter, c0);  // release: the header's stores are visible before the tail
+      // release: the header's stores are visible before the tail (folded: the first run's release covers them)
+      if (!SYMBUF_HEADER_FOLD || g.mine.nchunks <= 0) publish_tail(g.remote_counter, c0);
       verdict = kGateCopy;
     }
   } else {  // wait for the header, check it, consume it
@@ -180,7 +191,8 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
         fail(c, ROLE_RECV, g.peer, g.mine.nchunks, got.nchunks, ERR_INVARIANT, FIELD_RING);
         *abort_flag = 1;
       } else {
-        publish_head(g.remote_counter, c0);  // the header slot goes back to the sender at once
+        // the header slot goes back to the sender at once, or (folded) with the first run of consumed chunks
+        if (!SYMBUF_HEADER_FOLD || g.mine.nchunks <= 0) publish_head(g.remote_counter, c0);
         verdict = kGateCopy;
       }
     }
@@ -333,8 +345,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 
   if (copy_id < 0) {  // the publisher (lane 0 of warp 0); a receiver hands each slot back as soon as it is read
     if (lane == 0 && verdict == kGateCopy)
-      publish_runs(remote_counter, done, num_copy, c0, end, is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag,
-                   &s_ctx, role, peer);
+      publish_runs(remote_counter, done, num_copy, c0, end, SYMBUF_HEADER_FOLD && nchunks > 0 ? first : c0,
+                   is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag, &s_ctx, role, peer);
     __syncwarp();
   } else {
     // A receiver's copy warps touch no payload slot before the publisher verified the call header (its

@@ -52,6 +52,7 @@ class Engine:
         self.plans = PlanCache(layout, rank)
         self._epoch = 0
         self._state: Optional[_CallState] = None
+        self._rows_plans = {}
 
     # ---- lifecycle hooks ------------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -88,6 +89,12 @@ class Engine:
             raise
         finally:
             self._state = outer
+
+    def reject(self, op: str, notify: bool) -> None:
+        """A collective whose arguments this rank rejected before its first step (the caller re-raises its own
+        error after this): the peers are told, unless the communicator is already broken."""
+        if not getattr(self.owner, "_broken", None):
+            self._tell_rejected(op, notify)
 
     def _tell_rejected(self, op: str, notify: bool) -> None:
         """Take part in the call just far enough to tell every peer this rank rejected it."""
@@ -138,6 +145,32 @@ class Engine:
             raise ValueError(f"{op}: {what}, but rank {who} does not (no data was sent)")
         return out[:, P.NOTIFY_HDR_WORDS - 1:]
 
+    def rows_plan(self, op: str, x, counts: np.ndarray):
+        """The plan of an equal-blocks call (``alltoall``: one row of ``x`` to and from every rank), cached by
+        shape and dtype: the per-call path does no planning at all."""
+        key = (op, x.shape, x.dtype)
+        plan = self._rows_plans.get(key)
+        if plan is None:
+            plan = self.plans.get(op, row_signature(x), [part_width(x)], False, counts, counts)
+            if len(self._rows_plans) >= 64:
+                self._rows_plans.clear()
+            self._rows_plans[key] = plan
+        return plan
+
+    def run(self, plan, send_parts, send_index, recv_parts) -> None:
+        """Run ``plan`` on the transport (the hot path of a validated call); raises
+        :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (see :meth:`exchange_rows`)."""
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op)
+        if rejected:
+            self._raise_rejected(plan.op, rejected)
+
+    def _raise_rejected(self, op: str, rejected) -> None:
+        who = int(rejected[0])
+        raise SymBufferRejectedError(
+            f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
+            f"the rows from rank {who} were not delivered; the communicator stays usable", rank=self.rank,
+            rejecting_rank=who, op=op)
+
     def exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
                       recv_counts: np.ndarray, sig_text: str) -> None:
         """Row exchange (both backends): a sent row is the concatenation of row ``send_index[r]`` (or ``r``) of
@@ -155,10 +188,6 @@ class Engine:
                               send_counts, recv_counts)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op)
         if rejected:
-            who = int(rejected[0])
-            raise SymBufferRejectedError(
-                f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
-                f"the rows from rank {who} were not delivered; the communicator stays usable", rank=self.rank,
-                rejecting_rank=who, op=op)
+            self._raise_rejected(op, rejected)
 
 

@@ -315,13 +315,18 @@ class Communicator:
         """
         op = "alltoall"
         eng = self._engine
-        with eng.call(op, notify=False):
+        self._check_open()
+        try:  # argument checks; a rejection is told to the peers (the lean form of Engine.call)
             x = as_array(op, "sendbuf", sendbuf, self.backend)
             if x.shape[0] != self.world_size:
                 raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), "
                                  f"got shape {tuple(x.shape)}")
+            plan = eng.rows_plan(op, x, self._ones)
             recv = self.xp.empty(x.shape, dtype=x.dtype)
-            eng.exchange_rows(op, [x], None, self._ones, [recv], self._ones, row_signature(x))
+        except Exception:
+            eng.reject(op, notify=False)
+            raise
+        eng.run(plan, [x], None, [recv])
         return recv
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None):
