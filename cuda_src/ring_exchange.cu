@@ -176,7 +176,8 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
         // The peer rejected: record it (not fatal), consume its header (no payload follows). This rank rejects:
         // drain the header and the got.nchunks payload chunks the peer sends, copying nothing, so the rings stay
         // in step. Either way the copy warps have nothing to do.
-        if (peer_rejects) record_rejection(c, g.peer);
+        // (a rank that rejects raised its own error already: its peers' rejections are not news to it)
+        if (peer_rejects && !g.reject) record_rejection(c, g.peer);
         verdict = kGateSkip;
         st_release_cta(g.gate, verdict);
         end = c0 + (peer_rejects || got.nchunks <= 0 ? 0ull : static_cast<u64>(got.nchunks));

@@ -6,6 +6,7 @@
 # write is visible; then the misuse of issue 9 item 3 (recv_counts[rank] != send_counts[rank]) under memcheck, which
 # must be a clean ValueError. Logs: ${OUT:-/tmp}/sanitize_<tool>_n<ranks>.log; prints each run's SUMMARY lines.
 # Knobs: TOOLS="memcheck racecheck synccheck initcheck", RANKS="1 2", SAN_ITERS=20, SAN_ROWS=64, STAGE_LIMIT=600,
+#        LEAKS=1 (0: memcheck without --leak-check, out-of-bounds and misaligned accesses only),
 #        MISUSE=1 (0 skips it). 2 ranks go one per GPU when there are 2 GPUs, else both on GPU 0 (no MPS: the tool
 #        may refuse it; the spinning kernels are then time-sliced, so the timeout is generous).
 set -uo pipefail
@@ -38,7 +39,7 @@ run() {  # log name, expected app exit status, command...
 }
 for tool in $TOOLS; do
   extra=""
-  [ "$tool" = memcheck ] && extra="--leak-check full"
+  [ "$tool" = memcheck ] && [ "${LEAKS:-1}" = 1 ] && extra="--leak-check full"  # LEAKS=0: accesses only
   [ "$tool" = racecheck ] && extra="--racecheck-report all"
   for n in $RANKS; do
     if [ "$n" -eq 1 ]; then
