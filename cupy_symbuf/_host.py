@@ -150,25 +150,9 @@ class HostTransport:
                 recv.drain(scratch, me, 0, n_self)
         if W == 1:
             return []
-        sends, recvs = [], []
-        for c in range(L.num_channels):
-            for p in range(W):
-                if p == me:
-                    continue
-                state = self._u64(me, L.send_tail_offset(c, p), 2)
-                first, seq = int(state[P.STATE_COUNTER]), int(state[P.STATE_SEQ]) + 1
-                lo, hi = plan.channel_range(plan.send_units[p], c) if not plan.reject else (0, 0)
-                sends.append(_Stream(c, p, first, seq, lo, hi, plan.rows_per_chunk(lo, hi), state,
-                                     counter=self._u64(me, L.head_offset(c, p)),
-                                     remote=self._u64(p, L.tail_offset(c, me)), ring=self.views[p],
-                                     ring_off=L.ring_offset(c, me), header=plan.header(seq, p, c)))
-                state = self._u64(me, L.recv_head_offset(c, p), 2)
-                first, seq = int(state[P.STATE_COUNTER]), int(state[P.STATE_SEQ]) + 1
-                lo, hi = plan.channel_range(plan.recv_units[p], c) if not plan.reject else (0, 0)
-                recvs.append(_Stream(c, p, first, seq, lo, hi, plan.rows_per_chunk(lo, hi), state,
-                                     counter=self._u64(me, L.tail_offset(c, p)),
-                                     remote=self._u64(p, L.head_offset(c, me)), ring=self.views[me],
-                                     ring_off=L.ring_offset(c, p), header=None))
+        pairs = [(c, p) for c in range(L.num_channels) for p in range(W) if p != me]
+        sends = [self._stream(plan, c, p, sender=True) for c, p in pairs]
+        recvs = [self._stream(plan, c, p, sender=False) for c, p in pairs]
         rejected = set()
         chunk, num_slots = L.chunk_bytes, L.num_slots
         sync = self.buf.sync
@@ -251,6 +235,23 @@ class HostTransport:
                                             tail=s.pos_counter, timeout_s=self.timeout_s, op=op)
             _yield(idle)
         return sorted(rejected)
+
+    def _stream(self, plan, c: int, p: int, *, sender: bool) -> "_Stream":
+        """This call's side of the (channel ``c``, peer ``p``) ring: its state line (counter and calls), its share
+        of the peer's stream, and the lines it reads (``counter``, in our buffer) and writes (``remote``, in the
+        peer's): a sender reads head and writes tail into ``p``'s ring; a receiver the mirror image."""
+        L, me = self.layout, self.rank
+        state = self._u64(me, (L.send_tail_offset if sender else L.recv_head_offset)(c, p), 2)
+        first, seq = int(state[P.STATE_COUNTER]), int(state[P.STATE_SEQ]) + 1
+        units = (plan.send_units if sender else plan.recv_units)[p]
+        lo, hi = plan.channel_range(units, c) if not plan.reject else (0, 0)
+        if sender:
+            return _Stream(c, p, first, seq, lo, hi, plan.rows_per_chunk(lo, hi), state,
+                           counter=self._u64(me, L.head_offset(c, p)), remote=self._u64(p, L.tail_offset(c, me)),
+                           ring=self.views[p], ring_off=L.ring_offset(c, me), header=plan.header(seq, p, c))
+        return _Stream(c, p, first, seq, lo, hi, plan.rows_per_chunk(lo, hi), state,
+                       counter=self._u64(me, L.tail_offset(c, p)), remote=self._u64(p, L.head_offset(c, me)),
+                       ring=self.views[me], ring_off=L.ring_offset(c, p), header=None)
 
     def _check_header(self, op: str, plan, r: "_Stream", hdr: np.ndarray) -> None:
         """The receiver's check of a peer's call header, before any payload (same order as the kernel)."""

@@ -238,3 +238,32 @@ def test_call_headers_checked_repeatedly(comm2, comm, backend):
             _valid_alltoall(c, comm, backend, 300 + i)
         else:
             _valid_alltoallv(c, comm, backend, 300 + i, with_recv_counts=i % 3 == 2)
+
+
+def test_debug_switch_reports_ring_invariant(comm, monkeypatch):
+    """CUPY_SYMBUF_DEBUG (here: the host engine's switch, read once at import) checks the ring invariants on
+    every head/tail read: a head counter corrupted past the tail (as a stray write inside the symmetric buffer
+    would do, which memcheck cannot see) is reported as an error naming the invariant, on rank 0, and every other
+    rank raises too (the abort word)."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    from cupy_symbuf import _host
+    monkeypatch.setattr(_host, "DEBUG", True)
+    c = cs.Communicator(comm, cs.Config(**CFG), backend="host")
+    x = np.arange(comm.size * 8, dtype=np.float32).reshape(comm.size, 8)
+    c.alltoall(x)  # fine with the checks on
+    comm.Barrier()
+    if comm.rank == 0:  # our head line for (channel 0, peer 1): what rank 1 consumed; now far past our tail
+        c.buffer.host_view(0)[c.layout.head_offset(0, 1): c.layout.head_offset(0, 1) + 8].view(np.uint64)[0] = 10 ** 6
+    comm.Barrier()
+    with pytest.raises(cs.SymBufferError) as info:
+        c.alltoall(x)
+    if comm.rank == 0:
+        assert isinstance(info.value, cs.SymBufferMismatchError)
+        assert "CUPY_SYMBUF_DEBUG" in str(info.value) and "ring counters" in str(info.value)
+    else:
+        assert isinstance(info.value, (cs.SymBufferAbortedError, cs.SymBufferMismatchError)), info.value
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
