@@ -267,3 +267,78 @@ def test_debug_switch_reports_ring_invariant(comm, monkeypatch):
         c.close()
     except cs.SymBufferError:
         pass
+
+
+def _moe_inputs(comm, seed, num_tokens=10, hidden=32):
+    rng = rng_for(comm, seed)
+    E = 2 * comm.size
+    x = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
+    idx = rng.integers(-1, E, (num_tokens, 2))
+    epr = E // comm.size
+    reached = np.array([len({int(e) // epr for e in row if e >= 0}) for row in idx], np.float32)
+    return x, idx, E, reached
+
+
+def _moe_roundtrip(c, comm, backend, seed):
+    """dispatch then combine of the received rows: each token comes back summed once per rank it reached (top-2,
+    so at most 2 equal float32 addends: exact)."""
+    x, idx, E, reached = _moe_inputs(comm, seed)
+    recv_x, _, _, _, h = c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, E)
+    out, _ = c.combine(recv_x, h)
+    np.testing.assert_array_equal(to_numpy(out), x * reached[:, None])
+    return h
+
+
+@pytest.mark.parametrize("case", ["dispatch", "cached_dispatch", "combine"])
+def test_moe_call_rejected_on_one_rank_only(comm2, comm, backend, case):
+    """MoE calls rejected by rank 0 only: dispatch (its count exchange carries the rejection), a cached dispatch
+    and combine (their call headers carry it). Rank 0 raises its own error, the others SymBufferRejectedError; then
+    dispatch and combine return the NumPy reference everywhere."""
+    c = comm2
+    h = _moe_roundtrip(c, comm, backend, 51)
+    x, idx, E, _ = _moe_inputs(comm, 51)
+    bad = comm.rank == 0
+    if case == "dispatch":
+        if bad:
+            idx = idx.copy()
+            idx[0, 0] = E  # out of range
+        call = lambda: c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, E)  # noqa: E731
+        own = "topk_idx values must be -1"
+    elif case == "cached_dispatch":
+        xs = x[:-1] if bad else x  # one token short of the handle's
+        call = lambda: c.dispatch(to_backend(xs, backend), handle=h)  # noqa: E731
+        own = "num_tokens"
+    else:
+        rows = h.num_recv_tokens
+        y = np.ones((rows, 32 + (1 if bad else 0)), np.float32)  # wrong hidden on rank 0
+        call = lambda: c.combine(to_backend(y, backend), h)  # noqa: E731
+        own = "hidden"
+    if bad:
+        with pytest.raises((ValueError, TypeError), match=own) as info:
+            call()
+        assert not isinstance(info.value, cs.SymBufferRejectedError)
+    else:
+        with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected"):
+            call()
+    for seed in (52, 53):
+        _moe_roundtrip(c, comm, backend, seed)
+        _valid_alltoall(c, comm, backend, seed)
+
+
+def test_ranks_call_different_collectives_with_count_exchange(backend, comm):
+    """alltoallv (count exchange) on rank 0, dispatch (count exchange) on the others: every rank sees every rank's
+    operation in the count exchange and raises SymBufferMismatchError naming both operations."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = cs.Communicator(comm, cs.Config(blocking=True, **CFG), backend=backend)
+    x, idx, E, _ = _moe_inputs(comm, 61)
+    with pytest.raises(cs.SymBufferMismatchError) as info:
+        if comm.rank == 0:
+            c.alltoallv(to_backend(np.ones((comm.size, 2), np.float32), backend), np.ones(comm.size, np.int64))
+        else:
+            c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, E)
+    assert "alltoallv" in str(info.value) and "dispatch" in str(info.value)
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
