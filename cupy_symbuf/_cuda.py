@@ -132,6 +132,8 @@ class CudaTransport:
         self._op_plans = [None] * _OPS_KEPT  # and its plan (error messages in rows)
         self._last_stream = None       # stream of the last launch (collectives are ordered across streams)
         self._reported = False
+        #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
+        self.pending_rejection = None
 
     def close(self):
         """Wait for queued kernels, free the host records; return the error recorded but not yet raised (or
@@ -143,6 +145,13 @@ class CudaTransport:
                 self.check("close")
             except (SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError) as exc:
                 err = exc
+        rejected = self.take_rejected()  # a peer's rejection of a queued call that no synchronize() reported
+        if rejected is not None:
+            who, seq = rejected
+            self.pending_rejection = SymBufferRejectedError(
+                f"close: rank {who} rejected a queued collective ({self._op_name(seq)}) and no synchronize() "
+                f"reported it: that call's rows from rank {who} were not delivered", rank=self.rank,
+                rejecting_rank=who, op=self._op_name(seq))
         self._status.free()
         self._meta.free()
         self._meta_in.free()
@@ -172,11 +181,14 @@ class CudaTransport:
         rejected = self.take_rejected()
         if rejected is not None:
             who, seq = rejected
-            failed = self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else "a queued collective"
+            failed = self._op_name(seq)
             raise SymBufferRejectedError(
                 f"{failed} (queued earlier; found by {op}): rank {who} rejected the call (its own arguments failed "
                 f"its checks; see rank {who}'s error); the rows from rank {who} were not delivered; the "
                 f"communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+
+    def _op_name(self, seq: int) -> str:
+        return self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else "a queued collective"
 
     def take_rejected(self):
         """``(rejecting rank, launch seq)`` recorded by a kernel that received a rejected call header, or None;

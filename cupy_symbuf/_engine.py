@@ -16,16 +16,19 @@ import numpy as np
 
 from . import _compat
 from . import _protocol as P
-from ._plan import PlanCache, part_width
+from ._plan import PlanCache, check_bytes, part_width
 from ._host import mismatch_error
-from .errors import SymBufferRejectedError
+from .errors import SymBufferError, SymBufferRejectedError
 
 __all__ = ["Engine", "row_signature"]
 
 
 def row_signature(a) -> str:
-    """What the rows of ``a`` must agree on across ranks: dtype and row shape (everything after axis 0)."""
-    return f"{np.dtype(a.dtype).str}{tuple(a.shape[1:])}"
+    """What the rows of ``a`` must agree on across ranks: dtype and row shape (everything after axis 0). The dtype
+    by its byte-order string and its name or fields: ``dtype.str`` alone is ``'<V1'`` for every ml_dtypes fp8 type
+    and ``'|V8'`` for any 8-byte structured dtype."""
+    dt = np.dtype(a.dtype)
+    return f"{dt.str}:{dt}{tuple(a.shape[1:])}"
 
 
 class _CallState:
@@ -67,9 +70,21 @@ class Engine:
         except SymBufferRejectedError:
             raise  # a peer rejected a queued call (synchronize): the rings are in step, the communicator usable
         except BaseException as exc:
-            if not getattr(self.owner, "_broken", None):
-                self.owner._broken = f"{type(exc).__name__}: {exc}"
+            self.fail(exc)
             raise
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the communicator broken after ``exc`` (once), and unless the transport already told every rank
+        (its timeouts, mismatches and aborts set the abort word), set the abort word so that the peers' waits
+        leave at once with an error naming this rank instead of waiting out ``timeout_s``."""
+        if getattr(self.owner, "_broken", None):
+            return
+        self.owner._broken = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, SymBufferError):
+            try:
+                self.transport.set_abort(P.ERR_LOCAL)
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
 
     # ---- one collective call -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -82,10 +97,15 @@ class Engine:
         outer, self._state = self._state, state
         try:
             yield state
-        except Exception:
-            if not state.started and not getattr(self.owner, "_broken", None):
-                self._state = None
-                self._tell_rejected(op, notify)
+        except BaseException as exc:  # KeyboardInterrupt too: a rank must never fall a call behind silently
+            if getattr(self.owner, "_broken", None) or isinstance(exc, SymBufferRejectedError) or \
+                    getattr(exc, "symbuf_agreed", False):
+                raise  # already failed, or an error every rank raises alike at the same step (still in step)
+            self._state = None
+            if not state.started:
+                self._tell_rejected(op, notify)  # the peers raise SymBufferRejectedError; usable
+            else:  # after a step, the peers are inside the call: fatal, and they are told (abort word)
+                self.fail(exc)
             raise
         finally:
             self._state = outer
@@ -125,7 +145,9 @@ class Engine:
         if not 1 <= send_meta.shape[1] <= self.config.max_notify_ints:
             raise ValueError(f"{op}: {send_meta.shape[1]} values per rank exceed Config.max_notify_ints="
                              f"{self.config.max_notify_ints} (or are 0)")
-        code, sig = P.op_code(op), P.signature(op, sig_text)
+        # the number of values per rank is signed too: a peer reading more words than this rank wrote would read a
+        # stale slot (e.g. dispatch with another num_experts)
+        code, sig = P.op_code(op), P.signature(op, sig_text, send_meta.shape[1])
         self._epoch += 1
         out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig)
         ops, status, sigs = out[:, 0], out[:, 1], out[:, 2]
@@ -142,8 +164,16 @@ class Engine:
         if (sigs != sig).any():
             who = int(np.flatnonzero(sigs != sig)[0])
             what = sig_what or f"every rank must send rows of the same dtype and row shape; this rank has {sig_text}"
-            raise ValueError(f"{op}: {what}, but rank {who} does not (no data was sent)")
+            err = ValueError(f"{op}: {what}, but rank {who} does not (no data was sent)")
+            err.symbuf_agreed = True  # every rank raises it from the same count exchange: the call ends in step
+            raise err
         return out[:, P.NOTIFY_HDR_WORDS - 1:]
+
+    @staticmethod
+    def check_size(op: str, name: str, counts, x) -> None:
+        """The size check of a plan, made on this rank's own counts before a count exchange (so that a failure is
+        a rejection told to the peers, not a rank falling out of the call after it)."""
+        check_bytes(op, name, counts, part_width(x))
 
     def rows_plan(self, op: str, x, counts: np.ndarray):
         """The plan of an equal-blocks call (``alltoall``: one row of ``x`` to and from every rank), cached by

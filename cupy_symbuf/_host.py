@@ -265,6 +265,14 @@ class HostTransport:
             if expected != got:
                 self.set_abort(P.ERR_MISMATCH, r.p, r.c, field)
                 raise mismatch_error(op, self.rank, r.p, r.c, field, expected, got, plan)
+        mine, theirs = plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
+        if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject and mine != theirs:
+            # same units, other chunking: the engines cut differently (the kernel reports the same)
+            self.set_abort(P.ERR_INVARIANT, r.p, r.c, P.FIELD_RING)
+            raise SymBufferMismatchError(
+                f"{op}: rank {self.rank} and rank {r.p} cut channel {r.c} into different chunks ({mine} vs "
+                f"{theirs}): the ranks run different engines or builds", rank=self.rank, peer=r.p, channel=r.c,
+                op=op, field=P.FIELD_NAMES[P.FIELD_RING], expected=mine, got=theirs)
 
     def _check_ring(self, op: str, st: "_Stream", head: int, tail: int, role: str) -> None:
         """CUPY_SYMBUF_DEBUG: ring invariants ``head <= tail <= head + capacity`` and the slot inside its region."""
@@ -378,7 +386,8 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
         detail = f"expected {expected}, got {got}"
     return SymBufferMismatchError(
         f"{op}: ranks disagree on the call: rank {rank} received from rank {peer} (channel {channel}) a call header "
-        f"whose {name} differs: {detail}. No data was returned; the communicator is unusable (every rank raises).",
+        f"whose {name} differs: {detail}. No data was returned; the communicator is unusable (every other rank "
+        f"raises SymBufferAbortedError, in this call or its next).",
         rank=rank, peer=peer, channel=channel, op=op, field=name, expected=expected, got=got)
 
 

@@ -148,10 +148,7 @@ class ExchangePlan:
         self.sig = P.signature(op, "bytes" if self.byte_stream else "rows", widths, sig_text)
         scale = self.row_bytes if self.byte_stream else 1
         for name, counts in (("send_counts", send_counts), ("recv_counts", recv_counts)):
-            total = sum(int(c) for c in counts)  # exact (Python ints): never wraps
-            if total * max(1, self.row_bytes) >= MAX_UNITS:
-                raise ValueError(f"{op}: argument '{name}' asks for {total} rows of {self.row_bytes} bytes, more "
-                                 f"than the transport can address (2**60 bytes)")
+            check_bytes(op, name, counts, self.row_bytes)
         self.send_units = _frozen(np.asarray(send_counts, np.int64) * scale)
         self.recv_units = _frozen(np.asarray(recv_counts, np.int64) * scale)
         self.send_first = _frozen(_exclusive_cumsum(self.send_units))
@@ -195,6 +192,15 @@ class ExchangePlan:
 
 
 MAX_PARTS = P.MAX_PARTS
+
+
+def check_bytes(op: str, name: str, counts, row_bytes: int) -> None:
+    """``ValueError`` when ``counts`` rows of ``row_bytes`` bytes (exact sum, Python ints: never wraps) are more
+    than the transport can address (``MAX_UNITS`` bytes)."""
+    total = sum(int(c) for c in counts)
+    if total * row_bytes >= MAX_UNITS:
+        raise ValueError(f"{op}: argument '{name}' asks for {total} rows of {row_bytes} bytes, more than the "
+                         f"transport can address (2**60 bytes)")
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

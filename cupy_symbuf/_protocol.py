@@ -67,9 +67,10 @@ NOTIFY_HDR_WORDS = 4
 #: Abort line words.
 ABORT_FLAG, ABORT_RANK, ABORT_REASON, ABORT_PEER, ABORT_CHANNEL, ABORT_DETAIL = range(6)
 #: Why a rank aborted (ABORT_REASON; also the error kinds of the record).
-ERR_NONE, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED, ERR_INVARIANT, ERR_USER = range(6)
+ERR_NONE, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED, ERR_INVARIANT, ERR_USER, ERR_LOCAL = range(7)
 ERR_NAMES = {ERR_TIMEOUT: "timeout", ERR_MISMATCH: "call header mismatch", ERR_ABORTED: "abort",
-             ERR_INVARIANT: "ring invariant violated", ERR_USER: "Communicator.abort()"}
+             ERR_INVARIANT: "ring invariant violated", ERR_USER: "Communicator.abort()",
+             ERR_LOCAL: "an exception on that rank inside a collective"}
 
 #: Roles of a wait.
 ROLE_SEND, ROLE_RECV, ROLE_NOTIFY = range(3)

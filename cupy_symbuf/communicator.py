@@ -186,6 +186,9 @@ class Communicator:
             raise
         if err is not None and not was_broken:
             raise err  # a queued collective failed and nothing raised it yet (its results are not valid)
+        rejected = getattr(self._transport, "pending_rejection", None)
+        if rejected is not None:  # a peer rejected a queued call and no synchronize() reported it
+            raise rejected
 
     def abort(self, reason: str = "") -> None:
         """Abort this communicator on every rank, like ``ncclCommAbort`` (local: returns at once, no communication).
@@ -323,7 +326,7 @@ class Communicator:
                                  f"got shape {tuple(x.shape)}")
             plan = eng.rows_plan(op, x, self._ones)
             recv = self.xp.empty(x.shape, dtype=x.dtype)
-        except Exception:
+        except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
             eng.reject(op, notify=False)
             raise
         eng.run(plan, [x], None, [recv])
@@ -375,6 +378,7 @@ class Communicator:
             x = as_array(op, "sendbuf", sendbuf, self.backend)
             send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
             sig = row_signature(x)
+            eng.check_size(op, "send_counts", send_counts, x)  # before the count exchange: a rejection
             if recv_counts is None:
                 recv_counts = eng.notify(op, send_counts[:, None], sig)[:, 0].copy()
             else:

@@ -58,6 +58,7 @@ import numpy as np
 
 from . import dtypes as _dt
 from ._validate import as_array
+from .layout import check_row_fits
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
 
@@ -480,15 +481,18 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     send_token_idx = xp.ascontiguousarray(send_token_idx, dtype=np.int64)
     send_counts = _to_host(comm, per_rank).astype(np.int64)
     row_bytes = _row_bytes(xv, scales, idx.shape[1], weights is not None)
+    # before the count exchange, so that a row too large for a slot is a rejection told to the peers
+    check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
     meta = np.zeros((w_size, epr + _NOTIFY_EXTRA), dtype=np.int64)
     meta[:, 0] = send_counts
     meta[:, 1:1 + epr] = _to_host(comm, per_expert).astype(np.int64).reshape(w_size, epr)
     # every rank checks every rank's row layout (dtype, hidden, scales, top-k, weights) in the count exchange
-    sig = f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|weights={weights is not None}"
+    sig = (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|"
+           f"weights={weights is not None}|num_experts={n_exp}")
     recv_meta = comm.notify(op, meta, sig, sig_what=(
-        f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + top-k): rank {rank} "
-        f"has {row_bytes} bytes ({sig}); all ranks must pass the same hidden, dtype, num_topk and choice of "
-        f"topk_weights"))
+        f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + top-k) or on "
+        f"num_experts: rank {rank} has {row_bytes} bytes ({sig}); all ranks must pass the same hidden, dtype, "
+        f"num_topk, choice of topk_weights and num_experts"))
     recv_counts = recv_meta[:, 0].copy()
     raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
 

@@ -342,3 +342,100 @@ def test_ranks_call_different_collectives_with_count_exchange(backend, comm):
         c.close()
     except cs.SymBufferError:
         pass
+
+
+def test_interrupt_during_argument_checks_is_told_to_peers(comm2, comm, backend, monkeypatch):
+    """A KeyboardInterrupt (any BaseException) on rank 0 while it checks its arguments: the peers still learn of
+    the rejection (SymBufferRejectedError), and the next calls are correct on every rank (review finding: the
+    rank fell a call behind and every rank got the wrong call's rows)."""
+    c = comm2
+    import cupy_symbuf.communicator as cm
+    real = cm.as_array
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt("simulated Ctrl-C during the argument checks")
+
+    x = to_backend(np.ones((comm.size, 3), np.int64), backend)
+    if comm.rank == 0:
+        monkeypatch.setattr(cm, "as_array", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.alltoall(x)
+        monkeypatch.setattr(cm, "as_array", real)
+    else:
+        with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected"):
+            c.alltoall(x)
+    for seed in (71, 72):
+        _valid_alltoall(c, comm, backend, seed)
+
+
+def test_exception_inside_the_transport_aborts_the_peers(comm, monkeypatch):
+    """An exception on rank 0 in the middle of moving rows (host engine): the peers leave at once with
+    SymBufferAbortedError naming rank 0 (not after timeout_s), and every rank's communicator is unusable."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    import time
+    from cupy_symbuf import _host
+    c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=30), backend="host")
+    x = np.ones((comm.size * 64, 256), np.float32)  # 64 KiB per peer through 2 x 1 KiB rings
+    counts = np.full(comm.size, 64)
+    c.alltoallv(x, counts, recv_counts=counts)
+    if comm.rank == 0:
+        calls = {"n": 0}
+        real = _host._Side.fill
+
+        def fill(self, *a):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt("simulated Ctrl-C inside the transport")
+            return real(self, *a)
+        monkeypatch.setattr(_host._Side, "fill", fill)
+    comm.Barrier()
+    t0 = time.monotonic()
+    with pytest.raises(BaseException) as info:
+        c.alltoallv(x, counts, recv_counts=counts)
+    took = time.monotonic() - t0
+    if comm.rank == 0:
+        assert isinstance(info.value, KeyboardInterrupt)
+    else:
+        assert isinstance(info.value, cs.SymBufferAbortedError) and info.value.aborting_rank == 0, info.value
+        assert took < 10, f"the peer waited {took:.1f} s"
+    with pytest.raises(cs.SymBufferError, match="unusable"):
+        c.alltoall(np.ones((comm.size, 1), np.float32))
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
+
+
+def test_fp8_and_structured_dtypes_are_told_apart(backend, comm):
+    """Dtypes whose ``dtype.str`` is the same ('<V1' for every fp8 type of ml_dtypes, '|V8' for 8-byte structured
+    dtypes): a rank with another one is a SymBufferMismatchError, never reinterpreted bytes."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    if backend == "cuda":
+        pytest.skip("CuPy has no fp8 / structured dtypes")
+    for a, b in ((ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3b11fnuz),
+                 (np.dtype([("a", "<i4"), ("b", "<f4")]), np.dtype([("b", "<f4"), ("a", "<i4")]))):
+        assert np.dtype(a).str == np.dtype(b).str
+        c = cs.Communicator(comm, cs.Config(blocking=True, **CFG), backend=backend)
+        x = np.zeros((comm.size, 4), a if comm.rank else b)
+        with pytest.raises(cs.SymBufferError):
+            c.alltoall(x)
+            c.alltoall(np.zeros((comm.size, 4), np.float32))  # a rank whose rows went through: its next call
+        try:
+            c.close()
+        except cs.SymBufferError:
+            pass
+
+
+def test_dispatch_num_experts_differs(comm2, comm, backend):
+    """num_experts differs between ranks (ids valid for both): every rank raises ValueError from the count
+    exchange (it is part of the row signature), nothing is delivered, the communicator stays usable."""
+    c = comm2
+    x, idx, E, _ = _moe_inputs(comm, 81)
+    idx = np.where(idx >= 0, idx % comm.size, -1)  # valid for num_experts = W and 2 W
+    n_exp = E if comm.rank else comm.size
+    with pytest.raises(ValueError, match="num_experts"):
+        c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, n_exp)
+    _moe_roundtrip(c, comm, backend, 82)
