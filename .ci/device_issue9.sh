@@ -2,6 +2,7 @@
 # Issue 9 on one H200 (one device call): GPU suite (1 rank; 2 and 4 ranks under MPS), the fault cases on the GPU
 # path, host time per call and 1 MiB loop time before (tree in .old, commit 0d2c106) and after, then soak and
 # sanitizers. Usage: bash .ci/device_issue9.sh [stage...]  stages: suite faults perf soak sanitize
+# perf needs the old tree: git worktree add .old 0d2c106 (listed in .git/info/exclude; device run: carry [".old"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
