@@ -32,10 +32,14 @@ def row_signature(a) -> str:
 
 
 class _CallState:
-    __slots__ = ("started",)
+    """``started``: a communication step ran; ``pending``: the peers are still inside the call (a step that is not
+    the call's last one completed, e.g. the count exchange before the row exchange)."""
+
+    __slots__ = ("started", "pending")
 
     def __init__(self):
         self.started = False
+        self.pending = False
 
 
 class Engine:
@@ -61,17 +65,22 @@ class Engine:
     def check_open(self) -> None:
         self.owner._check_open()
 
-    def _run(self, fn, *args, **kwargs):
-        """Run one transport step; an exception of any type marks the communicator broken."""
-        if self._state is not None:
-            self._state.started = True
+    def _run(self, fn, *args, last: bool = True, **kwargs):
+        """Run one transport step (``last``: the call's last one); an exception of any type inside it marks the
+        communicator broken and tells the peers (:meth:`fail`)."""
+        state = self._state
+        if state is not None:
+            state.started = True
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         except SymBufferRejectedError:
             raise  # a peer rejected a queued call (synchronize): the rings are in step, the communicator usable
         except BaseException as exc:
             self.fail(exc)
             raise
+        if state is not None:
+            state.pending = not last
+        return out
 
     def fail(self, exc: BaseException) -> None:
         """Mark the communicator broken after ``exc`` (once), and unless the transport already told every rank
@@ -104,8 +113,9 @@ class Engine:
             self._state = None
             if not state.started:
                 self._tell_rejected(op, notify)  # the peers raise SymBufferRejectedError; usable
-            else:  # after a step, the peers are inside the call: fatal, and they are told (abort word)
+            elif state.pending:  # between steps, the peers are inside the call: fatal, and they are told
                 self.fail(exc)
+            # after the last step (e.g. the combine reduction running out of memory): a local error, in step
             raise
         finally:
             self._state = outer
@@ -149,7 +159,8 @@ class Engine:
         # stale slot (e.g. dispatch with another num_experts)
         code, sig = P.op_code(op), P.signature(op, sig_text, send_meta.shape[1])
         self._epoch += 1
-        out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig)
+        out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig,
+                        last=False)
         ops, status, sigs = out[:, 0], out[:, 1], out[:, 2]
         if (status == P.HDR_REJECTED).any():
             who = int(np.flatnonzero(status == P.HDR_REJECTED)[0])

@@ -187,7 +187,7 @@ class Communicator:
         if err is not None and not was_broken:
             raise err  # a queued collective failed and nothing raised it yet (its results are not valid)
         rejected = getattr(self._transport, "pending_rejection", None)
-        if rejected is not None:  # a peer rejected a queued call and no synchronize() reported it
+        if rejected is not None and not was_broken:  # a peer rejected a queued call; no synchronize() said so
             raise rejected
 
     def abort(self, reason: str = "") -> None:
@@ -380,7 +380,9 @@ class Communicator:
             sig = row_signature(x)
             eng.check_size(op, "send_counts", send_counts, x)  # before the count exchange: a rejection
             if recv_counts is None:
-                recv_counts = eng.notify(op, send_counts[:, None], sig)[:, 0].copy()
+                # what the peers send (each checked its own counts); their sum is checked exactly here too
+                recv_counts = check_counts(op, "recv_counts (from the count exchange)",
+                                           eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), self.world_size)
             else:
                 recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
                 if recv_counts[self.rank] != send_counts[self.rank]:

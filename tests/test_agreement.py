@@ -439,3 +439,28 @@ def test_dispatch_num_experts_differs(comm2, comm, backend):
     with pytest.raises(ValueError, match="num_experts"):
         c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, n_exp)
     _moe_roundtrip(c, comm, backend, 82)
+
+
+def test_local_error_after_the_last_step_is_not_fatal(comm, monkeypatch):
+    """A MemoryError on rank 0 in combine's reduction, after the row exchange (the peers' calls are complete):
+    rank 0 raises it, nothing is aborted, and every rank's next calls are correct (second review: such errors
+    had been made fatal on every rank)."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    from cupy_symbuf import moe
+    c = cs.Communicator(comm, cs.Config(**CFG), backend="host")
+    x, idx, E, _ = _moe_inputs(comm, 91)
+    recv_x, _, _, _, h = c.dispatch(x, idx, None, E)
+    if comm.rank == 0:
+        def oom(*a, **k):
+            raise MemoryError("simulated: no memory for combine's output")
+        monkeypatch.setattr(moe._dt, "from_float32", oom)
+        with pytest.raises(MemoryError):
+            c.combine(recv_x, h)
+        monkeypatch.undo()
+    else:
+        c.combine(recv_x, h)
+    comm.Barrier()
+    _moe_roundtrip(c, comm, "host", 92)
+    _valid_alltoall(c, comm, "host", 93)
+    c.close()
