@@ -130,6 +130,7 @@ def finish(peer_lost: bool = False) -> None:
     """End of a handled case: a peer that is hung or dead cannot finalize, so the caller ends the job."""
     if peer_lost and HANDLED:
         say(f"ENDING JOB with MPI.COMM_WORLD.Abort(2) {tag('finish')}: a peer is hung or dead")
+        time.sleep(0.5)  # let the launcher forward this rank's lines before the abort tears the job down
         WORLD.Abort(2)
     if _state["no_error"]:
         sys.exit(4)
