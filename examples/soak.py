@@ -149,7 +149,7 @@ class Soak:
         return idx
 
     def op_moe(self, it, g, check):
-        c, xp = self.comm, self.xp
+        c = self.comm
         epr = int(g.choice([1, 2, 4]))
         num_experts = W * epr
         topk = int(g.integers(1, min(4, num_experts) + 1))

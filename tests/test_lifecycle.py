@@ -7,7 +7,6 @@ import warnings
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import cupy_symbuf as cs
 from cupy_symbuf import _agree, _lifecycle, symbuffer
