@@ -12,14 +12,14 @@ import numpy as np
 
 from . import _compat, _kernels
 from . import _protocol as P
-from ._host import mismatch_error
 from ._plan import kernel_geometry, ring_kernel_defines, warp_groups  # noqa: F401 (re-exported)
 from ._protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_BYTES, DESC_FLAGS, DESC_NUM_CHANNELS,
                         DESC_NUM_RECV_PARTS, DESC_NUM_SEND_PARTS, DESC_NUM_SLOTS, DESC_OP, DESC_PEERS, DESC_RANK,
                         DESC_RECV_INDEX, DESC_RECV_PARTS, DESC_REGION_BYTES, DESC_RING_WARPS, DESC_ROW_ALIGN,
                         DESC_ROW_BYTES, DESC_SELF_WARPS, DESC_SEND_INDEX, DESC_SEND_PARTS, DESC_SEQ, DESC_SIG,
                         DESC_TIMEOUT_NS, DESC_WORDS, DESC_WORLD_SIZE, MAX_PARTS, MAX_PEERS)
-from .errors import SymBufferAbortedError, SymBufferMismatchError, SymBufferRejectedError, SymBufferTimeoutError
+from .errors import (SymBufferAbortedError, SymBufferMismatchError, SymBufferRejectedError, SymBufferTimeoutError,
+                     aborted_error, mismatch_error)
 from .layout import ChannelLayout
 
 __all__ = ["CudaTransport", "warp_groups", "RING_SOURCE", "RING_KERNEL", "NOTIFY_KERNEL"]
@@ -234,7 +234,6 @@ class CudaTransport:
         if kind == P.ERR_MISMATCH:
             return mismatch_error(where, rank, peer, channel, field, head, tail, plan)
         if kind == P.ERR_ABORTED:
-            from ._host import aborted_error
             return aborted_error(where, rank, self.read_abort_line())
         if kind == P.ERR_INVARIANT:
             return SymBufferMismatchError(
@@ -257,7 +256,6 @@ class CudaTransport:
         """Raise :class:`SymBufferAbortedError` when this rank's abort word is set (one small device read)."""
         line = self.read_abort_line()
         if line[P.ABORT_FLAG]:
-            from ._host import aborted_error
             raise aborted_error(op, self.rank, line)
 
     def set_abort(self, reason: int, peer: int = -1, channel: int = -1, detail: int = 0) -> None:

@@ -17,8 +17,7 @@ import numpy as np
 from . import _compat
 from . import _protocol as P
 from ._plan import PlanCache, check_bytes, part_width
-from ._host import mismatch_error
-from .errors import SymBufferError, SymBufferRejectedError
+from .errors import SymBufferError, SymBufferRejectedError, mismatch_error
 
 __all__ = ["Engine", "row_signature"]
 

@@ -1,6 +1,8 @@
 """Exceptions raised by cupy_symbuf."""
 from __future__ import annotations
 
+from . import _protocol as P
+
 __all__ = ["SymBufferError", "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError",
            "SymBufferAbortedError", "SymBufferRejectedError"]
 
@@ -71,3 +73,43 @@ class SymBufferRejectedError(ValueError):
     def __init__(self, message: str, *, rank: int = -1, rejecting_rank: int = -1, op: str = ""):
         self.rank, self.rejecting_rank, self.op = rank, rejecting_rank, op
         super().__init__(message)
+
+
+# ---- the messages both engines raise (host engine, GPU error record) ---------------------------------------
+
+def aborted_error(op: str, rank: int, line) -> SymBufferAbortedError:
+    """The error a wait raises when the abort word (``_protocol.ABORT_*`` words in ``line``) is set."""
+    who, reason = int(line[P.ABORT_RANK]), int(line[P.ABORT_REASON])
+    peer, channel, detail = int(line[P.ABORT_PEER]), int(line[P.ABORT_CHANNEL]), int(line[P.ABORT_DETAIL])
+    why = P.ERR_NAMES.get(reason, f"reason {reason}")
+    if reason == P.ERR_MISMATCH:
+        why += f" ({P.FIELD_NAMES.get(detail, detail)})"
+    where = f" with peer {peer}" if peer >= 0 else ""
+    where += f" on channel {channel}" if channel >= 0 else ""
+    return SymBufferAbortedError(
+        f"{op}: rank {rank}: the communicator was aborted by rank {who}: {why}{where}. The communicator is "
+        f"unusable: close it on every rank.", rank=rank, aborting_rank=who, reason=why, op=op)
+
+
+def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expected, got,
+                   plan=None) -> SymBufferMismatchError:
+    """A peer's call header differs from this rank's call (both engines use this text)."""
+    name = P.FIELD_NAMES.get(field, f"field {field}")
+    if field == P.FIELD_OP:
+        detail = f"this rank called {P.op_name(expected)}, rank {peer} called {P.op_name(got)}"
+    elif field == P.FIELD_UNITS:
+        def rows(units):  # byte streams count bytes on the wire
+            if plan is not None and plan.byte_stream and plan.row_bytes > 1:
+                return f"{units // plan.row_bytes} rows ({units} bytes)" if units % plan.row_bytes == 0 else \
+                    f"{units} bytes"
+            return f"{units} rows"
+        detail = f"this rank expects {rows(expected)} from rank {peer} (its recv_counts), rank {peer} sends {rows(got)}"
+    elif field == P.FIELD_SIG:
+        detail = "the peer's dtype, row shape or parts differ from this rank's"
+    else:
+        detail = f"expected {expected}, got {got}"
+    return SymBufferMismatchError(
+        f"{op}: ranks disagree on the call: rank {rank} received from rank {peer} (channel {channel}) a call header "
+        f"whose {name} differs: {detail}. No data was returned; the communicator is unusable (every other rank "
+        f"raises SymBufferAbortedError, in this call or its next).",
+        rank=rank, peer=peer, channel=channel, op=op, field=name, expected=expected, got=got)
