@@ -78,16 +78,21 @@ def _world_rank() -> int:
         return -1
 
 
-def abort_job(message: str, rank: int = None) -> None:
-    """Print ``message`` to stderr with the rank, then ``MPI.COMM_WORLD.Abort(1)`` (ends every rank of the job)."""
-    rank = _world_rank() if rank is None else rank
+def say(rank, *lines: str) -> None:
+    """Write ``lines`` to stderr, each as ``cupy_symbuf: rank R: ...``, flushed; never raises (used while an error
+    propagates or the job is about to be torn down)."""
     try:
-        sys.stderr.write(f"cupy_symbuf: rank {rank}: {message}\n"
-                         f"cupy_symbuf: rank {rank}: calling MPI.COMM_WORLD.Abort(1) so the job ends "
-                         f"(Config.abort_on_failure; CUPY_SYMBUF_ABORT_ON_FAILURE=0 turns this off)\n")
+        sys.stderr.write("".join(f"cupy_symbuf: rank {rank}: {line}\n" for line in lines))
         sys.stderr.flush()
     except Exception:  # pragma: no cover
         pass
+
+
+def abort_job(message: str, rank: int = None) -> None:
+    """Print ``message`` to stderr with the rank, then ``MPI.COMM_WORLD.Abort(1)`` (ends every rank of the job)."""
+    rank = _world_rank() if rank is None else rank
+    say(rank, message, "calling MPI.COMM_WORLD.Abort(1) so the job ends (Config.abort_on_failure; "
+                       "CUPY_SYMBUF_ABORT_ON_FAILURE=0 turns this off)")
     if GRACE_S > 0:
         import time
         time.sleep(GRACE_S)

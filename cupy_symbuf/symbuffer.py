@@ -414,13 +414,8 @@ class SymBuffer:
         rank, t = self.rank, self.timeout_s
 
         def note(missing):
-            try:
-                sys.stderr.write(f"cupy_symbuf: rank {rank}: close() waits (up to {t:g} s) for rank(s) "
-                                 f"{', '.join(map(str, missing))} while this exception propagates: "
-                                 f"{type(pending).__name__}: {pending}\n")
-                sys.stderr.flush()
-            except Exception:  # pragma: no cover
-                pass
+            _lifecycle.say(rank, f"close() waits (up to {t:g} s) for rank(s) {', '.join(map(str, missing))} while "
+                                 f"this exception propagates: {type(pending).__name__}: {pending}")
         return (0.5, note)
 
     def __del__(self):
