@@ -4,12 +4,8 @@
 # sanitizers. Usage: bash .ci/device_issue9.sh [stage...]  stages: suite faults perf soak sanitize
 # perf needs the old tree: git worktree add .old 0d2c106 (listed in .git/info/exclude; device run: carry [".old"])
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUPY_SYMBUF_ABORT_ON_FAILURE=0
-LOG=${OUT:-/tmp}
+source "$(dirname "$0")/device_env.sh"
 STAGES=${*:-suite faults perf soak}
-MPIRUN="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x CUPY_SYMBUF_ABORT_ON_FAILURE -x CUPY_SYMBUF_TIMEOUT_S"
 mps_on() { nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started"; }
 mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
 for stage in $STAGES; do
@@ -18,7 +14,7 @@ for stage in $STAGES; do
       STAGE_LIMIT=200 MPS_RANKS="2 4" TEST_TIMEOUT=60 PYTEST_ARGS="--ignore=tests/test_faults.py -x" bash .ci/gpu_suite.sh mps single ;;
     faults)  # single-process pytest launching mpirun per case (ranks share GPU 0, MPS on)
       mps_on
-      CUPY_SYMBUF_FAULT_BACKEND=cuda MPIEXEC="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x CUPY_SYMBUF_ABORT_ON_FAILURE -x CUPY_SYMBUF_FAULT_BACKEND" \
+      CUPY_SYMBUF_FAULT_BACKEND=cuda MPIEXEC="$FAULT_MPIEXEC" \
         timeout ${FAULTS_LIMIT:-240} python3 -m pytest -q --color=no -p no:cacheprovider --timeout=100 tests/test_faults.py -k "not soak" > $LOG/faults.log 2>&1
       echo "== [faults] rc=$?"; grep -E "passed|failed|FAILED|XPASS|xfail" $LOG/faults.log | tail -15
       mps_off ;;

@@ -2,13 +2,9 @@
 # Issue 9, third device call: the GPU fault cases of a call rejected on every/one rank, soak 10,000 at MPS 2 and 4
 # ranks, memcheck (accesses) and racecheck at 2 ranks with the hazards summarised, the item-3 misuse under memcheck.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUPY_SYMBUF_ABORT_ON_FAILURE=0
-LOG=${OUT:-/tmp}
-MPIRUN="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x CUPY_SYMBUF_ABORT_ON_FAILURE"
+source "$(dirname "$0")/device_env.sh"
 nvidia-cuda-mps-control -d && echo "MPS started"
-CUPY_SYMBUF_FAULT_BACKEND=cuda MPIEXEC="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x CUPY_SYMBUF_ABORT_ON_FAILURE -x CUPY_SYMBUF_FAULT_BACKEND" \
+CUPY_SYMBUF_FAULT_BACKEND=cuda MPIEXEC="$FAULT_MPIEXEC" \
   timeout 120 python3 -m pytest -q --color=no -p no:cacheprovider --timeout=60 tests/test_faults.py -k "recv_self_off or reject" > $LOG/faults.log 2>&1
 echo "== [faults reject] rc=$?"; grep -E "passed|failed|FAILED" $LOG/faults.log | tail -6
 for n in 2 4; do
