@@ -178,9 +178,10 @@ class ChannelLayout:
             f"  channel c at c * {self.channel_bytes} B; inside it peer p at p * {self.region_bytes} B:",
             f"    +{TAIL_OFFSET:<6d} tail       uint64, 128 B line (written by peer's sender)",
             f"    +{HEAD_OFFSET:<6d} head       uint64, 128 B line (written by peer's receiver)",
-            f"    +{SEND_TAIL_OFFSET:<6d} send_tail  uint64, 128 B line (local sender state)",
-            f"    +{RECV_HEAD_OFFSET:<6d} recv_head  uint64, 128 B line (local receiver state)",
-            f"    +{RING_OFFSET:<6d} ring       {self.num_slots} slots x {self.chunk_bytes} B = {self.ring_bytes} B",
+            f"    +{SEND_TAIL_OFFSET:<6d} send state [tail, calls] uint64, 128 B line (local sender state)",
+            f"    +{RECV_HEAD_OFFSET:<6d} recv state [head, calls] uint64, 128 B line (local receiver state)",
+            f"    +{RING_OFFSET:<6d} ring       {self.num_slots} slots x {self.chunk_bytes} B = {self.ring_bytes} B "
+            f"(each call: one call-header slot, then its payload chunks)",
             f"  notify at {self.notify_offset}: 2 parities x {self.world_size} slots x {self.notify_slot_bytes} B "
             f"= {self.notify_bytes} B (epoch, op, status, signature + {self.max_notify_ints} int64)",
             f"  abort line at {self.abort_offset}: {LINE_BYTES} B (flag, aborting rank, reason, peer, channel)",
