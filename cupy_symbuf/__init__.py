@@ -5,6 +5,7 @@
 (DeepEP semantics) over its channels. Importing needs neither CuPy nor a GPU.
 """
 from . import layout
+from ._streams import CollectiveEvent
 from .communicator import Communicator
 from .config import Config
 from .errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
@@ -13,6 +14,6 @@ from .layout import ChannelLayout
 from .symbuffer import SymBuffer
 
 __version__ = "0.1.0"
-__all__ = ["SymBuffer", "Communicator", "Config", "ChannelLayout", "layout", "SymBufferError",
+__all__ = ["SymBuffer", "Communicator", "CollectiveEvent", "Config", "ChannelLayout", "layout", "SymBufferError",
            "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError", "SymBufferAbortedError",
            "SymBufferRejectedError", "__version__"]

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from . import _compat
 from . import moe as _moe
+from ._streams import run_collective as _run_collective
 from ._engine import row_signature
 from ._validate import as_array, check_counts
 from .config import Config
@@ -285,7 +286,7 @@ class Communicator:
         return self._engine._run(fn, *args, **kwargs)
 
     # ---- collectives ----------------------------------------------------------------------------------------
-    def alltoall(self, sendbuf):
+    def alltoall(self, sendbuf, *, stream=None, async_op=False):
         """All-to-all of equal blocks: ``recvbuf[j]`` is what rank ``j`` sent to this rank (``sendbuf[rank]`` there).
 
         Parameters
@@ -294,9 +295,13 @@ class Communicator:
             ``sendbuf[j]`` goes to rank ``j``. Non-contiguous input is copied. On cuda the transfer runs on the
             current CuPy stream after the work already queued on it.
 
+        stream, async_op : keyword-only
+            See Streams below (every collective takes them).
+
         Returns
         -------
-        recvbuf : same array type, shape and dtype as ``sendbuf``.
+        recvbuf : same array type, shape and dtype as ``sendbuf``
+            (with ``async_op=True``: a :class:`~cupy_symbuf.CollectiveEvent` whose ``result`` it is).
 
         Every rank must pass the same dtype and shape: every receiver checks it in the call header of each peer
         before it takes a byte (a difference raises :class:`~cupy_symbuf.SymBufferMismatchError` on every rank
@@ -315,7 +320,25 @@ class Communicator:
         SymBufferTimeoutError, SymBufferAbortedError
             A peer did not take part within ``config.timeout_s``, or a rank aborted (on the GPU path raised by a
             later call or by :meth:`synchronize` unless ``Config.blocking``).
+
+        Streams (every collective: ``alltoall``, ``alltoallv``, ``get_dispatch_layout``, ``dispatch``, ``combine``)
+            ``stream=None`` (default): the current CuPy stream. A ``cupy.cuda.Stream``, a ``torch.cuda.Stream`` or
+            any object with an integer ``cuda_stream``/``ptr`` (wrapped in ``cupy.cuda.ExternalStream``): the
+            collective runs with it current (``with stream:``), so its kernels queue there after the work already
+            queued on it, and its outputs come from that stream's CuPy memory pool (use them in that stream's
+            order, or after :meth:`CollectiveEvent.wait`). Inputs made on another stream need an event wait first,
+            as with NCCL. On the host backend ``stream`` must be None. A bad ``stream`` (or ``async_op`` not a
+            bool) raises ``TypeError`` naming the argument; the peers raise
+            :class:`~cupy_symbuf.SymBufferRejectedError` and the communicator stays usable.
+            ``async_op=True``: return a :class:`~cupy_symbuf.CollectiveEvent` (after DeepEP's ``EventOverlap`` and
+            ``torch.distributed.Work``) with the normal return value as ``.result``; ``.wait(stream=None)`` makes a
+            stream wait for the collective without blocking the host, ``.synchronize()`` blocks and raises what the
+            transport recorded. Errors found while issuing the call still raise from the call. On the host backend
+            the event is complete at once.
         """
+        if stream is not None or async_op is not False:
+            return _run_collective(self, "alltoall", False, self.alltoall, (sendbuf,), stream=stream,
+                                   async_op=async_op)
         op = "alltoall"
         eng = self._engine
         self._check_open()
@@ -332,7 +355,7 @@ class Communicator:
         eng.run(plan, [x], None, [recv])
         return recv
 
-    def alltoallv(self, sendbuf, send_counts, *, recv_counts=None):
+    def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, stream=None, async_op=False):
         """All-to-all of variable row counts.
 
         Parameters
@@ -346,10 +369,14 @@ class Communicator:
             Must equal what the peers send (checked in every peer's call header before any byte is taken), and
             ``recv_counts[rank] == send_counts[rank]``. Every rank must make the same choice (given or None).
 
+        stream, async_op : keyword-only
+            The stream to run on and the async form: see :meth:`alltoall` (Streams).
+
         Returns
         -------
         recvbuf : same array type and dtype, shape ``[sum(recv_counts), ...]``, rows grouped by source rank.
         recv_counts : numpy.ndarray int64 ``[world_size]``.
+            With ``async_op=True`` a :class:`~cupy_symbuf.CollectiveEvent` whose ``result`` is this pair.
 
         Notes
         -----
@@ -372,6 +399,9 @@ class Communicator:
         SymBufferTimeoutError, SymBufferAbortedError
             A peer did not take part within ``config.timeout_s``, or a rank aborted.
         """
+        if stream is not None or async_op is not False:
+            return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
+                                   {"recv_counts": recv_counts}, stream=stream, async_op=async_op)
         op = "alltoallv"
         eng = self._engine
         with eng.call(op, notify=recv_counts is None):
@@ -394,18 +424,31 @@ class Communicator:
         return recv, recv_counts
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
-    def get_dispatch_layout(self, topk_idx, num_experts):
+    # ``stream``/``async_op`` (keyword-only) as in alltoall's docstring (Streams); other keywords pass to cupy_symbuf.moe.
+    def get_dispatch_layout(self, topk_idx, num_experts, *, stream=None, async_op=False, **kwargs):
         # docstring: cupy_symbuf.moe.get_dispatch_layout (assigned below)
-        return _moe.get_dispatch_layout(self._engine, topk_idx, num_experts)
+        if stream is None and async_op is False:
+            return _moe.get_dispatch_layout(self._engine, topk_idx, num_experts, **kwargs)
+        return _run_collective(self, "get_dispatch_layout", None, _moe.get_dispatch_layout,
+                               (self._engine, topk_idx, num_experts), kwargs, stream=stream, async_op=async_op)
 
-    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, *, handle=None, expert_alignment=1):
+    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, *, handle=None, expert_alignment=1,
+                 stream=None, async_op=False, **kwargs):
         # docstring: cupy_symbuf.moe.dispatch (assigned below)
-        return _moe.dispatch(self._engine, x, topk_idx, topk_weights, num_experts, handle=handle,
-                             expert_alignment=expert_alignment)
+        kwargs.update(handle=handle, expert_alignment=expert_alignment)
+        if stream is None and async_op is False:
+            return _moe.dispatch(self._engine, x, topk_idx, topk_weights, num_experts, **kwargs)
+        return _run_collective(self, "dispatch", handle is None, _moe.dispatch,
+                               (self._engine, x, topk_idx, topk_weights, num_experts), kwargs, stream=stream,
+                               async_op=async_op)
 
-    def combine(self, x, handle, topk_weights=None, *, dtype=None):
+    def combine(self, x, handle, topk_weights=None, *, dtype=None, stream=None, async_op=False, **kwargs):
         # docstring: cupy_symbuf.moe.combine (assigned below)
-        return _moe.combine(self._engine, x, handle, topk_weights, dtype=dtype)
+        kwargs.update(dtype=dtype)
+        if stream is None and async_op is False:
+            return _moe.combine(self._engine, x, handle, topk_weights, **kwargs)
+        return _run_collective(self, "combine", False, _moe.combine, (self._engine, x, handle, topk_weights), kwargs,
+                               stream=stream, async_op=async_op)
 
     def __repr__(self) -> str:
         return (f"Communicator(backend={self.backend!r}, rank={getattr(self, 'rank', '?')}, "
@@ -414,6 +457,14 @@ class Communicator:
 
 # The MoE methods carry the full DeepEP-semantics docstrings of cupy_symbuf.moe (one text, two entry points;
 # there the communicator is the first argument ``comm``).
-Communicator.get_dispatch_layout.__doc__ = _moe.get_dispatch_layout.__doc__
-Communicator.dispatch.__doc__ = _moe.dispatch.__doc__
-Communicator.combine.__doc__ = _moe.combine.__doc__
+# Every one of them also takes ``stream=`` and ``async_op=`` (keyword-only), documented once in alltoall's docstring.
+_STREAMS_DOC = """
+    stream, async_op : keyword-only (Communicator methods)
+        The stream to run on (None: the current CuPy stream; a ``cupy.cuda.Stream``, ``torch.cuda.Stream`` or an
+        object with ``cuda_stream``/``ptr``; None only on the host backend) and the async form (True: a
+        :class:`~cupy_symbuf.CollectiveEvent` whose ``result`` is the return value): see
+        :meth:`Communicator.alltoall` (Streams). A bad value raises ``TypeError`` naming the argument.
+    """
+Communicator.get_dispatch_layout.__doc__ = (_moe.get_dispatch_layout.__doc__ or "") + _STREAMS_DOC
+Communicator.dispatch.__doc__ = (_moe.dispatch.__doc__ or "") + _STREAMS_DOC
+Communicator.combine.__doc__ = (_moe.combine.__doc__ or "") + _STREAMS_DOC
