@@ -291,7 +291,7 @@ def test_gpu_overlap_matmul_and_dispatch():
         s_comm = cupy.cuda.Stream(non_blocking=True)
         with s_compute:
             prod = da
-            for _ in range(4):
+            for _ in range(2):  # 2 rounds: every partial sum is a multiple of 1/64 below 2**18, exact in float32
                 prod = prod @ db
                 prod = prod / 64.0
         ev = c.dispatch(dx, didx, None, n_exp, stream=s_comm, async_op=True)
@@ -304,11 +304,11 @@ def test_gpu_overlap_matmul_and_dispatch():
         ev.synchronize()
         comb.synchronize()
         ref = a
-        for _ in range(4):
+        for _ in range(2):
             ref = ref @ b / 64.0
 
         def check():
-            np.testing.assert_allclose(prod.get(), ref, rtol=1e-5, atol=1e-3)
+            np.testing.assert_allclose(prod.get(), ref, rtol=1e-6, atol=0)
             np.testing.assert_array_equal(recv_x.get(), want_recv)
             np.testing.assert_array_equal(both.get(), want_comb)
 

@@ -1,0 +1,293 @@
+"""The DeepEP shim (cupy_symbuf.deepep): DeepEP's call shapes, the native API's exact results, a NumPy reference.
+
+Runs on 1 rank and under ``mpiexec -n 2/4``, on every backend available here. PyTorch tests skip without torch.
+"""
+from __future__ import annotations
+
+import inspect
+import zlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import _gpu_for_rank, available_backends
+from cupy_symbuf import SymBufferRejectedError, moe
+from cupy_symbuf.deepep import Buffer, Config, EventOverlap
+
+WORLD = MPI.COMM_WORLD
+RANK = WORLD.Get_rank()
+W = WORLD.Get_size()
+
+
+@pytest.fixture(scope="module", params=available_backends())
+def buf(request):
+    if request.param == "cuda":
+        import cupy
+        cupy.cuda.Device(_gpu_for_rank()).use()
+    b = Buffer(WORLD, int(1e9), 0, backend=request.param)
+    yield b
+    b.destroy()
+
+
+def all_ranks(check) -> None:
+    err = None
+    try:
+        check()
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        err = f"rank {RANK}: {type(e).__name__}: {e}"
+    errs = [e for e in WORLD.allgather(err) if e]
+    if errs:
+        pytest.fail("\n".join(errs), pytrace=False)
+
+
+def np_(a):
+    if a is None or isinstance(a, np.ndarray):
+        return a
+    if type(a).__module__.startswith("torch"):
+        return a.cpu().numpy()
+    return a.get()
+
+
+def dev(b, a):
+    if a is None or b.communicator.backend == "host":
+        return a
+    import cupy
+    return cupy.asarray(a)
+
+
+def inputs(key, num_tokens=20, hidden=8, topk=3, weights=True):
+    rng = np.random.default_rng([zlib.crc32(repr(key).encode()), RANK])
+    num_experts = 4 * W
+    idx = np.stack([rng.choice(num_experts, size=topk, replace=False) for _ in range(num_tokens)]).astype(np.int64)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    x = rng.integers(-8, 9, size=(num_tokens, hidden)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, size=idx.shape).astype(np.float32) if weights else None
+    return x, idx, w, num_experts
+
+
+def ref(x, idx, w, num_experts):
+    """recv_x, recv_topk_idx (local ids), recv_topk_weights of this rank; combine of recv_x sent straight back."""
+    everything = WORLD.allgather((x, idx, w))
+    epr = num_experts // W
+    rx, ri, rw = [], [], []
+    for xs, ids, ws in everything:
+        for t in range(xs.shape[0]):
+            mine = [int(e) >= 0 and int(e) // epr == RANK for e in ids[t]]
+            if any(mine):
+                rx.append(xs[t])
+                ri.append([int(e) - RANK * epr if m else -1 for e, m in zip(ids[t], mine)])
+                if ws is not None:
+                    rw.append([v if m else 0.0 for v, m in zip(ws[t], mine)])
+    k = idx.shape[1]
+    recv_x = np.stack(rx) if rx else np.zeros((0, x.shape[1]), x.dtype)
+    recv_i = np.array(ri, np.int64).reshape(-1, k)
+    recv_w = np.array(rw, np.float32).reshape(-1, k) if w is not None else None
+    n_ranks = np.array([len({int(e) // epr for e in row if e >= 0}) for row in idx], dtype=np.float32)
+    return recv_x, recv_i, recv_w, x * n_ranks[:, None]
+
+
+def layout_and_dispatch(b, x, idx, w, n_exp, **kw):
+    lay = b.get_dispatch_layout(dev(b, idx), n_exp)
+    out = b.dispatch(dev(b, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                     topk_idx=dev(b, idx), topk_weights=dev(b, w), **kw)
+    return lay, out
+
+
+# ------------------------------------------------------------------------------------------------ shapes, results
+
+
+def test_tuples_and_native_results(buf):
+    x, idx, w, n_exp = inputs(("native", buf.communicator.backend))
+    want_x, want_i, want_w, want_comb = ref(x, idx, w, n_exp)
+    c = buf.communicator
+    lay, out = layout_and_dispatch(buf, x, idx, w, n_exp, expert_alignment=4)
+    nat_lay = c.get_dispatch_layout(dev(buf, idx), n_exp)
+    nat = c.dispatch(dev(buf, x), dev(buf, idx), dev(buf, w), n_exp, expert_alignment=4)
+    comb = buf.combine(out[0], out[4], topk_weights=out[2])
+    nat_comb = c.combine(nat[0], nat[4], nat[2])
+    cached = buf.dispatch(dev(buf, x), handle=out[4])
+
+    def check():
+        assert len(lay) == 5 and lay[1] is None and isinstance(lay[4], EventOverlap)
+        for a, b in zip((lay[0], lay[2], lay[3]), nat_lay):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np_(a), np_(b))
+        assert len(out) == 6 and isinstance(out[5], EventOverlap)
+        assert isinstance(out[4], moe.DispatchHandle)
+        for a, b in zip(out[:3], nat[:3]):
+            np.testing.assert_array_equal(np_(a), np_(b))
+        assert out[3] == nat[3] and isinstance(out[3], list)
+        np.testing.assert_array_equal(np_(out[0]), want_x)
+        np.testing.assert_array_equal(np_(out[1]), want_i)
+        np.testing.assert_array_equal(np_(out[2]), want_w)
+        assert len(comb) == 3 and isinstance(comb[2], EventOverlap)
+        np.testing.assert_array_equal(np_(comb[0]), np_(nat_comb[0]))
+        np.testing.assert_array_equal(np_(comb[1]), np_(nat_comb[1]))
+        np.testing.assert_array_equal(np_(comb[0]), want_comb)
+        assert len(cached) == 6 and cached[1:5] == (None, None, None, None)
+        np.testing.assert_array_equal(np_(cached[0]), want_x)
+        assert type(out[0]) is type(dev(buf, x))
+
+    all_ranks(check)
+
+
+def test_fp8_tuple_and_no_weights(buf):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x, idx, _, n_exp = inputs(("fp8", buf.communicator.backend), hidden=256, weights=False)
+    fp8 = x.astype(ml_dtypes.float8_e4m3fn)
+    if buf.communicator.backend == "cuda":
+        fp8 = fp8.view(np.uint8)
+    scales = np.ones((x.shape[0], 2), np.float32) * (RANK + 1)
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+    out = buf.dispatch((dev(buf, fp8), dev(buf, scales)), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                       num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
+    want_x = ref(fp8.view(np.uint8), idx, None, n_exp)[0]
+
+    def check():
+        assert isinstance(out[0], tuple) and len(out[0]) == 2 and out[2] is None
+        np.testing.assert_array_equal(np_(out[0][0]).view(np.uint8), want_x)
+
+    all_ranks(check)
+
+
+# ------------------------------------------------------------------------------------------------ events
+
+
+def test_previous_event_and_async_finish(buf):
+    x, idx, w, n_exp = inputs(("async", buf.communicator.backend))
+    want_x, _, _, want_comb = ref(x, idx, w, n_exp)
+    prev = Buffer.capture()
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp, previous_event=prev, async_finish=True,
+                                  allocate_on_comm_stream=True)
+    lay[4].current_stream_wait()
+    out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                       num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), topk_weights=dev(buf, w),
+                       previous_event=lay[4], async_finish=True)
+    with out[5]:  # the current stream waits at the end of the block
+        pass
+    comb = buf.combine(out[0], out[4], async_finish=True, previous_event=out[5])
+    comb[2].current_stream_wait(release_handle=True)
+
+    def check():
+        if buf.communicator.backend == "cuda":
+            assert out[5].event is not None
+            import cupy
+            cupy.cuda.get_current_stream().synchronize()
+        else:
+            assert out[5].event is None
+        assert comb[2].event is None
+        np.testing.assert_array_equal(np_(out[0]), want_x)
+        np.testing.assert_array_equal(np_(comb[0]), want_comb)
+        assert buf.get_comm_stream() is None or buf.get_comm_stream().ptr != 0
+
+    all_ranks(check)
+
+
+def test_bad_stream_arguments_then_usable(buf):
+    x, idx, w, n_exp = inputs(("bad", buf.communicator.backend))
+    want_x = ref(x, idx, w, n_exp)[0]
+
+    def check():
+        with pytest.raises(ValueError, match="allocate_on_comm_stream"):
+            buf.get_dispatch_layout(dev(buf, idx), n_exp, allocate_on_comm_stream=True)
+        lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+        with pytest.raises(TypeError, match="'previous_event'"):
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                         num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), previous_event="not an event")
+        with pytest.raises(TypeError, match="'async_finish'"):
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                         num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), async_finish="yes")
+        with pytest.raises(ValueError, match="'num_tokens_per_expert'"):
+            buf.dispatch(dev(buf, x), topk_idx=dev(buf, idx))
+        with pytest.raises(ValueError, match="'topk_idx'"):
+            buf.dispatch(dev(buf, x), num_tokens_per_expert=lay[2])
+        out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                           num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
+        with pytest.raises(NotImplementedError, match="bias"):
+            buf.combine(out[0], out[4], bias=out[0])
+        np.testing.assert_array_equal(np_(out[0]), want_x)
+        buf.combine(out[0], out[4], config=Buffer.get_combine_config(W))
+
+    all_ranks(check)
+
+
+@pytest.mark.skipif(W == 1, reason="needs peers")
+def test_shim_rejection_on_one_rank_is_told_to_peers(buf):
+    x, idx, w, n_exp = inputs(("reject1", buf.communicator.backend))
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+              topk_idx=dev(buf, idx))
+
+    def check():
+        if RANK == 0:
+            with pytest.raises(TypeError, match="'previous_event'"):
+                buf.dispatch(dev(buf, x), previous_event=3, **kw)
+        else:
+            with pytest.raises(SymBufferRejectedError):
+                buf.dispatch(dev(buf, x), **kw)
+        np.testing.assert_array_equal(np_(buf.dispatch(dev(buf, x), **kw)[0]), ref(x, idx, w, n_exp)[0])
+
+    all_ranks(check)
+
+
+def test_num_worst_tokens(buf):
+    x, idx, w, n_exp = inputs(("worst", buf.communicator.backend))
+    lay, out = layout_and_dispatch(buf, x, idx, w, n_exp, num_worst_tokens=0)  # zero: not passed on
+    all_ranks(lambda: np.testing.assert_array_equal(np_(out[0]), ref(x, idx, w, n_exp)[0]))
+    if "num_worst_tokens" not in inspect.signature(moe.dispatch).parameters:
+        pytest.xfail("the native dispatch has no num_worst_tokens yet")
+    worst = x.shape[0] * W
+    _, out = layout_and_dispatch(buf, x, idx, w, n_exp, num_worst_tokens=worst)
+    all_ranks(lambda: np.testing.assert_array_equal(np_(out[0])[:ref(x, idx, w, n_exp)[0].shape[0]],
+                                                    ref(x, idx, w, n_exp)[0]))
+
+
+def test_low_latency_and_construction_errors(buf):
+    def check():
+        with pytest.raises(NotImplementedError, match="low-latency"):
+            buf.low_latency_dispatch(None, None, 128, 8)
+        with pytest.raises(NotImplementedError, match="low-latency"):
+            buf.low_latency_combine(None, None, None, None)
+        with pytest.raises(TypeError, match="mpi4py"):
+            Buffer(object())
+        with pytest.raises(ValueError, match="group"):
+            Buffer()
+        assert Config().get_nvl_buffer_size_hint(7168 * 2, W) == 0
+        assert isinstance(Buffer.get_dispatch_config(W), Config)
+        with pytest.raises(ValueError):
+            Buffer.set_num_sms(3)
+        assert buf.rank == RANK and buf.group_size == W and buf.group is WORLD
+
+    all_ranks(check)
+
+
+# ------------------------------------------------------------------------------------------------ PyTorch
+
+
+def test_torch_tensors_in_torch_out(buf):
+    torch = pytest.importorskip("torch")
+    device = "cuda" if buf.communicator.backend == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(_gpu_for_rank())
+    x, idx, w, n_exp = inputs(("torch", device))
+    want_x, want_i, want_w, want_comb = ref(x, idx, w, n_exp)
+    tx = torch.from_numpy(x).to(device).to(torch.bfloat16)
+    tidx, tw = torch.from_numpy(idx).to(device), torch.from_numpy(w).to(device)
+    lay = buf.get_dispatch_layout(tidx, n_exp)
+    out = buf.dispatch(tx, num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
+                       topk_idx=tidx, topk_weights=tw, async_finish=True)
+    out[5].current_stream_wait()
+    comb = buf.combine(out[0], out[4])
+
+    def check():
+        for t in (lay[0], lay[2], lay[3], out[0], out[1], out[2], comb[0]):
+            assert isinstance(t, torch.Tensor) and t.device.type == device
+        assert lay[0].dtype == torch.int32 and lay[3].dtype == torch.bool
+        assert out[0].dtype == torch.bfloat16 and comb[0].dtype == torch.bfloat16
+        np.testing.assert_array_equal(out[0].float().cpu().numpy(), want_x)
+        np.testing.assert_array_equal(out[1].cpu().numpy(), want_i)
+        np.testing.assert_array_equal(out[2].cpu().numpy(), want_w)
+        np.testing.assert_array_equal(comb[0].float().cpu().numpy(), want_comb)
+
+    all_ranks(check)
