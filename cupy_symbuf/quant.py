@@ -1,0 +1,102 @@
+"""The one fp8 (e4m3) block quantiser, NumPy form: bit for bit the device function of ``cuda_src/quant.cuh``.
+
+Per block of :data:`QUANT_BLOCK` (128) consecutive elements of a row (``hidden % 128 == 0``):
+
+* ``amax = max(max |x|, 1e-4)`` (float32),
+* ``scale = amax / 448`` (float32 division, round to nearest even); with ``ue8m0`` the scale is rounded **up** to a
+  power of two (``2 ** ceil(log2(scale))``: exponent + 1 when a mantissa bit is set), so ``scale >= amax / 448``,
+* ``inv = 1 / scale`` (float32), ``q = e4m3(x * inv)``: the float32 product rounded to nearest even to
+  float8_e4m3fn, saturating to +-448 (PTX ``cvt.rn.satfinite.e4m3x2.f32``; here integer arithmetic on the float32
+  bits, so ``ml_dtypes`` is not needed).
+
+Dequantised ``x' = float(q) * scale``. **Error bound** (finite x): ``|x - x'| <= |x| * 2**-4 + scale * 2**-10``
+(half an e4m3 ulp: 3 mantissa bits in the normal range, spacing ``2**-9`` in the subnormal range), plus float32
+rounding of ``inv`` and of the product (relative ``2**-23`` each; :func:`error_bound` includes them). NaN input is
+not supported (the amax ignores NaN on the GPU; the codes of NaN elements are NaN).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["QUANT_BLOCK", "FP8_MAX", "AMAX_FLOOR", "quantize_fp8", "dequantize_fp8", "fp8_e4m3_to_float32",
+           "float32_to_fp8_e4m3", "block_scales", "error_bound"]
+
+QUANT_BLOCK = 128
+FP8_MAX = np.float32(448.0)
+AMAX_FLOOR = np.float32(1e-4)
+
+
+def float32_to_fp8_e4m3(v: np.ndarray) -> np.ndarray:
+    """float32 -> float8_e4m3fn bits (uint8), round to nearest even, saturating to +-448 (satfinite); NaN -> 0x7F."""
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    u = v.view(np.uint32)
+    sign = ((u >> np.uint32(24)) & np.uint32(0x80)).astype(np.uint8)
+    a = np.abs(v)
+    au = a.view(np.uint32).astype(np.uint64)
+    # normal range: round the float32 mantissa to 3 bits (nearest even), rebias the exponent (127 -> 7)
+    r = (au + np.uint64(0x7FFFF) + ((au >> np.uint64(20)) & np.uint64(1))) >> np.uint64(20)
+    normal = r.astype(np.int64) - ((127 - 7) << 3)
+    # subnormal range (|v| < 2**-6): multiples of 2**-9, nearest even (2**-6 itself rounds to code 8 = 2**-6)
+    sub = np.rint(a * np.float32(512.0)).astype(np.int64)
+    code = np.where(a < np.float32(2.0 ** -6), sub, normal)
+    code = np.minimum(code, 0x7E).astype(np.uint8)
+    code = np.where(np.isnan(v), np.uint8(0x7F), code | sign)
+    return code.astype(np.uint8)
+
+
+_TABLE = None
+
+
+def fp8_e4m3_to_float32(q) -> np.ndarray:
+    """float8_e4m3fn bits (uint8, or an ml_dtypes float8_e4m3fn array) -> float32, exact."""
+    global _TABLE
+    if _TABLE is None:
+        c = np.arange(256)
+        s = np.where(c & 0x80, -1.0, 1.0)
+        e, m = (c >> 3) & 0xF, c & 7
+        val = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8.0) * 2.0 ** (e - 7.0))
+        val = np.where((c & 0x7F) == 0x7F, np.nan, val)
+        _TABLE = (s * val).astype(np.float32)
+    q = np.asarray(q)
+    return _TABLE[q.view(np.uint8) if q.dtype.itemsize == 1 else q.astype(np.uint8)]
+
+
+def block_scales(xf: np.ndarray, ue8m0: bool = False) -> np.ndarray:
+    """float32 scales ``[..., hidden // 128]`` of float32 rows ``xf [..., hidden]``."""
+    blocks = xf.reshape(xf.shape[:-1] + (xf.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
+    amax = np.fmax.reduce(np.abs(blocks), axis=-1) if blocks.size else np.zeros(blocks.shape[:-1], np.float32)
+    amax = np.maximum(amax.astype(np.float32), AMAX_FLOOR)
+    scale = (amax / FP8_MAX).astype(np.float32)
+    if ue8m0:
+        u = scale.view(np.uint32).astype(np.uint64)
+        scale = ((u + np.uint64(0x7FFFFF)) & np.uint64(0xFF800000)).astype(np.uint32).view(np.float32)
+    return scale
+
+
+def quantize_fp8(xf, ue8m0: bool = False):
+    """``(q, scales)``: ``q`` uint8 e4m3 bits with ``xf``'s shape, ``scales`` float32 ``[..., hidden // 128]``.
+
+    ``xf``: float32 (or anything exactly convertible: bf16 widened, fp16) array whose last axis is a multiple of
+    128. Bitwise equal to the GPU quantiser (``cuda_src/quant.cuh``)."""
+    xf = np.ascontiguousarray(xf, dtype=np.float32)
+    if xf.shape[-1] % QUANT_BLOCK:
+        raise ValueError(f"quantize_fp8: the last axis ({xf.shape[-1]}) must be a multiple of {QUANT_BLOCK}")
+    scale = block_scales(xf, ue8m0)
+    inv = (np.float32(1.0) / scale).astype(np.float32)
+    blocks = xf.reshape(xf.shape[:-1] + (xf.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
+    prod = (blocks * inv[..., None]).astype(np.float32)
+    return float32_to_fp8_e4m3(prod).reshape(xf.shape), scale
+
+
+def dequantize_fp8(q, scales) -> np.ndarray:
+    """float32 ``float(q) * scale`` per 128-element block."""
+    f = fp8_e4m3_to_float32(q)
+    blocks = f.reshape(f.shape[:-1] + (f.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
+    return (blocks * np.asarray(scales, np.float32)[..., None]).reshape(f.shape)
+
+
+def error_bound(xf, scales) -> np.ndarray:
+    """The documented bound of ``|x - dequantize_fp8(quantize_fp8(x))|`` per element (float64)."""
+    xf = np.asarray(xf, np.float64)
+    s = np.repeat(np.asarray(scales, np.float64), QUANT_BLOCK, axis=-1)
+    return np.abs(xf) * (2.0 ** -4 + 2.0 ** -21) + s * 2.0 ** -10
