@@ -11,6 +11,7 @@ from .config import Config
 from .errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
                      SymBufferRejectedError, SymBufferTimeoutError)
 from .layout import ChannelLayout
+from .low_latency import LowLatencyBuffer, LowLatencyHandle, bench_low_latency  # noqa: F401 (issue 10 item 5)
 from .symbuffer import SymBuffer
 
 __version__ = "0.1.0"

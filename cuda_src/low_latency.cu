@@ -1,0 +1,494 @@
+// Low-latency MoE dispatch / combine (DeepEP low_latency_dispatch / low_latency_combine semantics, decode sizes),
+// one kernel each, no host synchronisation, graph-capturable. cupy_symbuf/low_latency.py is the reference text
+// (layout, arithmetic, the NumPy twin); this file is its GPU form.
+//
+// Symmetric buffer of a LowLatencyBuffer (its own SymBuffer), per rank:
+//   ctrl lines (LOCAL only): dispatch [seq, sent, exit], combine [seq, sent, exit] (u64 counters, only growing).
+//   dispatch halves 0/1, chosen by the parity of the device sequence number seq (the kernel reads ctrl.seq + 1,
+//   the last block to leave stores it): per source rank s: a flag line [seq, n_s, sig], meta int32 [N][K]
+//   (s's topk_idx, global expert ids) and rows [N][R] (token t of s at row t: the x row, or fp8 bytes + scales).
+//   combine halves 0/1: per source s: weights flag [seq, n_s, sig] + float32 weights [N][K]; per expert rank d:
+//   partials flag [seq] + rows [N][RC] (the weighted sum of d's local experts' outputs for token t, x's dtype).
+// Ordering: payload stores of every block, __syncthreads, then (thread 0) fence.acq_rel.sys + a local atomicAdd
+// on ctrl.sent; the block that completes the count (the last one) fences again and publishes every flag with
+// st.release.sys; receivers poll flags with ld.acquire.sys inside a SpinBudget (bounded, abort word polled).
+// Double buffering: a kernel waits for every peer's flag of its own call, so when call i+2 starts on a rank, every
+// peer has finished call i and no longer reads that half.
+#include "protocol.cuh"
+#include "quant.cuh"
+
+// Kernel arguments: every word i64, passed by value; the order is LL_DISPATCH_FIELDS / LL_COMBINE_FIELDS of
+// cupy_symbuf/low_latency.py (tests compare the parameter size).
+struct LLDispatchArgs {
+  i64 x, x_stride, topk, n, k, ll_bases, half0, half_bytes, flags_off, meta_off, rows_off, row_bytes, N, H, L, W,
+      rank, use_fp8, ue8m0, kind, sig, recv_x, recv_scales, recv_count, src_info, layout_range, inv, recv_ntok,
+      status, comm_bases, abort_offset, timeout_ns, launch_seq, ctrl, grid;
+};
+struct LLCombineArgs {
+  i64 x, topk, weights, n, k, inv, recv_ntok, ll_bases, half0, half_bytes, wflags_off, weights_off, pflags_off,
+      prows_off, row_bytes, N, H, L, W, rank, kind, sig, out, status, comm_bases, abort_offset, timeout_ns,
+      launch_seq, ctrl, grid;
+};
+
+#define LL_CTRL_SEQ 0
+#define LL_CTRL_SENT 1
+#define LL_CTRL_EXIT 2
+#define LL_LINE_SEQ 0
+#define LL_LINE_N 1
+#define LL_LINE_SIG 2
+#define LL_SEG_ELEMS 1024  // elements of x per work item of a warp (8 fp8 blocks)
+
+template <class T>
+__device__ __forceinline__ T* at(i64 base, i64 off) { return reinterpret_cast<T*>(base + off); }
+
+// ---- element types (raw bits; no cuda_bf16.h) --------------------------------------------------------------------
+__device__ __forceinline__ float bf16_load(u32 b) { return __uint_as_float(b << 16); }
+__device__ __forceinline__ u32 bf16_store(float f) {  // round to nearest even, NaN stays a quiet NaN
+  const u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ float f16_load(u32 b) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(b)));
+  return f;
+}
+__device__ __forceinline__ u32 f16_store(float f) {
+  unsigned short b;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(f));
+  return b;
+}
+// kind: 0 bfloat16, 1 float16, 2 float32. Elements of a 16-byte vector: 8, 8, 4.
+template <int KIND>
+struct Elem {
+  static constexpr int kPerVec = KIND == 2 ? 4 : 8;
+  __device__ static void unpack(const int4& v, float* f) {
+    const u32 w[4] = {static_cast<u32>(v.x), static_cast<u32>(v.y), static_cast<u32>(v.z), static_cast<u32>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (KIND == 2) {
+        f[i] = __uint_as_float(w[i]);
+      } else if constexpr (KIND == 0) {
+        f[2 * i] = bf16_load(w[i] & 0xffffu), f[2 * i + 1] = bf16_load(w[i] >> 16);
+      } else {
+        f[2 * i] = f16_load(w[i] & 0xffffu), f[2 * i + 1] = f16_load(w[i] >> 16);
+      }
+    }
+  }
+  __device__ static int4 pack(const float* f) {
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (KIND == 2) w[i] = __float_as_uint(f[i]);
+      else if constexpr (KIND == 0) w[i] = bf16_store(f[2 * i]) | (bf16_store(f[2 * i + 1]) << 16);
+      else w[i] = f16_store(f[2 * i]) | (f16_store(f[2 * i + 1]) << 16);
+    }
+    return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
+  }
+};
+
+// Four elements starting at element i of a row (for the quantiser).
+template <int KIND>
+__device__ __forceinline__ void load4(const u8* row, i64 i, float v[4]) {
+  if constexpr (KIND == 2) {
+    const int4 q = ld_nc_global(reinterpret_cast<const int4*>(row + 4 * i));
+    v[0] = __int_as_float(q.x), v[1] = __int_as_float(q.y), v[2] = __int_as_float(q.z), v[3] = __int_as_float(q.w);
+  } else {
+    const u32* p = reinterpret_cast<const u32*>(row + 2 * i);
+    const u32 a = ld_nc_global(p), b = ld_nc_global(p + 1);
+    if constexpr (KIND == 0) v[0] = bf16_load(a & 0xffffu), v[1] = bf16_load(a >> 16), v[2] = bf16_load(b & 0xffffu),
+                             v[3] = bf16_load(b >> 16);
+    else v[0] = f16_load(a & 0xffffu), v[1] = f16_load(a >> 16), v[2] = f16_load(b & 0xffffu), v[3] = f16_load(b >> 16);
+  }
+}
+
+// ---- flags and counters ----------------------------------------------------------------------------------------------
+// Wait until flag line `line` holds sequence `seq`; false when the wait failed (timeout, abort: recorded).
+// A line ahead of seq, or a signature other than `sig`, is a protocol mismatch (recorded, abort word set).
+__device__ __noinline__ bool wait_flag(const WaitCtx* c, int peer, const u64* line, u64 seq, i64 sig, bool check_sig) {
+  SpinBudget spin(c);
+  while (true) {
+    const u64 v = ld_acquire_sys_global(line + LL_LINE_SEQ);
+    if (v == seq) break;
+    if (v > seq) {
+      fail(*c, ROLE_RECV, peer, static_cast<i64>(seq), static_cast<i64>(v), ERR_MISMATCH, FIELD_SEQ);
+      return false;
+    }
+    if (!spin.ok(ROLE_RECV, peer, seq, v)) return false;
+  }
+  if (check_sig) {
+    const i64 got = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_SIG);
+    if (got != sig) {
+      fail(*c, ROLE_RECV, peer, sig, got, ERR_MISMATCH, FIELD_SIG);
+      return false;
+    }
+  }
+  return true;
+}
+
+// Block done with its remote stores: count it; the last block of the launch publishes one flag line per rank
+// (rank r's line `me` in r's half), [seq, n, sig] with the seq word last (st.release.sys). Thread 0 only.
+__device__ __forceinline__ void block_sent(u64* ctrl, u64 seq, i64 grid, const u64* ll_bases, i64 line_off, int me,
+                                           int W, i64 n, i64 sig) {
+  __threadfence_system();
+  const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + LL_CTRL_SENT), 1ull);
+  if (old != seq * static_cast<u64>(grid) - 1) return;
+  __threadfence_system();  // every block's stores (ordered before its atomicAdd) before the flags
+  for (int r = 0; r < W; ++r) {
+    u64* line = reinterpret_cast<u64*>(ll_bases[r] + line_off + static_cast<i64>(me) * LINE_BYTES);
+    volatile i64* w = reinterpret_cast<volatile i64*>(line);
+    w[LL_LINE_N] = n;
+    w[LL_LINE_SIG] = sig;
+    st_release_sys_global(line + LL_LINE_SEQ, seq);
+  }
+}
+
+// Block leaving: the last one of the launch stores the sequence number for the next launch. Thread 0 only.
+__device__ __forceinline__ void block_exit(u64* ctrl, u64 seq, i64 grid) {
+  const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + LL_CTRL_EXIT), 1ull);
+  if (old == seq * static_cast<u64>(grid) - 1) *reinterpret_cast<volatile u64*>(ctrl + LL_CTRL_SEQ) = seq;
+}
+
+__device__ __forceinline__ u64 read_seq(const u64* ctrl) {
+  return static_cast<u64>(ld_volatile_global(reinterpret_cast<const i64*>(ctrl) + LL_CTRL_SEQ)) + 1;
+}
+
+// Rank of expert id e (or -1 when e is -1 or out of range: ignored like -1).
+__device__ __forceinline__ int expert_rank(i64 e, i64 L, i64 W) { return (e < 0 || e >= L * W) ? -1 : int(e / L); }
+
+// ---- dispatch --------------------------------------------------------------------------------------------------------
+// Send: work item (token t, segment g of LL_SEG_ELEMS elements), one warp each: the destinations of t are the
+// ranks of its experts; the segment is read once and stored into every destination's row t of source `rank`
+// (fp8: quantised once, bytes then the block scales at row + H). Segment 0 also writes t's topk_idx (int32).
+// Receive: every block builds, in shared memory, bit masks mask[local expert][source][token] from all sources'
+// meta, and prefix counts base[e][s] (rows of expert e from sources before s): recv_x[e] holds its rows ordered by
+// (source rank, token index). Work item (entry (s, t, j), segment): the first j of token t naming local expert e
+// copies that segment of staging row (s, t) to recv_x[e][pos]; every j naming e gets inv[s][t][j] = e * W * N + pos.
+template <int KIND>
+__device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
+  const int W = static_cast<int>(a.W), me = static_cast<int>(a.rank), K = static_cast<int>(a.k);
+  const i64 N = a.N, H = a.H, L = a.L, n = a.n, R = a.row_bytes;
+  const u64* ll_bases = reinterpret_cast<const u64*>(a.ll_bases);
+  u64* ctrl = reinterpret_cast<u64*>(a.ctrl);
+  __shared__ WaitCtx s_ctx;
+  __shared__ u64 s_seq;
+  __shared__ int s_fail;
+  __shared__ int s_ntok[MAX_PEERS];
+  if (threadIdx.x == 0) {
+    s_seq = read_seq(ctrl);
+    s_ctx = make_wait_ctx(reinterpret_cast<i64*>(a.status), reinterpret_cast<const u64*>(a.comm_bases), me, W, -1,
+                          a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
+    s_fail = 0;
+  }
+  __syncthreads();
+  const u64 seq = s_seq;
+  const i64 half = a.half0 + static_cast<i64>(seq & 1) * a.half_bytes;
+  const int lane = threadIdx.x & 31;
+  const i64 warps = static_cast<i64>(blockDim.x >> 5), gwarp = blockIdx.x * warps + (threadIdx.x >> 5),
+            total_warps = a.grid * warps;
+  const i64 elem = KIND == 2 ? 4 : 2;
+  const i64 segs = (H + LL_SEG_ELEMS - 1) / LL_SEG_ELEMS;
+  const i64* topk = reinterpret_cast<const i64*>(a.topk);
+
+  // ---- send ----
+  for (i64 item = gwarp; item < n * segs; item += total_warps) {
+    const i64 t = item / segs, g = item % segs;
+    const i64 e = lane < K ? topk[t * K + lane] : -1;
+    const int r = expert_rank(e, L, a.W);
+    const u32 dests = __reduce_or_sync(0xffffffffu, r >= 0 ? (1u << r) : 0u);
+    if (g == 0 && lane < K) {
+      for (int d = 0; d < W; ++d)
+        *at<int>(ll_bases[d], half + a.meta_off + ((static_cast<i64>(me) * N + t) * K + lane) * 4) =
+            static_cast<int>(e);
+    }
+    if (!dests) continue;
+    const i64 lo = g * LL_SEG_ELEMS, hi = lo + LL_SEG_ELEMS < H ? lo + LL_SEG_ELEMS : H;
+    const u8* src = reinterpret_cast<const u8*>(a.x) + t * a.x_stride;
+    const i64 row_off = half + a.rows_off + (static_cast<i64>(me) * N + t) * R;
+    if (!a.use_fp8) {
+      // one load of the segment (up to 16 B x LL_SEG_ELEMS*4/512 per lane), then a store per destination
+      constexpr int kVec = LL_SEG_ELEMS * (KIND == 2 ? 4 : 2) / 16 / 32;  // 16-byte vectors per lane
+      int4 v[kVec];
+      const i64 nvec = (hi - lo) * elem / 16;
+      const int4* s4 = reinterpret_cast<const int4*>(src + lo * elem);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u)
+        if (lane + u * 32 < nvec) v[u] = ld_nc_global(s4 + lane + u * 32);
+      for (int d = 0; d < W; ++d) {
+        if (!(dests >> d & 1)) continue;
+        int4* d4 = at<int4>(ll_bases[d], row_off + lo * elem);
+#pragma unroll
+        for (int u = 0; u < kVec; ++u)
+          if (lane + u * 32 < nvec) st_na_global(d4 + lane + u * 32, v[u]);
+      }
+    } else {
+      constexpr int kBlocks = LL_SEG_ELEMS / QUANT_BLOCK;
+      float v[kBlocks][4];
+      const int nb = static_cast<int>((hi - lo) / QUANT_BLOCK);
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b)
+        if (b < nb) load4<KIND>(src, lo + b * QUANT_BLOCK + lane * 4, v[b]);
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+        if (b >= nb) break;
+        const float scale = quant_scale(warp_amax4(v[b]), a.ue8m0 != 0);
+        const float inv = __fdiv_rn(1.0f, scale);
+        const u32 q = quant4(v[b], inv);
+        const i64 blk = lo / QUANT_BLOCK + b;
+        for (int d = 0; d < W; ++d) {
+          if (!(dests >> d & 1)) continue;
+          st_na_global(at<u32>(ll_bases[d], row_off + lo + b * QUANT_BLOCK + lane * 4), q);
+          if (lane == 0) st_na_global(at<u32>(ll_bases[d], row_off + H + blk * 4), __float_as_uint(scale));
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) block_sent(ctrl, seq, a.grid, ll_bases, half + a.flags_off, me, W, n, a.sig);
+
+  // ---- receive ----
+  if (threadIdx.x < W) {
+    const int s = threadIdx.x;
+    const u64* line = at<u64>(ll_bases[me], half + a.flags_off + static_cast<i64>(s) * LINE_BYTES);
+    if (!wait_flag(&s_ctx, s, line, seq, a.sig, true)) s_fail = 1;
+    else {
+      const i64 ns = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_N);
+      if (ns < 0 || ns > N) {
+        fail(s_ctx, ROLE_RECV, s, N, ns, ERR_MISMATCH, FIELD_UNITS);
+        s_fail = 1;
+      }
+      s_ntok[s] = static_cast<int>(ns);
+    }
+  }
+  const i64 NW = (N + 31) / 32;
+  u32* mask = smem;                                         // [L][W][NW]
+  int* base = reinterpret_cast<int*>(smem + L * W * NW);    // [L][W]
+  for (i64 i = threadIdx.x; i < L * W * NW; i += blockDim.x) mask[i] = 0;
+  __syncthreads();
+  if (s_fail) return;
+  const int* meta = at<int>(ll_bases[me], half + a.meta_off);
+  for (i64 i = threadIdx.x; i < W * N * K; i += blockDim.x) {
+    const i64 s = i / (N * K), t = (i / K) % N;
+    if (t >= s_ntok[s]) continue;
+    const int e = ld_cg_global(reinterpret_cast<const u32*>(meta + i));
+    if (expert_rank(e, L, a.W) != me) continue;
+    atomicOr(mask + ((e - me * L) * W + s) * NW + t / 32, 1u << (t % 32));
+  }
+  __syncthreads();
+  for (i64 el = threadIdx.x; el < L; el += blockDim.x) {
+    int acc = 0;
+    for (int s = 0; s < W; ++s) {
+      base[el * W + s] = acc;
+      int c = 0;
+      for (i64 w = 0; w < NW; ++w) c += __popc(mask[(el * W + s) * NW + w]);
+      if (blockIdx.x == 0) reinterpret_cast<i64*>(a.layout_range)[el * W + s] = (static_cast<i64>(acc) << 32) | c;
+      acc += c;
+    }
+    if (blockIdx.x == 0) reinterpret_cast<int*>(a.recv_count)[el] = acc;
+  }
+  if (blockIdx.x == 0 && threadIdx.x < W) reinterpret_cast<int*>(a.recv_ntok)[threadIdx.x] = s_ntok[threadIdx.x];
+  __syncthreads();
+  // copies: (entry, segment) items; a row is copied in segments of 4 KB
+  const i64 copy_bytes_row = a.use_fp8 ? H : H * elem;
+  const i64 cseg = 4096, csegs = (copy_bytes_row + cseg - 1) / cseg + (a.use_fp8 ? 1 : 0);  // fp8: + scales
+  const i64 WN = static_cast<i64>(W) * N;
+  for (i64 item = gwarp; item < W * N * K * csegs; item += total_warps) {
+    const i64 entry = item / csegs, g = item % csegs;
+    const i64 s = entry / (N * K), t = (entry / K) % N, j = entry % K;
+    if (t >= s_ntok[s]) continue;
+    const int e = ld_cg_global(reinterpret_cast<const u32*>(meta + entry));
+    if (expert_rank(e, L, a.W) != me) {
+      if (g == 0 && lane == 0) reinterpret_cast<int*>(a.inv)[entry] = -1;
+      continue;
+    }
+    const i64 el = e - me * L;
+    bool first = true;
+    for (i64 jj = 0; jj < j; ++jj)
+      if (static_cast<int>(ld_cg_global(reinterpret_cast<const u32*>(meta + entry - j + jj))) == e) first = false;
+    const u32* m = mask + (el * W + s) * NW;
+    int pos = base[el * W + s];
+    for (i64 w = 0; w < t / 32; ++w) pos += __popc(m[w]);
+    pos += __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
+    const i64 row = el * WN + pos;
+    if (g == 0 && lane == 0) {
+      reinterpret_cast<int*>(a.inv)[entry] = static_cast<int>(row);
+      if (first) reinterpret_cast<int*>(a.src_info)[row] = static_cast<int>(t);
+    }
+    if (!first) continue;
+    const u8* srow = at<u8>(ll_bases[me], half + a.rows_off + (s * N + t) * R);
+    if (a.use_fp8 && g == csegs - 1) {
+      copy_bytes<true>(reinterpret_cast<u8*>(a.recv_scales) + row * (H / QUANT_BLOCK) * 4, srow + H,
+                       (H / QUANT_BLOCK) * 4, lane);
+    } else {
+      const i64 off = g * cseg, len = copy_bytes_row - off < cseg ? copy_bytes_row - off : cseg;
+      copy_bytes<true>(reinterpret_cast<u8*>(a.recv_x) + row * copy_bytes_row + off, srow + off, len, lane);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) block_exit(ctrl, seq, a.grid);
+}
+
+extern "C" __global__ void __launch_bounds__(512) symbuf_ll_dispatch(const LLDispatchArgs a) {
+  extern __shared__ u32 smem[];
+  if (a.kind == 0) dispatch_body<0>(a, smem);
+  else if (a.kind == 1) dispatch_body<1>(a, smem);
+  else dispatch_body<2>(a, smem);
+}
+
+// ---- combine ---------------------------------------------------------------------------------------------------------
+// A: block 0 stores this rank's topk_weights (float32 [n][K]) into every rank's weights area of source `rank`, then
+//    the weights flag [seq, n, sig].
+// B: after every source's weights flag: work item (source s, token t < n_s, segment), one warp: partial =
+//    sum over j = 0..K-1 with inv[s][t][j] >= 0 of w[s][t][j] * x[inv[s][t][j]] (float32, multiply then add, no
+//    fma, from 0), rounded once to x's dtype, stored into s's partial row t of expert rank `rank`. Tokens with no
+//    local expert send nothing. Then the partials flag to every rank.
+// C: after every rank's partials flag: work item (token t < n, segment): out[t] = sum over the ranks d holding one
+//    of t's experts, in ascending order, of float(partial_d[t]) (float32 from 0), rounded once; 0 when t has none.
+template <int KIND>
+__device__ void combine_body(const LLCombineArgs& a) {
+  using E = Elem<KIND>;
+  const int W = static_cast<int>(a.W), me = static_cast<int>(a.rank), K = static_cast<int>(a.k);
+  const i64 N = a.N, H = a.H, L = a.L, n = a.n, RC = a.row_bytes;
+  const u64* ll_bases = reinterpret_cast<const u64*>(a.ll_bases);
+  u64* ctrl = reinterpret_cast<u64*>(a.ctrl);
+  __shared__ WaitCtx s_ctx;
+  __shared__ u64 s_seq;
+  __shared__ int s_fail;
+  if (threadIdx.x == 0) {
+    s_seq = read_seq(ctrl);
+    s_ctx = make_wait_ctx(reinterpret_cast<i64*>(a.status), reinterpret_cast<const u64*>(a.comm_bases), me, W, -1,
+                          a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
+    s_fail = 0;
+  }
+  __syncthreads();
+  const u64 seq = s_seq;
+  const i64 half = a.half0 + static_cast<i64>(seq & 1) * a.half_bytes;
+  const int lane = threadIdx.x & 31;
+  const i64 warps = static_cast<i64>(blockDim.x >> 5), gwarp = blockIdx.x * warps + (threadIdx.x >> 5),
+            total_warps = a.grid * warps;
+  const i64 elem = KIND == 2 ? 4 : 2;
+  constexpr i64 kSeg = LL_SEG_ELEMS;
+  const i64 segs = (H + kSeg - 1) / kSeg;
+  const i64* topk = reinterpret_cast<const i64*>(a.topk);
+
+  // ---- A: weights ----
+  if (blockIdx.x == 0) {
+    const u32* w = reinterpret_cast<const u32*>(a.weights);
+    for (int d = 0; d < W; ++d)
+      for (i64 i = threadIdx.x; i < n * K; i += blockDim.x)
+        *at<u32>(ll_bases[d], half + a.weights_off + (static_cast<i64>(me) * N * K + i) * 4) = ld_nc_global(w + i);
+    __syncthreads();
+    if (threadIdx.x < W) {
+      const int d = threadIdx.x;
+      __threadfence_system();
+      u64* line = at<u64>(ll_bases[d], half + a.wflags_off + static_cast<i64>(me) * LINE_BYTES);
+      volatile i64* lw = reinterpret_cast<volatile i64*>(line);
+      lw[LL_LINE_N] = n;
+      lw[LL_LINE_SIG] = a.sig;
+      st_release_sys_global(line + LL_LINE_SEQ, seq);
+    }
+  }
+  // ---- B: partial sums of this rank's experts, back to their source ----
+  if (threadIdx.x < W) {
+    const int s = threadIdx.x;
+    const u64* line = at<u64>(ll_bases[me], half + a.wflags_off + static_cast<i64>(s) * LINE_BYTES);
+    if (!wait_flag(&s_ctx, s, line, seq, a.sig, true)) s_fail = 1;
+    else {
+      const i64 ns = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_N);
+      const i64 want = reinterpret_cast<const int*>(a.recv_ntok)[s];
+      if (ns != want) {  // the handle is not of the dispatch this combine answers
+        fail(s_ctx, ROLE_RECV, s, want, ns, ERR_MISMATCH, FIELD_UNITS);
+        s_fail = 1;
+      }
+    }
+  }
+  __syncthreads();
+  if (s_fail) return;
+  const int* inv = reinterpret_cast<const int*>(a.inv);
+  const u32* wts = at<u32>(ll_bases[me], half + a.weights_off);
+  const int* ntok = reinterpret_cast<const int*>(a.recv_ntok);
+  constexpr int kVec = kSeg / E::kPerVec / 32;  // 16-byte vectors per lane per segment
+  for (i64 item = gwarp; item < W * N * segs; item += total_warps) {
+    const i64 st = item / segs, g = item % segs, s = st / N, t = st % N;
+    if (t >= ntok[s]) continue;
+    const int row = lane < K ? inv[st * K + lane] : -1;
+    const float w = lane < K ? __uint_as_float(ld_cg_global(wts + st * K + lane)) : 0.f;
+    if (!__any_sync(0xffffffffu, row >= 0)) continue;
+    const i64 lo = g * kSeg, nvec = ((lo + kSeg < H ? lo + kSeg : H) - lo) / E::kPerVec;
+    float acc[kVec][E::kPerVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+#pragma unroll
+      for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = 0.f;
+    for (int j = 0; j < K; ++j) {
+      const int rj = __shfl_sync(0xffffffffu, row, j);
+      const float wj = __shfl_sync(0xffffffffu, w, j);
+      if (rj < 0) continue;
+      const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const u8*>(a.x) + rj * H * elem + lo * elem);
+      int4 v[kVec];
+#pragma unroll
+      for (int u = 0; u < kVec; ++u)
+        if (lane + u * 32 < nvec) v[u] = ld_nc_global(src + lane + u * 32);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) {
+        float f[E::kPerVec];
+        E::unpack(v[u], f);
+#pragma unroll
+        for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(wj, f[q]));
+      }
+    }
+    int4* dst = at<int4>(ll_bases[s], half + a.prows_off + (static_cast<i64>(me) * N + t) * RC + lo * elem);
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (lane + u * 32 < nvec) st_na_global(dst + lane + u * 32, E::pack(acc[u]));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) block_sent(ctrl, seq, a.grid, ll_bases, half + a.pflags_off, me, W, 0, a.sig);
+  // ---- C: sum the partials of every rank, in rank order ----
+  if (threadIdx.x < W) {
+    const int d = threadIdx.x;
+    const u64* line = at<u64>(ll_bases[me], half + a.pflags_off + static_cast<i64>(d) * LINE_BYTES);
+    if (!wait_flag(&s_ctx, d, line, seq, a.sig, true)) s_fail = 1;
+  }
+  __syncthreads();
+  if (s_fail) return;
+  for (i64 item = gwarp; item < n * segs; item += total_warps) {
+    const i64 t = item / segs, g = item % segs;
+    const i64 e = lane < K ? topk[t * K + lane] : -1;
+    const int r = expert_rank(e, L, a.W);
+    const u32 ranks = __reduce_or_sync(0xffffffffu, r >= 0 ? (1u << r) : 0u);
+    const i64 lo = g * kSeg, nvec = ((lo + kSeg < H ? lo + kSeg : H) - lo) / E::kPerVec;
+    float acc[kVec][E::kPerVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+#pragma unroll
+      for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = 0.f;
+    for (int d = 0; d < W; ++d) {
+      if (!(ranks >> d & 1)) continue;
+      const int4* src = at<int4>(ll_bases[me], half + a.prows_off + (static_cast<i64>(d) * N + t) * RC + lo * elem);
+      int4 v[kVec];
+#pragma unroll
+      for (int u = 0; u < kVec; ++u)
+        if (lane + u * 32 < nvec) v[u] = ld_cg_global(src + lane + u * 32);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) {
+        float f[E::kPerVec];
+        E::unpack(v[u], f);
+#pragma unroll
+        for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+      }
+    }
+    int4* dst = reinterpret_cast<int4*>(reinterpret_cast<u8*>(a.out) + t * H * elem + lo * elem);
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (lane + u * 32 < nvec) st_na_global(dst + lane + u * 32, E::pack(acc[u]));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) block_exit(ctrl, seq, a.grid);
+}
+
+extern "C" __global__ void __launch_bounds__(512) symbuf_ll_combine(const LLCombineArgs a) {
+  if (a.kind == 0) combine_body<0>(a);
+  else if (a.kind == 1) combine_body<1>(a);
+  else combine_body<2>(a);
+}
