@@ -1,0 +1,373 @@
+"""Low-latency MoE dispatch / combine (issue 10 item 5; DeepEP low_latency_dispatch / low_latency_combine) against
+an independent NumPy reference, on every backend here, under ``mpiexec -n 1/2/4``.
+
+Every rank generates every rank's inputs from seeds (so each computes locally what it must receive), outputs are
+poisoned before each call and compared bitwise (recv_x rows below recv_count, recv_count, src_info, layout_range,
+combined_x with the documented arithmetic), and against float64 within the documented bounds. Checks are
+collective (:func:`all_ranks`).
+"""
+from __future__ import annotations
+
+import re
+import zlib
+
+import numpy as np
+import pytest
+
+MPI = pytest.importorskip("mpi4py.MPI")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+from conftest import _gpu_for_rank, available_backends  # noqa: E402
+from cupy_symbuf import (Communicator, Config, LowLatencyBuffer, SymBufferAbortedError,  # noqa: E402
+                         SymBufferMismatchError, SymBufferTimeoutError, quant)
+from cupy_symbuf import dtypes as dt  # noqa: E402
+from cupy_symbuf.low_latency import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, bench_low_latency  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+RANK = WORLD.Get_rank()
+W = WORLD.Get_size()
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def all_ranks(check) -> None:
+    err = None
+    try:
+        check()
+    except Exception as e:  # noqa: BLE001
+        err = f"rank {RANK}: {type(e).__name__}: {e}"
+    errs = [e for e in WORLD.allgather(err) if e]
+    if errs:
+        pytest.fail("\n".join(errs), pytrace=False)
+
+
+@pytest.fixture(scope="module", params=available_backends())
+def comm(request):
+    if request.param == "cuda":
+        import cupy
+        cupy.cuda.Device(_gpu_for_rank()).use()
+    c = Communicator(WORLD, backend=request.param)
+    yield c
+    c.close()
+
+
+def dev(c, a):
+    if c.backend == "host":
+        return a
+    import cupy
+    return cupy.asarray(a)
+
+
+def host(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+KIND_BITS = {"bfloat16": np.uint16, "float16": np.float16, "float32": np.float32}
+
+
+def to_f32(bits, kind):
+    return dt.to_float32(np, bits, kind)
+
+
+def from_f32(f, kind):
+    return dt.from_float32(np, np.asarray(f, np.float32), kind, KIND_BITS[kind])
+
+
+def inputs(case, it, r, N, H, E, K, kind):
+    """Rank r's (x bits, topk_idx, topk_weights) for this case and iteration."""
+    rng = np.random.default_rng([zlib.crc32(f"{case}/{it}".encode()), r])
+    n = {"one_token": 1, "full": N, "uneven": (0 if r == W - 1 else int(rng.integers(1, N + 1)))}.get(case, N // 2 + r)
+    n = min(n, N)
+    idx = np.argsort(rng.random((n, E)), axis=1)[:, :K].astype(np.int64)
+    if case == "one_expert":
+        idx[:] = -1
+        idx[:, 0] = 3 % E
+    if case in ("minus_one", "uneven"):
+        idx[rng.random((n, K)) < 0.3] = -1
+    xf = (rng.standard_normal((n, H)) * rng.choice([1e-3, 1.0, 50.0], size=(n, 1))).astype(np.float32)
+    return from_f32(xf, kind), idx, rng.random((n, K)).astype(np.float32)
+
+
+def expert_outputs(it, r, L, WN, H, kind):
+    rng = np.random.default_rng([zlib.crc32(f"y/{it}".encode()), r])
+    return from_f32(rng.standard_normal((L, WN, H)).astype(np.float32), kind)
+
+
+def reference_layout(all_idx, me, L):
+    """rows[el] = [(s, t), ...] in (source, token) order: the documented recv_x layout."""
+    rows = [[] for _ in range(L)]
+    for el in range(L):
+        e = me * L + el
+        for s, idx in enumerate(all_idx):
+            for t in range(idx.shape[0]):
+                if e in idx[t]:
+                    rows[el].append((s, t))
+    return rows
+
+
+def poison(ll):
+    for s in ll._sets:
+        for k, a in s.items():
+            a[...] = 0x5A if a.dtype == np.uint8 else (np.nan if a.dtype.kind == "f" else -7)
+    for o in ll._combine_out:
+        o[...] = 0x5A
+
+
+def run_case(c, ll, case, it, kind="bfloat16", use_fp8=False, ue8m0=False, K=4):
+    N, H, E, L = ll.N, ll.H, ll.num_experts, ll.L
+    data = [inputs(case, it, r, N, H, E, K, kind) for r in range(W)]
+    xb, idx, w = data[RANK]
+    poison(ll)
+    xin = xb.view(BF16) if (kind == "bfloat16" and c.backend == "host" and it % 2) else xb
+    recv, cnt, h = ll.dispatch(dev(c, xin), dev(c, idx), use_fp8=use_fp8, round_scale=ue8m0)
+    rows = reference_layout([d[1] for d in data], RANK, L)
+    y = expert_outputs(it, RANK, L, W * N, H, kind)
+    out = ll.combine(dev(c, y), dev(c, idx), dev(c, w), h)
+    if c.backend == "cuda":
+        ll.synchronize()
+
+    def check():
+        assert host(cnt).tolist() == [len(r) for r in rows], "recv_count"
+        src = host(h.src_info)
+        lr = host(h.layout_range)
+        for el in range(L):
+            begin = 0
+            for s in range(W):
+                cnt_s = sum(1 for (ss, _) in rows[el] if ss == s)
+                assert int(lr[el, s]) == (begin << 32) | cnt_s, f"layout_range[{el}, {s}]"
+                begin += cnt_s
+            assert src[el, :len(rows[el])].tolist() == [t for (_, t) in rows[el]], f"src_info[{el}]"
+        if use_fp8:
+            q, sc = (host(a) for a in recv)
+            q = q.view(np.uint8)
+            for el in range(L):
+                for p, (s, t) in enumerate(rows[el]):
+                    rq, rs = quant.quantize_fp8(to_f32(data[s][0][t:t + 1], kind), ue8m0)
+                    assert np.array_equal(q[el, p], rq[0]), f"fp8 bytes of expert {el} row {p}"
+                    assert np.array_equal(sc[el, p].view(np.uint32), rs[0].view(np.uint32)), "fp8 scales"
+                    xf = to_f32(data[s][0][t], kind)
+                    err = np.abs(quant.dequantize_fp8(q[el, p], sc[el, p]).astype(np.float64) - xf)
+                    assert (err <= quant.error_bound(xf, sc[el, p])).all(), "fp8 error bound"
+                    if ue8m0:
+                        m, _ = np.frexp(sc[el, p])
+                        assert (m == 0.5).all(), "ue8m0 scales are powers of two"
+        else:
+            rx = host(recv).view(KIND_BITS[kind])
+            for el in range(L):
+                for p, (s, t) in enumerate(rows[el]):
+                    assert np.array_equal(rx[el, p].view(np.uint8), data[s][0][t].view(np.uint8)), \
+                        f"recv_x[{el}][{p}] != x of rank {s} token {t}"
+        # combine: every rank d's outputs y_d, partial per rank rounded once, summed in rank order
+        ys = [expert_outputs(it, d, L, W * N, H, kind) for d in range(W)]
+        all_rows = [reference_layout([dd[1] for dd in data], d, L) for d in range(W)]
+        n = idx.shape[0]
+        ref = np.zeros((n, H), np.float32)
+        exact = np.zeros((n, H), np.float64)
+        for t in range(n):
+            for d in range(W):
+                acc = np.zeros(H, np.float32)
+                hit = False
+                for j in range(K):
+                    e = int(idx[t, j])
+                    if e < 0 or e // L != d:
+                        continue
+                    p = all_rows[d][e - d * L].index((RANK, t))
+                    yf = to_f32(ys[d][e - d * L, p], kind)
+                    acc = acc + np.float32(w[t, j]) * yf
+                    exact[t] += np.float64(w[t, j]) * yf
+                    hit = True
+                if hit:
+                    ref[t] = ref[t] + to_f32(from_f32(acc, kind), kind)
+        got = host(out).view(KIND_BITS[kind])
+        assert got.shape == (n, H)
+        assert np.array_equal(got.view(np.uint8), from_f32(ref, kind).view(np.uint8)), "combined_x (bitwise)"
+        tol = {"bfloat16": 2 ** -7, "float16": 2 ** -9, "float32": 1e-5}[kind]
+        mag = np.abs(exact).max() if exact.size else 0
+        assert np.allclose(to_f32(got, kind), exact, rtol=tol, atol=tol * (mag + 1e-30)), "weights applied"
+    all_rows_ok = all_ranks
+    all_rows_ok(check)
+
+
+CASES = ["one_token", "full", "one_expert", "minus_one", "uneven"]
+
+
+@pytest.fixture(scope="module")
+def ll(comm):
+    b = LowLatencyBuffer(comm, 32, 256, 4 * W, max_topk=8)
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dispatch_combine(comm, ll, case):
+    run_case(comm, ll, case, 0)
+
+
+def test_128_tokens_top8(comm):
+    with LowLatencyBuffer(comm, 128, 1024, 8 * W, max_topk=8) as b:
+        run_case(comm, b, "full", 1, K=8)
+        run_case(comm, b, "full", 2, K=8, use_fp8=True)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["scale", "ue8m0"])
+def test_fp8(comm, ll, ue8m0):
+    for case in ("full", "uneven"):
+        run_case(comm, ll, case, 3, use_fp8=True, ue8m0=ue8m0)
+
+
+def test_repeated_calls_double_buffer(comm, ll):
+    for it in range(6):
+        run_case(comm, ll, CASES[it % len(CASES)], 10 + it, use_fp8=bool(it % 3 == 2))
+
+
+def test_handle_survives_one_more_dispatch(comm, ll):
+    N, H, E, L = ll.N, ll.H, ll.num_experts, ll.L
+    xa, ia, wa = inputs("full", 40, RANK, N, H, E, 4, "bfloat16")
+    xb, ib, _ = inputs("minus_one", 41, RANK, N, H, E, 4, "bfloat16")
+    ra, _, ha = ll.dispatch(dev(comm, xa), dev(comm, ia))
+    ll.dispatch(dev(comm, xb), dev(comm, ib))
+    y = expert_outputs(40, RANK, L, W * N, H, "bfloat16")
+    out1 = host(ll.combine(dev(comm, y), dev(comm, ia), dev(comm, wa), ha)).copy()
+    ra, _, ha = ll.dispatch(dev(comm, xa), dev(comm, ia))
+    out2 = host(ll.combine(dev(comm, y), dev(comm, ia), dev(comm, wa), ha))
+    all_ranks(lambda: np.testing.assert_array_equal(out1.view(np.uint16), out2.view(np.uint16)))
+    ll.dispatch(dev(comm, xb), dev(comm, ib))
+    ll.dispatch(dev(comm, xb), dev(comm, ib))
+    with pytest.raises(ValueError, match="stale"):
+        ll.combine(dev(comm, y), dev(comm, ia), dev(comm, wa), ha)
+
+
+@pytest.mark.parametrize("kind", ["float16", "float32"])
+def test_other_dtypes(comm, kind):
+    with LowLatencyBuffer(comm, 16, 512, 2 * W, dtype=kind, max_topk=2) as b:
+        run_case(comm, b, "minus_one", 50, kind=kind, K=2)
+        run_case(comm, b, "full", 51, kind=kind, K=2, use_fp8=True)
+
+
+def test_validation(comm, ll):
+    N, H, E = ll.N, ll.H, ll.num_experts
+    x, i, w = inputs("full", 60, RANK, N, H, E, 4, "bfloat16")
+    X, I, Wt = dev(comm, x), dev(comm, i), dev(comm, w)
+    with pytest.raises(ValueError, match="x must have shape"):
+        ll.dispatch(X[:, :8], I)
+    with pytest.raises(TypeError, match="dtype"):
+        ll.dispatch(dev(comm, x.astype(np.float32)), I)
+    with pytest.raises(ValueError, match="num_tokens"):
+        ll.dispatch(X, I[:1])
+    with pytest.raises(ValueError, match="max_topk"):
+        ll.dispatch(X, dev(comm, np.zeros((x.shape[0], 9), np.int64)))
+    big = np.zeros((N + 1, H), np.uint16)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+        ll.dispatch(dev(comm, big), dev(comm, np.zeros((N + 1, 4), np.int64)))
+    with pytest.raises(ValueError, match="use_fp8"):
+        ll.dispatch(X, I, use_ue8m0=True)
+    if comm.backend == "host":
+        bad = i.copy()
+        bad[0, 0] = E
+        with pytest.raises(ValueError, match="topk_idx entries"):
+            ll.dispatch(X, bad)
+    with pytest.raises(ValueError, match="num_experts"):
+        LowLatencyBuffer(comm, 8, 256, 4 * W + 1) if W > 1 else (_ for _ in ()).throw(ValueError("num_experts"))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        LowLatencyBuffer(comm, 8, 3, 4 * W)
+    with pytest.raises(TypeError, match="dtype"):
+        LowLatencyBuffer(comm, 8, 256, 4 * W, dtype="int8")
+    recv, _, h = ll.dispatch(X, I)
+    with pytest.raises(ValueError, match="topk_weights"):
+        ll.combine(recv, I, Wt[:, :2], h)
+    with pytest.raises(TypeError, match="float32"):
+        ll.combine(recv, I, dev(comm, w.astype(np.float64)), h)
+    with pytest.raises(ValueError, match="x must have shape"):
+        ll.combine(recv[:1], I, Wt, h)
+    with pytest.raises(TypeError, match="LowLatencyHandle"):
+        ll.combine(recv, I, Wt, object())
+    ll.combine(recv, I, Wt, h)  # still usable
+    if comm.backend == "cuda":
+        ll.synchronize()
+
+
+def test_parameters_agree_across_ranks(comm):
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(ValueError, match="hidden"):
+        LowLatencyBuffer(comm, 8, 256 if RANK else 512, 4 * W)
+
+
+def _fresh(backend, timeout_s):
+    c = Communicator(WORLD, Config(timeout_s=timeout_s, abort_on_failure=False), backend=backend)
+    return c
+
+
+def test_signature_mismatch_raises_everywhere(comm):
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    c = _fresh(comm.backend, 5.0)
+    b = LowLatencyBuffer(c, 8, 256, 4 * W)
+    x, i, _ = inputs("full", 70, RANK, 8, 256, 4 * W, 4, "bfloat16")
+    try:
+        with pytest.raises((SymBufferMismatchError, SymBufferAbortedError)):
+            b.dispatch(dev(c, x), dev(c, i), use_fp8=(RANK == 0))
+            if c.backend == "cuda":
+                b.synchronize()
+        with pytest.raises(Exception, match="unusable"):
+            b.dispatch(dev(c, x), dev(c, i))
+    finally:
+        WORLD.Barrier()
+        b.close()
+        c.close()
+
+
+def test_peer_that_never_calls_times_out(comm):
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    c = _fresh(comm.backend, 1.0)
+    b = LowLatencyBuffer(c, 8, 256, 4 * W)
+    x, i, _ = inputs("full", 80, RANK, 8, 256, 4 * W, 4, "bfloat16")
+    try:
+        if RANK == 0:
+            with pytest.raises(SymBufferTimeoutError) as ei:
+                b.dispatch(dev(c, x), dev(c, i))
+                if c.backend == "cuda":
+                    b.synchronize()
+            assert ei.value.rank == 0 and ei.value.peer >= 1 and "low_latency_dispatch" in str(ei.value)
+    finally:
+        WORLD.Barrier()
+        b.close()
+        c.close()
+
+
+def test_quantiser_matches_ml_dtypes():
+    rng = np.random.default_rng(5)
+    v = np.concatenate([rng.standard_normal(50000).astype(np.float32) * s for s in (1e-5, 1e-2, 1, 40, 600)])
+    v = np.concatenate([v, np.float32([0, -0.0, 448, 449, 464, 465, 1e9, -1e9, 2 ** -6, 2 ** -10, 2 ** -9 * 2.5])])
+    ref = np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(quant.float32_to_fp8_e4m3(v), ref)
+    codes = np.arange(256, dtype=np.uint8)
+    assert np.array_equal(quant.fp8_e4m3_to_float32(codes), codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32),
+                          equal_nan=True)
+    x = (rng.standard_normal((7, 512)) * rng.choice([1e-6, 1, 300], size=(7, 1))).astype(np.float32)
+    for ue8m0 in (False, True):
+        q, s = quant.quantize_fp8(x, ue8m0)
+        assert (s >= np.maximum(np.abs(x).reshape(7, 4, 128).max(-1), 1e-4) / 448).all()
+        assert (np.abs(quant.dequantize_fp8(q, s) - x) <= quant.error_bound(x, s)).all()
+
+
+def test_kernel_argument_sizes():
+    pytest.importorskip("cupy")
+    from cupy_symbuf import _kernels
+    try:
+        ptx = _kernels.compile_ptx("low_latency.cu", "compute_90")
+    except Exception as exc:  # pragma: no cover
+        pytest.skip(f"NVRTC not available: {exc}")
+    for name, fields in (("symbuf_ll_dispatch", LL_DISPATCH_FIELDS), ("symbuf_ll_combine", LL_COMBINE_FIELDS)):
+        assert re.search(r"\.entry %s\(\s*\.param \.align 8 \.b8 \w+\[%d\]\s*\)" % (name, 8 * len(fields)), ptx), name
+    assert "st.release.sys.global.u64" in ptx and "ld.acquire.sys.global.u64" in ptx and "%globaltimer" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+def test_bench_runs(comm):
+    r = bench_low_latency(comm, num_tokens=8, hidden=256, num_experts=4 * W, topk=2, iters=10, warmup=1)
+    all_ranks(lambda: assert_keys(r))
+
+
+def assert_keys(r):
+    assert r["dispatch_us"] > 0 and r["combine_us"] > 0, r
