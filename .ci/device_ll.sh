@@ -7,6 +7,7 @@ nvidia-cuda-mps-control -d && echo "MPS started"
 PYT="python3 -m pytest -q -x --timeout=90 -p no:cacheprovider tests/test_low_latency.py"
 echo "== 1 rank"; timeout 110 $PYT 2>&1 | tail -25
 echo "== 2 ranks (MPS)"; timeout 130 $MPIRUN -x CUPY_SYMBUF_TEST_BACKENDS -n 2 $PYT 2>&1 | tail -25
+echo "== 4 ranks (MPS)"; timeout 150 $MPIRUN -x CUPY_SYMBUF_TEST_BACKENDS -n 4 $PYT 2>&1 | tail -8
 echo "== bench 2 ranks (MPS)"
 timeout 90 $MPIRUN -n 2 python3 -c "
 from mpi4py import MPI

@@ -267,12 +267,22 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   __syncthreads();
   if (s_fail) return;
   const int* meta = at<int>(ll_bases[me], half + a.meta_off);
-  for (i64 i = threadIdx.x; i < W * N * K; i += blockDim.x) {
-    const i64 s = i / (N * K), t = (i / K) % N;
-    if (t >= s_ntok[s]) continue;
-    const int e = ld_cg_global(reinterpret_cast<const u32*>(meta + i));
-    if (expert_rank(e, L, a.W) != me) continue;
-    atomicOr(mask + ((e - me * L) * W + s) * NW + t / 32, 1u << (t % 32));
+  constexpr int kBatch = 4;  // meta loads in flight per thread
+  for (i64 i0 = threadIdx.x; i0 < W * N * K; i0 += kBatch * blockDim.x) {
+    int ev[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const i64 i = i0 + b * blockDim.x;
+      ev[b] = i < W * N * K && (i / K) % N < s_ntok[i / (N * K)]
+                  ? static_cast<int>(ld_cg_global(reinterpret_cast<const u32*>(meta + i))) : -1;
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const i64 i = i0 + b * blockDim.x;
+      if (ev[b] < 0 || expert_rank(ev[b], L, a.W) != me) continue;
+      const i64 s = i / (N * K), t = (i / K) % N;
+      atomicOr(mask + ((ev[b] - me * L) * W + s) * NW + t / 32, 1u << (t % 32));
+    }
   }
   __syncthreads();
   for (i64 el = threadIdx.x; el < L; el += blockDim.x) {
@@ -288,40 +298,62 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   }
   if (blockIdx.x == 0 && threadIdx.x < W) reinterpret_cast<int*>(a.recv_ntok)[threadIdx.x] = s_ntok[threadIdx.x];
   __syncthreads();
-  // copies: (entry, segment) items; a row is copied in segments of 4 KB
-  const i64 copy_bytes_row = a.use_fp8 ? H : H * elem;
-  const i64 cseg = 4096, csegs = (copy_bytes_row + cseg - 1) / cseg + (a.use_fp8 ? 1 : 0);  // fp8: + scales
+  // copies: work item (source s, token t, 4 KB segment of its staging row), one warp: lanes j < K read t's meta,
+  // the first lane naming each local expert computes its row; the segment is read once and stored into every one of
+  // those rows (fp8: the last segment is the scales).
+  const i64 RB = a.use_fp8 ? H : H * elem;
+  constexpr i64 kSegB = 4096;
+  const i64 bsegs = (RB + kSegB - 1) / kSegB + (a.use_fp8 ? 1 : 0);
   const i64 WN = static_cast<i64>(W) * N;
-  for (i64 item = gwarp; item < W * N * K * csegs; item += total_warps) {
-    const i64 entry = item / csegs, g = item % csegs;
-    const i64 s = entry / (N * K), t = (entry / K) % N, j = entry % K;
+  for (i64 item = gwarp; item < WN * bsegs; item += total_warps) {
+    const i64 st = item / bsegs, g = item % bsegs, s = st / N, t = st % N;
     if (t >= s_ntok[s]) continue;
-    const int e = ld_cg_global(reinterpret_cast<const u32*>(meta + entry));
-    if (expert_rank(e, L, a.W) != me) {
-      if (g == 0 && lane == 0) reinterpret_cast<int*>(a.inv)[entry] = -1;
+    const int e = lane < K ? static_cast<int>(ld_cg_global(reinterpret_cast<const u32*>(meta + st * K + lane))) : -1;
+    const bool local = lane < K && expert_rank(e, L, a.W) == me;
+    bool first = local;
+    for (int jj = 0; jj < K; ++jj) {
+      const int ej = __shfl_sync(0xffffffffu, e, jj);
+      if (jj < lane && ej == e) first = false;
+    }
+    i64 row = -1;
+    if (local) {
+      const i64 el = e - me * L;
+      const u32* m = mask + (el * W + s) * NW;
+      int pos = base[el * W + s];
+      for (i64 w = 0; w < t / 32; ++w) pos += __popc(m[w]);
+      pos += __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
+      row = el * WN + pos;
+    }
+    if (g == 0 && lane < K) reinterpret_cast<int*>(a.inv)[st * K + lane] = static_cast<int>(row);
+    if (g == 0 && first) reinterpret_cast<int*>(a.src_info)[row] = static_cast<int>(t);
+    u32 firsts = __ballot_sync(0xffffffffu, first);
+    if (!firsts) continue;
+    const u8* srow = at<u8>(ll_bases[me], half + a.rows_off + st * R);
+    if (a.use_fp8 && g == bsegs - 1) {
+      const i64 sb = (H / QUANT_BLOCK) * 4;
+      while (firsts) {
+        const int j = __ffs(firsts) - 1;
+        firsts &= firsts - 1;
+        const i64 r = __shfl_sync(0xffffffffu, row, j);
+        copy_bytes<true>(reinterpret_cast<u8*>(a.recv_scales) + r * sb, srow + H, sb, lane);
+      }
       continue;
     }
-    const i64 el = e - me * L;
-    bool first = true;
-    for (i64 jj = 0; jj < j; ++jj)
-      if (static_cast<int>(ld_cg_global(reinterpret_cast<const u32*>(meta + entry - j + jj))) == e) first = false;
-    const u32* m = mask + (el * W + s) * NW;
-    int pos = base[el * W + s];
-    for (i64 w = 0; w < t / 32; ++w) pos += __popc(m[w]);
-    pos += __popc(m[t / 32] & ((1u << (t % 32)) - 1u));
-    const i64 row = el * WN + pos;
-    if (g == 0 && lane == 0) {
-      reinterpret_cast<int*>(a.inv)[entry] = static_cast<int>(row);
-      if (first) reinterpret_cast<int*>(a.src_info)[row] = static_cast<int>(t);
-    }
-    if (!first) continue;
-    const u8* srow = at<u8>(ll_bases[me], half + a.rows_off + (s * N + t) * R);
-    if (a.use_fp8 && g == csegs - 1) {
-      copy_bytes<true>(reinterpret_cast<u8*>(a.recv_scales) + row * (H / QUANT_BLOCK) * 4, srow + H,
-                       (H / QUANT_BLOCK) * 4, lane);
-    } else {
-      const i64 off = g * cseg, len = copy_bytes_row - off < cseg ? copy_bytes_row - off : cseg;
-      copy_bytes<true>(reinterpret_cast<u8*>(a.recv_x) + row * copy_bytes_row + off, srow + off, len, lane);
+    constexpr int kVec = kSegB / 16 / 32;
+    const i64 off = g * kSegB, nvec = ((RB - off < kSegB) ? RB - off : kSegB) / 16;
+    const int4* s4 = reinterpret_cast<const int4*>(srow + off);
+    int4 v[kVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (lane + u * 32 < nvec) v[u] = ld_cg_global(s4 + lane + u * 32);
+    while (firsts) {
+      const int j = __ffs(firsts) - 1;
+      firsts &= firsts - 1;
+      const i64 r = __shfl_sync(0xffffffffu, row, j);
+      int4* d4 = reinterpret_cast<int4*>(reinterpret_cast<u8*>(a.recv_x) + r * RB + off);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u)
+        if (lane + u * 32 < nvec) st_na_global(d4 + lane + u * 32, v[u]);
     }
   }
   __syncthreads();
@@ -420,21 +452,34 @@ __device__ void combine_body(const LLCombineArgs& a) {
     for (int u = 0; u < kVec; ++u)
 #pragma unroll
       for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = 0.f;
-    for (int j = 0; j < K; ++j) {
-      const int rj = __shfl_sync(0xffffffffu, row, j);
-      const float wj = __shfl_sync(0xffffffffu, w, j);
-      if (rj < 0) continue;
-      const int4* src = reinterpret_cast<const int4*>(reinterpret_cast<const u8*>(a.x) + rj * H * elem + lo * elem);
-      int4 v[kVec];
+    u32 js = __ballot_sync(0xffffffffu, row >= 0);
+    while (js) {  // two expert rows in flight, accumulated in ascending j
+      const int j0 = __ffs(js) - 1;
+      js &= js - 1;
+      const int j1 = js ? __ffs(js) - 1 : -1;
+      if (js) js &= js - 1;
+      const int r0 = __shfl_sync(0xffffffffu, row, j0), r1 = __shfl_sync(0xffffffffu, row, j1 < 0 ? j0 : j1);
+      const float w0 = __shfl_sync(0xffffffffu, w, j0), w1 = __shfl_sync(0xffffffffu, w, j1 < 0 ? j0 : j1);
+      const int4* s0 = reinterpret_cast<const int4*>(reinterpret_cast<const u8*>(a.x) + r0 * H * elem + lo * elem);
+      const int4* s1 = reinterpret_cast<const int4*>(reinterpret_cast<const u8*>(a.x) + r1 * H * elem + lo * elem);
+      int4 v0[kVec], v1[kVec];
 #pragma unroll
       for (int u = 0; u < kVec; ++u)
-        if (lane + u * 32 < nvec) v[u] = ld_nc_global(src + lane + u * 32);
+        if (lane + u * 32 < nvec) {
+          v0[u] = ld_nc_global(s0 + lane + u * 32);
+          if (j1 >= 0) v1[u] = ld_nc_global(s1 + lane + u * 32);
+        }
 #pragma unroll
       for (int u = 0; u < kVec; ++u) {
         float f[E::kPerVec];
-        E::unpack(v[u], f);
+        E::unpack(v0[u], f);
 #pragma unroll
-        for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(wj, f[q]));
+        for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w0, f[q]));
+        if (j1 >= 0) {
+          E::unpack(v1[u], f);
+#pragma unroll
+          for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w1, f[q]));
+        }
       }
     }
     int4* dst = at<int4>(ll_bases[s], half + a.prows_off + (static_cast<i64>(me) * N + t) * RC + lo * elem);
