@@ -218,6 +218,19 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
                           desc.words[DESC_ABORT_OFFSET], static_cast<u64>(desc.words[DESC_TIMEOUT_NS]),
                           static_cast<u64>(desc.words[DESC_SEQ]));
   __syncthreads();
+  // Device-count call (DESC_COUNTS != 0): the per-peer units come from the counts table the notify kernel wrote
+  // before this launch in stream order (plain loads: the kernel boundary orders them), not from the descriptor;
+  // a table that says CT_SKIP (a rank rejected the call, the signatures differ, or the capacity is exceeded) ends
+  // the call on every block before any ring word is touched, alike on every rank, so the rings stay in step.
+  if (s_desc[DESC_COUNTS] != 0) {
+    __shared__ int s_skip;
+    const i64* table = reinterpret_cast<const i64*>(s_desc[DESC_COUNTS]);
+    const int w = static_cast<int>(s_desc[DESC_WORLD_SIZE]);
+    for (int i = threadIdx.x; i < 4 * w; i += blockDim.x) s_desc[DESC_PEERS + i] = table[CT_PEERS + i];
+    if (threadIdx.x == 0) s_skip = table[CT_SKIP] != 0;
+    __syncthreads();
+    if (s_skip) return;
+  }
   const int rank = static_cast<int>(s_desc[DESC_RANK]);
   const int world_size = static_cast<int>(s_desc[DESC_WORLD_SIZE]);
   const int num_channels = static_cast<int>(s_desc[DESC_NUM_CHANNELS]);
@@ -404,31 +417,48 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 // (num_values int64), then publishes NOTIFY_EPOCH = epoch there with st.release.sys (after a __syncthreads: the
 // release is cumulative over the block's stores); then waits until every source s has published `epoch` in our
 // slot for it and copies its header and values, [op, status, sig, values...] (NOTIFY_HDR_WORDS - 1 + num_values
-// words), into recv_meta[s, :]: the host checks op / status / sig. Slots are double-buffered by epoch parity: a
-// rank can be at most one call ahead of a peer that has not read its values yet. The waits are bounded and poll
-// this rank's abort word (abort_offset) like the ring's. One block; blockDim.x >= world_size.
+// words), into recv_meta[s, :] (host-mapped: the host checks op / status / sig). Slots are double-buffered by
+// epoch parity: a rank can be at most one call ahead of a peer that has not read its values yet. The epoch is kept
+// in device memory (*epoch_word, advanced by this kernel), so a call captured in a CUDA graph counts its replays.
+// The waits are bounded and poll this rank's abort word (abort_offset) like the ring's. One block;
+// blockDim.x >= world_size.
+// Optional (null pointers: off): local_reject (device word; != 0 makes this call HDR_REJECTED, e.g. the layout
+// kernel found a topk_idx out of range), send_echo (host-mapped copy of send_meta), sums (int64 [num_values]:
+// each value summed over the sources), table (device-count mode: two CT_* tables, [0] this call's, [1] the
+// reverse call's (combine: send and receive swapped), units = the first value * scale). device_checks: the kernel
+// itself checks every source's status, op and signature (the host never sees them): a rejection or another
+// signature sets CT_SKIP and records the rejection (STATUS_REJECTED_BY / _WHY, raised by synchronize), another op
+// is a fatal mismatch, and rows received beyond `capacity` (>= 0) are a fatal FIELD_CAPACITY error.
 static_assert(NOTIFY_EPOCH == 0 && NOTIFY_STATUS == NOTIFY_OP + 1 && NOTIFY_SIG == NOTIFY_OP + 2 &&
                   NOTIFY_HDR_WORDS == NOTIFY_SIG + 1,
               "symbuf_notify copies the slot words from NOTIFY_OP on as one run");
 extern "C" __global__ void __launch_bounds__(1024)
-symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, int num_values, i64 epoch, i64 op,
-              i64 call_status, i64 sig, const u64* __restrict__ peer_bases, int rank, int world_size,
+symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, int num_values, i64* epoch_word,
+              i64 op, i64 call_status, i64 sig, const u64* __restrict__ peer_bases, int rank, int world_size,
               i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
-              i64 notify_offset, i64 notify_slot_bytes, i64 abort_offset, u64 timeout_ns, i64* status, u64 seq) {
+              i64 notify_offset, i64 notify_slot_bytes, i64 abort_offset, u64 timeout_ns, i64* status, u64 seq,
+              const i64* local_reject, i64* send_echo, i64* sums, i64* table, i64 scale, i64 capacity,
+              int device_checks) {
   const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
   __shared__ WaitCtx s_ctx;
   __shared__ int s_abort;
+  __shared__ i64 s_send0[MAX_PEERS], s_op[MAX_PEERS], s_status[MAX_PEERS], s_sig[MAX_PEERS], s_recv0[MAX_PEERS];
   if (threadIdx.x == 0) {
     s_ctx = make_wait_ctx(status, peer_bases, rank, world_size, -1, abort_offset, timeout_ns, seq);
     s_abort = 0;
   }
+  const i64 epoch = *epoch_word + 1;  // every thread reads it before thread 0 advances it (after a barrier)
+  if (local_reject != nullptr && *local_reject != 0) call_status = HDR_REJECTED;
   const i64 parity = epoch & 1;
   const i64 total = static_cast<i64>(world_size) * num_values;
   for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
     const int p = static_cast<int>(i / num_values);
     const i64 m = i % num_values;
     i64* slot = reinterpret_cast<i64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
-    slot[NOTIFY_HDR_WORDS + m] = send_meta[i];
+    const i64 v = send_meta[i];
+    slot[NOTIFY_HDR_WORDS + m] = v;
+    if (m == 0) s_send0[p] = v;
+    if (send_echo != nullptr) send_echo[i] = v;
   }
   __syncthreads();
   if (threadIdx.x < world_size) {
@@ -456,13 +486,85 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
     }
   }
   __syncthreads();
-  if (s_abort) return;
+  if (threadIdx.x == 0) *epoch_word = epoch;
+  if (s_abort) {
+    if (table != nullptr && threadIdx.x == 0) table[CT_SKIP] = table[CT_WORDS + CT_SKIP] = 1;
+    return;
+  }
   const i64 row = NOTIFY_HDR_WORDS - 1 + num_values;  // recv_meta[s, :] = [op, status, sig, values...]
   const i64 total_in = static_cast<i64>(world_size) * row;
   for (i64 i = threadIdx.x; i < total_in; i += blockDim.x) {
     const int s = static_cast<int>(i / row);
     const i64 j = i % row;
     const u8* slot = my_base + L.notify_slot(parity, s, world_size);
-    recv_meta[i] = static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_OP + j));
+    const i64 v = static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_OP + j));
+    recv_meta[i] = v;
+    if (j == 0) s_op[s] = v;
+    else if (j == 1) s_status[s] = v;
+    else if (j == 2) s_sig[s] = v;
+    else if (j == 3) s_recv0[s] = v;
   }
+  if (sums != nullptr) {
+    for (int j = threadIdx.x; j < num_values; j += blockDim.x) {
+      i64 acc = 0;
+      for (int s = 0; s < world_size; ++s) {
+        const u8* slot = my_base + L.notify_slot(parity, s, world_size);
+        acc += static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_HDR_WORDS + j));
+      }
+      sums[j] = acc;
+    }
+  }
+  if (table == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  i64 skip = 0;
+  if (device_checks) {
+    for (int s = 0; s < world_size; ++s) {
+      if (s_status[s] == HDR_REJECTED) {
+        skip = 1;
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(status + STATUS_REJECTED_BY), 0ull,
+                      static_cast<unsigned long long>(s + 1)) == 0ull) {
+          status[STATUS_REJECTED_SEQ] = static_cast<i64>(seq);
+          status[STATUS_REJECTED_WHY] = REJECT_ARGS;
+        }
+      } else if (s_op[s] != op) {
+        skip = 1;
+        fail(s_ctx, ROLE_NOTIFY, s, op, s_op[s], ERR_MISMATCH, FIELD_OP);
+      } else if (s_sig[s] != sig) {
+        skip = 1;
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(status + STATUS_REJECTED_BY), 0ull,
+                      static_cast<unsigned long long>(s + 1)) == 0ull) {
+          status[STATUS_REJECTED_SEQ] = static_cast<i64>(seq);
+          status[STATUS_REJECTED_WHY] = REJECT_SIG;
+        }
+      }
+    }
+  }
+  i64* fwd = table;
+  i64* rev = table + CT_WORDS;
+  const int W = world_size;
+  i64 send_first = 0, recv_first = 0, recv_rows = 0;
+  for (int p = 0; p < W; ++p) {
+    const i64 su = s_send0[p] * scale, ru = s_recv0[p] * scale;
+    fwd[CT_PEERS + p] = send_first;
+    fwd[CT_PEERS + W + p] = su;
+    fwd[CT_PEERS + 2 * W + p] = recv_first;
+    fwd[CT_PEERS + 3 * W + p] = ru;
+    rev[CT_PEERS + p] = recv_first;
+    rev[CT_PEERS + W + p] = ru;
+    rev[CT_PEERS + 2 * W + p] = send_first;
+    rev[CT_PEERS + 3 * W + p] = su;
+    send_first += su;
+    recv_first += ru;
+    recv_rows += s_recv0[p];
+  }
+  if (!skip && capacity >= 0 && recv_rows > capacity) {
+    skip = 1;
+    fail(s_ctx, ROLE_NOTIFY, -1, capacity, recv_rows, ERR_MISMATCH, FIELD_CAPACITY);
+  }
+  fwd[CT_SKIP] = rev[CT_SKIP] = skip;
+  fwd[CT_RECV_TOTAL] = skip ? 0 : recv_rows;
+  i64 send_rows = 0;
+  for (int p = 0; p < W; ++p) send_rows += s_send0[p];
+  rev[CT_RECV_TOTAL] = skip ? 0 : send_rows;
 }

@@ -13,7 +13,7 @@ import numpy as np
 from . import _compat, _kernels
 from . import _protocol as P
 from ._plan import kernel_geometry, ring_kernel_defines, warp_groups  # noqa: F401 (re-exported)
-from ._protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_BYTES, DESC_FLAGS, DESC_NUM_CHANNELS,
+from ._protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_BYTES, DESC_COUNTS, DESC_FLAGS, DESC_NUM_CHANNELS,
                         DESC_NUM_RECV_PARTS, DESC_NUM_SEND_PARTS, DESC_NUM_SLOTS, DESC_OP, DESC_PEERS, DESC_RANK,
                         DESC_RECV_INDEX, DESC_RECV_PARTS, DESC_REGION_BYTES, DESC_RING_WARPS, DESC_ROW_ALIGN,
                         DESC_ROW_BYTES, DESC_SELF_WARPS, DESC_SEND_INDEX, DESC_SEND_PARTS, DESC_SEQ, DESC_SIG,
@@ -87,9 +87,15 @@ class CudaTransport:
         self.world_size = buf.world_size
         self.timeout_ns = np.uint64(int(timeout_s * 1e9))
         self._status = _Pinned(P.STATUS_WORDS)
+        #: [count, first flat index] of topk_idx values out of range seen by a queued get_dispatch_layout kernel
+        #: (host-mapped; written only when it holds none), raised by synchronize (or at once with blocking)
+        self.layout_error = _Pinned(2)
+        self.layout_error_what = ""
         width = P.NOTIFY_HDR_WORDS - 1 + layout.max_notify_ints
         self._meta = _Pinned(self.world_size * width)
         self._meta_in = _Pinned(self.world_size * layout.max_notify_ints)
+        #: the count exchange's epoch, kept on the device and advanced by the kernel (CUDA-graph replays count)
+        self._epoch = _compat.cupy.zeros(1, np.int64)
         # The descriptor's static words; each plan gets a copy completed by _describe. It is the kernel's first
         # parameter, passed by value (the driver copies it at launch, so it may be rewritten for the next call
         # while this one is still queued on the stream).
@@ -132,6 +138,7 @@ class CudaTransport:
         self._op_plans = [None] * _OPS_KEPT  # and its plan (error messages in rows)
         self._last_stream = None       # stream of the last launch (collectives are ordered across streams)
         self._reported = False
+        self.rejected_why = P.REJECT_ARGS
         #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
         self.pending_rejection = None
 
@@ -153,6 +160,7 @@ class CudaTransport:
                 f"reported it: that call's rows from rank {who} were not delivered", rank=self.rank,
                 rejecting_rank=who, op=self._op_name(seq))
         self._status.free()
+        self.layout_error.free()
         self._meta.free()
         self._meta_in.free()
         return err
@@ -161,7 +169,7 @@ class CudaTransport:
         """Number this launch (for the error record) and order it after the previous launch when that one went
         to another stream: every kernel starts from the ring counters the previous one left."""
         last = self._last_stream
-        if last is not None and last.ptr != stream.ptr:
+        if last is not None and last.ptr != stream.ptr and not stream.is_capturing():
             ev = _compat.cupy.cuda.Event(disable_timing=True)
             ev.record(last)
             stream.wait_event(ev)
@@ -178,14 +186,36 @@ class CudaTransport:
         if self._last_stream is not None:
             self._last_stream.synchronize()
         self.check(op, _compat.cupy.cuda.get_current_stream())
+        self.check_layout_error(op)
         rejected = self.take_rejected()
         if rejected is not None:
             who, seq = rejected
             failed = self._op_name(seq)
+            if self.rejected_why == P.REJECT_SIG:
+                raise SymBufferRejectedError(
+                    f"{failed} (queued earlier; found by {op}): ranks disagree on the row layout (dtype, hidden, "
+                    f"top-k, weights or num_experts): rank {who}'s differs from this rank's; nothing was exchanged "
+                    f"and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+            if who == self.rank:
+                raise SymBufferRejectedError(
+                    f"{failed} (queued earlier; found by {op}): this rank rejected its own arguments on the device "
+                    f"(e.g. a topk_idx value outside [-1, num_experts)); nothing was exchanged and the communicator "
+                    f"stays usable", rank=self.rank, rejecting_rank=who, op=failed)
             raise SymBufferRejectedError(
                 f"{failed} (queued earlier; found by {op}): rank {who} rejected the call (its own arguments failed "
                 f"its checks; see rank {who}'s error); the rows from rank {who} were not delivered; the "
                 f"communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+
+    def check_layout_error(self, op: str) -> None:
+        """Raise ``ValueError`` (once) when a get_dispatch_layout kernel found topk_idx values out of range (read
+        after the stream was synchronised)."""
+        le = self.layout_error.array
+        if le[0]:
+            count, flat = int(le[0]), int(le[1])
+            le[0] = le[1] = 0
+            raise ValueError(f"get_dispatch_layout (queued earlier; found by {op}): {count} topk_idx value(s) "
+                             f"outside [-1, num_experts), the first at flat index {flat} {self.layout_error_what}; "
+                             f"those slots were left out of the returned counts")
 
     def _op_name(self, seq: int) -> str:
         return self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else "a queued collective"
@@ -198,7 +228,8 @@ class CudaTransport:
         if not who:
             return None
         seq = int(st[P.STATUS_REJECTED_SEQ])
-        st[P.STATUS_REJECTED_BY] = st[P.STATUS_REJECTED_SEQ] = 0
+        self.rejected_why = int(st[P.STATUS_REJECTED_WHY])
+        st[P.STATUS_REJECTED_BY] = st[P.STATUS_REJECTED_SEQ] = st[P.STATUS_REJECTED_WHY] = 0
         return who - 1, seq
 
     def check(self, op: str, stream=None) -> None:
@@ -273,7 +304,7 @@ class CudaTransport:
             rt.memcpy(base + off, flag.ctypes.data, 8, rt.memcpyHostToDevice)
 
     # ---- row exchange ---------------------------------------------------------------------------------------
-    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str) -> list:
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, counts: int = 0) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf._plan.ExchangePlan`) in one kernel launch on the current
         stream: every (channel, peer) stream sends its call header and its chunks and receives the peer's.
 
@@ -303,6 +334,7 @@ class CudaTransport:
         if send_index is not None:
             send_index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
             d[DESC_SEND_INDEX] = send_index.data.ptr
+        d[DESC_COUNTS] = counts  # a device counts table (device-count plans), else 0
         stream = cp.cuda.get_current_stream()
         d[DESC_SEQ] = self._next_launch(op, stream, plan)
         self._arg_ptrs[0] = launch.addr  # the driver copies the descriptor at launch: it may change after
@@ -329,7 +361,7 @@ class CudaTransport:
             return _Launch(d, False, 0, 0)
         sgeo = [part_geometry(a) for a in send_parts]
         rgeo = [part_geometry(a) for a in recv_parts]
-        if W == 1 and not plan.send_units.any():
+        if W == 1 and not plan.send_units.any() and not plan.device_counts:
             return _Launch(None, False, 0, 0)
         if [g[2] for g in sgeo] != list(plan.part_widths) or [g[2] for g in rgeo] != list(plan.part_widths) or \
                 (plan.byte_stream and rgeo[0][1] != rgeo[0][2]):
@@ -350,21 +382,45 @@ class CudaTransport:
 
     # ---- notify ---------------------------------------------------------------------------------------------
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify", *, op_code: int = 0, status: int = 0,
-               sig: int = 0) -> np.ndarray:
+               sig: int = 0, wait: bool = True) -> np.ndarray:
         """Count exchange (``cuda_src/ring_exchange.cu`` ``symbuf_notify``): ``send_meta`` int64 ``[W, M]``;
         returns int64 ``[W, 3 + M]`` whose row ``s`` is rank ``s``'s ``[op, status, signature, values...]``.
-        Always waits (the host needs the counts)."""
-        cp = _compat.cupy
-        self.check(op)  # a failure of an earlier, unawaited call surfaces first
-        stream = cp.cuda.get_current_stream()
+        Waits (the host needs the counts) unless ``wait`` is False (a rejection told to the peers), then returns
+        None. ``epoch`` is the host engine's; the kernel keeps its own in device memory."""
         W, M = send_meta.shape
+        self.check(op)  # a failure of an earlier, unawaited call surfaces first
         self._meta_in.array[: W * M] = send_meta.reshape(-1)  # read by the kernel from pinned memory
-        threads = max(32, min(1024, (W + 31) // 32 * 32))
-        args = (np.uint64(self._meta_in.ptr), np.uint64(self._meta.ptr), np.int32(M), np.int64(epoch),
-                np.int64(op_code), np.int64(status), np.int64(sig), self.buf.peer_ptrs_device,
-                np.int32(self.rank), np.int32(W), *self._layout_args, np.int64(self.layout.abort_offset),
-                self.timeout_ns, np.uint64(self._status.ptr), np.uint64(self._next_launch(op, stream)))
-        self._k_notify((1,), (threads,), args)
-        self.check(op, stream)  # the host needs the counts: always waits
+        self.notify_device(self._meta_in.ptr, M, op, op_code=op_code, status=status, sig=sig)
+        if not wait:
+            return None
+        return self.notify_result(op, M)
+
+    def notify_result(self, op: str, M: int) -> np.ndarray:
+        """Wait for the last count exchange and return its host-mapped result, int64 ``[W, 3 + M]``."""
+        self.check(op, _compat.cupy.cuda.get_current_stream())
+        W = self.world_size
         width = P.NOTIFY_HDR_WORDS - 1 + M
         return self._meta.array[: W * width].reshape(W, width).copy()
+
+    def sent_meta(self, M: int) -> np.ndarray:
+        """int64 ``[W, M]``: what the last count exchange with ``echo`` sent (read after :meth:`notify_result`)."""
+        return self._meta_in.array[: self.world_size * M].reshape(self.world_size, M).copy()
+
+    def notify_device(self, send_meta_ptr: int, M: int, op: str, *, op_code: int, status: int, sig: int,
+                      local_reject: int = 0, echo: bool = False, sums: int = 0, table: int = 0, scale: int = 1,
+                      capacity: int = -1, device_checks: bool = False) -> None:
+        """Queue the count exchange kernel on the current stream and return at once (graph-capturable: nothing
+        is read on the host). ``send_meta_ptr``: device (or host-mapped) int64 ``[W, M]``; ``local_reject``,
+        ``sums``, ``table``: device addresses or 0 (see the kernel's comment); ``echo``: copy the sent values
+        into host-mapped memory (:meth:`sent_meta`)."""
+        cp = _compat.cupy
+        W = self.world_size
+        stream = cp.cuda.get_current_stream()
+        threads = max(32, min(1024, (max(W, M) + 31) // 32 * 32))
+        args = (np.uint64(send_meta_ptr), np.uint64(self._meta.ptr), np.int32(M), np.uint64(self._epoch.data.ptr),
+                np.int64(op_code), np.int64(status), np.int64(sig), self.buf.peer_ptrs_device,
+                np.int32(self.rank), np.int32(W), *self._layout_args, np.int64(self.layout.abort_offset),
+                self.timeout_ns, np.uint64(self._status.ptr), np.uint64(self._next_launch(op, stream)),
+                np.uint64(local_reject), np.uint64(self._meta_in.ptr if echo else 0), np.uint64(sums),
+                np.uint64(table), np.int64(scale), np.int64(capacity), np.int32(1 if device_checks else 0))
+        self._k_notify((1,), (threads,), args)

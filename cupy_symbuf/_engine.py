@@ -132,7 +132,7 @@ class Engine:
         if notify:
             self._epoch += 1
             self._run(self.transport.notify, np.zeros((self.world_size, 1), np.int64), self._epoch, op,
-                      op_code=P.op_code(op), status=P.HDR_REJECTED, sig=0)
+                      op_code=P.op_code(op), status=P.HDR_REJECTED, sig=0, wait=self.backend != "cuda")
         else:
             self._run(self.transport.exchange_rows, self.plans.reject(op), [], None, [], op)
 
@@ -160,6 +160,46 @@ class Engine:
         self._epoch += 1
         out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig,
                         last=False)
+        return self._check_notify(op, out, code, sig, sig_text, sig_what)
+
+    def notify_device(self, op: str, meta, num_values: int, sig_text: str, *, table, sums, local_reject=None,
+                      scale: int = 1, capacity: int = -1, worst: bool = False, sig_what: str = "",
+                      self_error=None):
+        """The count exchange of a device-count call (GPU): the values ``meta`` (device int64 ``[W, num_values]``,
+        made by a kernel: the host never sees them) go to the peers; the kernel writes the counts tables
+        ``table`` (device int64 ``[2 * CT_WORDS]``: this call's and the reverse call's) and ``sums`` (device int64
+        ``[num_values]``: each value summed over the sources). ``worst``: nothing is read on the host (the call
+        can be captured in a CUDA graph); the kernel checks status, op and signature itself and a rejection or
+        a signature difference is reported by ``synchronize``; rows received beyond ``capacity`` are fatal.
+        Otherwise the host waits once, checks as :meth:`notify` and returns ``(recv_values, sent_values)``, int64
+        ``[W, num_values]`` each. ``self_error()``: the exception this rank raises when ``local_reject`` (a device
+        word) made it reject the call (the peers raise :class:`~cupy_symbuf.SymBufferRejectedError`)."""
+        code, sig = P.op_code(op), P.signature(op, sig_text, num_values)
+        self._epoch += 1
+        tr = self.transport
+        self._run(tr.notify_device, meta.data.ptr, num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
+                  local_reject=0 if local_reject is None else local_reject.data.ptr, echo=not worst,
+                  sums=sums.data.ptr, table=table.data.ptr, scale=scale, capacity=capacity, device_checks=worst,
+                  last=False)
+        if worst:
+            return None
+        out = self._run(tr.notify_result, op, num_values, last=False)
+        if self_error is not None and out[self.rank, 1] == P.HDR_REJECTED:
+            err = self_error()
+            err.symbuf_agreed = True  # the peers raise SymBufferRejectedError from the same count exchange
+            raise err
+        recv = self._check_notify(op, out, code, sig, sig_text, sig_what)
+        return recv, tr.sent_meta(num_values)
+
+    def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table) -> None:
+        """Row exchange of a device-count call (GPU): like :meth:`exchange_rows`, the units to and from each peer
+        read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`)."""
+        plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None)
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op, int(table))
+        if rejected:
+            self._raise_rejected(op, rejected)
+
+    def _check_notify(self, op, out, code, sig, sig_text, sig_what):
         ops, status, sigs = out[:, 0], out[:, 1], out[:, 2]
         if (status == P.HDR_REJECTED).any():
             who = int(np.flatnonzero(status == P.HDR_REJECTED)[0])

@@ -291,10 +291,11 @@ class HostTransport:
 
     # ---- notify ---------------------------------------------------------------------------------------------
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify", *, op_code: int = 0, status: int = 0,
-               sig: int = 0) -> np.ndarray:
+               sig: int = 0, wait: bool = True) -> np.ndarray:
         """Count exchange: ``send_meta`` int64 ``[world_size, M]``; returns int64 ``[world_size, 3 + M]`` whose row
         ``s`` is rank ``s``'s ``[op, status, signature, values for this rank...]``. Slots double-buffered by
-        ``epoch % 2``; every wait is bounded and polls the abort word."""
+        ``epoch % 2``; every wait is bounded and polls the abort word. (``wait``: the GPU engine's; the host
+        engine always completes the exchange.)"""
         L = self.layout
         me = self.rank
         W, M = send_meta.shape

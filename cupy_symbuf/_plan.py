@@ -117,7 +117,7 @@ class ExchangePlan:
 
     __slots__ = ("op", "op_code", "sig", "reject", "byte_stream", "row_bytes", "unit_bytes", "align",
                  "part_widths", "send_units", "recv_units", "send_first", "recv_first", "num_channels",
-                 "num_copy", "chunk_bytes", "world_size", "rank", "engine_data")
+                 "num_copy", "chunk_bytes", "world_size", "rank", "engine_data", "device_counts")
 
     def __init__(self, *, op: str, sig_text: str, part_widths, has_index: bool, send_counts, recv_counts,
                  layout, rank: int, reject: bool = False):
@@ -130,6 +130,7 @@ class ExchangePlan:
         self.chunk_bytes = layout.chunk_bytes
         self.num_copy = kernel_geometry(W).num_copy
         self.engine_data = None  # the engine's own cache for this plan (the GPU's launch descriptor)
+        self.device_counts = False  # units from a device counts table (PlanCache.device), not the fields below
         zeros = np.zeros(W, np.int64)
         if self.reject:
             self.sig, self.byte_stream, self.row_bytes, self.unit_bytes, self.align = 0, True, 1, 1, 1
@@ -222,6 +223,23 @@ class PlanCache:
         self.layout, self.rank, self.max_plans = layout, rank, max_plans
         self._plans = {}
         self._rejects = {}
+
+    def device(self, op: str, sig_text: str, part_widths, has_index: bool) -> ExchangePlan:
+        """The plan of a device-count call (GPU): the per-peer units come from a counts table in device memory
+        (``_protocol.CT_*``, written by the count exchange kernel), so one plan serves every count; its
+        ``send_units`` / ``recv_units`` are zeros and unused."""
+        key = (op, sig_text, tuple(part_widths), has_index, "device")
+        plan = self._plans.get(key)
+        if plan is None:
+            W = self.layout.world_size
+            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index,
+                                send_counts=np.zeros(W, np.int64), recv_counts=np.zeros(W, np.int64),
+                                layout=self.layout, rank=self.rank)
+            plan.device_counts = True
+            if len(self._plans) >= self.max_plans:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def get(self, op: str, sig_text: str, part_widths, has_index: bool, send_counts: np.ndarray,
             recv_counts: np.ndarray) -> ExchangePlan:

@@ -77,16 +77,21 @@ ROLE_SEND, ROLE_RECV, ROLE_NOTIFY = range(3)
 ROLE_NAMES = {ROLE_SEND: "send", ROLE_RECV: "recv", ROLE_NOTIFY: "notify"}
 
 #: Header fields a mismatch names (the error record's STATUS_FIELD).
-FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING = range(1, 8)
+FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING, FIELD_CAPACITY = range(1, 9)
 FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIELD_SEQ: "call sequence number",
                FIELD_OP: "operation", FIELD_SIG: "row signature (dtype / row shape / parts)",
                FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
-               FIELD_RING: "ring counters (head <= tail <= head + capacity)"}
+               FIELD_RING: "ring counters (head <= tail <= head + capacity)",
+               FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)"}
 
 #: GPU error record (int64 words, host-mapped).
 STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
-    STATUS_KIND, STATUS_FIELD, STATUS_ABORT_RANK, STATUS_REJECTED_BY, STATUS_REJECTED_SEQ = range(13)
+    STATUS_KIND, STATUS_FIELD, STATUS_ABORT_RANK, STATUS_REJECTED_BY, STATUS_REJECTED_SEQ, \
+    STATUS_REJECTED_WHY = range(14)
 STATUS_WORDS = 16
+#: STATUS_REJECTED_WHY: a rank rejected its arguments (its own checks, e.g. topk_idx out of range on the device),
+#: or (device-count calls) the ranks' row signatures differ; either way nothing moved and the rings are in step.
+REJECT_ARGS, REJECT_SIG = range(2)
 
 #: Launch descriptor of the ring kernel (int64 words, passed by value as its first parameter).
 MAX_PARTS = 4
@@ -94,12 +99,20 @@ MAX_PEERS = 32
 DESC_RANK, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS, \
     DESC_CHUNK_BYTES, DESC_TIMEOUT_NS, DESC_ROW_BYTES, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, \
     DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS, DESC_RING_WARPS, DESC_SELF_WARPS, DESC_OP, DESC_SIG, DESC_FLAGS, \
-    DESC_ABORT_OFFSET = range(20)
+    DESC_ABORT_OFFSET, DESC_COUNTS = range(21)
 DESC_SEND_PARTS = 24                       # MAX_PARTS x {base, stride, width, offset in row}
 DESC_RECV_PARTS = DESC_SEND_PARTS + 4 * MAX_PARTS
 DESC_PEERS = DESC_RECV_PARTS + 4 * MAX_PARTS   # [4][world_size]: send offset, send units, recv offset, recv units
 DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS      # launch number, written into the error record
 DESC_WORDS = DESC_SEQ + 1
+#: Device counts table (int64 words; DESC_COUNTS holds its device address, 0 = the units are DESC_PEERS's): written
+#: by ``symbuf_notify`` in device-count mode, read by the ring kernel at launch, so a call whose counts never reach
+#: the host (worst-case mode, CUDA graphs) still moves exactly the agreed rows. CT_SKIP != 0: the call moves
+#: nothing on this rank (a rank rejected it, the signatures differ, or its output capacity is exceeded).
+#: CT_RECV_TOTAL: rows received. CT_PEERS: [4][world_size] as DESC_PEERS.
+CT_SKIP, CT_RECV_TOTAL = 0, 1
+CT_PEERS = 8
+CT_WORDS = CT_PEERS + 4 * MAX_PEERS
 #: DESC_FLAGS bits.
 FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
 
