@@ -56,8 +56,11 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
+from . import _moe_cuda
+from . import _protocol as P
 from . import dtypes as _dt
 from ._validate import as_array
+from .errors import SymBufferError
 from .layout import check_row_fits
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
@@ -133,8 +136,11 @@ class DispatchHandle:
     send_token_idx: Any = field(repr=False)
     send_counts: np.ndarray = field(repr=False)
     recv_counts: np.ndarray = field(repr=False)
-    num_recv_tokens_per_expert_raw: Tuple[int, ...] = field(repr=False)
+    num_recv_tokens_per_expert_raw: Optional[Tuple[int, ...]] = field(repr=False)
     expert_alignment: int = 1
+    num_worst_tokens: int = 0
+    routing: Any = field(default=None, repr=False)
+    send_rows: int = 0
 
     @property
     def num_local_experts(self) -> int:
@@ -143,22 +149,46 @@ class DispatchHandle:
 
     @property
     def num_recv_tokens(self) -> int:
-        """Rows of ``recv_x`` (``sum(recv_counts)``); rows ``combine``'s ``x`` must have."""
+        """Rows of ``recv_x`` (``sum(recv_counts)``, or ``num_worst_tokens`` in worst-case mode); rows
+        ``combine``'s ``x`` must have."""
+        if self.num_worst_tokens:
+            return self.num_worst_tokens
         return int(self.recv_counts.sum())
+
+    @property
+    def num_recv_tokens_device(self):
+        """0-d int64 array (``xp``): rows really received (``<= num_recv_tokens``). On the GPU it lives in device
+        memory and is read without a host synchronisation only in stream order (``int()`` of it waits)."""
+        if self.routing is not None:
+            return self.routing.num_recv_tokens
+        return np.asarray(int(self.recv_counts.sum()), dtype=np.int64)
+
+    def _host_counts(self, name: str) -> np.ndarray:
+        counts = self.send_counts if name == "send" else self.recv_counts
+        if counts is None:
+            raise ValueError(f"DispatchHandle.{name}_offsets: a worst-case (num_worst_tokens) GPU dispatch keeps its "
+                             f"counts on the device (handle.routing.table, num_recv_tokens_device); they never "
+                             f"reach the host")
+        return counts
 
     @property
     def send_offsets(self) -> np.ndarray:
         """int64 ``[world_size + 1]``: exclusive prefix sum of ``send_counts``."""
-        return np.concatenate([[0], np.cumsum(self.send_counts)]).astype(np.int64)
+        return np.concatenate([[0], np.cumsum(self._host_counts("send"))]).astype(np.int64)
 
     @property
     def recv_offsets(self) -> np.ndarray:
         """int64 ``[world_size + 1]``: exclusive prefix sum of ``recv_counts``."""
-        return np.concatenate([[0], np.cumsum(self.recv_counts)]).astype(np.int64)
+        return np.concatenate([[0], np.cumsum(self._host_counts("recv"))]).astype(np.int64)
 
-    def num_recv_tokens_per_expert(self, expert_alignment: Optional[int] = None) -> List[int]:
-        """Received tokens per local expert, each rounded up to ``expert_alignment`` (default: the handle's)."""
+    def num_recv_tokens_per_expert(self, expert_alignment: Optional[int] = None):
+        """Received tokens per local expert, each rounded up to ``expert_alignment`` (default: the handle's): a
+        list of int, or for a worst-case GPU handle an int64 device array (computed without a host read)."""
         a = self.expert_alignment if expert_alignment is None else expert_alignment
+        if self.num_recv_tokens_per_expert_raw is None:
+            raw = self.routing.sums[1:1 + self.num_local_experts]
+            skip = self.routing.table[P.CT_SKIP] != 0
+            return (raw + (a - 1)) // a * a * (~skip)
         return _align_counts(self.num_recv_tokens_per_expert_raw, a)
 
     def belongs_to(self, comm) -> bool:
@@ -225,8 +255,10 @@ def _check_num_experts(op: str, comm, num_experts) -> int:
     return n
 
 
-def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optional[int] = None):
-    """Validate ``topk_idx`` and return it as int64 (a copy only when it was int32)."""
+def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optional[int] = None, *,
+                    check_range: bool = True):
+    """Validate ``topk_idx`` and return it as int64 (a copy only when it was int32). ``check_range`` False: the
+    values are checked by the device layout kernel instead (no host synchronisation)."""
     topk_idx = _check_array(op, "topk_idx", topk_idx, comm,
                             dims=(("num_tokens (rows of x)", num_tokens), ("num_topk", None)))
     if topk_idx.dtype not in (np.int64, np.int32):
@@ -234,7 +266,7 @@ def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optio
     if topk_idx.shape[1] < 1:
         raise ValueError(f"{op}: topk_idx must have num_topk >= 1 columns, got shape {tuple(topk_idx.shape)}")
     idx = topk_idx.astype(np.int64, copy=False)
-    if idx.size:
+    if idx.size and check_range:
         lo, hi = int(idx.min()), int(idx.max())
         if lo < -1 or hi >= num_experts:
             bad = (idx < -1) | (idx >= num_experts)
@@ -243,6 +275,12 @@ def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optio
             raise ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={num_experts}), "
                              f"got {int(idx[t, k])} at [{t}, {k}]")
     return idx
+
+
+def _check_device_experts(op: str, num_experts: int) -> None:
+    if num_experts > _moe_cuda.MAX_EXPERTS:
+        raise ValueError(f"{op}: num_experts must be <= {_moe_cuda.MAX_EXPERTS} on the GPU path (the layout kernel "
+                         f"keeps one counter per expert in shared memory), got {num_experts}")
 
 
 def _check_handle(op: str, comm, handle) -> "DispatchHandle":
@@ -373,12 +411,16 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     op = "get_dispatch_layout"
     comm.check_open()
     n_exp = _check_num_experts(op, comm, num_experts)
-    idx = _check_topk_idx(op, comm, topk_idx, n_exp)
+    cuda = comm.backend == "cuda"
+    idx = _check_topk_idx(op, comm, topk_idx, n_exp, check_range=not cuda)
+    if cuda:
+        _check_device_experts(op, n_exp)
+        return _moe_cuda.get_dispatch_layout(comm, op, idx, n_exp)
     return _layout(comm.xp, idx, n_exp, comm.world_size)
 
 
 def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
-             handle: Optional[DispatchHandle] = None, expert_alignment: int = 1):
+             handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, num_worst_tokens: int = 0):
     """Send each token to every rank that holds at least one of its experts, once per rank. Collective.
 
     DeepEP: ``Buffer.dispatch`` (``deep_ep/buffer.py``), intranode normal mode; the layout that DeepEP takes as
@@ -444,12 +486,14 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     op = "dispatch"
     # the count exchange comes first without a handle; a call rejected here is told to the peers (_engine.call)
     with comm.call(op, notify=handle is None):
-        return _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment)
+        return _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
+                         num_worst_tokens)
 
 
-def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment):
+def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens):
     xp = comm.xp
     align = _check_int(op, "expert_alignment", expert_alignment, minimum=1)
+    worst = _check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
 
     if handle is not None:
         h = _check_handle(op, comm, handle)
@@ -458,9 +502,19 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
                              f"routing is the handle's")
         if num_experts is not None and num_experts != h.num_experts:
             raise ValueError(f"{op}: num_experts={num_experts} differs from the handle's ({h.num_experts})")
+        if worst and worst != h.num_worst_tokens:
+            raise ValueError(f"{op}: with handle, num_worst_tokens must be 0 or the handle's "
+                             f"({h.num_worst_tokens}), got {worst}")
         xv, scales, kind = _check_x(op, comm, x, h.num_tokens, None)
-        recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx, h.send_counts,
-                                              h.recv_counts, f"cached|{kind}")
+        if h.routing is not None:  # GPU: the units come from the handle's device counts table
+            recv_x, recv_scales, _, _ = _exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
+                                                         h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr)
+        else:
+            recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx,
+                                                  h.send_counts, h.recv_counts, f"cached|{kind}")
+            if h.num_worst_tokens:
+                recv_x, recv_scales = _pad_rows(xp, recv_x, h.num_worst_tokens, 0), \
+                    _pad_rows(xp, recv_scales, h.num_worst_tokens, 0)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         return out_x, None, None, h.num_recv_tokens_per_expert(align), h
 
@@ -469,8 +523,12 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         raise ValueError(f"{op}: topk_idx is required without a handle")
     xv, scales, kind = _check_x(op, comm, x, None, None)
     num_tokens = xv.shape[0]
-    idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens)
+    cuda = comm.backend == "cuda"
+    idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens, check_range=not cuda)
     weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
+    if cuda:
+        _check_device_experts(op, n_exp)
+        return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst)
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank
@@ -506,15 +564,101 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     if recv_w is not None:
         recv_topk_weights = xp.where(mine, recv_w, np.float32(0)).astype(np.float32, copy=False)
 
+    n_recv = int(recv_counts.sum())
+    if worst:  # outputs of the worst-case size: rows past the real count are -1 / 0 (x, scales: 0)
+        if n_recv > worst:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
+            raise SymBufferError(f"{op}: rank {rank} receives {n_recv} rows, more than num_worst_tokens={worst} "
+                                 f"(the output capacity; it must bound what any rank can receive, e.g. "
+                                 f"num_tokens * world_size)")
+        recv_x, recv_scales = _pad_rows(xp, recv_x, worst, 0), _pad_rows(xp, recv_scales, worst, 0)
+        recv_topk_idx = _pad_rows(xp, recv_topk_idx, worst, -1)
+        recv_topk_weights = _pad_rows(xp, recv_topk_weights, worst, 0)
     send_counts.setflags(write=False)
     recv_counts.setflags(write=False)
     h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
                        num_experts=n_exp, num_tokens=num_tokens, num_topk=int(idx.shape[1]),
                        hidden=int(xv.shape[1]), is_token_in_rank=in_rank, send_token_idx=send_token_idx,
                        send_counts=send_counts, recv_counts=recv_counts,
-                       num_recv_tokens_per_expert_raw=raw_per_expert, expert_alignment=align)
+                       num_recv_tokens_per_expert_raw=raw_per_expert, expert_alignment=align,
+                       num_worst_tokens=worst, send_rows=int(send_counts.sum()))
     out_x = (recv_x, recv_scales) if scales is not None else recv_x
-    return out_x, recv_topk_idx, recv_topk_weights, h.num_recv_tokens_per_expert(align), h
+    counts = h.num_recv_tokens_per_expert(align)
+    if worst:  # as the GPU's: an array, not a list (no host read there)
+        counts = xp.asarray(np.asarray(counts, np.int64))
+    return out_x, recv_topk_idx, recv_topk_weights, counts, h
+
+
+def _pad_rows(xp, a, rows: int, fill):
+    """``a`` with rows appended up to ``rows``, filled with ``fill`` (None stays None)."""
+    if a is None or a.shape[0] == rows:
+        return a
+    out = xp.full((rows,) + tuple(a.shape[1:]), fill, dtype=a.dtype)
+    out[:a.shape[0]] = a
+    return out
+
+
+def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
+    return (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|"
+            f"weights={weights is not None}|num_experts={n_exp}")
+
+
+def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int):
+    """The GPU dispatch (:mod:`cupy_symbuf._moe_cuda`): layout kernel -> count exchange on the device (counts
+    tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
+    -> receive fix-up. With ``worst`` nothing is read on the host."""
+    cp = comm.xp
+    w_size, rank = comm.world_size, comm.rank
+    epr = n_exp // w_size
+    num_tokens, num_topk = idx.shape
+    M = 1 + epr
+    row_bytes = _row_bytes(xv, scales, num_topk, weights is not None)
+    check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
+    sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
+    idx = cp.ascontiguousarray(idx)
+    rt = _moe_cuda.Routing(num_tokens, num_topk, w_size, M)
+    meta = cp.empty((w_size, M), np.int64)
+    _moe_cuda.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad, pos=rt.pos,
+                     send_idx=rt.send_idx)
+
+    def bad_error():
+        flat = int(rt.bad[1].get())
+        t, k = divmod(flat, num_topk)
+        return ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={n_exp}), got "
+                          f"{int(idx[t, k].get())} at [{t}, {k}] (found by the layout kernel; nothing was sent)")
+
+    res = comm.notify_device(op, meta, M, sig, table=rt.block[:2 * _moe_cuda.CT], sums=rt.sums, local_reject=rt.bad,
+                             capacity=worst if worst else -1, worst=bool(worst), self_error=bad_error, sig_what=(
+                                 f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
+                                 f"+ top-k) or on num_experts: rank {rank} has {row_bytes} bytes ({sig}); all ranks "
+                                 f"must pass the same hidden, dtype, num_topk, choice of topk_weights and "
+                                 f"num_experts"))
+    if worst:
+        send_counts = recv_counts = raw = None
+        n_recv = worst
+        send_rows = num_tokens * min(w_size, num_topk)
+        send_idx = rt.send_idx
+    else:
+        recv_vals, sent_vals = res
+        recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
+        raw = tuple(int(c) for c in recv_vals[:, 1:1 + epr].sum(axis=0))
+        n_recv = int(recv_counts.sum())
+        send_rows = int(send_counts.sum())
+        send_idx = rt.send_idx[:send_rows]
+        send_counts.setflags(write=False)
+        recv_counts.setflags(write=False)
+    recv_x, recv_scales, recv_gidx, recv_w = _exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
+                                                              sig, rt.table_ptr)
+    counts_out = cp.empty(epr, np.int64) if worst else None
+    _moe_cuda.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums,
+                    counts_out=counts_out, align=align)
+    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
+                       hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
+                       send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
+                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows)
+    out_x = (recv_x, recv_scales) if scales is not None else recv_x
+    counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
+    return out_x, recv_gidx, recv_w, counts, h
 
 
 def _row_bytes(xv, scales, num_topk: int, with_weights: bool) -> int:
@@ -570,6 +714,32 @@ def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, r
         k += 1
     if weights is not None:
         recv_w = outs[k]
+    return recv_x, recv_scales, recv_idx, recv_w
+
+
+def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int):
+    """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
+    capacity), the per-peer units read by the ring kernel from the counts table at ``table_ptr``."""
+    xp = comm.xp
+    parts = [(xv, xv.dtype, xv.shape[1])]
+    for a, dt in ((scales, np.float32), (idx, np.int64), (weights, np.float32)):
+        if a is not None:
+            parts.append((a, np.dtype(dt), a.shape[1]))
+    send_parts, recv_parts, outs = [], [], []
+    for a, dt, n in parts:
+        out = xp.empty((n_recv, n), dtype=dt)
+        outs.append(out)
+        if n == 0:
+            continue
+        send_parts.append(_rows_part(xp, a))
+        recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
+    if send_parts:
+        comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr)
+    it = iter(outs[1:])
+    recv_x = outs[0]
+    recv_scales = next(it) if scales is not None else None
+    recv_idx = next(it) if idx is not None else None
+    recv_w = next(it) if weights is not None else None
     return recv_x, recv_scales, recv_idx, recv_w
 
 
@@ -658,13 +828,21 @@ def _combine(comm, op, x, handle, topk_weights, dtype):
     weights = _check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
 
     # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
-    back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts,
-                                     f"{kind}|hidden={h.hidden}|weights={weights is not None}")
+    sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
+    if h.routing is not None:  # GPU: the reverse counts table of the dispatch; no host work beyond the launches
+        back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
+                                                h.routing.rev_table_ptr)
+    else:
+        n_real = int(h.recv_counts.sum())
+        if n_real != n_recv:  # worst-case mode (host): the rows past the real count stay here
+            x = x[:n_real]
+            weights = None if weights is None else weights[:n_real]
+        back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts, sig)
 
     num_tokens = h.num_tokens
     if comm.backend == "cuda":
         # one reduction kernel per part (cuda_src/moe.cu): the same float32 sum, ranks in ascending order
-        pos = _combine_positions(xp, h)
+        pos = h.routing.pos if h.routing is not None else _combine_positions(xp, h)
         combined = _reduce_cuda(back_x, pos, kind, x.dtype, num_tokens)
         acc_w = _reduce_cuda(back_w, pos, FLOAT32_KIND, np.float32, num_tokens) if weights is not None else None
         return combined, acc_w

@@ -1,0 +1,117 @@
+"""The GPU path of :mod:`cupy_symbuf.moe`: layout, count exchange and per-peer counts stay on the device.
+
+DeepEP's design (``get_dispatch_layout`` as a kernel, ``notify_dispatch`` exchanging the counts on the device and
+the host waiting once through host-mapped memory, or not at all with ``num_worst_tokens``), built from our parts:
+
+* ``symbuf_moe_layout`` (``cuda_src/moe.cu``, one launch): ``is_token_in_rank``, the counts per rank and per
+  expert, the count exchange's values ``[world_size, 1 + num_local_experts]``, the send position of every
+  (token, rank) pair (``pos``; the combine reads it back) and ``send_idx`` (the token of every send row), and the
+  number of ``topk_idx`` values out of range (the count exchange then rejects the call on every rank).
+* ``symbuf_notify`` in device-count mode (``cuda_src/ring_exchange.cu``): writes two counts tables
+  (``_protocol.CT_*``: this call's units per peer and the reverse call's, for ``combine``) and the per-expert sums
+  into the handle's device block; the ring kernel reads its units from there (``DESC_COUNTS``), so one launch
+  descriptor serves every routing (the plan is cached per row layout, never per count).
+* eager mode: the host reads the receive counts once (the notify's host-mapped result) to size the outputs;
+  worst-case mode (``num_worst_tokens``): outputs sized for the worst case and nothing read on the host, so the
+  whole dispatch / combine can be captured in a CUDA graph.
+* ``symbuf_moe_recv_fixup``: local expert ids, weights of other ranks' slots zeroed, rows past the real count set
+  to ``-1`` / ``0`` (worst case), per-expert counts aligned on the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compat, _kernels
+from . import _protocol as P
+
+SOURCE = "moe.cu"
+LAYOUT_KERNEL = "symbuf_moe_layout"
+FIXUP_KERNEL = "symbuf_moe_recv_fixup"
+CT = P.CT_WORDS
+#: The layout kernel keeps one int32 counter per expert in shared memory (48 KiB without opting in).
+MAX_EXPERTS = 12288
+
+
+def _ptr(a) -> np.uint64:
+    return np.uint64(0 if a is None else a.data.ptr)
+
+
+def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_rank=None, meta=None, bad=None,
+           sticky: bool = False, pos=None, send_idx=None) -> None:
+    """Launch the layout kernel on the current stream for int64 C-contiguous ``idx [N, K]`` (outputs: device
+    arrays or None; see ``cuda_src/moe.cu``)."""
+    n, k = idx.shape
+    W = eng.world_size
+    fn = _kernels.get_function(SOURCE, LAYOUT_KERNEL)
+    threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
+    sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
+    fn((1,), (threads,), (idx if n else _compat.cupy.empty((1, max(k, 1)), np.int64), np.int64(n), np.int32(k),
+                          np.int32(num_experts), np.int32(W), _ptr(per_rank), _ptr(per_expert), _ptr(in_rank),
+                          _ptr(meta), _ptr(bad), np.uint64(sticky_ptr), _ptr(pos), _ptr(send_idx)),
+       shared_mem=4 * num_experts)
+
+
+def get_dispatch_layout(eng, op: str, idx, num_experts: int):
+    """``(num_tokens_per_rank int32 [W], num_tokens_per_expert int32 [E], is_token_in_rank bool [N, W])`` from one
+    kernel launch, nothing read on the host: ``topk_idx`` values out of range are left out of the counts and
+    raised by the next ``synchronize()`` (at once with ``Config.blocking``)."""
+    cp = _compat.cupy
+    W = eng.world_size
+    n = idx.shape[0]
+    per_rank = cp.empty(W, np.int32)
+    per_expert = cp.empty(num_experts, np.int32)
+    in_rank = cp.empty((n, W), dtype=bool)
+    eng.transport.layout_error_what = f"(topk_idx of shape {tuple(idx.shape)}, num_experts={num_experts})"
+    layout(eng, cp.ascontiguousarray(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
+           sticky=True)
+    if eng.config.blocking:
+        cp.cuda.get_current_stream().synchronize()
+        eng.transport.check_layout_error(op)
+    return per_rank, per_expert, in_rank
+
+
+class Routing:
+    """What one dispatch's layout and count exchange made on the device (kept by the handle).
+
+    ``block`` int64 ``[2 * CT_WORDS + M + 2]``: the counts table of the dispatch, that of the combine (the reverse
+    call), the per-expert sums of the count exchange (``[0]`` = rows received), and the layout's bad-value count.
+    ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
+    """
+
+    __slots__ = ("block", "table", "rev_table", "sums", "bad", "pos", "send_idx", "in_rank")
+
+    def __init__(self, n: int, k: int, W: int, M: int):
+        cp = _compat.cupy
+        self.block = cp.empty(2 * CT + M + 2, np.int64)
+        self.table = self.block[:CT]
+        self.rev_table = self.block[CT:2 * CT]
+        self.sums = self.block[2 * CT:2 * CT + M]
+        self.bad = self.block[2 * CT + M:]
+        self.pos = cp.empty((n, W), np.int64)
+        self.send_idx = cp.empty(max(1, n * W), np.int64)
+        self.in_rank = cp.empty((n, W), dtype=bool)
+
+    @property
+    def table_ptr(self) -> int:
+        return self.block.data.ptr
+
+    @property
+    def rev_table_ptr(self) -> int:
+        return self.block.data.ptr + 8 * CT
+
+    @property
+    def num_recv_tokens(self):
+        """0-d int64 device array: rows this rank received (0 when the call was skipped)."""
+        return self.block[P.CT_RECV_TOTAL]
+
+
+def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out, align: int) -> None:
+    """Launch the receive fix-up (``cuda_src/moe.cu``) on the current stream; ``table_ptr`` 0: every row is real."""
+    n = rows * gidx.shape[1]
+    if n == 0 and counts_out is None:
+        return
+    fn = _kernels.get_function(SOURCE, FIXUP_KERNEL)
+    grid = max(1, min(1024, (n + 255) // 256))
+    fn((grid,), (256,), (_ptr(gidx) if n else np.uint64(0), _ptr(w) if n else np.uint64(0), np.int64(rows),
+                        np.int32(gidx.shape[1]), np.int64(eng.rank * epr), np.int32(epr), np.uint64(table_ptr),
+                        _ptr(sums), _ptr(counts_out), np.int64(align)))

@@ -1,0 +1,227 @@
+"""MoE control on the device (issue 10): worst-case mode (``num_worst_tokens``), device-count handles, uneven
+token counts, two live handles with a lagging rank, CUDA graphs of two batch sizes replayed alternately, the
+layout kernel's deferred range check. Every output is compared with a NumPy reference built from every rank's
+inputs (``allgather``); outputs sit on dirty memory (GPU: the pool hands back blocks filled with garbage).
+
+    python -m pytest tests/test_moe_device.py
+    mpiexec -n 2 python -m pytest tests/test_moe_device.py
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+MPI = pytest.importorskip("mpi4py.MPI")
+
+from test_moe import (RANK, W, WORLD, all_ranks, local_idx, make_routing, moe_comm, ref_routes,  # noqa: E402,F401
+                      rng_for, to_dev, to_np)
+from cupy_symbuf import SymBufferRejectedError  # noqa: E402
+
+UNEVEN = (0, 1, 7, 33)   # tokens on rank r: UNEVEN[r % 4]
+
+
+def _dirty_pool(comm, nbytes: int) -> None:
+    """GPU: fill blocks of the memory pool with garbage and free them, so the next outputs sit on dirty memory."""
+    if comm.backend != "cuda":
+        return
+    import cupy
+    junk = [cupy.full(nbytes // 8 + 1, -7, dtype=np.int64) for _ in range(4)]
+    del junk
+
+
+def _inputs(key, tokens: int, hidden: int, num_experts: int, topk: int, routing: str = "random"):
+    rng = rng_for(*key)
+    idx = make_routing(routing, rng, tokens, num_experts, topk)
+    # integer-valued float32 (exact sums in any order), never zero
+    x = rng.integers(1, 64, size=(tokens, hidden)).astype(np.float32) * rng.choice(np.float32([-1, 1]),
+                                                                                  size=(tokens, hidden))
+    w = rng.uniform(0.05, 1.0, size=(tokens, topk)).astype(np.float32)
+    return idx, x, w
+
+
+def _reference(idx, x, w, num_experts):
+    """What this rank receives: rows (x, local idx, weights) in source-rank then token order, and per local
+    expert counts."""
+    every = WORLD.allgather((idx, x, w))
+    routes = ref_routes([e[0] for e in every], num_experts)[RANK]
+    hidden, topk = x.shape[1], idx.shape[1]
+    rx = np.array([every[s][1][t] for s, t in routes], np.float32).reshape(-1, hidden)
+    ri = np.array([local_idx(every[s][0][t], num_experts, RANK) for s, t in routes], np.int64).reshape(-1, topk)
+    rw = np.array([np.where(local_idx(every[s][0][t], num_experts, RANK) >= 0, every[s][2][t], 0)
+                   for s, t in routes], np.float32).reshape(-1, topk)
+    epr = num_experts // W
+    per_expert = np.array([(ri == j).sum() for j in range(epr)], np.int64)
+    return rx, ri, rw, per_expert
+
+
+def _ranks_of(idx, num_experts):
+    epr = num_experts // W
+    return np.array([len({int(e) // epr for e in row if e >= 0}) for row in idx], np.float32)
+
+
+def _check_worst(comm, out, idx, x, w, num_experts, worst, align=1):
+    (recv_x, recv_idx, recv_w, counts, h) = out
+    rx, ri, rw, per_expert = _reference(idx, x, w, num_experts)
+    n = rx.shape[0]
+
+    def check():
+        assert recv_x.shape == (worst, x.shape[1]) and recv_idx.shape == (worst, idx.shape[1])
+        assert int(to_np(h.num_recv_tokens_device)) == n
+        assert np.array_equal(to_np(recv_x)[:n], rx)
+        assert np.array_equal(to_np(recv_idx)[:n], ri)
+        assert np.array_equal(to_np(recv_w)[:n], rw)
+        assert (to_np(recv_idx)[n:] == -1).all(), "rows past the count must hold -1 in recv_topk_idx"
+        assert (to_np(recv_w)[n:] == 0).all(), "rows past the count must hold 0 in the weights"
+        want = (per_expert + align - 1) // align * align
+        assert np.array_equal(np.asarray(to_np(counts), np.int64), want)
+    all_ranks(check)
+    return rx
+
+
+@pytest.mark.parametrize("routing", ["random", "one_rank", "masked"])
+def test_worst_case_dispatch_combine_uneven(moe_comm, routing):
+    """0, 1, 7 and 33 tokens on different ranks; rows past the count are -1 / 0 on dirty memory; combine of the
+    worst-case handle equals the reference; a cached dispatch with it moves the same rows."""
+    c = moe_comm
+    n_exp, topk, hidden = 8 * W, 4, 96
+    tokens = UNEVEN[RANK % 4]
+    worst = max(UNEVEN[r % 4] for r in range(W)) * W + 3
+    idx, x, w = _inputs(("worst", routing, c.backend), tokens, hidden, n_exp, topk, routing)
+    for rep in range(2):
+        _dirty_pool(c, worst * hidden * 4)
+        out = c.dispatch(to_dev(c, x), to_dev(c, idx), to_dev(c, w), n_exp, num_worst_tokens=worst,
+                         expert_alignment=1 + rep * 3)
+        _check_worst(c, out, idx, x, w, n_exp, worst, align=1 + rep * 3)
+    recv_x, _, recv_w, _, h = out
+    assert h.num_recv_tokens == worst
+    combined, cw = c.combine(recv_x, h, recv_w)
+    ranks = _ranks_of(idx, n_exp)
+    # combined weights: the sum over the ranks a token reached of the weights of the slots living there
+    epr = n_exp // W
+    want_w = np.zeros_like(w)
+    for t in range(tokens):
+        for k in range(topk):
+            if idx[t, k] >= 0:
+                want_w[t, k] = w[t, k]
+    all_ranks(lambda: (np.testing.assert_array_equal(to_np(combined), x * ranks[:, None]),
+                       np.testing.assert_array_equal(to_np(cw), want_w)))
+    cached = c.dispatch(to_dev(c, x), handle=h)
+    rx = _reference(idx, x, w, n_exp)[0]
+    all_ranks(lambda: np.testing.assert_array_equal(to_np(cached[0])[:rx.shape[0]], rx))
+    del epr
+
+
+def test_worst_case_routing_changes_between_calls(moe_comm):
+    """Same shapes, new routing every call (a rank sending nothing to some peer included): each call exact."""
+    c = moe_comm
+    n_exp, topk, hidden, tokens = 4 * W, 2, 32, 24
+    worst = tokens * W
+    for i, routing in enumerate(["random", "recv_nothing" if W > 1 else "random", "one_rank", "masked"]):
+        idx, x, w = _inputs(("change", i, c.backend), tokens, hidden, n_exp, topk, routing)
+        _dirty_pool(c, worst * hidden * 4)
+        out = c.dispatch(to_dev(c, x), to_dev(c, idx), to_dev(c, w), n_exp, num_worst_tokens=worst)
+        _check_worst(c, out, idx, x, w, n_exp, worst)
+
+
+def test_two_live_handles_with_lagging_rank(moe_comm):
+    """dispatch A, dispatch B, combine A, combine B with rank 0 late; eager and worst-case handles mixed."""
+    c = moe_comm
+    n_exp, topk, hidden = 4 * W, 3, 48
+    tokens = UNEVEN[(RANK + 1) % 4]
+    idx_a, x_a, w_a = _inputs(("liveA", c.backend), tokens, hidden, n_exp, topk)
+    idx_b, x_b, w_b = _inputs(("liveB", c.backend), tokens + 2, hidden, n_exp, topk, "masked")
+    out_a = c.dispatch(to_dev(c, x_a), to_dev(c, idx_a), to_dev(c, w_a), n_exp)
+    out_b = c.dispatch(to_dev(c, x_b), to_dev(c, idx_b), to_dev(c, w_b), n_exp,
+                       num_worst_tokens=(max(UNEVEN) + 2) * W)
+    if RANK == 0:
+        time.sleep(0.2)
+    comb_a, _ = c.combine(out_a[0], out_a[4])
+    comb_b, _ = c.combine(out_b[0], out_b[4])
+    ra, rb = _ranks_of(idx_a, n_exp), _ranks_of(idx_b, n_exp)
+    all_ranks(lambda: (np.testing.assert_array_equal(to_np(comb_a), x_a * ra[:, None]),
+                       np.testing.assert_array_equal(to_np(comb_b), x_b * rb[:, None])))
+
+
+def test_bad_topk_in_worst_case_rejected_everywhere(moe_comm):
+    """A topk_idx value out of range on rank 0 in worst-case mode: on the host rank 0 raises ValueError at once;
+    on the GPU (nothing read on the host) the layout kernel rejects it in the count exchange and every rank's
+    synchronize raises SymBufferRejectedError; nothing moves; the communicator stays usable."""
+    c = moe_comm
+    n_exp, topk, hidden, tokens = 4 * W, 2, 16, 8
+    idx, x, w = _inputs(("badworst", c.backend), tokens, hidden, n_exp, topk)
+    if RANK == 0:
+        idx[3, 1] = n_exp + 5
+    err = None
+    try:
+        out = c.dispatch(to_dev(c, x), to_dev(c, idx), to_dev(c, w), n_exp, num_worst_tokens=tokens * W)
+        c.synchronize()
+    except ValueError as e:
+        err = e
+    errs = WORLD.allgather(None if err is None else type(err).__name__)
+    all_ranks(lambda: (not any(e is None for e in errs)) or pytest.fail(f"not raised everywhere: {errs}"))
+    must_be_rejected = c.backend == "cuda" or RANK != 0   # (all_ranks is collective: every rank calls it)
+    all_ranks(lambda: isinstance(err, SymBufferRejectedError) or not must_be_rejected or pytest.fail(repr(err)))
+    if c.backend == "cuda":  # the outputs of the skipped call: no rows, -1 / 0 everywhere
+        all_ranks(lambda: ((to_np(out[1]) == -1).all() and int(to_np(out[4].num_recv_tokens_device)) == 0)
+                  or pytest.fail("skipped call left rows"))
+    idx2, x2, w2 = _inputs(("badworst-after", c.backend), tokens, hidden, n_exp, topk)
+    out = c.dispatch(to_dev(c, x2), to_dev(c, idx2), to_dev(c, w2), n_exp, num_worst_tokens=tokens * W)
+    _check_worst(c, out, idx2, x2, w2, n_exp, tokens * W)
+
+
+def test_layout_bad_value_gpu_deferred(moe_comm):
+    """GPU get_dispatch_layout reads nothing on the host: a value out of range is left out of the counts and
+    raised by synchronize() as ValueError; afterwards the communicator works."""
+    c = moe_comm
+    if c.backend != "cuda":
+        pytest.skip("GPU behaviour (the host path raises at once, tested in test_moe)")
+    idx = make_routing("random", rng_for("layoutbad"), 16, 4 * W, 2)
+    idx[2, 0] = -3
+    c.get_dispatch_layout(to_dev(c, idx), 4 * W)
+    with pytest.raises(ValueError, match=r"get_dispatch_layout .*topk_idx"):
+        c.synchronize()
+    c.synchronize()  # raised once
+
+
+def test_cuda_graphs_two_batch_sizes(moe_comm):
+    """Two CUDA graphs (16 and 48 tokens) of worst-case dispatch + combine on one communicator, replayed
+    alternately with new data and new routing copied into their inputs; every replay exact."""
+    c = moe_comm
+    if c.backend != "cuda":
+        pytest.skip("CUDA graphs need the GPU")
+    import cupy
+    n_exp, topk, hidden = 4 * W, 4, 64
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graphs = {}
+    for tokens in (16, 48):
+        idx, x, w = _inputs(("graph-warm", tokens), tokens, hidden, n_exp, topk)
+        d_idx, d_x, d_w = cupy.asarray(idx), cupy.asarray(x), cupy.asarray(w)
+        worst = tokens * W
+        with stream:
+            c.dispatch(d_x, d_idx, d_w, n_exp, num_worst_tokens=worst)  # warm the pool and the plans
+            stream.synchronize()
+            c.synchronize()
+            stream.begin_capture()
+            out = c.dispatch(d_x, d_idx, d_w, n_exp, num_worst_tokens=worst)
+            comb = c.combine(out[0], out[4], out[2])
+            graph = stream.end_capture()
+        graphs[tokens] = (graph, d_idx, d_x, d_w, out, comb, worst)
+    for rep in range(3):
+        for tokens in (48, 16):
+            graph, d_idx, d_x, d_w, out, comb, worst = graphs[tokens]
+            routing = ["random", "masked", "one_rank"][rep]
+            idx, x, w = _inputs(("graph", tokens, rep), tokens, hidden, n_exp, topk, routing)
+            d_idx.set(idx)
+            d_x.set(x)
+            d_w.set(w)
+            out[1].fill(-5)  # dirty outputs: the replay must rewrite every row
+            out[2].fill(7)
+            stream.synchronize()
+            graph.launch(stream)
+            stream.synchronize()
+            c.synchronize()
+            _check_worst(c, out, idx, x, w, n_exp, worst)
+            ranks = _ranks_of(idx, n_exp)
+            all_ranks(lambda: np.testing.assert_array_equal(to_np(comb[0]), x * ranks[:, None]))
