@@ -1,4 +1,6 @@
-"""Benchmarks: ``mpiexec -n N python -m cupy_symbuf.bench [--sizes 1M,16M,128M] [--no-reference] [--breakdown]``.
+"""Benchmarks: ``mpiexec -n N python -m cupy_symbuf.bench [--sizes 1M,16M,128M] [--no-reference] [--breakdown]``;
+``--control [--tokens 4096]``: the control-path table (MoE layout, dispatch / combine, CUDA graphs, low-latency
+mode, alltoall host issue time).
 
 Times ``Communicator.alltoall`` on equal blocks for each per-rank input size, and the same traffic through a
 reference engine in the same run: NCCL grouped send/recv (``cupy.cuda.nccl``) on GPUs, ``MPI.Alltoall`` on the
@@ -148,6 +150,11 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", action="store_true",
                     help="GPU only (ignored on the host): also time the ring kernel alone (CUDA events around the "
                          "launch); the rest of a call is host work (argument checks, launch plan, launch)")
+    ap.add_argument("--control", action="store_true",
+                    help="the control-path table instead of the sizes: MoE layout, dispatch / combine with and "
+                         "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
+                         "host issue time (cupy_symbuf._bench_control)")
+    ap.add_argument("--tokens", type=int, default=4096, help="--control: tokens per rank (default 4096)")
     args = ap.parse_args(argv)
 
     comm = MPI.COMM_WORLD
@@ -167,8 +174,16 @@ def main(argv=None) -> int:
                 k = c._transport._k_ring
                 print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
                       f"(spills), {c._transport.threads} threads/block")
-            print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
-                  f"{'busbw_GB/s':>11}")
+            if not args.control:
+                print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
+                      f"{'busbw_GB/s':>11}")
+        if args.control:
+            from . import _bench_control
+            rows = _bench_control.run(c, comm, timer, args)
+            if me == 0 and args.json:
+                with open(args.json, "w") as f:
+                    json.dump([{"row": r, "us": v, "target": t, "world_size": W} for r, v, t in rows], f, indent=1)
+            return 0
         timings = ("call", "loop") if args.timing == "both" else (args.timing,)
 
         def timed(fn, sync=None):  # {timing: seconds per call}
