@@ -3,15 +3,21 @@
 // (layout, arithmetic, the NumPy twin); this file is its GPU form.
 //
 // Symmetric buffer of a LowLatencyBuffer (its own SymBuffer), per rank:
-//   ctrl lines (LOCAL only): dispatch [seq, sent, exit], combine [seq, sent, exit] (u64 counters, only growing).
-//   dispatch halves 0/1, chosen by the parity of the device sequence number seq (the kernel reads ctrl.seq + 1,
-//   the last block to leave stores it): per source rank s: a flag line [seq, n_s, sig], meta int32 [N][K]
-//   (s's topk_idx, global expert ids) and rows [N][R] (token t of s at row t: the x row, or fp8 bytes + scales).
+//   ctrl lines (LOCAL only): dispatch [-, -, exit], combine [-, -, exit]: exit counts the blocks that left, over
+//   all launches (u64, only growing; a fire-and-forget red.add per block). A launch's sequence number is
+//   seq = exit / grid + 1 (the previous launch on the stream has completed, so every block of it has counted).
+//   dispatch halves 0/1, chosen by the parity of seq: per source rank s: a flag line [count, n_s, sig], meta int32
+//   [N][K] (s's topk_idx, global expert ids) and rows [N][R] (token t of s at row t: the x row, or fp8 bytes +
+//   scales). count: blocks of s done with their stores into this half, over all calls on this half (every block
+//   of s adds 1 per call), so call seq is complete at count == ((seq + 1) >> 1) * grid.
 //   combine halves 0/1: per source s: weights flag [seq, n_s, sig] + float32 weights [N][K]; per expert rank d:
-//   partials flag [seq] + rows [N][RC] (the weighted sum of d's local experts' outputs for token t, x's dtype).
-// Ordering: payload stores of every block, __syncthreads, then (thread 0) fence.acq_rel.sys + a local atomicAdd
-// on ctrl.sent; the block that completes the count (the last one) fences again and publishes every flag with
-// st.release.sys; receivers poll flags with ld.acquire.sys inside a SpinBudget (bounded, abort word polled).
+//   partials flag [count, 0, sig] (counted like dispatch's) + rows [N][RC] (the weighted sum of d's local experts'
+//   outputs for token t, x's dtype).
+// Ordering: payload stores of every block, __syncthreads, then (thread 0; block 0 first writes n and sig into
+// every destination's line) fence.sc.sys + one red.relaxed.sys.add per destination line: the fence then relaxed
+// RMW is a release pattern, and the RMWs of all blocks form one release sequence, so the acquire load that reads
+// the full count synchronises with every block's stores. No block waits for another before publishing (no
+// last-block round trip). Receivers poll with ld.acquire.sys inside a SpinBudget (bounded, abort word polled).
 // Double buffering: a kernel waits for every peer's flag of its own call, so when call i+2 starts on a rank, every
 // peer has finished call i and no longer reads that half.
 #include "protocol.cuh"
@@ -22,18 +28,20 @@
 struct LLDispatchArgs {
   i64 x, x_stride, topk, n, k, ll_bases, half0, half_bytes, flags_off, meta_off, rows_off, row_bytes, N, H, L, W,
       rank, use_fp8, ue8m0, kind, sig, recv_x, recv_scales, recv_count, src_info, layout_range, inv, recv_ntok,
-      status, comm_bases, abort_offset, timeout_ns, launch_seq, ctrl, grid;
+      status, comm_bases, abort_offset, timeout_ns, launch_seq, ctrl, grid, prof;
 };
 struct LLCombineArgs {
   i64 x, topk, weights, n, k, inv, recv_ntok, ll_bases, half0, half_bytes, wflags_off, weights_off, pflags_off,
       prows_off, row_bytes, N, H, L, W, rank, kind, sig, out, status, comm_bases, abort_offset, timeout_ns,
-      launch_seq, ctrl, grid;
+      launch_seq, ctrl, grid, prof;
 };
+// prof: 0, or a device array u64 [grid][LL_PROF_STAMPS]: thread 0 of each block stores %globaltimer at the phase
+// boundaries (dispatch: start, sent, flags seen, layout built, end; combine: start, weights seen, partials sent,
+// partials seen, end). bench_low_latency(profile=True) reads it.
+#define LL_PROF_STAMPS 8
 
-#define LL_CTRL_SEQ 0
-#define LL_CTRL_SENT 1
 #define LL_CTRL_EXIT 2
-#define LL_LINE_SEQ 0
+#define LL_LINE_SEQ 0  // dispatch / partials lines: the block count; weights lines: the sequence number
 #define LL_LINE_N 1
 #define LL_LINE_SIG 2
 #define LL_SEG_ELEMS 1024  // elements of x per work item of a warp (8 fp8 blocks)
@@ -103,8 +111,9 @@ __device__ __forceinline__ void load4(const u8* row, i64 i, float v[4]) {
 }
 
 // ---- flags and counters ----------------------------------------------------------------------------------------------
-// Wait until flag line `line` holds sequence `seq`; false when the wait failed (timeout, abort: recorded).
-// A line ahead of seq, or a signature other than `sig`, is a protocol mismatch (recorded, abort word set).
+// Wait until flag line `line` holds `seq` (a sequence number or a block count); false when the wait failed (timeout,
+// abort: recorded). A line ahead of seq, or a signature other than `sig`, is a protocol mismatch (recorded, abort
+// word set).
 __device__ __noinline__ bool wait_flag(const WaitCtx* c, int peer, const u64* line, u64 seq, i64 sig, bool check_sig) {
   SpinBudget spin(c);
   while (true) {
@@ -126,31 +135,39 @@ __device__ __noinline__ bool wait_flag(const WaitCtx* c, int peer, const u64* li
   return true;
 }
 
-// Block done with its remote stores: count it; the last block of the launch publishes one flag line per rank
-// (rank r's line `me` in r's half), [seq, n, sig] with the seq word last (st.release.sys). Thread 0 only.
-__device__ __forceinline__ void block_sent(u64* ctrl, u64 seq, i64 grid, const u64* ll_bases, i64 line_off, int me,
-                                           int W, i64 n, i64 sig) {
-  __threadfence_system();
-  const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + LL_CTRL_SENT), 1ull);
-  if (old != seq * static_cast<u64>(grid) - 1) return;
-  __threadfence_system();  // every block's stores (ordered before its atomicAdd) before the flags
+// Block done with its stores into every destination's half: count it in each destination's line `me` (block 0
+// first stores n and sig there). Thread 0 only, after a __syncthreads that follows the block's stores.
+__device__ __forceinline__ void block_sent(const u64* ll_bases, i64 line_off, int me, int W, i64 n, i64 sig) {
+  if (blockIdx.x == 0) {
+    for (int r = 0; r < W; ++r) {
+      volatile i64* w = reinterpret_cast<volatile i64*>(ll_bases[r] + line_off + static_cast<i64>(me) * LINE_BYTES);
+      w[LL_LINE_N] = n;
+      w[LL_LINE_SIG] = sig;
+    }
+  }
+  __threadfence_system();  // the block's stores (ordered before by bar.sync) and n/sig before the counts
   for (int r = 0; r < W; ++r) {
     u64* line = reinterpret_cast<u64*>(ll_bases[r] + line_off + static_cast<i64>(me) * LINE_BYTES);
-    volatile i64* w = reinterpret_cast<volatile i64*>(line);
-    w[LL_LINE_N] = n;
-    w[LL_LINE_SIG] = sig;
-    st_release_sys_global(line + LL_LINE_SEQ, seq);
+    asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(line + LL_LINE_SEQ), "l"(1ull) : "memory");
   }
 }
 
-// Block leaving: the last one of the launch stores the sequence number for the next launch. Thread 0 only.
-__device__ __forceinline__ void block_exit(u64* ctrl, u64 seq, i64 grid) {
-  const u64 old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + LL_CTRL_EXIT), 1ull);
-  if (old == seq * static_cast<u64>(grid) - 1) *reinterpret_cast<volatile u64*>(ctrl + LL_CTRL_SEQ) = seq;
+// Block leaving: count it (no return value awaited). Thread 0 only, after a __syncthreads.
+__device__ __forceinline__ void block_exit(u64* ctrl) {
+  asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(ctrl + LL_CTRL_EXIT), "l"(1ull) : "memory");
 }
 
-__device__ __forceinline__ u64 read_seq(const u64* ctrl) {
-  return static_cast<u64>(ld_volatile_global(reinterpret_cast<const i64*>(ctrl) + LL_CTRL_SEQ)) + 1;
+// This launch's sequence number (1, 2, ...): the launches before it on the stream have completed.
+__device__ __forceinline__ u64 read_seq(const u64* ctrl, i64 grid) {
+  return static_cast<u64>(ld_volatile_global(reinterpret_cast<const i64*>(ctrl) + LL_CTRL_EXIT)) /
+             static_cast<u64>(grid) + 1;
+}
+
+// Block count that completes call `seq` on its half.
+__device__ __forceinline__ u64 full_count(u64 seq, i64 grid) { return ((seq + 1) >> 1) * static_cast<u64>(grid); }
+
+__device__ __forceinline__ void prof_stamp(i64 prof, int k) {
+  if (prof && threadIdx.x == 0) reinterpret_cast<u64*>(prof)[blockIdx.x * LL_PROF_STAMPS + k] = globaltimer_ns();
 }
 
 // Rank of expert id e (or -1 when e is -1 or out of range: ignored like -1).
@@ -175,7 +192,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   __shared__ int s_fail;
   __shared__ int s_ntok[MAX_PEERS];
   if (threadIdx.x == 0) {
-    s_seq = read_seq(ctrl);
+    s_seq = read_seq(ctrl, a.grid);
     s_ctx = make_wait_ctx(reinterpret_cast<i64*>(a.status), reinterpret_cast<const u64*>(a.comm_bases), me, W, -1,
                           a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
     s_fail = 0;
@@ -191,8 +208,21 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
 
   // ---- send ----
+  prof_stamp(a.prof, 0);
   for (i64 item = gwarp; item < n * segs; item += total_warps) {
     const i64 t = item / segs, g = item % segs;
+    const i64 lo = g * LL_SEG_ELEMS, hi = lo + LL_SEG_ELEMS < H ? lo + LL_SEG_ELEMS : H;
+    const u8* src = reinterpret_cast<const u8*>(a.x) + t * a.x_stride;
+    // the segment's loads first (they do not depend on topk_idx): one memory latency per item, not two
+    constexpr int kVec = LL_SEG_ELEMS * (KIND == 2 ? 4 : 2) / 16 / 32;  // 16-byte vectors per lane
+    int4 v[kVec];
+    const i64 nvec = (hi - lo) * elem / 16;
+    if (!a.use_fp8) {
+      const int4* s4 = reinterpret_cast<const int4*>(src + lo * elem);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u)
+        if (lane + u * 32 < nvec) v[u] = ld_nc_global(s4 + lane + u * 32);
+    }
     const i64 e = lane < K ? topk[t * K + lane] : -1;
     const int r = expert_rank(e, L, a.W);
     const u32 dests = __reduce_or_sync(0xffffffffu, r >= 0 ? (1u << r) : 0u);
@@ -202,18 +232,9 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
             static_cast<int>(e);
     }
     if (!dests) continue;
-    const i64 lo = g * LL_SEG_ELEMS, hi = lo + LL_SEG_ELEMS < H ? lo + LL_SEG_ELEMS : H;
-    const u8* src = reinterpret_cast<const u8*>(a.x) + t * a.x_stride;
     const i64 row_off = half + a.rows_off + (static_cast<i64>(me) * N + t) * R;
     if (!a.use_fp8) {
-      // one load of the segment (up to 16 B x LL_SEG_ELEMS*4/512 per lane), then a store per destination
-      constexpr int kVec = LL_SEG_ELEMS * (KIND == 2 ? 4 : 2) / 16 / 32;  // 16-byte vectors per lane
-      int4 v[kVec];
-      const i64 nvec = (hi - lo) * elem / 16;
-      const int4* s4 = reinterpret_cast<const int4*>(src + lo * elem);
-#pragma unroll
-      for (int u = 0; u < kVec; ++u)
-        if (lane + u * 32 < nvec) v[u] = ld_nc_global(s4 + lane + u * 32);
+      // the segment loaded once (above), then a store per destination
       for (int d = 0; d < W; ++d) {
         if (!(dests >> d & 1)) continue;
         int4* d4 = at<int4>(ll_bases[d], row_off + lo * elem);
@@ -223,17 +244,17 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
       }
     } else {
       constexpr int kBlocks = LL_SEG_ELEMS / QUANT_BLOCK;
-      float v[kBlocks][4];
+      float fv[kBlocks][4];
       const int nb = static_cast<int>((hi - lo) / QUANT_BLOCK);
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b)
-        if (b < nb) load4<KIND>(src, lo + b * QUANT_BLOCK + lane * 4, v[b]);
+        if (b < nb) load4<KIND>(src, lo + b * QUANT_BLOCK + lane * 4, fv[b]);
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) {
         if (b >= nb) break;
-        const float scale = quant_scale(warp_amax4(v[b]), a.ue8m0 != 0);
+        const float scale = quant_scale(warp_amax4(fv[b]), a.ue8m0 != 0);
         const float inv = __fdiv_rn(1.0f, scale);
-        const u32 q = quant4(v[b], inv);
+        const u32 q = quant4(fv[b], inv);
         const i64 blk = lo / QUANT_BLOCK + b;
         for (int d = 0; d < W; ++d) {
           if (!(dests >> d & 1)) continue;
@@ -244,13 +265,14 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) block_sent(ctrl, seq, a.grid, ll_bases, half + a.flags_off, me, W, n, a.sig);
+  if (threadIdx.x == 0) block_sent(ll_bases, half + a.flags_off, me, W, n, a.sig);
+  prof_stamp(a.prof, 1);
 
   // ---- receive ----
   if (threadIdx.x < W) {
     const int s = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.flags_off + static_cast<i64>(s) * LINE_BYTES);
-    if (!wait_flag(&s_ctx, s, line, seq, a.sig, true)) s_fail = 1;
+    if (!wait_flag(&s_ctx, s, line, full_count(seq, a.grid), a.sig, true)) s_fail = 1;
     else {
       const i64 ns = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_N);
       if (ns < 0 || ns > N) {
@@ -266,6 +288,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   for (i64 i = threadIdx.x; i < L * W * NW; i += blockDim.x) mask[i] = 0;
   __syncthreads();
   if (s_fail) return;
+  prof_stamp(a.prof, 2);
   const int* meta = at<int>(ll_bases[me], half + a.meta_off);
   constexpr int kBatch = 4;  // meta loads in flight per thread
   for (i64 i0 = threadIdx.x; i0 < W * N * K; i0 += kBatch * blockDim.x) {
@@ -298,6 +321,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   }
   if (blockIdx.x == 0 && threadIdx.x < W) reinterpret_cast<int*>(a.recv_ntok)[threadIdx.x] = s_ntok[threadIdx.x];
   __syncthreads();
+  prof_stamp(a.prof, 3);
   // copies: work item (source s, token t, 4 KB segment of its staging row), one warp: lanes j < K read t's meta,
   // the first lane naming each local expert computes its row; the segment is read once and stored into every one of
   // those rows (fp8: the last segment is the scales).
@@ -308,6 +332,16 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   for (i64 item = gwarp; item < WN * bsegs; item += total_warps) {
     const i64 st = item / bsegs, g = item % bsegs, s = st / N, t = st % N;
     if (t >= s_ntok[s]) continue;
+    const u8* srow = at<u8>(ll_bases[me], half + a.rows_off + st * R);
+    // the segment's loads first, with the meta load (independent): one memory latency per item
+    constexpr int kVec = kSegB / 16 / 32;
+    const bool scales_seg = a.use_fp8 && g == bsegs - 1;
+    const i64 off = g * kSegB, nvec = scales_seg ? 0 : ((RB - off < kSegB) ? RB - off : kSegB) / 16;
+    const int4* s4 = reinterpret_cast<const int4*>(srow + off);
+    int4 v[kVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u)
+      if (lane + u * 32 < nvec) v[u] = ld_cg_global(s4 + lane + u * 32);
     const int e = lane < K ? static_cast<int>(ld_cg_global(reinterpret_cast<const u32*>(meta + st * K + lane))) : -1;
     const bool local = lane < K && expert_rank(e, L, a.W) == me;
     bool first = local;
@@ -328,8 +362,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     if (g == 0 && first) reinterpret_cast<int*>(a.src_info)[row] = static_cast<int>(t);
     u32 firsts = __ballot_sync(0xffffffffu, first);
     if (!firsts) continue;
-    const u8* srow = at<u8>(ll_bases[me], half + a.rows_off + st * R);
-    if (a.use_fp8 && g == bsegs - 1) {
+    if (scales_seg) {
       const i64 sb = (H / QUANT_BLOCK) * 4;
       while (firsts) {
         const int j = __ffs(firsts) - 1;
@@ -339,13 +372,6 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
       }
       continue;
     }
-    constexpr int kVec = kSegB / 16 / 32;
-    const i64 off = g * kSegB, nvec = ((RB - off < kSegB) ? RB - off : kSegB) / 16;
-    const int4* s4 = reinterpret_cast<const int4*>(srow + off);
-    int4 v[kVec];
-#pragma unroll
-    for (int u = 0; u < kVec; ++u)
-      if (lane + u * 32 < nvec) v[u] = ld_cg_global(s4 + lane + u * 32);
     while (firsts) {
       const int j = __ffs(firsts) - 1;
       firsts &= firsts - 1;
@@ -357,7 +383,8 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) block_exit(ctrl, seq, a.grid);
+  prof_stamp(a.prof, 4);
+  if (threadIdx.x == 0) block_exit(ctrl);
 }
 
 extern "C" __global__ void __launch_bounds__(512) symbuf_ll_dispatch(const LLDispatchArgs a) {
@@ -387,7 +414,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
   __shared__ u64 s_seq;
   __shared__ int s_fail;
   if (threadIdx.x == 0) {
-    s_seq = read_seq(ctrl);
+    s_seq = read_seq(ctrl, a.grid);
     s_ctx = make_wait_ctx(reinterpret_cast<i64*>(a.status), reinterpret_cast<const u64*>(a.comm_bases), me, W, -1,
                           a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
     s_fail = 0;
@@ -403,6 +430,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
   const i64 segs = (H + kSeg - 1) / kSeg;
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
 
+  prof_stamp(a.prof, 0);
   // ---- A: weights ----
   if (blockIdx.x == 0) {
     const u32* w = reinterpret_cast<const u32*>(a.weights);
@@ -421,6 +449,27 @@ __device__ void combine_body(const LLCombineArgs& a) {
     }
   }
   // ---- B: partial sums of this rank's experts, back to their source ----
+  const int* inv = reinterpret_cast<const int*>(a.inv);
+  const int* ntok = reinterpret_cast<const int*>(a.recv_ntok);
+  // While the weights travel: the warp's first item's rows (inv and x are this rank's, valid before any flag)
+  // are looked up and their segments prefetched into L2.
+  int row_first = -1;
+  if (gwarp < W * N * segs) {
+    const i64 st = gwarp / segs, g = gwarp % segs, s = st / N, t = st % N;
+    if (t < ntok[s]) {
+      row_first = lane < K ? inv[st * K + lane] : -1;
+      u32 js = __ballot_sync(0xffffffffu, row_first >= 0);
+      const i64 lo = g * kSeg, bytes = ((lo + kSeg < H ? lo + kSeg : H) - lo) * elem;
+      while (js) {
+        const int j = __ffs(js) - 1;
+        js &= js - 1;
+        const i64 r = __shfl_sync(0xffffffffu, row_first, j);
+        const u8* p = reinterpret_cast<const u8*>(a.x) + (r * H + lo) * elem;
+        for (i64 b = static_cast<i64>(lane) * 128; b < bytes; b += 32 * 128)
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(p + b));
+      }
+    }
+  }
   if (threadIdx.x < W) {
     const int s = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.wflags_off + static_cast<i64>(s) * LINE_BYTES);
@@ -436,14 +485,13 @@ __device__ void combine_body(const LLCombineArgs& a) {
   }
   __syncthreads();
   if (s_fail) return;
-  const int* inv = reinterpret_cast<const int*>(a.inv);
+  prof_stamp(a.prof, 1);
   const u32* wts = at<u32>(ll_bases[me], half + a.weights_off);
-  const int* ntok = reinterpret_cast<const int*>(a.recv_ntok);
   constexpr int kVec = kSeg / E::kPerVec / 32;  // 16-byte vectors per lane per segment
   for (i64 item = gwarp; item < W * N * segs; item += total_warps) {
     const i64 st = item / segs, g = item % segs, s = st / N, t = st % N;
     if (t >= ntok[s]) continue;
-    const int row = lane < K ? inv[st * K + lane] : -1;
+    const int row = item == gwarp ? row_first : (lane < K ? inv[st * K + lane] : -1);
     const float w = lane < K ? __uint_as_float(ld_cg_global(wts + st * K + lane)) : 0.f;
     if (!__any_sync(0xffffffffu, row >= 0)) continue;
     const i64 lo = g * kSeg, nvec = ((lo + kSeg < H ? lo + kSeg : H) - lo) / E::kPerVec;
@@ -488,18 +536,22 @@ __device__ void combine_body(const LLCombineArgs& a) {
       if (lane + u * 32 < nvec) st_na_global(dst + lane + u * 32, E::pack(acc[u]));
   }
   __syncthreads();
-  if (threadIdx.x == 0) block_sent(ctrl, seq, a.grid, ll_bases, half + a.pflags_off, me, W, 0, a.sig);
+  if (threadIdx.x == 0) block_sent(ll_bases, half + a.pflags_off, me, W, 0, a.sig);
+  prof_stamp(a.prof, 2);
   // ---- C: sum the partials of every rank, in rank order ----
+  // the warp's first token's topk_idx is read before the wait (this rank's input)
+  const i64 e_first = gwarp < n * segs && lane < K ? topk[(gwarp / segs) * K + lane] : -1;
   if (threadIdx.x < W) {
     const int d = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.pflags_off + static_cast<i64>(d) * LINE_BYTES);
-    if (!wait_flag(&s_ctx, d, line, seq, a.sig, true)) s_fail = 1;
+    if (!wait_flag(&s_ctx, d, line, full_count(seq, a.grid), a.sig, true)) s_fail = 1;
   }
   __syncthreads();
   if (s_fail) return;
+  prof_stamp(a.prof, 3);
   for (i64 item = gwarp; item < n * segs; item += total_warps) {
     const i64 t = item / segs, g = item % segs;
-    const i64 e = lane < K ? topk[t * K + lane] : -1;
+    const i64 e = item == gwarp ? e_first : (lane < K ? topk[t * K + lane] : -1);
     const int r = expert_rank(e, L, a.W);
     const u32 ranks = __reduce_or_sync(0xffffffffu, r >= 0 ? (1u << r) : 0u);
     const i64 lo = g * kSeg, nvec = ((lo + kSeg < H ? lo + kSeg : H) - lo) / E::kPerVec;
@@ -508,19 +560,33 @@ __device__ void combine_body(const LLCombineArgs& a) {
     for (int u = 0; u < kVec; ++u)
 #pragma unroll
       for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = 0.f;
-    for (int d = 0; d < W; ++d) {
-      if (!(ranks >> d & 1)) continue;
-      const int4* src = at<int4>(ll_bases[me], half + a.prows_off + (static_cast<i64>(d) * N + t) * RC + lo * elem);
-      int4 v[kVec];
+    u32 ds = ranks;
+    while (ds) {  // two partial rows in flight, summed in ascending rank order
+      const int d0 = __ffs(ds) - 1;
+      ds &= ds - 1;
+      const int d1 = ds ? __ffs(ds) - 1 : -1;
+      if (ds) ds &= ds - 1;
+      const int4* p0 = at<int4>(ll_bases[me], half + a.prows_off + (static_cast<i64>(d0) * N + t) * RC + lo * elem);
+      const int4* p1 = at<int4>(ll_bases[me], half + a.prows_off + (static_cast<i64>(d1 < 0 ? d0 : d1) * N + t) * RC +
+                                                  lo * elem);
+      int4 v0[kVec], v1[kVec];
 #pragma unroll
       for (int u = 0; u < kVec; ++u)
-        if (lane + u * 32 < nvec) v[u] = ld_cg_global(src + lane + u * 32);
+        if (lane + u * 32 < nvec) {
+          v0[u] = ld_cg_global(p0 + lane + u * 32);
+          if (d1 >= 0) v1[u] = ld_cg_global(p1 + lane + u * 32);
+        }
 #pragma unroll
       for (int u = 0; u < kVec; ++u) {
         float f[E::kPerVec];
-        E::unpack(v[u], f);
+        E::unpack(v0[u], f);
 #pragma unroll
         for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+        if (d1 >= 0) {
+          E::unpack(v1[u], f);
+#pragma unroll
+          for (int q = 0; q < E::kPerVec; ++q) acc[u][q] = __fadd_rn(acc[u][q], f[q]);
+        }
       }
     }
     int4* dst = reinterpret_cast<int4*>(reinterpret_cast<u8*>(a.out) + t * H * elem + lo * elem);
@@ -529,7 +595,8 @@ __device__ void combine_body(const LLCombineArgs& a) {
       if (lane + u * 32 < nvec) st_na_global(dst + lane + u * 32, E::pack(acc[u]));
   }
   __syncthreads();
-  if (threadIdx.x == 0) block_exit(ctrl, seq, a.grid);
+  prof_stamp(a.prof, 4);
+  if (threadIdx.x == 0) block_exit(ctrl);
 }
 
 extern "C" __global__ void __launch_bounds__(512) symbuf_ll_combine(const LLCombineArgs a) {
