@@ -32,9 +32,20 @@ set): when a result is dropped its memory is reused only by later calls on the c
 after the current stream (or after their ``previous_event``: capture it after the last use of anything dropped).
 On the host backend every call completes before it returns and the events are complete.
 
-Not supported (documented per method): internode (RDMA) and the low-latency mode (``low_latency_dispatch`` /
-``low_latency_combine`` raise ``NotImplementedError``), ``combine``'s ``bias``, dispatch without ``topk_idx``.
-The handle is a :class:`cupy_symbuf.moe.DispatchHandle` (opaque, as DeepEP's tuple is to its callers).
+Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``, intranode): over
+:class:`cupy_symbuf.LowLatencyBuffer`, whose results it returns unchanged (see its docstring for the layout and
+arithmetic). One ``LowLatencyBuffer`` per ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype)``, made
+at the first low-latency call with those values; **its creation is collective**: every rank must make its first
+low-latency call (of each shape) together and with the same values, or pass them to the constructor
+(``Buffer(..., low_latency_mode=True, num_max_dispatch_tokens_per_rank=..., hidden=..., num_experts=...)``), which
+creates it there. All low-latency calls of a Buffer run on its comm stream, in call order (the mode's sequence
+numbers need that).
+
+Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, dispatch without ``topk_idx``,
+the low-latency mode's split send/receive (``return_recv_hook`` gives a hook, but the call already did both),
+LogFMT (``use_logfmt``: the wire is plain ``x`` dtype) and packed ue8m0 scales (float32 powers of two instead).
+The handle is a :class:`cupy_symbuf.moe.DispatchHandle` (opaque, as DeepEP's tuple is to its callers), in the
+low-latency mode a :class:`cupy_symbuf.LowLatencyHandle`.
 """
 from __future__ import annotations
 
@@ -47,6 +58,7 @@ from mpi4py import MPI
 from . import _compat
 from ._streams import CollectiveEvent, check_flag, reject_call
 from .communicator import Communicator
+from .low_latency import LowLatencyBuffer, LowLatencyHandle
 
 __all__ = ["Buffer", "EventOverlap", "Config"]
 
@@ -233,8 +245,8 @@ def _event_of(op: str, previous_event):
                     f"{type(previous_event).__module__}.{type(previous_event).__qualname__}")
 
 
-_LL_MSG = ("the low-latency mode is not implemented in cupy_symbuf yet (in progress); use the normal-mode "
-           "Buffer.dispatch / Buffer.combine")
+#: ``max_topk`` of the LowLatencyBuffers the shim makes (the largest top-k a call may use)
+_LL_MAX_TOPK = 32
 
 
 # ------------------------------------------------------------------------------------------------ Buffer
@@ -251,12 +263,16 @@ class Buffer:
         Accepted and kept as attributes, not used: the symmetric buffer is sized by ``symbuf_config``
         (:class:`cupy_symbuf.Config`); only intranode communication exists here.
     low_latency_mode : bool
-        Accepted; the low-latency methods raise ``NotImplementedError`` for now.
+        Kept. The low-latency methods work either way; with it and all three of
+        ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts`` (keyword-only, not DeepEP's) the
+        low-latency buffer (bfloat16) is created here, collectively, instead of at the first low-latency call.
     num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink : accepted, not used.
     explicitly_destroy : bool
         Kept; :meth:`destroy` works either way (the communicator is also closed at exit).
     comm : mpi4py.MPI.Comm, optional
         Used when ``group`` is None (as DeepEP's own ``comm`` argument).
+    num_max_dispatch_tokens_per_rank, hidden, num_experts : int, optional (keyword-only)
+        See ``low_latency_mode``.
     symbuf_config : cupy_symbuf.Config, optional (keyword-only)
         Transport tuning of the underlying communicator.
     backend : {"auto", "cuda", "host"} (keyword-only)
@@ -283,7 +299,8 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[MPI.Comm] = None, *,
-                 symbuf_config=None, backend: str = "auto") -> None:
+                 symbuf_config=None, backend: str = "auto", num_max_dispatch_tokens_per_rank: Optional[int] = None,
+                 hidden: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         mpi_comm = group if group is not None else comm
         if mpi_comm is None:
             raise ValueError("Buffer: either 'group' or 'comm' must be provided (an mpi4py.MPI.Comm)")
@@ -300,13 +317,26 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.explicitly_destroy = explicitly_destroy
         self._comm_stream = None
+        self._ll = {}  # (N, hidden, num_experts, dtype) -> LowLatencyBuffer
         if self.communicator.backend == "cuda":
             self._comm_stream = _compat.cupy.cuda.Stream(non_blocking=True)
+        shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if low_latency_mode and all(v is not None for v in shape):
+            try:
+                self._ll_buffer("Buffer", *shape, "bfloat16")
+            except BaseException:
+                self.communicator.close()
+                raise
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Close the communicator (collective; :meth:`cupy_symbuf.Communicator.close`)."""
-        self.communicator.close()
+        """Close the low-latency buffers and the communicator (collective; :meth:`cupy_symbuf.Communicator.close`)."""
+        lls, self._ll = list(self._ll.values()), {}
+        try:
+            for ll in lls:
+                ll.close()
+        finally:
+            self.communicator.close()
 
     close = destroy
 
@@ -314,7 +344,12 @@ class Buffer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.communicator.__exit__(exc_type, exc, tb)
+        lls, self._ll = list(self._ll.values()), {}
+        try:
+            for ll in lls:
+                ll.close()
+        finally:
+            self.communicator.__exit__(exc_type, exc, tb)
 
     # ---- static helpers -------------------------------------------------------------------------------------
     @staticmethod
@@ -552,50 +587,173 @@ class Buffer:
         combined, combined_w = res
         return conv.out(combined, is_x=True), conv.out(combined_w), event
 
-    # ---- low-latency mode (not implemented yet) -------------------------------------------------------------
+    # ---- low-latency mode ------------------------------------------------------------------------------------
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """DeepEP's buffer size hint of the low-latency mode. Raises ``NotImplementedError`` (not implemented
-        yet)."""
-        raise NotImplementedError(f"Buffer.get_low_latency_rdma_size_hint: {_LL_MSG}")
+        """DeepEP's buffer size hint of the low-latency mode: here the bytes of the symmetric buffer the shim's
+        :class:`~cupy_symbuf.LowLatencyBuffer` (bfloat16, top-k up to 32) allocates on every rank (the Buffer
+        allocates it itself: pass the value as ``num_rdma_bytes`` or not at all). ``num_experts`` does not change
+        it (the per-expert outputs are separate device arrays)."""
+        return LowLatencyBuffer.symmetric_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                max_topk=_LL_MAX_TOPK)
+
+    def _ll_buffer(self, op: str, num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype) -> LowLatencyBuffer:
+        """The LowLatencyBuffer of these values, made (collectively) on first use."""
+        key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, str(dtype))
+        ll = self._ll.get(key)
+        if ll is None:
+            ll = LowLatencyBuffer(self.communicator, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                  dtype=dtype, max_topk=_LL_MAX_TOPK)
+            self._ll[key] = ll
+        return ll
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
-        """DeepEP's low-latency buffer reset. Raises ``NotImplementedError`` (not implemented yet)."""
-        raise NotImplementedError(f"Buffer.clean_low_latency_buffer: {_LL_MSG}")
+        """DeepEP's low-latency buffer reset: nothing to do here (the mode's flags are compared against sequence
+        numbers and block counts that only grow, never reset), so a no-op; kept for call compatibility."""
+        return None
+
+    def _ll_run(self, torch_mode: bool, async_finish, return_recv_hook, fn):
+        """Run ``fn()`` (a LowLatencyBuffer call) on the comm stream after the current stream; returns
+        ``(result, EventOverlap, hook)`` with DeepEP's stream behaviour: the current stream waits at once unless
+        ``async_finish`` (the event is returned) or ``return_recv_hook`` (``hook()`` makes the then current stream
+        wait)."""
+        async_finish = check_flag("low_latency", "async_finish", async_finish)
+        return_recv_hook = check_flag("low_latency", "return_recv_hook", return_recv_hook)
+        if self._comm_stream is None:  # host: complete on return
+            return fn(), EventOverlap(None), ((lambda: None) if return_recv_hook else None)
+        cp = _compat.cupy
+        torch = sys.modules.get("torch") if torch_mode else None
+        compute = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
+            else cp.cuda.get_current_stream()
+        s = self._comm_stream
+        s.wait_event(compute.record())
+        with s:
+            res = fn()
+        ev = CollectiveEvent(res, event=s.record(), stream=s, communicator=self.communicator)
+        hook = None
+        if return_recv_hook:
+            def _hook():
+                cur = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
+                    else cp.cuda.get_current_stream()
+                ev.wait(cur)
+            hook = _hook
+        if async_finish:
+            return res, EventOverlap(ev, torch_stream=torch is not None), hook
+        if not return_recv_hook:
+            ev.wait(compute)
+        return res, EventOverlap(None), hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False) -> Any:
-        """DeepEP's ``Buffer.low_latency_dispatch``. Not implemented yet: raises ``NotImplementedError``.
+        """DeepEP's ``Buffer.low_latency_dispatch`` over :meth:`cupy_symbuf.LowLatencyBuffer.dispatch` (its
+        results, unchanged). Collective; the first call of each ``(num_max_dispatch_tokens_per_rank, hidden,
+        num_experts, dtype)`` creates the LowLatencyBuffer on every rank (see the module docstring).
 
-        DeepEP's contract, for the implementation to come: ``x`` ``[num_tokens, hidden]`` bfloat16 with
-        ``num_tokens <= num_max_dispatch_tokens_per_rank`` (the same on every rank); ``topk_idx``
-        ``[num_tokens, num_topk]`` int64 (``-1`` = none). Returns ``(recv_x, recv_count, handle, event, hook)``:
-        ``recv_x`` ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` (with
-        ``use_fp8``: a tuple of float8_e4m3fn data and float32 scales ``[..., hidden // 128]``, column-major in the
-        last two dimensions; ``use_ue8m0`` packs the scales as int ``[..., hidden // 512]``), only the first
-        ``recv_count[e]`` rows of expert ``e`` valid; ``recv_count`` ``[num_local_experts]`` int32; ``hook``
-        (with ``return_recv_hook``) completes the receive. ``cumulative_local_expert_recv_stats``
-        ``[num_local_experts]`` int32 and ``dispatch_wait_recv_cost_stats`` ``[num_ranks, num_ranks]`` int64 are
-        optional statistics, added to.
+        Parameters
+        ----------
+        x : ``[num_tokens, hidden]`` bfloat16 (float16/float32 too), ``num_tokens <=
+            num_max_dispatch_tokens_per_rank`` (may differ across ranks).
+        topk_idx : ``[num_tokens, num_topk]`` int64, ``-1`` = none; ``num_topk <= 32``.
+        num_max_dispatch_tokens_per_rank, num_experts : int, the same on every rank.
+        cumulative_local_expert_recv_stats : ``[num_local_experts]`` int32, optional: ``recv_count`` is added to it
+            (in stream order).
+        dispatch_wait_recv_cost_stats : accepted, not written (no wait timing here).
+        use_fp8 : bool (default True, as DeepEP): float8_e4m3fn data and float32 scales per 128 elements.
+        round_scale, use_ue8m0 : scales rounded up to powers of two (still float32 ``[..., hidden // 128]``, not
+            DeepEP's packed int ``[..., hidden // 512]``).
+        async_finish, return_recv_hook : see :meth:`_ll_run` (the hook only orders the current stream: the
+            receive has been done by the call).
+
+        Returns
+        -------
+        recv_x : ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``, ``x``'s dtype, or
+            with ``use_fp8`` ``(float8_e4m3fn data, float32 scales [..., hidden // 128])`` (row-major scales:
+            DeepEP's are a column-major view of the same shape and values); rows below ``recv_count[e]`` valid,
+            ordered by (source rank, token).
+        recv_count : ``[num_local_experts]`` int32.
+        handle : :class:`cupy_symbuf.LowLatencyHandle` (``src_info``, ``layout_range``, ...), for
+            :meth:`low_latency_combine` within the next two dispatches of that shape.
+        event : EventOverlap; hook : callable or None.
+
+        The outputs are the LowLatencyBuffer's double buffer: valid until the dispatch after the next one.
+        Errors: those of :meth:`LowLatencyBuffer.dispatch` (validation ``TypeError``/``ValueError`` are **not**
+        told to the peers: validate alike on every rank).
         """
-        raise NotImplementedError(f"Buffer.low_latency_dispatch: {_LL_MSG}")
+        op = "Buffer.low_latency_dispatch"
+        conv = _Tensors(_is_torch(x))
+        xn = conv.native(x, is_x=True)
+        idx = conv.native(topk_idx)
+        if getattr(xn, "ndim", 0) != 2:
+            raise ValueError(f"{op}: x must be [num_tokens, hidden], got shape {tuple(getattr(xn, 'shape', ()))}")
+        dtype = "bfloat16" if conv.bf16 or xn.dtype == np.uint16 else xn.dtype
+        ll = self._ll_buffer(op, num_max_dispatch_tokens_per_rank, int(xn.shape[1]), num_experts, dtype)
+        stats = conv.native(cumulative_local_expert_recv_stats)
+
+        def fn():
+            res = ll.dispatch(xn, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+            if stats is not None:
+                stats[...] += res[1].astype(stats.dtype, copy=False)
+            return res
+
+        (recv_x, recv_count, handle), event, hook = self._ll_run(conv.torch is not None, async_finish,
+                                                                 return_recv_hook, fn)
+        if isinstance(recv_x, tuple):
+            q, scales = recv_x
+            if conv.torch is not None:
+                q = conv.out(q.view(np.uint8)).view(conv.torch.float8_e4m3fn)
+                recv_x = (q, conv.out(scales))
+        else:
+            recv_x = conv.out(recv_x, is_x=True)
+        return recv_x, conv.out(recv_count), handle, event, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out=None, combine_wait_recv_cost_stats=None) -> Any:
-        """DeepEP's ``Buffer.low_latency_combine``. Not implemented yet: raises ``NotImplementedError``.
+        """DeepEP's ``Buffer.low_latency_combine`` over :meth:`cupy_symbuf.LowLatencyBuffer.combine` (its result,
+        unchanged; **weights applied**, as DeepEP). Collective.
 
-        DeepEP's contract, for the implementation to come: ``x``
-        ``[num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` bfloat16 (the expert
-        outputs of :meth:`low_latency_dispatch`'s layout); ``topk_idx``/``topk_weights``
-        ``[num_combined_tokens, num_topk]`` int64/float32 of the dispatched tokens; reduces **with** the weights.
-        Returns ``(combined_x, event, hook)``: ``combined_x`` ``[num_combined_tokens, hidden]`` bfloat16 (written
-        into ``out`` when given). ``use_logfmt``/``zero_copy`` select DeepEP's wire format and buffer reuse.
+        Parameters
+        ----------
+        x : ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``, the dispatch's dtype:
+            the experts' outputs in ``recv_x``'s layout.
+        topk_idx, topk_weights : the dispatched tokens' ``[num_tokens, num_topk]`` int64 / float32.
+        handle : :class:`cupy_symbuf.LowLatencyHandle` from :meth:`low_latency_dispatch`.
+        use_logfmt, zero_copy : accepted, not used (the wire is ``x``'s dtype; ``x`` is always read in place).
+        async_finish, return_recv_hook : as :meth:`low_latency_dispatch`.
+        out : optional ``[num_tokens, hidden]`` tensor/array of ``x``'s kind: the result is copied into it and it
+            is returned.
+        combine_wait_recv_cost_stats : accepted, not written.
+
+        Returns
+        -------
+        combined_x : ``[num_tokens, hidden]``, ``x``'s dtype (``out`` when given; else valid until the combine
+            after the next one). event : EventOverlap; hook : callable or None.
         """
-        raise NotImplementedError(f"Buffer.low_latency_combine: {_LL_MSG}")
+        op = "Buffer.low_latency_combine"
+        if not isinstance(handle, LowLatencyHandle) or not isinstance(handle.owner, LowLatencyBuffer) \
+                or handle.owner not in self._ll.values():
+            raise TypeError(f"{op}: handle must be the LowLatencyHandle of this Buffer's low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        ll = handle.owner
+        conv = _Tensors(_is_torch(x))
+        xn = conv.native(x, is_x=True)
+        idx, w = conv.native(topk_idx), conv.native(topk_weights)
+        outn = conv.native(out, is_x=True) if out is not None else None
+
+        def fn():
+            res = ll.combine(xn, idx, w, handle)
+            if outn is not None:
+                outn[...] = res
+                return outn
+            return res
+
+        combined, event, hook = self._ll_run(conv.torch is not None, async_finish, return_recv_hook, fn)
+        if out is not None:
+            return out, event, hook
+        return conv.out(combined, is_x=True), event, hook
 
     def __repr__(self) -> str:
         return f"deepep.Buffer({self.communicator!r})"

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import _gpu_for_rank, available_backends
-from cupy_symbuf import SymBufferRejectedError, moe
+from cupy_symbuf import LowLatencyBuffer, LowLatencyHandle, SymBufferRejectedError, moe
 from cupy_symbuf.deepep import Buffer, Config, EventOverlap
 
 WORLD = MPI.COMM_WORLD
@@ -243,12 +243,8 @@ def test_num_worst_tokens(buf):
                                                     ref(x, idx, w, n_exp)[0]))
 
 
-def test_low_latency_and_construction_errors(buf):
+def test_construction_errors(buf):
     def check():
-        with pytest.raises(NotImplementedError, match="low-latency"):
-            buf.low_latency_dispatch(None, None, 128, 8)
-        with pytest.raises(NotImplementedError, match="low-latency"):
-            buf.low_latency_combine(None, None, None, None)
         with pytest.raises(TypeError, match="mpi4py"):
             Buffer(object())
         with pytest.raises(ValueError, match="group"):
@@ -289,5 +285,146 @@ def test_torch_tensors_in_torch_out(buf):
         np.testing.assert_array_equal(out[1].cpu().numpy(), want_i)
         np.testing.assert_array_equal(out[2].cpu().numpy(), want_w)
         np.testing.assert_array_equal(comb[0].float().cpu().numpy(), want_comb)
+
+    all_ranks(check)
+
+
+# ------------------------------------------------------------------------------------------------ low-latency mode
+
+
+def ll_inputs(key, n, hidden, num_experts, topk):
+    rng = np.random.default_rng([zlib.crc32(repr(key).encode()), RANK])
+    idx = np.argsort(rng.random((n, num_experts)), axis=1)[:, :topk].astype(np.int64)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    xf = rng.standard_normal((n, hidden)).astype(np.float32)
+    x = (xf.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits (truncated: any bits will do)
+    w = rng.random((n, topk)).astype(np.float32)
+    return x, idx, w
+
+
+LL_N, LL_H, LL_K = 16, 256, 4
+
+
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency_matches_native(buf, use_fp8):
+    """Buffer.low_latency_dispatch / low_latency_combine give the native LowLatencyBuffer's results bit for bit,
+    in DeepEP's tuple shapes."""
+    E = 4 * W
+    L = E // W
+    x, idx, w = ll_inputs(("ll", use_fp8), LL_N - RANK % 2, LL_H, E, LL_K)
+    native = LowLatencyBuffer(buf.communicator, LL_N, LL_H, E, max_topk=32)
+    try:
+        out = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=use_fp8)
+        nat = native.dispatch(dev(buf, x), dev(buf, idx), use_fp8=use_fp8)
+        got_cnt, nat_cnt = np_(out[1]).copy(), np_(nat[1]).copy()
+        if use_fp8:
+            got_x = [np_(a).view(np.uint8 if i == 0 else np.float32).copy() for i, a in enumerate(out[0])]
+            nat_x = [np_(a).view(np.uint8 if i == 0 else np.float32).copy() for i, a in enumerate(nat[0])]
+        else:
+            got_x, nat_x = [np_(out[0]).view(np.uint16).copy()], [np_(nat[0]).view(np.uint16).copy()]
+        h, nh = out[2], nat[2]
+        got_src, nat_src = np_(h.src_info).copy(), np_(nh.src_info).copy()
+        got_lr, nat_lr = np_(h.layout_range).copy(), np_(nh.layout_range).copy()
+        rng = np.random.default_rng([7, RANK])
+        y = (rng.standard_normal((L, W * LL_N, LL_H)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        comb = buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), h)
+        nat_comb = np_(native.combine(dev(buf, y), dev(buf, idx), dev(buf, w), nh)).copy()
+        if buf.communicator.backend == "cuda":
+            import cupy
+            cupy.cuda.runtime.deviceSynchronize()
+    finally:
+        native.close()
+
+    def check():
+        assert len(out) == 5 and isinstance(out[3], EventOverlap) and out[4] is None
+        assert isinstance(h, LowLatencyHandle)
+        assert isinstance(out[0], tuple) == use_fp8
+        np.testing.assert_array_equal(got_cnt, nat_cnt)
+        for el in range(L):
+            c = int(nat_cnt[el])
+            for a, b in zip(got_x, nat_x):
+                np.testing.assert_array_equal(a[el, :c], b[el, :c])
+            np.testing.assert_array_equal(got_src[el, :c], nat_src[el, :c])
+        np.testing.assert_array_equal(got_lr, nat_lr)
+        assert len(comb) == 3 and isinstance(comb[1], EventOverlap) and comb[2] is None
+        assert tuple(comb[0].shape) == (x.shape[0], LL_H)
+        np.testing.assert_array_equal(np_(comb[0]).view(np.uint16), nat_comb.view(np.uint16))
+        assert type(out[1]) is type(dev(buf, idx))
+
+    all_ranks(check)
+
+
+def test_low_latency_options(buf):
+    """Stats accumulate, out= is filled, hooks and async events come back, size hint and clean."""
+    E = 4 * W
+    L = E // W
+    x, idx, w = ll_inputs("llopt", LL_N, LL_H, E, LL_K)
+    stats = dev(buf, np.zeros(L, np.int32))
+    r1 = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=False,
+                                  cumulative_local_expert_recv_stats=stats, return_recv_hook=True)
+    r1[4]()
+    c1 = np_(r1[1]).copy()
+    r2 = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=False,
+                                  cumulative_local_expert_recv_stats=stats, async_finish=True)
+    r2[3].current_stream_wait()
+    y = np_(r2[0]).copy()
+    out = dev(buf, np.zeros((LL_N, LL_H), np.uint16))
+    comb = buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), r2[2], out=out, return_recv_hook=True)
+    comb[2]()
+    plain = np_(buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), r2[2])[0]).copy()
+    if buf.communicator.backend == "cuda":
+        import cupy
+        cupy.cuda.runtime.deviceSynchronize()
+    hint = Buffer.get_low_latency_rdma_size_hint(LL_N, LL_H, W, E)
+    ll = r2[2].owner
+
+    def check():
+        assert callable(r1[4]) and callable(comb[2])
+        np.testing.assert_array_equal(np_(stats), 2 * c1)
+        assert comb[0] is out
+        np.testing.assert_array_equal(np_(out), plain)
+        assert buf.communicator.backend == "host" or r2[3].event is not None
+        assert hint == ll.nbytes and hint > 0
+        assert buf.clean_low_latency_buffer(LL_N, LL_H, E) is None
+        with pytest.raises(TypeError, match="LowLatencyHandle"):
+            buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), object())
+
+    all_ranks(check)
+
+
+def test_low_latency_buffer_at_construction():
+    """Buffer(low_latency_mode=True, N, hidden, num_experts) creates the LowLatencyBuffer collectively up front."""
+    backend = available_backends()[0]
+    E = 4 * W
+    with Buffer(WORLD, 0, 0, low_latency_mode=True, backend=backend, num_max_dispatch_tokens_per_rank=LL_N,
+                hidden=LL_H, num_experts=E) as b:
+        before = dict(b._ll)
+        x, idx, _ = ll_inputs("llctor", LL_N, LL_H, E, LL_K)
+        r = b.low_latency_dispatch(dev(b, x), dev(b, idx), LL_N, E, use_fp8=False)
+        if b.communicator.backend == "cuda":
+            import cupy
+            cupy.cuda.runtime.deviceSynchronize()
+        after = dict(b._ll)
+        all_ranks(lambda: (len(before) == 1 and after == before and r[2].owner in before.values()) or
+                  pytest.fail(f"{before} {after}"))
+
+
+def test_low_latency_torch(buf):
+    torch = pytest.importorskip("torch")
+    device = "cuda" if buf.communicator.backend == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(_gpu_for_rank())
+    E = 4 * W
+    x, idx, w = ll_inputs("lltorch", LL_N, LL_H, E, LL_K)
+    tx = torch.from_numpy(x.view(np.int16)).to(device).view(torch.bfloat16)
+    tidx, tw = torch.from_numpy(idx).to(device), torch.from_numpy(w).to(device)
+    recv, cnt, h, ev, hook = buf.low_latency_dispatch(tx, tidx, LL_N, E, use_fp8=False)
+    (q, sc), cnt8, _, _, _ = buf.low_latency_dispatch(tx, tidx, LL_N, E)  # DeepEP's default: fp8
+    comb, _, _ = buf.low_latency_combine(recv, tidx, tw, h)
+
+    def check():
+        assert isinstance(recv, torch.Tensor) and recv.dtype == torch.bfloat16 and recv.device.type == device
+        assert cnt.dtype == torch.int32 and q.dtype == torch.float8_e4m3fn and sc.dtype == torch.float32
+        assert comb.dtype == torch.bfloat16 and tuple(comb.shape) == (LL_N, LL_H)
 
     all_ranks(check)
