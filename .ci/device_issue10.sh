@@ -21,7 +21,7 @@ for stage in $STAGES; do
     control)
       mps_on
       for n in ${CONTROL_RANKS:-2 4 8}; do
-        timeout ${CONTROL_LIMIT:-150} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --control \
+        timeout ${CONTROL_LIMIT:-150} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --control --profile \
           --iters ${ITERS:-50} --warmup 5 > $LOG/control_$n.log 2>&1
         echo "== [control $n ranks] rc=$?"; grep -vE "^$" $LOG/control_$n.log | tail -22
       done

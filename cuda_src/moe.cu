@@ -51,10 +51,46 @@ __device__ __forceinline__ void combine_reduce(const typename E::bits* __restric
   }
 }
 
+// The same sum, 16 bytes per thread and load (V = 16 / sizeof(bits) elements): rows of hidden * sizeof(bits)
+// bytes, a multiple of 16, 16-byte aligned arrays (the launcher checks). Same order, same rounding: bitwise equal.
+template <class E>
+__device__ __forceinline__ void combine_reduce_vec(const uint4* __restrict__ back, const i64* __restrict__ pos,
+                                                   uint4* __restrict__ out, i64 num_tokens, i64 hvec,
+                                                   int world_size) {
+  typedef typename E::bits B;
+  constexpr int V = 16 / sizeof(B);
+  for (i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    const i64* pt = pos + t * world_size;
+    for (i64 h = threadIdx.x; h < hvec; h += blockDim.x) {
+      float acc[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+      for (int r = 0; r < world_size; ++r) {
+        const i64 p = __ldg(pt + r);
+        if (p < 0) continue;
+        const uint4 v = __ldg(back + p * hvec + h);
+        const B* e = reinterpret_cast<const B*>(&v);
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = __fadd_rn(acc[j], E::load(e[j]));
+      }
+      uint4 o;
+      B* e = reinterpret_cast<B*>(&o);
+#pragma unroll
+      for (int j = 0; j < V; ++j) e[j] = E::store(acc[j]);
+      out[t * hvec + h] = o;
+    }
+  }
+}
+
+// hidden: elements per row; vec != 0: the 16-byte form (hidden * sizeof(bits) % 16 == 0, aligned arrays).
 #define SYMBUF_COMBINE_REDUCE(NAME, E)                                                                            \
   extern "C" __global__ void NAME(const E::bits* back, const i64* pos, E::bits* out, i64 num_tokens, i64 hidden, \
-                                  int world_size) {                                                               \
-    combine_reduce<E>(back, pos, out, num_tokens, hidden, world_size);                                           \
+                                  int world_size, int vec) {                                                      \
+    if (vec)                                                                                                      \
+      combine_reduce_vec<E>(reinterpret_cast<const uint4*>(back), pos, reinterpret_cast<uint4*>(out), num_tokens, \
+                            hidden * static_cast<i64>(sizeof(E::bits)) / 16, world_size);                        \
+    else                                                                                                          \
+      combine_reduce<E>(back, pos, out, num_tokens, hidden, world_size);                                         \
   }
 SYMBUF_COMBINE_REDUCE(symbuf_combine_reduce_bf16, Bf16)
 SYMBUF_COMBINE_REDUCE(symbuf_combine_reduce_f16, F16)

@@ -31,6 +31,27 @@ def _host_issue_us(fn, comm, n: int = 200) -> float:
     return comm.allreduce(dt, op=MPI.MAX) * 1e6
 
 
+def _profile(c, comm, what: str, fn, n: int = 50) -> None:
+    """Rank 0 prints the top functions by own time of ``n`` calls (us per call, profiler overhead included)."""
+    import cProfile
+    import pstats
+    c.synchronize()
+    comm.Barrier()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    c.synchronize()
+    prof.disable()
+    if comm.Get_rank() == 0:
+        print(f"# profile of {n} calls of {what} (rank 0; self_us / total_us per call)")
+        stats = pstats.Stats(prof)
+        for (path, line, name), (_, ncalls, tottime, cumtime, _) in sorted(stats.stats.items(),
+                                                                           key=lambda kv: -kv[1][2])[:22]:
+            print(f"#  {tottime * 1e6 / n:8.1f} {cumtime * 1e6 / n:8.1f} {ncalls / n:5.1f}  "
+                  f"{path.split('/')[-1]}:{line}({name})")
+
+
 def _capture(stream, fn):
     with stream:
         stream.begin_capture()
@@ -64,16 +85,27 @@ def run(c, comm, timer, args) -> list:
               f"loop timing over {iters} calls (max over ranks)")
 
     row(f"get_dispatch_layout, {n} tokens", loop(lambda: c.get_dispatch_layout(idx, EXPERTS)), "<= 20")
+    if c.backend == "cuda":
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            c.get_dispatch_layout(idx, EXPERTS)
+            stream.synchronize()
+        g_lay, _ = _capture(stream, lambda: c.get_dispatch_layout(idx, EXPERTS))
+        with stream:
+            row("  get_dispatch_layout kernel (graph replay)", loop(lambda: g_lay.launch(stream)), "-")
+        row("  get_dispatch_layout host time per call", _host_issue_us(lambda: c.get_dispatch_layout(idx, EXPERTS),
+                                                                     comm), "-", us=True)
+        c.synchronize()
     out = c.dispatch(x, idx, w, EXPERTS)
     recv_x, _, recv_w, _, h = out
     t_new = loop(lambda: c.dispatch(x, idx, w, EXPERTS))
     t_cached = loop(lambda: c.dispatch(x, handle=h))
     row(f"dispatch without handle, {n} tokens", t_new, f"<= 1.3x cached ({1.3 * t_cached * 1e6:.0f})")
     row(f"dispatch with cached handle, {n} tokens", t_cached, "-")
-    row(f"  ratio without / with handle", t_new / t_cached, "<= 1.3", us=True)
+    row("  ratio without / with handle", t_new / t_cached, "<= 1.3", us=True)
     t_comb = loop(lambda: c.combine(recv_x, h, recv_w))
     row(f"combine, {n} tokens", t_comb, f"<= 1.1x cached dispatch ({1.1 * t_cached * 1e6:.0f})")
-    del out, recv_x, recv_w, h
+    out = recv_x = recv_w = h = None  # free the 4096-token buffers
 
     # decode batch: 128 tokens, eager and replayed in a graph (worst-case mode)
     s = 128
@@ -102,7 +134,10 @@ def run(c, comm, timer, args) -> list:
             row(f"combine, {s} tokens, CUDA graph replay", loop(lambda: g_comb.launch(stream)), "<= 20")
     t = loop(lambda: c.combine(eager[0], eager[4], eager[2]))
     row(f"combine, {s} tokens (eager)", t, "-")
-    del eager
+    if getattr(args, "profile", False):
+        _profile(c, comm, "dispatch without handle, 128 tokens", lambda: c.dispatch(x_s, idx_s, w_s, EXPERTS))
+        _profile(c, comm, "combine, 128 tokens", lambda: c.combine(eager[0], eager[4], eager[2]))
+    eager = None
 
     # low-latency mode
     try:

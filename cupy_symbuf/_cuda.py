@@ -113,6 +113,14 @@ class CudaTransport:
         geo = kernel_geometry(self.world_size)
         self._k_ring = _kernels.get_function(RING_SOURCE, RING_KERNEL, ring_kernel_defines(self.world_size))
         self._k_notify = _kernels.get_function(RING_SOURCE, NOTIFY_KERNEL)
+        # the count exchange through a prebuilt parameter block (_kernels.Launcher): the static arguments once
+        self._l_notify = _kernels.Launcher(self._k_notify, ("u64", "u64", "i32", "u64", "i64", "i64", "i64", "u64",
+                                                            "i32", "i32") + ("i64",) * 7 + ("u64",) * 3 +
+                                           ("u64",) * 4 + ("i64", "i64", "i32"))
+        self._notify_args = [0, self._meta.ptr, 0, int(self._epoch.data.ptr), 0, 0, 0,
+                             int(buf.peer_ptrs_device.data.ptr), self.rank, self.world_size,
+                             *[int(v) for v in layout.kernel_args()], int(layout.abort_offset),
+                             int(self.timeout_ns), self._status.ptr, 0, 0, 0, 0, 0, 1, -1, 0]
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
@@ -186,7 +194,6 @@ class CudaTransport:
         if self._last_stream is not None:
             self._last_stream.synchronize()
         self.check(op, _compat.cupy.cuda.get_current_stream())
-        self.check_layout_error(op)
         rejected = self.take_rejected()
         if rejected is not None:
             who, seq = rejected
@@ -214,7 +221,8 @@ class CudaTransport:
             count, flat = int(le[0]), int(le[1])
             le[0] = le[1] = 0
             raise ValueError(f"get_dispatch_layout (queued earlier; found by {op}): {count} topk_idx value(s) "
-                             f"outside [-1, num_experts), the first at flat index {flat} {self.layout_error_what}; "
+                             f"outside [-1, num_experts), the first at flat index {flat} (topk_idx shape and "
+                             f"num_experts: {self.layout_error_what}); "
                              f"those slots were left out of the returned counts")
 
     def _op_name(self, seq: int) -> str:
@@ -413,14 +421,13 @@ class CudaTransport:
         is read on the host). ``send_meta_ptr``: device (or host-mapped) int64 ``[W, M]``; ``local_reject``,
         ``sums``, ``table``: device addresses or 0 (see the kernel's comment); ``echo``: copy the sent values
         into host-mapped memory (:meth:`sent_meta`)."""
-        cp = _compat.cupy
         W = self.world_size
-        stream = cp.cuda.get_current_stream()
+        stream = _compat.cupy.cuda.get_current_stream()
         threads = max(32, min(1024, (max(W, M) + 31) // 32 * 32))
-        args = (np.uint64(send_meta_ptr), np.uint64(self._meta.ptr), np.int32(M), np.uint64(self._epoch.data.ptr),
-                np.int64(op_code), np.int64(status), np.int64(sig), self.buf.peer_ptrs_device,
-                np.int32(self.rank), np.int32(W), *self._layout_args, np.int64(self.layout.abort_offset),
-                self.timeout_ns, np.uint64(self._status.ptr), np.uint64(self._next_launch(op, stream)),
-                np.uint64(local_reject), np.uint64(self._meta_in.ptr if echo else 0), np.uint64(sums),
-                np.uint64(table), np.int64(scale), np.int64(capacity), np.int32(1 if device_checks else 0))
-        self._k_notify((1,), (threads,), args)
+        a = self._notify_args
+        a[0] = send_meta_ptr
+        a[2], a[4], a[5], a[6] = M, op_code, status, sig
+        a[19] = self._next_launch(op, stream)
+        a[20], a[21], a[22], a[23] = local_reject, self._meta_in.ptr if echo else 0, sums, table
+        a[24], a[25], a[26] = scale, capacity, 1 if device_checks else 0
+        self._l_notify(1, threads, a, stream=stream)

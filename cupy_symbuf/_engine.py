@@ -213,7 +213,7 @@ class Engine:
             raise err
         if (sigs != sig).any():
             who = int(np.flatnonzero(sigs != sig)[0])
-            what = sig_what or f"every rank must send rows of the same dtype and row shape; this rank has {sig_text}"
+            what = (sig_what() if callable(sig_what) else sig_what) or f"every rank must send rows of the same dtype and row shape; this rank has {sig_text}"
             err = ValueError(f"{op}: {what}, but rank {who} does not (no data was sent)")
             err.symbuf_agreed = True  # every rank raises it from the same count exchange: the call ends in step
             raise err

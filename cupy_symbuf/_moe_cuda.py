@@ -32,8 +32,13 @@ CT = P.CT_WORDS
 MAX_EXPERTS = 12288
 
 
-def _ptr(a) -> np.uint64:
-    return np.uint64(0 if a is None else a.data.ptr)
+_LAYOUT_TYPES = ("u64", "i64", "i32", "i32", "i32") + ("u64",) * 8
+_FIXUP_TYPES = ("u64", "u64", "i64", "i32", "i64", "i32", "u64", "u64", "u64", "i64")
+_REDUCE_TYPES = ("u64", "u64", "u64", "i64", "i64", "i32", "i32")
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
 
 
 def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_rank=None, meta=None, bad=None,
@@ -42,13 +47,21 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     arrays or None; see ``cuda_src/moe.cu``)."""
     n, k = idx.shape
     W = eng.world_size
-    fn = _kernels.get_function(SOURCE, LAYOUT_KERNEL)
     threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
     sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
-    fn((1,), (threads,), (idx if n else _compat.cupy.empty((1, max(k, 1)), np.int64), np.int64(n), np.int32(k),
-                          np.int32(num_experts), np.int32(W), _ptr(per_rank), _ptr(per_expert), _ptr(in_rank),
-                          _ptr(meta), _ptr(bad), np.uint64(sticky_ptr), _ptr(pos), _ptr(send_idx)),
-       shared_mem=4 * num_experts)
+    _kernels.get_launcher(SOURCE, LAYOUT_KERNEL, _LAYOUT_TYPES)(
+        1, threads, (idx.data.ptr, n, k, num_experts, W, _ptr(per_rank), _ptr(per_expert), _ptr(in_rank),
+                     _ptr(meta), _ptr(bad), sticky_ptr, _ptr(pos), _ptr(send_idx)), shared_mem=4 * num_experts)
+
+
+def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str) -> None:
+    """Launch a combine reduction (``symbuf_combine_reduce_*``): ``out[t] = sum_r back[pos[t, r]]`` in float32."""
+    row = hidden * back.dtype.itemsize
+    vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0  # 16 bytes per load
+    lanes = row // 16 if vec else hidden
+    _kernels.get_launcher(SOURCE, kernel, _REDUCE_TYPES)(
+        min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)),
+        (back.data.ptr, pos.data.ptr, out.data.ptr, num_tokens, hidden, pos.shape[1], 1 if vec else 0))
 
 
 def get_dispatch_layout(eng, op: str, idx, num_experts: int):
@@ -61,7 +74,7 @@ def get_dispatch_layout(eng, op: str, idx, num_experts: int):
     per_rank = cp.empty(W, np.int32)
     per_expert = cp.empty(num_experts, np.int32)
     in_rank = cp.empty((n, W), dtype=bool)
-    eng.transport.layout_error_what = f"(topk_idx of shape {tuple(idx.shape)}, num_experts={num_experts})"
+    eng.transport.layout_error_what = (idx.shape, num_experts)
     layout(eng, cp.ascontiguousarray(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
            sticky=True)
     if eng.config.blocking:
@@ -110,8 +123,7 @@ def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out
     n = rows * gidx.shape[1]
     if n == 0 and counts_out is None:
         return
-    fn = _kernels.get_function(SOURCE, FIXUP_KERNEL)
     grid = max(1, min(1024, (n + 255) // 256))
-    fn((grid,), (256,), (_ptr(gidx) if n else np.uint64(0), _ptr(w) if n else np.uint64(0), np.int64(rows),
-                        np.int32(gidx.shape[1]), np.int64(eng.rank * epr), np.int32(epr), np.uint64(table_ptr),
-                        _ptr(sums), _ptr(counts_out), np.int64(align)))
+    _kernels.get_launcher(SOURCE, FIXUP_KERNEL, _FIXUP_TYPES)(
+        grid, 256, (gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, gidx.shape[1], eng.rank * epr, epr,
+                    table_ptr, _ptr(sums), _ptr(counts_out), align))

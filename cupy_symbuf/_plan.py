@@ -232,7 +232,9 @@ class PlanCache:
         plan = self._plans.get(key)
         if plan is None:
             W = self.layout.world_size
-            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index,
+            # always a row stream (has_index=True even without an index: the kernel then reads rows in order):
+            # the table counts rows, never bytes
+            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=True,
                                 send_counts=np.zeros(W, np.int64), recv_counts=np.zeros(W, np.int64),
                                 layout=self.layout, rank=self.rank)
             plan.device_counts = True

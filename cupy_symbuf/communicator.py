@@ -231,10 +231,17 @@ class Communicator:
         SymBufferTimeoutError
             A queued kernel's wait expired (rank, peer, channel, head and tail named); the communicator is then
             unusable.
+        SymBufferRejectedError
+            A peer rejected a queued call (or, device-count calls, the ranks' row layouts differed): nothing moved,
+            the communicator stays usable.
+        ValueError
+            A queued GPU ``get_dispatch_layout`` found ``topk_idx`` values outside ``[-1, num_experts)`` (they were
+            left out of its counts); the communicator stays usable.
         """
         self._check_open()
         if self.backend == "cuda":
             self._run(self._transport.synchronize)
+            self._transport.check_layout_error("synchronize")  # a local argument error: the communicator stays usable
 
     def __enter__(self) -> "Communicator":
         return self

@@ -198,7 +198,9 @@ class DispatchHandle:
 
 
 def _align_counts(raw, alignment: int) -> List[int]:
-    return [int((int(c) + alignment - 1) // alignment * alignment) for c in raw]
+    if alignment == 1:
+        return list(raw)
+    return ((np.asarray(raw, np.int64) + (alignment - 1)) // alignment * alignment).tolist()
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -627,7 +629,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                           f"{int(idx[t, k].get())} at [{t}, {k}] (found by the layout kernel; nothing was sent)")
 
     res = comm.notify_device(op, meta, M, sig, table=rt.block[:2 * _moe_cuda.CT], sums=rt.sums, local_reject=rt.bad,
-                             capacity=worst if worst else -1, worst=bool(worst), self_error=bad_error, sig_what=(
+                             capacity=worst if worst else -1, worst=bool(worst), self_error=bad_error,
+                             sig_what=lambda: (
                                  f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
                                  f"+ top-k) or on num_experts: rank {rank} has {row_bytes} bytes ({sig}); all ranks "
                                  f"must pass the same hidden, dtype, num_topk, choice of topk_weights and "
@@ -640,7 +643,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     else:
         recv_vals, sent_vals = res
         recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
-        raw = tuple(int(c) for c in recv_vals[:, 1:1 + epr].sum(axis=0))
+        raw = tuple(recv_vals[:, 1:1 + epr].sum(axis=0).tolist())
         n_recv = int(recv_counts.sum())
         send_rows = int(send_counts.sum())
         send_idx = rt.send_idx[:send_rows]
@@ -759,17 +762,14 @@ def _combine_positions(xp, h: "DispatchHandle"):
 
 def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int):
     """``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as ``out_dtype``."""
-    from . import _compat, _kernels
+    from . import _compat
     cp = _compat.cupy
     hidden = back.shape[1]
     out = cp.empty((num_tokens, hidden), dtype=out_dtype)
     if num_tokens and hidden:
-        kernel = _kernels.get_function("moe.cu", _REDUCE_KERNELS[kind])
-        bits = _UINT_OF_SIZE[back.dtype.itemsize]
-        grid = min(num_tokens, 65535)
-        kernel((grid,), (min(256, max(32, (hidden + 31) // 32 * 32)),),
-               (back.view(bits) if back.shape[0] else cp.empty((1, hidden), bits), pos, out.view(bits),
-                np.int64(num_tokens), np.int64(hidden), np.int32(pos.shape[1])))
+        if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
+            back = cp.empty((1, hidden), back.dtype)
+        _moe_cuda.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind])
     return out
 
 
