@@ -125,6 +125,23 @@ def _align(v: int, a: int) -> int:
     return (v + a - 1) // a * a
 
 
+def _layout(W: int, N: int, H: int, itemsize: int, K: int) -> dict:
+    """Offsets (bytes) of the symmetric buffer's areas and its size; every area 128-aligned."""
+    R = _align(H * itemsize, 16)
+    meta = _align(W * N * K * 4, _LINE)
+    rows = _align(W * N * R, _LINE)
+    d = {"row_bytes": R, "d_flags": 0, "d_meta": W * _LINE, "d_rows": W * _LINE + meta}
+    d["d_half"] = d["d_rows"] + rows
+    d["c_wflags"], d["c_weights"] = 0, W * _LINE
+    d["c_pflags"] = d["c_weights"] + meta
+    d["c_prows"] = d["c_pflags"] + W * _LINE
+    d["c_half"] = d["c_prows"] + rows
+    d["d0"] = 2 * _LINE
+    d["c0"] = d["d0"] + 2 * d["d_half"]
+    d["nbytes"] = d["c0"] + 2 * d["c_half"]
+    return d
+
+
 def _kind_of(dtype) -> Optional[str]:
     return _dt.float_kind(dtype, raw_uint16=_dt.BFLOAT16)
 
@@ -266,19 +283,8 @@ class LowLatencyBuffer:
         self.itemsize = _ITEMSIZE[kind]
         self.timeout_s = timeout
         # ---- symmetric layout (bytes; every area 128-aligned) ----
-        R = _align(H * self.itemsize, 16)
-        self.row_bytes = R
-        meta = _align(W * N * K * 4, _LINE)
-        rows = _align(W * N * R, _LINE)
-        self.d_flags, self.d_meta, self.d_rows = 0, W * _LINE, W * _LINE + meta
-        self.d_half = self.d_rows + rows
-        self.c_wflags, self.c_weights = 0, W * _LINE
-        self.c_pflags = self.c_weights + meta
-        self.c_prows = self.c_pflags + W * _LINE
-        self.c_half = self.c_prows + rows
-        self.d0 = 2 * _LINE
-        self.c0 = self.d0 + 2 * self.d_half
-        self.nbytes = self.c0 + 2 * self.c_half
+        for k, v in _layout(W, N, H, self.itemsize, K).items():
+            setattr(self, k, v)
         self.buffer = SymBuffer(mpi, self.nbytes, backend=self.backend, timeout_s=timeout)
         self._dispatch_calls = 0
         self._combine_calls = 0
@@ -305,6 +311,18 @@ class LowLatencyBuffer:
             self.buffer.close()
             raise
         self._closed = False
+
+    @staticmethod
+    def symmetric_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, world_size: int, *,
+                        dtype="bfloat16", max_topk: int = 16) -> int:
+        """Bytes of the symmetric buffer a ``LowLatencyBuffer`` of these parameters allocates on every rank
+        (outputs not included: ``2 x num_local_experts x W x N x row`` more, on the device)."""
+        kind = _kind_of(dtype)
+        if kind not in _KINDS:
+            raise TypeError(f"LowLatencyBuffer.symmetric_bytes: dtype must be bfloat16, float16 or float32, got "
+                            f"{dtype!r}")
+        return _layout(int(world_size), int(num_max_dispatch_tokens_per_rank), int(hidden), _ITEMSIZE[kind],
+                       int(max_topk))["nbytes"]
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -549,8 +567,8 @@ class LowLatencyBuffer:
             # hot path: a call shape seen before (validated then), CuPy arrays, contiguous, on this GPU
             ent = self._fastkeys[0].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, use_fp8, round_scale,
                                          use_ue8m0))
-            if (ent is not None and x._c_contiguous and topk_idx._c_contiguous and not self._st[P.STATUS_FLAG]
-                    and not self._closed and not self._broken and x.data.device_id == self._dev
+            if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
+                    and x._c_contiguous and topk_idx._c_contiguous and x.data.device_id == self._dev
                     and topk_idx.data.device_id == self._dev):
                 self.comm._check_open()
                 call = self._dispatch_calls
@@ -644,9 +662,9 @@ class LowLatencyBuffer:
                 and handle.call + 2 >= self._dispatch_calls):
             ent = self._fastkeys[1].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, topk_weights.shape,
                                          topk_weights.dtype))
-            if (ent is not None and ent.n == handle.num_tokens and ent.K == handle.num_topk and x._c_contiguous
-                    and topk_idx._c_contiguous and topk_weights._c_contiguous and not self._st[P.STATUS_FLAG]
-                    and not self._closed and not self._broken and x.data.device_id == self._dev
+            if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
+                    and ent.n == handle.num_tokens and ent.K == handle.num_topk and x._c_contiguous
+                    and topk_idx._c_contiguous and topk_weights._c_contiguous and x.data.device_id == self._dev
                     and topk_idx.data.device_id == self._dev and topk_weights.data.device_id == self._dev):
                 self.comm._check_open()
                 call = self._combine_calls

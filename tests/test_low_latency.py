@@ -371,3 +371,39 @@ def test_bench_runs(comm):
 
 def assert_keys(r):
     assert r["dispatch_us"] > 0 and r["combine_us"] > 0, r
+
+
+def test_hot_path_cache(comm, ll):
+    """GPU: repeated calls of one shape take the cached hot path (same results); other inputs (non-contiguous x,
+    int32 topk_idx) still go through validation and give the same bits; a bad call after caching still raises."""
+    if comm.backend != "cuda":
+        pytest.skip("GPU hot path")
+    import cupy
+    N, H, E = ll.N, ll.H, ll.num_experts
+    x, i, w = inputs("full", 90, RANK, N, H, E, 4, "bfloat16")
+    X, I, Wt = dev(comm, x), dev(comm, i), dev(comm, w)
+    results = []
+    for variant in ("plain", "plain", "strided", "int32"):
+        xv, iv = X, I
+        if variant == "strided":
+            big = cupy.zeros((X.shape[0], 2 * H), X.dtype)
+            big[:, :H] = X
+            xv = big[:, :H]
+        elif variant == "int32":
+            iv = I.astype(cupy.int32)
+        recv, cnt, h = ll.dispatch(xv, iv)
+        out = ll.combine(recv, iv, Wt, h)
+        ll.synchronize()
+        results.append((host(cnt).copy(), host(out).copy()))
+    assert ll._fastkeys[0] and ll._fastkeys[1]
+    with pytest.raises(TypeError, match="dtype"):
+        ll.dispatch(X.astype(cupy.float32), I)
+    with pytest.raises(ValueError, match="topk_weights"):
+        ll.combine(recv, I, Wt[:, :2], h)
+
+    def check():
+        for cnt, out in results[1:]:
+            np.testing.assert_array_equal(cnt, results[0][0])
+            np.testing.assert_array_equal(out.view(np.uint16), results[0][1].view(np.uint16))
+
+    all_ranks(check)
