@@ -568,3 +568,21 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
   for (int p = 0; p < W; ++p) send_rows += s_send0[p];
   rev[CT_RECV_TOTAL] = skip ? 0 : send_rows;
 }
+
+// alltoallv with device-side counts: counts [world_size] int64 (rows per destination, on the device) become the
+// count exchange's values meta [world_size, 1], and bad[0] = 1 when one is negative or they do not sum to `rows`
+// (the rows of sendbuf): the count exchange then rejects the call on every rank (local_reject) before any byte
+// moves. bad[1] = the first negative destination, or -1 (a wrong sum). One warp.
+extern "C" __global__ void symbuf_counts_meta(const i64* __restrict__ counts, int world_size, i64 rows, i64* meta,
+                                              i64* bad) {
+  if (threadIdx.x != 0) return;
+  i64 sum = 0, first_negative = -1;
+  for (int p = 0; p < world_size; ++p) {
+    const i64 c = counts[p];
+    if (c < 0 && first_negative < 0) first_negative = p;
+    sum += c;
+    meta[p] = c;
+  }
+  bad[0] = (first_negative >= 0 || sum != rows) ? 1 : 0;
+  bad[1] = first_negative;
+}

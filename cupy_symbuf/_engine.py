@@ -94,6 +94,18 @@ class Engine:
             except Exception:  # pragma: no cover - the original error matters more
                 pass
 
+    def fatal(self, exc: BaseException) -> BaseException:
+        """An error this rank found between a call's steps that its peers cannot see (e.g. more rows than the
+        output capacity): mark the communicator broken and set the abort word so the peers leave at once;
+        returns ``exc`` to raise."""
+        if not getattr(self.owner, "_broken", None):
+            self.owner._broken = f"{type(exc).__name__}: {exc}"
+            try:
+                self.transport.set_abort(P.ERR_LOCAL)
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
+        return exc
+
     # ---- one collective call -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def call(self, op: str, *, notify: bool):
@@ -191,10 +203,13 @@ class Engine:
         recv = self._check_notify(op, out, code, sig, sig_text, sig_what)
         return recv, tr.sent_meta(num_values)
 
-    def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table) -> None:
+    def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table, *,
+                             row_stream: bool = True) -> None:
         """Row exchange of a device-count call (GPU): like :meth:`exchange_rows`, the units to and from each peer
-        read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`)."""
-        plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None)
+        read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`): rows
+        (``row_stream``) or bytes (one part without index: a byte stream, the table scaled by the row bytes)."""
+        plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
+                                 row_stream)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op, int(table))
         if rejected:
             self._raise_rejected(op, rejected)

@@ -224,17 +224,17 @@ class PlanCache:
         self._plans = {}
         self._rejects = {}
 
-    def device(self, op: str, sig_text: str, part_widths, has_index: bool) -> ExchangePlan:
+    def device(self, op: str, sig_text: str, part_widths, has_index: bool, row_stream: bool = True) -> ExchangePlan:
         """The plan of a device-count call (GPU): the per-peer units come from a counts table in device memory
         (``_protocol.CT_*``, written by the count exchange kernel), so one plan serves every count; its
         ``send_units`` / ``recv_units`` are zeros and unused."""
-        key = (op, sig_text, tuple(part_widths), has_index, "device")
+        key = (op, sig_text, tuple(part_widths), has_index, row_stream, "device")
         plan = self._plans.get(key)
         if plan is None:
             W = self.layout.world_size
-            # always a row stream (has_index=True even without an index: the kernel then reads rows in order):
-            # the table counts rows, never bytes
-            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=True,
+            # row_stream: a row stream even without an index (has_index=True; the kernel then reads rows in order),
+            # the table counts rows; else the wire format the parts imply (a byte stream: the table counts bytes)
+            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index or row_stream,
                                 send_counts=np.zeros(W, np.int64), recv_counts=np.zeros(W, np.int64),
                                 layout=self.layout, rank=self.rank)
             plan.device_counts = True

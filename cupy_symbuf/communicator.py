@@ -362,7 +362,7 @@ class Communicator:
         eng.run(plan, [x], None, [recv])
         return recv
 
-    def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, stream=None, async_op=False):
+    def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, stream=None, async_op=False):
         """All-to-all of variable row counts.
 
         Parameters
@@ -376,13 +376,23 @@ class Communicator:
             Must equal what the peers send (checked in every peer's call header before any byte is taken), and
             ``recv_counts[rank] == send_counts[rank]``. Every rank must make the same choice (given or None).
 
+        recv_capacity : int >= 0, optional (keyword-only)
+            **Capacity mode** (DeepEP's ``num_worst_tokens`` idea for alltoallv): the output has exactly
+            ``recv_capacity`` rows and the counts never reach the host, so the call can be captured in a CUDA
+            graph. ``send_counts`` may then be a CuPy int array on the device (GPU; checked there: a negative count
+            or a wrong sum rejects the call on every rank, reported by :meth:`synchronize`). Rows past the real
+            count are left as the memory held. Receiving more than ``recv_capacity`` rows is fatal
+            (:class:`~cupy_symbuf.SymBufferMismatchError` on that rank, the peers abort). Not with
+            ``recv_counts``. Every rank must make the same choice.
         stream, async_op : keyword-only
             The stream to run on and the async form: see :meth:`alltoall` (Streams).
 
         Returns
         -------
-        recvbuf : same array type and dtype, shape ``[sum(recv_counts), ...]``, rows grouped by source rank.
-        recv_counts : numpy.ndarray int64 ``[world_size]``.
+        recvbuf : same array type and dtype, shape ``[sum(recv_counts), ...]`` (capacity mode:
+            ``[recv_capacity, ...]``), rows grouped by source rank.
+        recv_counts : numpy.ndarray int64 ``[world_size]`` (capacity mode: an int64 array of the backend's module,
+            on the GPU in device memory, valid in stream order).
             With ``async_op=True`` a :class:`~cupy_symbuf.CollectiveEvent` whose ``result`` is this pair.
 
         Notes
@@ -408,9 +418,13 @@ class Communicator:
         """
         if stream is not None or async_op is not False:
             return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
-                                   {"recv_counts": recv_counts}, stream=stream, async_op=async_op)
+                                   {"recv_counts": recv_counts, "recv_capacity": recv_capacity}, stream=stream,
+                                   async_op=async_op)
         op = "alltoallv"
         eng = self._engine
+        if recv_capacity is not None or (self.backend == "cuda" and _compat.is_cupy_array(send_counts)):
+            with eng.call(op, notify=True):
+                return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity)
         with eng.call(op, notify=recv_counts is None):
             x = as_array(op, "sendbuf", sendbuf, self.backend)
             send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
@@ -429,6 +443,59 @@ class Communicator:
             recv = self.xp.empty((int(recv_counts.sum()),) + tuple(x.shape[1:]), dtype=x.dtype)
             eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig)
         return recv, recv_counts
+
+    def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity):
+        """alltoallv in capacity mode (see :meth:`alltoallv`): GPU: counts checked and exchanged on the device,
+        the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
+        from the host protocol, padded to the capacity."""
+        from . import _protocol as P
+        from ._plan import part_width
+        if recv_counts is not None:
+            raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
+                             f"counts on the device)")
+        if recv_capacity is None:
+            raise ValueError(f"{op}: send_counts on the device needs recv_capacity= (the output rows; the host never "
+                             f"reads the counts)")
+        if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)) or recv_capacity < 0:
+            raise ValueError(f"{op}: recv_capacity must be an int >= 0, got {recv_capacity!r}")
+        cap = int(recv_capacity)
+        x = as_array(op, "sendbuf", sendbuf, self.backend)
+        W = self.world_size
+        sig = row_signature(x)
+        if self.backend == "host":
+            send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
+            eng.check_size(op, "send_counts", send_counts, x)
+            got = check_counts(op, "recv_counts (from the count exchange)",
+                               eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), W)
+            n = int(got.sum())
+            if n > cap:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
+                from .errors import SymBufferMismatchError
+                raise eng.fatal(SymBufferMismatchError(
+                    f"{op}: rank {self.rank} receives {n} rows, more than recv_capacity={cap}", rank=self.rank,
+                    op=op, field="capacity", expected=cap, got=n))
+            recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)
+            eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig)
+            return recv, got
+        cp = self.xp
+        counts = send_counts if _compat.is_cupy_array(send_counts) else cp.asarray(np.asarray(send_counts))
+        if counts.ndim != 1 or counts.shape[0] != W or counts.dtype.kind not in "iu":
+            raise ValueError(f"{op}: send_counts must be integers of shape [world_size={W}], got dtype "
+                             f"{counts.dtype} shape {tuple(counts.shape)}")
+        counts = cp.ascontiguousarray(counts, dtype=np.int64)
+        CT = P.CT_WORDS
+        block = cp.empty(2 * CT + 1 + 2 + W, np.int64)  # tables, row sum, bad, meta
+        bad, meta = block[2 * CT + 1:2 * CT + 3], block[2 * CT + 3:]
+        from . import _kernels
+        _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
+            1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
+        rb = part_width(x)
+        eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
+                          local_reject=bad, scale=rb, capacity=cap, worst=True)
+        recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)
+        if rb:
+            eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False)
+        got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // max(rb, 1)
+        return recv, got
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     # ``stream``/``async_op`` (keyword-only) as in alltoall's docstring (Streams); other keywords pass to cupy_symbuf.moe.

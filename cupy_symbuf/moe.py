@@ -60,7 +60,7 @@ from . import _moe_cuda
 from . import _protocol as P
 from . import dtypes as _dt
 from ._validate import as_array
-from .errors import SymBufferError
+from .errors import SymBufferMismatchError
 from .layout import check_row_fits
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
@@ -569,9 +569,10 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     n_recv = int(recv_counts.sum())
     if worst:  # outputs of the worst-case size: rows past the real count are -1 / 0 (x, scales: 0)
         if n_recv > worst:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
-            raise SymBufferError(f"{op}: rank {rank} receives {n_recv} rows, more than num_worst_tokens={worst} "
-                                 f"(the output capacity; it must bound what any rank can receive, e.g. "
-                                 f"num_tokens * world_size)")
+            raise comm.fatal(SymBufferMismatchError(
+                f"{op}: rank {rank} receives {n_recv} rows, more than num_worst_tokens={worst} (the output "
+                f"capacity; it must bound what any rank can receive, e.g. num_tokens * world_size)", rank=rank, op=op,
+                field="capacity", expected=worst, got=n_recv))
         recv_x, recv_scales = _pad_rows(xp, recv_x, worst, 0), _pad_rows(xp, recv_scales, worst, 0)
         recv_topk_idx = _pad_rows(xp, recv_topk_idx, worst, -1)
         recv_topk_weights = _pad_rows(xp, recv_topk_weights, worst, 0)

@@ -225,3 +225,102 @@ def test_cuda_graphs_two_batch_sizes(moe_comm):
             _check_worst(c, out, idx, x, w, n_exp, worst)
             ranks = _ranks_of(idx, n_exp)
             all_ranks(lambda: np.testing.assert_array_equal(to_np(comb[0]), x * ranks[:, None]))
+
+
+# ------------------------------------------------------------------------------------------------ alltoallv capacity
+
+
+def _a2av_inputs(key, hidden=5, dtype=np.float32):
+    rng = rng_for(*key)
+    counts = rng.integers(0, 9, size=W).astype(np.int64)
+    if W > 1:
+        counts[(RANK + 1) % W] = 0  # a rank sending nothing to some peer
+    x = (rng.integers(1, 1000, size=(int(counts.sum()), hidden)) * rng.choice([-1, 1], size=(1, hidden)))
+    return counts, x.astype(dtype)
+
+
+def _a2av_reference(counts, x):
+    every = WORLD.allgather((counts, x))
+    parts, got = [], []
+    for c_j, x_j in every:
+        off = np.concatenate([[0], np.cumsum(c_j)])
+        parts.append(x_j[off[RANK]:off[RANK + 1]])
+        got.append(int(c_j[RANK]))
+    return np.concatenate(parts), np.array(got, np.int64)
+
+
+@pytest.mark.parametrize("device_counts", [False, True])
+def test_alltoallv_capacity(moe_comm, device_counts):
+    """Capacity mode: output of recv_capacity rows, real rows exact, counts returned in the backend's module."""
+    c = moe_comm
+    if device_counts and c.backend != "cuda":
+        pytest.skip("device-side send_counts need the GPU")
+    cap = 8 * W + 3
+    for rep in range(3):
+        counts, x = _a2av_inputs(("a2av-cap", rep, device_counts, c.backend))
+        _dirty_pool(c, cap * 5 * 4)
+        sc = to_dev(c, counts) if device_counts else counts
+        recv, got = c.alltoallv(to_dev(c, x), sc, recv_capacity=cap)
+        want, want_counts = _a2av_reference(counts, x)
+        all_ranks(lambda: (recv.shape[0] == cap or pytest.fail(f"shape {recv.shape}"),
+                           np.testing.assert_array_equal(to_np(got), want_counts),
+                           np.testing.assert_array_equal(to_np(recv)[:want.shape[0]], want)))
+
+
+def test_alltoallv_capacity_bad_device_counts(moe_comm):
+    """Device-side counts that do not sum to the rows of sendbuf (one rank): every rank's synchronize raises
+    SymBufferRejectedError, nothing moves, and the communicator works afterwards."""
+    c = moe_comm
+    if c.backend != "cuda":
+        pytest.skip("device-side send_counts need the GPU")
+    counts, x = _a2av_inputs(("a2av-bad", c.backend))
+    bad = counts.copy()
+    if RANK == 0:
+        bad[0] += 1
+    err = None
+    try:
+        c.alltoallv(to_dev(c, x), to_dev(c, bad), recv_capacity=8 * W)
+        c.synchronize()
+    except SymBufferRejectedError as e:
+        err = e
+    errs = WORLD.allgather(err is not None)
+    all_ranks(lambda: all(errs) or pytest.fail(f"rejected on {errs}"))
+    recv, got = c.alltoallv(to_dev(c, x), to_dev(c, counts), recv_capacity=8 * W)
+    want, want_counts = _a2av_reference(counts, x)
+    all_ranks(lambda: np.testing.assert_array_equal(to_np(recv)[:want.shape[0]], want))
+
+
+def test_alltoallv_capacity_graph_replays(moe_comm):
+    """alltoallv in capacity mode captured once, replayed with new counts and rows copied into its inputs."""
+    c = moe_comm
+    if c.backend != "cuda":
+        pytest.skip("CUDA graphs need the GPU")
+    import cupy
+    hidden, cap, rows_max = 6, 8 * W, 8 * W
+    d_x = cupy.zeros((rows_max, hidden), np.float32)
+    d_counts = cupy.zeros(W, np.int64)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        d_counts.set(np.full(W, 1, np.int64))
+        # rows_max rows sent in all: pad the counts' last destination with the rest
+        c.alltoallv(d_x, d_counts + cupy.asarray(np.eye(W, dtype=np.int64)[W - 1] * (rows_max - W)),
+                    recv_capacity=cap)
+        stream.synchronize()
+    for rep in range(3):
+        rng = rng_for("a2av-graph", rep)
+        counts = rng.multinomial(rows_max, np.ones(W) / W).astype(np.int64)  # new counts, same row total
+        x = (rng.integers(1, 1000, size=(rows_max, hidden)) + 1000 * rep).astype(np.float32)
+        if rep == 0:
+            with stream:
+                stream.begin_capture()
+                out = c.alltoallv(d_x, d_counts, recv_capacity=cap + rows_max)
+                graph = stream.end_capture()
+        d_counts.set(counts)
+        d_x.set(x)
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        c.synchronize()
+        want, want_counts = _a2av_reference(counts, x)
+        all_ranks(lambda: (np.testing.assert_array_equal(to_np(out[1]), want_counts),
+                           np.testing.assert_array_equal(to_np(out[0])[:want.shape[0]], want)))
