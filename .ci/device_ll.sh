@@ -63,13 +63,13 @@ with cs.Communicator(MPI.COMM_WORLD) as c:
                       {k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
 PY
 PYT="python3 -m pytest -q -x --timeout=60 -p no:cacheprovider tests/test_low_latency.py tests/test_deepep.py"
-echo "== 1 rank"; timeout 70 $PYT 2>&1 | tail -15
-echo "== 2 ranks (MPS)"; timeout 80 $MPIRUN -x CUPY_SYMBUF_TEST_BACKENDS -n 2 $PYT 2>&1 | tail -15
+echo "== 2 ranks (MPS)"; timeout 85 $MPIRUN -x CUPY_SYMBUF_TEST_BACKENDS -n 2 $PYT 2>&1 | tail -12
 echo "== bench 2 ranks (MPS), this tree"
-timeout 75 $MPIRUN -n 2 python3 /tmp/ll_bench.py after ${LL_BLOCKS:-} 2>&1 | grep -v "^\s*$" | tail -12
+timeout 70 $MPIRUN -n 2 python3 /tmp/ll_bench.py after ${LL_BLOCKS:-} 2>&1 | grep -v "^\s*$" | tail -12
+echo "== 1 rank"; timeout 60 $PYT 2>&1 | tail -12
 if [ -n "${LL_BEFORE:-}" ]; then
   echo "== bench 2 ranks (MPS), before ($LL_BEFORE)"
-  PYTHONPATH=$PWD/$LL_BEFORE timeout 50 $MPIRUN -n 2 python3 /tmp/ll_bench.py before 2>&1 | tail -6
+  PYTHONPATH=$PWD/$LL_BEFORE timeout 45 $MPIRUN -n 2 python3 /tmp/ll_bench.py before 2>&1 | tail -6
 fi
-echo "== 4 ranks (MPS)"; timeout 80 $MPIRUN -x CUPY_SYMBUF_TEST_BACKENDS -n 4 ${PYT/tests\/test_deepep.py/} 2>&1 | tail -6
+echo "== 4 ranks (MPS)"; timeout 70 $MPIRUN -x CUPY_SYMBUF_TEST_BACKENDS -n 4 ${PYT/tests\/test_deepep.py/} 2>&1 | tail -6
 echo quit | nvidia-cuda-mps-control
