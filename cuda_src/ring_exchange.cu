@@ -428,7 +428,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 // reverse call's (combine: send and receive swapped), units = the first value * scale). device_checks: the kernel
 // itself checks every source's status, op and signature (the host never sees them): a rejection or another
 // signature sets CT_SKIP and records the rejection (STATUS_REJECTED_BY / _WHY, raised by synchronize), another op
-// is a fatal mismatch, and rows received beyond `capacity` (>= 0) are a fatal FIELD_CAPACITY error.
+// is a fatal mismatch, and rows received beyond `capacity` (>= 0) are a fatal FIELD_CAPACITY error. done
+// (host-mapped, optional): `ticket` is stored there last, when every output above is written (or the wait failed).
 static_assert(NOTIFY_EPOCH == 0 && NOTIFY_STATUS == NOTIFY_OP + 1 && NOTIFY_SIG == NOTIFY_OP + 2 &&
                   NOTIFY_HDR_WORDS == NOTIFY_SIG + 1,
               "symbuf_notify copies the slot words from NOTIFY_OP on as one run");
@@ -438,7 +439,7 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
               i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
               i64 notify_offset, i64 notify_slot_bytes, i64 abort_offset, u64 timeout_ns, i64* status, u64 seq,
               const i64* local_reject, i64* send_echo, i64* sums, i64* table, i64 scale, i64 capacity,
-              int device_checks) {
+              int device_checks, u64* done, u64 ticket) {
   const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
   __shared__ WaitCtx s_ctx;
   __shared__ int s_abort;
@@ -489,6 +490,7 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
   if (threadIdx.x == 0) *epoch_word = epoch;
   if (s_abort) {
     if (table != nullptr && threadIdx.x == 0) table[CT_SKIP] = table[CT_WORDS + CT_SKIP] = 1;
+    if (done != nullptr && threadIdx.x == 0) st_release_sys_global(done, ticket);  // the record says why
     return;
   }
   const i64 row = NOTIFY_HDR_WORDS - 1 + num_values;  // recv_meta[s, :] = [op, status, sig, values...]
@@ -514,9 +516,9 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
       sums[j] = acc;
     }
   }
-  if (table == nullptr) return;
   __syncthreads();
   if (threadIdx.x != 0) return;
+  if (table != nullptr) {
   i64 skip = 0;
   if (device_checks) {
     for (int s = 0; s < world_size; ++s) {
@@ -567,6 +569,10 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
   i64 send_rows = 0;
   for (int p = 0; p < W; ++p) send_rows += s_send0[p];
   rev[CT_RECV_TOTAL] = skip ? 0 : send_rows;
+  }
+  // done (host-mapped): the host spins on it instead of synchronising the stream (eager calls): the release
+  // covers this thread's stores and, through the __syncthreads above, the block's (recv_meta, send_echo, sums)
+  if (done != nullptr) st_release_sys_global(done, ticket);
 }
 
 // alltoallv with device-side counts: counts [world_size] int64 (rows per destination, on the device) become the

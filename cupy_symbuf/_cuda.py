@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 
 import numpy as np
 
@@ -94,6 +95,8 @@ class CudaTransport:
         width = P.NOTIFY_HDR_WORDS - 1 + layout.max_notify_ints
         self._meta = _Pinned(self.world_size * width)
         self._meta_in = _Pinned(self.world_size * layout.max_notify_ints)
+        #: the count exchange kernel stores its launch ticket here last (host-mapped): the host spins on it
+        self._notify_done = _Pinned(1)
         #: the count exchange's epoch, kept on the device and advanced by the kernel (CUDA-graph replays count)
         self._epoch = _compat.cupy.zeros(1, np.int64)
         # The descriptor's static words; each plan gets a copy completed by _describe. It is the kernel's first
@@ -116,11 +119,13 @@ class CudaTransport:
         # the count exchange through a prebuilt parameter block (_kernels.Launcher): the static arguments once
         self._l_notify = _kernels.Launcher(self._k_notify, ("u64", "u64", "i32", "u64", "i64", "i64", "i64", "u64",
                                                             "i32", "i32") + ("i64",) * 7 + ("u64",) * 3 +
-                                           ("u64",) * 4 + ("i64", "i64", "i32"))
+                                           ("u64",) * 4 + ("i64", "i64", "i32", "u64", "u64"))
         self._notify_args = [0, self._meta.ptr, 0, int(self._epoch.data.ptr), 0, 0, 0,
                              int(buf.peer_ptrs_device.data.ptr), self.rank, self.world_size,
                              *[int(v) for v in layout.kernel_args()], int(layout.abort_offset),
-                             int(self.timeout_ns), self._status.ptr, 0, 0, 0, 0, 0, 1, -1, 0]
+                             int(self.timeout_ns), self._status.ptr, 0, 0, 0, 0, 0, 1, -1, 0,
+                             self._notify_done.ptr, 0]
+        self._ticket = 0  # of the last count exchange whose result the host waits for (notify_result)
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
@@ -168,6 +173,7 @@ class CudaTransport:
                 f"reported it: that call's rows from rank {who} were not delivered", rank=self.rank,
                 rejecting_rank=who, op=self._op_name(seq))
         self._status.free()
+        self._notify_done.free()
         self.layout_error.free()
         self._meta.free()
         self._meta_in.free()
@@ -404,8 +410,24 @@ class CudaTransport:
         return self.notify_result(op, M)
 
     def notify_result(self, op: str, M: int) -> np.ndarray:
-        """Wait for the last count exchange and return its host-mapped result, int64 ``[W, 3 + M]``."""
-        self.check(op, _compat.cupy.cuda.get_current_stream())
+        """Wait for the last count exchange and return its host-mapped result, int64 ``[W, 3 + M]``.
+
+        The one host wait of an eager call (DeepEP's ``notify_dispatch`` idea): the host spins on the kernel's
+        host-mapped done word (its launch ticket, stored last with a system-scope release) instead of
+        synchronising the stream; after ``timeout_s`` (a kernel queued before it never ends) or when the error
+        record is set, the stream is synchronised and the recorded error raised."""
+        done, st, want = self._notify_done.array, self._status.array, self._ticket
+        deadline = None
+        spins = 0
+        while done[0] != want and not st[P.STATUS_FLAG]:
+            spins += 1
+            if spins & 1023 == 0:
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout_s
+                elif time.monotonic() > deadline:
+                    break
+        if done[0] != want or st[P.STATUS_FLAG]:
+            self.check(op, _compat.cupy.cuda.get_current_stream())
         W = self.world_size
         width = P.NOTIFY_HDR_WORDS - 1 + M
         return self._meta.array[: W * width].reshape(W, width).copy()
@@ -430,4 +452,6 @@ class CudaTransport:
         a[19] = self._next_launch(op, stream)
         a[20], a[21], a[22], a[23] = local_reject, self._meta_in.ptr if echo else 0, sums, table
         a[24], a[25], a[26] = scale, capacity, 1 if device_checks else 0
+        self._ticket += 1
+        a[28] = self._ticket
         self._l_notify(1, threads, a, stream=stream)

@@ -41,6 +41,20 @@ def _ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
+def _launcher(eng, name: str, types: tuple):
+    """The engine's cached :class:`~cupy_symbuf._kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU is fixed:
+    no device lookup per call)."""
+    cache = eng.__dict__.setdefault("_moe_launchers", {})
+    fn = cache.get(name)
+    if fn is None:
+        fn = cache[name] = _kernels.get_launcher(SOURCE, name, types)
+    return fn
+
+
+def contiguous(idx):
+    return idx if idx.flags.c_contiguous else _compat.cupy.ascontiguousarray(idx)
+
+
 def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_rank=None, meta=None, bad=None,
            sticky: bool = False, pos=None, send_idx=None) -> None:
     """Launch the layout kernel on the current stream for int64 C-contiguous ``idx [N, K]`` (outputs: device
@@ -49,7 +63,7 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     W = eng.world_size
     threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
     sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
-    _kernels.get_launcher(SOURCE, LAYOUT_KERNEL, _LAYOUT_TYPES)(
+    _launcher(eng, LAYOUT_KERNEL, _LAYOUT_TYPES)(
         1, threads, (idx.data.ptr, n, k, num_experts, W, _ptr(per_rank), _ptr(per_expert), _ptr(in_rank),
                      _ptr(meta), _ptr(bad), sticky_ptr, _ptr(pos), _ptr(send_idx)), shared_mem=4 * num_experts)
 
@@ -71,11 +85,11 @@ def get_dispatch_layout(eng, op: str, idx, num_experts: int):
     cp = _compat.cupy
     W = eng.world_size
     n = idx.shape[0]
-    per_rank = cp.empty(W, np.int32)
-    per_expert = cp.empty(num_experts, np.int32)
+    counts = cp.empty(W + num_experts, np.int32)  # one allocation: [per rank | per expert]
+    per_rank, per_expert = counts[:W], counts[W:]
     in_rank = cp.empty((n, W), dtype=bool)
     eng.transport.layout_error_what = (idx.shape, num_experts)
-    layout(eng, cp.ascontiguousarray(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
+    layout(eng, contiguous(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
            sticky=True)
     if eng.config.blocking:
         cp.cuda.get_current_stream().synchronize()
@@ -91,15 +105,16 @@ class Routing:
     ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
     """
 
-    __slots__ = ("block", "table", "rev_table", "sums", "bad", "pos", "send_idx", "in_rank")
+    __slots__ = ("block", "table", "rev_table", "sums", "bad", "meta", "pos", "send_idx", "in_rank")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
-        self.block = cp.empty(2 * CT + M + 2, np.int64)
+        self.block = cp.empty(2 * CT + M + 2 + W * M, np.int64)  # (+ the count exchange's values, [W, M])
         self.table = self.block[:CT]
         self.rev_table = self.block[CT:2 * CT]
         self.sums = self.block[2 * CT:2 * CT + M]
-        self.bad = self.block[2 * CT + M:]
+        self.bad = self.block[2 * CT + M:2 * CT + M + 2]
+        self.meta = self.block[2 * CT + M + 2:]
         self.pos = cp.empty((n, W), np.int64)
         self.send_idx = cp.empty(max(1, n * W), np.int64)
         self.in_rank = cp.empty((n, W), dtype=bool)
@@ -124,6 +139,6 @@ def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out
     if n == 0 and counts_out is None:
         return
     grid = max(1, min(1024, (n + 255) // 256))
-    _kernels.get_launcher(SOURCE, FIXUP_KERNEL, _FIXUP_TYPES)(
+    _launcher(eng, FIXUP_KERNEL, _FIXUP_TYPES)(
         grid, 256, (gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, gidx.shape[1], eng.rank * epr, epr,
                     table_ptr, _ptr(sums), _ptr(counts_out), align))

@@ -617,9 +617,9 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     row_bytes = _row_bytes(xv, scales, num_topk, weights is not None)
     check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
     sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
-    idx = cp.ascontiguousarray(idx)
+    idx = _moe_cuda.contiguous(idx)
     rt = _moe_cuda.Routing(num_tokens, num_topk, w_size, M)
-    meta = cp.empty((w_size, M), np.int64)
+    meta = rt.meta
     _moe_cuda.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad, pos=rt.pos,
                      send_idx=rt.send_idx)
 

@@ -72,13 +72,13 @@ def test_kernel_argument_lists():
     """The argument lists _cuda.py launches with: the ring kernel (desc by value, peer bases, error record) and the
     notify kernel (send_meta, recv_meta, num_values, epoch word, op, call_status, sig, peer_bases, rank,
     world_size, 6 layout scalars, abort_offset, timeout_ns, status, seq, local_reject, send_echo, sums, table,
-    scale, capacity, device_checks); the MoE layout (13) and receive fix-up (10) kernels of moe.cu."""
+    scale, capacity, device_checks, done, ticket); the MoE layout (13) and receive fix-up (10) kernels of moe.cu."""
     _nvrtc_or_skip()
     ptx = _kernels.compile_ptx(RING, "compute_90")
     assert _entry_params(ptx, "symbuf_ring_exchange") == 3
     assert re.search(r"\.entry symbuf_ring_exchange\(\s*\.param \.align 8 \.b8 \w+\[%d\]" % (8 * _protocol.DESC_WORDS),
                      ptx), "the descriptor is DESC_WORDS int64 passed by value"
-    assert _entry_params(ptx, "symbuf_notify") == 27
+    assert _entry_params(ptx, "symbuf_notify") == 29
     moe = _kernels.compile_ptx("moe.cu", "compute_90")
     assert _entry_params(moe, "symbuf_moe_layout") == 13
     assert _entry_params(moe, "symbuf_moe_recv_fixup") == 10
