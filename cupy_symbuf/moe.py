@@ -2,10 +2,11 @@
 
 The semantics follow DeepEP's ``Buffer.get_dispatch_layout``, ``Buffer.dispatch`` and ``Buffer.combine``
 (``deep_ep/buffer.py``, https://github.com/deepseek-ai/DeepEP), intranode case. This module is the reference
-design, written once over the array module ``xp`` of the communicator (``numpy`` on the host backend, ``cupy`` on
-the cuda backend), so the same code serves both; every array operation of the layout, packing, unpacking and
-reduction runs on the device for CuPy input. Only the counts (``[world_size]`` and ``[num_local_experts]``
-integers) come to the host.
+design on the host backend (NumPy, the reference the tests check against); the cuda backend runs the same
+semantics with the control on the device (:mod:`cupy_symbuf._moe_cuda`: the layout kernel, the count exchange
+writing device counts tables, the ring kernel reading its counts from them, a receive fix-up kernel), and reads
+only the receive counts on the host, once, through host-mapped memory; in worst-case mode (``num_worst_tokens``)
+nothing at all.
 
 Data flow
 ---------
@@ -381,7 +382,7 @@ def _layout(xp, idx, num_experts: int, world_size: int):
 
 
 def get_dispatch_layout(comm, topk_idx, num_experts: int):
-    """Where each token goes, computed locally with ``xp`` ops (on the device for CuPy input); no communication.
+    """Where each token goes, computed locally (GPU: one kernel; host: NumPy); no communication.
 
     DeepEP: ``Buffer.get_dispatch_layout`` (``deep_ep/buffer.py``), intranode (no RDMA ranks).
 
@@ -407,8 +408,15 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     TypeError
         ``topk_idx`` not an array of the backend's module, or not int64/int32; ``num_experts`` not an int.
     ValueError
-        ``topk_idx`` not 2-D or without columns; a value ``< -1`` or ``>= num_experts``; ``num_experts`` not a
-        positive multiple of ``world_size``.
+        ``topk_idx`` not 2-D or without columns; a value ``< -1`` or ``>= num_experts`` (on the GPU the layout is
+        one kernel and nothing is read on the host: such values are left out of the counts and raised by the next
+        ``synchronize()``, or at once with ``Config.blocking``); ``num_experts`` not a positive multiple of
+        ``world_size`` (GPU: or more than 12288).
+
+    Notes
+    -----
+    On the GPU the layout is one kernel (``cuda_src/moe.cu`` ``symbuf_moe_layout``, after DeepEP's
+    ``get_dispatch_layout`` kernel), queued on the current stream; the outputs are valid in stream order.
     """
     op = "get_dispatch_layout"
     comm.check_open()
@@ -451,6 +459,20 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         exchange and sends only ``x`` (any dtype above; ``num_tokens`` must equal the handle's).
     expert_alignment : int >= 1 (keyword-only)
         Round each entry of ``num_recv_tokens_per_expert`` up to a multiple of this.
+    num_worst_tokens : int >= 0 (keyword-only)
+        Worst-case mode (DeepEP's ``num_worst_tokens``) when > 0: the receive outputs have exactly this many rows
+        and nothing is read on the host (GPU: the layout, the count exchange and the per-peer counts stay on the
+        device), so the call can be captured in a CUDA graph and replayed with new data and routing. Rows past the
+        real count hold ``-1`` in ``recv_topk_idx`` and ``0`` in ``recv_topk_weights`` on every call and replay,
+        whatever the memory held (``recv_x`` rows there are unspecified on the GPU, zeros on the host); the real
+        count is ``handle.num_recv_tokens_device`` (a 0-d device array) and ``num_recv_tokens_per_expert`` is an
+        int64 array of ``xp`` instead of a list. It must bound what this rank can receive (``num_tokens *
+        world_size`` always does): more is fatal (:class:`~cupy_symbuf.SymBufferMismatchError` with field
+        "capacity", raised on the GPU by ``synchronize``; the peers abort). On the GPU, errors a worst-case call
+        finds on the device (a ``topk_idx`` value out of range on some rank, ranks disagreeing on the row layout)
+        skip the call on every rank (outputs: no rows) and are raised by ``synchronize()`` as
+        :class:`~cupy_symbuf.SymBufferRejectedError`; the communicator stays usable. With ``handle``: 0 or the
+        handle's.
 
     Returns
     -------
@@ -812,8 +834,14 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
         ``dtype="bfloat16"``); ``topk_weights`` not float32; ``handle`` not a :class:`DispatchHandle`.
     ValueError
         ``handle`` from another communicator; ``x`` not ``[handle.num_recv_tokens, handle.hidden]``;
-        ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``; (GPU) with ``topk_weights``, a row
-        ``hidden * itemsize + num_topk * 4`` bytes larger than ``Config.chunk_bytes``.
+        ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``; (GPU) a row ``hidden * itemsize``
+        (``+ num_topk * 4`` with ``topk_weights``) bytes larger than ``Config.chunk_bytes``.
+
+    Notes
+    -----
+    GPU: the row exchange takes its per-peer counts from the dispatch's device counts table (the reverse of the
+    dispatch's) and the reduction reads the send positions the layout kernel made: no host work beyond the two or
+    three launches, and a combine of a worst-case handle can be captured in a CUDA graph.
     """
     op = "combine"
     with comm.call(op, notify=False):
