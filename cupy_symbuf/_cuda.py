@@ -452,6 +452,8 @@ class CudaTransport:
         a[19] = self._next_launch(op, stream)
         a[20], a[21], a[22], a[23] = local_reject, self._meta_in.ptr if echo else 0, sums, table
         a[24], a[25], a[26] = scale, capacity, 1 if device_checks else 0
+        # the done word only for calls whose result the host waits for: a captured (device-checked) call replayed
+        # later must never overwrite the ticket an eager call's host is spinning on
         self._ticket += 1
-        a[28] = self._ticket
+        a[27], a[28] = (0, 0) if device_checks else (self._notify_done.ptr, self._ticket)
         self._l_notify(1, threads, a, stream=stream)

@@ -169,6 +169,7 @@ class Engine:
         # the number of values per rank is signed too: a peer reading more words than this rank wrote would read a
         # stale slot (e.g. dispatch with another num_experts)
         code, sig = P.op_code(op), P.signature(op, sig_text, send_meta.shape[1])
+        self._check_not_capturing(op)
         self._epoch += 1
         out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig,
                         last=False)
@@ -187,6 +188,8 @@ class Engine:
         ``[W, num_values]`` each. ``self_error()``: the exception this rank raises when ``local_reject`` (a device
         word) made it reject the call (the peers raise :class:`~cupy_symbuf.SymBufferRejectedError`)."""
         code, sig = P.op_code(op), P.signature(op, sig_text, num_values)
+        if not worst:
+            self._check_not_capturing(op)
         self._epoch += 1
         tr = self.transport
         self._run(tr.notify_device, meta.data.ptr, num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
@@ -202,6 +205,16 @@ class Engine:
             raise err
         recv = self._check_notify(op, out, code, sig, sig_text, sig_what)
         return recv, tr.sent_meta(num_values)
+
+    def _check_not_capturing(self, op: str) -> None:
+        """An eager count exchange reads the counts on the host: it cannot run inside a CUDA graph capture. Every
+        rank capturing the same program raises alike before any step (nothing queued, the communicator usable)."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            err = RuntimeError(f"{op}: this call reads its receive counts on the host and cannot be captured in a CUDA "
+                               f"graph; capture the worst-case form instead (dispatch(..., num_worst_tokens=N), "
+                               f"alltoallv(..., recv_capacity=N)) or a cached dispatch / combine with a handle")
+            err.symbuf_agreed = True
+            raise err
 
     def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table, *,
                              row_stream: bool = True) -> None:

@@ -325,3 +325,27 @@ def test_alltoallv_capacity_graph_replays(moe_comm):
         want, want_counts = _a2av_reference(counts, x)
         all_ranks(lambda: (np.testing.assert_array_equal(to_np(out[1]), want_counts),
                            np.testing.assert_array_equal(to_np(out[0])[:want.shape[0]], want)))
+
+
+def test_eager_count_exchange_refused_in_graph_capture(moe_comm):
+    """An eager dispatch (host reads its counts) inside a CUDA graph capture raises at once, naming the
+    worst-case form; the communicator stays usable."""
+    c = moe_comm
+    if c.backend != "cuda":
+        pytest.skip("CUDA graphs need the GPU")
+    import cupy
+    n_exp = 4 * W
+    idx, x, w = _inputs(("capture-eager",), 8, 16, n_exp, 2)
+    d_idx, d_x, d_w = cupy.asarray(idx), cupy.asarray(x), cupy.asarray(w)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    err = None
+    with stream:
+        stream.begin_capture()
+        try:
+            c.dispatch(d_x, d_idx, d_w, n_exp)
+        except RuntimeError as e:
+            err = e
+        stream.end_capture()
+    all_ranks(lambda: (err is not None and "num_worst_tokens" in str(err)) or pytest.fail(repr(err)))
+    out = c.dispatch(d_x, d_idx, d_w, n_exp, num_worst_tokens=8 * W)
+    _check_worst(c, out, idx, x, w, n_exp, 8 * W)
