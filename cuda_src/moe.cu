@@ -33,9 +33,33 @@ struct F32 {
   __device__ static u32 store(float f) { return __float_as_uint(f); }
 };
 
-// back [num_back, hidden], pos [num_tokens, world_size] int64, out [num_tokens, hidden]; all C-contiguous.
+// Where the row of (token t, rank r) is: back[pos[t, r]] (rows returned by the ring), or, for this rank's own rows
+// when self_rows is set, straight from the combine's input: self_rows[pos[t, rank] + self_delta] (the ring does not
+// copy a rank's rows to itself in a combine: the reverse counts table has no units for self, see symbuf_notify;
+// self_delta = recv_first[rank] - send_first[rank] from the dispatch's table). Units of T (an element or 16 bytes).
+template <class T>
+struct ReduceRows {
+  const T* back;
+  i64 row;         // units per row of back
+  const T* self_rows;
+  i64 self_stride;  // units between rows of self_rows
+  i64 self_delta;
+  int rank;
+  __device__ __forceinline__ const T* at(int r, i64 p) const {
+    return (self_rows != nullptr && r == rank) ? self_rows + (p + self_delta) * self_stride : back + p * row;
+  }
+};
+
+template <class T>
+__device__ __forceinline__ ReduceRows<T> reduce_rows(const T* back, i64 row, const T* self_rows, i64 self_stride,
+                                                     const i64* table, int rank, int world_size) {
+  const i64 delta = self_rows != nullptr ? table[CT_PEERS + 2 * world_size + rank] - table[CT_PEERS + rank] : 0;
+  return ReduceRows<T>{back, row, self_rows, self_stride, delta, rank};
+}
+
+// out [num_tokens, hidden] C-contiguous, pos [num_tokens, world_size] int64.
 template <class E>
-__device__ __forceinline__ void combine_reduce(const typename E::bits* __restrict__ back, const i64* __restrict__ pos,
+__device__ __forceinline__ void combine_reduce(const ReduceRows<typename E::bits> src, const i64* __restrict__ pos,
                                                typename E::bits* __restrict__ out, i64 num_tokens, i64 hidden,
                                                int world_size) {
   for (i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
@@ -44,7 +68,7 @@ __device__ __forceinline__ void combine_reduce(const typename E::bits* __restric
       float acc = 0.0f;
       for (int r = 0; r < world_size; ++r) {
         const i64 p = __ldg(pt + r);
-        if (p >= 0) acc = __fadd_rn(acc, E::load(back[p * hidden + h]));
+        if (p >= 0) acc = __fadd_rn(acc, E::load(src.at(r, p)[h]));
       }
       out[t * hidden + h] = E::store(acc);
     }
@@ -52,9 +76,10 @@ __device__ __forceinline__ void combine_reduce(const typename E::bits* __restric
 }
 
 // The same sum, 16 bytes per thread and load (V = 16 / sizeof(bits) elements): rows of hidden * sizeof(bits)
-// bytes, a multiple of 16, 16-byte aligned arrays (the launcher checks). Same order, same rounding: bitwise equal.
+// bytes, a multiple of 16, 16-byte aligned arrays and row strides (the launcher checks). Same order, same rounding:
+// bitwise equal.
 template <class E>
-__device__ __forceinline__ void combine_reduce_vec(const uint4* __restrict__ back, const i64* __restrict__ pos,
+__device__ __forceinline__ void combine_reduce_vec(const ReduceRows<uint4> src, const i64* __restrict__ pos,
                                                    uint4* __restrict__ out, i64 num_tokens, i64 hvec,
                                                    int world_size) {
   typedef typename E::bits B;
@@ -68,7 +93,7 @@ __device__ __forceinline__ void combine_reduce_vec(const uint4* __restrict__ bac
       for (int r = 0; r < world_size; ++r) {
         const i64 p = __ldg(pt + r);
         if (p < 0) continue;
-        const uint4 v = __ldg(back + p * hvec + h);
+        const uint4 v = __ldg(src.at(r, p) + h);
         const B* e = reinterpret_cast<const B*>(&v);
 #pragma unroll
         for (int j = 0; j < V; ++j) acc[j] = __fadd_rn(acc[j], E::load(e[j]));
@@ -82,15 +107,22 @@ __device__ __forceinline__ void combine_reduce_vec(const uint4* __restrict__ bac
   }
 }
 
-// hidden: elements per row; vec != 0: the 16-byte form (hidden * sizeof(bits) % 16 == 0, aligned arrays).
+// hidden: elements per row; vec != 0: the 16-byte form. self_rows (or null), self_stride (elements), table (the
+// dispatch's counts table, read only with self_rows), rank: see ReduceRows.
 #define SYMBUF_COMBINE_REDUCE(NAME, E)                                                                            \
   extern "C" __global__ void NAME(const E::bits* back, const i64* pos, E::bits* out, i64 num_tokens, i64 hidden, \
-                                  int world_size, int vec) {                                                      \
-    if (vec)                                                                                                      \
-      combine_reduce_vec<E>(reinterpret_cast<const uint4*>(back), pos, reinterpret_cast<uint4*>(out), num_tokens, \
-                            hidden * static_cast<i64>(sizeof(E::bits)) / 16, world_size);                        \
-    else                                                                                                          \
-      combine_reduce<E>(back, pos, out, num_tokens, hidden, world_size);                                         \
+                                  int world_size, int vec, const E::bits* self_rows, i64 self_stride,            \
+                                  const i64* table, int rank) {                                                  \
+    if (vec) {                                                                                                    \
+      constexpr i64 per = 16 / sizeof(E::bits);                                                                   \
+      combine_reduce_vec<E>(reduce_rows(reinterpret_cast<const uint4*>(back), hidden / per,                      \
+                                        reinterpret_cast<const uint4*>(self_rows), self_stride / per, table,     \
+                                        rank, world_size),                                                        \
+                            pos, reinterpret_cast<uint4*>(out), num_tokens, hidden / per, world_size);            \
+    } else {                                                                                                      \
+      combine_reduce<E>(reduce_rows(back, hidden, self_rows, self_stride, table, rank, world_size), pos, out,    \
+                        num_tokens, hidden, world_size);                                                          \
+    }                                                                                                             \
   }
 SYMBUF_COMBINE_REDUCE(symbuf_combine_reduce_bf16, Bf16)
 SYMBUF_COMBINE_REDUCE(symbuf_combine_reduce_f16, F16)

@@ -425,7 +425,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 // Optional (null pointers: off): local_reject (device word; != 0 makes this call HDR_REJECTED, e.g. the layout
 // kernel found a topk_idx out of range), send_echo (host-mapped copy of send_meta), sums (int64 [num_values]:
 // each value summed over the sources), table (device-count mode: two CT_* tables, [0] this call's, [1] the
-// reverse call's (combine: send and receive swapped), units = the first value * scale). device_checks: the kernel
+// reverse call's (combine: send and receive swapped, and no units to itself: the combine's reduction reads its own
+// rows from its input), units = the first value * scale). device_checks: the kernel
 // itself checks every source's status, op and signature (the host never sees them): a rejection or another
 // signature sets CT_SKIP and records the rejection (STATUS_REJECTED_BY / _WHY, raised by synchronize), another op
 // is a fatal mismatch, and rows received beyond `capacity` (>= 0) are a fatal FIELD_CAPACITY error. done
@@ -552,10 +553,10 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
     fwd[CT_PEERS + W + p] = su;
     fwd[CT_PEERS + 2 * W + p] = recv_first;
     fwd[CT_PEERS + 3 * W + p] = ru;
-    rev[CT_PEERS + p] = recv_first;
-    rev[CT_PEERS + W + p] = ru;
+    rev[CT_PEERS + p] = recv_first;  // the reverse call (combine) moves no rows to itself: its reduction reads
+    rev[CT_PEERS + W + p] = p == rank ? 0 : ru;  // this rank's rows straight from the combine's input
     rev[CT_PEERS + 2 * W + p] = send_first;
-    rev[CT_PEERS + 3 * W + p] = su;
+    rev[CT_PEERS + 3 * W + p] = p == rank ? 0 : su;
     send_first += su;
     recv_first += ru;
     recv_rows += s_recv0[p];

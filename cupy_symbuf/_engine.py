@@ -30,6 +30,13 @@ def row_signature(a) -> str:
     return f"{dt.str}:{dt}{tuple(a.shape[1:])}"
 
 
+def _addr(a) -> int:
+    """Device address of a CuPy array, an address given as an int, or 0 for None."""
+    if a is None:
+        return 0
+    return a if isinstance(a, int) else a.data.ptr
+
+
 class _CallState:
     """``started``: a communication step ran; ``pending``: the peers are still inside the call (a step that is not
     the call's last one completed, e.g. the count exchange before the row exchange)."""
@@ -178,7 +185,8 @@ class Engine:
     def notify_device(self, op: str, meta, num_values: int, sig_text: str, *, table, sums, local_reject=None,
                       scale: int = 1, capacity: int = -1, worst: bool = False, sig_what: str = "",
                       self_error=None):
-        """The count exchange of a device-count call (GPU): the values ``meta`` (device int64 ``[W, num_values]``,
+        """The count exchange of a device-count call (GPU; array arguments may be device addresses as ints): the
+        values ``meta`` (device int64 ``[W, num_values]``,
         made by a kernel: the host never sees them) go to the peers; the kernel writes the counts tables
         ``table`` (device int64 ``[2 * CT_WORDS]``: this call's and the reverse call's) and ``sums`` (device int64
         ``[num_values]``: each value summed over the sources). ``worst``: nothing is read on the host (the call
@@ -192,10 +200,9 @@ class Engine:
             self._check_not_capturing(op)
         self._epoch += 1
         tr = self.transport
-        self._run(tr.notify_device, meta.data.ptr, num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
-                  local_reject=0 if local_reject is None else local_reject.data.ptr, echo=not worst,
-                  sums=sums.data.ptr, table=table.data.ptr, scale=scale, capacity=capacity, device_checks=worst,
-                  last=False)
+        self._run(tr.notify_device, _addr(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
+                  local_reject=_addr(local_reject), echo=not worst, sums=_addr(sums), table=_addr(table),
+                  scale=scale, capacity=capacity, device_checks=worst, last=False)
         if worst:
             return None
         out = self._run(tr.notify_result, op, num_values, last=False)

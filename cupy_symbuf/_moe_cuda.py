@@ -34,11 +34,14 @@ MAX_EXPERTS = 12288
 
 _LAYOUT_TYPES = ("u64", "i64", "i32", "i32", "i32") + ("u64",) * 8
 _FIXUP_TYPES = ("u64", "u64", "i64", "i32", "i64", "i32", "u64", "u64", "u64", "i64")
-_REDUCE_TYPES = ("u64", "u64", "u64", "i64", "i64", "i32", "i32")
+_REDUCE_TYPES = ("u64", "u64", "u64", "i64", "i64", "i32", "i32", "u64", "i64", "u64", "i32")
 
 
 def _ptr(a) -> int:
-    return 0 if a is None else a.data.ptr
+    """Device address of an array, an address given as an int, or 0 for None."""
+    if a is None:
+        return 0
+    return a if isinstance(a, int) else a.data.ptr
 
 
 def _launcher(eng, name: str, types: tuple):
@@ -68,33 +71,25 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
                      _ptr(meta), _ptr(bad), sticky_ptr, _ptr(pos), _ptr(send_idx)), shared_mem=4 * num_experts)
 
 
-def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str) -> None:
-    """Launch a combine reduction (``symbuf_combine_reduce_*``): ``out[t] = sum_r back[pos[t, r]]`` in float32."""
-    row = hidden * back.dtype.itemsize
-    vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0  # 16 bytes per load
+def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_rows=None, table_ptr: int = 0,
+           rank: int = 0) -> None:
+    """Launch a combine reduction (``symbuf_combine_reduce_*``): ``out[t] = sum_r row(t, r)`` in float32, ranks in
+    order, where ``row(t, r)`` is ``back[pos[t, r]]``, or with ``self_rows`` (the combine's input, rows of
+    ``back``'s dtype, any row stride) this rank's own row read straight from it (the ring moved none: the reverse
+    counts table has no units to itself; ``table_ptr``: the dispatch's counts table)."""
+    item = back.dtype.itemsize
+    row = hidden * item
+    self_ptr = self_stride = 0
+    if self_rows is not None:
+        self_ptr = self_rows.data.ptr if self_rows.shape[0] else 0
+        self_stride = self_rows.strides[0] // item if self_rows.shape[0] > 1 else hidden
+    vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 and self_ptr % 16 == 0 and \
+        (self_stride * item) % 16 == 0  # 16 bytes per load
     lanes = row // 16 if vec else hidden
     _kernels.get_launcher(SOURCE, kernel, _REDUCE_TYPES)(
         min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)),
-        (back.data.ptr, pos.data.ptr, out.data.ptr, num_tokens, hidden, pos.shape[1], 1 if vec else 0))
-
-
-def get_dispatch_layout(eng, op: str, idx, num_experts: int):
-    """``(num_tokens_per_rank int32 [W], num_tokens_per_expert int32 [E], is_token_in_rank bool [N, W])`` from one
-    kernel launch, nothing read on the host: ``topk_idx`` values out of range are left out of the counts and
-    raised by the next ``synchronize()`` (at once with ``Config.blocking``)."""
-    cp = _compat.cupy
-    W = eng.world_size
-    n = idx.shape[0]
-    counts = cp.empty(W + num_experts, np.int32)  # one allocation: [per rank | per expert]
-    per_rank, per_expert = counts[:W], counts[W:]
-    in_rank = cp.empty((n, W), dtype=bool)
-    eng.transport.layout_error_what = (idx.shape, num_experts)
-    layout(eng, contiguous(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
-           sticky=True)
-    if eng.config.blocking:
-        cp.cuda.get_current_stream().synchronize()
-        eng.transport.check_layout_error(op)
-    return per_rank, per_expert, in_rank
+        (back.data.ptr, pos.data.ptr, out.data.ptr, num_tokens, hidden, pos.shape[1], 1 if vec else 0, self_ptr,
+         self_stride, table_ptr, rank))
 
 
 class Routing:
@@ -105,27 +100,45 @@ class Routing:
     ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
     """
 
-    __slots__ = ("block", "table", "rev_table", "sums", "bad", "meta", "pos", "send_idx", "in_rank")
+    __slots__ = ("block", "M", "table_ptr", "pos", "send_idx", "in_rank")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
         self.block = cp.empty(2 * CT + M + 2 + W * M, np.int64)  # (+ the count exchange's values, [W, M])
-        self.table = self.block[:CT]
-        self.rev_table = self.block[CT:2 * CT]
-        self.sums = self.block[2 * CT:2 * CT + M]
-        self.bad = self.block[2 * CT + M:2 * CT + M + 2]
-        self.meta = self.block[2 * CT + M + 2:]
+        self.M = M
+        self.table_ptr = self.block.data.ptr  # the parts by address on the hot path (views cost us each)
         self.pos = cp.empty((n, W), np.int64)
         self.send_idx = cp.empty(max(1, n * W), np.int64)
         self.in_rank = cp.empty((n, W), dtype=bool)
 
-    @property
-    def table_ptr(self) -> int:
-        return self.block.data.ptr
-
+    # addresses of the parts (hot path) and views of them (errors, worst-case counts)
     @property
     def rev_table_ptr(self) -> int:
-        return self.block.data.ptr + 8 * CT
+        return self.table_ptr + 8 * CT
+
+    @property
+    def sums_ptr(self) -> int:
+        return self.table_ptr + 8 * 2 * CT
+
+    @property
+    def bad_ptr(self) -> int:
+        return self.sums_ptr + 8 * self.M
+
+    @property
+    def meta_ptr(self) -> int:
+        return self.bad_ptr + 16
+
+    @property
+    def table(self):
+        return self.block[:CT]
+
+    @property
+    def sums(self):
+        return self.block[2 * CT:2 * CT + self.M]
+
+    @property
+    def bad(self):
+        return self.block[2 * CT + self.M:2 * CT + self.M + 2]
 
     @property
     def num_recv_tokens(self):

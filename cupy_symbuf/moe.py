@@ -644,8 +644,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
     idx = _moe_cuda.contiguous(idx)
     rt = _moe_cuda.Routing(num_tokens, num_topk, w_size, M)
-    meta = rt.meta
-    _moe_cuda.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad, pos=rt.pos,
+    meta = rt.meta_ptr
+    _moe_cuda.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
                      send_idx=rt.send_idx)
 
     def bad_error():
@@ -654,7 +654,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
         return ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={n_exp}), got "
                           f"{int(idx[t, k].get())} at [{t}, {k}] (found by the layout kernel; nothing was sent)")
 
-    res = comm.notify_device(op, meta, M, sig, table=rt.block[:2 * _moe_cuda.CT], sums=rt.sums, local_reject=rt.bad,
+    res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
                              capacity=worst if worst else -1, worst=bool(worst), self_error=bad_error,
                              sig_what=lambda: (
                                  f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
@@ -678,7 +678,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     recv_x, recv_scales, recv_gidx, recv_w = _exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
                                                               sig, rt.table_ptr)
     counts_out = cp.empty(epr, np.int64) if worst else None
-    _moe_cuda.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums,
+    _moe_cuda.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
                     counts_out=counts_out, align=align)
     h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
                        num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
@@ -699,6 +699,13 @@ def _row_bytes(xv, scales, num_topk: int, with_weights: bool) -> int:
     if with_weights:
         rb += num_topk * 4
     return int(rb)
+
+
+def _rows_contiguous(xp, a):
+    """``a`` (2-D or None) itself when its rows are contiguous runs of elements, else a C-contiguous copy."""
+    if a is not None and a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
+        return xp.ascontiguousarray(a)
+    return a
 
 
 def _rows_part(xp, a):
@@ -786,8 +793,10 @@ def _combine_positions(xp, h: "DispatchHandle"):
     return xp.ascontiguousarray(xp.where(in_rank, rank_pos + offs[None, :], -1))
 
 
-def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int):
-    """``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as ``out_dtype``."""
+def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=None, table_ptr: int = 0,
+                 rank: int = 0):
+    """``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as ``out_dtype``; with
+    ``self_rows`` this rank's own rows come from there (see :func:`cupy_symbuf._moe_cuda.reduce`)."""
     from . import _compat
     cp = _compat.cupy
     hidden = back.shape[1]
@@ -795,7 +804,10 @@ def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int):
     if num_tokens and hidden:
         if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
             back = cp.empty((1, hidden), back.dtype)
-        _moe_cuda.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind])
+        if self_rows is not None:
+            self_rows = self_rows.view(back.dtype)
+        _moe_cuda.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind], self_rows=self_rows,
+                         table_ptr=table_ptr, rank=rank)
     return out
 
 
@@ -862,6 +874,8 @@ def _combine(comm, op, x, handle, topk_weights, dtype):
     # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
     sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
     if h.routing is not None:  # GPU: the reverse counts table of the dispatch; no host work beyond the launches
+        # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
+        x, weights = _rows_contiguous(xp, x), _rows_contiguous(xp, weights)
         back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
                                                 h.routing.rev_table_ptr)
     else:
@@ -874,7 +888,15 @@ def _combine(comm, op, x, handle, topk_weights, dtype):
     num_tokens = h.num_tokens
     if comm.backend == "cuda":
         # one reduction kernel per part (cuda_src/moe.cu): the same float32 sum, ranks in ascending order
-        pos = h.routing.pos if h.routing is not None else _combine_positions(xp, h)
+        if h.routing is not None:  # this rank's own rows did not travel: the reduction reads them from x
+            rt = h.routing
+            combined = _reduce_cuda(back_x, rt.pos, kind, x.dtype, num_tokens, self_rows=x,
+                                    table_ptr=rt.table_ptr, rank=h.rank)
+            acc_w = None if weights is None else _reduce_cuda(back_w, rt.pos, FLOAT32_KIND, np.float32, num_tokens,
+                                                              self_rows=weights, table_ptr=rt.table_ptr,
+                                                              rank=h.rank)
+            return combined, acc_w
+        pos = _combine_positions(xp, h)
         combined = _reduce_cuda(back_x, pos, kind, x.dtype, num_tokens)
         acc_w = _reduce_cuda(back_w, pos, FLOAT32_KIND, np.float32, num_tokens) if weights is not None else None
         return combined, acc_w
