@@ -92,6 +92,25 @@ def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_ro
          self_stride, table_ptr, rank))
 
 
+def get_dispatch_layout(eng, op: str, idx, num_experts: int):
+    """``(num_tokens_per_rank int32 [W], num_tokens_per_expert int32 [E], is_token_in_rank bool [N, W])`` from one
+    kernel launch, nothing read on the host: ``topk_idx`` values out of range are left out of the counts and
+    raised by the next ``synchronize()`` (at once with ``Config.blocking``)."""
+    cp = _compat.cupy
+    W = eng.world_size
+    n = idx.shape[0]
+    counts = cp.empty(W + num_experts, np.int32)  # one allocation: [per rank | per expert]
+    per_rank, per_expert = counts[:W], counts[W:]
+    in_rank = cp.empty((n, W), dtype=bool)
+    eng.transport.layout_error_what = (idx.shape, num_experts)
+    layout(eng, contiguous(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
+           sticky=True)
+    if eng.config.blocking:
+        cp.cuda.get_current_stream().synchronize()
+        eng.transport.check_layout_error(op)
+    return per_rank, per_expert, in_rank
+
+
 class Routing:
     """What one dispatch's layout and count exchange made on the device (kept by the handle).
 
