@@ -580,6 +580,14 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         f"num_topk, choice of topk_weights and num_experts"))
     recv_counts = recv_meta[:, 0].copy()
     raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
+    n_recv = int(recv_counts.sum())
+    if worst and n_recv > worst:
+        # between the steps, before any row moves (as the GPU's count exchange): fatal, and comm.fatal sets the
+        # abort word, so the peers' row exchange of this very call fails instead of returning
+        raise comm.fatal(SymBufferMismatchError(
+            f"{op}: rank {rank} receives {n_recv} rows, more than num_worst_tokens={worst} (the output "
+            f"capacity; it must bound what any rank can receive, e.g. num_tokens * world_size)", rank=rank, op=op,
+            field="capacity", expected=worst, got=n_recv))
 
     # ---- data
     recv_x, recv_scales, recv_gidx, recv_w = _exchange(comm, op, xv, scales, idx, weights, send_token_idx,
@@ -591,13 +599,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     if recv_w is not None:
         recv_topk_weights = xp.where(mine, recv_w, np.float32(0)).astype(np.float32, copy=False)
 
-    n_recv = int(recv_counts.sum())
     if worst:  # outputs of the worst-case size: rows past the real count are -1 / 0 (x, scales: 0)
-        if n_recv > worst:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
-            raise comm.fatal(SymBufferMismatchError(
-                f"{op}: rank {rank} receives {n_recv} rows, more than num_worst_tokens={worst} (the output "
-                f"capacity; it must bound what any rank can receive, e.g. num_tokens * world_size)", rank=rank, op=op,
-                field="capacity", expected=worst, got=n_recv))
         recv_x, recv_scales = _pad_rows(xp, recv_x, worst, 0), _pad_rows(xp, recv_scales, worst, 0)
         recv_topk_idx = _pad_rows(xp, recv_topk_idx, worst, -1)
         recv_topk_weights = _pad_rows(xp, recv_topk_weights, worst, 0)

@@ -57,8 +57,8 @@ def all_ranks(check) -> None:
     err = None
     try:
         check()
-    except Exception as e:  # noqa: BLE001 - reported on every rank
-        err = f"rank {RANK}: {type(e).__name__}: {e}"
+    except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported on every rank (pytest.fail in a
+        err = f"rank {RANK}: {type(e).__name__}: {e}"  # check raises a BaseException: it must not skip the allgather)
     errs = [e for e in WORLD.allgather(err) if e]
     if errs:
         pytest.fail("\n".join(errs), pytrace=False)

@@ -349,3 +349,33 @@ def test_eager_count_exchange_refused_in_graph_capture(moe_comm):
     all_ranks(lambda: (err is not None and "num_worst_tokens" in str(err)) or pytest.fail(repr(err)))
     out = c.dispatch(d_x, d_idx, d_w, n_exp, num_worst_tokens=8 * W)
     _check_worst(c, out, idx, x, w, n_exp, 8 * W)
+
+
+def test_worst_case_overflow_fails_the_call_on_every_rank(moe_comm):
+    """More rows than num_worst_tokens on rank 0 (every token to its expert 0): rank 0 raises
+    SymBufferMismatchError (field "capacity") and the peers fail in the same dispatch (SymBufferAbortedError), not
+    in their next call: the check comes before any row moves, as the GPU's count exchange does."""
+    from cupy_symbuf import Communicator, Config, SymBufferAbortedError, SymBufferMismatchError
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    c = Communicator(WORLD, Config(timeout_s=5.0, abort_on_failure=False), backend=moe_comm.backend)
+    n_exp, tokens = 2 * W, 4
+    idx = np.zeros((tokens, 1), np.int64)  # rank 0 receives tokens * W rows
+    x = np.ones((tokens, 8), np.float32)
+    err = None
+    try:
+        try:
+            c.dispatch(to_dev(c, x), to_dev(c, idx), None, n_exp, num_worst_tokens=tokens * W - 1)
+            if c.backend == "cuda":
+                c.synchronize()
+        except (SymBufferMismatchError, SymBufferAbortedError) as e:
+            err = e
+        want = SymBufferMismatchError if RANK == 0 else SymBufferAbortedError
+
+        def check():
+            assert isinstance(err, want), f"rank {RANK}: {err!r}"
+            assert RANK != 0 or "num_worst_tokens" in str(err), str(err)
+        all_ranks(check)
+    finally:
+        WORLD.Barrier()
+        c.close()
