@@ -414,7 +414,7 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
         ``topk_idx`` not 2-D or without columns; a value ``< -1`` or ``>= num_experts`` (on the GPU the layout is
         one kernel and nothing is read on the host: such values are left out of the counts and raised by the next
         ``synchronize()``, or at once with ``Config.blocking``); ``num_experts`` not a positive multiple of
-        ``world_size`` (GPU: or more than 12288).
+        ``world_size`` (GPU: or more than 8192).
 
     Notes
     -----

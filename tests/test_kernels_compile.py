@@ -162,3 +162,21 @@ def test_debug_env_adds_define(monkeypatch):
     finally:
         monkeypatch.undo()
         _kernels._debug_defines.cache_clear()
+
+
+def test_moe_layout_shared_memory_fits_max_experts():
+    """symbuf_moe_layout keeps num_experts int32 counters in dynamic shared memory next to its static arrays and is
+    launched without the opt-in attribute: static + 4 * MAX_EXPERTS must fit the default 48 KiB per block, or a
+    dispatch with num_experts near MAX_EXPERTS fails at launch."""
+    _nvrtc_or_skip()
+    from cupy_symbuf import _moe_cuda
+    ptx = _kernels.compile_ptx("moe.cu")
+    sizes = {"b8": 1, "u32": 4, "s32": 4, "b32": 4, "u64": 8, "s64": 8, "b64": 8}
+    static = 0
+    for align, kind, n in re.findall(r"\.shared \.align (\d+) \.(\w+) _ZZ17symbuf_moe_layoutE\w+?(?:\[(\d+)\])?;",
+                                     ptx):
+        static = -(-static // int(align)) * int(align) + sizes[kind] * int(n or 1)
+    assert static > 8192, f"parsed {static} bytes of static shared memory: the PTX pattern no longer matches"
+    assert static + 4 * _moe_cuda.MAX_EXPERTS <= 48 * 1024, (
+        f"symbuf_moe_layout: {static} static + 4 * MAX_EXPERTS={_moe_cuda.MAX_EXPERTS} bytes of shared memory exceed "
+        f"48 KiB")
