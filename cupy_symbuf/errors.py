@@ -95,6 +95,12 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
                    plan=None) -> SymBufferMismatchError:
     """A peer's call header differs from this rank's call (both engines use this text)."""
     name = P.FIELD_NAMES.get(field, f"field {field}")
+    if field == P.FIELD_CAPACITY:  # found by this rank's count exchange (no peer, no header): as the host path says it
+        return SymBufferMismatchError(
+            f"{op}: rank {rank} receives {got} rows, more than the output capacity {expected} (num_worst_tokens / "
+            f"recv_capacity must bound what any rank can receive, e.g. num_tokens * world_size); nothing was copied "
+            f"on this rank; the communicator is unusable (every other rank raises SymBufferAbortedError)",
+            rank=rank, op=op, field="capacity", expected=expected, got=got)
     if field == P.FIELD_OP:
         detail = f"this rank called {P.op_name(expected)}, rank {peer} called {P.op_name(got)}"
     elif field == P.FIELD_UNITS:
