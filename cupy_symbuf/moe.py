@@ -543,7 +543,10 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
                 recv_x, recv_scales = _pad_rows(xp, recv_x, h.num_worst_tokens, 0), \
                     _pad_rows(xp, recv_scales, h.num_worst_tokens, 0)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
-        return out_x, None, None, h.num_recv_tokens_per_expert(align), h
+        counts = h.num_recv_tokens_per_expert(align)
+        if h.num_worst_tokens and isinstance(counts, list):  # host: an array, as the first call's and the GPU's
+            counts = xp.asarray(np.asarray(counts, np.int64))
+        return out_x, None, None, counts, h
 
     n_exp = _check_num_experts(op, comm, num_experts)
     if topk_idx is None:

@@ -110,6 +110,10 @@ def test_worst_case_dispatch_combine_uneven(moe_comm, routing):
     cached = c.dispatch(to_dev(c, x), handle=h)
     rx = _reference(idx, x, w, n_exp)[0]
     all_ranks(lambda: np.testing.assert_array_equal(to_np(cached[0])[:rx.shape[0]], rx))
+    # worst-case mode: the per-expert counts are an array of xp on a cached call too (host and GPU alike)
+    cached4 = c.dispatch(to_dev(c, x), handle=h, expert_alignment=4)  # out's alignment (rep 1)
+    all_ranks(lambda: (isinstance(cached4[3], c.xp.ndarray) and
+                       np.array_equal(to_np(cached4[3]), to_np(out[3]))) or pytest.fail(repr(cached4[3])))
     del epr
 
 
