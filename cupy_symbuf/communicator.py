@@ -456,7 +456,9 @@ class Communicator:
         if recv_capacity is None:
             raise ValueError(f"{op}: send_counts on the device needs recv_capacity= (the output rows; the host never "
                              f"reads the counts)")
-        if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)) or recv_capacity < 0:
+        if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)):
+            raise TypeError(f"{op}: recv_capacity must be an int >= 0, got {type(recv_capacity).__name__}")
+        if recv_capacity < 0:
             raise ValueError(f"{op}: recv_capacity must be an int >= 0, got {recv_capacity!r}")
         cap = int(recv_capacity)
         x = as_array(op, "sendbuf", sendbuf, self.backend)
@@ -465,6 +467,9 @@ class Communicator:
         if self.backend == "host":
             send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
             eng.check_size(op, "send_counts", send_counts, x)
+            # the output before the count exchange: a capacity too large to allocate is a rejection told to the
+            # peers (communicator usable), not a failure between the steps
+            recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)
             got = check_counts(op, "recv_counts (from the count exchange)",
                                eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), W)
             n = int(got.sum())
@@ -473,7 +478,6 @@ class Communicator:
                 raise eng.fatal(SymBufferMismatchError(
                     f"{op}: rank {self.rank} receives {n} rows, more than recv_capacity={cap}", rank=self.rank,
                     op=op, field="capacity", expected=cap, got=n))
-            recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)
             eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig)
             return recv, got
         cp = self.xp
@@ -489,9 +493,9 @@ class Communicator:
         _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
             1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
         rb = part_width(x)
+        recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)  # before the count exchange (as on the host)
         eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
                           local_reject=bad, scale=rb, capacity=cap, worst=True)
-        recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)
         if rb:
             eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False)
         got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // max(rb, 1)

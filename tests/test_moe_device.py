@@ -394,3 +394,29 @@ def test_gpu_capacity_error_text():
     assert err.field == "capacity" and (err.expected, err.got) == (11, 12)
     assert "receives 12 rows, more than the output capacity 11" in str(err)
     assert "rank -1" not in str(err) and "call header" not in str(err)
+
+
+def test_alltoallv_capacity_bad_capacity_is_a_rejection(moe_comm):
+    """A recv_capacity that is not an int, negative, or too large to allocate on rank 0: rank 0 raises
+    TypeError / ValueError / MemoryError, the peers SymBufferRejectedError, and the communicator stays usable
+    (the output is allocated before the count exchange)."""
+    c = moe_comm
+    counts, x = _a2av_inputs(("a2av-badcap", c.backend), hidden=1000)
+    oom = (MemoryError,)
+    if c.backend == "cuda":
+        import cupy
+        oom = (MemoryError, cupy.cuda.memory.OutOfMemoryError)
+    for bad, want in (("8", TypeError), (-1, ValueError), (10 ** 13, oom)):
+        err = None
+        try:
+            c.alltoallv(to_dev(c, x), counts, recv_capacity=bad if RANK == 0 else 8 * W)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            err = e
+        if RANK == 0:
+            all_ranks(lambda: isinstance(err, want) or pytest.fail(f"{bad!r}: {err!r}"))
+        else:
+            all_ranks(lambda: isinstance(err, SymBufferRejectedError) or pytest.fail(f"{bad!r}: {err!r}"))
+    recv, got = c.alltoallv(to_dev(c, x), counts, recv_capacity=8 * W)
+    want_x, want_counts = _a2av_reference(counts, x)
+    all_ranks(lambda: (np.testing.assert_array_equal(to_np(got), want_counts),
+                       np.testing.assert_array_equal(to_np(recv)[:want_x.shape[0]], want_x)))
