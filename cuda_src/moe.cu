@@ -45,6 +45,7 @@ struct ReduceRows {
   i64 self_stride;  // units between rows of self_rows
   i64 self_delta;
   int rank;
+  bool skip;  // the dispatch was skipped on every rank (its table says CT_SKIP): nothing came back, sums are 0
   __device__ __forceinline__ const T* at(int r, i64 p) const {
     return (self_rows != nullptr && r == rank) ? self_rows + (p + self_delta) * self_stride : back + p * row;
   }
@@ -54,7 +55,8 @@ template <class T>
 __device__ __forceinline__ ReduceRows<T> reduce_rows(const T* back, i64 row, const T* self_rows, i64 self_stride,
                                                      const i64* table, int rank, int world_size) {
   const i64 delta = self_rows != nullptr ? table[CT_PEERS + 2 * world_size + rank] - table[CT_PEERS + rank] : 0;
-  return ReduceRows<T>{back, row, self_rows, self_stride, delta, rank};
+  const bool skip = table != nullptr && table[CT_SKIP] != 0;
+  return ReduceRows<T>{back, row, self_rows, self_stride, delta, rank, skip};
 }
 
 // out [num_tokens, hidden] C-contiguous, pos [num_tokens, world_size] int64.
@@ -68,7 +70,7 @@ __device__ __forceinline__ void combine_reduce(const ReduceRows<typename E::bits
       float acc = 0.0f;
       for (int r = 0; r < world_size; ++r) {
         const i64 p = __ldg(pt + r);
-        if (p >= 0) acc = __fadd_rn(acc, E::load(src.at(r, p)[h]));
+        if (p >= 0 && !src.skip) acc = __fadd_rn(acc, E::load(src.at(r, p)[h]));
       }
       out[t * hidden + h] = E::store(acc);
     }
@@ -92,7 +94,7 @@ __device__ __forceinline__ void combine_reduce_vec(const ReduceRows<uint4> src, 
       for (int j = 0; j < V; ++j) acc[j] = 0.0f;
       for (int r = 0; r < world_size; ++r) {
         const i64 p = __ldg(pt + r);
-        if (p < 0) continue;
+        if (p < 0 || src.skip) continue;
         const uint4 v = __ldg(src.at(r, p) + h);
         const B* e = reinterpret_cast<const B*>(&v);
 #pragma unroll

@@ -431,6 +431,18 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 // signature sets CT_SKIP and records the rejection (STATUS_REJECTED_BY / _WHY, raised by synchronize), another op
 // is a fatal mismatch, and rows received beyond `capacity` (>= 0) are a fatal FIELD_CAPACITY error. done
 // (host-mapped, optional): `ticket` is stored there last, when every output above is written (or the wait failed).
+// A skipped call (rejected, signatures differ, capacity exceeded, a failed wait): both tables say CT_SKIP and hold
+// no rows at all, so whatever reads them (ring kernel, fix-up, combine's reduction, alltoallv's returned counts)
+// sees a call that moved nothing.
+__device__ __forceinline__ void skip_tables(i64* table, int world_size) {
+  for (int t = 0; t < 2; ++t) {
+    i64* tab = table + t * CT_WORDS;
+    tab[CT_SKIP] = 1;
+    tab[CT_RECV_TOTAL] = 0;
+    for (int i = 0; i < 4 * world_size; ++i) tab[CT_PEERS + i] = 0;
+  }
+}
+
 static_assert(NOTIFY_EPOCH == 0 && NOTIFY_STATUS == NOTIFY_OP + 1 && NOTIFY_SIG == NOTIFY_OP + 2 &&
                   NOTIFY_HDR_WORDS == NOTIFY_SIG + 1,
               "symbuf_notify copies the slot words from NOTIFY_OP on as one run");
@@ -490,7 +502,7 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
   __syncthreads();
   if (threadIdx.x == 0) *epoch_word = epoch;
   if (s_abort) {
-    if (table != nullptr && threadIdx.x == 0) table[CT_SKIP] = table[CT_WORDS + CT_SKIP] = 1;
+    if (table != nullptr && threadIdx.x == 0) skip_tables(table, world_size);
     if (done != nullptr && threadIdx.x == 0) st_release_sys_global(done, ticket);  // the record says why
     return;
   }
@@ -565,11 +577,12 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
     skip = 1;
     fail(s_ctx, ROLE_NOTIFY, -1, capacity, recv_rows, ERR_MISMATCH, FIELD_CAPACITY);
   }
-  fwd[CT_SKIP] = rev[CT_SKIP] = skip;
-  fwd[CT_RECV_TOTAL] = skip ? 0 : recv_rows;
+  fwd[CT_SKIP] = rev[CT_SKIP] = 0;
+  fwd[CT_RECV_TOTAL] = recv_rows;
   i64 send_rows = 0;
   for (int p = 0; p < W; ++p) send_rows += s_send0[p];
-  rev[CT_RECV_TOTAL] = skip ? 0 : send_rows;
+  rev[CT_RECV_TOTAL] = send_rows;
+  if (skip) skip_tables(table, W);
   }
   // done (host-mapped): the host spins on it instead of synchronising the stream (eager calls): the release
   // covers this thread's stores and, through the __syncthreads above, the block's (recv_meta, send_echo, sums)

@@ -152,6 +152,8 @@ class CudaTransport:
         self._last_stream = None       # stream of the last launch (collectives are ordered across streams)
         self._reported = False
         self.rejected_why = P.REJECT_ARGS
+        #: copies made for calls captured into CUDA graphs (their replays read them), released by close()
+        self.graph_keep = []
         #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
         self.pending_rejection = None
 
@@ -173,6 +175,7 @@ class CudaTransport:
                 f"reported it: that call's rows from rank {who} were not delivered", rank=self.rank,
                 rejecting_rank=who, op=self._op_name(seq))
         self._status.free()
+        self.graph_keep = []
         self._notify_done.free()
         self.layout_error.free()
         self._meta.free()
@@ -210,10 +213,12 @@ class CudaTransport:
                     f"top-k, weights or num_experts): rank {who}'s differs from this rank's; nothing was exchanged "
                     f"and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
             if who == self.rank:
+                what = "send_counts negative or not summing to the rows of sendbuf" if failed == "alltoallv" else \
+                    "a topk_idx value outside [-1, num_experts)"
                 raise SymBufferRejectedError(
                     f"{failed} (queued earlier; found by {op}): this rank rejected its own arguments on the device "
-                    f"(e.g. a topk_idx value outside [-1, num_experts)); nothing was exchanged and the communicator "
-                    f"stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+                    f"({what}); nothing was exchanged and the communicator stays usable", rank=self.rank,
+                    rejecting_rank=who, op=failed)
             raise SymBufferRejectedError(
                 f"{failed} (queued earlier; found by {op}): rank {who} rejected the call (its own arguments failed "
                 f"its checks; see rank {who}'s error); the rows from rank {who} were not delivered; the "
@@ -339,17 +344,22 @@ class CudaTransport:
         d = launch.desc
         if d is None:
             return []  # one rank, nothing to move
+        copies = None
         if launch.copy_send:  # a byte stream is one span per peer: rows that are not contiguous are copied first
-            send_parts = [cp.ascontiguousarray(send_parts[0])]
+            send_parts = copies = [cp.ascontiguousarray(send_parts[0])]
         for w, a in zip(launch.send_words, send_parts):
             d[w] = a.data.ptr
         for w, a in zip(launch.recv_words, recv_parts):
             d[w] = a.data.ptr
         if send_index is not None:
-            send_index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
-            d[DESC_SEND_INDEX] = send_index.data.ptr
+            index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
+            if index is not send_index:
+                copies = (copies or []) + [index]
+            d[DESC_SEND_INDEX] = index.data.ptr
         d[DESC_COUNTS] = counts  # a device counts table (device-count plans), else 0
         stream = cp.cuda.get_current_stream()
+        if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
+            self.graph_keep.extend(copies)
         d[DESC_SEQ] = self._next_launch(op, stream, plan)
         self._arg_ptrs[0] = launch.addr  # the driver copies the descriptor at launch: it may change after
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone

@@ -66,6 +66,8 @@ class Engine:
         self._epoch = 0
         self._state: Optional[_CallState] = None
         self._rows_plans = {}
+        #: temporaries of calls captured into CUDA graphs (keep_for_graph), released with the communicator
+        self.graph_keep = []
 
     # ---- lifecycle hooks ------------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -212,6 +214,14 @@ class Engine:
             raise err
         recv = self._check_notify(op, out, code, sig, sig_text, sig_what)
         return recv, tr.sent_meta(num_values)
+
+    def keep_for_graph(self, *objs) -> None:
+        """While the current stream is being captured into a CUDA graph, keep ``objs`` (temporaries a captured kernel
+        reads or writes: int64 copies, contiguous copies, rows returned for the reduction) alive until
+        :meth:`Communicator.close`, so that replays never touch memory the pool gave to someone else. Outside a
+        capture: nothing (one ``cudaStreamIsCapturing``)."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            self.graph_keep.extend(o for o in objs if o is not None)
 
     def _check_not_capturing(self, op: str) -> None:
         """An eager count exchange reads the counts on the host: it cannot run inside a CUDA graph capture. Every

@@ -494,11 +494,13 @@ class Communicator:
             1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
         rb = part_width(x)
         recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)  # before the count exchange (as on the host)
+        scale = rb or 1  # rows of 0 bytes: the table counts rows (nothing moves), so the counts still come back
+        eng.keep_for_graph(counts, block)  # an int64 copy of the counts and the tables, read by every replay
         eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
-                          local_reject=bad, scale=rb, capacity=cap, worst=True)
+                          local_reject=bad, scale=scale, capacity=cap, worst=True)
         if rb:
             eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False)
-        got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // max(rb, 1)
+        got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // scale
         return recv, got
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------

@@ -659,6 +659,10 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
         return ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={n_exp}), got "
                           f"{int(idx[t, k].get())} at [{t}, {k}] (found by the layout kernel; nothing was sent)")
 
+    # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
+    # failure between the steps); temporaries a captured call reads stay alive as long as the communicator
+    outs = _device_outputs(cp, worst, xv, scales, idx, weights) if worst else None
+    comm.keep_for_graph(idx)
     res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
                              capacity=worst if worst else -1, worst=bool(worst), self_error=bad_error,
                              sig_what=lambda: (
@@ -681,7 +685,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
         send_counts.setflags(write=False)
         recv_counts.setflags(write=False)
     recv_x, recv_scales, recv_gidx, recv_w = _exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
-                                                              sig, rt.table_ptr)
+                                                              sig, rt.table_ptr, outs)
     counts_out = cp.empty(epr, np.int64) if worst else None
     _moe_cuda.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
                     counts_out=counts_out, align=align)
@@ -758,22 +762,32 @@ def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, r
     return recv_x, recv_scales, recv_idx, recv_w
 
 
-def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int):
-    """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
-    capacity), the per-peer units read by the ring kernel from the counts table at ``table_ptr``."""
-    xp = comm.xp
-    parts = [(xv, xv.dtype, xv.shape[1])]
+def _device_outputs(xp, n_recv: int, xv, scales, idx, weights) -> list:
+    """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None)."""
+    outs = [xp.empty((n_recv, xv.shape[1]), dtype=xv.dtype)]
     for a, dt in ((scales, np.float32), (idx, np.int64), (weights, np.float32)):
         if a is not None:
-            parts.append((a, np.dtype(dt), a.shape[1]))
-    send_parts, recv_parts, outs = [], [], []
-    for a, dt, n in parts:
-        out = xp.empty((n_recv, n), dtype=dt)
-        outs.append(out)
-        if n == 0:
+            outs.append(xp.empty((n_recv, a.shape[1]), dtype=dt))
+    return outs
+
+
+def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
+                     outs=None):
+    """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
+    capacity; ``outs``: already allocated by :func:`_device_outputs`), the per-peer units read by the ring kernel
+    from the counts table at ``table_ptr``."""
+    xp = comm.xp
+    if outs is None:
+        outs = _device_outputs(xp, n_recv, xv, scales, idx, weights)
+    send_parts, recv_parts = [], []
+    for a, out in zip([p for p in (xv, scales, idx, weights) if p is not None], outs):
+        if out.shape[1] == 0:
             continue
         send_parts.append(_rows_part(xp, a))
         recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
+    # read / written by every replay of a captured call: copies made by _rows_part, and the combine's returned
+    # rows (its reduction's input, never handed to the caller)
+    comm.keep_for_graph(*send_parts, *outs)
     if send_parts:
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr)
     it = iter(outs[1:])
@@ -881,6 +895,7 @@ def _combine(comm, op, x, handle, topk_weights, dtype):
     if h.routing is not None:  # GPU: the reverse counts table of the dispatch; no host work beyond the launches
         # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
         x, weights = _rows_contiguous(xp, x), _rows_contiguous(xp, weights)
+        comm.keep_for_graph(x, weights)  # (copies, when they are) read by the reduction of a captured call
         back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
                                                 h.routing.rev_table_ptr)
     else:
