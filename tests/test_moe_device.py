@@ -398,8 +398,8 @@ def test_gpu_capacity_error_text():
 
 def test_alltoallv_capacity_bad_capacity_is_a_rejection(moe_comm):
     """A recv_capacity that is not an int, negative, or too large to allocate on rank 0: rank 0 raises
-    TypeError / ValueError / MemoryError, the peers SymBufferRejectedError, and the communicator stays usable
-    (the output is allocated before the count exchange)."""
+    TypeError / ValueError / MemoryError, the peers SymBufferRejectedError (GPU: from synchronize()), and the
+    communicator stays usable (the output is allocated before the count exchange)."""
     c = moe_comm
     counts, x = _a2av_inputs(("a2av-badcap", c.backend), hidden=1000)
     oom = (MemoryError,)
@@ -410,6 +410,8 @@ def test_alltoallv_capacity_bad_capacity_is_a_rejection(moe_comm):
         err = None
         try:
             c.alltoallv(to_dev(c, x), counts, recv_capacity=bad if RANK == 0 else 8 * W)
+            # GPU: capacity mode reads nothing on the host; the peers learn of the rejection from synchronize()
+            c.synchronize()
         except BaseException as e:  # noqa: BLE001 - checked below
             err = e
         if RANK == 0:
