@@ -95,3 +95,29 @@ def check_counts(op: str, name: str, counts, world_size: int, total: Optional[in
     if total is not None and exact != total:
         raise ValueError(f"{op}: argument '{name}' must sum to the number of rows ({total}), got sum {exact}")
     return arr
+
+
+def check_out(op: str, out, backend: str, shape: tuple, dtype, *, inputs=()):
+    """Validate a caller's output array ``out=`` (returned as the backend's array): the backend's module, exactly
+    ``shape`` and ``dtype``, C-contiguous (the kernels write rows in place), and sharing no memory with any of
+    ``inputs`` (a collective reads them while it writes). Raises ``TypeError`` (module, dtype) or ``ValueError``
+    (shape, layout, overlap) naming ``out``."""
+    out = as_array(op, "out", out, backend, min_ndim=0, contiguous=False)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{op}: argument 'out' must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if np.dtype(out.dtype) != np.dtype(dtype):
+        raise TypeError(f"{op}: argument 'out' must have dtype {np.dtype(dtype)}, got {out.dtype}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{op}: argument 'out' must be C-contiguous (the transport writes whole rows into it)")
+    if out.size:
+        lo = out.data.ptr if backend == "cuda" else out.ctypes.data
+        hi = lo + out.nbytes
+        for a in inputs:
+            if a is None or not a.size:
+                continue
+            alo = a.data.ptr if backend == "cuda" else a.ctypes.data
+            ahi = alo + (a.nbytes if a.flags.c_contiguous else (a.shape[0] - 1) * abs(a.strides[0]) + a.nbytes)
+            if alo < hi and lo < ahi:
+                raise ValueError(f"{op}: argument 'out' overlaps an input in memory; the collective reads its "
+                                 f"inputs while it writes 'out'")
+    return out

@@ -12,7 +12,7 @@ from . import _compat
 from . import moe as _moe
 from ._streams import run_collective as _run_collective
 from ._engine import row_signature
-from ._validate import as_array, check_counts
+from ._validate import as_array, check_counts, check_out
 from .config import Config
 from .errors import SymBufferClosedError, SymBufferError
 from .layout import ChannelLayout
@@ -293,7 +293,7 @@ class Communicator:
         return self._engine._run(fn, *args, **kwargs)
 
     # ---- collectives ----------------------------------------------------------------------------------------
-    def alltoall(self, sendbuf, *, stream=None, async_op=False):
+    def alltoall(self, sendbuf, *, out=None, stream=None, async_op=False):
         """All-to-all of equal blocks: ``recvbuf[j]`` is what rank ``j`` sent to this rank (``sendbuf[rank]`` there).
 
         Parameters
@@ -301,7 +301,11 @@ class Communicator:
         sendbuf : numpy.ndarray (host) or cupy.ndarray (cuda), shape ``[world_size, ...]``, any dtype
             ``sendbuf[j]`` goes to rank ``j``. Non-contiguous input is copied. On cuda the transfer runs on the
             current CuPy stream after the work already queued on it.
-
+        out : array, optional (keyword-only)
+            Where to receive, so that a call allocates nothing: the backend's array of ``sendbuf``'s shape and
+            dtype, C-contiguous, sharing no memory with ``sendbuf`` (``ValueError`` / ``TypeError`` naming
+            ``out`` otherwise, a rejection told to the peers). Returned as ``recvbuf``. With a CUDA graph: capture
+            with ``out`` and replay with new data in ``sendbuf``.
         stream, async_op : keyword-only
             See Streams below (every collective takes them).
 
@@ -344,7 +348,7 @@ class Communicator:
             the event is complete at once.
         """
         if stream is not None or async_op is not False:
-            return _run_collective(self, "alltoall", False, self.alltoall, (sendbuf,), stream=stream,
+            return _run_collective(self, "alltoall", False, self.alltoall, (sendbuf,), {"out": out}, stream=stream,
                                    async_op=async_op)
         op = "alltoall"
         eng = self._engine
@@ -355,14 +359,16 @@ class Communicator:
                 raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), "
                                  f"got shape {tuple(x.shape)}")
             plan = eng.rows_plan(op, x, self._ones)
-            recv = self.xp.empty(x.shape, dtype=x.dtype)
+            recv = self.xp.empty(x.shape, dtype=x.dtype) if out is None else \
+                check_out(op, out, self.backend, x.shape, x.dtype, inputs=(x,))
         except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
             eng.reject(op, notify=False)
             raise
         eng.run(plan, [x], None, [recv])
         return recv
 
-    def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, stream=None, async_op=False):
+    def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, out=None, stream=None,
+                  async_op=False):
         """All-to-all of variable row counts.
 
         Parameters
@@ -384,6 +390,10 @@ class Communicator:
             count are left as the memory held. Receiving more than ``recv_capacity`` rows is fatal
             (:class:`~cupy_symbuf.SymBufferMismatchError` on that rank, the peers abort). Not with
             ``recv_counts``. Every rank must make the same choice.
+        out : array, optional (keyword-only)
+            Where to receive (no allocation): the backend's array, C-contiguous, exactly the shape and dtype of
+            ``recvbuf`` below, sharing no memory with ``sendbuf``. Only with ``recv_counts`` or ``recv_capacity``
+            (the size must be known before the count exchange). Returned as ``recvbuf``.
         stream, async_op : keyword-only
             The stream to run on and the async form: see :meth:`alltoall` (Streams).
 
@@ -418,14 +428,17 @@ class Communicator:
         """
         if stream is not None or async_op is not False:
             return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
-                                   {"recv_counts": recv_counts, "recv_capacity": recv_capacity}, stream=stream,
-                                   async_op=async_op)
+                                   {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out},
+                                   stream=stream, async_op=async_op)
         op = "alltoallv"
         eng = self._engine
         if recv_capacity is not None or (self.backend == "cuda" and _compat.is_cupy_array(send_counts)):
             with eng.call(op, notify=True):
-                return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity)
+                return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out)
         with eng.call(op, notify=recv_counts is None):
+            if out is not None and recv_counts is None:
+                raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
+                                 f"known before the count exchange)")
             x = as_array(op, "sendbuf", sendbuf, self.backend)
             send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
             sig = row_signature(x)
@@ -440,11 +453,13 @@ class Communicator:
                     raise ValueError(f"{op}: recv_counts[{self.rank}] ({recv_counts[self.rank]}) must equal "
                                      f"send_counts[{self.rank}] ({send_counts[self.rank]}): the rows this rank sends "
                                      f"to itself")
-            recv = self.xp.empty((int(recv_counts.sum()),) + tuple(x.shape[1:]), dtype=x.dtype)
+            shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
+            recv = self.xp.empty(shape, dtype=x.dtype) if out is None else \
+                check_out(op, out, self.backend, shape, x.dtype, inputs=(x,))
             eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig)
         return recv, recv_counts
 
-    def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity):
+    def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None):
         """alltoallv in capacity mode (see :meth:`alltoallv`): GPU: counts checked and exchanged on the device,
         the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
         from the host protocol, padded to the capacity."""
@@ -469,7 +484,8 @@ class Communicator:
             eng.check_size(op, "send_counts", send_counts, x)
             # the output before the count exchange: a capacity too large to allocate is a rejection told to the
             # peers (communicator usable), not a failure between the steps
-            recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)
+            recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
+                check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))
             got = check_counts(op, "recv_counts (from the count exchange)",
                                eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), W)
             n = int(got.sum())
@@ -493,7 +509,8 @@ class Communicator:
         _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
             1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
         rb = part_width(x)
-        recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype)  # before the count exchange (as on the host)
+        recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
+            check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))  # before the notify
         scale = rb or 1  # rows of 0 bytes: the table counts rows (nothing moves), so the counts still come back
         eng.keep_for_graph(counts, block)  # an int64 copy of the counts and the tables, read by every replay
         eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],

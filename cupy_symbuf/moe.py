@@ -60,7 +60,7 @@ import numpy as np
 from . import _moe_cuda
 from . import _protocol as P
 from . import dtypes as _dt
-from ._validate import as_array
+from ._validate import as_array, check_out
 from .errors import SymBufferMismatchError
 from .layout import check_row_fits
 
@@ -813,13 +813,14 @@ def _combine_positions(xp, h: "DispatchHandle"):
 
 
 def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=None, table_ptr: int = 0,
-                 rank: int = 0):
+                 rank: int = 0, out=None):
     """``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as ``out_dtype``; with
     ``self_rows`` this rank's own rows come from there (see :func:`cupy_symbuf._moe_cuda.reduce`)."""
     from . import _compat
     cp = _compat.cupy
     hidden = back.shape[1]
-    out = cp.empty((num_tokens, hidden), dtype=out_dtype)
+    if out is None:
+        out = cp.empty((num_tokens, hidden), dtype=out_dtype)
     if num_tokens and hidden:
         if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
             back = cp.empty((1, hidden), back.dtype)
@@ -830,7 +831,7 @@ def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=
     return out
 
 
-def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
+def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, out=None):
     """Return each dispatched token's rows to its source rank and sum them there. Collective.
 
     DeepEP: ``Buffer.combine`` (``deep_ep/buffer.py``), intranode: a plain sum **without** weights (weight the
@@ -847,6 +848,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
         From ``dispatch`` on this communicator.
     topk_weights : xp.ndarray ``[num_recv_tokens, num_topk]`` float32, optional
         Per received row, reduced the same way (DeepEP passes ``recv_topk_weights`` here).
+    out : xp.ndarray ``[num_tokens, hidden]`` of ``x``'s dtype, optional (keyword-only)
+        Where to write ``combined_x`` (no allocation for it; C-contiguous, not overlapping ``x``); returned.
     dtype : optional, keyword-only
         How to read ``x``: ``None`` (from ``x.dtype``), ``"bfloat16"`` / ``ml_dtypes.bfloat16`` (``x`` may then be
         raw ``uint16`` bits: CuPy builds without a bfloat16 dtype hold bf16 so), ``numpy.float16`` or
@@ -879,16 +882,18 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None):
     """
     op = "combine"
     with comm.call(op, notify=False):
-        return _combine(comm, op, x, handle, topk_weights, dtype)
+        return _combine(comm, op, x, handle, topk_weights, dtype, out)
 
 
-def _combine(comm, op, x, handle, topk_weights, dtype):
+def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
     xp = comm.xp
     h = _check_handle(op, comm, handle)
     n_recv = h.num_recv_tokens
     x = _check_array(op, "x", x, comm, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
     kind = _combine_kind(op, x, dtype)
     weights = _check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
+    if out is not None:
+        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
 
     # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
     sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
@@ -911,13 +916,13 @@ def _combine(comm, op, x, handle, topk_weights, dtype):
         if h.routing is not None:  # this rank's own rows did not travel: the reduction reads them from x
             rt = h.routing
             combined = _reduce_cuda(back_x, rt.pos, kind, x.dtype, num_tokens, self_rows=x,
-                                    table_ptr=rt.table_ptr, rank=h.rank)
+                                    table_ptr=rt.table_ptr, rank=h.rank, out=out)
             acc_w = None if weights is None else _reduce_cuda(back_w, rt.pos, FLOAT32_KIND, np.float32, num_tokens,
                                                               self_rows=weights, table_ptr=rt.table_ptr,
                                                               rank=h.rank)
             return combined, acc_w
         pos = _combine_positions(xp, h)
-        combined = _reduce_cuda(back_x, pos, kind, x.dtype, num_tokens)
+        combined = _reduce_cuda(back_x, pos, kind, x.dtype, num_tokens, out=out)
         acc_w = _reduce_cuda(back_w, pos, FLOAT32_KIND, np.float32, num_tokens) if weights is not None else None
         return combined, acc_w
     acc = xp.zeros((num_tokens, h.hidden), dtype=np.float32)
@@ -935,4 +940,7 @@ def _combine(comm, op, x, handle, topk_weights, dtype):
                 acc_w[tok] += back_w[lo:hi]
     out_dtype = x.dtype
     combined = _dt.from_float32(xp, acc, kind, out_dtype)
+    if out is not None:
+        out[...] = combined
+        combined = out
     return combined, acc_w

@@ -422,3 +422,65 @@ def test_alltoallv_capacity_bad_capacity_is_a_rejection(moe_comm):
     want_x, want_counts = _a2av_reference(counts, x)
     all_ranks(lambda: (np.testing.assert_array_equal(to_np(got), want_counts),
                        np.testing.assert_array_equal(to_np(recv)[:want_x.shape[0]], want_x)))
+
+
+# ------------------------------------------------------------------------------------------------ out=
+
+
+def test_out_argument_no_allocation(moe_comm):
+    """out= on alltoall, alltoallv (recv_counts / recv_capacity) and combine: the result IS the caller's array,
+    exact against NumPy, reused across calls with new data."""
+    c = moe_comm
+    xp = c.xp
+    out = xp.full((W, 3, 5), -1, np.float32)
+    for rep in range(3):
+        x = rng_for("out-a2a", rep).integers(1, 100, size=(W, 3, 5)).astype(np.float32) + RANK * 1000
+        got = c.alltoall(to_dev(c, x), out=out)
+        every = WORLD.allgather(x)
+        want = np.stack([every[j][RANK] for j in range(W)])
+        all_ranks(lambda: (got is out or pytest.fail("not the out array"),
+                           np.testing.assert_array_equal(to_np(got), want)))
+    counts, x = _a2av_inputs(("out-a2av", c.backend))
+    want, want_counts = _a2av_reference(counts, x)
+    o = xp.zeros((int(want_counts.sum()), 5), np.float32)
+    recv, _ = c.alltoallv(to_dev(c, x), counts, recv_counts=want_counts, out=o)
+    cap = xp.zeros((8 * W + 1, 5), np.float32)
+    recv2, _ = c.alltoallv(to_dev(c, x), counts, recv_capacity=8 * W + 1, out=cap)
+    all_ranks(lambda: (recv is o and recv2 is cap) or pytest.fail("not the out arrays"))
+    all_ranks(lambda: (np.testing.assert_array_equal(to_np(recv), want),
+                       np.testing.assert_array_equal(to_np(recv2)[:want.shape[0]], want)))
+    n_exp = 4 * W
+    idx, xm, w = _inputs(("out-combine", c.backend), 6, 32, n_exp, 2)
+    d = c.dispatch(to_dev(c, xm), to_dev(c, idx), to_dev(c, w), n_exp)
+    o = xp.full((6, 32), 7, np.float32)
+    comb, _ = c.combine(d[0], d[4], out=o)
+    ranks = _ranks_of(idx, n_exp)
+    all_ranks(lambda: (comb is o or pytest.fail("not the out array"),
+                       np.testing.assert_array_equal(to_np(comb), xm * ranks[:, None])))
+
+
+def test_bad_out_rejected_then_usable(moe_comm):
+    """A wrong out= on rank 0 (shape, dtype, overlapping the input; alltoallv without a known size): rank 0 raises
+    naming 'out', the peers SymBufferRejectedError (GPU, no count exchange: from synchronize()); usable after."""
+    c = moe_comm
+    xp = c.xp
+    x = to_dev(c, np.arange(W * 4, dtype=np.float32).reshape(W, 4) + RANK)
+    cases = [(xp.zeros((W, 5), np.float32), ValueError), (xp.zeros((W, 4), np.float64), TypeError), (x, ValueError)]
+    for bad, want in cases:
+        err = None
+        try:
+            c.alltoall(x, out=bad if RANK == 0 else None)
+            c.synchronize()
+        except (ValueError, TypeError) as e:
+            err = e
+        ok = isinstance(err, want) and "'out'" in str(err) if RANK == 0 else isinstance(err, SymBufferRejectedError)
+        all_ranks(lambda: ok or pytest.fail(repr(err)))
+    err = None
+    try:
+        c.alltoallv(x, np.ones(W, np.int64), out=xp.zeros((W, 4), np.float32))
+    except ValueError as e:
+        err = e
+    all_ranks(lambda: (err is not None and "recv_counts or recv_capacity" in str(err)) or pytest.fail(repr(err)))
+    got = c.alltoall(x)
+    every = WORLD.allgather(to_np(x))
+    all_ranks(lambda: np.testing.assert_array_equal(to_np(got), np.stack([every[j][RANK] for j in range(W)])))
