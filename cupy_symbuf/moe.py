@@ -480,8 +480,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     Returns
     -------
     recv_x : xp.ndarray ``[num_recv_tokens, hidden]`` of ``x``'s dtype, or tuple ``(recv_x_fp8, recv_scales)``
-        with ``recv_scales`` ``[num_recv_tokens, hidden // 128]`` float32 (C-contiguous). Rows are ordered by
-        source rank, then by source token index (rows of source ``s`` are ``handle.recv_offsets[s]:...[s + 1]``).
+        with ``recv_scales`` ``[num_recv_tokens, hidden // 128]`` float32 (C-contiguous). With
+        ``num_worst_tokens``, every ``recv_*`` array has ``num_worst_tokens`` rows (the real ones first). Rows are
+        ordered by source rank, then by source token index (rows of source ``s`` are
+        ``handle.recv_offsets[s]:...[s + 1]``).
     recv_topk_idx : xp.ndarray ``[num_recv_tokens, num_topk]`` int64, or None for a cached dispatch
         Local expert index (``e - rank * num_local_experts``) where the slot's expert lives on this rank, else ``-1``
         (other ranks' experts and ``-1`` slots alike).
