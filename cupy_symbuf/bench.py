@@ -9,6 +9,8 @@ host. Bandwidths:
 * ``algbw``: per-rank input bytes / time.
 * ``busbw``: bytes that leave each rank for OTHER ranks / time = ``(W - 1) / W * input / time``
   (for 2 ranks: half the input, i.e. what crosses NVLink per direction).
+* ``copy_share``: all ranks' input bytes per second / the copy rate measured in the same run (every rank copying
+  its input between two of its own arrays at once; row ``copy``): how close a collective comes to one copy per byte.
 
 Two timings (``--timing``), each the max over ranks:
 
@@ -127,6 +129,37 @@ def _nccl_alltoall(comm, nbytes_per_peer: int):
     return run, nc
 
 
+def _copy_rate(comm, xp, nbytes: int, iters: int, warmup: int) -> float:
+    """The machine's copy rate in bytes per second, measured in the same run: every rank copies ``nbytes`` (its
+    alltoall input) between two of its own arrays at once, back to back (CUDA events on the GPU, max over ranks);
+    returns all ranks' bytes / time. On one GPU shared by the ranks (MPS) this is the device-to-device rate the
+    ranks share; on the host, the memory bandwidth the ranks share. ``copy_share`` in the table = all ranks' input
+    bytes per second of a collective / this rate (an all-to-all that copies every byte once reaches ~100%)."""
+    src = xp.ones(max(1, nbytes), dtype=np.uint8)
+    dst = xp.empty_like(src)
+    for _ in range(warmup):
+        dst[...] = src
+    if xp is np:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            np.copyto(dst, src)
+        elapsed = time.perf_counter() - t0
+    else:
+        cp = _compat.cupy
+        cp.cuda.get_current_stream().synchronize()
+        comm.Barrier()
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(iters):
+            dst[...] = src
+        stop.record()
+        stop.synchronize()
+        elapsed = cp.cuda.get_elapsed_time(start, stop) * 1e-3
+    per = comm.allreduce(elapsed / iters, op=MPI.MAX)
+    return comm.Get_size() * max(1, nbytes) / per
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1M,16M,128M", help="per-rank input sizes, comma-separated (K/M/G suffix)")
@@ -176,7 +209,7 @@ def main(argv=None) -> int:
                       f"(spills), {c._transport.threads} threads/block")
             if not args.control:
                 print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
-                      f"{'busbw_GB/s':>11}")
+                      f"{'busbw_GB/s':>11} {'copy_share':>10}")
         if args.control:
             from . import _bench_control
             rows = _bench_control.run(c, comm, timer, args)
@@ -244,6 +277,8 @@ def main(argv=None) -> int:
                     xh = np.asarray(x)
                     yh = np.empty_like(xh)
                     rows["mpi"] = timed(lambda: comm.Alltoall(xh, yh))
+            copy_bps = _copy_rate(comm, xp, W * per_peer, args.iters, args.warmup)
+            rows["copy"] = {"loop": W * W * per_peer / copy_bps}  # every rank copying its input at once
             for timing in ("call", "loop"):
                 for engine, by_timing in rows.items():
                     if timing not in by_timing:
@@ -251,12 +286,13 @@ def main(argv=None) -> int:
                     t = by_timing[timing]
                     algbw = W * per_peer / t / 1e9
                     busbw = (W - 1) * per_peer / t / 1e9
+                    share = W * W * per_peer / t / copy_bps  # all ranks' input bytes per second / copy rate
                     results.append({"size_per_rank": W * per_peer, "engine": engine, "timing": timing,
                                     "time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw, "world_size": W,
-                                    "backend": c.backend})
+                                    "backend": c.backend, "copy_share": share, "copy_GBps": copy_bps / 1e9})
                     if me == 0:
                         print(f"{_fmt(W * per_peer):>10} {engine:>12} {timing:>7} {t * 1e6:10.1f} {algbw:11.1f} "
-                              f"{busbw:11.1f}")
+                              f"{busbw:11.1f} {share:10.0%}")
     if profile_stats is not None:
         issue_us, stats = profile_stats
         print(f"# host time to issue one call of the first size: {issue_us:.1f} us (100 calls, no profiler); "
