@@ -8,6 +8,9 @@
   (timeout, mismatch, abort) that is closed or still registered at exit, or a ``SymBufferError`` that reaches the
   top level (``sys.excepthook``), prints the error with the rank to stderr and calls ``MPI.COMM_WORLD.Abort(1)``,
   so that the job ends instead of hanging in a window free or ``MPI_Finalize``.
+* Any other exception that reaches the top level of a script (not an interactive session) first sets the abort
+  word of this rank's open communicators (``ERR_UNCAUGHT``): the peers' collectives leave at once naming this rank,
+  and they reach ``close()`` while this rank's exit-time close still waits for them.
 * :func:`live_mpi_objects` counts the MPI communicators and windows this package holds (tests check it for leaks).
 """
 from __future__ import annotations
@@ -132,6 +135,25 @@ def _at_exit() -> None:
                 pass
 
 
+def _abort_open(exc_type) -> None:
+    """This rank's program ends with an uncaught exception: its open communicators will never take part in another
+    collective, so set their abort words (``_protocol.ERR_UNCAUGHT``): a peer waiting in (or entering) a collective
+    leaves at once with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank instead of waiting out
+    ``timeout_s``, and reaches ``close()`` while this rank's exit-time close still waits for it."""
+    from . import _protocol
+    if hasattr(sys, "ps1") or sys.flags.interactive:  # an interactive session goes on after the traceback
+        return
+    for obj in _open_objects():
+        set_abort = getattr(getattr(obj, "_transport", None), "set_abort", None)
+        if set_abort is None or getattr(obj, "_broken", None):
+            continue
+        try:
+            set_abort(_protocol.ERR_UNCAUGHT)
+            obj._broken = f"aborted by this rank (rank {obj.rank}): uncaught {exc_type.__name__}"
+        except Exception:  # pragma: no cover - never mask the original error
+            pass
+
+
 def _install_excepthook() -> None:
     previous = sys.excepthook
 
@@ -139,6 +161,7 @@ def _install_excepthook() -> None:
         previous(exc_type, exc, tb)
         from .errors import SymBufferError
         if not isinstance(exc, SymBufferError):
+            _abort_open(exc_type)
             return
         policy = getattr(exc, "abort_on_failure", None)
         failed = [o for o in _open_objects() if getattr(o, "_broken", None)]
