@@ -129,34 +129,15 @@ def _nccl_alltoall(comm, nbytes_per_peer: int):
     return run, nc
 
 
-def _copy_rate(comm, xp, nbytes: int, iters: int, warmup: int) -> float:
+def _copy_rate(comm, xp, timer, nbytes: int, iters: int, warmup: int) -> float:
     """The machine's copy rate in bytes per second, measured in the same run: every rank copies ``nbytes`` (its
-    alltoall input) between two of its own arrays at once, back to back (CUDA events on the GPU, max over ranks);
+    alltoall input) between two of its own arrays at once, back to back (``loop`` timing, max over ranks);
     returns all ranks' bytes / time. On one GPU shared by the ranks (MPS) this is the device-to-device rate the
     ranks share; on the host, the memory bandwidth the ranks share. ``copy_share`` in the table = all ranks' input
     bytes per second of a collective / this rate (an all-to-all that copies every byte once reaches ~100%)."""
     src = xp.ones(max(1, nbytes), dtype=np.uint8)
     dst = xp.empty_like(src)
-    for _ in range(warmup):
-        dst[...] = src
-    if xp is np:
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            np.copyto(dst, src)
-        elapsed = time.perf_counter() - t0
-    else:
-        cp = _compat.cupy
-        cp.cuda.get_current_stream().synchronize()
-        comm.Barrier()
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(iters):
-            dst[...] = src
-        stop.record()
-        stop.synchronize()
-        elapsed = cp.cuda.get_elapsed_time(start, stop) * 1e-3
-    per = comm.allreduce(elapsed / iters, op=MPI.MAX)
+    per = timer.time_loop(lambda: xp.copyto(dst, src), iters, warmup, comm)
     return comm.Get_size() * max(1, nbytes) / per
 
 
@@ -277,7 +258,7 @@ def main(argv=None) -> int:
                     xh = np.asarray(x)
                     yh = np.empty_like(xh)
                     rows["mpi"] = timed(lambda: comm.Alltoall(xh, yh))
-            copy_bps = _copy_rate(comm, xp, W * per_peer, args.iters, args.warmup)
+            copy_bps = _copy_rate(comm, xp, timer, W * per_peer, args.iters, args.warmup)
             rows["copy"] = {"loop": W * W * per_peer / copy_bps}  # every rank copying its input at once
             for timing in ("call", "loop"):
                 for engine, by_timing in rows.items():
