@@ -51,3 +51,20 @@ class DLPackOnly:
 
     def __dlpack_device__(self):
         return self._a.__dlpack_device__()
+
+
+def all_ranks(check) -> None:
+    """Run the local assertions ``check()`` on every rank of ``MPI.COMM_WORLD``; fail on every rank if any rank
+    failed (so no rank is left waiting in the next collective). ``pytest.fail`` inside ``check`` raises a
+    BaseException: it is caught too, so it cannot skip the allgather."""
+    import pytest
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    err = None
+    try:
+        check()
+    except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported on every rank
+        err = f"rank {world.Get_rank()}: {type(e).__name__}: {e}"
+    errs = [e for e in world.allgather(err) if e]
+    if errs:
+        pytest.fail("\n".join(errs), pytrace=False)

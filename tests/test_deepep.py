@@ -9,6 +9,8 @@ import zlib
 
 import numpy as np
 import pytest
+
+from _util import all_ranks  # noqa: E402  (tests/ is on sys.path under pytest)
 from mpi4py import MPI
 
 from conftest import _gpu_for_rank, available_backends
@@ -28,17 +30,6 @@ def buf(request):
     b = Buffer(WORLD, int(1e9), 0, backend=request.param)
     yield b
     b.destroy()
-
-
-def all_ranks(check) -> None:
-    err = None
-    try:
-        check()
-    except Exception as e:  # noqa: BLE001 - reported on every rank
-        err = f"rank {RANK}: {type(e).__name__}: {e}"
-    errs = [e for e in WORLD.allgather(err) if e]
-    if errs:
-        pytest.fail("\n".join(errs), pytrace=False)
 
 
 def np_(a):

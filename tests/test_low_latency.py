@@ -14,6 +14,8 @@ import zlib
 import numpy as np
 import pytest
 
+from _util import all_ranks  # noqa: E402  (tests/ is on sys.path under pytest)
+
 MPI = pytest.importorskip("mpi4py.MPI")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -27,17 +29,6 @@ WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
 W = WORLD.Get_size()
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def all_ranks(check) -> None:
-    err = None
-    try:
-        check()
-    except Exception as e:  # noqa: BLE001
-        err = f"rank {RANK}: {type(e).__name__}: {e}"
-    errs = [e for e in WORLD.allgather(err) if e]
-    if errs:
-        pytest.fail("\n".join(errs), pytrace=False)
 
 
 @pytest.fixture(scope="module", params=available_backends())

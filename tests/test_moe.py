@@ -26,6 +26,7 @@ MPI = pytest.importorskip("mpi4py.MPI")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from conftest import _gpu_for_rank, available_backends  # noqa: E402  (tests/ is on sys.path under pytest)
+from _util import all_ranks  # noqa: E402,F401  (test_moe_device imports it from here too)
 from cupy_symbuf import Communicator  # noqa: E402
 from cupy_symbuf.moe import DispatchHandle  # noqa: E402
 
@@ -50,18 +51,6 @@ def moe_comm(request):
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def all_ranks(check) -> None:
-    """Run the local assertions ``check()`` on every rank; fail on every rank if any rank failed."""
-    err = None
-    try:
-        check()
-    except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported on every rank (pytest.fail in a
-        err = f"rank {RANK}: {type(e).__name__}: {e}"  # check raises a BaseException: it must not skip the allgather)
-    errs = [e for e in WORLD.allgather(err) if e]
-    if errs:
-        pytest.fail("\n".join(errs), pytrace=False)
 
 
 def rng_for(*key) -> np.random.Generator:

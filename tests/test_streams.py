@@ -13,7 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from _util import reference_alltoallv, to_numpy
+from _util import all_ranks, reference_alltoallv, to_numpy
 from conftest import _gpu_for_rank, available_backends
 from cupy_symbuf import CollectiveEvent, SymBufferRejectedError
 
@@ -30,18 +30,6 @@ def sc(request):
     c = cs.Communicator(WORLD, backend=request.param)
     yield c
     c.close()
-
-
-def all_ranks(check) -> None:
-    """Run ``check()`` on every rank; fail on every rank if any failed (no rank left waiting in a collective)."""
-    err = None
-    try:
-        check()
-    except Exception as e:  # noqa: BLE001 - reported on every rank
-        err = f"rank {RANK}: {type(e).__name__}: {e}"
-    errs = [e for e in WORLD.allgather(err) if e]
-    if errs:
-        pytest.fail("\n".join(errs), pytrace=False)
 
 
 def rng_for(*key):
