@@ -492,6 +492,9 @@ def case_abort():
         fault("Communicator.abort()")
         attempt(None, "abort", c.abort, expect_error=False)
         say(f"ABORTED t={time.time():.3f} {tag('abort')}")
+        # By default this rank's next call raises uncaught and MPI.Abort ends the job; give the peers time to
+        # print when they left alltoall first, or their lines may die with the launcher (seen in CI).
+        time.sleep(0.5)
     else:
         fault(f"rank {FAULT_RANK} aborts while this rank is in alltoall")
         exc, _ = attempt(c, "alltoall", lambda: c.alltoall(dev(a2a_send(R))), expect_error=True)
