@@ -62,7 +62,7 @@ class Engine:
         self.layout, self.config = layout, config
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.xp = _compat.array_module(backend)
-        self.plans = PlanCache(layout, rank)
+        self.plans = PlanCache(layout, rank, host=backend == "host")
         self._epoch = 0
         self._state: Optional[_CallState] = None
         self._rows_plans = {}
@@ -270,22 +270,44 @@ class Engine:
         a rejection told to the peers, not a rank falling out of the call after it)."""
         check_bytes(op, name, counts, part_width(x))
 
-    def rows_plan(self, op: str, x, counts: np.ndarray):
+    def rows_plan(self, op: str, x, counts: np.ndarray, direct: bool = False):
         """The plan of an equal-blocks call (``alltoall``: one row of ``x`` to and from every rank), cached by
-        shape and dtype: the per-call path does no planning at all."""
-        key = (op, x.shape, x.dtype)
+        shape, dtype and mode: the per-call path does no planning at all."""
+        key = (op, x.shape, x.dtype, direct)
         plan = self._rows_plans.get(key)
         if plan is None:
-            plan = self.plans.get(op, row_signature(x), [part_width(x)], False, counts, counts)
+            plan = self.plans.get(op, row_signature(x), [part_width(x)], False, counts, counts, direct)
             if len(self._rows_plans) >= 64:
                 self._rows_plans.clear()
             self._rows_plans[key] = plan
         return plan
 
-    def run(self, plan, send_parts, send_index, recv_parts) -> None:
+    def direct_source(self, op: str, send_parts, send_index):
+        """``(SymmetricAllocation, byte offset)`` when this rank sends this call in direct mode (its peers copy
+        the rows straight out of its symmetric array), else None. Direct mode needs the host engine, one send
+        part in row order (a byte stream) that lies in a symmetric array (``Communicator.empty``), and
+        ``Config.mode`` other than ``"ring"``; ``Config.mode="direct"`` makes a call that cannot go direct a
+        ``ValueError`` (a rejection; the peers are told) instead of a silent fallback to the rings."""
+        mode = self.config.mode
+        if mode == "ring":
+            return None
+        found = None
+        if self.backend == "host" and send_index is None and len(send_parts) == 1:
+            found = self.owner._heap.find(send_parts[0])
+        if found is None and mode == "direct" and (self.backend != "host" or
+                                                    sum(a.nbytes for a in send_parts) > 0):
+            why = ("the GPU path has no direct mode yet" if self.backend != "host" else
+                   "its rows are gathered through an index" if send_index is not None or len(send_parts) != 1
+                   else "sendbuf is not a C-contiguous symmetric array of this communicator (Communicator.empty)")
+            raise ValueError(f"{op}: Config.mode='direct' but this call cannot move its rows directly: {why}")
+        return found
+
+    def run(self, plan, send_parts, send_index, recv_parts, direct=None) -> None:
         """Run ``plan`` on the transport (the hot path of a validated call); raises
-        :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (see :meth:`exchange_rows`)."""
-        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op)
+        :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (see :meth:`exchange_rows`).
+        ``direct``: :meth:`direct_source` (``plan.direct`` must say the same)."""
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op,
+                             *(() if direct is None else (direct,)))
         if rejected:
             self._raise_rejected(plan.op, rejected)
 
@@ -297,21 +319,23 @@ class Engine:
             rejecting_rank=who, op=op)
 
     def exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
-                      recv_counts: np.ndarray, sig_text: str) -> None:
+                      recv_counts: np.ndarray, sig_text: str, direct=None) -> None:
         """Row exchange (both backends): a sent row is the concatenation of row ``send_index[r]`` (or ``r``) of
         every array of ``send_parts`` (``[n, ...]``, rows contiguous, any row stride), rows grouped by destination;
         received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``. ``sig_text``:
         what the peers' rows must agree on (dtype and row shape), checked by every receiver in the call header.
         Raises :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (the host path, or
-        ``Config.blocking``; queued GPU calls report it from :meth:`Communicator.synchronize`).
+        ``Config.blocking``; queued GPU calls report it from :meth:`Communicator.synchronize`). ``direct``:
+        :meth:`direct_source` of the send parts (this rank then sends in direct mode).
         """
         for a in list(send_parts) + list(recv_parts):
             if not (a.flags.c_contiguous or (a.ndim == 2 and (a.shape[1] <= 1 or a.strides[1] == a.dtype.itemsize))):
                 raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no "
                                      f"contiguous rows")
         plan = self.plans.get(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
-                              send_counts, recv_counts)
-        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op)
+                              send_counts, recv_counts, direct is not None)
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
+                             *(() if direct is None else (direct,)))
         if rejected:
             self._raise_rejected(op, rejected)
 

@@ -4,9 +4,18 @@ NumPy copies.
 A row exchange interprets the agreed :class:`~cupy_symbuf._plan.ExchangePlan`, as the GPU kernel interprets the
 descriptor made from the same plan: per peer a stream in the same wire format (a byte stream cut on 16-byte
 boundaries for one part in row order, else packed rows gathered from the parts through the token index and
-scattered into the receive parts), cut into the same channel shares and the same ring chunks (the GPU's copy-warp
-count, ``_plan.kernel_geometry``), each (channel, peer) stream preceded by its call header (``_protocol``), which
-the receiver checks before it consumes a byte. A rank's rows to itself are copied directly, as on the GPU.
+scattered into the receive parts), cut into the same channel shares and into ring chunks by the same rule
+(``layout.chunk_rows``, as many chunks as the GPU's copy warps for pipelining, but none smaller than
+``_protocol.HOST_CHUNK_LEAST_BYTES``, where a chunk's fixed Python cost would dominate), each
+(channel, peer) stream preceded by its call header (``_protocol``), which the receiver checks before it consumes
+a byte. A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
+
+Direct mode (``plan.direct``: the send part is a symmetric array, ``Communicator.empty``): the sender's headers
+say ``MODE_DIRECT`` and carry where its stream to that receiver lies in its symmetric allocation; no payload
+follows. The receiver copies its channel's share straight out of the sender's array (one copy per byte, like
+MPI's cross-memory attach), then releases ``head`` past the header; the sender's call ends once every peer's
+``head`` has (so its array is not changed while a peer still reads it). The mode is the sender's: a receiver
+follows what each header says.
 
 One progress loop per rank drives every (channel, peer) send stream and receive stream without blocking on any
 one of them (the GPU gives each its own warp group; here a stream that cannot move is skipped), so no peer can
@@ -41,12 +50,19 @@ def _bytes2d(a: np.ndarray) -> np.ndarray:
 class _Side:
     """One side (send or receive) of a row exchange: where stream unit ``u`` of peer ``p``'s stream lives.
 
-    ``fill``/``drain`` copy units ``[u, u + n)`` of a peer stream between the parts and a packed ring slot.
+    ``fill``/``drain`` copy units ``[u, u + n)`` of a peer stream between the parts and a packed ring slot;
+    ``units`` / ``first`` are the plan's per-peer units and first units (``ExchangePlan``).
     """
 
-    def __init__(self, parts, index, units, byte_stream: bool, row_bytes: int):
+    __slots__ = ("byte_stream", "units", "first", "flat", "parts", "index", "row_bytes")
+
+    def __init__(self, parts, index, units, first, byte_stream: bool, row_bytes: int):
         self.byte_stream = byte_stream
-        self.units = units  # per peer: bytes of a byte stream, else rows (ExchangePlan.send_units / recv_units)
+        self.units = units
+        self.first = first
+        self.index = index
+        self.row_bytes = row_bytes
+        self.flat = self.parts = None
         if byte_stream:
             a = parts[0]
             self.flat = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1).view(np.uint8)
@@ -57,9 +73,6 @@ class _Side:
                 b = _bytes2d(a)
                 self.parts.append((b, off, off + b.shape[1]))
                 off += b.shape[1]
-        self.index = index
-        self.row_bytes = row_bytes
-        self.first = np.concatenate([[0], np.cumsum(self.units)[:-1]]).astype(np.int64)
 
     def _tokens(self, p: int, u: int, n: int):
         r = int(self.first[p]) + u
@@ -84,6 +97,38 @@ class _Side:
         for b, lo, hi in self.parts:
             b[r: r + n] = rows[:, lo:hi]
 
+    def copy_to(self, other: "_Side", me: int, n: int) -> None:
+        """This rank's own ``n`` units, straight from the send parts into the receive parts (no ring, no scratch
+        when both sides have the same part widths; else through one packed buffer)."""
+        s0, r0 = int(self.first[me]), int(other.first[me])
+        if self.byte_stream:
+            other.flat[r0: r0 + n] = self.flat[s0: s0 + n]
+            return
+        if [hi - lo for _, lo, hi in self.parts] == [hi - lo for _, lo, hi in other.parts]:
+            tok = self._tokens(me, 0, n)
+            for (src, _, _), (dst, _, _) in zip(self.parts, other.parts):
+                if isinstance(tok, slice):
+                    dst[r0: r0 + n] = src[tok]
+                else:
+                    np.take(src, tok, axis=0, out=dst[r0: r0 + n])
+            return
+        scratch = np.empty(n * self.row_bytes, dtype=np.uint8)
+        self.fill(scratch, me, 0, n)
+        other.drain(scratch, me, 0, n)
+
+
+class _Static:
+    """What one (channel, peer) stream of a plan needs on every call, computed once per plan (``engine_data``):
+    its share ``[lo, hi)`` and chunking, its state line, the counter lines it reads and writes, its ring, and
+    the sender's header template."""
+
+    __slots__ = ("c", "p", "lo", "hi", "per_chunk", "state", "counter", "remote", "ring", "ring_off", "header")
+
+    def __init__(self, c, p, lo, hi, per_chunk, state, counter, remote, ring, ring_off, header):
+        self.c, self.p, self.lo, self.hi, self.per_chunk = c, p, lo, hi, per_chunk
+        self.state, self.counter, self.remote, self.ring, self.ring_off = state, counter, remote, ring, ring_off
+        self.header = header
+
 
 class HostTransport:
     """Runs row exchanges and the notify step over a host :class:`~cupy_symbuf.SymBuffer`."""
@@ -95,6 +140,8 @@ class HostTransport:
         self.rank = buf.rank
         self.world_size = buf.world_size
         self.views = [buf.host_view(r) for r in range(self.world_size)]
+        #: the communicator's symmetric arrays (:class:`~cupy_symbuf.symmetric.SymmetricHeap`), for direct mode
+        self.heap = None
         L = layout
         self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
 
@@ -126,65 +173,80 @@ class HostTransport:
             raise aborted_error(op, self.rank, line)
 
     # ---- row exchange ---------------------------------------------------------------------------------------
-    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str) -> list:
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf._plan.ExchangePlan`): every (channel, peer) stream sends
         its call header and its chunks and receives the peer's; returns the ranks whose header said they rejected
         the call (their rows are not delivered; the rings stay in step). ``send_parts``: arrays ``[n, ...]`` with
         contiguous rows; ``send_index``: int64 ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
+        ``direct`` (``plan.direct``): ``(SymmetricAllocation, byte offset)`` of the send part, a symmetric array;
+        each peer then copies its rows straight out of it and this call returns once every peer has.
 
         Raises :class:`SymBufferMismatchError` (a peer's header differs: rank, peer, channel, field, both values),
         :class:`SymBufferTimeoutError` or :class:`SymBufferAbortedError`; the first two set the abort word on every
         rank first.
         """
-        L = self.layout
         me, W = self.rank, self.world_size
         self.check_abort(op)
         send = recv = None
         if not plan.reject:
-            send = _Side(send_parts, send_index, plan.send_units, plan.byte_stream, plan.row_bytes)
-            recv = _Side(recv_parts, None, plan.recv_units, plan.byte_stream, plan.row_bytes)
-            n_self = int(plan.send_units[me])
-            if n_self:  # to ourselves: no ring (as on the GPU)
-                scratch = np.empty(n_self * plan.unit_bytes, dtype=np.uint8)
-                send.fill(scratch, me, 0, n_self)
-                recv.drain(scratch, me, 0, n_self)
+            send = _Side(send_parts, send_index, plan.send_units, plan.send_first, plan.byte_stream, plan.row_bytes)
+            recv = _Side(recv_parts, None, plan.recv_units, plan.recv_first, plan.byte_stream, plan.row_bytes)
+        n_self = int(plan.send_units[me]) if not plan.reject else 0
         if W == 1:
+            if n_self:
+                send.copy_to(recv, me, n_self)
             return []
-        pairs = [(c, p) for c in range(L.num_channels) for p in range(W) if p != me]
-        sends = [self._stream(plan, c, p, sender=True) for c, p in pairs]
-        recvs = [self._stream(plan, c, p, sender=False) for c, p in pairs]
+        statics = plan.engine_data
+        if statics is None:
+            statics = plan.engine_data = self._statics(plan)
+        is_direct = plan.direct
+        sends = [_Stream(st, True) for st in statics[0]]
+        recvs = [_Stream(st, False) for st in statics[1]]
+        if is_direct:
+            alloc, base = direct
+            for x in sends:
+                x.header = x.header.copy()
+                x.header[P.HDR_DIRECT_ALLOC] = alloc.id
+                x.header[P.HDR_DIRECT_OFFSET] = base + int(plan.send_first[x.p])
+                x.pos = x.end  # no payload chunks: the peer copies them out of the symmetric array
         rejected = set()
+        L = self.layout
         chunk, num_slots = L.chunk_bytes, L.num_slots
         sync = self.buf.sync
         last_progress = time.monotonic()
         idle = 0
         while sends or recvs:
             progressed = False
-            for s in list(sends):
-                head = int(s.counter[0])
+            for x in list(sends):
+                head = int(x.counter[0])
                 sync()
                 if DEBUG:
-                    self._check_ring(op, s, head, s.pos_counter, "send")
+                    self._check_ring(op, x, head, x.pos_counter, "send")
                 moved = 0
-                while s.pending() and s.pos_counter - head < num_slots:
-                    off = s.ring_off + (s.pos_counter % num_slots) * chunk
-                    slot = s.ring[off: off + chunk]
-                    if s.header is not None:  # the call header goes first, in its own slot
-                        slot[: 8 * P.HDR_WORDS].view(np.int64)[:] = s.header
-                        s.header = None
+                while (x.header is not None or x.pos < x.end) and x.pos_counter - head < num_slots:
+                    off = x.ring_off + (x.pos_counter % num_slots) * chunk
+                    slot = x.ring[off: off + chunk]
+                    if x.header is not None:  # the call header goes first, in its own slot
+                        hdr = slot[: 8 * P.HDR_WORDS].view(np.int64)
+                        hdr[:] = x.header
+                        hdr[P.HDR_SEQ] = x.seq
+                        x.header = None
                     else:
-                        n = min(s.per_chunk, s.end - s.pos)
-                        send.fill(slot, s.p, s.pos, n)
-                        s.pos += n
-                    s.pos_counter += 1
+                        n = min(x.per_chunk, x.end - x.pos)
+                        send.fill(slot, x.p, x.pos, n)
+                        x.pos += n
+                    x.pos_counter += 1
                     moved += 1
                 if moved:
                     sync()  # payload before tail
-                    s.remote[0] = s.pos_counter
+                    x.remote[0] = x.pos_counter
                     progressed = True
-                if not s.pending():
-                    s.state[P.STATE_COUNTER], s.state[P.STATE_SEQ] = s.pos_counter, s.seq
-                    sends.remove(s)
+                # done once all is written; in direct mode once the peer has consumed the header too (it copied
+                # its rows out of our symmetric array)
+                if x.header is None and x.pos >= x.end and (not is_direct or head >= x.pos_counter):
+                    x.state[P.STATE_COUNTER], x.state[P.STATE_SEQ] = x.pos_counter, x.seq
+                    sends.remove(x)
+                    progressed = True
             for r in list(recvs):
                 tail = int(r.counter[0])
                 if tail <= r.pos_counter:
@@ -204,6 +266,8 @@ class HostTransport:
                             r.end = r.pos       # nothing follows
                         elif plan.reject:
                             r.drain = int(hdr[P.HDR_NCHUNKS])  # skip the peer's payload without copying
+                        elif hdr[P.HDR_MODE] == P.MODE_DIRECT:  # the sender's mode: copy out of its array
+                            self._pull(op, plan, r, hdr, recv)
                     elif r.drain:
                         r.drain -= 1
                     else:
@@ -211,12 +275,17 @@ class HostTransport:
                         recv.drain(slot, r.p, r.pos, n)
                         r.pos += n
                     r.pos_counter += 1
-                sync()  # reads of the slots before head
+                sync()  # reads of the slots (and of the peer's symmetric array) before head
                 r.remote[0] = r.pos_counter
                 progressed = True
                 if not r.pending():
                     r.state[P.STATE_COUNTER], r.state[P.STATE_SEQ] = r.pos_counter, r.seq
                     recvs.remove(r)
+            if n_self:  # to ourselves, straight from the send rows to the receive rows (as on the GPU); after the
+                # first headers and chunks are out, so the peers copy while this rank does
+                send.copy_to(recv, me, n_self)
+                n_self = 0
+                progressed = True
             if progressed:
                 last_progress = time.monotonic()
                 idle = 0
@@ -229,29 +298,55 @@ class HostTransport:
                     self.set_abort(P.ERR_TIMEOUT, r.p, r.c)
                     raise SymBufferTimeoutError(rank=me, peer=r.p, channel=r.c, role="recv", head=r.pos_counter,
                                                 tail=int(r.counter[0]), timeout_s=self.timeout_s, op=op)
-                s = sends[0]
-                self.set_abort(P.ERR_TIMEOUT, s.p, s.c)
-                raise SymBufferTimeoutError(rank=me, peer=s.p, channel=s.c, role="send", head=int(s.counter[0]),
-                                            tail=s.pos_counter, timeout_s=self.timeout_s, op=op)
-            _yield(idle)
+                x = sends[0]
+                self.set_abort(P.ERR_TIMEOUT, x.p, x.c)
+                raise SymBufferTimeoutError(rank=me, peer=x.p, channel=x.c, role="send", head=int(x.counter[0]),
+                                            tail=x.pos_counter, timeout_s=self.timeout_s, op=op)
+            _yield(idle, time.monotonic() - last_progress)
         return sorted(rejected)
 
-    def _stream(self, plan, c: int, p: int, *, sender: bool) -> "_Stream":
-        """This call's side of the (channel ``c``, peer ``p``) ring: its state line (counter and calls), its share
-        of the peer's stream, and the lines it reads (``counter``, in our buffer) and writes (``remote``, in the
-        peer's): a sender reads head and writes tail into ``p``'s ring; a receiver the mirror image."""
+    def _pull(self, op: str, plan, r: "_Stream", hdr: np.ndarray, recv: _Side) -> None:
+        """Direct mode: copy this channel's share ``[pos, end)`` of peer ``r.p``'s stream straight out of the
+        peer's symmetric array (allocation and offset from its header, checked to lie inside the allocation)."""
+        alloc = self.heap.by_id(int(hdr[P.HDR_DIRECT_ALLOC])) if self.heap is not None else None
+        off = int(hdr[P.HDR_DIRECT_OFFSET])
+        units = int(plan.recv_units[r.p])
+        if alloc is None or off < 0 or off + units > alloc.nbytes:
+            self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+            where = "no live symmetric allocation" if alloc is None else f"{alloc.nbytes} bytes"
+            raise SymBufferMismatchError(
+                f"{op}: rank {r.p}'s call header (channel {r.c}) points at {units} bytes at offset {off} of its "
+                f"symmetric allocation {int(hdr[P.HDR_DIRECT_ALLOC])} ({where} here): the ranks' symmetric "
+                f"allocations differ (every rank must make the same Communicator.empty calls in the same order)",
+                rank=self.rank, peer=r.p, channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_OFFSET],
+                expected=units, got=off)
+        n = r.end - r.pos
+        if n:
+            dst = int(plan.recv_first[r.p]) + r.pos
+            recv.flat[dst: dst + n] = alloc.peer_bytes(r.p)[off + r.pos: off + r.pos + n]
+        r.pos = r.end
+
+    def _statics(self, plan) -> tuple:
+        """``(sends, recvs)``: the :class:`_Static` of every (channel, peer) stream of ``plan`` on this rank."""
         L, me = self.layout, self.rank
-        state = self._u64(me, (L.send_tail_offset if sender else L.recv_head_offset)(c, p), 2)
-        first, seq = int(state[P.STATE_COUNTER]), int(state[P.STATE_SEQ]) + 1
-        units = (plan.send_units if sender else plan.recv_units)[p]
-        lo, hi = plan.channel_range(units, c) if not plan.reject else (0, 0)
-        if sender:
-            return _Stream(c, p, first, seq, lo, hi, plan.rows_per_chunk(lo, hi), state,
-                           counter=self._u64(me, L.head_offset(c, p)), remote=self._u64(p, L.tail_offset(c, me)),
-                           ring=self.views[p], ring_off=L.ring_offset(c, me), header=plan.header(seq, p, c))
-        return _Stream(c, p, first, seq, lo, hi, plan.rows_per_chunk(lo, hi), state,
-                       counter=self._u64(me, L.tail_offset(c, p)), remote=self._u64(p, L.head_offset(c, me)),
-                       ring=self.views[me], ring_off=L.ring_offset(c, p), header=None)
+        out = ([], [])
+        for sender, units_of in ((True, plan.send_units), (False, plan.recv_units)):
+            for c in range(L.num_channels):
+                for p in range(self.world_size):
+                    if p == me:
+                        continue
+                    lo, hi = plan.channel_range(units_of[p], c) if not plan.reject else (0, 0)
+                    per = plan.rows_per_chunk(lo, hi)
+                    if sender:
+                        st = _Static(c, p, lo, hi, per, self._u64(me, L.send_tail_offset(c, p), 2),
+                                     self._u64(me, L.head_offset(c, p)), self._u64(p, L.tail_offset(c, me)),
+                                     self.views[p], L.ring_offset(c, me), plan.header(0, p, c))
+                    else:
+                        st = _Static(c, p, lo, hi, per, self._u64(me, L.recv_head_offset(c, p), 2),
+                                     self._u64(me, L.tail_offset(c, p)), self._u64(p, L.head_offset(c, me)),
+                                     self.views[me], L.ring_offset(c, p), None)
+                    out[0 if sender else 1].append(st)
+        return out
 
     def _check_header(self, op: str, plan, r: "_Stream", hdr: np.ndarray) -> None:
         """The receiver's check of a peer's call header, before any payload (same order as the kernel)."""
@@ -259,13 +354,16 @@ class HostTransport:
                   (P.FIELD_SEQ, r.seq, int(hdr[P.HDR_SEQ])),
                   (P.FIELD_OP, plan.op_code, int(hdr[P.HDR_OP]))]
         if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject:
-            checks += [(P.FIELD_SIG, plan.sig, int(hdr[P.HDR_SIG])),
+            mode = int(hdr[P.HDR_MODE])
+            checks += [(P.FIELD_MODE, mode if mode in (P.MODE_RING, P.MODE_DIRECT) else P.MODE_RING, mode),
+                       (P.FIELD_SIG, plan.sig, int(hdr[P.HDR_SIG])),
                        (P.FIELD_UNITS, int(plan.recv_units[r.p]), int(hdr[P.HDR_UNITS]))]
         for field, expected, got in checks:
             if expected != got:
                 self.set_abort(P.ERR_MISMATCH, r.p, r.c, field)
                 raise mismatch_error(op, self.rank, r.p, r.c, field, expected, got, plan)
-        mine, theirs = plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
+        direct = hdr[P.HDR_MODE] == P.MODE_DIRECT
+        mine, theirs = 0 if direct else plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
         if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject and mine != theirs:
             # same units, other chunking: the engines cut differently (the kernel reports the same)
             self.set_abort(P.ERR_INVARIANT, r.p, r.c, P.FIELD_RING)
@@ -322,7 +420,7 @@ class HostTransport:
                     self.set_abort(P.ERR_TIMEOUT, s, -1)
                     raise SymBufferTimeoutError(rank=me, peer=s, channel=-1, role="notify", head=epoch,
                                                 tail=int(slot[P.NOTIFY_EPOCH]), timeout_s=self.timeout_s, op=op)
-                _yield(idle)
+                _yield(idle, time.monotonic() - start)
                 self.buf.sync()
             self.buf.sync()
             out[s] = slot[1:]
@@ -330,33 +428,37 @@ class HostTransport:
 
 
 class _Stream:
-    """One (channel, peer) side of a call on the host: the call header slot, then payload chunks."""
+    """One (channel, peer) side of a call on the host: the call header slot, then payload chunks (none in direct
+    mode). Made per call from the plan's :class:`_Static`."""
 
     __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "state", "counter", "remote", "ring",
                  "ring_off", "header", "checked", "drain")
 
-    def __init__(self, c, p, first, seq, lo, hi, per_chunk, state, *, counter, remote, ring, ring_off, header):
-        self.c, self.p, self.pos_counter, self.seq = c, p, first, seq
-        self.pos, self.end, self.per_chunk, self.state = lo, hi, per_chunk, state
-        self.counter, self.remote, self.ring, self.ring_off = counter, remote, ring, ring_off
-        self.header = header       # sender: the header still to send (None once sent)
-        self.checked = None if header is not None else False  # receiver: the peer's header checked
+    def __init__(self, st: _Static, sender: bool):
+        self.c, self.p, self.per_chunk, self.state = st.c, st.p, st.per_chunk, st.state
+        self.counter, self.remote, self.ring, self.ring_off = st.counter, st.remote, st.ring, st.ring_off
+        self.pos_counter, self.seq = int(st.state[P.STATE_COUNTER]), int(st.state[P.STATE_SEQ]) + 1
+        self.pos, self.end = st.lo, st.hi
+        self.header = st.header if sender else None   # sender: the header still to send (None once sent)
+        self.checked = None if sender else False      # receiver: the peer's header checked
         self.drain = 0             # receiver of a rejecting rank: peer chunks still to skip
 
     def pending(self) -> bool:
-        """Sender: the header or chunks still to write; receiver: the header or chunks still to consume."""
-        if self.is_sender:
-            return self.header is not None or self.pos < self.end
+        """Receiver: the header or chunks still to consume."""
         return not self.checked or self.pos < self.end or self.drain > 0
 
-    @property
-    def is_sender(self) -> bool:
-        return self.checked is None
 
-
-def _yield(idle: int) -> None:
-    """Give the core away: sched_yield first, then short sleeps (oversubscribed CI: 4 ranks on 2 cores)."""
-    if idle < 64:
+def _yield(idle: int, waited_s: float) -> None:
+    """Give the core away while waiting: ``sched_yield`` for the first ``SPIN_S`` seconds of a wait (a peer a chunk
+    or a copy behind answers within that; a yield hands the core to any other runnable rank, so oversubscribed CI,
+    4 ranks on 2 cores, still progresses), then sleeps growing to 1 ms. Sleeping after a fixed number of polls
+    instead (64) woke ranks late in a chunk hand-off: 1 MiB alltoall on 2 ranks took 3-6x MPI's time in some runs
+    instead of 1.5x (docs/perf-notes.md v9)."""
+    if waited_s < SPIN_S:
         os.sched_yield()
     else:
         time.sleep(min(1e-3, 1e-6 * idle))
+
+
+#: Seconds a host wait spins (with sched_yield) before it sleeps.
+SPIN_S = 0.005

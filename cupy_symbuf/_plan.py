@@ -110,25 +110,32 @@ class ExchangePlan:
         Units to / from each peer and the first unit of each peer's stream.
     num_channels, num_copy, chunk_bytes : int
         From the layout and :func:`kernel_geometry` (the copy workers of one ring stream on the GPU).
-    moves : bool
-        False when the call moves nothing on any rank's ring... computed locally: the GPU skips the launch only
-        when ``world_size == 1`` and nothing moves (with peers, every call sends its headers).
+    direct : bool
+        This rank sends in direct mode (host engine, a byte stream out of a symmetric array): its headers carry
+        ``MODE_DIRECT`` and no payload chunks, and each receiver copies its share straight out of this rank's
+        symmetric array (``_protocol.HDR_MODE``). The mode is the sender's and travels in its call header, so
+        the receiver knows it before it takes a byte; ranks may differ (a plain ``sendbuf`` on one rank, a
+        symmetric one on another).
     """
 
     __slots__ = ("op", "op_code", "sig", "reject", "byte_stream", "row_bytes", "unit_bytes", "align",
                  "part_widths", "send_units", "recv_units", "send_first", "recv_first", "num_channels",
-                 "num_copy", "chunk_bytes", "world_size", "rank", "engine_data", "device_counts")
+                 "num_copy", "chunk_bytes", "world_size", "rank", "engine_data", "device_counts", "direct", "least_bytes")
 
     def __init__(self, *, op: str, sig_text: str, part_widths, has_index: bool, send_counts, recv_counts,
-                 layout, rank: int, reject: bool = False):
+                 layout, rank: int, reject: bool = False, direct: bool = False, host: bool = False):
         self.op = op
+        self.direct = bool(direct) and not reject
         self.op_code = P.op_code(op)
         self.reject = bool(reject)
         self.world_size = W = layout.world_size
         self.rank = rank
         self.num_channels = layout.num_channels
         self.chunk_bytes = layout.chunk_bytes
+        # the host engine cuts as the GPU (as many chunks as copy warps, for pipelining) but into chunks of at least
+        # 32 KiB; both ends of a stream run the same engine (the backend is agreed at construction)
         self.num_copy = kernel_geometry(W).num_copy
+        self.least_bytes = P.CHUNK_LEAST_BYTES if not host else P.HOST_CHUNK_LEAST_BYTES
         self.engine_data = None  # the engine's own cache for this plan (the GPU's launch descriptor)
         self.device_counts = False  # units from a device counts table (PlanCache.device), not the fields below
         zeros = np.zeros(W, np.int64)
@@ -143,6 +150,8 @@ class ExchangePlan:
             raise AssertionError(f"{op}: internal: at most {MAX_PARTS} parts")
         self.part_widths = widths
         self.byte_stream = is_byte_stream(len(widths), has_index)
+        if self.direct and not self.byte_stream:
+            raise AssertionError(f"{op}: internal: direct mode needs a byte stream (one part, rows in order)")
         self.row_bytes = sum(widths)
         check_row_fits(op, self.row_bytes, layout.chunk_bytes, self.byte_stream)
         self.unit_bytes, self.align = stream_units(self.byte_stream, self.row_bytes)
@@ -163,10 +172,10 @@ class ExchangePlan:
     def rows_per_chunk(self, lo: int, hi: int) -> int:
         """Units per ring chunk of a channel's share ``[lo, hi)`` (``layout.chunk_rows`` with the GPU's copy
         workers, so both engines cut the same chunks)."""
-        return chunk_rows(hi - lo, self.unit_bytes, self.chunk_bytes, self.num_copy)
+        return chunk_rows(hi - lo, self.unit_bytes, self.chunk_bytes, self.num_copy, self.least_bytes)
 
     def num_chunks(self, lo: int, hi: int) -> int:
-        """Payload chunks of a channel's share (the call header not counted)."""
+        """Payload chunks of a channel's share in ring mode (the call header not counted)."""
         if hi <= lo:
             return 0
         per = self.rows_per_chunk(lo, hi)
@@ -183,12 +192,14 @@ class ExchangePlan:
             return h
         units = int(self.send_units[peer])
         lo, hi = self.channel_range(units, channel)
-        h[P.HDR_UNITS], h[P.HDR_NCHUNKS], h[P.HDR_STATUS] = units, self.num_chunks(lo, hi), P.HDR_OK
+        h[P.HDR_UNITS], h[P.HDR_STATUS] = units, P.HDR_OK
+        h[P.HDR_NCHUNKS] = 0 if self.direct else self.num_chunks(lo, hi)
+        h[P.HDR_MODE] = P.MODE_DIRECT if self.direct else P.MODE_RING
         return h
 
     def __repr__(self) -> str:
         return (f"ExchangePlan(op={self.op!r}, reject={self.reject}, byte_stream={self.byte_stream}, "
-                f"row_bytes={self.row_bytes}, send_units={self.send_units.tolist()}, "
+                f"row_bytes={self.row_bytes}, direct={self.direct}, send_units={self.send_units.tolist()}, "
                 f"recv_units={self.recv_units.tolist()})")
 
 
@@ -219,8 +230,8 @@ class PlanCache:
     """Plans by call shape (operation, signature text, part widths, gather or not, counts): a repeated call (every
     training step) finds its plan, and with it the engine's launch descriptor, without rebuilding either."""
 
-    def __init__(self, layout, rank: int, max_plans: int = 64):
-        self.layout, self.rank, self.max_plans = layout, rank, max_plans
+    def __init__(self, layout, rank: int, max_plans: int = 64, host: bool = False):
+        self.layout, self.rank, self.max_plans, self.host = layout, rank, max_plans, host
         self._plans = {}
         self._rejects = {}
 
@@ -236,7 +247,7 @@ class PlanCache:
             # the table counts rows; else the wire format the parts imply (a byte stream: the table counts bytes)
             plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index or row_stream,
                                 send_counts=np.zeros(W, np.int64), recv_counts=np.zeros(W, np.int64),
-                                layout=self.layout, rank=self.rank)
+                                layout=self.layout, rank=self.rank, host=self.host)
             plan.device_counts = True
             if len(self._plans) >= self.max_plans:
                 self._plans.clear()
@@ -244,12 +255,13 @@ class PlanCache:
         return plan
 
     def get(self, op: str, sig_text: str, part_widths, has_index: bool, send_counts: np.ndarray,
-            recv_counts: np.ndarray) -> ExchangePlan:
-        key = (op, sig_text, tuple(part_widths), has_index, send_counts.tobytes(), recv_counts.tobytes())
+            recv_counts: np.ndarray, direct: bool = False) -> ExchangePlan:
+        key = (op, sig_text, tuple(part_widths), has_index, send_counts.tobytes(), recv_counts.tobytes(), direct)
         plan = self._plans.get(key)
         if plan is None:
             plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index,
-                                send_counts=send_counts, recv_counts=recv_counts, layout=self.layout, rank=self.rank)
+                                send_counts=send_counts, recv_counts=recv_counts, layout=self.layout, rank=self.rank,
+                                direct=direct, host=self.host)
             if len(self._plans) >= self.max_plans:
                 self._plans.clear()
             self._plans[key] = plan
@@ -261,7 +273,8 @@ class PlanCache:
         if plan is None:
             W = self.layout.world_size
             plan = ExchangePlan(op=op, sig_text="", part_widths=(), has_index=False, send_counts=np.zeros(W),
-                                recv_counts=np.zeros(W), layout=self.layout, rank=self.rank, reject=True)
+                                recv_counts=np.zeros(W), layout=self.layout, rank=self.rank, reject=True,
+                                host=self.host)
             self._rejects[op] = plan
         return plan
 

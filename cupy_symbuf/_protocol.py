@@ -49,9 +49,17 @@ STATE_SEQ = 1
 
 #: Call header words (int64) at the start of the header slot.
 HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RANK, HDR_CHANNEL = range(9)
+#: Direct mode (host engine): HDR_MODE says how the rows travel (MODE_RING: payload chunks follow in the ring;
+#: MODE_DIRECT: none follow, the receiver copies the stream straight out of the sender's symmetric array, then
+#: releases ``head`` past the header; the sender returns once every peer did). HDR_DIRECT_ALLOC /
+#: HDR_DIRECT_OFFSET: which symmetric allocation (``Communicator.empty``; ids agreed, allocation is collective)
+#: and the byte offset in it where the stream to this receiver starts. The GPU kernels write and read only the
+#: words above (always ring mode).
+HDR_MODE, HDR_DIRECT_ALLOC, HDR_DIRECT_OFFSET = 9, 10, 11
+MODE_RING, MODE_DIRECT = 0, 1
 HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
 #: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 HDR_MAGIC_VALUE = (0x53594D42 << 32) | PROTOCOL_VERSION
 HDR_OK = 0
 HDR_REJECTED = 1
@@ -78,12 +86,14 @@ ROLE_SEND, ROLE_RECV, ROLE_NOTIFY = range(3)
 ROLE_NAMES = {ROLE_SEND: "send", ROLE_RECV: "recv", ROLE_NOTIFY: "notify"}
 
 #: Header fields a mismatch names (the error record's STATUS_FIELD).
-FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING, FIELD_CAPACITY = range(1, 9)
+FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING, FIELD_CAPACITY, \
+    FIELD_MODE = range(1, 10)
 FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIELD_SEQ: "call sequence number",
                FIELD_OP: "operation", FIELD_SIG: "row signature (dtype / row shape / parts)",
                FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
                FIELD_RING: "ring counters (head <= tail <= head + capacity)",
-               FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)"}
+               FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)",
+               FIELD_MODE: "transfer mode (direct from a symmetric array, or through the rings)"}
 
 #: GPU error record (int64 words, host-mapped).
 STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
@@ -121,6 +131,9 @@ FLAG_REJECT = 1                            # this rank rejected the call: header
 #: a warp; keeps byte streams 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
 CHUNK_GRAIN_BYTES = 512
 CHUNK_LEAST_BYTES = 4096
+#: The host engine's smallest chunk: below this a chunk's fixed cost (a Python step, a fence, a tail store) outweighs
+#: what pipelining smaller pieces gains (measured on the 2-core CI machine, docs/perf-notes.md v9).
+HOST_CHUNK_LEAST_BYTES = 32768
 #: Byte streams are cut between channels on this alignment (bytes).
 BYTE_STREAM_ALIGN = 16
 

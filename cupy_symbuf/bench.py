@@ -1,10 +1,13 @@
 """Benchmarks: ``mpiexec -n N python -m cupy_symbuf.bench [--sizes 1M,16M,128M] [--no-reference] [--breakdown]``;
+``--tune``: sweep the layout per message size and write the library's defaults (``cupy_symbuf._bench_tune``);
 ``--control [--tokens 4096]``: the control-path table (MoE layout, dispatch / combine, CUDA graphs, low-latency
 mode, alltoall host issue time).
 
 Times ``Communicator.alltoall`` on equal blocks for each per-rank input size, and the same traffic through a
 reference engine in the same run: NCCL grouped send/recv (``cupy.cuda.nccl``) on GPUs, ``MPI.Alltoall`` on the
-host. Bandwidths:
+host. Rows (``--sends``): ``ours`` (plain arrays, a fresh output per call), ``ours-out`` (plain arrays, ``out=``
+reused), ``ours-sym`` (input and output from ``Communicator.empty``: on the host the receivers copy straight out of
+the sender's array, one copy per byte), the reference, and ``copy``. Bandwidths:
 
 * ``algbw``: per-rank input bytes / time.
 * ``busbw``: bytes that leave each rank for OTHER ranks / time = ``(W - 1) / W * input / time``
@@ -143,7 +146,8 @@ def _copy_rate(comm, xp, timer, nbytes: int, iters: int, warmup: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1M,16M,128M", help="per-rank input sizes, comma-separated (K/M/G suffix)")
+    ap.add_argument("--sizes", default=None,
+                    help="per-rank input sizes, comma-separated (K/M/G suffix); default 1M,16M,128M (--tune: 64K,1M,16M)")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"),
                     help="cuda (CuPy arrays, GPU kernels) or host (NumPy, MPI shared memory); default: auto")
     ap.add_argument("--iters", type=int, default=20,
@@ -154,6 +158,10 @@ def main(argv=None) -> int:
                     help="Config.chunk_bytes, e.g. 64K (default: per backend)")
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
+    ap.add_argument("--sends", default="plain,out,sym",
+                    help="which alltoall rows to time, comma-separated: plain (fresh output per call: 'ours'), out "
+                         "(plain arrays, out= reused: 'ours-out'), sym (symmetric input and output from "
+                         "Communicator.empty: 'ours-sym'; direct mode on the host). Default: all three")
     ap.add_argument("--timing", default="both", choices=("call", "loop", "both"),
                     help="call: each call alone after a barrier (median); loop: nccl-tests style, calls back to "
                          "back (mean); default both")
@@ -169,7 +177,17 @@ def main(argv=None) -> int:
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf._bench_control)")
     ap.add_argument("--tokens", type=int, default=4096, help="--control: tokens per rank (default 4096)")
+    ap.add_argument("--tune", action="store_true",
+                    help="sweep layouts (num_sms, chunk_bytes) and send modes per size, print the table and write the "
+                         "best layout to the tuning table the library reads for its defaults (cupy_symbuf.tuning)")
+    ap.add_argument("--tune-rounds", type=int, default=3, help="--tune: rounds, median kept (default 3)")
+    ap.add_argument("--tune-out", default=None,
+                    help="--tune: table file to write (default: $CUPY_SYMBUF_TUNING, else "
+                         "~/.config/cupy_symbuf/tuning.json)")
     args = ap.parse_args(argv)
+    args.sizes_given = args.sizes is not None
+    if args.sizes is None:
+        args.sizes = "1M,16M,128M"
 
     comm = MPI.COMM_WORLD
     if args.backend != "host":
@@ -178,6 +196,11 @@ def main(argv=None) -> int:
                  **({} if args.num_slots is None else {"num_slots": args.num_slots}))
     profile_stats = None
     results = []
+    if args.tune:
+        from . import _bench_tune
+        from .symbuffer import resolve_backend
+        backend = resolve_backend(args.backend)
+        return _bench_tune.run(comm, _Timer(backend), args, backend, _compat.array_module(backend))
     with Communicator(comm, cfg, backend=args.backend) as c:
         W, me, xp = c.world_size, c.rank, c.xp
         timer = _Timer(c.backend)
@@ -199,6 +222,9 @@ def main(argv=None) -> int:
                     json.dump([{"row": r, "us": v, "target": t, "world_size": W} for r, v, t in rows], f, indent=1)
             return 0
         timings = ("call", "loop") if args.timing == "both" else (args.timing,)
+        sends = set(args.sends.split(","))
+        if not sends <= {"plain", "out", "sym"}:
+            ap.error(f"--sends: unknown kinds {sorted(sends - {'plain', 'out', 'sym'})}")
 
         def timed(fn, sync=None):  # {timing: seconds per call}
             out = {}
@@ -218,7 +244,23 @@ def main(argv=None) -> int:
                                  for j in range(W)])
             if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
                 raise RuntimeError(f"bench: alltoall of {_fmt(W * per_peer)} per rank gave wrong data; not timing it")
-            rows = {"ours": timed(lambda: c.alltoall(x), c.synchronize)}
+            rows = {}
+            if "plain" in sends:
+                rows["ours"] = timed(lambda: c.alltoall(x), c.synchronize)
+            if "out" in sends:  # plain arrays, the output reused (no fresh pages / pool blocks per call)
+                out = xp.empty_like(x)
+                rows["ours-out"] = timed(lambda: c.alltoall(x, out=out), c.synchronize)
+                del out
+            if "sym" in sends:  # symmetric input and output (Communicator.empty): direct mode on the host
+                xs, outs = c.array(x), c.empty(x.shape, x.dtype)
+                got = c.alltoall(xs, out=outs)
+                got = got.get() if hasattr(got, "get") else got
+                if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
+                    raise RuntimeError(f"bench: alltoall of symmetric arrays of {_fmt(W * per_peer)} per rank gave "
+                                       f"wrong data; not timing it")
+                rows["ours-sym"] = timed(lambda: c.alltoall(xs, out=outs), c.synchronize)
+                c.free(outs)
+                c.free(xs)
             if args.profile and not results:
                 import cProfile
                 import pstats

@@ -20,6 +20,8 @@ from .symbuffer import SymBuffer, _gpu_identity, resolve_backend
 
 __all__ = ["Communicator"]
 
+from ._agree import LOCAL_POLICY_FIELDS as _LOCAL_POLICY  # noqa: E402
+
 
 class Communicator:
     """All-to-all collectives (``alltoall``, ``alltoallv``, MoE ``dispatch``/``combine``) over a SymBuffer.
@@ -84,13 +86,14 @@ class Communicator:
         what = "Communicator construction"
         try:
             # 1. Every rank is here (bounded), with its backend and GPU; a local failure is told to all.
-            err, gpu, sm_count = None, None, 132
+            err, gpu, sm_count, gpu_name = None, None, 132, ""
             try:
                 backend = resolve_backend(backend)
                 if backend == "cuda":
                     ident = _gpu_identity(_compat.cupy.cuda.Device().id)
                     gpu = ident["uuid"] + "/" + ident["pci_bus_id"]
                     sm_count = ident["sm_count"] or sm_count
+                    gpu_name = ident.get("name", "")
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"
             step = _agree.exchange_all(comm, (backend, gpu, err), timeout, what)
@@ -100,7 +103,9 @@ class Communicator:
             # 2. Everything that shapes the wire, compared before anything is allocated.
             world_size = comm.Get_size()
             err, fp = None, None
+            self.tuning_source = None
             try:
+                config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu)
                 self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
                                               world_size=world_size)
                 self.layout = ChannelLayout.from_config(self.config, world_size)
@@ -131,12 +136,34 @@ class Communicator:
             else:
                 from ._host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
+            if self.backend == "cuda" and self.config.mode == "direct":
+                raise ValueError("Communicator: Config.mode='direct' is not available on the GPU path yet (its "
+                                 "collectives move rows through the rings; use mode='auto' or 'ring')")
+            from .symmetric import SymmetricHeap
+            self._heap = SymmetricHeap(self)
+            self._transport.heap = self._heap
         except BaseException:
             self.buffer.close()
             raise
         self._pid = os.getpid()
         self._closed = False
         self._token = _lifecycle.register(self)
+
+    def _tuned(self, config: Config, backend: str, world_size: int, gpu_name: str, ranks_per_gpu: int) -> Config:
+        """``config`` with the layout fields it left unset (``num_sms``, ``chunk_bytes``, ``num_slots``) taken from
+        the tuning table entry of this device kind and world size (:mod:`cupy_symbuf.tuning`), if there is one."""
+        import dataclasses
+
+        from . import tuning
+        unset = [f for f in tuning.FIELDS if getattr(config, f) is None]
+        if not unset:
+            return config
+        tuned, source = tuning.lookup(tuning.table_key(backend, world_size, gpu_name, ranks_per_gpu))
+        tuned = {k: v for k, v in tuned.items() if k in unset}
+        if not tuned:
+            return config
+        self.tuning_source = f"{source}: {tuned}"
+        return dataclasses.replace(config, **tuned)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -177,7 +204,8 @@ class Communicator:
             _lifecycle.abort_job(f"closing a failed Communicator: {self._broken}", self.rank)
             return  # reached only where the abort is replaced (tests)
         try:
-            self.buffer.close()  # collective and bounded: peers wait for it, whatever happened above
+            self._heap.close()   # the symmetric arrays, then the buffer: collective and bounded, in the same order
+            self.buffer.close()  # on every rank; peers wait for it, whatever happened above
         except SymBufferError as exc:
             if not self._broken:
                 self._broken = str(exc)
@@ -273,9 +301,64 @@ class Communicator:
     def describe(self) -> str:
         """The buffer map (:meth:`ChannelLayout.describe`), the resolved config and the lifecycle state."""
         state = "closed" if self._closed else (f"broken ({self._broken})" if self._broken else "open")
-        return (f"{self.layout.describe()}\n  backend={self.backend} config={self.config}\n"
+        tuned = f"\n  defaults from the tuning table {self.tuning_source}" if self.tuning_source else ""
+        return (f"{self.layout.describe()}\n{self._heap.describe()}\n  backend={self.backend} config={self.config}"
+                f"{tuned}\n"
                 f"  state={state} (created by pid {getattr(self, '_pid', '?')}; fields compared across ranks at "
-                f"construction: all but timeout_s, blocking, abort_on_failure)")
+                f"construction: all but {', '.join(_LOCAL_POLICY)})")
+
+    # ---- symmetric arrays -----------------------------------------------------------------------------------
+    def empty(self, shape, dtype=np.float32):
+        """A new array that lives in symmetric memory (collective: every rank passes the same ``shape`` and
+        ``dtype``, in the same order of allocations).
+
+        Returns a plain ``numpy.ndarray`` (host) or ``cupy.ndarray`` (cuda) over this rank's block of a new
+        symmetric allocation (its own MPI shared-memory window / ``cudaMalloc`` mapped into every peer; design of
+        ``torch.distributed._symmetric_memory.empty`` and NCCL window registration). Use it (or a C-contiguous
+        slice of it) as ``sendbuf`` of :meth:`alltoall` / :meth:`alltoallv` and, on the host backend, each
+        receiver copies the rows straight out of it: one copy per byte instead of two through the rings
+        (``Config.mode``). The contents are uninitialised. Freed by :meth:`free` or :meth:`close`; do not use
+        the array after that.
+
+        Parameters
+        ----------
+        shape : int or tuple of int (>= 0)
+        dtype : numpy dtype (default float32; ml_dtypes types such as bfloat16 work)
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad ``shape`` / ``dtype`` on any rank, or ranks asking for different shapes or dtypes: raised on
+            every rank, nothing allocated, the communicator usable.
+        SymBufferTimeoutError
+            A peer did not take part within ``config.timeout_s``.
+        """
+        return self._heap.empty(shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        """:meth:`empty`, filled with zeros (collective)."""
+        a = self._heap.empty(shape, dtype, "zeros")
+        a[...] = 0
+        return a
+
+    def array(self, a):
+        """A symmetric copy of ``a`` (collective: every rank passes an array of the same shape and dtype); the
+        backend's array type, C-contiguous. See :meth:`empty`."""
+        src = as_array("Communicator.array", "a", a, self.backend) if not isinstance(a, (list, tuple)) \
+            else self.xp.asarray(a)
+        out = self._heap.empty(src.shape, src.dtype, "array")
+        out[...] = src
+        return out
+
+    def free(self, a) -> None:
+        """Free the symmetric allocation ``a`` belongs to (collective: every rank frees the same allocation; on
+        the GPU after the device is idle). ``ValueError`` on every rank when ``a`` is not one of this
+        communicator's symmetric arrays or the ranks name different ones."""
+        self._heap.free(a)
+
+    def is_symmetric(self, a) -> bool:
+        """Whether ``a`` is C-contiguous and lies inside one of this communicator's live symmetric arrays (local)."""
+        return self._heap.find(a) is not None if hasattr(a, "flags") else False
 
     # ---- transport ------------------------------------------------------------------------------------------
     @property
@@ -358,13 +441,14 @@ class Communicator:
             if x.shape[0] != self.world_size:
                 raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), "
                                  f"got shape {tuple(x.shape)}")
-            plan = eng.rows_plan(op, x, self._ones)
+            direct = eng.direct_source(op, [x], None)
+            plan = eng.rows_plan(op, x, self._ones, direct is not None)
             recv = self.xp.empty(x.shape, dtype=x.dtype) if out is None else \
                 check_out(op, out, self.backend, x.shape, x.dtype, inputs=(x,))
         except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
             eng.reject(op, notify=False)
             raise
-        eng.run(plan, [x], None, [recv])
+        eng.run(plan, [x], None, [recv], direct)
         return recv
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, out=None, stream=None,
@@ -443,6 +527,7 @@ class Communicator:
             send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
             sig = row_signature(x)
             eng.check_size(op, "send_counts", send_counts, x)  # before the count exchange: a rejection
+            direct = eng.direct_source(op, [x], None)
             if recv_counts is None:
                 # what the peers send (each checked its own counts); their sum is checked exactly here too
                 recv_counts = check_counts(op, "recv_counts (from the count exchange)",
@@ -456,7 +541,7 @@ class Communicator:
             shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
             recv = self.xp.empty(shape, dtype=x.dtype) if out is None else \
                 check_out(op, out, self.backend, shape, x.dtype, inputs=(x,))
-            eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig)
+            eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct)
         return recv, recv_counts
 
     def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None):
@@ -482,6 +567,7 @@ class Communicator:
         if self.backend == "host":
             send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
             eng.check_size(op, "send_counts", send_counts, x)
+            direct = eng.direct_source(op, [x], None)
             # the output before the count exchange: a capacity too large to allocate is a rejection told to the
             # peers (communicator usable), not a failure between the steps
             recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
@@ -494,7 +580,7 @@ class Communicator:
                 raise eng.fatal(SymBufferMismatchError(
                     f"{op}: rank {self.rank} receives {n} rows, more than recv_capacity={cap}", rank=self.rank,
                     op=op, field="capacity", expected=cap, got=n))
-            eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig)
+            eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig, direct)
             return recv, got
         cp = self.xp
         counts = send_counts if _compat.is_cupy_array(send_counts) else cp.asarray(np.asarray(send_counts))

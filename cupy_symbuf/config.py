@@ -32,6 +32,8 @@ MAX_CHUNK_BYTES = 64 << 20
 MAX_NUM_SLOTS = 4096
 #: ``max_notify_ints``: int64 values per peer in one count exchange (8 MiB per notify slot).
 MAX_NOTIFY_INTS = 1 << 20
+#: ``mode``: how rows travel (see Config).
+MODES = ("auto", "ring", "direct")
 #: ``timeout_s``: about 31 years; larger values overflow the kernels' nanosecond deadline arithmetic.
 MAX_TIMEOUT_S = 1e9
 
@@ -99,6 +101,13 @@ class Config:
         ``MPI_Finalize``. ``False``: close() of a failed communicator does a bounded close and frees what it can
         (if peers never come it leaves the buffer allocated and raises), for callers who recover themselves.
         Default from the environment variable ``CUPY_SYMBUF_ABORT_ON_FAILURE`` ("0"/"false" turn it off), else on.
+    mode : {"auto", "ring", "direct"}
+        How this rank sends rows. ``"auto"`` (default): directly when the ``sendbuf`` of ``alltoall`` /
+        ``alltoallv`` is a symmetric array (:meth:`Communicator.empty`): each receiver copies its rows straight
+        out of it, one copy per byte (host backend; the GPU path always uses the rings for now); else through the
+        rings (two copies per off-rank byte). ``"ring"``: always the rings. ``"direct"``: a call that cannot go
+        direct raises ``ValueError`` instead (not available on the GPU path yet). The mode is the sender's and
+        travels in each call header, so ranks may differ (local policy).
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
     ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit
@@ -106,8 +115,8 @@ class Config:
 
     Agreement: every rank of a Communicator must have the same resolved values of ``num_sms``, ``chunk_bytes``,
     ``num_slots`` and ``max_notify_ints`` (they shape the wire); construction raises ``ValueError`` on every rank
-    naming the field otherwise. ``timeout_s``, ``blocking`` and ``abort_on_failure`` are local policy and may
-    differ between ranks.
+    naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure`` and ``mode`` are local policy
+    and may differ between ranks.
     """
 
     num_sms: Optional[int] = None
@@ -117,6 +126,7 @@ class Config:
     max_notify_ints: int = 1024
     blocking: bool = False
     abort_on_failure: bool = dataclasses.field(default_factory=_env_abort_default)
+    mode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
@@ -160,6 +170,8 @@ class Config:
                              f"count exchange), got {self.max_notify_ints}")
         if not isinstance(self.abort_on_failure, bool):
             raise TypeError(f"Config: abort_on_failure must be True or False, got {self.abort_on_failure!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"Config: mode must be one of {MODES}, got {self.mode!r}")
 
     @property
     def num_channels(self) -> int:

@@ -201,13 +201,14 @@ def channel_row_range(rows: int, channel: int, num_channels: int, align: int = 1
     return lo, hi
 
 
-def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) -> int:
+def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1,
+               least_bytes: int = P.CHUNK_LEAST_BYTES) -> int:
     """Units (rows, or bytes of a byte stream) per ring chunk of a ``rows``-unit stream on one channel.
 
     ``num_copy`` workers copy chunks in parallel (GPU: the copy warps of a peer group; host: 1). The stream is cut
     into ``num_copy`` chunks per round in as few rounds as whole slots allow: a short stream is spread over every
-    worker instead of one worker copying one slot, and a long one ends on a full round. A chunk is at least 4 KiB
-    of units (one unrolled warp pass), a multiple of 512 bytes of units (one vector pass of a warp; keeps byte
+    worker instead of one worker copying one slot, and a long one ends on a full round. A chunk is at least
+    ``least_bytes`` of units (GPU: 4 KiB, one unrolled warp pass; host: ``HOST_CHUNK_LEAST_BYTES``), a multiple of 512 bytes of units (one vector pass of a warp; keeps byte
     streams 16-byte aligned), and at most one slot (``chunk_bytes // unit_bytes`` units). Sender and receiver derive
     it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/ring_exchange.cu``. An empty
     stream (``rows <= 0``) has no chunks; the slot size is returned.
@@ -216,7 +217,7 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1) 
     if rows <= 0:
         return max_rows
     grain = min(max_rows, -(-P.CHUNK_GRAIN_BYTES // unit_bytes))
-    least = min(max_rows, -(-P.CHUNK_LEAST_BYTES // unit_bytes))
+    least = min(max_rows, -(-least_bytes // unit_bytes))
     rounds = -(-rows // (num_copy * max_rows))
     per = -(-rows // (num_copy * rounds))
     return min(max_rows, max(least, -(-per // grain) * grain))

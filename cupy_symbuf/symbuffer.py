@@ -49,7 +49,10 @@ def _gpu_identity(device_id: int) -> dict:
         bus = cp.cuda.Device(device_id).pci_bus_id
     except Exception:  # pragma: no cover
         bus = "%04x:%02x:%02x.0" % (props.get("pciDomainID", 0), props.get("pciBusID", 0), props.get("pciDeviceID", 0))
-    return {"uuid": str(uuid), "pci_bus_id": str(bus).lower(), "sm_count": int(props.get("multiProcessorCount", 0))}
+    name = props.get("name", b"")
+    name = bytes(name).split(b"\0")[0].decode(errors="replace") if isinstance(name, (bytes, bytearray)) else str(name)
+    return {"uuid": str(uuid), "pci_bus_id": str(bus).lower(), "sm_count": int(props.get("multiProcessorCount", 0)),
+            "name": name}
 
 
 def _host_available_bytes() -> tuple:

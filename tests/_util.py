@@ -68,3 +68,42 @@ def all_ranks(check) -> None:
     errs = [e for e in world.allgather(err) if e]
     if errs:
         pytest.fail("\n".join(errs), pytrace=False)
+
+
+class SymmetricSend:
+    """A :class:`~cupy_symbuf.Communicator` whose ``alltoall`` / ``alltoallv`` first copy a valid ``sendbuf`` into a
+    symmetric array (one staging allocation of the largest sendbuf over the ranks, grown collectively), so the
+    whole alltoall suite runs in direct mode too (host: the receivers copy straight out of it; GPU: the rings).
+    Anything that is not a NumPy / CuPy array passes through unchanged, so the bad-input tests see what they sent.
+    ``direct_sends`` counts the calls made with a symmetric sendbuf."""
+
+    def __init__(self, c, comm):
+        self._c, self._comm, self._buf = c, comm, None
+        self.direct_sends = 0
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def _sym(self, x):
+        from mpi4py import MPI
+        import cupy_symbuf as cs
+        ok = (isinstance(x, np.ndarray) or cs._compat.is_cupy_array(x)) and x.ndim >= 1 and not x.dtype.hasobject \
+            and (type(x).__module__.startswith("cupy") == (self._c.backend == "cuda"))
+        n = self._comm.allreduce(int(x.nbytes) if ok else 0, op=MPI.MAX)
+        if self._buf is None or self._buf.nbytes < n:
+            if self._buf is not None:
+                self._c.free(self._buf)
+            self._buf = self._c.empty(max(n, 16), np.uint8)
+        if not ok:
+            return x
+        view = self._buf[: x.nbytes].view(x.dtype).reshape(x.shape)
+        view[...] = x
+        assert self._c.is_symmetric(view) or x.nbytes == 0
+        self.direct_sends += 1
+        return view
+
+    def alltoall(self, sendbuf, *args, **kwargs):
+        return self._c.alltoall(self._sym(sendbuf), *args, **kwargs)
+
+    def alltoallv(self, sendbuf, *args, **kwargs):
+        return self._c.alltoallv(self._sym(sendbuf), *args, **kwargs)

@@ -4,23 +4,32 @@ import pytest
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from _util import random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
+from _util import SymmetricSend, random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
 
 SMALL_RING = cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=60)
 
 
-@pytest.fixture
-def small(backend, comm):
+# Every test on these fixtures runs twice: with plain sendbufs (rings: two copies per off-rank byte) and with
+# sendbufs copied into a symmetric array first (host: direct mode, the receivers copy straight out of it).
+SEND_KINDS = ["plain", "symmetric"]
+
+
+def _wrap(c, comm, kind):
+    return c if kind == "plain" else SymmetricSend(c, comm)
+
+
+@pytest.fixture(params=SEND_KINDS)
+def small(backend, comm, request):
     """A communicator with tiny rings (2 x 1 KiB per channel and peer), so most messages stream through."""
     c = cs.Communicator(comm, SMALL_RING, backend=backend)
-    yield c
+    yield _wrap(c, comm, request.param)
     c.close()
 
 
-@pytest.fixture
-def default(backend, comm):
+@pytest.fixture(params=SEND_KINDS)
+def default(backend, comm, request):
     c = cs.Communicator(comm, backend=backend)
-    yield c
+    yield _wrap(c, comm, request.param)
     c.close()
 
 

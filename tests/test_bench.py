@@ -21,7 +21,7 @@ def test_bench_runs_and_reports():
     if MPI.COMM_WORLD.Get_rank() == 0:
         rows = json.load(open(path))
         assert {(r["engine"], r["timing"]) for r in rows} == \
-            {(e, t) for e in ("ours", "mpi") for t in ("call", "loop")} | {("copy", "loop")}
+            {(e, t) for e in ("ours", "ours-out", "ours-sym", "mpi") for t in ("call", "loop")} | {("copy", "loop")}
         # the copy row is the reference of copy_share (100% by construction); every share is a positive fraction
         assert all(abs(r["copy_share"] - 1) < 1e-9 for r in rows if r["engine"] == "copy")
         assert all(r["copy_share"] > 0 and r["copy_GBps"] > 0 for r in rows)

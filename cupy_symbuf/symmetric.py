@@ -1,0 +1,206 @@
+"""Symmetric arrays: NumPy / CuPy arrays that live in symmetric memory, so collectives on them can skip staging.
+
+``Communicator.empty(shape, dtype)`` is collective: every rank allocates one equally sized block (a
+:class:`~cupy_symbuf.SymBuffer` of its own: an MPI shared-memory window on the host, a ``cudaMalloc`` mapped into
+every peer through CUDA IPC on the GPU) and gets back a plain array over its own block. Every rank makes the same
+allocations in the same order, so an allocation is named by its number (its *id*), the same on every rank, and a
+peer's block of allocation ``id`` is mapped here: the receiver of a collective whose ``sendbuf`` is a symmetric
+array copies its rows straight out of the sender's block (direct mode, one copy per byte, as MPI does with
+cross-memory attach), instead of through the rings (two copies).
+
+The design follows PyTorch's ``torch.distributed._symmetric_memory.empty`` + ``rendezvous`` and NCCL's window
+registration (``ncclCommWindowRegister``): collective allocation, peers' mappings exchanged once, the buffer then
+used as an ordinary tensor.
+
+Lifetime: the blocks are freed collectively, by :meth:`Communicator.free` or :meth:`Communicator.close`. An array
+(or a view of it) used after that points at freed memory: do not keep them past ``close()``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from . import _agree, _compat
+from .symbuffer import SymBuffer
+
+__all__ = ["SymmetricHeap", "SymmetricAllocation"]
+
+
+class SymmetricAllocation:
+    """One collective allocation: its id, shape, dtype, this rank's array and every rank's block.
+
+    Attributes
+    ----------
+    id : int
+        Allocation number, the same on every rank.
+    shape, dtype : tuple, numpy.dtype
+        As allocated (the same on every rank).
+    nbytes : int
+        Bytes per rank.
+    buffer : SymBuffer
+        The blocks (``buffer.host_view(r)`` / ``buffer.peer_ptrs[r]``).
+    base : int
+        Address of this rank's block in this process.
+    """
+
+    __slots__ = ("id", "shape", "dtype", "nbytes", "buffer", "base", "array")
+
+    def __init__(self, id_: int, shape: tuple, dtype: np.dtype, buffer: SymBuffer, array):
+        self.id, self.shape, self.dtype, self.buffer = id_, shape, dtype, buffer
+        self.nbytes = buffer.nbytes
+        self.array = array
+        self.base = _address(array) if buffer.nbytes else 0
+
+    def peer_bytes(self, rank: int) -> np.ndarray:
+        """(host) ``uint8 [nbytes]`` view of ``rank``'s block."""
+        return self.buffer.host_view(rank)
+
+    def __repr__(self) -> str:
+        return f"SymmetricAllocation(id={self.id}, shape={self.shape}, dtype={self.dtype}, nbytes={self.nbytes})"
+
+
+def _address(a) -> int:
+    """Address of the first byte of ``a`` (NumPy: the data pointer; CuPy: ``data.ptr``)."""
+    if isinstance(a, np.ndarray):
+        return a.__array_interface__["data"][0]
+    return int(a.data.ptr)
+
+
+class SymmetricHeap:
+    """The symmetric allocations of one communicator (``Communicator.empty`` / ``zeros`` / ``array`` / ``free``).
+
+    ``find(a)`` tells whether an array lies inside one of them (the collectives ask it per call: a short scan of
+    the live allocations, newest first).
+    """
+
+    def __init__(self, owner):
+        self.owner = owner
+        self._next_id = 0
+        self.allocations: list = []
+
+    # ---- collective allocation ----------------------------------------------------------------------------
+    def empty(self, shape, dtype, what: str = "empty"):
+        """A new symmetric array of ``shape`` / ``dtype`` (collective; every rank passes the same)."""
+        op = f"Communicator.{what}"
+        owner = self.owner
+        owner._check_open()
+        err = None
+        try:
+            shape = _shape(op, shape)
+            dtype = np.dtype(dtype)
+            if dtype.hasobject:
+                raise TypeError(f"{op}: dtype {dtype} holds Python objects; symmetric arrays hold raw bytes")
+            nbytes = math.prod(shape) * dtype.itemsize
+            mine = (shape, dtype.str, str(dtype), self._next_id)
+        except (TypeError, ValueError) as exc:
+            err, mine = exc, None
+        comm = owner.buffer.comm
+        timeout = owner.config.timeout_s
+        everyone = _agree.exchange_all(comm, (mine, None if err is None else f"{type(err).__name__}: {err}"),
+                                       timeout, op)
+        if err is not None:
+            raise err
+        bad = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
+        if bad:
+            raise ValueError(f"{op}: rank {bad[0][0]} rejected its arguments ({bad[0][1]}); nothing was allocated")
+        for r, (theirs, _) in enumerate(everyone):
+            if theirs != mine:
+                raise ValueError(
+                    f"{op}: every rank must allocate the same shape and dtype in the same order: rank "
+                    f"{owner.rank} asks for allocation {mine[3]} of shape {mine[0]} dtype {mine[2]}, rank {r} for "
+                    f"allocation {theirs[3]} of shape {theirs[0]} dtype {theirs[2]}; nothing was allocated")
+        buf = SymBuffer(comm, nbytes, backend=owner.backend, timeout_s=timeout, _managed=True)
+        try:
+            if owner.backend == "host":
+                array = buf.host_view(owner.rank).view(dtype).reshape(shape) if nbytes else np.empty(shape, dtype)
+            else:
+                array = buf.peer_view(owner.rank, dtype, shape)
+        except BaseException:
+            buf.close()
+            raise
+        alloc = SymmetricAllocation(self._next_id, shape, dtype, buf, array)
+        self._next_id += 1
+        self.allocations.append(alloc)
+        return array
+
+    def free(self, a) -> None:
+        """Free the allocation ``a`` belongs to (collective: every rank frees the same allocation)."""
+        op = "Communicator.free"
+        owner = self.owner
+        owner._check_open()
+        alloc = self._owning(a)
+        mine = alloc.id if alloc is not None else None
+        everyone = _agree.exchange_all(owner.buffer.comm, mine, owner.config.timeout_s, op)
+        if mine is None:
+            raise ValueError(f"{op}: argument 'a' is not a live symmetric array of this communicator "
+                             f"(Communicator.empty / zeros / array); nothing was freed")
+        if any(x != mine for x in everyone):
+            raise ValueError(f"{op}: every rank must free the same allocation: rank {owner.rank} frees "
+                             f"allocation {mine}, the ranks free {everyone}; nothing was freed")
+        if owner.backend == "cuda":
+            _compat.cupy.cuda.runtime.deviceSynchronize()  # queued collectives may still read or write it
+        self.allocations.remove(alloc)
+        alloc.buffer.close()
+
+    def close(self) -> None:
+        """Free every allocation (collective; from ``Communicator.close``), newest first."""
+        while self.allocations:
+            self.allocations.pop().buffer.close()
+
+    # ---- lookup -------------------------------------------------------------------------------------------
+    def _owning(self, a) -> Optional[SymmetricAllocation]:
+        if not (isinstance(a, np.ndarray) or _compat.is_cupy_array(a)):
+            return None
+        start = _address(a)
+        for alloc in reversed(self.allocations):
+            if alloc.base <= start < alloc.base + alloc.nbytes:
+                return alloc
+        return None
+
+    def find(self, a) -> Optional[tuple]:
+        """``(allocation, byte offset)`` when ``a`` is C-contiguous and lies wholly inside a live symmetric
+        allocation, else None."""
+        if not self.allocations or not a.flags.c_contiguous or a.nbytes == 0:
+            return None
+        alloc = self._owning(a)
+        if alloc is None:
+            return None
+        off = _address(a) - alloc.base
+        if off + a.nbytes > alloc.nbytes:
+            return None
+        return alloc, off
+
+    def by_id(self, id_: int) -> Optional[SymmetricAllocation]:
+        for alloc in self.allocations:
+            if alloc.id == id_:
+                return alloc
+        return None
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes per rank held by live symmetric arrays."""
+        return sum(a.nbytes for a in self.allocations)
+
+    def describe(self) -> str:
+        if not self.allocations:
+            return "  symmetric arrays: none"
+        lines = [f"  symmetric arrays: {len(self.allocations)}, {self.total_bytes} B per rank "
+                 f"({self.total_bytes / 2**20:.2f} MiB), each its own {self.owner.backend} allocation on every rank:"]
+        for a in self.allocations:
+            lines.append(f"    id {a.id}: shape {a.shape} dtype {a.dtype} = {a.nbytes} B")
+        return "\n".join(lines)
+
+
+def _shape(op: str, shape) -> tuple:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (int(shape),)
+    try:
+        shape = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{op}: argument 'shape' must be an int or a tuple of ints, got {shape!r}") from None
+    for s in shape:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or int(s) < 0:
+            raise ValueError(f"{op}: argument 'shape' must hold ints >= 0, got {shape!r}")
+    return tuple(int(s) for s in shape)

@@ -1,0 +1,107 @@
+"""The tuning table: measured defaults of ``Config.num_sms`` / ``chunk_bytes`` / ``num_slots`` per device kind,
+ranks per device and world size, written by ``python -m cupy_symbuf.bench --tune`` and read when a
+:class:`~cupy_symbuf.Communicator` resolves the fields its ``Config`` left unset.
+
+Where the table comes from, first found wins:
+
+1. the file named by the environment variable ``CUPY_SYMBUF_TUNING`` (``--tune`` writes there when it is set);
+2. ``~/.config/cupy_symbuf/tuning.json`` (``--tune``'s default output);
+3. the table shipped with the package (``cupy_symbuf/tuning.json``: what was measured on the project's machines).
+
+A key names what the measurement depends on: ``"host/world=2"``, ``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2"``.
+Without an entry the built-in defaults apply (``Config.resolved``). Every rank must resolve the same values: the
+construction fingerprint compares them, so ranks reading different tables fail loudly on every rank.
+
+Format (JSON)::
+
+    {"version": 1,
+     "entries": {KEY: {"default": {"num_sms": 2, "chunk_bytes": 262144, "num_slots": 16},
+                       "measured": "2026-12-01 host, 2 ranks", "command": "...",
+                       "sizes": [65536, ...], "rows": [{"config": {...}, "send": "out", "us": [...]}, ...]}}}
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+__all__ = ["table_key", "lookup", "load", "save_entry", "user_path", "packaged_path", "FIELDS"]
+
+VERSION = 1
+#: Config fields a table entry may set.
+FIELDS = ("num_sms", "chunk_bytes", "num_slots")
+
+
+def packaged_path() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning.json")
+
+
+def user_path() -> str:
+    return os.path.join(os.path.expanduser("~"), ".config", "cupy_symbuf", "tuning.json")
+
+
+def table_key(backend: str, world_size: int, device_name: str = "", ranks_per_gpu: int = 1) -> str:
+    """The key of a table entry (see the module docstring)."""
+    if backend == "host":
+        return f"host/world={world_size}"
+    return f"cuda/{device_name or 'unknown GPU'}/ranks_per_gpu={ranks_per_gpu}/world={world_size}"
+
+
+def _read(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cupy_symbuf tuning table {path}: unreadable ({exc}); fix or remove it") from None
+    if not isinstance(table, dict) or table.get("version") != VERSION or not isinstance(table.get("entries"), dict):
+        raise ValueError(f"cupy_symbuf tuning table {path}: not a version-{VERSION} table "
+                         f"(python -m cupy_symbuf.bench --tune writes one)")
+    return table
+
+
+def load() -> tuple:
+    """``(table, path)`` of the first table found (see the module docstring), or ``(None, None)``."""
+    env = os.environ.get("CUPY_SYMBUF_TUNING")
+    for path in ([env] if env else []) + [user_path(), packaged_path()]:
+        table = _read(path)
+        if table is not None:
+            return table, path
+    return None, None
+
+
+def lookup(key: str) -> tuple:
+    """``({field: value}, source)`` of the entry ``key``: only ``FIELDS``, checked to be ints; ``({}, None)``
+    when no table has it (the first table found is the only one read)."""
+    table, path = load()
+    if table is None:
+        return {}, None
+    entry = table["entries"].get(key)
+    if not entry:
+        return {}, None
+    default = entry.get("default", {})
+    out = {}
+    for name in FIELDS:
+        value = default.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"cupy_symbuf tuning table {path}: entry {key!r} field {name} must be an int, got "
+                             f"{value!r}")
+        out[name] = value
+    return out, f"{path} [{key}]"
+
+
+def save_entry(path: str, key: str, entry: dict) -> None:
+    """Write (or replace) entry ``key`` of the table at ``path``, keeping its other entries."""
+    table = _read(path) if os.path.exists(path) else None
+    if table is None:
+        table = {"version": VERSION, "entries": {}}
+    table["entries"][key] = entry
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)

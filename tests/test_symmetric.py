@@ -1,0 +1,221 @@
+"""Symmetric arrays (Communicator.empty / zeros / array / free) and direct mode (the receivers copy straight out of
+the sender's symmetric array), against NumPy references; the whole alltoall suite also runs with symmetric
+sendbufs (tests/test_alltoall.py, SymmetricSend)."""
+import numpy as np
+import pytest
+
+import cupy_symbuf as cs
+from cupy_symbuf import _host
+from _util import all_ranks, random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
+
+
+@pytest.fixture
+def pulls(monkeypatch):
+    """Counts the direct-mode copies this rank's host engine makes (HostTransport._pull)."""
+    calls = {"n": 0}
+    real = _host.HostTransport._pull
+
+    def spy(self, *a, **k):
+        calls["n"] += 1
+        return real(self, *a, **k)
+    monkeypatch.setattr(_host.HostTransport, "_pull", spy)
+    return calls
+
+
+def _a2a_reference(comm, x):
+    everything = comm.allgather(x)
+    return np.stack([everything[j][comm.rank] for j in range(comm.size)])
+
+
+def test_empty_zeros_array(backend, comm):
+    c = cs.Communicator(comm, backend=backend)
+    try:
+        a = c.empty((3, 5), np.int16)
+        z = c.zeros(7, np.float64)
+        src = random_rows(rng_for(comm, 1), 4, (6,), np.float32)
+        b = c.array(to_backend(src, backend))
+        xp = c.xp
+        assert isinstance(a, xp.ndarray) and a.shape == (3, 5) and a.dtype == np.int16
+        assert z.shape == (7,) and to_numpy(z).tolist() == [0.0] * 7
+        np.testing.assert_array_equal(to_numpy(b), src)
+        assert all(c.is_symmetric(v) for v in (a, z, b, b[1:3]))
+        assert not c.is_symmetric(xp.zeros(4)) and not c.is_symmetric(b[:, 1:])  # plain; not contiguous
+        text = c.describe()
+        assert "symmetric arrays: 3" in text and "shape (3, 5) dtype int16" in text
+        c.free(a)
+        assert not c.is_symmetric(a) and "symmetric arrays: 2" in c.describe()
+    finally:
+        c.close()
+
+
+def test_allocation_mismatch_raises_on_every_rank(backend, comm):
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = cs.Communicator(comm, backend=backend)
+    try:
+        with pytest.raises(ValueError, match="same shape and dtype"):
+            c.empty((4, 2 + (comm.rank == 1)), np.float32)
+        with pytest.raises((ValueError, TypeError)) as info:
+            c.empty((-1,) if comm.rank == 0 else (3,), np.float32)
+        if comm.rank != 0:
+            assert "rank 0 rejected" in str(info.value)
+        with pytest.raises(ValueError, match="same shape and dtype"):
+            c.empty(8, np.float32 if comm.rank else np.int32)
+        # nothing was allocated and the communicator is usable
+        assert "symmetric arrays: none" in c.describe()
+        x = random_rows(rng_for(comm, 2), comm.size, (3,), np.int32)
+        np.testing.assert_array_equal(to_numpy(c.alltoall(to_backend(x, backend))), _a2a_reference(comm, x))
+        keep = c.empty(4, np.uint8)
+        other = c.empty(4, np.uint8)
+        with pytest.raises(ValueError, match="same allocation"):
+            c.free(keep if comm.rank == 0 else other)
+        with pytest.raises(ValueError, match="not a live symmetric array"):
+            c.free(c.xp.zeros(3))
+    finally:
+        c.close()
+
+
+def test_direct_mode_alltoall_matches_numpy(comm, pulls):
+    """Host: a symmetric sendbuf goes direct (every peer copies out of it; no ring payload), any offset inside the
+    allocation, results exact against NumPy, out= poisoned first; repeated with fresh data."""
+    c = cs.Communicator(comm, backend="host")
+    try:
+        W = comm.size
+        rng = rng_for(comm, 3)
+        big = c.empty((W + 3, 37), np.float32)     # the sendbuf starts 2 rows in: a nonzero offset
+        out = c.empty((W, 37), np.float32)
+        for trial in range(4):
+            x = random_rows(rng, W, (37,), np.float32)
+            view = big[2: 2 + W]
+            view[...] = x
+            out[...] = np.nan
+            y = c.alltoall(view, out=out)
+            assert y is out
+            np.testing.assert_array_equal(y.view(np.uint32), _a2a_reference(comm, x).view(np.uint32))
+        # channels x peers copies per call, only with peers
+        assert pulls["n"] == (4 * c.layout.num_channels * (W - 1))
+        plain = random_rows(rng, W, (37,), np.float32)
+        before = pulls["n"]
+        np.testing.assert_array_equal(c.alltoall(plain), _a2a_reference(comm, plain))
+        assert pulls["n"] == before  # a plain sendbuf goes through the rings
+    finally:
+        c.close()
+
+
+def test_direct_alltoallv_uneven_and_capacity(comm, pulls):
+    c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2), backend="host")
+    try:
+        rng = rng_for(comm, 4)
+        buf = c.empty(64 * comm.size * 9, np.uint8)
+        for trial in range(3):
+            counts = rng.integers(0, 64, comm.size)
+            counts[(comm.rank + trial) % comm.size] = 0
+            send = random_rows(rng, int(counts.sum()), (9,), np.uint8)
+            x = buf[: send.nbytes].reshape(send.shape)
+            x[...] = send
+            expected, expected_counts = reference_alltoallv(comm, send, counts)
+            got, got_counts = c.alltoallv(x, counts)
+            np.testing.assert_array_equal(got_counts, expected_counts)
+            np.testing.assert_array_equal(got, expected)
+            out = np.full((64 * comm.size, 9), 0xEE, np.uint8)
+            got2, n = c.alltoallv(x, counts, recv_capacity=64 * comm.size, out=out)
+            np.testing.assert_array_equal(got2[: int(n.sum())], expected)
+            assert (got2[int(n.sum()):] == 0xEE).all()  # nothing written past the rows received
+        assert pulls["n"] > 0 or comm.size == 1
+    finally:
+        c.close()
+
+
+def test_mixed_plain_and_symmetric_senders(comm, pulls):
+    """The mode is the sender's (in its call header): rank 0 sends from a symmetric array, the others from plain
+    arrays, and every rank still receives exactly what NumPy says."""
+    c = cs.Communicator(comm, backend="host")
+    try:
+        W = comm.size
+        x = random_rows(rng_for(comm, 5), W, (129,), np.uint8)
+        sym = c.array(x)
+        y = c.alltoall(sym if comm.rank == 0 else x.copy())
+        np.testing.assert_array_equal(y, _a2a_reference(comm, x))
+        # the ranks other than 0 pulled from rank 0 only (one copy per channel)
+        assert pulls["n"] == (0 if comm.rank == 0 else c.layout.num_channels)
+    finally:
+        c.close()
+
+
+def test_sender_may_overwrite_its_symmetric_sendbuf_after_return(comm):
+    """A direct-mode call returns only once every peer has copied its rows out: overwriting the sendbuf at once,
+    then running more calls, never changes what the peers received (a result that changed would be a race)."""
+    c = cs.Communicator(comm, backend="host")
+    try:
+        W = comm.size
+        rng = rng_for(comm, 6)
+        x = c.empty((W, 4096), np.uint8)  # 4 KiB per peer
+        for trial in range(10):
+            data = random_rows(rng, W, (4096,), np.uint8)
+            x[...] = data
+            y = c.alltoall(x)
+            x[...] = 0xAB                    # at once: peers must have finished reading
+            ref = _a2a_reference(comm, data)
+            all_ranks(lambda: np.testing.assert_array_equal(y, ref))
+    finally:
+        c.close()
+
+
+def test_config_mode_ring_and_direct(comm, pulls):
+    W = comm.size
+    x = random_rows(rng_for(comm, 7), W, (8,), np.int32)
+    with cs.Communicator(comm, cs.Config(mode="ring"), backend="host") as c:
+        y = c.alltoall(c.array(x))
+        np.testing.assert_array_equal(y, _a2a_reference(comm, x))
+        assert pulls["n"] == 0
+    with cs.Communicator(comm, cs.Config(mode="direct"), backend="host") as c:
+        np.testing.assert_array_equal(c.alltoall(c.array(x)), _a2a_reference(comm, x))
+        # a plain sendbuf on rank 0 only: rank 0 raises ValueError naming the mode, the peers are told
+        if W > 1:
+            sym = c.array(x)
+            with pytest.raises(ValueError) as info:
+                c.alltoall(x.copy() if comm.rank == 0 else sym)
+            if comm.rank == 0:
+                assert "Config.mode='direct'" in str(info.value)
+            else:
+                assert isinstance(info.value, cs.SymBufferRejectedError)
+        # still usable
+        np.testing.assert_array_equal(c.alltoall(c.array(x)), _a2a_reference(comm, x))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        cs.Config(mode="fast")
+
+
+def test_symmetric_arrays_freed_with_the_communicator(comm):
+    """Each symmetric array is an MPI window and a communicator of its own; close() frees every one of them."""
+    from cupy_symbuf import _lifecycle
+    before = _lifecycle.live_mpi_objects()
+    c = cs.Communicator(comm, backend="host")
+    for i in range(3):
+        c.zeros((comm.size, 10 + i), np.float32)
+    during = _lifecycle.live_mpi_objects()
+    assert during["win"] == before["win"] + 4 and during["comm"] == before["comm"] + 4
+    c.free(c.empty(5))
+    assert _lifecycle.live_mpi_objects() == during
+    c.close()
+    assert _lifecycle.live_mpi_objects() == before
+    with pytest.raises(cs.SymBufferClosedError):
+        c.empty(3)
+
+
+def test_symmetric_alltoall_on_every_backend(backend, comm):
+    """Symmetric input and output on each backend (on the GPU they travel through the rings for now)."""
+    c = cs.Communicator(comm, backend=backend)
+    try:
+        W = comm.size
+        rng = rng_for(comm, 8)
+        x = c.empty((W, 1000), np.float32)
+        out = c.empty((W, 1000), np.float32)
+        for _ in range(3):
+            data = random_rows(rng, W, (1000,), np.float32)
+            x[...] = to_backend(data, backend)
+            out[...] = np.nan
+            y = c.alltoall(x, out=out)
+            c.synchronize()
+            np.testing.assert_array_equal(to_numpy(y).view(np.uint32), _a2a_reference(comm, data).view(np.uint32))
+    finally:
+        c.close()

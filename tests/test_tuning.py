@@ -1,0 +1,77 @@
+"""The tuning table (cupy_symbuf.tuning) and ``bench --tune``: entries become the defaults of unset Config fields,
+explicit fields win, a broken table fails on every rank, and --tune writes an entry the library then reads."""
+import json
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cupy_symbuf as cs
+from cupy_symbuf import bench, tuning
+
+
+@pytest.fixture
+def table_path(monkeypatch):
+    """A fresh table file name (made by rank 0, the same on every rank), as CUPY_SYMBUF_TUNING."""
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
+    world.Barrier()
+    if world.Get_rank() == 0:
+        os.remove(path)  # an absent file: the next table in the search order (or none) applies
+    world.Barrier()
+    monkeypatch.setenv("CUPY_SYMBUF_TUNING", path)
+    yield path
+    world.Barrier()
+    if world.Get_rank() == 0 and os.path.exists(path):
+        os.remove(path)
+
+
+def test_entry_sets_unset_fields(comm, table_path):
+    key = tuning.table_key("host", comm.size)
+    if comm.rank == 0:
+        tuning.save_entry(table_path, key, {"default": {"num_sms": 6, "chunk_bytes": 131072, "num_slots": 5}})
+        tuning.save_entry(table_path, "host/world=999", {"default": {"num_sms": 8}})  # other entries are kept
+    comm.Barrier()
+    assert set(json.load(open(table_path))["entries"]) == {key, "host/world=999"}
+    with cs.Communicator(comm, backend="host") as c:
+        assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == (6, 131072, 5)
+        assert key in c.describe() and table_path in c.describe()
+        x = np.arange(comm.size * 3, dtype=np.int64).reshape(comm.size, 3) + 100 * comm.rank
+        y = c.alltoall(x)
+        np.testing.assert_array_equal(y, np.stack([np.arange(comm.size * 3).reshape(comm.size, 3)[comm.rank]
+                                                   + 100 * j for j in range(comm.size)]))
+    with cs.Communicator(comm, cs.Config(num_sms=2), backend="host") as c:  # an explicit field wins
+        assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == (2, 131072, 5)
+
+
+def test_broken_table_fails_on_every_rank(comm, table_path):
+    if comm.rank == 0:
+        with open(table_path, "w") as f:
+            f.write('{"version": 1, "entries": {"%s": {"default": {"num_sms": "many"}}}}' %
+                    tuning.table_key("host", comm.size))
+    comm.Barrier()
+    with pytest.raises(ValueError, match="must be an int"):
+        cs.Communicator(comm, backend="host")
+    if comm.rank == 0:
+        with open(table_path, "w") as f:
+            f.write("not json")
+    comm.Barrier()
+    with pytest.raises(ValueError, match="unreadable"):
+        cs.Communicator(comm, backend="host")
+
+
+def test_bench_tune_writes_an_entry_the_library_reads(comm, table_path):
+    assert bench.main(["--backend", "host", "--tune", "--sizes", "8K,64K", "--tune-rounds", "1", "--iters", "2",
+                       "--warmup", "1", "--tune-out", table_path]) == 0
+    comm.Barrier()
+    entry = json.load(open(table_path))["entries"][tuning.table_key("host", comm.size)]
+    chosen = entry["default"]
+    cands = [dict(cfg) for cfg in (r["config"] for r in entry["rows"])]
+    assert {k: chosen[k] for k in ("num_sms", "chunk_bytes")} in cands
+    assert all(len(r["us"]) == 2 and min(r["us"]) > 0 for r in entry["rows"])
+    assert {r["send"] for r in entry["rows"]} == {"out", "sym"}
+    with cs.Communicator(comm, backend="host") as c:
+        assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == \
+            (chosen["num_sms"], chosen["chunk_bytes"], chosen["num_slots"])
