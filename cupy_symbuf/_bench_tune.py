@@ -27,7 +27,8 @@ __all__ = ["run", "candidates"]
 
 
 def candidates(backend: str, ranks_per_gpu: int = 1, sm_count: int = 132) -> list:
-    """The layouts swept: ``Config`` keyword dicts."""
+    """The layouts swept: ``Config`` keyword dicts (``num_slots`` from Config's rule for each; ``--num-sms``,
+    ``--chunk-bytes`` and ``--num-slots`` are not used by ``--tune``)."""
     if backend == "host":
         return [dict(num_sms=s, chunk_bytes=c) for s in (2, 4) for c in (64 << 10, 256 << 10, 1 << 20)]
     share = max(2, sm_count // max(1, ranks_per_gpu) // 2 * 2)
@@ -51,9 +52,11 @@ def run(comm, timer, args, backend: str, xp) -> int:
     cands = candidates(backend, ranks_per_gpu, sm_count)
     sends = ("out", "sym") if backend == "host" else ("out",)
     times = {}  # (candidate index, send, size) -> [seconds per call, one per round]
+    slots = {}  # candidate index -> the num_slots its Communicator resolved
     for rnd in range(args.tune_rounds):
         for i, cfg in enumerate(cands):
             c = Communicator(comm, Config(**cfg), backend=backend)
+            slots[i] = c.config.num_slots  # what was measured (explicit layout fields: no table applies)
             try:
                 for size in sizes:
                     per_peer = max(1, size // W)
@@ -91,10 +94,7 @@ def run(comm, timer, args, backend: str, xp) -> int:
             cells = " ".join(f"{med[(i, send, s)] * 1e6:16.1f}" for s in sizes for send in sends)
             mark = "  <- default" if i == pick else ""
             print(f"{cfg['num_sms']:7d} {_fmt(cfg['chunk_bytes']):>8} {cells} {score[i]:6.3f}{mark}")
-        chosen = dict(cands[pick])
-        # the ring depth the chosen layout resolved to (Config.resolved's rule), recorded so the table is complete
-        chosen["num_slots"] = Config(**cands[pick]).resolved(backend, ranks_per_gpu=ranks_per_gpu,
-                                                             gpu_sm_count=sm_count, world_size=W).num_slots
+        chosen = dict(cands[pick], num_slots=slots[pick])  # the ring depth it was measured with
         entry = {"default": chosen,
                  "measured": f"{datetime.date.today().isoformat()}, {key}",
                  "command": "mpiexec -n %d python -m cupy_symbuf.bench %s" % (W, " ".join(sys.argv[1:])),

@@ -451,9 +451,9 @@ class _Stream:
 def _yield(idle: int, waited_s: float) -> None:
     """Give the core away while waiting: ``sched_yield`` for the first ``SPIN_S`` seconds of a wait (a peer a chunk
     or a copy behind answers within that; a yield hands the core to any other runnable rank, so oversubscribed CI,
-    4 ranks on 2 cores, still progresses), then sleeps growing to 1 ms. Sleeping after a fixed number of polls
-    instead (64) woke ranks late in a chunk hand-off: 1 MiB alltoall on 2 ranks took 3-6x MPI's time in some runs
-    instead of 1.5x (docs/perf-notes.md v9)."""
+    4 ranks on 2 cores, still progresses), then sleeps growing to 1 ms. On the 2-core machine this, sleeping after
+    64 polls, and never sleeping measured the same within its run-to-run noise (docs/perf-notes.md v10); a time
+    bound keeps a peer that is one large copy behind from finding this rank asleep."""
     if waited_s < SPIN_S:
         os.sched_yield()
     else:

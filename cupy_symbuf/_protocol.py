@@ -132,7 +132,7 @@ FLAG_REJECT = 1                            # this rank rejected the call: header
 CHUNK_GRAIN_BYTES = 512
 CHUNK_LEAST_BYTES = 4096
 #: The host engine's smallest chunk: below this a chunk's fixed cost (a Python step, a fence, a tail store) outweighs
-#: what pipelining smaller pieces gains (measured on the 2-core CI machine, docs/perf-notes.md v9).
+#: what pipelining smaller pieces gains (measured on the 2-core CI machine, docs/perf-notes.md v10).
 HOST_CHUNK_LEAST_BYTES = 32768
 #: Byte streams are cut between channels on this alignment (bytes).
 BYTE_STREAM_ALIGN = 16

@@ -105,6 +105,9 @@ class Communicator:
             err, fp = None, None
             self.tuning_source = None
             try:
+                if backend == "cuda" and config.mode == "direct":  # told to every rank before anything is allocated
+                    raise ValueError("Communicator: Config.mode='direct' is not available on the GPU path yet (its "
+                                     "collectives move rows through the rings; use mode='auto' or 'ring')")
                 config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu)
                 self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
                                               world_size=world_size)
@@ -136,9 +139,6 @@ class Communicator:
             else:
                 from ._host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
-            if self.backend == "cuda" and self.config.mode == "direct":
-                raise ValueError("Communicator: Config.mode='direct' is not available on the GPU path yet (its "
-                                 "collectives move rows through the rings; use mode='auto' or 'ring')")
             from .symmetric import SymmetricHeap
             self._heap = SymmetricHeap(self)
             self._transport.heap = self._heap
@@ -150,20 +150,23 @@ class Communicator:
         self._token = _lifecycle.register(self)
 
     def _tuned(self, config: Config, backend: str, world_size: int, gpu_name: str, ranks_per_gpu: int) -> Config:
-        """``config`` with the layout fields it left unset (``num_sms``, ``chunk_bytes``, ``num_slots``) taken from
-        the tuning table entry of this device kind and world size (:mod:`cupy_symbuf.tuning`), if there is one."""
+        """``config`` with the layout (``num_sms``, ``chunk_bytes``, ``num_slots``) of the tuning table entry of this
+        device kind and world size (:mod:`cupy_symbuf.tuning`), when there is one and the caller set none of the
+        three."""
         import dataclasses
 
         from . import tuning
-        unset = [f for f in tuning.FIELDS if getattr(config, f) is None]
-        if not unset:
-            return config
+        if any(getattr(config, f) is not None for f in tuning.FIELDS):
+            return config  # a layout field set by the caller: the table's values were measured together, none apply
         tuned, source = tuning.lookup(tuning.table_key(backend, world_size, gpu_name, ranks_per_gpu))
-        tuned = {k: v for k, v in tuned.items() if k in unset}
         if not tuned:
             return config
+        try:
+            out = dataclasses.replace(config, **tuned)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (from the tuning table {source}; fix or remove that entry)") from None
         self.tuning_source = f"{source}: {tuned}"
-        return dataclasses.replace(config, **tuned)
+        return out
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -317,8 +320,10 @@ class Communicator:
         ``torch.distributed._symmetric_memory.empty`` and NCCL window registration). Use it (or a C-contiguous
         slice of it) as ``sendbuf`` of :meth:`alltoall` / :meth:`alltoallv` and, on the host backend, each
         receiver copies the rows straight out of it: one copy per byte instead of two through the rings
-        (``Config.mode``). The contents are uninitialised. Freed by :meth:`free` or :meth:`close`; do not use
-        the array after that.
+        (``Config.mode``). Each rank's block starts on its own 4 KiB page and is zeroed when allocated. Freed by
+        :meth:`free` or :meth:`close`: do not use the array (or views of it) after that; a leftover view is never
+        taken for a later allocation's array. Each symmetric array is an MPI window and communicator of its own
+        (MPI allows about a thousand live): allocate a few large ones and slice them.
 
         Parameters
         ----------
@@ -336,17 +341,21 @@ class Communicator:
         return self._heap.empty(shape, dtype)
 
     def zeros(self, shape, dtype=np.float32):
-        """:meth:`empty`, filled with zeros (collective)."""
-        a = self._heap.empty(shape, dtype, "zeros")
-        a[...] = 0
-        return a
+        """:meth:`empty`, zero-filled (collective). Every block is zeroed when it is allocated, so this is
+        :meth:`empty` with that promise."""
+        return self._heap.empty(shape, dtype, "zeros")
 
     def array(self, a):
         """A symmetric copy of ``a`` (collective: every rank passes an array of the same shape and dtype); the
-        backend's array type, C-contiguous. See :meth:`empty`."""
-        src = as_array("Communicator.array", "a", a, self.backend) if not isinstance(a, (list, tuple)) \
-            else self.xp.asarray(a)
-        out = self._heap.empty(src.shape, src.dtype, "array")
+        backend's array type, C-contiguous. See :meth:`empty`. An argument this rank cannot convert raises here
+        and, through the allocation's agreement step, ``ValueError`` on the peers (nothing allocated)."""
+        err, src = None, None
+        try:
+            src = as_array("Communicator.array", "a", a, self.backend) if not isinstance(a, (list, tuple)) \
+                else self.xp.asarray(a)
+        except (TypeError, ValueError) as exc:
+            err = exc
+        out = self._heap.empty(getattr(src, "shape", ()), getattr(src, "dtype", np.uint8), "array", err=err)
         out[...] = src
         return out
 

@@ -105,9 +105,10 @@ class Config:
         How this rank sends rows. ``"auto"`` (default): directly when the ``sendbuf`` of ``alltoall`` /
         ``alltoallv`` is a symmetric array (:meth:`Communicator.empty`): each receiver copies its rows straight
         out of it, one copy per byte (host backend; the GPU path always uses the rings for now); else through the
-        rings (two copies per off-rank byte). ``"ring"``: always the rings. ``"direct"``: a call that cannot go
-        direct raises ``ValueError`` instead (not available on the GPU path yet). The mode is the sender's and
-        travels in each call header, so ranks may differ (local policy).
+        rings (two copies per off-rank byte). ``"ring"``: always the rings. ``"direct"``: an ``alltoall`` /
+        ``alltoallv`` that cannot go direct raises ``ValueError`` instead (not available on the GPU path yet).
+        MoE ``dispatch`` / ``combine`` gather their rows through an index and always use the rings. The mode is the
+        sender's and travels in each call header, so ranks may differ (local policy).
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
     ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit

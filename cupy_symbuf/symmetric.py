@@ -45,13 +45,14 @@ class SymmetricAllocation:
         Address of this rank's block in this process.
     """
 
-    __slots__ = ("id", "shape", "dtype", "nbytes", "buffer", "base", "array")
+    __slots__ = ("id", "shape", "dtype", "nbytes", "buffer", "base", "array", "root")
 
-    def __init__(self, id_: int, shape: tuple, dtype: np.dtype, buffer: SymBuffer, array):
+    def __init__(self, id_: int, shape: tuple, dtype: np.dtype, nbytes: int, buffer: SymBuffer, array):
         self.id, self.shape, self.dtype, self.buffer = id_, shape, dtype, buffer
-        self.nbytes = buffer.nbytes
+        self.nbytes = nbytes  # the array's bytes (each rank's block is padded to BLOCK_ALIGN)
         self.array = array
-        self.base = _address(array) if buffer.nbytes else 0
+        self.root = _root(array)
+        self.base = _address(array)
 
     def peer_bytes(self, rank: int) -> np.ndarray:
         """(host) ``uint8 [nbytes]`` view of ``rank``'s block."""
@@ -68,6 +69,23 @@ def _address(a) -> int:
     return int(a.data.ptr)
 
 
+def _root(a):
+    """What owns ``a``'s memory: the NumPy array at the end of its ``.base`` chain, or CuPy's memory object. Views
+    of a symmetric array share it; an array left over from a freed allocation (whose address a new allocation may
+    reuse) does not, so it is never taken for the new one."""
+    if isinstance(a, np.ndarray):
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        return a
+    return a.data.mem
+
+
+#: Each rank's block of a symmetric array starts on its own page: no false sharing between ranks, aligned rows.
+BLOCK_ALIGN = 4096
+#: The exchange label every allocation uses (empty / zeros / array are the same step on the wire).
+_STEP = "Communicator.empty (symmetric allocation)"
+
+
 class SymmetricHeap:
     """The symmetric allocations of one communicator (``Communicator.empty`` / ``zeros`` / ``array`` / ``free``).
 
@@ -81,25 +99,31 @@ class SymmetricHeap:
         self.allocations: list = []
 
     # ---- collective allocation ----------------------------------------------------------------------------
-    def empty(self, shape, dtype, what: str = "empty"):
-        """A new symmetric array of ``shape`` / ``dtype`` (collective; every rank passes the same)."""
+    def empty(self, shape, dtype, what: str = "empty", err: Optional[BaseException] = None):
+        """A new symmetric array of ``shape`` / ``dtype`` (collective; every rank passes the same). ``err``: an
+        error the caller already found in its arguments (``Communicator.array``): it takes part in the agreement
+        step and raises it, so the peers raise too instead of waiting."""
         op = f"Communicator.{what}"
         owner = self.owner
         owner._check_open()
-        err = None
-        try:
-            shape = _shape(op, shape)
-            dtype = np.dtype(dtype)
-            if dtype.hasobject:
-                raise TypeError(f"{op}: dtype {dtype} holds Python objects; symmetric arrays hold raw bytes")
-            nbytes = math.prod(shape) * dtype.itemsize
-            mine = (shape, dtype.str, str(dtype), self._next_id)
-        except (TypeError, ValueError) as exc:
-            err, mine = exc, None
+        mine = None
+        if err is None:
+            try:
+                shape = _shape(op, shape)
+                dtype = np.dtype(dtype)
+                if dtype.hasobject:
+                    raise TypeError(f"{op}: dtype {dtype} holds Python objects; symmetric arrays hold raw bytes")
+                if dtype.subdtype is not None:
+                    raise TypeError(f"{op}: dtype {dtype} is a subarray dtype; pass its base dtype "
+                                    f"{dtype.subdtype[0]} and add {dtype.subdtype[1]} to the shape")
+                nbytes = math.prod(shape) * dtype.itemsize
+                mine = (shape, dtype.str, str(dtype), self._next_id)
+            except (TypeError, ValueError) as exc:
+                err = exc
         comm = owner.buffer.comm
         timeout = owner.config.timeout_s
         everyone = _agree.exchange_all(comm, (mine, None if err is None else f"{type(err).__name__}: {err}"),
-                                       timeout, op)
+                                       timeout, _STEP)
         if err is not None:
             raise err
         bad = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
@@ -111,16 +135,22 @@ class SymmetricHeap:
                     f"{op}: every rank must allocate the same shape and dtype in the same order: rank "
                     f"{owner.rank} asks for allocation {mine[3]} of shape {mine[0]} dtype {mine[2]}, rank {r} for "
                     f"allocation {theirs[3]} of shape {theirs[0]} dtype {theirs[2]}; nothing was allocated")
-        buf = SymBuffer(comm, nbytes, backend=owner.backend, timeout_s=timeout, _managed=True)
+        try:
+            buf = SymBuffer(comm, -(-max(nbytes, 1) // BLOCK_ALIGN) * BLOCK_ALIGN, backend=owner.backend,
+                            timeout_s=timeout, _managed=True)
+        except Exception as exc:  # on every rank alike (SymBuffer agrees first); e.g. MPI runs out of windows
+            raise type(exc)(f"{op}: symmetric allocation {self._next_id} ({len(self.allocations)} live, "
+                            f"{self.total_bytes} B per rank; each is an MPI window and communicator of its own, "
+                            f"and MPI allows about a thousand) failed: {exc}") from exc
         try:
             if owner.backend == "host":
-                array = buf.host_view(owner.rank).view(dtype).reshape(shape) if nbytes else np.empty(shape, dtype)
+                array = buf.host_view(owner.rank)[:nbytes].view(dtype).reshape(shape)
             else:
                 array = buf.peer_view(owner.rank, dtype, shape)
         except BaseException:
             buf.close()
             raise
-        alloc = SymmetricAllocation(self._next_id, shape, dtype, buf, array)
+        alloc = SymmetricAllocation(self._next_id, shape, dtype, nbytes, buf, array)
         self._next_id += 1
         self.allocations.append(alloc)
         return array
@@ -151,11 +181,13 @@ class SymmetricHeap:
 
     # ---- lookup -------------------------------------------------------------------------------------------
     def _owning(self, a) -> Optional[SymmetricAllocation]:
+        """The live allocation ``a`` is a view of (by what owns its memory, then by address), or None."""
         if not (isinstance(a, np.ndarray) or _compat.is_cupy_array(a)):
             return None
+        root = _root(a)
         start = _address(a)
         for alloc in reversed(self.allocations):
-            if alloc.base <= start < alloc.base + alloc.nbytes:
+            if root is alloc.root and (a.nbytes == 0 or alloc.base <= start < alloc.base + alloc.nbytes):
                 return alloc
         return None
 

@@ -5,8 +5,12 @@ ranks per device and world size, written by ``python -m cupy_symbuf.bench --tune
 Where the table comes from, first found wins:
 
 1. the file named by the environment variable ``CUPY_SYMBUF_TUNING`` (``--tune`` writes there when it is set);
+   when it is set, no other table is read (a missing file: no table, the built-in defaults);
 2. ``~/.config/cupy_symbuf/tuning.json`` (``--tune``'s default output);
 3. the table shipped with the package (``cupy_symbuf/tuning.json``: what was measured on the project's machines).
+
+An entry applies only to a Config that sets none of ``num_sms``, ``chunk_bytes``, ``num_slots`` (its values were
+measured together).
 
 A key names what the measurement depends on: ``"host/world=2"``, ``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2"``.
 Without an entry the built-in defaults apply (``Config.resolved``). Every rank must resolve the same values: the
@@ -64,7 +68,7 @@ def _read(path: str) -> Optional[dict]:
 def load() -> tuple:
     """``(table, path)`` of the first table found (see the module docstring), or ``(None, None)``."""
     env = os.environ.get("CUPY_SYMBUF_TUNING")
-    for path in ([env] if env else []) + [user_path(), packaged_path()]:
+    for path in [env] if env else [user_path(), packaged_path()]:
         table = _read(path)
         if table is not None:
             return table, path

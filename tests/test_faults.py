@@ -355,3 +355,17 @@ def test_soak_short():
     m = re.search(r"soak: (\d+) iterations, (\d+) checked, (\d+) mismatches", out)
     assert m, out[-4000:]
     assert int(m[1]) == 200 and int(m[2]) > 0 and int(m[3]) == 0, m[0]
+
+
+def test_symmetric_example():
+    """examples/symmetric_alltoall.py on 2 ranks (host path): correct, and says so."""
+    if not LAUNCHER:
+        pytest.skip("no mpiexec found (set MPIEXEC)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDI_"))}
+    env.setdefault("CUPY_SYMBUF_TIMEOUT_S", "20")
+    cmd = list(LAUNCHER) + (["--oversubscribe"] if KIND == "openmpi" else []) + [
+        "-n", "2", sys.executable, os.path.join(ROOT, "examples", "symmetric_alltoall.py"), "--mib", "1",
+        "--iters", "3", "--backend", BACKEND]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0 and "correct" in proc.stdout, proc.stdout[-4000:]

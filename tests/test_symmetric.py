@@ -219,3 +219,36 @@ def test_symmetric_alltoall_on_every_backend(backend, comm):
             np.testing.assert_array_equal(to_numpy(y).view(np.uint32), _a2a_reference(comm, data).view(np.uint32))
     finally:
         c.close()
+
+
+def test_review_findings(comm):
+    """Found in review: a bad argument of array() on one rank is an error on every rank at once (not a timeout);
+    zero-size arrays are symmetric and can be freed; subarray and void dtypes; blocks start on their own page;
+    a leftover view of a freed array is never taken for a new allocation's array."""
+    c = cs.Communicator(comm, cs.Config(timeout_s=20), backend="host")
+    try:
+        import time
+        t0 = time.monotonic()
+        with pytest.raises((TypeError, ValueError)) as info:
+            c.array(object() if comm.rank == 0 else np.zeros(3))
+        assert time.monotonic() - t0 < 10
+        if comm.rank != 0:
+            assert "rank 0 rejected" in str(info.value)
+        z = c.empty((0, 5), np.float32)
+        assert c.is_symmetric(z) is False or z.nbytes == 0
+        c.free(z)                                         # found by identity, though it has no bytes
+        with pytest.raises(TypeError, match="subarray"):
+            c.empty(4, np.dtype((np.float32, (2,))))
+        v = c.zeros(4, "V8")
+        assert v.dtype == np.dtype("V8") and bytes(v.tobytes()) == bytes(32)
+        a = c.zeros((3,), np.float32)
+        blocks = [c._heap.allocations[-1].buffer.host_view(r).__array_interface__["data"][0]
+                  for r in range(comm.size)]
+        assert all((b - blocks[0]) % 4096 == 0 for b in blocks)  # each rank's block on its own pages
+        stale = a[1:]
+        c.free(a)
+        b = c.zeros((3,), np.float32)
+        assert c.is_symmetric(b) and not c.is_symmetric(stale)
+        assert "symmetric arrays: 2" in c.describe()
+    finally:
+        c.close()

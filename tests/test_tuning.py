@@ -19,7 +19,7 @@ def table_path(monkeypatch):
     path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
     world.Barrier()
     if world.Get_rank() == 0:
-        os.remove(path)  # an absent file: the next table in the search order (or none) applies
+        os.remove(path)  # an absent file: no table (CUPY_SYMBUF_TUNING set: no other table is read)
     world.Barrier()
     monkeypatch.setenv("CUPY_SYMBUF_TUNING", path)
     yield path
@@ -42,8 +42,12 @@ def test_entry_sets_unset_fields(comm, table_path):
         y = c.alltoall(x)
         np.testing.assert_array_equal(y, np.stack([np.arange(comm.size * 3).reshape(comm.size, 3)[comm.rank]
                                                    + 100 * j for j in range(comm.size)]))
-    with cs.Communicator(comm, cs.Config(num_sms=2), backend="host") as c:  # an explicit field wins
-        assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == (2, 131072, 5)
+    # a layout field set by the caller: none of the table's values apply (they were measured together)
+    with cs.Communicator(comm, cs.Config(num_sms=2), backend="host") as c:
+        builtin = cs.Config(num_sms=2).resolved("host", world_size=comm.size)
+        assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == \
+            (2, builtin.chunk_bytes, builtin.num_slots)
+        assert "tuning table" not in c.describe()
 
 
 def test_broken_table_fails_on_every_rank(comm, table_path):
@@ -53,6 +57,11 @@ def test_broken_table_fails_on_every_rank(comm, table_path):
                     tuning.table_key("host", comm.size))
     comm.Barrier()
     with pytest.raises(ValueError, match="must be an int"):
+        cs.Communicator(comm, backend="host")
+    if comm.rank == 0:
+        tuning.save_entry(table_path, tuning.table_key("host", comm.size), {"default": {"num_sms": 3}})
+    comm.Barrier()
+    with pytest.raises(ValueError, match="from the tuning table"):  # an invalid value names the table
         cs.Communicator(comm, backend="host")
     if comm.rank == 0:
         with open(table_path, "w") as f:
