@@ -283,22 +283,33 @@ class Engine:
         return plan
 
     def direct_source(self, op: str, send_parts, send_index):
-        """``(SymmetricAllocation, byte offset)`` when this rank sends this call in direct mode (its peers copy
-        the rows straight out of its symmetric array), else None. Direct mode needs the host engine, one send
-        part in row order (a byte stream) that lies in a symmetric array (``Communicator.empty``), and
-        ``Config.mode`` other than ``"ring"``; ``Config.mode="direct"`` makes a call that cannot go direct a
-        ``ValueError`` (a rejection; the peers are told) instead of a silent fallback to the rings."""
+        """How this rank's peers can copy this call's rows straight out of its sendbuf, or None (the rings).
+
+        Host engine, one send part in row order (a byte stream), ``Config.mode`` other than ``"ring"``:
+        ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` when the part lies in a symmetric array
+        (``Communicator.empty``); else ``(MODE_CMA, pid, address)`` for a C-contiguous plain array of at least
+        ``CMA_MIN_BYTES`` per peer (any size with ``Config.mode="direct"``) when every rank can read every other's
+        memory by cross-memory attach (probed at construction). Either way one copy
+        per byte, and the call returns once every peer has copied. ``Config.mode="direct"`` makes a call that
+        cannot go direct a ``ValueError`` (a rejection; the peers are told) instead of a fallback to the rings."""
         mode = self.config.mode
         if mode == "ring":
             return None
         found = None
         if self.backend == "host" and send_index is None and len(send_parts) == 1:
-            found = self.owner._heap.find(send_parts[0])
+            x = send_parts[0]
+            sym = self.owner._heap.find(x)
+            if sym is not None:
+                found = (P.MODE_DIRECT,) + sym
+            elif self.transport.cma_pids is not None and x.flags.c_contiguous and \
+                    (mode == "direct" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
+                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], x.__array_interface__["data"][0])
         if found is None and mode == "direct" and (self.backend != "host" or
                                                     sum(a.nbytes for a in send_parts) > 0):
             why = ("the GPU path has no direct mode yet" if self.backend != "host" else
                    "its rows are gathered through an index" if send_index is not None or len(send_parts) != 1
-                   else "sendbuf is not a C-contiguous symmetric array of this communicator (Communicator.empty)")
+                   else "sendbuf is not a C-contiguous symmetric array of this communicator (Communicator.empty), "
+                        "and cross-memory attach is not available between these ranks")
             raise ValueError(f"{op}: Config.mode='direct' but this call cannot move its rows directly: {why}")
         return found
 

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from . import _agree, _cma
 from . import _protocol as P
 from .errors import SymBufferMismatchError, SymBufferTimeoutError, aborted_error, mismatch_error
 from .layout import ChannelLayout
@@ -122,10 +123,11 @@ class _Static:
     its share ``[lo, hi)`` and chunking, its state line, the counter lines it reads and writes, its ring, and
     the sender's header template."""
 
-    __slots__ = ("c", "p", "lo", "hi", "per_chunk", "state", "counter", "remote", "ring", "ring_off", "header")
+    __slots__ = ("c", "p", "lo", "hi", "per_chunk", "nchunks", "state", "counter", "remote", "ring", "ring_off",
+                 "header")
 
-    def __init__(self, c, p, lo, hi, per_chunk, state, counter, remote, ring, ring_off, header):
-        self.c, self.p, self.lo, self.hi, self.per_chunk = c, p, lo, hi, per_chunk
+    def __init__(self, c, p, lo, hi, per_chunk, nchunks, state, counter, remote, ring, ring_off, header):
+        self.c, self.p, self.lo, self.hi, self.per_chunk, self.nchunks = c, p, lo, hi, per_chunk, nchunks
         self.state, self.counter, self.remote, self.ring, self.ring_off = state, counter, remote, ring, ring_off
         self.header = header
 
@@ -142,6 +144,8 @@ class HostTransport:
         self.views = [buf.host_view(r) for r in range(self.world_size)]
         #: the communicator's symmetric arrays (:class:`~cupy_symbuf.symmetric.SymmetricHeap`), for direct mode
         self.heap = None
+        #: every rank's pid when every rank can read every other's memory by cross-memory attach (:meth:`probe_cma`)
+        self.cma_pids = None
         L = layout
         self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
 
@@ -172,14 +176,44 @@ class HostTransport:
             self.buf.sync()
             raise aborted_error(op, self.rank, line)
 
+    def probe_cma(self, comm, timeout_s: float) -> bool:
+        """Collective, at construction: can every rank read every other rank's memory by cross-memory attach
+        (``process_vm_readv``)? Each rank publishes a probe word, every rank reads every peer's; when all succeed
+        ``cma_pids`` is set and plain sendbufs may go ``MODE_CMA``. Bounded (``_agree.exchange_all``)."""
+        if self.world_size == 1:
+            return False
+        token = np.array([0x53594D42CA, os.getpid(), self.rank], dtype=np.int64)
+        mine = (os.getpid(), token.__array_interface__["data"][0]) if _cma.supported() else None
+        everyone = _agree.exchange_all(comm, mine, timeout_s, "cross-memory attach probe")
+        ok = all(e is not None for e in everyone)
+        if ok:
+            got = np.zeros(3, np.int64)
+            for r, (pid, addr) in enumerate(everyone):
+                if r == self.rank:
+                    continue
+                try:
+                    _cma.read_into(pid, addr, got.view(np.uint8))
+                except OSError:
+                    ok = False
+                    break
+                if got.tolist() != [0x53594D42CA, pid, r]:
+                    ok = False
+                    break
+        results = _agree.exchange_all(comm, ok, timeout_s, "cross-memory attach probe (results)")
+        del token  # alive until every rank has read it (the second exchange)
+        if all(results):
+            self.cma_pids = [pid for pid, _ in everyone]
+        return self.cma_pids is not None
+
     # ---- row exchange ---------------------------------------------------------------------------------------
     def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf._plan.ExchangePlan`): every (channel, peer) stream sends
         its call header and its chunks and receives the peer's; returns the ranks whose header said they rejected
         the call (their rows are not delivered; the rings stay in step). ``send_parts``: arrays ``[n, ...]`` with
         contiguous rows; ``send_index``: int64 ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
-        ``direct`` (``plan.direct``): ``(SymmetricAllocation, byte offset)`` of the send part, a symmetric array;
-        each peer then copies its rows straight out of it and this call returns once every peer has.
+        ``direct`` (``plan.direct``): ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` of a send part in a
+        symmetric array, or ``(MODE_CMA, pid, address)`` of a plain one (cross-memory attach); each peer then
+        copies its rows straight out of it and this call returns once every peer has.
 
         Raises :class:`SymBufferMismatchError` (a peer's header differs: rank, peer, channel, field, both values),
         :class:`SymBufferTimeoutError` or :class:`SymBufferAbortedError`; the first two set the abort word on every
@@ -203,10 +237,11 @@ class HostTransport:
         sends = [_Stream(st, True) for st in statics[0]]
         recvs = [_Stream(st, False) for st in statics[1]]
         if is_direct:
-            alloc, base = direct
+            mode, where, base = direct
             for x in sends:
                 x.header = x.header.copy()
-                x.header[P.HDR_DIRECT_ALLOC] = alloc.id
+                x.header[P.HDR_MODE] = mode
+                x.header[P.HDR_DIRECT_ALLOC] = where.id if mode == P.MODE_DIRECT else where
                 x.header[P.HDR_DIRECT_OFFSET] = base + int(plan.send_first[x.p])
                 x.pos = x.end  # no payload chunks: the peer copies them out of the symmetric array
         rejected = set()
@@ -258,7 +293,7 @@ class HostTransport:
                     off = r.ring_off + (r.pos_counter % num_slots) * chunk
                     slot = r.ring[off: off + chunk]
                     if not r.checked:
-                        hdr = slot[: 8 * P.HDR_WORDS].view(np.int64).copy()
+                        hdr = slot[: 8 * P.HDR_WORDS].view(np.int64).tolist()
                         self._check_header(op, plan, r, hdr)
                         r.checked = True
                         if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
@@ -266,7 +301,7 @@ class HostTransport:
                             r.end = r.pos       # nothing follows
                         elif plan.reject:
                             r.drain = int(hdr[P.HDR_NCHUNKS])  # skip the peer's payload without copying
-                        elif hdr[P.HDR_MODE] == P.MODE_DIRECT:  # the sender's mode: copy out of its array
+                        elif hdr[P.HDR_MODE] != P.MODE_RING:  # the sender's mode: copy out of its array
                             self._pull(op, plan, r, hdr, recv)
                     elif r.drain:
                         r.drain -= 1
@@ -306,8 +341,26 @@ class HostTransport:
         return sorted(rejected)
 
     def _pull(self, op: str, plan, r: "_Stream", hdr: np.ndarray, recv: _Side) -> None:
-        """Direct mode: copy this channel's share ``[pos, end)`` of peer ``r.p``'s stream straight out of the
-        peer's symmetric array (allocation and offset from its header, checked to lie inside the allocation)."""
+        """Direct modes: copy this channel's share ``[pos, end)`` of peer ``r.p``'s stream straight out of the
+        peer's symmetric array (allocation and offset from its header, checked to lie inside the allocation) or,
+        ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the pid checked against the peer's)."""
+        n = r.end - r.pos
+        dst = int(plan.recv_first[r.p]) + r.pos
+        if hdr[P.HDR_MODE] == P.MODE_CMA:
+            pid, addr = int(hdr[P.HDR_DIRECT_ALLOC]), int(hdr[P.HDR_DIRECT_OFFSET])
+            try:
+                if pid != self.cma_pids[r.p]:
+                    raise OSError(0, f"the header names pid {pid}, rank {r.p} is pid {self.cma_pids[r.p]}")
+                if n:
+                    _cma.read_into(pid, addr + r.pos, recv.flat[dst: dst + n])
+            except OSError as exc:
+                self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+                raise SymBufferMismatchError(
+                    f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
+                    f"{r.c}, {n} bytes at {addr + r.pos:#x}): {exc}", rank=self.rank, peer=r.p, channel=r.c, op=op,
+                    field=P.FIELD_NAMES[P.FIELD_OFFSET], expected=n, got=addr) from None
+            r.pos = r.end
+            return
         alloc = self.heap.by_id(int(hdr[P.HDR_DIRECT_ALLOC])) if self.heap is not None else None
         off = int(hdr[P.HDR_DIRECT_OFFSET])
         units = int(plan.recv_units[r.p])
@@ -320,9 +373,7 @@ class HostTransport:
                 f"allocations differ (every rank must make the same Communicator.empty calls in the same order)",
                 rank=self.rank, peer=r.p, channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_OFFSET],
                 expected=units, got=off)
-        n = r.end - r.pos
         if n:
-            dst = int(plan.recv_first[r.p]) + r.pos
             recv.flat[dst: dst + n] = alloc.peer_bytes(r.p)[off + r.pos: off + r.pos + n]
         r.pos = r.end
 
@@ -336,33 +387,43 @@ class HostTransport:
                     if p == me:
                         continue
                     lo, hi = plan.channel_range(units_of[p], c) if not plan.reject else (0, 0)
-                    per = plan.rows_per_chunk(lo, hi)
+                    per, nch = plan.rows_per_chunk(lo, hi), plan.num_chunks(lo, hi)
                     if sender:
-                        st = _Static(c, p, lo, hi, per, self._u64(me, L.send_tail_offset(c, p), 2),
+                        st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.send_tail_offset(c, p), 2),
                                      self._u64(me, L.head_offset(c, p)), self._u64(p, L.tail_offset(c, me)),
                                      self.views[p], L.ring_offset(c, me), plan.header(0, p, c))
                     else:
-                        st = _Static(c, p, lo, hi, per, self._u64(me, L.recv_head_offset(c, p), 2),
+                        st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.recv_head_offset(c, p), 2),
                                      self._u64(me, L.tail_offset(c, p)), self._u64(p, L.head_offset(c, me)),
                                      self.views[me], L.ring_offset(c, p), None)
                     out[0 if sender else 1].append(st)
         return out
 
-    def _check_header(self, op: str, plan, r: "_Stream", hdr: np.ndarray) -> None:
-        """The receiver's check of a peer's call header, before any payload (same order as the kernel)."""
+    def _check_header(self, op: str, plan, r: "_Stream", hdr: list) -> None:
+        """The receiver's check of a peer's call header (its words as Python ints), before any payload (same
+        order as the kernel)."""
+        if hdr[P.HDR_MAGIC] == P.HDR_MAGIC_VALUE and hdr[P.HDR_SEQ] == r.seq and hdr[P.HDR_OP] == plan.op_code:
+            if hdr[P.HDR_STATUS] != P.HDR_OK or plan.reject:
+                return
+            mode = hdr[P.HDR_MODE]
+            if hdr[P.HDR_SIG] == plan.sig and hdr[P.HDR_UNITS] == plan.recv_units[r.p] and (
+                    (mode == P.MODE_RING and hdr[P.HDR_NCHUNKS] == r.nchunks) or (hdr[P.HDR_NCHUNKS] == 0 and (
+                        mode == P.MODE_DIRECT or (mode == P.MODE_CMA and self.cma_pids)))):
+                return  # the common case: all agree
         checks = [(P.FIELD_MAGIC, P.HDR_MAGIC_VALUE, int(hdr[P.HDR_MAGIC])),
                   (P.FIELD_SEQ, r.seq, int(hdr[P.HDR_SEQ])),
                   (P.FIELD_OP, plan.op_code, int(hdr[P.HDR_OP]))]
         if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject:
             mode = int(hdr[P.HDR_MODE])
-            checks += [(P.FIELD_MODE, mode if mode in (P.MODE_RING, P.MODE_DIRECT) else P.MODE_RING, mode),
+            known = (P.MODE_RING, P.MODE_DIRECT) + ((P.MODE_CMA,) if self.cma_pids else ())
+            checks += [(P.FIELD_MODE, mode if mode in known else P.MODE_RING, mode),
                        (P.FIELD_SIG, plan.sig, int(hdr[P.HDR_SIG])),
                        (P.FIELD_UNITS, int(plan.recv_units[r.p]), int(hdr[P.HDR_UNITS]))]
         for field, expected, got in checks:
             if expected != got:
                 self.set_abort(P.ERR_MISMATCH, r.p, r.c, field)
                 raise mismatch_error(op, self.rank, r.p, r.c, field, expected, got, plan)
-        direct = hdr[P.HDR_MODE] == P.MODE_DIRECT
+        direct = hdr[P.HDR_MODE] != P.MODE_RING
         mine, theirs = 0 if direct else plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
         if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject and mine != theirs:
             # same units, other chunking: the engines cut differently (the kernel reports the same)
@@ -431,11 +492,11 @@ class _Stream:
     """One (channel, peer) side of a call on the host: the call header slot, then payload chunks (none in direct
     mode). Made per call from the plan's :class:`_Static`."""
 
-    __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "state", "counter", "remote", "ring",
-                 "ring_off", "header", "checked", "drain")
+    __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "nchunks", "state", "counter", "remote",
+                 "ring", "ring_off", "header", "checked", "drain")
 
     def __init__(self, st: _Static, sender: bool):
-        self.c, self.p, self.per_chunk, self.state = st.c, st.p, st.per_chunk, st.state
+        self.c, self.p, self.per_chunk, self.nchunks, self.state = st.c, st.p, st.per_chunk, st.nchunks, st.state
         self.counter, self.remote, self.ring, self.ring_off = st.counter, st.remote, st.ring, st.ring_off
         self.pos_counter, self.seq = int(st.state[P.STATE_COUNTER]), int(st.state[P.STATE_SEQ]) + 1
         self.pos, self.end = st.lo, st.hi

@@ -49,14 +49,19 @@ STATE_SEQ = 1
 
 #: Call header words (int64) at the start of the header slot.
 HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RANK, HDR_CHANNEL = range(9)
-#: Direct mode (host engine): HDR_MODE says how the rows travel (MODE_RING: payload chunks follow in the ring;
-#: MODE_DIRECT: none follow, the receiver copies the stream straight out of the sender's symmetric array, then
-#: releases ``head`` past the header; the sender returns once every peer did). HDR_DIRECT_ALLOC /
-#: HDR_DIRECT_OFFSET: which symmetric allocation (``Communicator.empty``; ids agreed, allocation is collective)
-#: and the byte offset in it where the stream to this receiver starts. The GPU kernels write and read only the
-#: words above (always ring mode).
+#: Direct modes (host engine): HDR_MODE says how the rows travel. MODE_RING: payload chunks follow in the ring.
+#: MODE_DIRECT: none follow; the receiver copies the stream straight out of the sender's symmetric array, then
+#: releases ``head`` past the header; the sender returns once every peer did. HDR_DIRECT_ALLOC / HDR_DIRECT_OFFSET:
+#: which symmetric allocation (``Communicator.empty``; ids agreed, allocation is collective) and the byte offset
+#: in it where the stream to this receiver starts. MODE_CMA: the same with a plain array, read by cross-memory
+#: attach (``process_vm_readv``): HDR_DIRECT_ALLOC is the sender's pid, HDR_DIRECT_OFFSET the stream's address
+#: there. The GPU kernels write and read only the words above (always ring mode).
 HDR_MODE, HDR_DIRECT_ALLOC, HDR_DIRECT_OFFSET = 9, 10, 11
-MODE_RING, MODE_DIRECT = 0, 1
+MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
+#: A plain sendbuf goes MODE_CMA from this many bytes per peer (on average) up: below it the rings measured as fast
+#: or faster on the 2-core machine (64 KiB: 26 vs 31 us; 256 KiB - 1 MiB equal; 4 MiB: 414 vs 288 us; 16 MiB:
+#: 2889 vs 2157 us; docs/perf-notes.md v10).
+CMA_MIN_BYTES = 256 * 1024
 HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
 #: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
 PROTOCOL_VERSION = 9
@@ -93,7 +98,7 @@ FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIEL
                FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
                FIELD_RING: "ring counters (head <= tail <= head + capacity)",
                FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)",
-               FIELD_MODE: "transfer mode (direct from a symmetric array, or through the rings)"}
+               FIELD_MODE: "transfer mode (through the rings, from a symmetric array, or by cross-memory attach)"}
 
 #: GPU error record (int64 words, host-mapped).
 STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \

@@ -142,6 +142,8 @@ class Communicator:
             from .symmetric import SymmetricHeap
             self._heap = SymmetricHeap(self)
             self._transport.heap = self._heap
+            if self.backend == "host":  # can every rank read every other's memory (plain sendbufs go direct)?
+                self._transport.probe_cma(self.buffer.comm, self.config.timeout_s)
         except BaseException:
             self.buffer.close()
             raise

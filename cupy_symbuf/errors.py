@@ -111,7 +111,8 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
             return f"{units} rows"
         detail = f"this rank expects {rows(expected)} from rank {peer} (its recv_counts), rank {peer} sends {rows(got)}"
     elif field == P.FIELD_MODE:
-        detail = f"transfer mode {got} is neither ring ({P.MODE_RING}) nor direct ({P.MODE_DIRECT}): not this protocol"
+        detail = (f"transfer mode {got} is none of ring ({P.MODE_RING}), direct ({P.MODE_DIRECT}) or cross-memory "
+                  f"attach ({P.MODE_CMA}): not this protocol")
     elif field == P.FIELD_SIG:
         detail = "the peer's dtype, row shape or parts differ from this rank's"
     else:

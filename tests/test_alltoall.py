@@ -9,27 +9,38 @@ from _util import SymmetricSend, random_rows, reference_alltoallv, rng_for, to_b
 SMALL_RING = cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=60)
 
 
-# Every test on these fixtures runs twice: with plain sendbufs (rings: two copies per off-rank byte) and with
-# sendbufs copied into a symmetric array first (host: direct mode, the receivers copy straight out of it).
-SEND_KINDS = ["plain", "symmetric"]
+# Every test on these fixtures runs three times: with plain sendbufs through the rings (two copies per off-rank
+# byte); with sendbufs copied into a symmetric array first (host: direct mode, the receivers copy straight out of
+# it); and (host) with plain sendbufs of any size read by cross-memory attach (MODE_CMA).
+SEND_KINDS = ["plain", "symmetric", "cma"]
 
 
-def _wrap(c, comm, kind):
-    return c if kind == "plain" else SymmetricSend(c, comm)
+def _make(backend, comm, config, kind, monkeypatch):
+    if kind == "cma":
+        if backend != "host":
+            pytest.skip("cross-memory attach is the host engine's")
+        monkeypatch.setattr(cs._protocol, "CMA_MIN_BYTES", 0)  # every plain contiguous sendbuf goes MODE_CMA
+    elif kind == "plain":
+        monkeypatch.setattr(cs._protocol, "CMA_MIN_BYTES", 1 << 62)  # the rings, whatever the size
+    c = cs.Communicator(comm, config, backend=backend)
+    if kind == "cma" and c._transport.cma_pids is None and comm.size > 1:
+        c.close()
+        pytest.skip("cross-memory attach (process_vm_readv) is not allowed between these ranks")
+    return c if kind != "symmetric" else SymmetricSend(c, comm)
 
 
 @pytest.fixture(params=SEND_KINDS)
-def small(backend, comm, request):
+def small(backend, comm, request, monkeypatch):
     """A communicator with tiny rings (2 x 1 KiB per channel and peer), so most messages stream through."""
-    c = cs.Communicator(comm, SMALL_RING, backend=backend)
-    yield _wrap(c, comm, request.param)
+    c = _make(backend, comm, SMALL_RING, request.param, monkeypatch)
+    yield c
     c.close()
 
 
 @pytest.fixture(params=SEND_KINDS)
-def default(backend, comm, request):
-    c = cs.Communicator(comm, backend=backend)
-    yield _wrap(c, comm, request.param)
+def default(backend, comm, request, monkeypatch):
+    c = _make(backend, comm, None, request.param, monkeypatch)
+    yield c
     c.close()
 
 

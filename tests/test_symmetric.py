@@ -170,7 +170,9 @@ def test_config_mode_ring_and_direct(comm, pulls):
         assert pulls["n"] == 0
     with cs.Communicator(comm, cs.Config(mode="direct"), backend="host") as c:
         np.testing.assert_array_equal(c.alltoall(c.array(x)), _a2a_reference(comm, x))
-        # a plain sendbuf on rank 0 only: rank 0 raises ValueError naming the mode, the peers are told
+        # a plain sendbuf on rank 0 only, without cross-memory attach: rank 0 raises ValueError naming the mode, the
+        # peers are told (with it, a plain contiguous sendbuf goes MODE_CMA: test_cma_plain_sendbufs)
+        c._transport.cma_pids = None
         if W > 1:
             sym = c.array(x)
             with pytest.raises(ValueError) as info:
@@ -252,3 +254,47 @@ def test_review_findings(comm):
         assert "symmetric arrays: 2" in c.describe()
     finally:
         c.close()
+
+
+def test_cma_plain_sendbufs(comm, monkeypatch):
+    """Plain sendbufs of CMA_MIN_BYTES per peer and more go by cross-memory attach when every rank can read every
+    other (probed at construction, the same verdict on every rank); exact against NumPy, the sendbuf overwritten at
+    once after return; Config.mode='ring' turns it off."""
+    from cupy_symbuf import _protocol as P
+    c = cs.Communicator(comm, cs.Config(num_sms=4), backend="host")
+    try:
+        verdicts = comm.allgather(c._transport.cma_pids is not None)
+        assert len(set(verdicts)) == 1
+        if comm.size == 1 or not verdicts[0]:
+            pytest.skip("one rank, or process_vm_readv not allowed here")
+        reads = {"n": 0}
+        real = cs._cma.read_into
+
+        def spy(pid, addr, dst):
+            reads["n"] += 1
+            return real(pid, addr, dst)
+        monkeypatch.setattr(cs._cma, "read_into", spy)
+        W = comm.size
+        rng = rng_for(comm, 9)
+        per_peer = P.CMA_MIN_BYTES + 48
+        for trial in range(3):
+            x = random_rows(rng, W, (per_peer,), np.uint8)
+            keep = x.copy()
+            y = c.alltoall(x)
+            x[...] = 0x5A  # peers have finished reading
+            ref = _a2a_reference(comm, keep)
+            all_ranks(lambda: np.testing.assert_array_equal(y, ref))
+        assert reads["n"] == 3 * c.layout.num_channels * (W - 1)
+        counts = rng.integers(0, 3000, W)
+        send = random_rows(rng, int(counts.sum()), (257,), np.uint8)
+        expected, expected_counts = reference_alltoallv(comm, send, counts)
+        got, got_counts = c.alltoallv(send, counts)
+        np.testing.assert_array_equal(got_counts, expected_counts)
+        np.testing.assert_array_equal(got, expected)
+    finally:
+        c.close()
+    with cs.Communicator(comm, cs.Config(mode="ring"), backend="host") as c:
+        before = reads["n"]
+        x = random_rows(rng_for(comm, 10), comm.size, (P.CMA_MIN_BYTES,), np.uint8)
+        np.testing.assert_array_equal(c.alltoall(x), _a2a_reference(comm, x))
+        assert reads["n"] == before
