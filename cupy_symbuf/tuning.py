@@ -12,7 +12,8 @@ Where the table comes from, first found wins:
 An entry applies only to a Config that sets none of ``num_sms``, ``chunk_bytes``, ``num_slots`` (its values were
 measured together).
 
-A key names what the measurement depends on: ``"host/world=2"``, ``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2"``.
+A key names what the measurement depends on: ``"host/AMD EPYC/cores=2/world=2"`` (CPU model and core count),
+``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2"``.
 Without an entry the built-in defaults apply (``Config.resolved``). Every rank must resolve the same values: the
 construction fingerprint compares them, so ranks reading different tables fail loudly on every rank.
 
@@ -44,10 +45,27 @@ def user_path() -> str:
     return os.path.join(os.path.expanduser("~"), ".config", "cupy_symbuf", "tuning.json")
 
 
+def host_kind() -> str:
+    """``"<CPU model>/cores=<n>"`` of this machine (``/proc/cpuinfo``'s model name, else ``platform.processor()``;
+    ``os.cpu_count()``): the host path's "device kind"."""
+    import platform
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    model = " ".join((model or platform.processor() or platform.machine() or "unknown CPU").split())
+    return f"{model.replace('/', '_')}/cores={os.cpu_count() or 1}"
+
+
 def table_key(backend: str, world_size: int, device_name: str = "", ranks_per_gpu: int = 1) -> str:
     """The key of a table entry (see the module docstring)."""
     if backend == "host":
-        return f"host/world={world_size}"
+        return f"host/{host_kind()}/world={world_size}"
     return f"cuda/{device_name or 'unknown GPU'}/ranks_per_gpu={ranks_per_gpu}/world={world_size}"
 
 

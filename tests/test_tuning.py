@@ -32,9 +32,10 @@ def test_entry_sets_unset_fields(comm, table_path):
     key = tuning.table_key("host", comm.size)
     if comm.rank == 0:
         tuning.save_entry(table_path, key, {"default": {"num_sms": 6, "chunk_bytes": 131072, "num_slots": 5}})
-        tuning.save_entry(table_path, "host/world=999", {"default": {"num_sms": 8}})  # other entries are kept
+        tuning.save_entry(table_path, "host/x/world=999", {"default": {"num_sms": 8}})  # other entries are kept
     comm.Barrier()
-    assert set(json.load(open(table_path))["entries"]) == {key, "host/world=999"}
+    assert set(json.load(open(table_path))["entries"]) == {key, "host/x/world=999"}
+    assert key.startswith("host/") and key.endswith(f"/cores={os.cpu_count()}/world={comm.size}")
     with cs.Communicator(comm, backend="host") as c:
         assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == (6, 131072, 5)
         assert key in c.describe() and table_path in c.describe()
@@ -84,3 +85,19 @@ def test_bench_tune_writes_an_entry_the_library_reads(comm, table_path):
     with cs.Communicator(comm, backend="host") as c:
         assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == \
             (chosen["num_sms"], chosen["chunk_bytes"], chosen["num_slots"])
+
+
+def test_packaged_table_is_valid(monkeypatch):
+    """The table shipped with the package loads, and each entry's default is a valid Config (for its backend)."""
+    table = tuning._read(tuning.packaged_path())
+    assert table is not None and table["entries"]
+    for key, entry in table["entries"].items():
+        backend = key.split("/")[0]
+        world = int(key.rsplit("world=", 1)[1])
+        cfg = cs.Config(**{k: entry["default"][k] for k in tuning.FIELDS if k in entry["default"]})
+        assert cfg.resolved(backend, world_size=world).num_sms == entry["default"]["num_sms"]
+        assert entry["measured"] and entry["command"].startswith("mpiexec")
+    monkeypatch.delenv("CUPY_SYMBUF_TUNING")
+    monkeypatch.setattr(tuning, "user_path", lambda: "/nonexistent/cupy_symbuf/tuning.json")
+    for key in table["entries"]:
+        assert tuning.lookup(key)[0] == {k: table["entries"][key]["default"][k] for k in tuning.FIELDS}
