@@ -25,6 +25,7 @@ reads ``tail``, ``Win.Sync()``, copies out, ``Win.Sync()``, then stores ``head``
 """
 from __future__ import annotations
 
+import errno
 import math
 import os
 import time
@@ -32,8 +33,9 @@ import time
 import numpy as np
 
 from . import _agree, _cma
+from ._log import logger
 from . import _protocol as P
-from .errors import SymBufferMismatchError, SymBufferTimeoutError, aborted_error, mismatch_error
+from .errors import SymBufferError, SymBufferMismatchError, SymBufferTimeoutError, aborted_error, mismatch_error
 from .layout import ChannelLayout
 
 #: CUPY_SYMBUF_DEBUG=1: check every slot offset against its region and the ring invariants (read once).
@@ -233,6 +235,7 @@ class HostTransport:
         statics = plan.engine_data
         if statics is None:
             statics = plan.engine_data = self._statics(plan)
+            logger.debug("%s: new plan: %s", op, plan)
         is_direct = plan.direct
         sends = [_Stream(st, True) for st in statics[0]]
         recvs = [_Stream(st, False) for st in statics[1]]
@@ -354,11 +357,14 @@ class HostTransport:
                 if n:
                     _cma.read_into(pid, addr + r.pos, recv.flat[dst: dst + n])
             except OSError as exc:
-                self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
-                raise SymBufferMismatchError(
+                gone = exc.errno == errno.ESRCH
+                self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+                why = (f"rank {r.p}'s process (pid {pid}) is gone: it exited or was killed in the middle of the "
+                       f"call" if gone else f"{exc}")
+                raise SymBufferError(
                     f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
-                    f"{r.c}, {n} bytes at {addr + r.pos:#x}): {exc}", rank=self.rank, peer=r.p, channel=r.c, op=op,
-                    field=P.FIELD_NAMES[P.FIELD_OFFSET], expected=n, got=addr) from None
+                    f"{r.c}, {n} bytes at {addr + r.pos:#x}): {why}. The communicator is unusable (the other ranks "
+                    f"raise SymBufferAbortedError).") from None
             r.pos = r.end
             return
         alloc = self.heap.by_id(int(hdr[P.HDR_DIRECT_ALLOC])) if self.heap is not None else None

@@ -217,6 +217,9 @@ CASES = [
     Case("exit_mid_alltoallv_nocleanup", 2, script_case="exit_mid_alltoallv", cleanup=False,
          **_both("nonzero", "nonzero",
                  records=((_surv(2), (TIMEOUT, ABORTED), r"alltoallv.*" + PEER1, r"^alltoallv$"),))),
+    # cross-memory attach: a rank dies after announcing its rows; the survivors find it gone when they read
+    Case("exit_after_cma_header", 3, cleanup=False, **_both("nonzero", "nonzero", records=(
+        (_surv(3), ("SymBufferError",), r"cross-memory attach.*rank 1's process .* is gone", r"^alltoall$"),))),
     # ranks call different collectives
     Case("diff_op_notify", 2, **_both("nonzero", "zero",
                                       records=(((0, 1), FAILED, r"alltoall.*" + ANY_RANK, r"^alltoallv?$"),))),

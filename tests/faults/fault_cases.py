@@ -264,6 +264,29 @@ def case_exit_mid_alltoallv():
     finish(peer_lost=True)
 
 
+def case_exit_after_cma_header():
+    """Cross-memory attach (host, a plain sendbuf of 1 MiB per peer): rank 1 enters alltoall first, announces its
+    rows (MODE_CMA headers) and dies at 0.5 s while waiting for the peers to read them; the others enter at 1 s and
+    find its process gone when they read: they raise at once naming it, instead of waiting out the timeout."""
+    c = make_comm()
+    valid_alltoall(c, "warm-up alltoall")
+    x = dev(np.full((W, 1 << 18), R, dtype=np.float32))   # 1 MiB per peer: MODE_CMA on the host
+    WORLD.Barrier()
+    if R == FAULT_RANK:
+        def die():
+            fault("os._exit(7) while the peers have not read its rows yet")
+            os._exit(7)
+        threading.Timer(0.5, die).start()
+    else:
+        fault(f"rank {FAULT_RANK} will exit before this rank reads its rows")
+        time.sleep(1.0)
+    exc, out = attempt(c, "alltoall", lambda: c.alltoall(x), expect_error=(R != FAULT_RANK))
+    if R == FAULT_RANK:
+        time.sleep(60)                    # the timer ends this rank
+    close(c)
+    finish(peer_lost=True)
+
+
 def case_diff_op_notify():
     """Rank 0 calls alltoall, the others alltoallv (with the count exchange)."""
     c = make_comm()
