@@ -21,6 +21,7 @@ from .symbuffer import SymBuffer, _gpu_identity, resolve_backend
 __all__ = ["Communicator"]
 
 from ._agree import LOCAL_POLICY_FIELDS as _LOCAL_POLICY  # noqa: E402
+from ._log import logger as _logger  # noqa: E402
 
 
 class Communicator:
@@ -143,13 +144,17 @@ class Communicator:
             self._heap = SymmetricHeap(self)
             self._transport.heap = self._heap
             if self.backend == "host":  # can every rank read every other's memory (plain sendbufs go direct)?
-                self._transport.probe_cma(self.buffer.comm, self.config.timeout_s)
+                if not self._transport.probe_cma(self.buffer.comm, self.config.timeout_s) and self.world_size > 1:
+                    _logger.info("cross-memory attach (process_vm_readv) is not available between these ranks: "
+                                 "plain sendbufs go through the rings")
         except BaseException:
             self.buffer.close()
             raise
         self._pid = os.getpid()
         self._closed = False
         self._token = _lifecycle.register(self)
+        _logger.debug("Communicator: backend=%s world_size=%d %s%s", self.backend, self.world_size, self.config,
+                      f" (layout from the tuning table {self.tuning_source})" if self.tuning_source else "")
 
     def _tuned(self, config: Config, backend: str, world_size: int, gpu_name: str, ranks_per_gpu: int) -> Config:
         """``config`` with the layout (``num_sms``, ``chunk_bytes``, ``num_slots``) of the tuning table entry of this

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from . import _agree, _compat
+from ._log import logger
 from .symbuffer import SymBuffer
 
 __all__ = ["SymmetricHeap", "SymmetricAllocation"]
@@ -151,6 +152,8 @@ class SymmetricHeap:
             buf.close()
             raise
         alloc = SymmetricAllocation(self._next_id, shape, dtype, nbytes, buf, array)
+        logger.debug("%s: symmetric allocation %d, shape %s dtype %s, %d B per rank", op, alloc.id, shape, dtype,
+                     nbytes)
         self._next_id += 1
         self.allocations.append(alloc)
         return array

@@ -1,0 +1,45 @@
+"""cupy_symbuf.info() and ``python -m cupy_symbuf info``: the report has its fields and the real values of this
+process (versions from the imported modules, the resolved backend, the Communicator's buffer map)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import cupy_symbuf as cs
+from cupy_symbuf import _info
+
+
+def test_info_fields():
+    r = cs.info()
+    assert r["cupy_symbuf"] == cs.__version__ and r["numpy"] == np.__version__
+    assert r["protocol_version"] == cs._protocol.PROTOCOL_VERSION
+    assert r["mpi_library"] and r["backend_auto"] in ("host", "cuda")
+    assert r["host"]["cpu"].endswith("/cores=%d" % (__import__("os").cpu_count() or 1))
+    assert r["gpus"]["available"] == cs._compat.cuda_available()
+    json.dumps(r, default=str)  # serialisable
+
+
+def test_info_cli_with_communicator(capsys):
+    assert _info.main(["--json", "--backend", "host"]) == 0
+    out = capsys.readouterr().out
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        r = json.loads(out)
+        assert r["communicator"]["world_size"] == MPI.COMM_WORLD.Get_size()
+        assert "SymBuffer layout" in r["communicator"]["describe"]
+    else:
+        assert out == ""
+
+
+def test_module_entry_point():
+    if MPI.COMM_WORLD.Get_size() > 1:
+        return  # a subprocess per rank would start its own MPI job: once, from the single-process run
+    import os
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDI_", "MPI_"))}
+    p = subprocess.run([sys.executable, "-m", "cupy_symbuf", "info", "--no-communicator"], capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert p.returncode == 0 and "cupy_symbuf: " in p.stdout, p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-m", "cupy_symbuf", "nonsense"], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert p.returncode == 2 and "unknown command" in p.stderr
