@@ -68,6 +68,10 @@ class Engine:
         self._rows_plans = {}
         #: temporaries of calls captured into CUDA graphs (keep_for_graph), released with the communicator
         self.graph_keep = []
+        # always-on counters (stats()): calls per plan since the last fold (a dict update per call), folded into
+        # per-operation byte totals per peer when it grows or stats() is asked for
+        self._calls: dict = {}
+        self._totals: dict = {}
 
     # ---- lifecycle hooks ------------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -241,6 +245,7 @@ class Engine:
         plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
                                  row_stream)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op, int(table))
+        self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)
 
@@ -319,8 +324,42 @@ class Engine:
         ``direct``: :meth:`direct_source` (``plan.direct`` must say the same)."""
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op,
                              *(() if direct is None else (direct,)))
+        self._count(plan)
         if rejected:
             self._raise_rejected(plan.op, rejected)
+
+    # ---- counters ---------------------------------------------------------------------------------------------
+    def _count(self, plan) -> None:
+        n = self._calls.get(plan)
+        self._calls[plan] = 1 if n is None else n + 1
+        if n is None and len(self._calls) > 256:
+            self._fold()
+
+    def _fold(self) -> None:
+        W = self.world_size
+        for plan, n in self._calls.items():
+            t = self._totals.get(plan.op)
+            if t is None:
+                t = self._totals[plan.op] = {"calls": 0, "bytes_sent": np.zeros(W, np.int64),
+                                             "bytes_received": np.zeros(W, np.int64), "calls_device_counts": 0}
+            t["calls"] += n
+            if plan.device_counts:
+                t["calls_device_counts"] += n  # the units are in a device table the host never reads
+            elif not plan.reject:
+                unit = 1 if plan.byte_stream else plan.row_bytes
+                t["bytes_sent"] += n * unit * plan.send_units
+                t["bytes_received"] += n * unit * plan.recv_units
+        self._calls.clear()
+
+    def stats(self, reset: bool = False) -> dict:
+        """See :meth:`Communicator.stats`."""
+        self._fold()
+        out = {op: {"calls": t["calls"], "bytes_sent": t["bytes_sent"].tolist(),
+                    "bytes_received": t["bytes_received"].tolist(), "calls_device_counts": t["calls_device_counts"]}
+               for op, t in sorted(self._totals.items())}
+        if reset:
+            self._totals.clear()
+        return out
 
     def _raise_rejected(self, op: str, rejected) -> None:
         who = int(rejected[0])
@@ -347,6 +386,7 @@ class Engine:
                               send_counts, recv_counts, direct is not None)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
                              *(() if direct is None else (direct,)))
+        self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)
 

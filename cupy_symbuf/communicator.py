@@ -317,6 +317,18 @@ class Communicator:
                 f"  state={state} (created by pid {getattr(self, '_pid', '?')}; fields compared across ranks at "
                 f"construction: all but {', '.join(_LOCAL_POLICY)})")
 
+    def stats(self, reset: bool = False) -> dict:
+        """Always-on counters of this rank's row exchanges, per operation (local, no communication).
+
+        Returns ``{op: {"calls": int, "bytes_sent": [world_size] ints, "bytes_received": [world_size] ints,
+        "calls_device_counts": int}}`` for every operation that ran (``alltoall``, ``alltoallv``, ``dispatch``,
+        ``combine``): bytes of payload to and from each rank (entry ``rank``: the rows a rank keeps, copied
+        locally), over the calls whose rows this rank moved (calls this rank rejected are not counted; the rows
+        of a peer that rejected a call are counted as planned). ``calls_device_counts``: GPU calls whose counts stay on the
+        device (worst-case / capacity modes, cached dispatch and combine): counted, their bytes are not. The cost is
+        one dict update per call. ``reset=True`` zeroes the counters after reading them."""
+        return self._engine.stats(reset)
+
     # ---- symmetric arrays -----------------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32):
         """A new array that lives in symmetric memory (collective: every rank passes the same ``shape`` and
