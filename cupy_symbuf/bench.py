@@ -132,6 +132,18 @@ def _nccl_alltoall(comm, nbytes_per_peer: int):
     return run, nc
 
 
+def _nccl_skip_reason(c):
+    """Why the NCCL baseline cannot run with this communicator's ranks, or None: NCCL refuses two ranks on one GPU
+    (``ncclInvalidUsage``), so under MPS it is skipped (the same answer on every rank: from the agreed GPU list)."""
+    if c.buffer.ranks_per_gpu > 1:
+        return f"{c.buffer.ranks_per_gpu} ranks share one GPU (MPS); NCCL refuses two ranks on one device"
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the same install on every rank of the node
+        return f"CuPy's NCCL binding is not available ({type(exc).__name__}: {exc})"
+    return None
+
+
 def _copy_rate(comm, xp, timer, nbytes: int, iters: int, warmup: int) -> float:
     """The machine's copy rate in bytes per second, measured in the same run: every rank copies ``nbytes`` (its
     alltoall input) between two of its own arrays at once, back to back (``loop`` timing, max over ranks);
@@ -293,9 +305,13 @@ def main(argv=None) -> int:
                 rows["ours-kernel"] = {"call": comm.allreduce(float(np.median(samples)), op=MPI.MAX)}
             if not args.no_reference:
                 if c.backend == "cuda":
-                    run, nc = _nccl_alltoall(comm, per_peer)
-                    rows["nccl"] = timed(run)
-                    del nc
+                    why = _nccl_skip_reason(c)
+                    if why is None:
+                        run, nc = _nccl_alltoall(comm, per_peer)
+                        rows["nccl"] = timed(run)
+                        del nc
+                    elif me == 0 and not results:
+                        print(f"# nccl: skipped: {why}")
                 else:
                     xh = np.asarray(x)
                     yh = np.empty_like(xh)
