@@ -36,6 +36,11 @@ row; the top-k indices and weights that ride along are not counted):
   crosses the interconnect;
 - "DeepEP convention": all rows received, including a rank's own tokens to itself (``recv_x.numel() * itemsize``
   in DeepEP's ``tests/test_intranode.py``), so it is higher than what crosses NVLink.
+
+Communication share of the layer: the whole forward (router -> ``dispatch`` -> local experts -> ``combine``) is run
+``--iters`` times after ``--warmup``, each after a barrier, with a (GPU: device) synchronize closing every section;
+share = time in ``dispatch`` + ``combine`` (including waiting for slower peers) / time of the layer, per rank (means
+over the runs), and over all ranks together.
 """
 from __future__ import annotations
 
@@ -200,6 +205,33 @@ def main() -> int:
     t_cached = timed(lambda: comm.dispatch(x, handle=handle))
     t_combine = timed(lambda: comm.combine(expert_out, handle, **cdt))
 
+    # ---- communication share of the whole layer (router, dispatch, experts, combine), sections timed apart
+    def layer():
+        sync()
+        WORLD.Barrier()
+        t0 = time.perf_counter()
+        idx, w, _ = route(xp, x32, w_router_dev, K)
+        sync()
+        ta = time.perf_counter()
+        rx, ridx, rw, _, h = comm.dispatch(x, idx, w, E)
+        sync()
+        tb = time.perf_counter()
+        eo = experts(rx, ridx, rw)
+        sync()
+        tc = time.perf_counter()
+        comm.combine(eo, h, **cdt)
+        sync()
+        t1 = time.perf_counter()
+        return (tb - ta) + (t1 - tc), t1 - t0
+
+    w_router_dev = xp.asarray(w_router)
+    t_comm = t_layer = 0.0
+    for it in range(args.warmup + args.iters):
+        tc_, tl_ = layer()
+        if it >= args.warmup:
+            t_comm += tc_ / args.iters
+            t_layer += tl_ / args.iters
+
     # ---- NumPy reference for this rank's tokens
     ok, report = check(args, x32, logits, topk_idx, topk_w, y, kind, tdt, w_router)
 
@@ -210,7 +242,7 @@ def main() -> int:
     recv_other = recv_all - int(recv_counts[RANK])
     row = H * itemsize
     stats = dict(rank=RANK, send=send_counts.tolist(), recv=recv_counts.tolist(), per_expert_total=sum(per_expert),
-                 t_d=t_dispatch, t_cd=t_cached, t_c=t_combine,
+                 t_d=t_dispatch, t_cd=t_cached, t_c=t_combine, t_comm=t_comm, t_layer=t_layer,
                  d_nvl=recv_other * row / t_dispatch / 1e9, d_deepep=recv_all * row / t_dispatch / 1e9,
                  c_nvl=recv_other * row / t_combine / 1e9, c_deepep=recv_all * row / t_combine / 1e9,
                  ok=ok, report=report)
@@ -233,6 +265,14 @@ def main() -> int:
                   f"{s['d_nvl']:14.2f} / {s['d_deepep']:6.2f}       | {s['c_nvl']:13.2f} / {s['c_deepep']:6.2f}")
         print('  "NVLink" = bytes received from OTHER ranks (dispatch) and sent back to them (combine); "DeepEP-conv" = '
               "all received rows incl. a rank's own tokens, for both (DeepEP's convention)")
+        print(f"communication share of the layer (router + dispatch + experts + combine), mean of {args.iters} after "
+              f"{args.warmup} warm-up:")
+        for s in allstats:
+            print(f"  rank {s['rank']}: layer {s['t_layer'] * 1e6:9.1f} us, dispatch + combine "
+                  f"{s['t_comm'] * 1e6:9.1f} us = {s['t_comm'] / s['t_layer']:.1%}")
+        share = sum(s["t_comm"] for s in allstats) / sum(s["t_layer"] for s in allstats)
+        print(f"  communication share of the layer {share:.1%} (all ranks), slowest rank's layer "
+              f"{max(s['t_layer'] for s in allstats) * 1e6:.1f} us")
         for s in allstats:
             print(f"  check rank {s['rank']}: {s['report']}")
         print("RESULT:", "PASS" if all_ok else "FAIL")

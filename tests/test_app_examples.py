@@ -1,0 +1,165 @@
+"""The application examples of issue 12 as whole MPI jobs: ``examples/embedding.py``, ``examples/fft_transpose.py``
+and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N`` (as ``tests/test_faults.py`` runs the
+soak), checked on exit status 0 and on the check line the example prints after comparing its result with its own
+NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for the FFT and the MoE layer), and
+on its communication-share lines. ``--corrupt`` runs change one value after the exchange and must exit 1 with
+``WRONG DATA``: the checks can fail.
+
+Like the fault tests these run only from a pytest process that is not itself an MPI rank (a nested mpiexec inside
+``mpiexec -n N pytest`` would run every job N times). Environment: ``MPIEXEC`` (launcher command, default the venv's
+``mpiexec`` next to ``sys.executable``), ``CUPY_SYMBUF_EXAMPLE_BACKEND`` (else ``CUPY_SYMBUF_FAULT_BACKEND``, else
+``host``; ``cuda`` on a GPU machine), ``CUPY_SYMBUF_TIMEOUT_S`` (default 20 here).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+BACKEND = os.environ.get("CUPY_SYMBUF_EXAMPLE_BACKEND", os.environ.get("CUPY_SYMBUF_FAULT_BACKEND", "host"))
+LIMIT_S = 180                        # per job; a hang fails the test
+
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "HYDI_CONTROL_FD")
+UNDER_MPIEXEC = any(k in os.environ for k in _MPI_ENV)
+
+pytestmark = pytest.mark.skipif(UNDER_MPIEXEC, reason="example jobs launch their own mpiexec; they run from the "
+                                                      "single-process pytest pass")
+
+
+def _launcher() -> list:
+    if os.environ.get("MPIEXEC"):
+        return shlex.split(os.environ["MPIEXEC"])
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(here):
+        return [here]
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    return [found] if found else []
+
+
+LAUNCHER = _launcher() if not UNDER_MPIEXEC else []
+
+
+def _is_openmpi() -> bool:
+    if not LAUNCHER:
+        return False
+    try:
+        out = subprocess.run(LAUNCHER + ["--version"], capture_output=True, text=True, timeout=20).stdout
+    except Exception:  # noqa: BLE001
+        return False
+    return "Open MPI" in out or "OpenRTE" in out or "open-mpi" in out.lower()
+
+
+OPENMPI = _is_openmpi()
+
+
+def run_example(script: str, n: int, *args: str):
+    """``mpiexec -n n python examples/<script> --backend BACKEND <args>``: (exit status, stdout + stderr)."""
+    if not LAUNCHER:
+        pytest.skip("no mpiexec found (set MPIEXEC)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDI_"))}
+    env.setdefault("CUPY_SYMBUF_TIMEOUT_S", "20")
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = list(LAUNCHER) + (["--oversubscribe"] if OPENMPI else []) + [
+        "-n", str(n), sys.executable, os.path.join(EXAMPLES, script), "--backend", BACKEND, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)      # the launcher's process group: the job we started
+        out, _ = proc.communicate()
+        pytest.fail(f"{script} on {n} ranks did not end within {LIMIT_S} s\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def _share(out: str, label: str) -> float:
+    """The percentage on the line ``<label> ... communication share ... NN.N%``."""
+    m = re.search(re.escape(label) + r"[^\n]*communication share of the \w+ (\d+(?:\.\d+)?)%", out)
+    assert m, f"no communication share line for {label!r}\n{out[-4000:]}"
+    return float(m[1])
+
+
+# ---- embedding ----------------------------------------------------------------------------------------------------
+
+EMB_SMALL = ("--rows", "5000", "--dim", "32", "--batch", "2048", "--iters", "3", "--warmup", "1")
+
+
+@pytest.mark.parametrize("n,extra", [
+    (2, ()),
+    (3, ("--rows", "1001", "--zipf", "1.2")),         # uneven row blocks (333/334), skewed ids: rank 0 is hot
+    (2, ("--dtype", "float16", "--batch", "1")),       # a batch of one id: some ranks send nothing
+], ids=["n2", "n3-uneven-zipf", "n2-fp16-one-id"])
+def test_embedding(n, extra):
+    rc, out = run_example("embedding.py", n, *EMB_SMALL, *extra)
+    assert rc == 0, out[-4000:]
+    assert re.search(r"check vs single-table NumPy lookup \(bitwise[^\n]*: correct$", out, re.M), out[-4000:]
+    assert "WRONG DATA" not in out, out[-4000:]
+    ours = _share(out, "cupy_symbuf:")
+    assert 0.0 < ours <= 100.0
+    if BACKEND == "host":
+        assert 0.0 < _share(out, "MPI.Alltoallv:") <= 100.0
+    else:
+        assert re.search(r"NCCL: communication share|peer baseline skipped: \S", out), out[-4000:]
+    # one line per engine per rank, each checked
+    assert len(re.findall(r"^\s+cupy_symbuf\s+\|\s+\d+ \|[^\n]*\| correct$", out, re.M)) == n, out[-4000:]
+
+
+def test_embedding_corrupt_fails():
+    rc, out = run_example("embedding.py", 2, *EMB_SMALL, "--corrupt")
+    assert rc == 1, out[-4000:]
+    assert re.search(r"check vs single-table NumPy lookup[^\n]*: WRONG DATA$", out, re.M), out[-4000:]
+    assert re.search(r"^\s+cupy_symbuf\s+\|\s+1 \|[^\n]*WRONG DATA \(1 rows differ\)$", out, re.M), out[-4000:]
+
+
+# ---- distributed 2-D FFT ------------------------------------------------------------------------------------------
+
+FFT_SMALL = ("--iters", "3", "--warmup", "1")
+
+
+@pytest.mark.parametrize("n,extra", [
+    (2, ("--n", "256", "--scaling")),
+    (3, ("--n", "100", "--scaling")),                  # uneven row blocks: 34, 34, 32
+    (4, ("--n", "5", "--dtype", "complex64")),         # blocks of 2 rows: 2, 2, 1, 0
+], ids=["n2-scaling", "n3-uneven-scaling", "n4-tiny-complex64"])
+def test_fft_transpose(n, extra):
+    rc, out = run_example("fft_transpose.py", n, *FFT_SMALL, *extra)
+    assert rc == 0, out[-4000:]
+    assert re.search(r"^check vs numpy\.fft\.fft2 [^\n]*: correct$", out, re.M), out[-4000:]
+    assert len(re.findall(r"\| correct$", out, re.M)) == n, out[-4000:]
+    assert 0.0 < _share(out, "") <= 100.0
+    if "--scaling" in extra:
+        m = re.search(r"strong scaling: 1 rank [\d.]+ us[^\n]*, %d ranks [\d.]+ us: speedup ([\d.]+)x, "
+                      r"efficiency ([\d.]+)%%" % n, out)
+        assert m and float(m[1]) > 0 and float(m[2]) > 0, out[-4000:]
+
+
+def test_fft_transpose_corrupt_fails():
+    rc, out = run_example("fft_transpose.py", 2, *FFT_SMALL, "--n", "64", "--corrupt")
+    assert rc == 1, out[-4000:]
+    assert re.search(r"^check vs numpy\.fft\.fft2 [^\n]*: WRONG DATA$", out, re.M), out[-4000:]
+
+
+# ---- MoE layer ----------------------------------------------------------------------------------------------------
+
+MOE_SMALL = ("--tokens", "128", "--hidden", "128", "--topk", "4", "--inter", "32", "--dtype", "fp32",
+             "--iters", "3", "--warmup", "1")
+
+
+@pytest.mark.parametrize("n,experts", [(2, "16"), (4, "32")], ids=["n2", "n4"])
+def test_moe_layer(n, experts):
+    rc, out = run_example("moe_layer.py", n, *MOE_SMALL, "--experts", experts)
+    assert rc == 0, out[-4000:]
+    assert re.search(r"^RESULT: PASS$", out, re.M), out[-4000:]
+    assert len(re.findall(r"check rank \d+: max \|y - ref\| / tol = ([\d.]+) \(<= 1 passes\)", out)) == n, \
+        out[-4000:]
+    per_rank = re.findall(r"rank \d+: layer\s+[\d.]+ us, dispatch \+ combine\s+[\d.]+ us = ([\d.]+)%", out)
+    assert len(per_rank) == n and all(0.0 < float(s) <= 100.0 for s in per_rank), out[-4000:]
+    assert 0.0 < _share(out, "") <= 100.0
