@@ -85,6 +85,34 @@ class _Timer:
             sync()
         return comm.allreduce(float(np.median(samples)), op=MPI.MAX)
 
+    def samples(self, fn, iters: int, warmup: int, comm, sync=None) -> np.ndarray:
+        """Seconds of each of ``iters`` calls, each after a barrier (CUDA events around it on the GPU), as the
+        maximum over ranks per call (float64 ``[iters]``, the same on every rank): what p50 / p99 are taken of."""
+        for _ in range(warmup):
+            fn()
+        local = np.empty(iters, np.float64)
+        cp = _compat.cupy if self.backend == "cuda" else None
+        for i in range(iters):
+            if cp is not None:
+                cp.cuda.get_current_stream().synchronize()
+                comm.Barrier()
+                start, stop = cp.cuda.Event(), cp.cuda.Event()
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                local[i] = cp.cuda.get_elapsed_time(start, stop) * 1e-3
+            else:
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                local[i] = time.perf_counter() - t0
+        if sync is not None:
+            sync()
+        out = np.empty_like(local)
+        comm.Allreduce(local, out, op=MPI.MAX)
+        return out
+
     def time_loop(self, fn, iters: int, warmup: int, comm, sync=None) -> float:
         """``loop`` timing (nccl-tests): ``iters`` calls back to back after one barrier; seconds per call, max over
         ranks."""
@@ -189,6 +217,11 @@ def main(argv=None) -> int:
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf._bench_control)")
     ap.add_argument("--tokens", type=int, default=4096, help="--control: tokens per rank (default 4096)")
+    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv"),
+                    help="alltoall (equal blocks; default) or alltoallv with --patterns (p50 / p99 per call, "
+                         "cupy_symbuf._bench_alltoallv)")
+    ap.add_argument("--patterns", default="uniform,zipf,hot",
+                    help="--op alltoallv: traffic patterns, comma-separated: uniform, zipf, hot (default: all)")
     ap.add_argument("--tune", action="store_true",
                     help="sweep layouts (num_sms, chunk_bytes) and send modes per size, print the table and write the "
                          "best layout to the tuning table the library reads for its defaults (cupy_symbuf.tuning)")
@@ -223,9 +256,16 @@ def main(argv=None) -> int:
                 k = c._transport._k_ring
                 print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
                       f"(spills), {c._transport.threads} threads/block")
-            if not args.control:
+            if not args.control and args.op == "alltoall":
                 print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
                       f"{'busbw_GB/s':>11} {'copy_share':>10}")
+        if args.op == "alltoallv":
+            from . import _bench_alltoallv
+            results = _bench_alltoallv.run(c, comm, timer, args, [parse_size(x) for x in args.sizes.split(",")])
+            if me == 0 and args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+            return 0
         if args.control:
             from . import _bench_control
             rows = _bench_control.run(c, comm, timer, args)

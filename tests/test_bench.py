@@ -28,3 +28,28 @@ def test_bench_runs_and_reports():
         assert all(r["time_us"] > 0 and r["size_per_rank"] == 64 * 1024 // MPI.COMM_WORLD.Get_size()
                    * MPI.COMM_WORLD.Get_size() for r in rows)
         os.remove(path)
+
+
+def test_alltoallv_patterns_and_percentiles():
+    from cupy_symbuf import _bench_alltoallv as bv
+    W = 4
+    for me in range(W):
+        for pattern in bv.PATTERNS:
+            c = bv.pattern_counts(pattern, me, W, 1000)
+            assert c.sum() == 1000 and (c >= 0).all()
+        assert bv.pattern_counts("hot", me, W, 1000)[0] >= 500                     # half to rank 0
+        z = bv.pattern_counts("zipf", me, W, 1000)
+        assert z[me] == z.max() and z[(me + 1) % W] > z[(me + 2) % W]            # its own favourites
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
+    assert bench.main(["--backend", "host", "--op", "alltoallv", "--sizes", "16K", "--iters", "5", "--warmup", "1",
+                       "--json", path]) == 0
+    world.Barrier()
+    if world.Get_rank() == 0:
+        rows = json.load(open(path))
+        assert {(r["pattern"], r["engine"]) for r in rows} == {(p, e) for p in bv.PATTERNS for e in ("ours", "mpi")}
+        assert all(0 < r["p50_us"] <= r["p99_us"] and r["loop_us"] > 0 for r in rows)
+        hot = [r for r in rows if r["pattern"] == "hot"]
+        assert all(r["max_recv_rows_over_mean"] >= (world.Get_size() / 2 if world.Get_size() > 1 else 1) - 0.01
+                   for r in hot)
+        os.remove(path)
