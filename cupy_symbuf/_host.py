@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from . import _agree, _cma
+from . import _agree, _cma, _trace
 from ._log import logger
 from . import _protocol as P
 from .errors import SymBufferError, SymBufferMismatchError, SymBufferTimeoutError, aborted_error, mismatch_error
@@ -148,6 +148,8 @@ class HostTransport:
         self.heap = None
         #: every rank's pid when every rank can read every other's memory by cross-memory attach (:meth:`probe_cma`)
         self.cma_pids = None
+        #: the channel telemetry (:class:`~cupy_symbuf._trace.Recorder`) with ``Config(trace=True)``, else None
+        self.trace = None
         L = layout
         self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
 
@@ -230,13 +232,22 @@ class HostTransport:
         n_self = int(plan.send_units[me]) if not plan.reject else 0
         if W == 1:
             if n_self:
+                t0 = time.monotonic()
                 send.copy_to(recv, me, n_self)
+                if self.trace is not None:
+                    self.trace.begin(plan.op_code)
+                    self.trace.add(_trace.SELF, t0, -1, -1, n_self * plan.unit_bytes, 0, 0)
             return []
         statics = plan.engine_data
         if statics is None:
             statics = plan.engine_data = self._statics(plan)
             logger.debug("%s: new plan: %s", op, plan)
         is_direct = plan.direct
+        tr = self.trace
+        if tr is not None:
+            tr.begin(plan.op_code)
+        unit = plan.unit_bytes
+        idle_t0 = None
         sends = [_Stream(st, True) for st in statics[0]]
         recvs = [_Stream(st, False) for st in statics[1]]
         if is_direct:
@@ -271,8 +282,11 @@ class HostTransport:
                         x.header = None
                     else:
                         n = min(x.per_chunk, x.end - x.pos)
+                        t0 = time.monotonic() if tr is not None else 0.0
                         send.fill(slot, x.p, x.pos, n)
                         x.pos += n
+                        if tr is not None:
+                            tr.add(_trace.SEND, t0, x.c, x.p, n * unit, head, x.pos_counter + 1)
                     x.pos_counter += 1
                     moved += 1
                 if moved:
@@ -305,13 +319,20 @@ class HostTransport:
                         elif plan.reject:
                             r.drain = int(hdr[P.HDR_NCHUNKS])  # skip the peer's payload without copying
                         elif hdr[P.HDR_MODE] != P.MODE_RING:  # the sender's mode: copy out of its array
+                            t0 = time.monotonic() if tr is not None else 0.0
+                            n = r.end - r.pos
                             self._pull(op, plan, r, hdr, recv)
+                            if tr is not None:
+                                tr.add(_trace.PULL, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
                     elif r.drain:
                         r.drain -= 1
                     else:
                         n = min(r.per_chunk, r.end - r.pos)
+                        t0 = time.monotonic() if tr is not None else 0.0
                         recv.drain(slot, r.p, r.pos, n)
                         r.pos += n
+                        if tr is not None:
+                            tr.add(_trace.RECV, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
                     r.pos_counter += 1
                 sync()  # reads of the slots (and of the peer's symmetric array) before head
                 r.remote[0] = r.pos_counter
@@ -321,14 +342,22 @@ class HostTransport:
                     recvs.remove(r)
             if n_self:  # to ourselves, straight from the send rows to the receive rows (as on the GPU); after the
                 # first headers and chunks are out, so the peers copy while this rank does
+                t0 = time.monotonic() if tr is not None else 0.0
                 send.copy_to(recv, me, n_self)
+                if tr is not None:
+                    tr.add(_trace.SELF, t0, -1, -1, n_self * unit, 0, 0)
                 n_self = 0
                 progressed = True
             if progressed:
+                if idle_t0 is not None:  # tracing: the idle spell that just ended
+                    tr.add(_trace.IDLE, idle_t0, -1, -1, 0, idle_sends, idle_recvs)
+                    idle_t0 = None
                 last_progress = time.monotonic()
                 idle = 0
                 continue
             idle += 1
+            if tr is not None and idle_t0 is None:
+                idle_t0, idle_sends, idle_recvs = time.monotonic(), len(sends), len(recvs)
             self.check_abort(op)
             if time.monotonic() - last_progress > self.timeout_s:
                 if recvs:
@@ -341,6 +370,8 @@ class HostTransport:
                 raise SymBufferTimeoutError(rank=me, peer=x.p, channel=x.c, role="send", head=int(x.counter[0]),
                                             tail=x.pos_counter, timeout_s=self.timeout_s, op=op)
             _yield(idle, time.monotonic() - last_progress)
+        if idle_t0 is not None:
+            tr.add(_trace.IDLE, idle_t0, -1, -1, 0, idle_sends, idle_recvs)
         return sorted(rejected)
 
     def _pull(self, op: str, plan, r: "_Stream", hdr: np.ndarray, recv: _Side) -> None:

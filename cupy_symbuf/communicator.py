@@ -106,6 +106,9 @@ class Communicator:
             err, fp = None, None
             self.tuning_source = None
             try:
+                if backend == "cuda" and config.trace:
+                    raise ValueError("Communicator: Config.trace is not available on the GPU path yet (the kernels "
+                                     "do not record); use it with backend='host'")
                 if backend == "cuda" and config.mode == "direct":  # told to every rank before anything is allocated
                     raise ValueError("Communicator: Config.mode='direct' is not available on the GPU path yet (its "
                                      "collectives move rows through the rings; use mode='auto' or 'ring')")
@@ -143,6 +146,9 @@ class Communicator:
             from .symmetric import SymmetricHeap
             self._heap = SymmetricHeap(self)
             self._transport.heap = self._heap
+            if self.config.trace:
+                from ._trace import Recorder
+                self._transport.trace = Recorder()
             if self.backend == "host":  # can every rank read every other's memory (plain sendbufs go direct)?
                 if not self._transport.probe_cma(self.buffer.comm, self.config.timeout_s) and self.world_size > 1:
                     _logger.info("cross-memory attach (process_vm_readv) is not available between these ranks: "
@@ -316,6 +322,29 @@ class Communicator:
                 f"{tuned}\n"
                 f"  state={state} (created by pid {getattr(self, '_pid', '?')}; fields compared across ranks at "
                 f"construction: all but {', '.join(_LOCAL_POLICY)})")
+
+    def trace(self, clear: bool = False):
+        """The channel telemetry recorded so far (``Config(trace=True)``): a NumPy structured array of
+        ``cupy_symbuf._trace.TRACE_DTYPE`` (fields ``t0``, ``t1`` seconds of ``time.monotonic``; ``call``, ``op``,
+        ``kind`` (send / recv / pull / self / idle), ``channel``, ``peer``, ``bytes``, ``head``, ``tail``), one
+        record per event, in order. Local. ``clear=True`` empties the buffer after the copy. ``ValueError`` when
+        the communicator was built without ``trace=True``."""
+        rec = getattr(self._transport, "trace", None)
+        if rec is None:
+            raise ValueError("Communicator.trace: build the Communicator with Config(trace=True) to record")
+        out = rec.snapshot()
+        if clear:
+            rec.clear()
+        return out
+
+    def save_trace(self, path: str) -> str:
+        """Write :meth:`trace` with this rank, the world size, the config and the events dropped (buffer full) to
+        ``path`` (``.npz``; ``{rank}`` in it is replaced by the rank, e.g. ``trace_rank{rank}.npz``); returns the
+        path. Local; every rank writes its own file for ``python -m cupy_symbuf.diagnostics``."""
+        path = path.replace("{rank}", str(self.rank))
+        np.savez(path, records=self.trace(), rank=self.rank, world_size=self.world_size, config=str(self.config),
+                 dropped=self._transport.trace.dropped)
+        return path
 
     def stats(self, reset: bool = False) -> dict:
         """Always-on counters of this rank's row exchanges, per operation (local, no communication).

@@ -111,6 +111,12 @@ class Config:
         ``alltoallv`` that cannot go direct raises ``ValueError`` instead (not available on the GPU path yet).
         MoE ``dispatch`` / ``combine`` gather their rows through an index and always use the rings. The mode is the
         sender's and travels in each call header, so ranks may differ (local policy).
+    trace : bool
+        Channel telemetry (host backend): record every ring chunk published or consumed, every direct copy and
+        every idle spell (timestamps, channel, peer, bytes, head / tail) into a bounded buffer of 2**18 events;
+        read it with :meth:`Communicator.trace`, save it with :meth:`Communicator.save_trace` and turn the files
+        of all ranks into pictures and a report with ``python -m cupy_symbuf.diagnostics``. Off (default): no
+        recording. Not available on the GPU path yet. Local policy.
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
     ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit
@@ -118,8 +124,8 @@ class Config:
 
     Agreement: every rank of a Communicator must have the same resolved values of ``num_sms``, ``chunk_bytes``,
     ``num_slots`` and ``max_notify_ints`` (they shape the wire); construction raises ``ValueError`` on every rank
-    naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure`` and ``mode`` are local policy
-    and may differ between ranks.
+    naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure``, ``mode`` and ``trace`` are
+    local policy and may differ between ranks.
     """
 
     num_sms: Optional[int] = None
@@ -130,6 +136,7 @@ class Config:
     blocking: bool = False
     abort_on_failure: bool = dataclasses.field(default_factory=_env_abort_default)
     mode: str = "auto"
+    trace: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
@@ -173,6 +180,8 @@ class Config:
                              f"count exchange), got {self.max_notify_ints}")
         if not isinstance(self.abort_on_failure, bool):
             raise TypeError(f"Config: abort_on_failure must be True or False, got {self.abort_on_failure!r}")
+        if not isinstance(self.trace, bool):
+            raise TypeError(f"Config: trace must be True or False, got {self.trace!r}")
         if self.mode not in MODES:
             raise ValueError(f"Config: mode must be one of {MODES}, got {self.mode!r}")
 

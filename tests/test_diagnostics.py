@@ -1,0 +1,61 @@
+"""Channel telemetry (Config(trace=True)) and the diagnostics CLI: a traced run with a deliberately hot rank; the
+trace's byte totals agree with stats(), and the report names the hot rank; the PNGs are written."""
+import os
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cupy_symbuf as cs
+from cupy_symbuf import _trace, diagnostics
+from _util import random_rows, rng_for
+
+
+def test_trace_and_diagnostics_name_the_hot_rank(comm):
+    W, me = comm.size, comm.rank
+    with pytest.raises(ValueError, match="trace=True"):
+        with cs.Communicator(comm, backend="host") as c0:
+            c0.trace()
+    c = cs.Communicator(comm, cs.Config(trace=True, chunk_bytes=16384, num_slots=4), backend="host")
+    try:
+        rng = rng_for(comm, 1)
+        for it in range(4):
+            counts = rng.integers(20, 40, W)
+            counts[0] = 400                      # rank 0 is hot: every rank sends it 10x the rows
+            x = random_rows(rng, int(counts.sum()), (700,), np.uint8)   # ring and CMA sizes both occur
+            c.alltoallv(x, counts)
+            c.alltoall(random_rows(rng, W, (3000,), np.uint8))
+        rec = c.trace()
+        assert rec.dtype == _trace.TRACE_DTYPE and len(rec) > 0 and (rec["t1"] >= rec["t0"]).all()
+        st = c.stats()
+        got_in = np.zeros(W, np.int64)
+        for kind in (_trace.RECV, _trace.PULL):
+            sel = rec[rec["kind"] == kind]
+            np.add.at(got_in, sel["peer"], sel["bytes"])
+        want_in = np.array(st["alltoallv"]["bytes_received"]) + np.array(st["alltoall"]["bytes_received"])
+        want_in[me] = 0                          # a rank's own rows: SELF records
+        np.testing.assert_array_equal(got_in, want_in)
+        own = int(rec[rec["kind"] == _trace.SELF]["bytes"].sum())
+        assert own == st["alltoallv"]["bytes_sent"][me] + st["alltoall"]["bytes_sent"][me]
+        folder = comm.bcast(tempfile.mkdtemp() if me == 0 else None)
+        path = c.save_trace(os.path.join(folder, "trace_rank{rank}.npz"))
+        assert path.endswith(f"trace_rank{me}.npz")
+        comm.Barrier()
+        if me == 0:
+            out = os.path.join(folder, "diag")
+            assert diagnostics.main([os.path.join(folder, "trace_rank*.npz"), "--out", out]) == 0
+            text = open(os.path.join(out, "report.txt")).read()
+            if W > 1:
+                assert "hot ranks (received > 1.25x the mean): rank 0 " in text, text
+            summary = diagnostics.summarize(diagnostics.load(
+                [os.path.join(folder, f"trace_rank{r}.npz") for r in range(W)]))
+            assert int(np.argmax(summary["received"])) == 0
+            pytest.importorskip("matplotlib")
+            for name in ("channels.png", "sizes.png", "traffic.png", "busy.png"):
+                assert os.path.getsize(os.path.join(out, name)) > 1000
+        comm.Barrier()
+        assert len(c.trace(clear=True)) == len(rec)   # nothing ran since; then the buffer is empty
+        assert len(c.trace()) == 0
+    finally:
+        c.close()
