@@ -137,14 +137,17 @@ class CollectiveEvent:
 
     @property
     def result(self):
+        """What the collective returns (its outputs; ready in the order of :attr:`stream`)."""
         return self._result
 
     @property
     def event(self):
+        """The ``cupy.cuda.Event`` recorded after the collective (None on the host backend)."""
         return self._event
 
     @property
     def stream(self):
+        """The stream the collective was queued on (None on the host backend)."""
         return self._stream
 
     def query(self) -> bool:

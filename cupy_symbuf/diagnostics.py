@@ -167,6 +167,8 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
+    """The CLI (``python -m cupy_symbuf.diagnostics TRACES... --out DIR``): loads the traces, prints and writes the
+    report, writes the PNGs when matplotlib is installed; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.diagnostics", description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", help="trace files (Communicator.save_trace), one per rank; globs allowed")
     ap.add_argument("--out", default="symbuf-diagnostics", help="folder for the PNGs and report.txt")

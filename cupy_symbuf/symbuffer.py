@@ -363,6 +363,7 @@ class SymBuffer:
 
     @property
     def closed(self) -> bool:
+        """True once :meth:`close` ran (or construction failed)."""
         return self._closed
 
     def close(self) -> None:

@@ -38,10 +38,12 @@ FIELDS = ("num_sms", "chunk_bytes", "num_slots")
 
 
 def packaged_path() -> str:
+    """The table shipped with the package (``cupy_symbuf/tuning.json``)."""
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning.json")
 
 
 def user_path() -> str:
+    """``~/.config/cupy_symbuf/tuning.json``: where ``bench --tune`` writes by default."""
     return os.path.join(os.path.expanduser("~"), ".config", "cupy_symbuf", "tuning.json")
 
 
