@@ -172,6 +172,17 @@ def _nccl_skip_reason(c):
     return None
 
 
+def _progress(items, rank: int, what: str):
+    """``items``, with a progress bar on rank 0's stderr when tqdm is installed (``pip install tqdm``)."""
+    if rank != 0:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=what, leave=False)
+
+
 def _copy_rate(comm, xp, timer, nbytes: int, iters: int, warmup: int) -> float:
     """The machine's copy rate in bytes per second, measured in the same run: every rank copies ``nbytes`` (its
     alltoall input) between two of its own arrays at once, back to back (``loop`` timing, max over ranks);
@@ -206,6 +217,9 @@ def main(argv=None) -> int:
                     help="call: each call alone after a barrier (median); loop: nccl-tests style, calls back to "
                          "back (mean); default both")
     ap.add_argument("--json", default=None, help="write results to this file (rank 0)")
+    ap.add_argument("--plot", default=None, metavar="DIR",
+                    help="write bandwidth.png and latency.png (against the size, every engine) into DIR (rank 0; "
+                         "needs matplotlib)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing the first size, run 100 more calls under cProfile and print rank 0's "
                          "profile after the table (host-side cost per call)")
@@ -285,7 +299,8 @@ def main(argv=None) -> int:
             if "loop" in timings:
                 out["loop"] = timer.time_loop(fn, args.iters, args.warmup, comm, sync)
             return out
-        for size in [parse_size(s) for s in args.sizes.split(",")]:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        for size in _progress(sizes, me, "sizes"):
             per_peer = size // W
             host_x = np.random.default_rng([me, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)
             x = xp.asarray(host_x)
@@ -384,7 +399,47 @@ def main(argv=None) -> int:
     if me == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if me == 0 and args.plot:
+        for path in plot_results(results, args.plot):
+            print(f"# wrote {path}")
     return 0
+
+
+def plot_results(results: list, out_dir: str) -> list:
+    """PNGs of an alltoall run (the ``results`` rows ``main`` prints): busbw and time per call against the size per
+    rank, one line per engine (ours, ours-out, ours-sym, the reference, the copy limit), loop timing where measured.
+    Returns the paths (``ImportError`` without matplotlib: ``pip install matplotlib``)."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out_dir, exist_ok=True)
+    timing = "loop" if any(r["timing"] == "loop" for r in results) else "call"
+    rows = [r for r in results if r["timing"] == timing]
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    paths = []
+    for key, label, name in (("busbw_GBps", "busbw (GB/s)", "bandwidth.png"), ("time_us", "us per call",
+                                                                               "latency.png")):
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for e in engines:
+            pts = sorted((r["size_per_rank"], r[key]) for r in rows if r["engine"] == e)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=e)
+        ax.set_xscale("log", base=2)
+        if key == "time_us":
+            ax.set_yscale("log")
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel(label)
+        first = rows[0] if rows else {}
+        ax.set_title(f"alltoall, {first.get('backend', '?')}, {first.get('world_size', '?')} ranks ({timing} timing)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 if __name__ == "__main__":

@@ -30,6 +30,20 @@ def test_bench_runs_and_reports():
         os.remove(path)
 
 
+def test_bench_plots():
+    """--plot writes the two PNGs from the run's rows (rank 0)."""
+    import pytest
+    pytest.importorskip("matplotlib")
+    world = MPI.COMM_WORLD
+    folder = world.bcast(tempfile.mkdtemp() if world.Get_rank() == 0 else None)
+    assert bench.main(["--backend", "host", "--sizes", "8K,64K", "--iters", "2", "--warmup", "1", "--sends", "out",
+                       "--plot", folder]) == 0
+    world.Barrier()
+    if world.Get_rank() == 0:
+        for name in ("bandwidth.png", "latency.png"):
+            assert os.path.getsize(os.path.join(folder, name)) > 1000
+
+
 def test_alltoallv_patterns_and_percentiles():
     from cupy_symbuf import _bench_alltoallv as bv
     W = 4
