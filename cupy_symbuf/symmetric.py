@@ -144,10 +144,12 @@ class SymmetricHeap:
                             f"{self.total_bytes} B per rank; each is an MPI window and communicator of its own, "
                             f"and MPI allows about a thousand) failed: {exc}") from exc
         try:
+            # a byte view of the block, cut to the array (so a zero-size array is still a view of its allocation)
             if owner.backend == "host":
-                array = buf.host_view(owner.rank)[:nbytes].view(dtype).reshape(shape)
+                raw = buf.host_view(owner.rank)
             else:
-                array = buf.peer_view(owner.rank, dtype, shape)
+                raw = buf.peer_view(owner.rank, np.uint8, (buf.nbytes,))
+            array = raw[:nbytes].view(dtype).reshape(shape)
         except BaseException:
             buf.close()
             raise
