@@ -5,6 +5,7 @@ the sender's array instead of through the rings.
 
 It needs the kernel to allow it (same user; Yama ``ptrace_scope`` 0, or a ptracer grant): :func:`probe` finds out
 at construction, on every pair of ranks, and the engine uses it only when every rank can read every other.
+``CUPY_SYMBUF_CMA=0`` turns it off.
 """
 from __future__ import annotations
 

@@ -183,11 +183,14 @@ class HostTransport:
     def probe_cma(self, comm, timeout_s: float) -> bool:
         """Collective, at construction: can every rank read every other rank's memory by cross-memory attach
         (``process_vm_readv``)? Each rank publishes a probe word, every rank reads every peer's; when all succeed
-        ``cma_pids`` is set and plain sendbufs may go ``MODE_CMA``. Bounded (``_agree.exchange_all``)."""
+        ``cma_pids`` is set and plain sendbufs may go ``MODE_CMA``. Bounded (``_agree.exchange_all``).
+        ``CUPY_SYMBUF_CMA=0`` on any rank turns it off for the communicator (every rank then uses the rings for
+        plain sendbufs)."""
         if self.world_size == 1:
             return False
         token = np.array([0x53594D42CA, os.getpid(), self.rank], dtype=np.int64)
-        mine = (os.getpid(), token.__array_interface__["data"][0]) if _cma.supported() else None
+        allowed = _cma.supported() and os.environ.get("CUPY_SYMBUF_CMA", "1").strip() != "0"
+        mine = (os.getpid(), token.__array_interface__["data"][0]) if allowed else None
         everyone = _agree.exchange_all(comm, mine, timeout_s, "cross-memory attach probe")
         ok = all(e is not None for e in everyone)
         if ok:

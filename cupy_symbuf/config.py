@@ -106,7 +106,7 @@ class Config:
         ``alltoallv`` copy its rows straight out of its ``sendbuf``, one copy per byte, when that is a symmetric
         array (:meth:`Communicator.empty`) or, for a C-contiguous plain array, when every rank can read every
         other's memory by cross-memory attach (Linux ``process_vm_readv``, as MPICH and Open MPI do; probed at
-        construction); else, and always on the GPU path for now, through the rings (two copies per off-rank
+        construction; ``CUPY_SYMBUF_CMA=0`` turns it off); else, and always on the GPU path for now, through the rings (two copies per off-rank
         byte). ``"ring"``: always the rings. ``"direct"``: an ``alltoall`` /
         ``alltoallv`` that cannot go direct raises ``ValueError`` instead (not available on the GPU path yet).
         MoE ``dispatch`` / ``combine`` gather their rows through an index and always use the rings. The mode is the
