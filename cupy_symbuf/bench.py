@@ -58,36 +58,10 @@ class _Timer:
     def __init__(self, backend: str):
         self.backend = backend
 
-    def time(self, fn, iters: int, warmup: int, comm, sync=None) -> float:
-        """``call`` timing: median seconds of one call after a barrier, max over ranks. ``sync()`` is called after
-        the timed calls (outside the timing) to raise what a queued call recorded."""
-        for _ in range(warmup):
-            fn()
-        samples = []
-        if self.backend == "cuda":
-            cp = _compat.cupy
-            for _ in range(iters):
-                cp.cuda.get_current_stream().synchronize()
-                comm.Barrier()
-                start, stop = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
-                fn()
-                stop.record()
-                stop.synchronize()
-                samples.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3)
-        else:
-            for _ in range(iters):
-                comm.Barrier()
-                t0 = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - t0)
-        if sync is not None:
-            sync()
-        return comm.allreduce(float(np.median(samples)), op=MPI.MAX)
-
-    def samples(self, fn, iters: int, warmup: int, comm, sync=None) -> np.ndarray:
-        """Seconds of each of ``iters`` calls, each after a barrier (CUDA events around it on the GPU), as the
-        maximum over ranks per call (float64 ``[iters]``, the same on every rank): what p50 / p99 are taken of."""
+    def _local_samples(self, fn, iters: int, warmup: int, comm, sync=None) -> np.ndarray:
+        """This rank's seconds of each of ``iters`` calls, each after a barrier (CUDA events around it on the
+        GPU). ``sync()`` is called after the timed calls (outside the timing) to raise what a queued call
+        recorded."""
         for _ in range(warmup):
             fn()
         local = np.empty(iters, np.float64)
@@ -109,6 +83,16 @@ class _Timer:
                 local[i] = time.perf_counter() - t0
         if sync is not None:
             sync()
+        return local
+
+    def time(self, fn, iters: int, warmup: int, comm, sync=None) -> float:
+        """``call`` timing: median seconds of one call after a barrier, max over ranks."""
+        return comm.allreduce(float(np.median(self._local_samples(fn, iters, warmup, comm, sync))), op=MPI.MAX)
+
+    def samples(self, fn, iters: int, warmup: int, comm, sync=None) -> np.ndarray:
+        """Seconds of each of ``iters`` calls, each after a barrier, as the maximum over ranks per call (float64
+        ``[iters]``, the same on every rank): what p50 / p99 are taken of."""
+        local = self._local_samples(fn, iters, warmup, comm, sync)
         out = np.empty_like(local)
         comm.Allreduce(local, out, op=MPI.MAX)
         return out

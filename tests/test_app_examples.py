@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -27,57 +23,23 @@ EXAMPLES = os.path.join(ROOT, "examples")
 BACKEND = os.environ.get("CUPY_SYMBUF_EXAMPLE_BACKEND", os.environ.get("CUPY_SYMBUF_FAULT_BACKEND", "host"))
 LIMIT_S = 180                        # per job; a hang fails the test
 
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "HYDI_CONTROL_FD")
-UNDER_MPIEXEC = any(k in os.environ for k in _MPI_ENV)
+from _jobs import LAUNCHER, UNDER_MPIEXEC, clean_env, mpi_command, run_job  # noqa: E402
 
 pytestmark = pytest.mark.skipif(UNDER_MPIEXEC, reason="example jobs launch their own mpiexec; they run from the "
                                                       "single-process pytest pass")
-
-
-def _launcher() -> list:
-    if os.environ.get("MPIEXEC"):
-        return shlex.split(os.environ["MPIEXEC"])
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(here):
-        return [here]
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    return [found] if found else []
-
-
-LAUNCHER = _launcher() if not UNDER_MPIEXEC else []
-
-
-def _is_openmpi() -> bool:
-    if not LAUNCHER:
-        return False
-    try:
-        out = subprocess.run(LAUNCHER + ["--version"], capture_output=True, text=True, timeout=20).stdout
-    except Exception:  # noqa: BLE001
-        return False
-    return "Open MPI" in out or "OpenRTE" in out or "open-mpi" in out.lower()
-
-
-OPENMPI = _is_openmpi()
 
 
 def run_example(script: str, n: int, *args: str):
     """``mpiexec -n n python examples/<script> --backend BACKEND <args>``: (exit status, stdout + stderr)."""
     if not LAUNCHER:
         pytest.skip("no mpiexec found (set MPIEXEC)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDI_"))}
+    env = clean_env()
     env.setdefault("CUPY_SYMBUF_TIMEOUT_S", "20")
-    env["PYTHONUNBUFFERED"] = "1"
-    cmd = list(LAUNCHER) + (["--oversubscribe"] if OPENMPI else []) + [
-        "-n", str(n), sys.executable, os.path.join(EXAMPLES, script), "--backend", BACKEND, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)      # the launcher's process group: the job we started
-        out, _ = proc.communicate()
+    rc, out, killed = run_job(mpi_command(n, [sys.executable, os.path.join(EXAMPLES, script), "--backend", BACKEND,
+                                              *args]), env, LIMIT_S)
+    if killed:
         pytest.fail(f"{script} on {n} ranks did not end within {LIMIT_S} s\n{out[-4000:]}")
-    return proc.returncode, out
+    return rc, out
 
 
 def _share(out: str, label: str) -> float:

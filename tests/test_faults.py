@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,41 +36,10 @@ END_BOUND_S = TIMEOUT_S + 5          # issue 9: the whole job ends within timeou
 LIMIT_S = TIMEOUT_S + 15             # we kill the job after this (startup included); a hang then fails the test
 BACKEND = os.environ.get("CUPY_SYMBUF_FAULT_BACKEND", "host")
 
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "HYDI_CONTROL_FD")
-UNDER_MPIEXEC = any(k in os.environ for k in _MPI_ENV)
+from _jobs import KIND, LAUNCHER, UNDER_MPIEXEC, clean_env, mpi_command, run_job  # noqa: E402
 
 pytestmark = pytest.mark.skipif(UNDER_MPIEXEC, reason="fault tests launch their own mpiexec jobs; they run from "
                                                       "the single-process pytest pass")
-
-
-def _launcher() -> list:
-    if os.environ.get("MPIEXEC"):
-        return shlex.split(os.environ["MPIEXEC"])
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if os.path.exists(here):
-        return [here]
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    return [found] if found else []
-
-
-LAUNCHER = _launcher()
-
-
-def _launcher_kind() -> str:
-    if not LAUNCHER:
-        return "none"
-    try:
-        out = subprocess.run(LAUNCHER + ["--version"], capture_output=True, text=True, timeout=20).stdout
-    except Exception:  # noqa: BLE001
-        return "unknown"
-    if "HYDRA" in out.upper():
-        return "hydra"
-    if "Open MPI" in out or "OpenRTE" in out or "open-mpi" in out.lower():
-        return "openmpi"
-    return "unknown"
-
-
-KIND = _launcher_kind() if not UNDER_MPIEXEC else "none"
 
 # ---- what a run printed -----------------------------------------------------------------------------------------
 
@@ -104,27 +71,13 @@ def launch(case: str, n: int, *, handled: bool, cleanup: bool = True) -> Run:
     if not LAUNCHER:
         pytest.skip("no mpiexec found (set MPIEXEC)")
     marker = f"faultrun-{uuid.uuid4().hex[:12]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDI_"))}
-    env.update(CUPY_SYMBUF_TIMEOUT_S=str(TIMEOUT_S), PYTHONUNBUFFERED="1", CUPY_SYMBUF_FAULT_BACKEND=BACKEND)
+    env = clean_env(CUPY_SYMBUF_TIMEOUT_S=str(TIMEOUT_S), CUPY_SYMBUF_FAULT_BACKEND=BACKEND)
     env.pop("CUPY_SYMBUF_ABORT_ON_FAILURE", None)
     if handled:
         env["CUPY_SYMBUF_ABORT_ON_FAILURE"] = "0"
-    cmd = list(LAUNCHER)
-    if KIND == "openmpi":
-        cmd += ["--oversubscribe"]
-    if not cleanup:
-        cmd += ["-disable-auto-cleanup"]
-    cmd += ["-n", str(n), sys.executable, SCRIPT, case, "--marker", marker]
+    cmd = mpi_command(n, [sys.executable, SCRIPT, case, "--marker", marker], cleanup=cleanup)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    killed = False
-    try:
-        out, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        killed = True
-        os.killpg(proc.pid, signal.SIGKILL)      # the launcher's process group: the job we started
-        out, _ = proc.communicate()
+    rc, out, killed = run_job(cmd, env, LIMIT_S)
     t_end = time.time()
     faults = [float(m) for m in re.findall(r"^FAULT t=([0-9.]+)", out, re.M)]
     time.sleep(0.2)
@@ -134,7 +87,7 @@ def launch(case: str, n: int, *, handled: bool, cleanup: bool = True) -> Run:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    return Run(rc=None if killed else proc.returncode, out=out, wall_s=t_end - t0,
+    return Run(rc=None if killed else rc, out=out, wall_s=t_end - t0,
                end_after_fault_s=(t_end - min(faults)) if faults else None, killed=killed, leftovers=leftovers)
 
 
@@ -340,24 +293,23 @@ def test_fault(name, mode):
 
 # ---- the short soak (examples/soak.py) --------------------------------------------------------------------------
 
-def test_soak_short():
-    """The soak script, short: 200 mixed iterations on 2 ranks (host path), sampled bitwise checks."""
+def _example(n: int, script: str, *args: str, timeout_s: float = 120) -> str:
+    """``examples/<script>`` as a job of ``n`` ranks; its output (a job that fails or hangs fails the test)."""
     if not LAUNCHER:
         pytest.skip("no mpiexec found (set MPIEXEC)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDI_"))}
+    env = clean_env()
     env.setdefault("CUPY_SYMBUF_TIMEOUT_S", "20")
-    cmd = list(LAUNCHER) + (["--oversubscribe"] if KIND == "openmpi" else []) + [
-        "-n", "2", sys.executable, os.path.join(ROOT, "examples", "soak.py"), "--iters", "200", "--backend",
-        BACKEND, "--check-every", "4"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"soak did not end within 120 s\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    rc, out, killed = run_job(mpi_command(n, [sys.executable, os.path.join(ROOT, "examples", script), *args]), env,
+                              timeout_s)
+    if killed:
+        pytest.fail(f"{script} did not end within {timeout_s:g} s\n{out[-4000:]}")
+    assert rc == 0, out[-4000:]
+    return out
+
+
+def test_soak_short():
+    """The soak script, short: 200 mixed iterations on 2 ranks (host path), sampled bitwise checks."""
+    out = _example(2, "soak.py", "--iters", "200", "--backend", BACKEND, "--check-every", "4")
     m = re.search(r"soak: (\d+) iterations, (\d+) checked, (\d+) mismatches", out)
     assert m, out[-4000:]
     assert int(m[1]) == 200 and int(m[2]) > 0 and int(m[3]) == 0, m[0]
@@ -365,13 +317,5 @@ def test_soak_short():
 
 def test_symmetric_example():
     """examples/symmetric_alltoall.py on 2 ranks (host path): correct, and says so."""
-    if not LAUNCHER:
-        pytest.skip("no mpiexec found (set MPIEXEC)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDI_"))}
-    env.setdefault("CUPY_SYMBUF_TIMEOUT_S", "20")
-    cmd = list(LAUNCHER) + (["--oversubscribe"] if KIND == "openmpi" else []) + [
-        "-n", "2", sys.executable, os.path.join(ROOT, "examples", "symmetric_alltoall.py"), "--mib", "1",
-        "--iters", "3", "--backend", BACKEND]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                          timeout=120)
-    assert proc.returncode == 0 and "correct" in proc.stdout, proc.stdout[-4000:]
+    out = _example(2, "symmetric_alltoall.py", "--mib", "1", "--iters", "3", "--backend", BACKEND)
+    assert "correct" in out, out[-4000:]

@@ -35,8 +35,8 @@ def test_info_cli_with_communicator(capsys):
 def test_module_entry_point():
     if MPI.COMM_WORLD.Get_size() > 1:
         return  # a subprocess per rank would start its own MPI job: once, from the single-process run
-    import os
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDI_", "MPI_"))}
+    from _jobs import clean_env
+    env = clean_env()
     p = subprocess.run([sys.executable, "-m", "cupy_symbuf", "info", "--no-communicator"], capture_output=True,
                        text=True, timeout=120, env=env)
     assert p.returncode == 0 and "cupy_symbuf: " in p.stdout, p.stdout + p.stderr
