@@ -251,6 +251,7 @@ class HostTransport:
             tr.begin(plan.op_code)
         unit = plan.unit_bytes
         idle_t0 = None
+        pulled = False
         sends = [_Stream(st, True) for st in statics[0]]
         recvs = [_Stream(st, False) for st in statics[1]]
         if is_direct:
@@ -325,6 +326,7 @@ class HostTransport:
                             t0 = time.monotonic() if tr is not None else 0.0
                             n = r.end - r.pos
                             self._pull(op, plan, r, hdr, recv)
+                            pulled = True
                             if tr is not None:
                                 tr.add(_trace.PULL, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
                     elif r.drain:
@@ -375,6 +377,13 @@ class HostTransport:
             _yield(idle, time.monotonic() - last_progress)
         if idle_t0 is not None:
             tr.add(_trace.IDLE, idle_t0, -1, -1, 0, idle_sends, idle_recvs)
+        if pulled:
+            # Rows copied straight out of a peer's memory are right only if that peer was still inside the call
+            # while we read: a peer whose call failed sets the abort word before its program can touch its
+            # sendbuf again, so a fence and one look at the abort word after the last copy tell a clean read from
+            # a torn one (raised, never returned).
+            sync()
+            self.check_abort(op)
         return sorted(rejected)
 
     def _pull(self, op: str, plan, r: "_Stream", hdr: np.ndarray, recv: _Side) -> None:

@@ -298,3 +298,49 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
         x = random_rows(rng_for(comm, 10), comm.size, (P.CMA_MIN_BYTES,), np.uint8)
         np.testing.assert_array_equal(c.alltoall(x), _a2a_reference(comm, x))
         assert reads["n"] == before
+
+
+def test_reader_never_returns_rows_of_a_sender_that_failed(comm, monkeypatch):
+    """Found by a new-user attack: a receiver still copying out of a sender's memory while that sender's call fails
+    (and its program may overwrite the sendbuf at once) must raise, not return: after its last direct copy the
+    receiver fences and looks at the abort word. Rank 0 alone sends (a symmetric sendbuf: direct mode), fails as
+    soon as it would wait for its readers; each reader is slowed after its copy so rank 0's abort lands first."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    import time
+    from cupy_symbuf import _host as H
+    c = cs.Communicator(comm, cs.Config(timeout_s=20), backend="host")
+    try:
+        W = comm.size
+        n = 4096
+        counts = np.zeros(W, np.int64)
+        if comm.rank == 0:
+            counts[1:] = n
+        x = c.empty(n * (W - 1), np.uint8)[: int(counts.sum())]   # the same allocation on every rank
+        x[...] = 7
+        rc = np.zeros(W, np.int64)
+        if comm.rank != 0:
+            rc[0] = n
+        comm.Barrier()
+        if comm.rank == 0:
+            def fail(*a, **k):
+                raise KeyboardInterrupt("injected while peers still read this rank's rows")
+            monkeypatch.setattr(H, "_yield", fail)
+        else:
+            real = H.HostTransport._pull
+
+            def slow(self, *a, **k):
+                real(self, *a, **k)
+                time.sleep(0.5)
+            monkeypatch.setattr(H.HostTransport, "_pull", slow)
+        with pytest.raises(BaseException) as info:
+            c.alltoallv(x, counts, recv_counts=rc)
+        if comm.rank == 0:
+            assert isinstance(info.value, KeyboardInterrupt)
+        else:
+            assert isinstance(info.value, cs.SymBufferAbortedError) and info.value.aborting_rank == 0, info.value
+    finally:
+        try:
+            c.close()
+        except cs.SymBufferError:
+            pass
