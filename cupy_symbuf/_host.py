@@ -189,7 +189,8 @@ class HostTransport:
         if self.world_size == 1:
             return False
         token = np.array([0x53594D42CA, os.getpid(), self.rank], dtype=np.int64)
-        allowed = _cma.supported() and os.environ.get("CUPY_SYMBUF_CMA", "1").strip() != "0"
+        allowed = _cma.supported() and os.environ.get("CUPY_SYMBUF_CMA", "1").strip().lower() not in (
+            "0", "false", "no", "off")
         mine = (os.getpid(), token.__array_interface__["data"][0]) if allowed else None
         everyone = _agree.exchange_all(comm, mine, timeout_s, "cross-memory attach probe")
         ok = all(e is not None for e in everyone)

@@ -318,6 +318,11 @@ class Communicator:
         """The buffer map (:meth:`ChannelLayout.describe`), the resolved config and the lifecycle state."""
         state = "closed" if self._closed else (f"broken ({self._broken})" if self._broken else "open")
         tuned = f"\n  defaults from the tuning table {self.tuning_source}" if self.tuning_source else ""
+        if self.backend == "host" and self.world_size > 1:
+            cma = getattr(self._transport, "cma_pids", None) is not None
+            tuned += ("\n  cross-memory attach between the ranks: " +
+                      ("on (plain sendbufs of >= 256 KiB per peer are read in place)" if cma else
+                       "off (plain sendbufs go through the rings)"))
         return (f"{self.layout.describe()}\n{self._heap.describe()}\n  backend={self.backend} config={self.config}"
                 f"{tuned}\n"
                 f"  state={state} (created by pid {getattr(self, '_pid', '?')}; fields compared across ranks at "

@@ -25,22 +25,29 @@ from typing import Optional
 
 import numpy as np
 
-from ._trace import IDLE, KIND_NAMES, PULL, RECV, SELF, SEND
+from ._trace import IDLE, PULL, SELF, SEND
 
 __all__ = ["load", "summarize", "report", "plot", "main"]
 
 
 def load(paths) -> list:
-    """``[(rank, world_size, records), ...]`` sorted by rank, from ``.npz`` files written by ``save_trace``."""
+    """``[(rank, world_size, records, dropped events), ...]`` sorted by rank, from ``.npz`` files written by ``save_trace``."""
     out = []
     for path in paths:
-        with np.load(path, allow_pickle=False) as z:
-            out.append((int(z["rank"]), int(z["world_size"]), z["records"].copy()))
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                out.append((int(z["rank"]), int(z["world_size"]), z["records"].copy(),
+                            int(z["dropped"]) if "dropped" in z.files else 0))
+        except (OSError, KeyError, ValueError) as exc:
+            raise ValueError(f"diagnostics: {path} is not a trace file of Communicator.save_trace ({exc})") from None
     if not out:
         raise ValueError("diagnostics: no trace files given")
-    sizes = {w for _, w, _ in out}
+    sizes = {w for _, w, _, _ in out}
     if len(sizes) != 1:
         raise ValueError(f"diagnostics: the traces come from different world sizes {sorted(sizes)}")
+    ranks = [r for r, _, _, _ in out]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"diagnostics: several trace files of the same rank: ranks {sorted(ranks)}")
     return sorted(out, key=lambda x: x[0])
 
 
@@ -49,11 +56,11 @@ def summarize(traces: list) -> dict:
     channel) busy seconds, idle seconds split into waiting for space / for data, chunk sizes per channel."""
     W = traces[0][1]
     traffic = np.zeros((W, W), np.int64)
-    channels = sorted({int(c) for _, _, r in traces for c in r["channel"][r["kind"] != IDLE] if c >= 0})
+    channels = sorted({int(c) for _, _, r, _ in traces for c in r["channel"][r["kind"] != IDLE] if c >= 0})
     busy = {}
     idle_send = idle_recv = 0.0
     sizes = {c: [] for c in channels}
-    for rank, _, rec in traces:
+    for rank, _, rec, _ in traces:
         for kind in (SEND, PULL):
             sel = rec[rec["kind"] == kind]
             for peer, nbytes in zip(sel["peer"], sel["bytes"]):
@@ -73,7 +80,8 @@ def summarize(traces: list) -> dict:
         both = np.maximum(idle["head"] + idle["tail"], 1)
         idle_send += float((dur * idle["head"] / both).sum())  # split each spell by the streams it waited on
         idle_recv += float((dur * idle["tail"] / both).sum())
-    return {"world_size": W, "traffic": traffic, "received": traffic.sum(axis=0), "busy": busy,
+    return {"world_size": W, "ranks": [r for r, _, _, _ in traces], "dropped": sum(d for _, _, _, d in traces),
+            "events": sum(len(r) for _, _, r, _ in traces), "traffic": traffic, "received": traffic.sum(axis=0), "busy": busy,
             "idle_send_s": idle_send, "idle_recv_s": idle_recv, "sizes": sizes, "channels": channels}
 
 
@@ -84,6 +92,16 @@ def report(summary: dict) -> str:
     mean = recv.mean() if W else 0
     order = np.argsort(-recv, kind="stable")
     lines = [f"cupy_symbuf diagnostics: {W} ranks, {int(summary['traffic'].sum())} payload bytes traced"]
+    missing = sorted(set(range(W)) - set(summary["ranks"]))
+    if missing:
+        lines.append(f"WARNING: no trace of ranks {missing}: the hot ranks, traffic and stalls below count only what "
+                     f"ranks {summary['ranks']} recorded (a rank's receives are seen only in its own trace)")
+    if summary["dropped"]:
+        lines.append(f"WARNING: {summary['dropped']} events were dropped (trace buffers full): the numbers cover the "
+                     f"first events only; trace fewer calls, or read with Communicator.trace(clear=True) in between")
+    if not summary["events"]:
+        lines.append("no events traced (was the Communicator built with Config(trace=True), and did it run?)")
+        return "\n".join(lines) + "\n"
     hot = [int(r) for r in order if mean > 0 and recv[r] > 1.25 * mean]
     lines.append("hot ranks (received > 1.25x the mean): " +
                  (", ".join(f"rank {r} ({recv[r] / mean:.2f}x the mean)" for r in hot) if hot else "none"))
@@ -109,12 +127,14 @@ def plot(traces: list, summary: dict, out_dir: str) -> list:
     import matplotlib.pyplot as plt
     os.makedirs(out_dir, exist_ok=True)
     W, channels = summary["world_size"], summary["channels"] or [0]
-    t_start = min(float(r["t0"].min()) for _, _, r in traces if len(r))
+    if not summary["events"]:
+        return []
+    t_start = min(float(r["t0"].min()) for _, _, r, _ in traces if len(r))
     paths = []
 
     fig, axes = plt.subplots(len(channels), 1, figsize=(9, 2.4 * len(channels)), squeeze=False, sharex=True)
     for ax, c in zip(axes[:, 0], channels):
-        for rank, _, rec in traces:
+        for rank, _, rec, _ in traces:
             sel = rec[(rec["kind"] == SEND) & (rec["channel"] == c)]
             for peer in np.unique(sel["peer"]):
                 s = sel[sel["peer"] == peer]
@@ -174,7 +194,10 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--out", default="symbuf-diagnostics", help="folder for the PNGs and report.txt")
     args = ap.parse_args(argv)
     paths = sorted({p for pattern in args.traces for p in (glob.glob(pattern) or [pattern])})
-    traces = load(paths)
+    try:
+        traces = load(paths)
+    except ValueError as exc:
+        ap.error(str(exc))
     summary = summarize(traces)
     text = report(summary)
     os.makedirs(args.out, exist_ok=True)

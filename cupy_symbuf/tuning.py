@@ -104,7 +104,14 @@ def lookup(key: str) -> tuple:
     entry = table["entries"].get(key)
     if not entry:
         return {}, None
-    default = entry.get("default", {})
+    default = entry.get("default", {}) if isinstance(entry, dict) else None
+    if not isinstance(default, dict):
+        raise ValueError(f"cupy_symbuf tuning table {path}: entry {key!r} must be an object with a 'default' object "
+                         f"of {', '.join(FIELDS)}, got {entry!r}")
+    unknown = sorted(set(default) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"cupy_symbuf tuning table {path}: entry {key!r} has unknown fields {unknown} (known: "
+                         f"{', '.join(FIELDS)})")
     out = {}
     for name in FIELDS:
         value = default.get(name)

@@ -59,3 +59,20 @@ def test_trace_and_diagnostics_name_the_hot_rank(comm):
         assert len(c.trace()) == 0
     finally:
         c.close()
+
+
+def test_diagnostics_inputs(comm):
+    """An empty trace gives a report without a traceback; a missing rank's trace and dropped events are named in
+    the report; a file that is not a trace is a clear error."""
+    if comm.rank != 0:
+        return
+    folder = tempfile.mkdtemp()
+    rec = np.zeros(0, _trace.TRACE_DTYPE)
+    np.savez(os.path.join(folder, "t0.npz"), records=rec, rank=0, world_size=2, config="", dropped=5)
+    s = diagnostics.summarize(diagnostics.load([os.path.join(folder, "t0.npz")]))
+    text = diagnostics.report(s)
+    assert "no trace of ranks [1]" in text and "5 events were dropped" in text and "no events traced" in text
+    assert diagnostics.main([os.path.join(folder, "t0.npz"), "--out", os.path.join(folder, "d")]) == 0
+    np.savez(os.path.join(folder, "junk.npz"), a=np.zeros(3))
+    with pytest.raises(ValueError, match="not a trace file"):
+        diagnostics.load([os.path.join(folder, "junk.npz")])

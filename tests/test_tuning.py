@@ -101,3 +101,16 @@ def test_packaged_table_is_valid(monkeypatch):
     monkeypatch.setattr(tuning, "user_path", lambda: "/nonexistent/cupy_symbuf/tuning.json")
     for key in table["entries"]:
         assert tuning.lookup(key)[0] == {k: table["entries"][key]["default"][k] for k in tuning.FIELDS}
+
+
+def test_entry_shape_is_checked(comm, table_path):
+    key = tuning.table_key("host", comm.size)
+    for bad, msg in (("just a string", "must be an object"), ({"default": {"num_sms": 2, "chunk": 4096}},
+                                                              "unknown fields")):
+        if comm.rank == 0:
+            with open(table_path, "w") as f:
+                json.dump({"version": 1, "entries": {key: bad}}, f)
+        comm.Barrier()
+        with pytest.raises(ValueError, match=msg):
+            cs.Communicator(comm, backend="host")
+        comm.Barrier()
