@@ -1,4 +1,4 @@
-// The ring protocol (v9, cupy_symbuf/_protocol.py describes it and holds every constant: HDR_*, STATE_*, ABORT_*,
+// The ring protocol (v10, cupy_symbuf/_protocol.py describes it and holds every constant: HDR_*, STATE_*, ABORT_*,
 // STATUS_*, ERR_*, FIELD_*, ROLE_*), in the manner of NCCL's primitives: who writes which word, and the helpers
 // every ring kernel uses for it: bounded waits that also poll the abort word, the call header, the abort word, the
 // error record.
@@ -237,6 +237,8 @@ __device__ __forceinline__ bool slot_in_region(const u8* region, const u8* p, i6
 // ---- call header ---------------------------------------------------------------------------------------------------
 struct CallHeader {
   i64 magic, seq, op, sig, units, nchunks, status, rank, channel;
+  i64 mode, direct_alloc, direct_offset;  // MODE_RING, or MODE_DIRECT: the stream lies in symmetric allocation
+                                          // direct_alloc at byte direct_offset of the sender's block
 };
 
 // Sender's publisher: the header into the slot of counter `first` in the receiver's ring (after wait_for_space),
@@ -252,6 +254,9 @@ __device__ __forceinline__ void write_call_header(u8* slot, const CallHeader& h)
   w[HDR_STATUS] = h.status;
   w[HDR_RANK] = h.rank;
   w[HDR_CHANNEL] = h.channel;
+  w[HDR_MODE] = h.mode;
+  w[HDR_DIRECT_ALLOC] = h.direct_alloc;
+  w[HDR_DIRECT_OFFSET] = h.direct_offset;
 }
 
 // Receiver's publisher: the header, read after the acquire of tail >= first + 1 (ld.volatile: never an old line).
@@ -261,7 +266,8 @@ __device__ __forceinline__ CallHeader read_call_header(const u8* slot) {
                     ld_volatile_global(w + HDR_OP),      ld_volatile_global(w + HDR_SIG),
                     ld_volatile_global(w + HDR_UNITS),   ld_volatile_global(w + HDR_NCHUNKS),
                     ld_volatile_global(w + HDR_STATUS),  ld_volatile_global(w + HDR_RANK),
-                    ld_volatile_global(w + HDR_CHANNEL)};
+                    ld_volatile_global(w + HDR_CHANNEL), ld_volatile_global(w + HDR_MODE),
+                    ld_volatile_global(w + HDR_DIRECT_ALLOC), ld_volatile_global(w + HDR_DIRECT_OFFSET)};
 }
 
 // The received header against what this receiver expects, in this order: magic, seq, op, then (`full`: the

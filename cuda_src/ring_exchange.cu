@@ -105,11 +105,29 @@ __host__ __device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chu
   return min(max_rows, max(least, (per + grain - 1) / grain * grain));
 }
 
+// MODE_DIRECT, receiver: once every copy warp has copied its slice out of the sender's block (done[i] == c0 + 1,
+// acquired at cta scope; num_copy = 0: the calling warp copied alone), hand the header slot back: head = c0 with
+// st.release.sys, cumulative over those loads, so the sender (which waits for it before its kernel ends) never
+// lets its stream overwrite rows still being read. Then this rank's abort word: a sender whose wait for us failed
+// has left (and its stream may reuse the rows), so what we copied is not trusted: ERR_ABORTED.
+__device__ __noinline__ void direct_done(u64* head_line, const u64* done, int num_copy, u64 c0, const WaitCtx* ctx,
+                                         int peer, volatile int* abort_flag) {
+  for (int i = 0; i < num_copy; ++i)
+    while (ld_acquire_cta(&done[i]) < c0 + 1) {  // copy warps never wait: bounded by their copy
+    }
+  publish_head(head_line, c0);
+  if (poll_abort(*ctx)) {
+    report_aborted(*ctx, ROLE_RECV, peer, static_cast<i64>(c0), static_cast<i64>(c0));
+    *abort_flag = 1;
+  }
+}
+
 // Verdict of a receiver group's publisher on the call header, for its copy warps (a shared word per group).
 constexpr u64 kGateWait = 0;   // not checked yet
 constexpr u64 kGateCopy = 1;   // header verified: copy the payload
 constexpr u64 kGateSkip = 2;   // no payload to copy (the peer rejected, or this rank rejects and drains)
 constexpr u64 kGateAbort = 3;  // mismatch, failed wait or abort: leave
+constexpr u64 kGateDirect = 4; // header verified, MODE_DIRECT: copy the share straight out of the sender's block
 
 // What the leader's call-header step needs; built by the leader only and handed by reference to a function that
 // is not inlined, so that the header's registers do not weigh on the copy loops (64 per thread at 1024 threads).
@@ -120,6 +138,8 @@ struct HeaderStep {
   const u64* local_counter;   // sender: head in our buffer; receiver: tail in our buffer
   volatile int* abort_flag;   // the group's
   u64* gate;                  // the group's verdict word (kGate*)
+  u64* direct_src;            // receiver, MODE_DIRECT: where the sender's stream to us starts (its block, mapped)
+  const i64* sym_table;       // this rank's symmetric table (DESC_SYM_TABLE), or nullptr
   CallHeader mine;            // sender: the header to send; receiver: what it expects
   u64 first, num_slots;       // first: the header's counter
   i64 chunk_bytes, region_bytes, row_bytes;
@@ -161,6 +181,12 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
       // release: the header's stores are visible before the tail (folded: the first run's release covers them)
       if (!SYMBUF_HEADER_FOLD || g.mine.nchunks <= 0) publish_tail(g.remote_counter, c0);
       verdict = kGateCopy;
+      // MODE_DIRECT: the receiver copies out of our sendbuf and then hands the header slot back (head = first +
+      // 1): wait for that, so that nothing after this kernel in stream order overwrites the rows it still reads
+      // (the acquire orders its reads before whatever follows). t = first + num_slots: free once head > first.
+      if (g.mine.mode == MODE_DIRECT &&
+          !wait_for_space(&c, g.peer, g.local_counter, g.first + g.num_slots, g.num_slots, head, abort_flag))
+        verdict = kGateAbort;
     }
   } else {  // wait for the header, check it, consume it
     u64 tail = 0;
@@ -188,6 +214,31 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
           publish_head(g.remote_counter, head);
         }
         return verdict;
+      } else if (got.mode == MODE_DIRECT) {
+        // The rows lie in the sender's symmetric allocation got.direct_alloc: find its block in our table (the
+        // allocations are collective and the same on every rank). Only byte streams go direct (the signature,
+        // checked above, says both ends move bytes). Not found, or a malformed header: fatal, on every rank.
+        u64 src = 0;
+        if (g.sym_table != nullptr && got.nchunks == 0 && g.row_bytes == 1 && got.direct_offset >= 0) {
+          for (int i = 0; i < SYM_TABLE_ROWS; ++i) {
+            const i64* row = g.sym_table + static_cast<i64>(i) * SYM_TABLE_STRIDE;
+            if (row[0] == got.direct_alloc + 1) {
+              src = static_cast<u64>(row[1 + g.peer]) + static_cast<u64>(got.direct_offset);
+              break;
+            }
+          }
+        }
+        if (src == 0) {
+          fail(c, ROLE_RECV, g.peer, MODE_DIRECT, got.direct_alloc, ERR_MISMATCH, FIELD_MODE);
+          *abort_flag = 1;
+        } else {
+          *g.direct_src = src;  // before the verdict's release: the copy warps acquire it
+          end = c0;             // no payload chunks: the header slot is the call's only counter
+          verdict = kGateDirect;
+        }
+      } else if (got.mode != MODE_RING) {
+        fail(c, ROLE_RECV, g.peer, MODE_RING, got.mode, ERR_MISMATCH, FIELD_MODE);
+        *abort_flag = 1;
       } else if (got.nchunks != g.mine.nchunks) {  // same units, other chunking: the kernels differ
         fail(c, ROLE_RECV, g.peer, g.mine.nchunks, got.nchunks, ERR_INVARIANT, FIELD_RING);
         *abort_flag = 1;
@@ -210,6 +261,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[MAX_PEERS];
   __shared__ u64 s_gate[MAX_PEERS];  // receiver: the publisher's verdict on the call header (kGate*)
+  __shared__ u64 s_src[MAX_PEERS];   // receiver, MODE_DIRECT: the sender's stream in its block (mapped here)
   __shared__ WaitCtx s_ctx;
   for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc.words[i];  // constant bank
   if (threadIdx.x == 0)
@@ -335,8 +387,11 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   const bool solo = group_warps == 1;
   const int num_copy = solo ? 1 : group_warps - 1;
   const int copy_id = solo ? 0 : warp_in_group - 1;
+  // MODE_DIRECT (this rank's sendbuf lies in symmetric allocation DESC_DIRECT_ALLOC, a byte stream): the sender
+  // sends the call header alone, saying where the stream lies; the receiver copies its share out of our block
+  const bool direct_send = is_sender && moves && s_desc[DESC_DIRECT_ALLOC] >= 0;
   const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
-  const i64 nchunks = hi > lo ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
+  const i64 nchunks = hi > lo && !direct_send ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
   const u64 first = state[STATE_COUNTER];  // the call header's counter
   const u64 call_seq = state[STATE_SEQ] + 1;
   const u64 c0 = first + 1;                // payload chunk k has counter c0 + k
@@ -349,9 +404,12 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 
   u64 verdict = kGateAbort;  // the leader's: header sent (sender) / checked (receiver)
   if (leader) {
-    const HeaderStep h{&s_ctx, ring_region, remote_counter, local_counter, abort_flag, &s_gate[peer],
+    const HeaderStep h{&s_ctx, ring_region, remote_counter, local_counter, abort_flag, &s_gate[peer], &s_src[peer],
+                       reinterpret_cast<const i64*>(s_desc[DESC_SYM_TABLE]),
                        CallHeader{static_cast<i64>(HDR_MAGIC_VALUE), static_cast<i64>(call_seq), s_desc[DESC_OP],
-                                  s_desc[DESC_SIG], rows, nchunks, reject ? HDR_REJECTED : HDR_OK, rank, channel},
+                                  s_desc[DESC_SIG], rows, nchunks, reject ? HDR_REJECTED : HDR_OK, rank, channel,
+                                  direct_send ? MODE_DIRECT : MODE_RING, direct_send ? s_desc[DESC_DIRECT_ALLOC] : -1,
+                                  direct_send ? s_desc[DESC_DIRECT_OFFSET] + peers[peer] : 0},
                        first, static_cast<u64>(num_slots), chunk_bytes, L.region_bytes, row_bytes, peer, role,
                        is_sender, reject};
     verdict = call_header_step(h, end);
@@ -361,6 +419,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     if (lane == 0 && verdict == kGateCopy)
       publish_runs(remote_counter, done, num_copy, c0, end, SYMBUF_HEADER_FOLD && nchunks > 0 ? first : c0,
                    is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag, &s_ctx, role, peer);
+    else if (lane == 0 && verdict == kGateDirect)
+      direct_done(remote_counter, done, num_copy, c0, &s_ctx, peer, abort_flag);
     __syncwarp();
   } else {
     // A receiver's copy warps touch no payload slot before the publisher verified the call header (its
@@ -374,6 +434,20 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
         while (go == kGateWait);
       }
       go = __shfl_sync(0xffffffffu, go, 0);
+    }
+    if (go == kGateDirect) {  // our share [lo, hi) of the stream, straight out of the sender's block: one slice
+      // per copy warp (16-byte aligned cuts), then the hand-off: done mark, or (one warp) head itself
+      const u8* src = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, lane == 0 ? s_src[peer] : 0ull, 0));
+      const i64 n = hi - lo;
+      const i64 a = n * copy_id / num_copy / 16 * 16;
+      const i64 b = copy_id == num_copy - 1 ? n : n * (copy_id + 1) / num_copy / 16 * 16;
+      if (b > a) copy_bytes<true>(recv.at(0, lo) + a, src + lo + a, b - a, lane);
+      __syncwarp();  // every lane's loads precede lane 0's hand-off
+      if (lane == 0) {
+        if (solo) direct_done(remote_counter, nullptr, 0, c0, &s_ctx, peer, abort_flag);
+        else st_release_cta(&done[copy_id], c0 + 1);
+      }
+      __syncwarp();
     }
     const i64 todo = go == kGateCopy ? nchunks : 0;
     u64 seen = is_sender ? 0 : c0;  // sender: the last head read; receiver: the last tail read

@@ -18,7 +18,8 @@ from ._protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_BYTES,
                         DESC_NUM_RECV_PARTS, DESC_NUM_SEND_PARTS, DESC_NUM_SLOTS, DESC_OP, DESC_PEERS, DESC_RANK,
                         DESC_RECV_INDEX, DESC_RECV_PARTS, DESC_REGION_BYTES, DESC_RING_WARPS, DESC_ROW_ALIGN,
                         DESC_ROW_BYTES, DESC_SELF_WARPS, DESC_SEND_INDEX, DESC_SEND_PARTS, DESC_SEQ, DESC_SIG,
-                        DESC_TIMEOUT_NS, DESC_WORDS, DESC_WORLD_SIZE, MAX_PARTS, MAX_PEERS)
+                        DESC_TIMEOUT_NS, DESC_WORDS, DESC_WORLD_SIZE, MAX_PARTS, MAX_PEERS, DESC_DIRECT_ALLOC,
+                        DESC_DIRECT_OFFSET, DESC_SYM_TABLE)
 from .errors import (SymBufferAbortedError, SymBufferMismatchError, SymBufferRejectedError, SymBufferTimeoutError,
                      aborted_error, mismatch_error)
 from .layout import ChannelLayout
@@ -109,6 +110,13 @@ class CudaTransport:
         d[DESC_NUM_SLOTS], d[DESC_CHUNK_BYTES], d[DESC_TIMEOUT_NS] = layout.num_slots, layout.chunk_bytes, \
             int(self.timeout_ns)
         d[DESC_ABORT_OFFSET] = layout.abort_offset
+        #: the symmetric table (_protocol.SYM_TABLE_*): where every rank's block of each live symmetric allocation
+        #: is mapped in this process; the ring kernel's receivers look up a direct-mode sender's block in it
+        self.sym_table = _compat.cupy.zeros(P.SYM_TABLE_ROWS * P.SYM_TABLE_STRIDE, np.int64)
+        self._sym_rows = [None] * P.SYM_TABLE_ROWS  # allocation id per row
+        d[DESC_SYM_TABLE], d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = int(self.sym_table.data.ptr), -1, 0
+        #: calls this rank sent in direct mode (tests, stats)
+        self.direct_calls = 0
         #: (start, stop) CUDA events recorded around each ring-kernel launch when set (``bench --breakdown``)
         self.kernel_events = None
         self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
@@ -322,13 +330,43 @@ class CudaTransport:
         for base in self.buf.peer_ptrs:
             rt.memcpy(base + off, flag.ctypes.data, 8, rt.memcpyHostToDevice)
 
+    # ---- symmetric table ------------------------------------------------------------------------------------
+    def sym_register(self, alloc) -> bool:
+        """Enter symmetric allocation ``alloc`` (``SymmetricAllocation``) in the symmetric table; False when the
+        table is full (``SYM_TABLE_ROWS`` live allocations; the same on every rank, as allocation is collective):
+        then its sendbufs go through the rings. Synchronous (a row is written before any kernel can name it)."""
+        try:
+            row = self._sym_rows.index(None)
+        except ValueError:
+            return False
+        words = np.zeros(P.SYM_TABLE_STRIDE, np.int64)
+        words[0] = alloc.id + 1
+        words[1: 1 + self.world_size] = alloc.buffer.peer_ptrs
+        s = row * P.SYM_TABLE_STRIDE
+        self.sym_table[s: s + P.SYM_TABLE_STRIDE].set(words)
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        self._sym_rows[row] = alloc.id
+        return True
+
+    def sym_unregister(self, alloc) -> None:
+        """Clear ``alloc``'s row (after the device was synchronised: no queued kernel reads it)."""
+        if alloc.id in self._sym_rows:
+            row = self._sym_rows.index(alloc.id)
+            s = row * P.SYM_TABLE_STRIDE
+            self.sym_table[s: s + P.SYM_TABLE_STRIDE] = 0
+            self._sym_rows[row] = None
+        alloc.registered = False
+
     # ---- row exchange ---------------------------------------------------------------------------------------
-    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, counts: int = 0) -> list:
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf._plan.ExchangePlan`) in one kernel launch on the current
         stream: every (channel, peer) stream sends its call header and its chunks and receives the peer's.
 
         ``send_parts``: CuPy arrays ``[n, ...]`` whose rows (all axes after the first) are contiguous, any row
         stride; ``send_index``: int64 CuPy array ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
+        ``direct``: ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` (``Engine.direct_source``): the send part
+        lies in a registered symmetric allocation; every peer's kernel copies its share straight out of it
+        (MODE_DIRECT headers, no payload chunks) and this rank's kernel ends once every peer has.
         Returns once the kernel is queued, with ``[]``; with ``self.blocking`` once it ended, with the ranks that
         rejected the call. Raises an error an earlier kernel recorded, before anything else.
         """
@@ -357,6 +395,11 @@ class CudaTransport:
                 copies = (copies or []) + [index]
             d[DESC_SEND_INDEX] = index.data.ptr
         d[DESC_COUNTS] = counts  # a device counts table (device-count plans), else 0
+        if direct is not None and not launch.copy_send:
+            d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = direct[1].id, direct[2]
+            self.direct_calls += 1
+        else:
+            d[DESC_DIRECT_ALLOC] = -1
         stream = cp.cuda.get_current_stream()
         if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
             self.graph_keep.extend(copies)

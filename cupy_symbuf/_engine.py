@@ -238,13 +238,15 @@ class Engine:
             raise err
 
     def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table, *,
-                             row_stream: bool = True) -> None:
+                             row_stream: bool = True, direct=None) -> None:
         """Row exchange of a device-count call (GPU): like :meth:`exchange_rows`, the units to and from each peer
         read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`): rows
-        (``row_stream``) or bytes (one part without index: a byte stream, the table scaled by the row bytes)."""
+        (``row_stream``) or bytes (one part without index: a byte stream, the table scaled by the row bytes).
+        ``direct``: :meth:`direct_source` (a byte stream only)."""
         plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
                                  row_stream)
-        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op, int(table))
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
+                             direct if not row_stream else None, counts=int(table))
         self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)
@@ -290,31 +292,32 @@ class Engine:
     def direct_source(self, op: str, send_parts, send_index):
         """How this rank's peers can copy this call's rows straight out of its sendbuf, or None (the rings).
 
-        Host engine, one send part in row order (a byte stream), ``Config.mode`` other than ``"ring"``:
+        One send part in row order (a byte stream), ``Config.mode`` other than ``"ring"``:
         ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` when the part lies in a symmetric array
-        (``Communicator.empty``); else ``(MODE_CMA, pid, address)`` for a C-contiguous plain array of at least
-        ``CMA_MIN_BYTES`` per peer (any size with ``Config.mode="direct"``) when every rank can read every other's
-        memory by cross-memory attach (probed at construction). Either way one copy
-        per byte, and the call returns once every peer has copied. ``Config.mode="direct"`` makes a call that
-        cannot go direct a ``ValueError`` (a rejection; the peers are told) instead of a fallback to the rings."""
+        (``Communicator.empty``; GPU: one of the first ``SYM_TABLE_ROWS`` live ones); else, host engine only,
+        ``(MODE_CMA, pid, address)`` for a C-contiguous plain array of at least ``CMA_MIN_BYTES`` per peer (any
+        size with ``Config.mode="direct"``) when every rank can read every other's memory by cross-memory attach
+        (probed at construction). Either way one copy per byte, and the call returns (GPU: its kernel ends) once
+        every peer has copied. ``Config.mode="direct"`` makes a call that cannot go direct a ``ValueError`` (a
+        rejection; the peers are told) instead of a fallback to the rings."""
         mode = self.config.mode
         if mode == "ring":
             return None
         found = None
-        if self.backend == "host" and send_index is None and len(send_parts) == 1:
+        if send_index is None and len(send_parts) == 1:
             x = send_parts[0]
             sym = self.owner._heap.find(x)
-            if sym is not None:
+            if sym is not None and (self.backend == "host" or sym[0].registered):
                 found = (P.MODE_DIRECT,) + sym
-            elif self.transport.cma_pids is not None and x.flags.c_contiguous and \
+            elif self.backend == "host" and self.transport.cma_pids is not None and x.flags.c_contiguous and \
                     (mode == "direct" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
                 found = (P.MODE_CMA, self.transport.cma_pids[self.rank], x.__array_interface__["data"][0])
-        if found is None and mode == "direct" and (self.backend != "host" or
-                                                    sum(a.nbytes for a in send_parts) > 0):
-            why = ("the GPU path has no direct mode yet" if self.backend != "host" else
-                   "its rows are gathered through an index" if send_index is not None or len(send_parts) != 1
-                   else "sendbuf is not a C-contiguous symmetric array of this communicator (Communicator.empty), "
-                        "and cross-memory attach is not available between these ranks")
+        if found is None and mode == "direct" and sum(a.nbytes for a in send_parts) > 0:
+            why = ("its rows are gathered through an index" if send_index is not None or len(send_parts) != 1
+                   else "sendbuf is not a C-contiguous symmetric array of this communicator (Communicator.empty)" +
+                   (", and cross-memory attach is not available between these ranks" if self.backend == "host" else
+                    f" among the first {P.SYM_TABLE_ROWS} live ones (the GPU path reads plain arrays only through "
+                    f"the rings)"))
             raise ValueError(f"{op}: Config.mode='direct' but this call cannot move its rows directly: {why}")
         return found
 

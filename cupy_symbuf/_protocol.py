@@ -49,13 +49,15 @@ STATE_SEQ = 1
 
 #: Call header words (int64) at the start of the header slot.
 HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RANK, HDR_CHANNEL = range(9)
-#: Direct modes (host engine): HDR_MODE says how the rows travel. MODE_RING: payload chunks follow in the ring.
+#: Direct modes: HDR_MODE says how the rows travel. MODE_RING: payload chunks follow in the ring.
 #: MODE_DIRECT: none follow; the receiver copies the stream straight out of the sender's symmetric array, then
 #: releases ``head`` past the header; the sender returns once every peer did. HDR_DIRECT_ALLOC / HDR_DIRECT_OFFSET:
 #: which symmetric allocation (``Communicator.empty``; ids agreed, allocation is collective) and the byte offset
 #: in it where the stream to this receiver starts. MODE_CMA: the same with a plain array, read by cross-memory
 #: attach (``process_vm_readv``): HDR_DIRECT_ALLOC is the sender's pid, HDR_DIRECT_OFFSET the stream's address
-#: there. The GPU kernels write and read only the words above (always ring mode).
+#: there (host engine only). The GPU kernels send MODE_RING or MODE_DIRECT (a byte stream out of a symmetric array:
+#: the receiver's kernel finds the sender's block of allocation HDR_DIRECT_ALLOC in its symmetric table,
+#: ``DESC_SYM_TABLE``) and receive both.
 HDR_MODE, HDR_DIRECT_ALLOC, HDR_DIRECT_OFFSET = 9, 10, 11
 MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
 #: A plain sendbuf goes MODE_CMA from this many bytes per peer (on average) up: below it the rings measured as fast
@@ -64,7 +66,7 @@ MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
 CMA_MIN_BYTES = 256 * 1024
 HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
 #: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 HDR_MAGIC_VALUE = (0x53594D42 << 32) | PROTOCOL_VERSION
 HDR_OK = 0
 HDR_REJECTED = 1
@@ -115,7 +117,7 @@ MAX_PEERS = 32
 DESC_RANK, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS, \
     DESC_CHUNK_BYTES, DESC_TIMEOUT_NS, DESC_ROW_BYTES, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, \
     DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS, DESC_RING_WARPS, DESC_SELF_WARPS, DESC_OP, DESC_SIG, DESC_FLAGS, \
-    DESC_ABORT_OFFSET, DESC_COUNTS = range(21)
+    DESC_ABORT_OFFSET, DESC_COUNTS, DESC_DIRECT_ALLOC, DESC_DIRECT_OFFSET, DESC_SYM_TABLE = range(24)
 DESC_SEND_PARTS = 24                       # MAX_PARTS x {base, stride, width, offset in row}
 DESC_RECV_PARTS = DESC_SEND_PARTS + 4 * MAX_PARTS
 DESC_PEERS = DESC_RECV_PARTS + 4 * MAX_PARTS   # [4][world_size]: send offset, send units, recv offset, recv units
@@ -129,6 +131,13 @@ DESC_WORDS = DESC_SEQ + 1
 CT_SKIP, CT_RECV_TOTAL = 0, 1
 CT_PEERS = 8
 CT_WORDS = CT_PEERS + 4 * MAX_PEERS
+#: Direct mode on the GPU: DESC_DIRECT_ALLOC = the id of the symmetric allocation this rank's sendbuf lies in (-1:
+#: ring mode), DESC_DIRECT_OFFSET = the sendbuf's byte offset in it (per call). DESC_SYM_TABLE = device address of
+#: this rank's symmetric table: SYM_TABLE_ROWS rows of SYM_TABLE_STRIDE int64 words, [id + 1 (0: free row),
+#: address of rank r's block of that allocation in this process, r = 0 .. world_size - 1]; written by the host
+#: when an allocation is made or freed (no kernel is queued then that reads the row).
+SYM_TABLE_ROWS = 64
+SYM_TABLE_STRIDE = 1 + MAX_PEERS
 #: DESC_FLAGS bits.
 FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
 

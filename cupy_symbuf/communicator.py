@@ -109,9 +109,6 @@ class Communicator:
                 if backend == "cuda" and config.trace:
                     raise ValueError("Communicator: Config.trace is not available on the GPU path yet (the kernels "
                                      "do not record); use it with backend='host'")
-                if backend == "cuda" and config.mode == "direct":  # told to every rank before anything is allocated
-                    raise ValueError("Communicator: Config.mode='direct' is not available on the GPU path yet (its "
-                                     "collectives move rows through the rings; use mode='auto' or 'ring')")
                 config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu)
                 self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
                                               world_size=world_size)
@@ -657,6 +654,7 @@ class Communicator:
         _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
             1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
         rb = part_width(x)
+        direct = eng.direct_source(op, [x], None)
         recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
             check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))  # before the notify
         scale = rb or 1  # rows of 0 bytes: the table counts rows (nothing moves), so the counts still come back
@@ -664,7 +662,7 @@ class Communicator:
         eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
                           local_reject=bad, scale=scale, capacity=cap, worst=True)
         if rb:
-            eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False)
+            eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False, direct=direct)
         got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // scale
         return recv, got
 

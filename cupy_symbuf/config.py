@@ -102,13 +102,14 @@ class Config:
         (if peers never come it leaves the buffer allocated and raises), for callers who recover themselves.
         Default from the environment variable ``CUPY_SYMBUF_ABORT_ON_FAILURE`` ("0"/"false" turn it off), else on.
     mode : {"auto", "ring", "direct"}
-        How this rank sends rows. ``"auto"`` (default), host backend: the receivers of an ``alltoall`` /
-        ``alltoallv`` copy its rows straight out of its ``sendbuf``, one copy per byte, when that is a symmetric
-        array (:meth:`Communicator.empty`) or, for a C-contiguous plain array, when every rank can read every
-        other's memory by cross-memory attach (Linux ``process_vm_readv``, as MPICH and Open MPI do; probed at
-        construction; ``CUPY_SYMBUF_CMA=0`` turns it off); else, and always on the GPU path for now, through the rings (two copies per off-rank
-        byte). ``"ring"``: always the rings. ``"direct"``: an ``alltoall`` /
-        ``alltoallv`` that cannot go direct raises ``ValueError`` instead (not available on the GPU path yet).
+        How this rank sends rows. ``"auto"`` (default): the receivers of an ``alltoall`` / ``alltoallv`` copy its
+        rows straight out of its ``sendbuf``, one copy per byte, when that is a symmetric array
+        (:meth:`Communicator.empty`; both backends: on the GPU each receiver's kernel reads the sender's block
+        through its CUDA IPC mapping) or, host backend only, for a C-contiguous plain array, when every rank can
+        read every other's memory by cross-memory attach (Linux ``process_vm_readv``, as MPICH and Open MPI do;
+        probed at construction; ``CUPY_SYMBUF_CMA=0`` turns it off); else through the rings (two copies per
+        off-rank byte). ``"ring"``: always the rings. ``"direct"``: an ``alltoall`` / ``alltoallv`` that cannot
+        go direct raises ``ValueError`` instead.
         MoE ``dispatch`` / ``combine`` gather their rows through an index and always use the rings. The mode is the
         sender's and travels in each call header, so ranks may differ (local policy).
     trace : bool

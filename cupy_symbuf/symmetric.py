@@ -46,7 +46,7 @@ class SymmetricAllocation:
         Address of this rank's block in this process.
     """
 
-    __slots__ = ("id", "shape", "dtype", "nbytes", "buffer", "base", "array", "root")
+    __slots__ = ("id", "shape", "dtype", "nbytes", "buffer", "base", "array", "root", "registered")
 
     def __init__(self, id_: int, shape: tuple, dtype: np.dtype, nbytes: int, buffer: SymBuffer, array):
         self.id, self.shape, self.dtype, self.buffer = id_, shape, dtype, buffer
@@ -54,6 +54,7 @@ class SymmetricAllocation:
         self.array = array
         self.root = _root(array)
         self.base = _address(array)
+        self.registered = False  # GPU: entered in the transport's symmetric table (direct mode possible)
 
     def peer_bytes(self, rank: int) -> np.ndarray:
         """(host) ``uint8 [nbytes]`` view of ``rank``'s block."""
@@ -154,6 +155,8 @@ class SymmetricHeap:
             buf.close()
             raise
         alloc = SymmetricAllocation(self._next_id, shape, dtype, nbytes, buf, array)
+        if owner.backend == "cuda":  # the kernels find its peers' blocks in the symmetric table (direct mode)
+            alloc.registered = owner._transport.sym_register(alloc)
         logger.debug("%s: symmetric allocation %d, shape %s dtype %s, %d B per rank", op, alloc.id, shape, dtype,
                      nbytes)
         self._next_id += 1
@@ -177,6 +180,8 @@ class SymmetricHeap:
         if owner.backend == "cuda":
             _compat.cupy.cuda.runtime.deviceSynchronize()  # queued collectives may still read or write it
         self.allocations.remove(alloc)
+        if owner.backend == "cuda":
+            owner._transport.sym_unregister(alloc)
         alloc.buffer.close()
 
     def close(self) -> None:

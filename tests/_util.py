@@ -73,7 +73,7 @@ def all_ranks(check) -> None:
 class SymmetricSend:
     """A :class:`~cupy_symbuf.Communicator` whose ``alltoall`` / ``alltoallv`` first copy a valid ``sendbuf`` into a
     symmetric array (one staging allocation of the largest sendbuf over the ranks, grown collectively), so the
-    whole alltoall suite runs in direct mode too (host: the receivers copy straight out of it; GPU: the rings).
+    whole alltoall suite runs in direct mode too (both backends: the receivers copy straight out of it).
     Anything that is not a NumPy / CuPy array passes through unchanged, so the bad-input tests see what they sent.
     ``direct_sends`` counts the calls made with a symmetric sendbuf."""
 

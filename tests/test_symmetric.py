@@ -344,3 +344,163 @@ def test_reader_never_returns_rows_of_a_sender_that_failed(comm, monkeypatch):
             c.close()
         except cs.SymBufferError:
             pass
+
+
+# ---- GPU direct mode (the ring kernel's receivers copy straight out of the sender's symmetric block) ----------------
+def _cuda_comm(comm, config=None):
+    from conftest import available_backends
+    if "cuda" not in available_backends():
+        pytest.skip("needs a GPU")
+    from cupy_symbuf.utils import select_device
+    select_device(comm)
+    return cs.Communicator(comm, config or cs.Config(), backend="cuda")
+
+
+def test_gpu_direct_alltoall_matches_numpy(comm):
+    """GPU: a symmetric sendbuf goes direct (MODE_DIRECT headers, no ring payload), at a nonzero offset inside its
+    allocation, sizes that cut into channels unevenly, out= poisoned first; exact against NumPy; a plain sendbuf
+    of the same shape still goes through the rings."""
+    import cupy as cp
+    c = _cuda_comm(comm)
+    try:
+        W = comm.size
+        rng = rng_for(comm, 11)
+        for row in (37, 4096, 1 << 18):  # bytes per peer: odd rows, one 4 KiB row, 256 KiB (every channel)
+            big = c.empty((W + 3, row), np.uint8)
+            out = c.empty((W, row), np.uint8)
+            before = c._transport.direct_calls
+            for trial in range(3):
+                x = random_rows(rng, W, (row,), np.uint8)
+                big[2: 2 + W] = cp.asarray(x)
+                out[...] = 0xEE
+                y = c.alltoall(big[2: 2 + W], out=out)
+                assert y is out
+                np.testing.assert_array_equal(cp.asnumpy(y), _a2a_reference(comm, x))
+            assert c._transport.direct_calls == before + 3
+            plain = random_rows(rng, W, (row,), np.uint8)
+            np.testing.assert_array_equal(cp.asnumpy(c.alltoall(cp.asarray(plain))), _a2a_reference(comm, plain))
+            assert c._transport.direct_calls == before + 3  # the plain call went through the rings
+            c.free(big)
+            c.free(out)
+        c.synchronize()
+    finally:
+        c.close()
+
+
+def test_gpu_direct_alltoallv_host_and_device_counts(comm):
+    """GPU direct mode with uneven counts (zeros included), counts exchanged on the host and on the device
+    (recv_capacity): exact against NumPy, nothing written past the rows received."""
+    import cupy as cp
+    c = _cuda_comm(comm)
+    try:
+        W = comm.size
+        rng = rng_for(comm, 12)
+        buf = c.empty(300 * W * 24, np.uint8)
+        for trial in range(4):
+            counts = rng.integers(0, 300, W)
+            counts[(comm.rank + trial) % W] = 0
+            send = random_rows(rng, int(counts.sum()), (24,), np.uint8)
+            x = buf[: send.nbytes].reshape(send.shape)
+            x[...] = cp.asarray(send)
+            expected, expected_counts = reference_alltoallv(comm, send, counts)
+            got, got_counts = c.alltoallv(x, counts)
+            np.testing.assert_array_equal(np.asarray(got_counts), expected_counts)
+            np.testing.assert_array_equal(cp.asnumpy(got), expected)
+            cap = 300 * W
+            out = cp.full((cap, 24), 0xEE, np.uint8)
+            got2, n = c.alltoallv(x, cp.asarray(counts), recv_capacity=cap, out=out)
+            total = int(cp.asnumpy(n).sum())
+            np.testing.assert_array_equal(cp.asnumpy(n), expected_counts)
+            np.testing.assert_array_equal(cp.asnumpy(got2[:total]), expected)
+            assert bool((got2[total:] == 0xEE).all())
+        assert c._transport.direct_calls == 8 or W == 1
+    finally:
+        c.close()
+
+
+def test_gpu_direct_sender_overwrites_at_once(comm):
+    """GPU: the sender's kernel ends only once every peer has copied its rows out, so a write to the sendbuf queued
+    right after the call (same stream) never changes what the peers receive; mixed with ring calls on the same
+    rings; repeated (a result that changed between runs would be a race)."""
+    import cupy as cp
+    c = _cuda_comm(comm)
+    try:
+        W = comm.size
+        rng = rng_for(comm, 13)
+        x = c.empty((W, 1 << 20), np.uint8)  # 1 MiB per peer
+        for trial in range(6):
+            data = random_rows(rng, W, (1 << 20,), np.uint8)
+            x[...] = cp.asarray(data)
+            y = c.alltoall(x)
+            x[...] = 0xAB                      # queued at once after the call
+            z = c.alltoall(cp.asarray(data))   # a ring call after a direct one
+            ref = _a2a_reference(comm, data)
+            all_ranks(lambda: (np.testing.assert_array_equal(cp.asnumpy(y), ref),
+                               np.testing.assert_array_equal(cp.asnumpy(z), ref)))
+    finally:
+        c.close()
+
+
+def test_gpu_mixed_plain_and_symmetric_senders(comm):
+    """The mode is the sender's (its call header): rank 0 sends from a symmetric array, the others from plain
+    arrays; every rank receives exactly what NumPy says."""
+    import cupy as cp
+    c = _cuda_comm(comm)
+    try:
+        W = comm.size
+        x = random_rows(rng_for(comm, 14), W, (4099,), np.uint8)
+        sym = c.array(cp.asarray(x))
+        y = c.alltoall(sym if comm.rank == 0 else cp.asarray(x))
+        np.testing.assert_array_equal(cp.asnumpy(y), _a2a_reference(comm, x))
+        assert c._transport.direct_calls == (1 if comm.rank == 0 else 0)
+    finally:
+        c.close()
+
+
+def test_gpu_config_mode_ring_and_direct(comm):
+    import cupy as cp
+    W = comm.size
+    x = random_rows(rng_for(comm, 15), W, (8,), np.int32)
+    with _cuda_comm(comm, cs.Config(mode="ring")) as c:
+        np.testing.assert_array_equal(cp.asnumpy(c.alltoall(c.array(cp.asarray(x)))), _a2a_reference(comm, x))
+        assert c._transport.direct_calls == 0
+    with _cuda_comm(comm, cs.Config(mode="direct")) as c:
+        sym = c.array(cp.asarray(x))
+        np.testing.assert_array_equal(cp.asnumpy(c.alltoall(sym)), _a2a_reference(comm, x))
+        if W > 1:  # a plain sendbuf on rank 0 only: rank 0 raises naming the mode, the peers are told
+            with pytest.raises(ValueError) as info:
+                c.alltoall(cp.asarray(x) if comm.rank == 0 else sym)
+            if comm.rank == 0:
+                assert "Config.mode='direct'" in str(info.value)
+            else:
+                assert isinstance(info.value, cs.SymBufferRejectedError)
+        np.testing.assert_array_equal(cp.asnumpy(c.alltoall(sym)), _a2a_reference(comm, x))  # still usable
+        # an allocation outside the symmetric table goes through the rings (auto), or is refused (direct)
+        alloc = c._heap.find(sym)[0]
+        c._transport.sym_unregister(alloc)
+        with pytest.raises(ValueError, match="SYM_TABLE_ROWS|first 64 live"):
+            c.alltoall(sym)
+
+
+def test_gpu_direct_header_naming_an_unknown_allocation_fails_everywhere(comm):
+    """A direct-mode header whose allocation the receiver cannot find (here: rank 1 forgot its table row) is a
+    fatal mismatch naming the transfer mode on the receiving rank, and every rank raises: never wrong data."""
+    import cupy as cp
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = _cuda_comm(comm, cs.Config(timeout_s=10))
+    try:
+        x = random_rows(rng_for(comm, 16), comm.size, (64,), np.uint8)
+        sym = c.array(cp.asarray(x))
+        if comm.rank == 1:
+            c._transport.sym_unregister(c._heap.find(sym)[0])
+        with pytest.raises(cs.SymBufferError) as info:
+            c.alltoall(sym if comm.rank == 0 else cp.asarray(x))
+            c.synchronize()
+        if comm.rank == 1:
+            assert "transfer mode" in str(info.value)
+    finally:
+        try:
+            c.close()
+        except cs.SymBufferError:
+            pass

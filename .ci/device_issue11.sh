@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 11 on one H200 (one device call): the direct-mode and alltoall tests on 1 rank, the whole suite at 2 ranks
+# under MPS, the direct-mode tests at 4 ranks, then the alltoall bench (plain / out= / symmetric, share of the copy
+# rate measured in the same run) at 2, 4 and 8 ranks under MPS.
+# Usage: bash .ci/device_issue11.sh [stage...]   stages: quick suite2 quick4 bench (default: all four)
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+STAGES=${*:-quick suite2 quick4 bench}
+mps_on() { nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started"; }
+mps_off() { echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; }
+QUICK=${QUICK:-"tests/test_symmetric.py tests/test_alltoall.py tests/test_kernels_compile.py"}
+PYTEST="python3 -m pytest -q --color=no -p no:cacheprovider --timeout=${TEST_TIMEOUT:-90}"
+show() { grep -E "passed|failed|^E |FAILED|Error|rror:" "$1" | head -${2:-20}; }
+for stage in $STAGES; do
+  t0=$SECONDS
+  case $stage in
+    quick)
+      timeout ${QUICK_LIMIT:-120} $PYTEST -x $QUICK > $LOG/quick1.log 2>&1
+      echo "== [quick 1 rank] rc=$? $((SECONDS - t0)) s"; show $LOG/quick1.log ;;
+    suite2)
+      mps_on
+      timeout ${SUITE_LIMIT:-240} $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 $PYTEST ${SUITE_ARGS:-tests} > $LOG/suite2.log 2>&1
+      echo "== [suite 2 ranks MPS] rc=$? $((SECONDS - t0)) s"; show $LOG/suite2.log 30
+      mps_off ;;
+    quick4)
+      mps_on
+      timeout ${QUICK_LIMIT:-120} $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 $PYTEST -x $QUICK > $LOG/quick4.log 2>&1
+      echo "== [quick 4 ranks MPS] rc=$? $((SECONDS - t0)) s"; show $LOG/quick4.log
+      mps_off ;;
+    bench)
+      mps_on
+      for n in ${BENCH_RANKS:-2 4 8}; do
+        t1=$SECONDS
+        timeout ${BENCH_LIMIT:-90} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench \
+          --sizes ${BENCH_SIZES:-16M,128M} --iters ${ITERS:-20} --warmup 3 ${BENCH_ARGS:-} > $LOG/bench_$n.log 2>&1
+        echo "== [bench $n ranks MPS] rc=$? $((SECONDS - t1)) s"; grep -vE "^$" $LOG/bench_$n.log | tail -16
+      done
+      mps_off ;;
+  esac
+done
