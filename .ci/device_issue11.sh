@@ -2,7 +2,8 @@
 # Issue 11 on one H200 (one device call): the direct-mode and alltoall tests on 1 rank, the whole suite at 2 ranks
 # under MPS, the direct-mode tests at 4 ranks, then the alltoall bench (plain / out= / symmetric, share of the copy
 # rate measured in the same run) at 2, 4 and 8 ranks under MPS.
-# Usage: bash .ci/device_issue11.sh [stage...]   stages: quick suite2 quick4 bench (default: all four)
+# Usage: bash .ci/device_issue11.sh [stage...]   stages: quick suite2 quickN (N ranks) bench sms
+# (default: quick suite2 quick4 bench)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 STAGES=${*:-quick suite2 quick4 bench}
@@ -22,10 +23,19 @@ for stage in $STAGES; do
       timeout ${SUITE_LIMIT:-240} $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 $PYTEST ${SUITE_ARGS:-tests} > $LOG/suite2.log 2>&1
       echo "== [suite 2 ranks MPS] rc=$? $((SECONDS - t0)) s"; show $LOG/suite2.log 30
       mps_off ;;
-    quick4)
+    quick[0-9])  # quickN: the quick tests at N ranks under MPS
+      n=${stage#quick}
       mps_on
-      timeout ${QUICK_LIMIT:-120} $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 $PYTEST -x $QUICK > $LOG/quick4.log 2>&1
-      echo "== [quick 4 ranks MPS] rc=$? $((SECONDS - t0)) s"; show $LOG/quick4.log
+      timeout ${QUICK_LIMIT:-120} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 $PYTEST -x $QUICK > $LOG/$stage.log 2>&1
+      echo "== [quick $n ranks MPS] rc=$? $((SECONDS - t0)) s"; show $LOG/$stage.log
+      mps_off ;;
+    sms)  # symmetric vs plain at 2 ranks with more SMs (channels)
+      mps_on
+      for sms in ${SMS:-48 64}; do
+        timeout ${BENCH_LIMIT:-90} $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --no-reference \
+          --sizes ${BENCH_SIZES:-16M,128M} --iters ${ITERS:-20} --warmup 3 --num-sms $sms --timing loop > $LOG/sms_$sms.log 2>&1
+        echo "== [bench 2 ranks --num-sms $sms] rc=$?"; grep -vE "^$" $LOG/sms_$sms.log | grep -v sizes | tail -12
+      done
       mps_off ;;
     bench)
       mps_on

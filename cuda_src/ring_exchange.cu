@@ -110,16 +110,34 @@ __host__ __device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chu
 // st.release.sys, cumulative over those loads, so the sender (which waits for it before its kernel ends) never
 // lets its stream overwrite rows still being read. Then this rank's abort word: a sender whose wait for us failed
 // has left (and its stream may reuse the rows), so what we copied is not trusted: ERR_ABORTED.
+// With helpers (num_help > 0: this rank's sender group copies the last slices, STATE_HELP_*), also wait until each
+// released STATE_HELP_DONE + k = seq in our state line (bounded: they wait for nothing once they have the address).
 __device__ __noinline__ void direct_done(u64* head_line, const u64* done, int num_copy, u64 c0, const WaitCtx* ctx,
-                                         int peer, volatile int* abort_flag) {
+                                         int peer, volatile int* abort_flag, const u64* state, int num_help, u64 seq) {
   for (int i = 0; i < num_copy; ++i)
     while (ld_acquire_cta(&done[i]) < c0 + 1) {  // copy warps never wait: bounded by their copy
     }
+  for (int k = 0; k < num_help; ++k) {
+    SpinBudget spin(ctx);
+    while (ld_acquire_sys_global(state + STATE_HELP_DONE + k) != seq) {
+      if (*abort_flag || !spin.ok(ROLE_RECV, peer, c0, seq)) {
+        *abort_flag = 1;
+        return;
+      }
+    }
+  }
   publish_head(head_line, c0);
   if (poll_abort(*ctx)) {
     report_aborted(*ctx, ROLE_RECV, peer, static_cast<i64>(c0), static_cast<i64>(c0));
     *abort_flag = 1;
   }
+}
+
+// One warp's slice k of `total` of an n-byte direct copy (16-byte aligned cuts; the last slice takes the rest).
+__device__ __forceinline__ void direct_slice(u8* dst, const u8* src, i64 n, int k, int total, int lane) {
+  const i64 a = n * k / total / 16 * 16;
+  const i64 b = k == total - 1 ? n : n * (k + 1) / total / 16 * 16;
+  if (b > a) copy_bytes<true>(dst + a, src + a, b - a, lane);
 }
 
 // Verdict of a receiver group's publisher on the call header, for its copy warps (a shared word per group).
@@ -389,12 +407,17 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   const int copy_id = solo ? 0 : warp_in_group - 1;
   // MODE_DIRECT (this rank's sendbuf lies in symmetric allocation DESC_DIRECT_ALLOC, a byte stream): the sender
   // sends the call header alone, saying where the stream lies; the receiver copies its share out of our block
-  const bool direct_send = is_sender && moves && s_desc[DESC_DIRECT_ALLOC] >= 0;
+  const bool my_send_direct = moves && s_desc[DESC_DIRECT_ALLOC] >= 0;
+  const bool direct_send = is_sender && my_send_direct;
   const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
   const i64 nchunks = hi > lo && !direct_send ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
   const u64 first = state[STATE_COUNTER];  // the call header's counter
   const u64 call_seq = state[STATE_SEQ] + 1;
   const u64 c0 = first + 1;                // payload chunk k has counter c0 + k
+  // GPU direct mode with our own sendbuf direct too: our sender group's copy warps have nothing to send and help
+  // our receiver group copy the peer's stream (STATE_HELP_*); both groups compute the same count. Not for a group
+  // of one warp (it is its own leader, which waits for head).
+  const int num_help = my_send_direct && !solo ? min(num_copy, static_cast<int>(MAX_HELPERS)) : 0;
   u64 end = c0 + static_cast<u64>(nchunks);  // after this call's last slot (a draining receiver: from the header)
   u64* done = &s_done[first_warp + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
   volatile int* abort_flag = &s_abort[peer];
@@ -413,6 +436,10 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
                        first, static_cast<u64>(num_slots), chunk_bytes, L.region_bytes, row_bytes, peer, role,
                        is_sender, reject};
     verdict = call_header_step(h, end);
+    if (!is_sender && my_send_direct && !solo) {  // tell our sender group's helpers (STATE_HELP_*) what to copy
+      state[STATE_HELP_SRC] = verdict == kGateDirect ? s_src[peer] : 0ull;
+      st_release_sys_global(state + STATE_HELP_SEQ, call_seq);
+    }
   }
 
   if (copy_id < 0) {  // the publisher (lane 0 of warp 0); a receiver hands each slot back as soon as it is read
@@ -420,7 +447,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       publish_runs(remote_counter, done, num_copy, c0, end, SYMBUF_HEADER_FOLD && nchunks > 0 ? first : c0,
                    is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag, &s_ctx, role, peer);
     else if (lane == 0 && verdict == kGateDirect)
-      direct_done(remote_counter, done, num_copy, c0, &s_ctx, peer, abort_flag);
+      direct_done(remote_counter, done, num_copy, c0, &s_ctx, peer, abort_flag, state, num_help, call_seq);
     __syncwarp();
   } else {
     // A receiver's copy warps touch no payload slot before the publisher verified the call header (its
@@ -436,16 +463,42 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       go = __shfl_sync(0xffffffffu, go, 0);
     }
     if (go == kGateDirect) {  // our share [lo, hi) of the stream, straight out of the sender's block: one slice
-      // per copy warp (16-byte aligned cuts), then the hand-off: done mark, or (one warp) head itself
+      // per copy warp (16-byte aligned cuts; the last num_help slices are the helpers'), then the hand-off: done
+      // mark, or (one warp) head itself
       const u8* src = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, lane == 0 ? s_src[peer] : 0ull, 0));
-      const i64 n = hi - lo;
-      const i64 a = n * copy_id / num_copy / 16 * 16;
-      const i64 b = copy_id == num_copy - 1 ? n : n * (copy_id + 1) / num_copy / 16 * 16;
-      if (b > a) copy_bytes<true>(recv.at(0, lo) + a, src + lo + a, b - a, lane);
+      direct_slice(recv.at(0, lo), src + lo, hi - lo, copy_id, num_copy + num_help, lane);
       __syncwarp();  // every lane's loads precede lane 0's hand-off
       if (lane == 0) {
-        if (solo) direct_done(remote_counter, nullptr, 0, c0, &s_ctx, peer, abort_flag);
+        if (solo) direct_done(remote_counter, nullptr, 0, c0, &s_ctx, peer, abort_flag, state, 0, call_seq);
         else st_release_cta(&done[copy_id], c0 + 1);
+      }
+      __syncwarp();
+    }
+    if (direct_send && copy_id < num_help) {  // a helper: our own rows go direct, so we have none to copy
+      // wait for our receiver's leader to say where the peer's stream lies (STATE_HELP_SEQ == this call), copy
+      // slice num_copy + copy_id of the share, release STATE_HELP_DONE + copy_id (cumulative over the loads)
+      u64* rstate = reinterpret_cast<u64*>(local_region + RECV_STATE_OFFSET);
+      u64 src = 0;
+      if (lane == 0) {
+        SpinBudget spin(&s_ctx);
+        while (ld_acquire_sys_global(rstate + STATE_HELP_SEQ) != call_seq) {
+          if (*abort_flag || !spin.ok(ROLE_SEND, peer, call_seq, 0)) {
+            *abort_flag = 1;
+            break;
+          }
+        }
+        if (!*abort_flag) src = ld_volatile_global(reinterpret_cast<const i64*>(rstate + STATE_HELP_SRC));
+      }
+      src = __shfl_sync(0xffffffffu, src, 0);
+      if (src != 0) {
+        // the receive side's row stream from this peer: the same cut as the receiver group's
+        const i64 rn = peers[3 * world_size + peer];
+        i64 rlo = 0, rhi = 0;
+        channel_range(rn, channel, num_channels, align, rlo, rhi);
+        direct_slice(recv.at(0, rlo), reinterpret_cast<const u8*>(src) + rlo, rhi - rlo, num_copy + copy_id,
+                     num_copy + num_help, lane);
+        __syncwarp();
+        if (lane == 0) st_release_sys_global(rstate + STATE_HELP_DONE + copy_id, call_seq);
       }
       __syncwarp();
     }

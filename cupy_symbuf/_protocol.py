@@ -46,6 +46,14 @@ RING_OFFSET = 4 * LINE_BYTES
 #: Words of a state line.
 STATE_COUNTER = 0
 STATE_SEQ = 1
+#: GPU direct mode, the receiver's state line (RECV_STATE_OFFSET) of (channel, peer) when this rank's own sendbuf
+#: also goes direct (its sender group then has no payload to copy and helps receive): the receiver's leader
+#: stores STATE_HELP_SRC = where the peer's stream lies (0: not direct, nothing to help with), then releases
+#: STATE_HELP_SEQ = the call's sequence number; up to MAX_HELPERS copy warps of the sender group copy the last
+#: slices of the share and each releases STATE_HELP_DONE + k = the sequence number; the receiver hands the header
+#: slot back (head) only after all of them.
+STATE_HELP_SRC, STATE_HELP_SEQ, STATE_HELP_DONE = 2, 3, 4
+MAX_HELPERS = 12
 
 #: Call header words (int64) at the start of the header slot.
 HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RANK, HDR_CHANNEL = range(9)

@@ -467,9 +467,11 @@ def test_gpu_config_mode_ring_and_direct(comm):
     with _cuda_comm(comm, cs.Config(mode="direct")) as c:
         sym = c.array(cp.asarray(x))
         np.testing.assert_array_equal(cp.asnumpy(c.alltoall(sym)), _a2a_reference(comm, x))
-        if W > 1:  # a plain sendbuf on rank 0 only: rank 0 raises naming the mode, the peers are told
+        if W > 1:  # a plain sendbuf on rank 0 only: rank 0 raises naming the mode, the peers are told (their
+            # queued calls report the rejection from synchronize)
             with pytest.raises(ValueError) as info:
                 c.alltoall(cp.asarray(x) if comm.rank == 0 else sym)
+                c.synchronize()
             if comm.rank == 0:
                 assert "Config.mode='direct'" in str(info.value)
             else:
