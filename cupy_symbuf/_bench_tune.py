@@ -4,10 +4,10 @@ mode per message size, print the table and write the best layout as this device 
 
 Method: ``--tune-rounds`` rounds; in each, every candidate layout gets a fresh Communicator, one exact exchange per
 size checked against the NumPy reference, then loop timing (``_Timer.time_loop``, max over ranks) of
-``alltoall(x, out=out)`` with plain arrays and, on the host, of symmetric arrays (direct mode). The median over the
-rounds is kept (the shared CI machine is noisy). The default is the layout whose plain-array time, relative to the
-best layout at each size, has the smallest geometric mean over the sizes: one layout serves every message size, as
-the buffer is carved once per Communicator.
+``alltoall(x, out=out)`` with plain arrays and with symmetric arrays (direct mode). The median over the rounds is
+kept (the shared CI machine is noisy). The default is the layout whose time, relative to the best layout at each
+size and kind of array, has the smallest geometric mean over them: one layout serves every message size, as the
+buffer is carved once per Communicator.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def candidates(backend: str, ranks_per_gpu: int = 1, sm_count: int = 132) -> lis
     if backend == "host":
         return [dict(num_sms=s, chunk_bytes=c) for s in (2, 4) for c in (64 << 10, 256 << 10, 1 << 20)]
     share = max(2, sm_count // max(1, ranks_per_gpu) // 2 * 2)
-    sms = sorted({min(s, share) for s in (8, 16, 24, 32)})
-    return [dict(num_sms=s, chunk_bytes=c) for s in sms for c in (32 << 10, 64 << 10, 128 << 10)]
+    sms = sorted({min(s, share) for s in (16, 24, 32, 48, 64)})
+    return [dict(num_sms=s, chunk_bytes=c) for s in sms for c in (64 << 10, 128 << 10)]
 
 
 def run(comm, timer, args, backend: str, xp) -> int:
@@ -50,7 +50,7 @@ def run(comm, timer, args, backend: str, xp) -> int:
     key = tuning.table_key(probe.backend, W, name, ranks_per_gpu)
     probe.close()
     cands = candidates(backend, ranks_per_gpu, sm_count)
-    sends = ("out", "sym") if backend == "host" else ("out",)
+    sends = ("out", "sym")  # plain arrays (rings) and symmetric ones (direct mode), both backends
     times = {}  # (candidate index, send, size) -> [seconds per call, one per round]
     slots = {}  # candidate index -> the num_slots its Communicator resolved
     for rnd in range(args.tune_rounds):
@@ -81,12 +81,14 @@ def run(comm, timer, args, backend: str, xp) -> int:
             finally:
                 c.close()
     med = {k: float(np.median(v)) for k, v in times.items()}
-    best = {s: min(med[(i, "out", s)] for i in range(len(cands))) for s in sizes}
-    score = [math.exp(np.mean([math.log(med[(i, "out", s)] / best[s]) for s in sizes])) for i in range(len(cands))]
+    best = {(d, s): min(med[(i, d, s)] for i in range(len(cands))) for d in sends for s in sizes}
+    score = [math.exp(np.mean([math.log(med[(i, d, s)] / best[(d, s)]) for d in sends for s in sizes]))
+             for i in range(len(cands))]
     pick = int(np.argmin(score))
     if me == 0:
         print(f"# cupy_symbuf.bench --tune: {key}; {args.tune_rounds} rounds, loop timing, median us per call "
-              f"(max over ranks); score = geometric mean of time / best time over the sizes (plain arrays)")
+              f"(max over ranks); score = geometric mean of time / best time over the sizes and sends (plain "
+              f"arrays through the rings, symmetric ones direct)")
         head = f"{'num_sms':>7} {'chunk':>8} " + " ".join(f"{_fmt(s) + ' ' + send:>16}" for s in sizes
                                                              for send in sends) + f" {'score':>6}"
         print(head)
