@@ -29,6 +29,21 @@ for stage in $STAGES; do
       timeout ${QUICK_LIMIT:-120} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 $PYTEST -x $QUICK > $LOG/$stage.log 2>&1
       echo "== [quick $n ranks MPS] rc=$? $((SECONDS - t0)) s"; show $LOG/$stage.log
       mps_off ;;
+    tune)  # bench --tune at 2 and 4 ranks under MPS, merged into a copy of the packaged table under $LOG
+      cp cupy_symbuf/tuning.json $LOG/tuning.json
+      mps_on
+      for n in ${TUNE_RANKS:-2 4}; do
+        timeout ${BENCH_LIMIT:-90} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --tune \
+          --tune-rounds 1 --sizes ${TUNE_SIZES:-1M,16M,128M} --iters 10 --warmup 2 --tune-out $LOG/tuning.json > $LOG/tune_$n.log 2>&1
+        echo "== [tune $n ranks] rc=$?"; grep -vE "^$" $LOG/tune_$n.log | tail -14
+      done
+      mps_off ;;
+    control)
+      mps_on
+      timeout ${BENCH_LIMIT:-90} $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --control --iters 30 \
+        --warmup 5 > $LOG/control_2.log 2>&1
+      echo "== [control 2 ranks] rc=$?"; grep -vE "^$" $LOG/control_2.log | tail -20
+      mps_off ;;
     sms)  # symmetric vs plain at 2 ranks with more SMs (channels)
       mps_on
       for sms in ${SMS:-48 64}; do
