@@ -44,6 +44,23 @@ for stage in $STAGES; do
         --warmup 5 > $LOG/control_2.log 2>&1
       echo "== [control 2 ranks] rc=$?"; grep -vE "^$" $LOG/control_2.log | tail -20
       mps_off ;;
+    exp)  # the copy-engine rate beside ours (crossover), 16-deep unrolled copies, EP8 memory built at 8 ranks
+      mps_on
+      B="python3 -m cupy_symbuf.bench --no-reference --timing loop --iters ${ITERS:-20} --warmup 3"
+      timeout 90 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 $B --num-sms 64 --chunk-bytes 128K --sends out,sym,ce \
+        --sizes 1M,4M,16M,64M,128M,512M > $LOG/exp_ce2.log 2>&1
+      echo "== [ce, 2 ranks, 64 SMs] rc=$?"; grep -E "MiB|KiB|GiB|regist" $LOG/exp_ce2.log
+      timeout 90 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_UNROLL=16 $B --num-sms 64 \
+        --chunk-bytes 128K --sends out,sym --sizes 16M,128M > $LOG/exp_u16_2.log 2>&1
+      echo "== [unroll 16, 2 ranks, 64 SMs] rc=$?"; grep -E "MiB|KiB|GiB|regist" $LOG/exp_u16_2.log
+      timeout 90 $MPIRUN -n 8 -x CUDA_VISIBLE_DEVICES=0 $B --sends out,sym,ce --sizes 16M,128M > $LOG/exp_ce8.log 2>&1
+      echo "== [ce, 8 ranks] rc=$?"; grep -E "MiB|KiB|GiB|regist" $LOG/exp_ce8.log
+      timeout 90 $MPIRUN -n 8 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_UNROLL=16 $B --sends out,sym \
+        --sizes 16M,128M > $LOG/exp_u16_8.log 2>&1
+      echo "== [unroll 16, 8 ranks] rc=$?"; grep -E "MiB|KiB|GiB|regist" $LOG/exp_u16_8.log
+      timeout 60 $MPIRUN -n 8 -x CUDA_VISIBLE_DEVICES=0 python3 .ci/ep8_memory.py > $LOG/ep8.log 2>&1
+      echo "== [EP8 memory, 8 ranks] rc=$?"; tail -4 $LOG/ep8.log
+      mps_off ;;
     sms)  # symmetric vs plain at 2 ranks with more SMs (channels)
       mps_on
       for sms in ${SMS:-48 64}; do

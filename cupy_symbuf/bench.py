@@ -179,6 +179,34 @@ def _copy_rate(comm, xp, timer, nbytes: int, iters: int, warmup: int) -> float:
     return comm.Get_size() * max(1, nbytes) / per
 
 
+def _ce_pull(c, x, expected, comm):
+    """The copy-engine rate of an all-to-all (``--sends ce``): ``x`` copied into a symmetric array once; each call
+    issues one ``cudaMemcpyAsync`` per rank (rank j's block, this rank's rows) into a local output on the current
+    stream. No flags order it against the peers (the inputs never change here), so it is a rate, checked once
+    against the reference, not a collective. Returns ``(run, the symmetric array to free after timing)``."""
+    cp = _compat.cupy
+    rt = cp.cuda.runtime
+    W, me = c.world_size, c.rank
+    xs = c.array(x)
+    out = cp.empty_like(x)
+    alloc, off = c._heap.find(xs)
+    n = x.nbytes // W
+    srcs = [p + off + me * n for p in alloc.buffer.peer_ptrs]
+    dst = int(out.data.ptr)
+    c.synchronize()
+    comm.Barrier()
+
+    def run():
+        s = cp.cuda.get_current_stream().ptr
+        for j in range(W):
+            rt.memcpyAsync(dst + j * n, srcs[j], n, rt.memcpyDeviceToDevice, s)
+    run()
+    cp.cuda.get_current_stream().synchronize()
+    if not comm.allreduce(bool(np.array_equal(out.get(), expected)), op=MPI.LAND):
+        raise RuntimeError("bench: the copy-engine pull gave wrong data; not timing it")
+    return run, xs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=None,
@@ -196,7 +224,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sends", default="plain,out,sym",
                     help="which alltoall rows to time, comma-separated: plain (fresh output per call: 'ours'), out "
                          "(plain arrays, out= reused: 'ours-out'), sym (symmetric input and output from "
-                         "Communicator.empty: 'ours-sym'; direct mode on the host). Default: all three")
+                         "Communicator.empty: 'ours-sym'; direct mode), ce (GPU: the copy-engine rate, 'ce-pull': "
+                         "every rank pulls its rows out of every peer's symmetric block with cudaMemcpyAsync, no "
+                         "flags: a rate for the SM / copy-engine crossover, not a collective). Default: the first three")
     ap.add_argument("--timing", default="both", choices=("call", "loop", "both"),
                     help="call: each call alone after a barrier (median); loop: nccl-tests style, calls back to "
                          "back (mean); default both")
@@ -273,8 +303,8 @@ def main(argv=None) -> int:
             return 0
         timings = ("call", "loop") if args.timing == "both" else (args.timing,)
         sends = set(args.sends.split(","))
-        if not sends <= {"plain", "out", "sym"}:
-            ap.error(f"--sends: unknown kinds {sorted(sends - {'plain', 'out', 'sym'})}")
+        if not sends <= {"plain", "out", "sym", "ce"}:
+            ap.error(f"--sends: unknown kinds {sorted(sends - {'plain', 'out', 'sym', 'ce'})}")
 
         def timed(fn, sync=None):  # {timing: seconds per call}
             out = {}
@@ -311,6 +341,11 @@ def main(argv=None) -> int:
                                        f"wrong data; not timing it")
                 rows["ours-sym"] = timed(lambda: c.alltoall(xs, out=outs), c.synchronize)
                 c.free(outs)
+                c.free(xs)
+            if "ce" in sends and c.backend == "cuda":
+                run, xs = _ce_pull(c, x, expected, comm)
+                rows["ce-pull"] = timed(run)
+                c.synchronize()
                 c.free(xs)
             if args.profile and not results:
                 import cProfile
