@@ -158,6 +158,7 @@ struct HeaderStep {
   u64* gate;                  // the group's verdict word (kGate*)
   u64* direct_src;            // receiver, MODE_DIRECT: where the sender's stream to us starts (its block, mapped)
   const i64* sym_table;       // this rank's symmetric table (DESC_SYM_TABLE), or nullptr
+  i64 ce_alloc, ce_offset;    // FLAG_CE: where the peer's stream must lie (else ce_alloc < 0)
   CallHeader mine;            // sender: the header to send; receiver: what it expects
   u64 first, num_slots;       // first: the header's counter
   i64 chunk_bytes, region_bytes, row_bytes;
@@ -202,7 +203,8 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
       // MODE_DIRECT: the receiver copies out of our sendbuf and then hands the header slot back (head = first +
       // 1): wait for that, so that nothing after this kernel in stream order overwrites the rows it still reads
       // (the acquire orders its reads before whatever follows). t = first + num_slots: free once head > first.
-      if (g.mine.mode == MODE_DIRECT &&
+      // FLAG_CE: not here: the peer's copy engine reads after its kernel; symbuf_ce_finish waits instead
+      if (g.mine.mode == MODE_DIRECT && g.ce_alloc < 0 &&
           !wait_for_space(&c, g.peer, g.local_counter, g.first + g.num_slots, g.num_slots, head, abort_flag))
         verdict = kGateAbort;
     }
@@ -232,6 +234,16 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
           publish_head(g.remote_counter, head);
         }
         return verdict;
+      } else if (g.ce_alloc >= 0) {  // FLAG_CE: the host's copy engine will read where it assumed the rows lie
+        if (got.mode != MODE_DIRECT || got.nchunks != 0 || got.direct_alloc != g.ce_alloc ||
+            got.direct_offset != g.ce_offset) {
+          fail(c, ROLE_RECV, g.peer, g.ce_offset, got.mode == MODE_DIRECT ? got.direct_offset : -1, ERR_MISMATCH,
+               FIELD_MODE);
+          *abort_flag = 1;
+        } else {
+          end = c0;  // nothing to copy here; symbuf_ce_finish releases head after the copy
+          verdict = kGateSkip;
+        }
       } else if (got.mode == MODE_DIRECT) {
         // The rows lie in the sender's symmetric allocation got.direct_alloc: find its block in our table (the
         // allocations are collective and the same on every rank). Only byte streams go direct (the signature,
@@ -408,6 +420,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   // MODE_DIRECT (this rank's sendbuf lies in symmetric allocation DESC_DIRECT_ALLOC, a byte stream): the sender
   // sends the call header alone, saying where the stream lies; the receiver copies its share out of our block
   const bool my_send_direct = moves && s_desc[DESC_DIRECT_ALLOC] >= 0;
+  const bool ce = my_send_direct && (s_desc[DESC_FLAGS] & FLAG_CE) != 0;  // copy-engine alltoall (FLAG_CE)
   const bool direct_send = is_sender && my_send_direct;
   const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
   const i64 nchunks = hi > lo && !direct_send ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
@@ -417,7 +430,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   // GPU direct mode with our own sendbuf direct too: our sender group's copy warps have nothing to send and help
   // our receiver group copy the peer's stream (STATE_HELP_*); both groups compute the same count. Not for a group
   // of one warp (it is its own leader, which waits for head).
-  const int num_help = my_send_direct && !solo ? min(num_copy, static_cast<int>(MAX_HELPERS)) : 0;
+  const int num_help = my_send_direct && !solo && !ce ? min(num_copy, static_cast<int>(MAX_HELPERS)) : 0;
   u64 end = c0 + static_cast<u64>(nchunks);  // after this call's last slot (a draining receiver: from the header)
   u64* done = &s_done[first_warp + (solo ? 0 : 1)];  // [num_copy]: last chunk + 1 each copy warp finished
   volatile int* abort_flag = &s_abort[peer];
@@ -429,6 +442,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   if (leader) {
     const HeaderStep h{&s_ctx, ring_region, remote_counter, local_counter, abort_flag, &s_gate[peer], &s_src[peer],
                        reinterpret_cast<const i64*>(s_desc[DESC_SYM_TABLE]),
+                       ce ? s_desc[DESC_DIRECT_ALLOC] : -1, ce ? s_desc[DESC_DIRECT_OFFSET] + peers[rank] : 0,
                        CallHeader{static_cast<i64>(HDR_MAGIC_VALUE), static_cast<i64>(call_seq), s_desc[DESC_OP],
                                   s_desc[DESC_SIG], rows, nchunks, reject ? HDR_REJECTED : HDR_OK, rank, channel,
                                   direct_send ? MODE_DIRECT : MODE_RING, direct_send ? s_desc[DESC_DIRECT_ALLOC] : -1,
@@ -436,7 +450,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
                        first, static_cast<u64>(num_slots), chunk_bytes, L.region_bytes, row_bytes, peer, role,
                        is_sender, reject};
     verdict = call_header_step(h, end);
-    if (!is_sender && my_send_direct && !solo) {  // tell our sender group's helpers (STATE_HELP_*) what to copy
+    if (!is_sender && num_help > 0) {  // tell our sender group's helpers (STATE_HELP_*) what to copy
       state[STATE_HELP_SRC] = verdict == kGateDirect ? s_src[peer] : 0ull;
       st_release_sys_global(state + STATE_HELP_SEQ, call_seq);
     }
@@ -714,6 +728,38 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
   // done (host-mapped): the host spins on it instead of synchronising the stream (eager calls): the release
   // covers this thread's stores and, through the __syncthreads above, the block's (recv_meta, send_echo, sums)
   if (done != nullptr) st_release_sys_global(done, ticket);
+}
+
+// FLAG_CE, after the host's copy-engine copies (stream order: they are complete): for every (channel, peer), hand
+// the header slot of the peer's stream back (head = our receiver's state counter, which the ring kernel left at
+// the call's end, into the peer's buffer; st.release.sys), then wait until the peer did the same for ours (head in
+// our buffer >= our sender's state counter: its copy engine has finished reading our sendbuf), bounded, polling
+// the abort word. One thread per (channel, peer) pair, any block size.
+extern "C" __global__ void symbuf_ce_finish(const u64* __restrict__ peer_bases, int rank, int world_size,
+                                            int num_channels, i64 region_bytes, i64 channel_bytes, i64 abort_offset,
+                                            u64 timeout_ns, i64* status, u64 seq) {
+  const Layout L{region_bytes, channel_bytes, 0, 0, 0, 0};
+  __shared__ WaitCtx s_ctx;
+  if (threadIdx.x == 0) s_ctx = make_wait_ctx(status, peer_bases, rank, world_size, 0, abort_offset, timeout_ns, seq);
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_channels * world_size; i += blockDim.x) {
+    const int channel = i / world_size, peer = i % world_size;
+    if (peer == rank) continue;
+    const u8* local_region = reinterpret_cast<const u8*>(peer_bases[rank]) + L.region(channel, peer);
+    u8* remote_region = reinterpret_cast<u8*>(peer_bases[peer]) + L.region(channel, rank);
+    const u64 recv_end = reinterpret_cast<const u64*>(local_region + RECV_STATE_OFFSET)[STATE_COUNTER];
+    const u64 send_end = reinterpret_cast<const u64*>(local_region + SEND_STATE_OFFSET)[STATE_COUNTER];
+    publish_head(reinterpret_cast<u64*>(remote_region + HEAD_OFFSET), recv_end);
+    const u64* head_line = reinterpret_cast<const u64*>(local_region + HEAD_OFFSET);
+    WaitCtx ctx = s_ctx;  // the error record names this pair's channel
+    ctx.channel = channel;
+    SpinBudget spin(&ctx);
+    u64 head = ld_acquire_sys_global(head_line);
+    while (head < send_end) {
+      if (!spin.ok(ROLE_SEND, peer, head, send_end)) break;
+      head = ld_acquire_sys_global(head_line);
+    }
+  }
 }
 
 // alltoallv with device-side counts: counts [world_size] int64 (rows per destination, on the device) become the

@@ -190,6 +190,7 @@ def fingerprint(config, layout, backend: str) -> dict:
     for f in dataclasses.fields(config):
         if f.name not in LOCAL_POLICY_FIELDS:
             fp[f"config.{f.name}"] = getattr(config, f.name)
+    fp["config.copy_engine"] = getattr(config, "mode", "auto") == "copy_engine"  # a CE call needs every rank in it
     for name in ("world_size", "num_channels", "num_slots", "chunk_bytes", "max_notify_ints", "total_bytes"):
         fp[f"layout.{name}"] = getattr(layout, name)
     fp["backend"] = backend

@@ -30,6 +30,7 @@ __all__ = ["CudaTransport", "warp_groups", "RING_SOURCE", "RING_KERNEL", "NOTIFY
 RING_SOURCE = "ring_exchange.cu"
 RING_KERNEL = "symbuf_ring_exchange"
 NOTIFY_KERNEL = "symbuf_notify"
+CE_KERNEL = "symbuf_ce_finish"
 
 # re-exported for tests and tools that read descriptor words
 DESC = {n: getattr(P, n) for n in dir(P) if n.startswith("DESC_")}
@@ -134,6 +135,16 @@ class CudaTransport:
                              int(self.timeout_ns), self._status.ptr, 0, 0, 0, 0, 0, 1, -1, 0,
                              self._notify_done.ptr, 0]
         self._ticket = 0  # of the last count exchange whose result the host waits for (notify_result)
+        #: Config.mode == "copy_engine": alltoalls of symmetric arrays of at least CE_MIN_BYTES per peer are pulled
+        #: by the copy engines (FLAG_CE; every rank's sendbuf the same allocation and offset, checked by the kernel)
+        self.copy_engine = False
+        #: calls moved by the copy engines (tests, stats)
+        self.ce_calls = 0
+        self._l_ce = _kernels.Launcher(_kernels.get_function(RING_SOURCE, CE_KERNEL),
+                                       ("u64", "i32", "i32", "i32", "i64", "i64", "i64", "u64", "u64", "u64"))
+        self._ce_args = [int(buf.peer_ptrs_device.data.ptr), self.rank, self.world_size, layout.num_channels,
+                         layout.region_bytes, layout.channel_bytes, int(layout.abort_offset), int(self.timeout_ns),
+                         self._status.ptr, 0]
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
@@ -395,11 +406,15 @@ class CudaTransport:
                 copies = (copies or []) + [index]
             d[DESC_SEND_INDEX] = index.data.ptr
         d[DESC_COUNTS] = counts  # a device counts table (device-count plans), else 0
+        ce = False
         if direct is not None and not launch.copy_send:
             d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = direct[1].id, direct[2]
             self.direct_calls += 1
+            ce = self.copy_engine and plan.op == "alltoall" and counts == 0 and self.world_size > 1 and \
+                int(plan.send_units[0]) >= P.CE_MIN_BYTES
         else:
             d[DESC_DIRECT_ALLOC] = -1
+        d[DESC_FLAGS] = (P.FLAG_REJECT if plan.reject else 0) | (P.FLAG_CE if ce else 0)
         stream = cp.cuda.get_current_stream()
         if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
             self.graph_keep.extend(copies)
@@ -408,6 +423,8 @@ class CudaTransport:
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
         self._launch(stream.ptr)
+        if ce:
+            self._copy_engine_pull(plan, direct, recv_parts[0], stream, int(d[DESC_SEQ]))
         if self.kernel_events is not None:
             self.kernel_events[1].record(stream)
         if self.blocking:
@@ -415,6 +432,23 @@ class CudaTransport:
             rejected = self.take_rejected()
             return [] if rejected is None else [rejected[0]]
         return []
+
+    def _copy_engine_pull(self, plan, direct, recv, stream, seq: int) -> None:
+        """FLAG_CE, after the ring kernel (which checked that every peer's stream lies where this assumes): one
+        ``cudaMemcpyAsync`` per peer, from its block of the same symmetric allocation at this rank's own offset plus
+        this rank's rows, into ``recv``, then ``symbuf_ce_finish`` (heads back, the peers' heads awaited)."""
+        rt = _compat.cupy.cuda.runtime
+        alloc, off = direct[1], direct[2]
+        src_off = off + int(plan.send_first[self.rank])
+        dst = int(recv.data.ptr)
+        for j in range(self.world_size):
+            if j != self.rank:
+                rt.memcpyAsync(dst + int(plan.recv_first[j]), alloc.buffer.peer_ptrs[j] + src_off,
+                               int(plan.recv_units[j]), rt.memcpyDeviceToDevice, stream.ptr)
+        a = self._ce_args
+        a[-1] = seq
+        self._l_ce(1, 256, a, stream=stream)
+        self.ce_calls += 1
 
     def _describe(self, plan, send_parts, recv_parts) -> _Launch:
         """The descriptor of ``plan`` for these parts' strides (addresses are filled per call)."""

@@ -148,6 +148,18 @@ SYM_TABLE_ROWS = 64
 SYM_TABLE_STRIDE = 1 + MAX_PEERS
 #: DESC_FLAGS bits.
 FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
+#: Copy-engine alltoall (``Config.mode="copy_engine"``): every rank's sendbuf is the same symmetric allocation at
+#: the same offset. The ring kernel exchanges and checks the MODE_DIRECT headers only (a receiver expects the peer's
+#: stream at DESC_DIRECT_ALLOC / DESC_DIRECT_OFFSET + its own rows' offset; anything else is a fatal FIELD_MODE
+#: mismatch) and copies nothing off-rank; the host then queues one cudaMemcpyAsync per peer (the copy engines pull
+#: the rows), and ``symbuf_ce_finish`` hands every header slot back (head) and waits for the peers' heads, so no
+#: stream reuses a sendbuf a peer's copy engine still reads.
+FLAG_CE = 2
+#: A copy-engine alltoall moves at least this many bytes per peer; smaller ones run the direct kernel copy.
+#: Measured on one H200 under MPS (docs/perf-notes.md v11, ``bench --sends ce``): the copy engines reach the
+#: device's copy rate from 2 MiB per peer at 2 ranks (98% vs the kernel's 61% at 4 MiB per rank) and tie the
+#: kernel at 2 MiB per peer at 8 ranks (57% vs 60%); 4 MiB leaves room for the two extra launches.
+CE_MIN_BYTES = 4 << 20
 
 #: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
 #: a warp; keeps byte streams 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).

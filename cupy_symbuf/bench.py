@@ -221,6 +221,9 @@ def main(argv=None) -> int:
                     help="Config.chunk_bytes, e.g. 64K (default: per backend)")
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
+    ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
+                    help="Config.mode (default auto); copy_engine: the ours-sym row of at least 4 MiB per peer is "
+                         "pulled by the copy engines")
     ap.add_argument("--sends", default="plain,out,sym",
                     help="which alltoall rows to time, comma-separated: plain (fresh output per call: 'ours'), out "
                          "(plain arrays, out= reused: 'ours-out'), sym (symmetric input and output from "
@@ -265,7 +268,7 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     if args.backend != "host":
         select_device(comm)
-    cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes,
+    cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, mode=args.mode,
                  **({} if args.num_slots is None else {"num_slots": args.num_slots}))
     profile_stats = None
     results = []
@@ -319,8 +322,11 @@ def main(argv=None) -> int:
             host_x = np.random.default_rng([me, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)
             x = xp.asarray(host_x)
             # Correct first: one checked exchange per size against the NumPy reference before any timing.
-            got = c.alltoall(x)
+            probe = c.array(x) if args.mode == "copy_engine" else x  # copy_engine refuses plain arrays >= 4 MiB
+            got = c.alltoall(probe)
             got = got.get() if hasattr(got, "get") else got
+            if probe is not x:
+                c.free(probe)
             expected = np.stack([np.random.default_rng([j, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)[me]
                                  for j in range(W)])
             if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):

@@ -137,6 +137,7 @@ class Communicator:
                 from ._cuda import CudaTransport
                 self._transport = CudaTransport(self.buffer, self.layout, self.config.timeout_s)
                 self._transport.blocking = self.config.blocking
+                self._transport.copy_engine = self.config.mode == "copy_engine"
             else:
                 from ._host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)

@@ -33,7 +33,7 @@ MAX_NUM_SLOTS = 4096
 #: ``max_notify_ints``: int64 values per peer in one count exchange (8 MiB per notify slot).
 MAX_NOTIFY_INTS = 1 << 20
 #: ``mode``: how rows travel (see Config).
-MODES = ("auto", "ring", "direct")
+MODES = ("auto", "ring", "direct", "copy_engine")
 #: ``timeout_s``: about 31 years; larger values overflow the kernels' nanosecond deadline arithmetic.
 MAX_TIMEOUT_S = 1e9
 
@@ -109,7 +109,14 @@ class Config:
         read every other's memory by cross-memory attach (Linux ``process_vm_readv``, as MPICH and Open MPI do;
         probed at construction; ``CUPY_SYMBUF_CMA=0`` turns it off); else through the rings (two copies per
         off-rank byte). ``"ring"``: always the rings. ``"direct"``: an ``alltoall`` / ``alltoallv`` that cannot
-        go direct raises ``ValueError`` instead.
+        go direct raises ``ValueError`` instead. ``"copy_engine"`` (GPU; must be the same on every rank): as
+        ``"auto"``, and an ``alltoall`` of at least ``_protocol.CE_MIN_BYTES`` (4 MiB) per peer is pulled by the
+        copy engines (one ``cudaMemcpyAsync`` per peer, no SMs for the off-rank rows), which needs every rank's
+        ``sendbuf`` to be the same symmetric allocation at the same offset (the usual loop over one
+        ``Communicator.empty`` array): a plain ``sendbuf`` of that size raises ``ValueError`` (the peers are
+        told), and a symmetric one at another offset fails the kernel's check: a fatal error on every rank,
+        never wrong data. The host backend treats it as ``"auto"``. Design: NCCL 2.28's copy-engine all-to-all
+        on symmetric windows.
         MoE ``dispatch`` / ``combine`` gather their rows through an index and always use the rings. The mode is the
         sender's and travels in each call header, so ranks may differ (local policy).
     trace : bool

@@ -511,3 +511,87 @@ def test_gpu_direct_header_naming_an_unknown_allocation_fails_everywhere(comm):
             c.close()
         except cs.SymBufferError:
             pass
+
+
+# ---- copy engines (Config.mode="copy_engine") -------------------------------------------------------------------
+def test_gpu_copy_engine_alltoall_matches_numpy(comm):
+    """GPU, mode copy_engine: an alltoall of one symmetric allocation at the same offset on every rank, at least
+    CE_MIN_BYTES per peer, is pulled by cudaMemcpyAsync (the kernel only checks headers); just below the crossover
+    the direct kernel copies. Exact against NumPy around the crossover, out= poisoned, the sendbuf overwritten right
+    after each call (the finish kernel waits for the peers' copies), repeated."""
+    import cupy as cp
+    from cupy_symbuf import _protocol as P
+    c = _cuda_comm(comm, cs.Config(mode="copy_engine"))
+    try:
+        W = comm.size
+        rng = rng_for(comm, 17)
+        for n, via_ce in ((P.CE_MIN_BYTES - 16, False), (P.CE_MIN_BYTES, True), (P.CE_MIN_BYTES + 48, True)):
+            big = c.empty((W + 1, n), np.uint8)
+            out = c.empty((W, n), np.uint8)
+            x = big[1:]  # offset n in the allocation, the same on every rank
+            before = c._transport.ce_calls
+            for trial in range(3):
+                data = random_rows(rng, W, (n,), np.uint8)
+                x[...] = cp.asarray(data)
+                out[...] = 0xEE
+                y = c.alltoall(x, out=out)
+                x[...] = 0xAB  # queued right after the call
+                ref = _a2a_reference(comm, data)
+                all_ranks(lambda: np.testing.assert_array_equal(cp.asnumpy(y), ref))
+            assert c._transport.ce_calls - before == (3 if via_ce and W > 1 else 0)
+            c.free(big)
+            c.free(out)
+        c.synchronize()
+        if W > 1:  # a plain sendbuf of that size on rank 0: refused there, the peers told; still usable after
+            n = P.CE_MIN_BYTES
+            sym = c.empty((W, n), np.uint8)
+            data = random_rows(rng, W, (n,), np.uint8)
+            sym[...] = cp.asarray(data)
+            with pytest.raises(ValueError) as info:
+                c.alltoall(cp.asarray(data) if comm.rank == 0 else sym)
+                c.synchronize()
+            assert ("copy_engine" in str(info.value)) == (comm.rank == 0)
+            np.testing.assert_array_equal(cp.asnumpy(c.alltoall(sym)), _a2a_reference(comm, data))
+    finally:
+        c.close()
+
+
+def test_gpu_copy_engine_needs_the_same_offset_everywhere(comm):
+    """Copy-engine mode assumes every rank's sendbuf lies at the same offset of the same allocation; a rank that
+    differs makes the kernel's header check fail: an error on every rank (at the latest from the next call),
+    never the wrong rows."""
+    import cupy as cp
+    from cupy_symbuf import _protocol as P
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = _cuda_comm(comm, cs.Config(mode="copy_engine", timeout_s=10))
+    try:
+        W, n = comm.size, P.CE_MIN_BYTES
+        big = c.empty((W + 1, n), np.uint8)
+        x = big[1:] if comm.rank == 0 else big[:W]
+        with pytest.raises(cs.SymBufferError) as info:
+            c.alltoall(x)
+            c.synchronize()
+            c.alltoall(x)
+            c.synchronize()
+        if comm.rank != 0:  # rank 0's rows are not where the others assume
+            assert "transfer mode" in str(info.value) or "abort" in str(info.value)
+    finally:
+        try:
+            c.close()
+        except cs.SymBufferError:
+            pass
+
+
+def test_copy_engine_mode_must_agree(backend, comm):
+    """Config.mode='copy_engine' changes what the peers' kernels do: it is part of the agreed fingerprint, so a
+    communicator where one rank asks for it and another does not fails to build on every rank."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    with pytest.raises(ValueError, match="copy_engine"):
+        cs.Communicator(comm, cs.Config(mode="copy_engine" if comm.rank == 0 else "auto"), backend=backend)
+    # on the host it is "auto": exact results
+    if backend == "host":
+        with cs.Communicator(comm, cs.Config(mode="copy_engine"), backend="host") as c:
+            x = random_rows(rng_for(comm, 18), comm.size, (16,), np.float32)
+            np.testing.assert_array_equal(c.alltoall(c.array(x)), _a2a_reference(comm, x))
