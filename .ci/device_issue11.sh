@@ -44,6 +44,14 @@ for stage in $STAGES; do
         --warmup 5 > $LOG/control_2.log 2>&1
       echo "== [control 2 ranks] rc=$?"; grep -vE "^$" $LOG/control_2.log | tail -20
       mps_off ;;
+    ce)  # the copy-engine alltoall (Config.mode="copy_engine") at 2, 4 and 8 ranks
+      mps_on
+      for n in ${BENCH_RANKS:-2 4 8}; do
+        timeout ${BENCH_LIMIT:-90} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --no-reference \
+          --mode copy_engine --sends sym --sizes ${BENCH_SIZES:-16M,128M} --iters ${ITERS:-20} --warmup 3 > $LOG/ce_$n.log 2>&1
+        echo "== [copy engines $n ranks] rc=$?"; grep -E "MiB|KiB|GiB|registers|num_channels" $LOG/ce_$n.log
+      done
+      mps_off ;;
     exp)  # the copy-engine rate beside ours (crossover), 16-deep unrolled copies, EP8 memory built at 8 ranks
       mps_on
       B="python3 -m cupy_symbuf.bench --no-reference --timing loop --iters ${ITERS:-20} --warmup 3"
