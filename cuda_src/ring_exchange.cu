@@ -325,6 +325,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   // nothing is copied (the parts, row size and alignment of the descriptor are not read).
   const bool reject = (s_desc[DESC_FLAGS] & FLAG_REJECT) != 0;
   const bool moves = !reject && row_bytes > 0 && row_bytes <= chunk_bytes;
+  const bool my_send_direct = moves && s_desc[DESC_DIRECT_ALLOC] >= 0;
+  const bool ce = my_send_direct && (s_desc[DESC_FLAGS] & FLAG_CE) != 0;  // copy-engine alltoall (FLAG_CE)
 
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
@@ -378,6 +380,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   if (moves) channel_range(rows, channel, num_channels, align, lo, hi);
 
   if (peer == rank) {  // to ourselves: no ring; the sender block copies the first half, the receiver block the rest
+    if (ce) return;      // FLAG_CE: a copy engine copies them too (after this kernel, beside the peers' rows)
     if (hi <= lo) return;  // an empty share, or FLAG_REJECT: nothing to copy, no header
     const i64 mid = lo + (hi - lo) / 2 / align * align;
     const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
@@ -419,8 +422,6 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   const int copy_id = solo ? 0 : warp_in_group - 1;
   // MODE_DIRECT (this rank's sendbuf lies in symmetric allocation DESC_DIRECT_ALLOC, a byte stream): the sender
   // sends the call header alone, saying where the stream lies; the receiver copies its share out of our block
-  const bool my_send_direct = moves && s_desc[DESC_DIRECT_ALLOC] >= 0;
-  const bool ce = my_send_direct && (s_desc[DESC_FLAGS] & FLAG_CE) != 0;  // copy-engine alltoall (FLAG_CE)
   const bool direct_send = is_sender && my_send_direct;
   const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
   const i64 nchunks = hi > lo && !direct_send ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;

@@ -434,17 +434,16 @@ class CudaTransport:
         return []
 
     def _copy_engine_pull(self, plan, direct, recv, stream, seq: int) -> None:
-        """FLAG_CE, after the ring kernel (which checked that every peer's stream lies where this assumes): one
-        ``cudaMemcpyAsync`` per peer, from its block of the same symmetric allocation at this rank's own offset plus
+        """FLAG_CE, after the ring kernel (which checked that every peer's stream lies where this assumes and copied
+        nothing, this rank's own rows included): one ``cudaMemcpyAsync`` per rank, from its block of the same symmetric allocation at this rank's own offset plus
         this rank's rows, into ``recv``, then ``symbuf_ce_finish`` (heads back, the peers' heads awaited)."""
         rt = _compat.cupy.cuda.runtime
         alloc, off = direct[1], direct[2]
         src_off = off + int(plan.send_first[self.rank])
         dst = int(recv.data.ptr)
-        for j in range(self.world_size):
-            if j != self.rank:
-                rt.memcpyAsync(dst + int(plan.recv_first[j]), alloc.buffer.peer_ptrs[j] + src_off,
-                               int(plan.recv_units[j]), rt.memcpyDeviceToDevice, stream.ptr)
+        for j in range(self.world_size):  # this rank's own rows too (the kernel left them to the copy engine)
+            rt.memcpyAsync(dst + int(plan.recv_first[j]), alloc.buffer.peer_ptrs[j] + src_off,
+                           int(plan.recv_units[j]), rt.memcpyDeviceToDevice, stream.ptr)
         a = self._ce_args
         a[-1] = seq
         self._l_ce(1, 256, a, stream=stream)
