@@ -156,10 +156,11 @@ FLAG_REJECT = 1                            # this rank rejected the call: header
 #: stream reuses a sendbuf a peer's copy engine still reads.
 FLAG_CE = 2
 #: A copy-engine alltoall moves at least this many bytes per peer; smaller ones run the direct kernel copy.
-#: Measured on one H200 under MPS (docs/perf-notes.md v11, ``bench --sends ce``): the copy engines reach the
-#: device's copy rate from 2 MiB per peer at 2 ranks (98% vs the kernel's 61% at 4 MiB per rank) and tie the
-#: kernel at 2 MiB per peer at 8 ranks (57% vs 60%); 4 MiB leaves room for the two extra launches.
-CE_MIN_BYTES = 4 << 20
+#: Measured on one H200 under MPS (docs/perf-notes.md v11, ``bench --mode copy_engine`` beside ``--mode auto``):
+#: 8 MiB per peer loses (2 ranks x 16 MiB: 62 us against the kernel's 38; 4 ranks x 16 MiB, 4 MiB per peer: 82
+#: against 66), 16 MiB per peer and more win (8 ranks x 128 MiB: 582 against 608 us; 4 ranks: 292 against 327;
+#: 2 ranks: 149 against 159): the kernel boundaries and the two cross-rank hand-offs cost ~40 us a call.
+CE_MIN_BYTES = 16 << 20
 
 #: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
 #: a warp; keeps byte streams 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).

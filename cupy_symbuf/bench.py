@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
-                    help="Config.mode (default auto); copy_engine: the ours-sym row of at least 4 MiB per peer is "
+                    help="Config.mode (default auto); copy_engine: the ours-sym row of at least 16 MiB per peer is "
                          "pulled by the copy engines")
     ap.add_argument("--sends", default="plain,out,sym",
                     help="which alltoall rows to time, comma-separated: plain (fresh output per call: 'ours'), out "
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
             host_x = np.random.default_rng([me, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)
             x = xp.asarray(host_x)
             # Correct first: one checked exchange per size against the NumPy reference before any timing.
-            probe = c.array(x) if args.mode == "copy_engine" else x  # copy_engine refuses plain arrays >= 4 MiB
+            probe = c.array(x) if args.mode == "copy_engine" else x  # copy_engine refuses plain arrays >= 16 MiB per peer
             got = c.alltoall(probe)
             got = got.get() if hasattr(got, "get") else got
             if probe is not x:

@@ -110,7 +110,7 @@ class Config:
         probed at construction; ``CUPY_SYMBUF_CMA=0`` turns it off); else through the rings (two copies per
         off-rank byte). ``"ring"``: always the rings. ``"direct"``: an ``alltoall`` / ``alltoallv`` that cannot
         go direct raises ``ValueError`` instead. ``"copy_engine"`` (GPU; must be the same on every rank): as
-        ``"auto"``, and an ``alltoall`` of at least ``_protocol.CE_MIN_BYTES`` (4 MiB) per peer is pulled by the
+        ``"auto"``, and an ``alltoall`` of at least ``_protocol.CE_MIN_BYTES`` (16 MiB) per peer is pulled by the
         copy engines (one ``cudaMemcpyAsync`` per peer, no SMs for the off-rank rows), which needs every rank's
         ``sendbuf`` to be the same symmetric allocation at the same offset (the usual loop over one
         ``Communicator.empty`` array): a plain ``sendbuf`` of that size raises ``ValueError`` (the peers are
