@@ -30,6 +30,9 @@ __device__ __forceinline__ void st_release_cta(u64* ptr, u64 v) {
   asm volatile("st.release.cta.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
+// Orders every access of this thread before the fence against every access after it, at system scope.
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 __device__ __forceinline__ i64 ld_volatile_global(const i64* ptr) {
   i64 v;
   asm volatile("ld.volatile.global.s64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");

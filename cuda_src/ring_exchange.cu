@@ -127,6 +127,7 @@ __device__ __noinline__ void direct_done(u64* head_line, const u64* done, int nu
     }
   }
   publish_head(head_line, c0);
+  fence_acq_rel_sys();  // the payload loads above (weak .cg loads of the warps acquired) before the abort poll
   if (poll_abort(*ctx)) {
     report_aborted(*ctx, ROLE_RECV, peer, static_cast<i64>(c0), static_cast<i64>(c0));
     *abort_flag = 1;
@@ -139,6 +140,8 @@ __device__ __forceinline__ void direct_slice(u8* dst, const u8* src, i64 n, int 
   const i64 b = k == total - 1 ? n : n * (k + 1) / total / 16 * 16;
   if (b > a) copy_bytes<true>(dst + a, src + a, b - a, lane);
 }
+
+static_assert(STATE_HELP_DONE + MAX_HELPERS <= LINE_BYTES / 8, "the helpers' words fit the receiver's state line");
 
 // Verdict of a receiver group's publisher on the call header, for its copy warps (a shared word per group).
 constexpr u64 kGateWait = 0;   // not checked yet
@@ -249,11 +252,14 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
         // allocations are collective and the same on every rank). Only byte streams go direct (the signature,
         // checked above, says both ends move bytes). Not found, or a malformed header: fatal, on every rank.
         u64 src = 0;
-        if (g.sym_table != nullptr && got.nchunks == 0 && g.row_bytes == 1 && got.direct_offset >= 0) {
+        // The stream [direct_offset, direct_offset + units) must lie inside the block (row: id + 1, bytes, bases).
+        if (g.sym_table != nullptr && got.nchunks == 0 && g.row_bytes == 1 && got.direct_alloc >= 0 &&
+            got.direct_offset >= 0 && got.units >= 0) {
           for (int i = 0; i < SYM_TABLE_ROWS; ++i) {
             const i64* row = g.sym_table + static_cast<i64>(i) * SYM_TABLE_STRIDE;
             if (row[0] == got.direct_alloc + 1) {
-              src = static_cast<u64>(row[1 + g.peer]) + static_cast<u64>(got.direct_offset);
+              if (got.direct_offset <= row[1] && got.units <= row[1] - got.direct_offset)
+                src = static_cast<u64>(row[2 + g.peer]) + static_cast<u64>(got.direct_offset);
               break;
             }
           }
@@ -481,6 +487,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       // per copy warp (16-byte aligned cuts; the last num_help slices are the helpers'), then the hand-off: done
       // mark, or (one warp) head itself
       const u8* src = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, lane == 0 ? s_src[peer] : 0ull, 0));
+      __syncwarp();  // lane 0's acquire of the verdict precedes every lane's loads (the shuffle is no barrier)
       direct_slice(recv.at(0, lo), src + lo, hi - lo, copy_id, num_copy + num_help, lane);
       __syncwarp();  // every lane's loads precede lane 0's hand-off
       if (lane == 0) {
@@ -505,6 +512,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
         if (!*abort_flag) src = ld_volatile_global(reinterpret_cast<const i64*>(rstate + STATE_HELP_SRC));
       }
       src = __shfl_sync(0xffffffffu, src, 0);
+      __syncwarp();  // lane 0's acquire of STATE_HELP_SEQ precedes every lane's loads
       if (src != 0) {
         // the receive side's row stream from this peer: the same cut as the receiver group's
         const i64 rn = peers[3 * world_size + peer];

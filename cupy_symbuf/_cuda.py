@@ -351,8 +351,8 @@ class CudaTransport:
         except ValueError:
             return False
         words = np.zeros(P.SYM_TABLE_STRIDE, np.int64)
-        words[0] = alloc.id + 1
-        words[1: 1 + self.world_size] = alloc.buffer.peer_ptrs
+        words[0], words[1] = alloc.id + 1, alloc.buffer.nbytes
+        words[2: 2 + self.world_size] = alloc.buffer.peer_ptrs
         s = row * P.SYM_TABLE_STRIDE
         self.sym_table[s: s + P.SYM_TABLE_STRIDE].set(words)
         _compat.cupy.cuda.runtime.deviceSynchronize()
@@ -364,7 +364,8 @@ class CudaTransport:
         if alloc.id in self._sym_rows:
             row = self._sym_rows.index(alloc.id)
             s = row * P.SYM_TABLE_STRIDE
-            self.sym_table[s: s + P.SYM_TABLE_STRIDE] = 0
+            self.sym_table[s: s + P.SYM_TABLE_STRIDE].set(np.zeros(P.SYM_TABLE_STRIDE, np.int64))
+            _compat.cupy.cuda.runtime.deviceSynchronize()  # before the row can be given to a new allocation
             self._sym_rows[row] = None
         alloc.registered = False
 
@@ -435,7 +436,10 @@ class CudaTransport:
 
     def _copy_engine_pull(self, plan, direct, recv, stream, seq: int) -> None:
         """FLAG_CE, after the ring kernel (which checked that every peer's stream lies where this assumes and copied
-        nothing, this rank's own rows included): one ``cudaMemcpyAsync`` per rank, from its block of the same symmetric allocation at this rank's own offset plus
+        nothing, this rank's own rows included). The copies are queued before that check's outcome is known: on a
+        call a peer rejected (or that failed) they still read the peer's block, so ``recv`` then holds arbitrary
+        bytes for that peer, and the call raises (:class:`SymBufferRejectedError` / the failure). One
+        ``cudaMemcpyAsync`` per rank, from its block of the same symmetric allocation at this rank's own offset plus
         this rank's rows, into ``recv``, then ``symbuf_ce_finish`` (heads back, the peers' heads awaited)."""
         rt = _compat.cupy.cuda.runtime
         alloc, off = direct[1], direct[2]

@@ -310,11 +310,12 @@ class Engine:
             if sym is not None and (self.backend == "host" or sym[0].registered):
                 found = (P.MODE_DIRECT,) + sym
             elif self.backend == "host" and self.transport.cma_pids is not None and x.flags.c_contiguous and \
-                    (mode != "auto" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
+                    (mode == "direct" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
                 found = (P.MODE_CMA, self.transport.cma_pids[self.rank], x.__array_interface__["data"][0])
         # copy_engine: the peers pull an alltoall of CE_MIN_BYTES per peer from where this rank's rows would lie
         # in their symmetric array, so a plain sendbuf of that size is refused (told to them) instead
         must = mode == "direct" or (mode == "copy_engine" and op == "alltoall" and self.backend == "cuda" and
+                                    self.world_size > 1 and
                                     sum(a.nbytes for a in send_parts) // self.world_size >= P.CE_MIN_BYTES)
         if found is None and must and sum(a.nbytes for a in send_parts) > 0:
             why = ("its rows are gathered through an index" if send_index is not None or len(send_parts) != 1

@@ -142,10 +142,11 @@ CT_WORDS = CT_PEERS + 4 * MAX_PEERS
 #: Direct mode on the GPU: DESC_DIRECT_ALLOC = the id of the symmetric allocation this rank's sendbuf lies in (-1:
 #: ring mode), DESC_DIRECT_OFFSET = the sendbuf's byte offset in it (per call). DESC_SYM_TABLE = device address of
 #: this rank's symmetric table: SYM_TABLE_ROWS rows of SYM_TABLE_STRIDE int64 words, [id + 1 (0: free row),
-#: address of rank r's block of that allocation in this process, r = 0 .. world_size - 1]; written by the host
-#: when an allocation is made or freed (no kernel is queued then that reads the row).
+#: bytes of the allocation per rank, address of rank r's block of it in this process, r = 0 .. world_size - 1];
+#: written by the host when an allocation is made or freed (no kernel is queued then that reads the row). A
+#: receiver takes a header's stream only when it lies inside the block (else a fatal FIELD_MODE mismatch).
 SYM_TABLE_ROWS = 64
-SYM_TABLE_STRIDE = 1 + MAX_PEERS
+SYM_TABLE_STRIDE = 2 + MAX_PEERS
 #: DESC_FLAGS bits.
 FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
 #: Copy-engine alltoall (``Config.mode="copy_engine"``): every rank's sendbuf is the same symmetric allocation at

@@ -224,12 +224,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
                     help="Config.mode (default auto); copy_engine: the ours-sym row of at least 16 MiB per peer is "
                          "pulled by the copy engines")
-    ap.add_argument("--sends", default="plain,out,sym",
+    ap.add_argument("--sends", default=None,
                     help="which alltoall rows to time, comma-separated: plain (fresh output per call: 'ours'), out "
                          "(plain arrays, out= reused: 'ours-out'), sym (symmetric input and output from "
                          "Communicator.empty: 'ours-sym'; direct mode), ce (GPU: the copy-engine rate, 'ce-pull': "
                          "every rank pulls its rows out of every peer's symmetric block with cudaMemcpyAsync, no "
-                         "flags: a rate for the SM / copy-engine crossover, not a collective). Default: the first three")
+                         "flags: a rate for the SM / copy-engine crossover, not a collective). Default: the first three "
+                         "(--mode copy_engine: sym, since it refuses large plain arrays)")
     ap.add_argument("--timing", default="both", choices=("call", "loop", "both"),
                     help="call: each call alone after a barrier (median); loop: nccl-tests style, calls back to "
                          "back (mean); default both")
@@ -305,7 +306,7 @@ def main(argv=None) -> int:
                     json.dump([{"row": r, "us": v, "target": t, "world_size": W} for r, v, t in rows], f, indent=1)
             return 0
         timings = ("call", "loop") if args.timing == "both" else (args.timing,)
-        sends = set(args.sends.split(","))
+        sends = set((args.sends or ("sym" if args.mode == "copy_engine" else "plain,out,sym")).split(","))
         if not sends <= {"plain", "out", "sym", "ce"}:
             ap.error(f"--sends: unknown kinds {sorted(sends - {'plain', 'out', 'sym', 'ce'})}")
 

@@ -101,7 +101,7 @@ class Config:
         ``MPI_Finalize``. ``False``: close() of a failed communicator does a bounded close and frees what it can
         (if peers never come it leaves the buffer allocated and raises), for callers who recover themselves.
         Default from the environment variable ``CUPY_SYMBUF_ABORT_ON_FAILURE`` ("0"/"false" turn it off), else on.
-    mode : {"auto", "ring", "direct"}
+    mode : {"auto", "ring", "direct", "copy_engine"}
         How this rank sends rows. ``"auto"`` (default): the receivers of an ``alltoall`` / ``alltoallv`` copy its
         rows straight out of its ``sendbuf``, one copy per byte, when that is a symmetric array
         (:meth:`Communicator.empty`; both backends: on the GPU each receiver's kernel reads the sender's block
@@ -115,7 +115,8 @@ class Config:
         ``sendbuf`` to be the same symmetric allocation at the same offset (the usual loop over one
         ``Communicator.empty`` array): a plain ``sendbuf`` of that size raises ``ValueError`` (the peers are
         told), and a symmetric one at another offset fails the kernel's check: a fatal error on every rank,
-        never wrong data. The host backend treats it as ``"auto"``. Design: NCCL 2.28's copy-engine all-to-all
+        never wrong data. The copies are queued before the kernel's check is known, so on a call that a peer
+        rejected (or that failed) the output holds arbitrary bytes for that peer's rows; the call raises. The host backend treats it as ``"auto"``. Design: NCCL 2.28's copy-engine all-to-all
         on symmetric windows.
         MoE ``dispatch`` / ``combine`` gather their rows through an index and always use the rings. The mode is the
         sender's and travels in each call header, so ranks may differ (local policy).

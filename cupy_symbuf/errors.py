@@ -28,7 +28,9 @@ class SymBufferTimeoutError(SymBufferError):
                  timeout_s: float, op: str = ""):
         self.rank, self.peer, self.channel, self.role = rank, peer, channel, role
         self.head, self.tail, self.timeout_s, self.op = head, tail, timeout_s, op
-        what = {"send": "sender waiting for ring space (tail - head == capacity)",
+        what = {"send": "sender waiting for the peer to hand slots back (head): the ring is full (tail - head == "
+                        "capacity), or in direct / copy-engine mode the peer is still copying out of this rank's "
+                        "sendbuf",
                 "recv": "receiver waiting for data (tail == head)",
                 "notify": "notify waiting for the peer's count (head = epoch awaited, tail = epoch seen)"}
         what = what.get(role, role)

@@ -140,10 +140,17 @@ class SymmetricHeap:
         try:
             buf = SymBuffer(comm, -(-max(nbytes, 1) // BLOCK_ALIGN) * BLOCK_ALIGN, backend=owner.backend,
                             timeout_s=timeout, _managed=True)
-        except Exception as exc:  # on every rank alike (SymBuffer agrees first); e.g. MPI runs out of windows
-            raise type(exc)(f"{op}: symmetric allocation {self._next_id} ({len(self.allocations)} live, "
-                            f"{self.total_bytes} B per rank; each is an MPI window and communicator of its own, "
-                            f"and MPI allows about a thousand) failed: {exc}") from exc
+        except Exception as exc:  # on every rank alike (SymBuffer agrees first); e.g. out of memory, or windows
+            many = len(self.allocations) >= 256  # each is an MPI window and communicator of its own
+            msg = (f"{op}: symmetric allocation {self._next_id} of {nbytes} B per rank failed "
+                   f"({len(self.allocations)} live, {self.total_bytes} B per rank"
+                   f"{'; each is an MPI window and communicator of its own, and MPI allows about a thousand' if many else ''}"
+                   f"): {exc}")
+            try:
+                wrapped = type(exc)(msg)
+            except Exception:  # an error type with structured fields (its own message says what failed)
+                raise exc from None
+            raise wrapped from exc
         try:
             # a byte view of the block, cut to the array (so a zero-size array is still a view of its allocation)
             if owner.backend == "host":

@@ -356,6 +356,24 @@ def _cuda_comm(comm, config=None):
     return cs.Communicator(comm, config or cs.Config(), backend="cuda")
 
 
+def _send_counters(c):
+    """uint64 [channels, world_size]: this rank's sender state counters (SEND_STATE_OFFSET, STATE_COUNTER) read
+    from its buffer after the queued calls ended: a direct-mode call moves each by exactly 1 (its call header), a
+    ring call by 1 + its payload chunks."""
+    import cupy as cp
+    from cupy_symbuf import _protocol as P
+    c.synchronize()
+    L, base = c.layout, c.buffer.peer_ptrs[c.rank]
+    out = np.zeros((L.num_channels, c.world_size), np.uint64)
+    word = np.zeros(1, np.uint64)
+    for ch in range(L.num_channels):
+        for p in range(c.world_size):
+            cp.cuda.runtime.memcpy(word.ctypes.data, base + L.region_offset(ch, p) + P.SEND_STATE_OFFSET +
+                                   8 * P.STATE_COUNTER, 8, cp.cuda.runtime.memcpyDeviceToHost)
+            out[ch, p] = word[0]
+    return out
+
+
 def test_gpu_direct_alltoall_matches_numpy(comm):
     """GPU: a symmetric sendbuf goes direct (MODE_DIRECT headers, no ring payload), at a nonzero offset inside its
     allocation, sizes that cut into channels unevenly, out= poisoned first; exact against NumPy; a plain sendbuf
@@ -369,17 +387,23 @@ def test_gpu_direct_alltoall_matches_numpy(comm):
             big = c.empty((W + 3, row), np.uint8)
             out = c.empty((W, row), np.uint8)
             before = c._transport.direct_calls
+            peers = [p for p in range(W) if p != comm.rank]
             for trial in range(3):
                 x = random_rows(rng, W, (row,), np.uint8)
                 big[2: 2 + W] = cp.asarray(x)
                 out[...] = 0xEE
+                counters = _send_counters(c)
                 y = c.alltoall(big[2: 2 + W], out=out)
                 assert y is out
                 np.testing.assert_array_equal(cp.asnumpy(y), _a2a_reference(comm, x))
+                # the kernel sent headers only (no payload chunk in any ring): the rows went direct
+                assert ((_send_counters(c) - counters)[:, peers] == 1).all()
             assert c._transport.direct_calls == before + 3
             plain = random_rows(rng, W, (row,), np.uint8)
+            counters = _send_counters(c)
             np.testing.assert_array_equal(cp.asnumpy(c.alltoall(cp.asarray(plain))), _a2a_reference(comm, plain))
             assert c._transport.direct_calls == before + 3  # the plain call went through the rings
+            assert W == 1 or ((_send_counters(c) - counters)[:, peers] > 1).any()
             c.free(big)
             c.free(out)
         c.synchronize()
