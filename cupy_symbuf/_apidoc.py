@@ -15,6 +15,7 @@ PUBLIC = [
     ("Errors", "cupy_symbuf.errors"),
     ("MoE (module functions)", "cupy_symbuf.moe"),
     ("DeepEP shim", "cupy_symbuf.deepep"),
+    ("PyTorch autograd", "cupy_symbuf.autograd"),
     ("Symmetric arrays", "cupy_symbuf.symmetric"),
     ("Tuning table", "cupy_symbuf.tuning"),
     ("Diagnostics", "cupy_symbuf.diagnostics"),
