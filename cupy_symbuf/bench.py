@@ -1,13 +1,16 @@
 """Benchmarks: ``mpiexec -n N python -m cupy_symbuf.bench [--sizes 1M,16M,128M] [--no-reference] [--breakdown]``;
 ``--tune``: sweep the layout per message size and write the library's defaults (``cupy_symbuf._bench_tune``);
 ``--control [--tokens 4096]``: the control-path table (MoE layout, dispatch / combine, CUDA graphs, low-latency
-mode, alltoall host issue time).
+mode, alltoall host issue time); ``--op alltoallv --patterns uniform,zipf,hot`` (``cupy_symbuf._bench_alltoallv``)
+and ``--op dispatch --moe-tokens 4096,128`` (MoE dispatch, cached dispatch and combine; ``cupy_symbuf._bench_moe``):
+p50 / p99 per call.
 
 Times ``Communicator.alltoall`` on equal blocks for each per-rank input size, and the same traffic through a
 reference engine in the same run: NCCL grouped send/recv (``cupy.cuda.nccl``) on GPUs, ``MPI.Alltoall`` on the
 host. Rows (``--sends``): ``ours`` (plain arrays, a fresh output per call), ``ours-out`` (plain arrays, ``out=``
-reused), ``ours-sym`` (input and output from ``Communicator.empty``: on the host the receivers copy straight out of
-the sender's array, one copy per byte), the reference, and ``copy``. Bandwidths:
+reused), ``ours-sym`` (input and output from ``Communicator.empty``: the receivers copy straight out of the
+sender's array, one copy per byte; with ``--mode copy_engine`` the copy engines do it from 16 MiB per peer), the
+reference, ``ce-pull`` (``--sends ce``: the copy engines' rate, no flags) and ``copy``. Bandwidths:
 
 * ``algbw``: per-rank input bytes / time.
 * ``busbw``: bytes that leave each rank for OTHER ranks / time = ``(W - 1) / W * input / time``
@@ -249,9 +252,17 @@ def main(argv=None) -> int:
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf._bench_control)")
     ap.add_argument("--tokens", type=int, default=4096, help="--control: tokens per rank (default 4096)")
-    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv"),
-                    help="alltoall (equal blocks; default) or alltoallv with --patterns (p50 / p99 per call, "
-                         "cupy_symbuf._bench_alltoallv)")
+    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch"),
+                    help="alltoall (equal blocks; default), alltoallv with --patterns (p50 / p99 per call, "
+                         "cupy_symbuf._bench_alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "
+                         "p99, cupy_symbuf._bench_moe)")
+    ap.add_argument("--moe-tokens", default="4096,128",
+                    help="--op dispatch: tokens per rank, comma-separated (default 4096,128)")
+    ap.add_argument("--hidden", type=int, default=7168, help="--op dispatch: hidden size (default 7168)")
+    ap.add_argument("--num-experts", type=int, default=256, help="--op dispatch: experts in all (default 256)")
+    ap.add_argument("--topk", type=int, default=8, help="--op dispatch: experts per token (default 8)")
+    ap.add_argument("--dtype", default="float16", choices=("float16", "float32"),
+                    help="--op dispatch: token dtype (default float16)")
     ap.add_argument("--patterns", default="uniform,zipf,hot",
                     help="--op alltoallv: traffic patterns, comma-separated: uniform, zipf, hot (default: all)")
     ap.add_argument("--tune", action="store_true",
@@ -291,6 +302,13 @@ def main(argv=None) -> int:
             if not args.control and args.op == "alltoall":
                 print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
                       f"{'busbw_GB/s':>11} {'copy_share':>10}")
+        if args.op == "dispatch":
+            from . import _bench_moe
+            results = _bench_moe.run(c, comm, timer, args)
+            if me == 0 and args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+            return 0
         if args.op == "alltoallv":
             from . import _bench_alltoallv
             results = _bench_alltoallv.run(c, comm, timer, args, [parse_size(x) for x in args.sizes.split(",")])

@@ -3,6 +3,8 @@ import json
 import os
 import tempfile
 
+import numpy as np
+
 from mpi4py import MPI
 
 from cupy_symbuf import bench
@@ -66,4 +68,27 @@ def test_alltoallv_patterns_and_percentiles():
         hot = [r for r in rows if r["pattern"] == "hot"]
         assert all(r["max_recv_rows_over_mean"] >= (world.Get_size() / 2 if world.Get_size() > 1 else 1) - 0.01
                    for r in hot)
+        os.remove(path)
+
+
+def test_moe_dispatch_bench_rows():
+    """--op dispatch: the routing is top-k distinct experts; every row (dispatch, cached, combine per token count)
+    is reported with p50 <= p99 and both bandwidth conventions, DeepEP's (all received bytes) >= the off-rank one."""
+    from cupy_symbuf import _bench_moe as bm
+    idx = bm.routing(np.random.default_rng(0), 50, 16, 4)
+    assert idx.shape == (50, 4) and all(len(set(r)) == 4 for r in idx.tolist()) and idx.min() >= 0 and idx.max() < 16
+    world = MPI.COMM_WORLD
+    W = world.Get_size()
+    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
+    assert bench.main(["--backend", "host", "--op", "dispatch", "--moe-tokens", "64,8", "--hidden", "256",
+                       "--num-experts", str(4 * W), "--topk", "3", "--iters", "5", "--warmup", "1",
+                       "--json", path]) == 0
+    world.Barrier()
+    if world.Get_rank() == 0:
+        rows = json.load(open(path))
+        assert {(r["tokens"], r["op"]) for r in rows} == {(t, o) for t in (64, 8)
+                                                          for o in ("dispatch", "dispatch-cached", "combine")}
+        assert all(0 < r["p50_us"] <= r["p99_us"] and r["loop_us"] > 0 for r in rows)
+        assert all(r["deepep_GBps"] >= r["nvl_GBps"] >= 0 for r in rows)
+        assert all(r["nvl_GBps"] > 0 for r in rows) or W == 1
         os.remove(path)
