@@ -159,6 +159,68 @@ def _nccl_skip_reason(c):
     return None
 
 
+_TORCH = {"ready": None}  # torch.distributed, initialised once per run: None (not tried), True, or the skip reason
+
+
+def _torch_setup(comm, c):
+    """Initialise ``torch.distributed`` for the ``torch`` baseline row: gloo on the host path, NCCL on GPUs with a
+    rank per GPU. Returns None when ready, else why it is skipped (the same answer on every rank)."""
+    if _TORCH["ready"] is not None:
+        return None if _TORCH["ready"] is True else _TORCH["ready"]
+    why = None
+    try:
+        import torch
+        import torch.distributed as dist
+        if not dist.is_available():
+            why = "torch.distributed is not available in this torch build"
+        elif c.backend == "cuda":
+            why = _nccl_skip_reason(c) or (None if torch.cuda.is_available() else "torch has no CUDA")
+    except ImportError:
+        why = "torch is not installed"
+    why = next((w for w in comm.allgather(why) if w), None)  # one answer on every rank
+    if why is None:
+        import socket
+        import torch.distributed as dist
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        one_node = node.Get_size() == comm.Get_size()
+        node.Free()
+        if comm.Get_rank() == 0:
+            s = socket.socket()
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+            s.close()
+            addr = "127.0.0.1" if one_node else socket.gethostname()
+        else:
+            addr, port = None, None
+        addr, port = comm.bcast((addr, port))
+        try:
+            if c.backend == "cuda":
+                torch.cuda.set_device(c.buffer.device_id)
+            dist.init_process_group("gloo" if c.backend == "host" else "nccl", init_method=f"tcp://{addr}:{port}",
+                                    rank=comm.Get_rank(), world_size=comm.Get_size())
+        except Exception as exc:  # noqa: BLE001 - reported as the row's skip reason
+            why = f"init_process_group failed: {type(exc).__name__}: {exc}"
+        why = comm.allgather(why)
+        why = next((w for w in why if w), None)
+    _TORCH["ready"] = True if why is None else why
+    return why
+
+
+def _torch_alltoall(x, expected, comm):
+    """``torch.distributed.all_to_all_single`` of ``x``'s bytes (NumPy or CuPy, no copy), checked once against
+    ``expected``; returns the function to time."""
+    import torch
+    import torch.distributed as dist
+    src = torch.from_numpy(np.ascontiguousarray(x).reshape(-1)) if isinstance(x, np.ndarray) else \
+        torch.from_dlpack(x.reshape(-1))
+    dst = torch.empty_like(src)
+    dist.all_to_all_single(dst, src)
+    got = dst.cpu().numpy().reshape(expected.shape)
+    if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
+        raise RuntimeError("bench: torch.distributed all_to_all_single gave wrong data; not timing it")
+    return lambda: dist.all_to_all_single(dst, src)
+
+
 def _progress(items, rank: int, what: str):
     """``items``, with a progress bar on rank 0's stderr when tqdm is installed (``pip install tqdm``)."""
     if rank != 0:
@@ -224,6 +286,10 @@ def main(argv=None) -> int:
                     help="Config.chunk_bytes, e.g. 64K (default: per backend)")
     ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
+    ap.add_argument("--references", default="torch",
+                    help="extra references beside NCCL (GPU) / MPI (host), comma-separated: torch "
+                         "(torch.distributed all_to_all_single: gloo on the host, NCCL on GPUs with a rank per "
+                         "GPU; skipped with the reason where torch cannot run it); '' for none. Default: torch")
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
                     help="Config.mode (default auto); copy_engine: the ours-sym row of at least 16 MiB per peer is "
                          "pulled by the copy engines")
@@ -324,6 +390,9 @@ def main(argv=None) -> int:
                     json.dump([{"row": r, "us": v, "target": t, "world_size": W} for r, v, t in rows], f, indent=1)
             return 0
         timings = ("call", "loop") if args.timing == "both" else (args.timing,)
+        refs = set(r for r in args.references.split(",") if r)
+        if not refs <= {"torch"}:
+            ap.error(f"--references: unknown {sorted(refs - {'torch'})}")
         sends = set((args.sends or ("sym" if args.mode == "copy_engine" else "plain,out,sym")).split(","))
         if not sends <= {"plain", "out", "sym", "ce"}:
             ap.error(f"--sends: unknown kinds {sorted(sends - {'plain', 'out', 'sym', 'ce'})}")
@@ -415,6 +484,12 @@ def main(argv=None) -> int:
                     xh = np.asarray(x)
                     yh = np.empty_like(xh)
                     rows["mpi"] = timed(lambda: comm.Alltoall(xh, yh))
+                if "torch" in refs:
+                    why = _torch_setup(comm, c)
+                    if why is None:
+                        rows["torch"] = timed(_torch_alltoall(x, expected, comm))
+                    elif me == 0 and not results:
+                        print(f"# torch.distributed: skipped: {why}")
             copy_bps = _copy_rate(comm, xp, timer, W * per_peer, args.iters, args.warmup)
             rows["copy"] = {"loop": W * W * per_peer / copy_bps}  # every rank copying its input at once
             for timing in ("call", "loop"):

@@ -15,6 +15,14 @@ def test_parse_size():
     assert bench.parse_size("4KiB") == 4096 and bench.parse_size("1000") == 1000
 
 
+def _has_torch() -> bool:
+    try:
+        import torch.distributed as dist
+        return dist.is_available()
+    except ImportError:
+        return False
+
+
 def test_bench_runs_and_reports():
     # One file made by rank 0 (pytest's tmp_path would make every rank clean one shared base folder: a race).
     path = MPI.COMM_WORLD.bcast(tempfile.mkstemp(suffix=".json")[1] if MPI.COMM_WORLD.Get_rank() == 0 else None)
@@ -22,8 +30,9 @@ def test_bench_runs_and_reports():
     MPI.COMM_WORLD.Barrier()
     if MPI.COMM_WORLD.Get_rank() == 0:
         rows = json.load(open(path))
+        refs = ("mpi",) + (("torch",) if _has_torch() else ())  # torch.distributed (gloo) beside MPI when present
         assert {(r["engine"], r["timing"]) for r in rows} == \
-            {(e, t) for e in ("ours", "ours-out", "ours-sym", "mpi") for t in ("call", "loop")} | {("copy", "loop")}
+            {(e, t) for e in ("ours", "ours-out", "ours-sym") + refs for t in ("call", "loop")} | {("copy", "loop")}
         # the copy row is the reference of copy_share (100% by construction); every share is a positive fraction
         assert all(abs(r["copy_share"] - 1) < 1e-9 for r in rows if r["engine"] == "copy")
         assert all(r["copy_share"] > 0 and r["copy_GBps"] > 0 for r in rows)
