@@ -101,3 +101,20 @@ def test_moe_dispatch_bench_rows():
         assert all(r["deepep_GBps"] >= r["nvl_GBps"] >= 0 for r in rows)
         assert all(r["nvl_GBps"] > 0 for r in rows) or W == 1
         os.remove(path)
+
+
+def test_delta_bench_rows():
+    """--op delta: plain and delta rows per size; the delta row sends fewer bytes (1 + 4/128 per element against 4,
+    refreshes included) and its copy stays close to the rows."""
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
+    assert bench.main(["--backend", "host", "--op", "delta", "--sizes", "64K", "--iters", "5", "--warmup", "1",
+                       "--json", path]) == 0
+    world.Barrier()
+    if world.Get_rank() == 0:
+        rows = {r["engine"]: r for r in json.load(open(path))}
+        assert set(rows) == {"plain", "delta"} and all(r["loop_us"] > 0 for r in rows.values())
+        if world.Get_size() > 1:
+            assert 2.5 < rows["plain"]["sent_bytes_per_step"] / rows["delta"]["sent_bytes_per_step"] < 4.0
+        assert 0 <= rows["delta"]["max_rel_err"] < 1e-3
+        os.remove(path)
