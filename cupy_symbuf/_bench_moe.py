@@ -7,7 +7,8 @@ DeepEP's benchmark setting. Before any timing, one dispatch + combine per token 
 the dispatched tokens unweighted gives each token times the number of ranks it went to (float32 sum, rounded once).
 Timings, max over ranks: ``p50`` / ``p99`` of ``--iters`` calls each after a barrier (the cross-rank maximum of
 each call, then the percentile; use ``--iters 200`` or more for a p99 worth the name) and ``loop`` (calls back to
-back). Bandwidth (GB/s, of the p50 time): ``nvl`` = token bytes received from (dispatch) or sent to (combine)
+back). ``--wire fp8`` adds the same dispatches with ``wire_dtype="fp8"`` (their bandwidth counts the bytes on the
+wire) and prints the relative L2 error of the received tokens. Bandwidth (GB/s, of the p50 time): ``nvl`` = token bytes received from (dispatch) or sent to (combine)
 other ranks, ``deepep`` = all token bytes received (dispatch) or sent (combine), a rank's own included: DeepEP's
 convention (its 331.8 / 321.9 GB/s on 8 x H200). The low-latency mode is timed by ``bench --control``.
 """
@@ -64,11 +65,23 @@ def run(c, comm, timer, args) -> list:
         rows = {"dispatch": (lambda: c.dispatch(x, idx, weights, E), nvl, allb),
                 "dispatch-cached": (lambda: c.dispatch(x, handle=handle), nvl, allb),
                 "combine": (lambda: c.combine(recv_x, handle), sent_nvl, sent_all)}
+        rel_err = None
+        if args.wire == "fp8":  # low-precision transfer: codes + scales on the wire (1 + 4/128 bytes an element)
+            q = c.dispatch(x, handle=handle, wire_dtype="fp8")[0]
+            d = (q.astype(np.float32) - recv_x.astype(np.float32))
+            num, den = float((d * d).sum()), float((recv_x.astype(np.float32) ** 2).sum())
+            rel_err = (comm.allreduce(num) / max(comm.allreduce(den), 1e-30)) ** 0.5
+            f = (H + 4 * (H // 128)) / (H * dtype.itemsize)  # wire bytes per token byte
+            rows["dispatch-fp8"] = (lambda: c.dispatch(x, idx, weights, E, wire_dtype="fp8"), nvl * f, allb * f)
+            rows["dispatch-cached-fp8"] = (lambda: c.dispatch(x, handle=handle, wire_dtype="fp8"), nvl * f,
+                                           allb * f)
+            if me == 0:
+                print(f"# {tokens} tokens, fp8 wire: relative L2 error of recv_x {rel_err:.3e}")
         for op, (fn, b_nvl, b_all) in rows.items():
             samples = timer.samples(fn, args.iters, args.warmup, comm, c.synchronize)
             p50, p99 = float(np.percentile(samples, 50)), float(np.percentile(samples, 99))
             loop = timer.time_loop(fn, args.iters, args.warmup, comm, c.synchronize)
-            results.append({"op": op, "tokens": tokens, "hidden": H, "dtype": dtype.name, "num_experts": E,
+            results.append({"op": op, "tokens": tokens, "rel_l2_error": rel_err if op.endswith("fp8") else 0.0, "hidden": H, "dtype": dtype.name, "num_experts": E,
                             "topk": K, "world_size": W, "backend": c.backend, "p50_us": p50 * 1e6,
                             "p99_us": p99 * 1e6, "loop_us": loop * 1e6, "nvl_GBps": b_nvl / p50 / 1e9,
                             "deepep_GBps": b_all / p50 / 1e9})

@@ -330,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=8, help="--op dispatch: experts per token (default 8)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"),
                     help="--op dispatch: token dtype (default float16)")
+    ap.add_argument("--wire", default=None, choices=("fp8",),
+                    help="--op dispatch: also time the dispatches with wire_dtype='fp8' (low-precision transfer)")
     ap.add_argument("--patterns", default="uniform,zipf,hot",
                     help="--op alltoallv: traffic patterns, comma-separated: uniform, zipf, hot (default: all)")
     ap.add_argument("--tune", action="store_true",

@@ -512,7 +512,7 @@ class Communicator:
         return recv
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, out=None, stream=None,
-                  async_op=False):
+                  async_op=False, wire_dtype=None):
         """All-to-all of variable row counts.
 
         Parameters
@@ -540,6 +540,15 @@ class Communicator:
             (the size must be known before the count exchange). Returned as ``recvbuf``.
         stream, async_op : keyword-only
             The stream to run on and the async form: see :meth:`alltoall` (Streams).
+        wire_dtype : {None, "fp8", "int8"}, keyword-only
+            Low-precision transfer of float rows (float32, float16 or bfloat16; the row's element count a
+            multiple of 128): each row is quantised per block of 128 elements (``"fp8"``: float8_e4m3fn codes,
+            :func:`cupy_symbuf.quant.quantize_fp8`; ``"int8"``: int8 codes, ``scale = amax / 127``,
+            :func:`cupy_symbuf.quant.quantize_int8`) with one float32 scale, the codes and scales travel (1 + 4/128
+            bytes per element), and ``recvbuf`` comes back dequantised in ``sendbuf``'s dtype. Errors per element:
+            ``quant.error_bound`` (fp8, relative ~2**-4) / ``quant.int8_error_bound`` (half a step). Not with
+            ``out``. Every rank must pass the same ``wire_dtype`` and dtype (the packed rows' format and the
+            source dtype are in the row signature every peer checks).
 
         Returns
         -------
@@ -572,10 +581,12 @@ class Communicator:
         """
         if stream is not None or async_op is not False:
             return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
-                                   {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out},
-                                   stream=stream, async_op=async_op)
+                                   {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out,
+                                    "wire_dtype": wire_dtype}, stream=stream, async_op=async_op)
         op = "alltoallv"
         eng = self._engine
+        if wire_dtype is not None:
+            return self._alltoallv_wire(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype)
         if recv_capacity is not None or (self.backend == "cuda" and _compat.is_cupy_array(send_counts)):
             with eng.call(op, notify=True):
                 return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out)
@@ -603,6 +614,51 @@ class Communicator:
                 check_out(op, out, self.backend, shape, x.dtype, inputs=(x,))
             eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct)
         return recv, recv_counts
+
+    #: wire_dtype -> (packed dtype, quantiser, dequantiser); the packed rows of fp8 (uint8) and int8 (int8) differ
+    #: in dtype, so ranks mixing them fail the row-signature check instead of decoding each other's codes
+    _WIRE = {"fp8": (np.uint8, "quantize_fp8", "dequantize_fp8"), "int8": (np.int8, "quantize_int8", "dequantize_int8")}
+
+    def _alltoallv_wire(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype):
+        """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
+        from . import dtypes as _dt
+        from . import quant
+        notify = recv_counts is None or recv_capacity is not None
+        try:
+            if wire_dtype not in self._WIRE:
+                raise ValueError(f"{op}: wire_dtype must be None, 'fp8' or 'int8', got {wire_dtype!r}")
+            if out is not None:
+                raise ValueError(f"{op}: out= is not supported with wire_dtype (the rows arrive packed)")
+            x = as_array(op, "sendbuf", sendbuf, self.backend)
+            kind = _dt.float_kind(x.dtype)
+            if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32) or x.ndim < 2:
+                raise TypeError(f"{op}: wire_dtype={wire_dtype!r} needs float32 / float16 / bfloat16 rows (at least "
+                                f"2-D), got dtype {x.dtype} shape {tuple(x.shape)}")
+            n, row_shape = int(x.shape[0]), tuple(x.shape[1:])
+            per_row = int(np.prod(row_shape))
+            if per_row % quant.QUANT_BLOCK:
+                raise ValueError(f"{op}: wire_dtype={wire_dtype!r} needs rows of a multiple of {quant.QUANT_BLOCK} "
+                                 f"elements, got {per_row} (row shape {row_shape})")
+            xp = self.xp
+            packed_dtype, qname, dqname = self._WIRE[wire_dtype]
+            q, scales = getattr(quant, qname)(_dt.to_float32(xp, xp.ascontiguousarray(x).reshape(n, per_row), kind))
+            width = per_row + 4 * (per_row // quant.QUANT_BLOCK)
+            # the source dtype travels in the packed row shape ([n, code, width / code]), so it is checked too
+            code = {_dt.FLOAT32: 1, _dt.FLOAT16: 2, _dt.BFLOAT16: 4}[kind]
+            packed = xp.concatenate([q.view(packed_dtype),
+                                     scales.view(packed_dtype).reshape(n, width - per_row)], axis=1)
+            packed = packed.reshape(n, code, width // code)
+        except BaseException:
+            eng.reject(op, notify=notify)
+            raise
+        recv, got = self.alltoallv(packed, send_counts, recv_counts=recv_counts, recv_capacity=recv_capacity)
+        m = int(recv.shape[0])
+        recv = recv.reshape(m, width)
+        rq = recv[:, :per_row]
+        rs = xp.ascontiguousarray(recv[:, per_row:]).view(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # capacity mode: rows past the count hold anything
+            f = getattr(quant, dqname)(rq, rs)
+            return _dt.from_float32(xp, f, kind, x.dtype).reshape((m,) + row_shape), got
 
     def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None):
         """alltoallv in capacity mode (see :meth:`alltoallv`): GPU: counts checked and exchanged on the device,

@@ -2,7 +2,7 @@
 
 :class:`DeltaExchange` is for exchanges that repeat every step on data whose rows keep their identity (gradient
 shards, a fixed set of embedding rows): instead of the rows it sends their change, quantised to int8 per block of
-``block`` elements with a float32 scale, against what the receiver already holds. Both sides keep the receiver's
+``block`` elements with a float32 scale, against what the receiver already holds (:func:`cupy_symbuf.quant.quantize_int8`). Both sides keep the receiver's
 reconstruction; the sender adds what it sent to its copy, so the quantisation error is carried into the next
 step's difference instead of accumulating (error feedback, as in 1-bit SGD / EF-SGD). Every ``refresh`` steps the
 rows go exactly (float32), which resets both copies.
@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from . import quant
 
 __all__ = ["DeltaExchange"]
 
@@ -110,18 +112,16 @@ class DeltaExchange:
             wire_bytes = 4 * off_rank
         else:
             nb, B = self._nblocks, self.block
-            delta = (x - self._sent).reshape(W, nb, B)
-            amax = xp.abs(delta).max(axis=2)                                   # [W, nb]
-            scale = (amax / np.float32(127)).astype(np.float32)
-            inv = xp.where(scale > 0, np.float32(1) / xp.where(scale > 0, scale, np.float32(1)), np.float32(0))
-            q = xp.clip(xp.rint(delta * inv[:, :, None]), -127, 127).astype(np.int8)
-            wire = xp.concatenate([q.reshape(W, -1).view(np.uint8), scale.view(np.uint8).reshape(W, -1)], axis=1)
+            q, scale = quant.quantize_int8(x - self._sent, B)             # [W, rows, hidden], [W, rows, hidden / B]
+            wire = xp.concatenate([q.reshape(W, self._code_bytes).view(np.uint8),
+                                   scale.view(np.uint8).reshape(W, 4 * nb)], axis=1)
             got = c.alltoall(xp.ascontiguousarray(wire))  # raises (nothing changed here) when a peer rejected
             # error feedback: the receivers now hold the old copy plus the dequantised difference, and so do we
-            self._sent += (q.astype(np.float32) * scale[:, :, None]).reshape(shape)
-            q_in = got[:, : self._code_bytes].view(np.int8).reshape(W, nb, B)
-            s_in = xp.ascontiguousarray(got[:, self._code_bytes:]).view(np.float32).reshape(W, nb)
-            self._held += (q_in.astype(np.float32) * s_in[:, :, None]).reshape(shape)
+            self._sent += quant.dequantize_int8(q, scale, B)
+            q_in = got[:, : self._code_bytes].view(np.int8).reshape(shape)
+            s_in = xp.ascontiguousarray(got[:, self._code_bytes:]).view(np.float32).reshape(W, self.rows,
+                                                                                          self.hidden // B)
+            self._held += quant.dequantize_int8(q_in, s_in, B)
             wire_bytes = (W - 1) * (self._code_bytes + 4 * nb)
         self.steps += 1
         self.plain_bytes += 4 * off_rank

@@ -433,7 +433,8 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
 
 
 def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
-             handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, num_worst_tokens: int = 0):
+             handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+             wire_dtype: Optional[str] = None):
     """Send each token to every rank that holds at least one of its experts, once per rank. Collective.
 
     DeepEP: ``Buffer.dispatch`` (``deep_ep/buffer.py``), intranode normal mode; the layout that DeepEP takes as
@@ -476,6 +477,14 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         skip the call on every rank (outputs: no rows) and are raised by ``synchronize()`` as
         :class:`~cupy_symbuf.SymBufferRejectedError`; the communicator stays usable. With ``handle``: 0 or the
         handle's.
+    wire_dtype : {None, "fp8"} (keyword-only)
+        ``"fp8"``: low-precision transfer: ``x`` (bfloat16 / float16 / float32, ``hidden % 128 == 0``) is quantised
+        per 1x128 block to float8_e4m3fn with a float32 scale (:func:`cupy_symbuf.quant.quantize_fp8`, the
+        quantiser of the low-latency kernels), the codes and scales travel (1 + 4/128 bytes per element instead
+        of 2 or 4), and ``recv_x`` comes back dequantised in ``x``'s dtype. Error per element at most
+        ``|x| * 2**-4 + scale * 2**-10`` (``quant.error_bound``). A cached dispatch may use it too. Not with an
+        fp8 tuple ``x``. Every rank must make the same choice (the rows' format is in the signature every
+        receiver checks).
 
     Returns
     -------
@@ -515,8 +524,34 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     op = "dispatch"
     # the count exchange comes first without a handle; a call rejected here is told to the peers (_engine.call)
     with comm.call(op, notify=handle is None):
-        return _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
-                         num_worst_tokens)
+        back = None
+        if wire_dtype is not None:
+            x, back = _wire_fp8(op, comm, x, wire_dtype)
+        out = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
+                        num_worst_tokens)
+    if back is not None:
+        out = (back(*out[0]),) + tuple(out[1:])
+    return out
+
+
+def _wire_fp8(op, comm, x, wire_dtype):
+    """``dispatch(wire_dtype="fp8")``: the ``(codes, scales)`` tuple that travels and the function that turns the
+    received pair back into ``x``'s dtype."""
+    from . import quant
+    if wire_dtype != "fp8":
+        raise ValueError(f"{op}: wire_dtype must be None or 'fp8', got {wire_dtype!r}")
+    if isinstance(x, tuple):
+        raise ValueError(f"{op}: wire_dtype='fp8' quantises x itself; pass x as one array, not an (x_fp8, scales) "
+                         f"tuple")
+    xv, _, kind = _check_x(op, comm, x, None, None)
+    if xv.shape[1] % FP8_BLOCK:
+        raise ValueError(f"{op}: wire_dtype='fp8' needs hidden divisible by {FP8_BLOCK}, got hidden={xv.shape[1]}")
+    xp, dtype = comm.xp, xv.dtype
+    q, scales = quant.quantize_fp8(_dt.to_float32(xp, xv, kind))
+
+    def back(recv_q, recv_scales):
+        return _dt.from_float32(xp, quant.dequantize_fp8(recv_q, recv_scales), kind, dtype)
+    return (q, scales), back
 
 
 def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens):

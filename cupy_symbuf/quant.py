@@ -13,13 +13,24 @@ Dequantised ``x' = float(q) * scale``. **Error bound** (finite x): ``|x - x'| <=
 (half an e4m3 ulp: 3 mantissa bits in the normal range, spacing ``2**-9`` in the subnormal range), plus float32
 rounding of ``inv`` and of the product (relative ``2**-23`` each; :func:`error_bound` includes them). NaN input is
 not supported (the amax ignores NaN on the GPU; the codes of NaN elements are NaN).
+
+Every function takes NumPy or CuPy arrays and returns arrays of the same module (the same elementwise integer
+arithmetic on both), so the wire quantisation of ``dispatch`` / ``alltoallv`` (``wire_dtype="fp8"``) runs where
+the data is. :func:`quantize_int8` / :func:`dequantize_int8` are the int8 form (``scale = amax / 127``).
 """
 from __future__ import annotations
 
 import numpy as np
 
 __all__ = ["QUANT_BLOCK", "FP8_MAX", "AMAX_FLOOR", "quantize_fp8", "dequantize_fp8", "fp8_e4m3_to_float32",
-           "float32_to_fp8_e4m3", "block_scales", "error_bound"]
+           "float32_to_fp8_e4m3", "block_scales", "error_bound", "quantize_int8", "dequantize_int8",
+           "int8_error_bound"]
+
+
+def _xp(a):
+    """NumPy, or CuPy for a CuPy array."""
+    from . import _compat
+    return _compat.cupy if _compat.is_cupy_array(a) else np
 
 QUANT_BLOCK = 128
 FP8_MAX = np.float32(448.0)
@@ -28,23 +39,25 @@ AMAX_FLOOR = np.float32(1e-4)
 
 def float32_to_fp8_e4m3(v: np.ndarray) -> np.ndarray:
     """float32 -> float8_e4m3fn bits (uint8), round to nearest even, saturating to +-448 (satfinite); NaN -> 0x7F."""
-    v = np.ascontiguousarray(v, dtype=np.float32)
+    xp = _xp(v)
+    v = xp.ascontiguousarray(v, dtype=np.float32)
     u = v.view(np.uint32)
     sign = ((u >> np.uint32(24)) & np.uint32(0x80)).astype(np.uint8)
-    a = np.abs(v)
+    a = xp.abs(v)
     au = a.view(np.uint32).astype(np.uint64)
     # normal range: round the float32 mantissa to 3 bits (nearest even), rebias the exponent (127 -> 7)
     r = (au + np.uint64(0x7FFFF) + ((au >> np.uint64(20)) & np.uint64(1))) >> np.uint64(20)
     normal = r.astype(np.int64) - ((127 - 7) << 3)
     # subnormal range (|v| < 2**-6): multiples of 2**-9, nearest even (2**-6 itself rounds to code 8 = 2**-6)
-    sub = np.rint(a * np.float32(512.0)).astype(np.int64)
-    code = np.where(a < np.float32(2.0 ** -6), sub, normal)
-    code = np.minimum(code, 0x7E).astype(np.uint8)
-    code = np.where(np.isnan(v), np.uint8(0x7F), code | sign)
+    sub = xp.rint(a * np.float32(512.0)).astype(np.int64)
+    code = xp.where(a < np.float32(2.0 ** -6), sub, normal)
+    code = xp.minimum(code, 0x7E).astype(np.uint8)
+    code = xp.where(xp.isnan(v), np.uint8(0x7F), code | sign)
     return code.astype(np.uint8)
 
 
 _TABLE = None
+_TABLES = {}  # per array module
 
 
 def fp8_e4m3_to_float32(q) -> np.ndarray:
@@ -57,15 +70,26 @@ def fp8_e4m3_to_float32(q) -> np.ndarray:
         val = np.where(e == 0, m * 2.0 ** -9, (1 + m / 8.0) * 2.0 ** (e - 7.0))
         val = np.where((c & 0x7F) == 0x7F, np.nan, val)
         _TABLE = (s * val).astype(np.float32)
-    q = np.asarray(q)
-    return _TABLE[q.view(np.uint8) if q.dtype.itemsize == 1 else q.astype(np.uint8)]
+    xp = _xp(q)
+    q = xp.asarray(q)
+    table = _TABLES.get(xp.__name__)
+    if table is None:
+        table = _TABLES[xp.__name__] = xp.asarray(_TABLE)
+    return table[q.view(np.uint8) if q.dtype.itemsize == 1 else q.astype(np.uint8)]
 
 
 def block_scales(xf: np.ndarray, ue8m0: bool = False) -> np.ndarray:
     """float32 scales ``[..., hidden // 128]`` of float32 rows ``xf [..., hidden]``."""
+    xp = _xp(xf)
     blocks = xf.reshape(xf.shape[:-1] + (xf.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
-    amax = np.fmax.reduce(np.abs(blocks), axis=-1) if blocks.size else np.zeros(blocks.shape[:-1], np.float32)
-    amax = np.maximum(amax.astype(np.float32), AMAX_FLOOR)
+    if not blocks.size:
+        amax = xp.zeros(blocks.shape[:-1], np.float32)
+    elif xp is np:
+        amax = np.fmax.reduce(np.abs(blocks), axis=-1)
+    else:  # NaN ignored, as fmax.reduce and the GPU quantiser do
+        a = xp.abs(blocks)
+        amax = xp.where(xp.isnan(a), np.float32(0), a).max(axis=-1)
+    amax = xp.maximum(amax.astype(np.float32), AMAX_FLOOR)
     scale = (amax / FP8_MAX).astype(np.float32)
     if ue8m0:
         u = scale.view(np.uint32).astype(np.uint64)
@@ -78,7 +102,8 @@ def quantize_fp8(xf, ue8m0: bool = False):
 
     ``xf``: float32 (or anything exactly convertible: bf16 widened, fp16) array whose last axis is a multiple of
     128. Bitwise equal to the GPU quantiser (``cuda_src/quant.cuh``)."""
-    xf = np.ascontiguousarray(xf, dtype=np.float32)
+    xp = _xp(xf)
+    xf = xp.ascontiguousarray(xf, dtype=np.float32)
     if xf.shape[-1] % QUANT_BLOCK:
         raise ValueError(f"quantize_fp8: the last axis ({xf.shape[-1]}) must be a multiple of {QUANT_BLOCK}")
     scale = block_scales(xf, ue8m0)
@@ -91,8 +116,9 @@ def quantize_fp8(xf, ue8m0: bool = False):
 def dequantize_fp8(q, scales) -> np.ndarray:
     """float32 ``float(q) * scale`` per 128-element block."""
     f = fp8_e4m3_to_float32(q)
+    xp = _xp(f)
     blocks = f.reshape(f.shape[:-1] + (f.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
-    return (blocks * np.asarray(scales, np.float32)[..., None]).reshape(f.shape)
+    return (blocks * xp.asarray(scales, np.float32)[..., None]).reshape(f.shape)
 
 
 def error_bound(xf, scales) -> np.ndarray:
@@ -100,3 +126,33 @@ def error_bound(xf, scales) -> np.ndarray:
     xf = np.asarray(xf, np.float64)
     s = np.repeat(np.asarray(scales, np.float64), QUANT_BLOCK, axis=-1)
     return np.abs(xf) * (2.0 ** -4 + 2.0 ** -21) + s * 2.0 ** -10
+
+
+def quantize_int8(xf, block: int = QUANT_BLOCK):
+    """``(q, scales)``: int8 codes with ``xf``'s shape and float32 scales ``[..., last // block]`` per block of
+    ``block`` elements of the last axis: ``scale = amax / 127`` (0 for an all-zero block), ``q = rint(x / scale)``
+    clipped to +-127. NumPy or CuPy. Error bound: :func:`int8_error_bound`."""
+    xp = _xp(xf)
+    xf = xp.ascontiguousarray(xf, dtype=np.float32)
+    if xf.shape[-1] % block:
+        raise ValueError(f"quantize_int8: the last axis ({xf.shape[-1]}) must be a multiple of {block}")
+    blocks = xf.reshape(xf.shape[:-1] + (xf.shape[-1] // block, block))
+    amax = xp.abs(blocks).max(axis=-1) if blocks.size else xp.zeros(blocks.shape[:-1], np.float32)
+    scale = (amax / np.float32(127)).astype(np.float32)
+    inv = xp.where(scale > 0, np.float32(1) / xp.where(scale > 0, scale, np.float32(1)), np.float32(0))
+    q = xp.clip(xp.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(xf.shape), scale
+
+
+def dequantize_int8(q, scales, block: int = QUANT_BLOCK):
+    """float32 ``q * scale`` per block of ``block`` elements of the last axis (NumPy or CuPy)."""
+    xp = _xp(q)
+    blocks = q.reshape(q.shape[:-1] + (q.shape[-1] // block, block)).astype(np.float32)
+    return (blocks * xp.asarray(scales, np.float32)[..., None]).reshape(q.shape)
+
+
+def int8_error_bound(scales, block: int = QUANT_BLOCK) -> np.ndarray:
+    """The bound of ``|x - dequantize_int8(quantize_int8(x))|`` per element (NumPy float64): half a step,
+    ``scale / 2``, plus float32 rounding (``2**-22`` of ``127 * scale``)."""
+    s = np.repeat(np.asarray(scales, np.float64), block, axis=-1)
+    return s * (0.5 + 127 * 2.0 ** -22)

@@ -91,12 +91,13 @@ def test_moe_dispatch_bench_rows():
     path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
     assert bench.main(["--backend", "host", "--op", "dispatch", "--moe-tokens", "64,8", "--hidden", "256",
                        "--num-experts", str(4 * W), "--topk", "3", "--iters", "5", "--warmup", "1",
-                       "--json", path]) == 0
+                       "--wire", "fp8", "--json", path]) == 0
     world.Barrier()
     if world.Get_rank() == 0:
         rows = json.load(open(path))
-        assert {(r["tokens"], r["op"]) for r in rows} == {(t, o) for t in (64, 8)
-                                                          for o in ("dispatch", "dispatch-cached", "combine")}
+        ops = ("dispatch", "dispatch-cached", "combine", "dispatch-fp8", "dispatch-cached-fp8")
+        assert {(r["tokens"], r["op"]) for r in rows} == {(t, o) for t in (64, 8) for o in ops}
+        assert all(5e-3 < r["rel_l2_error"] < 5e-2 for r in rows if r["op"].endswith("fp8"))
         assert all(0 < r["p50_us"] <= r["p99_us"] and r["loop_us"] > 0 for r in rows)
         assert all(r["deepep_GBps"] >= r["nvl_GBps"] >= 0 for r in rows)
         assert all(r["nvl_GBps"] > 0 for r in rows) or W == 1
