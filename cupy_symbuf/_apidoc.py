@@ -16,7 +16,7 @@ PUBLIC = [
     ("MoE (module functions)", "cupy_symbuf.moe"),
     ("DeepEP shim", "cupy_symbuf.deepep"),
     ("PyTorch autograd", "cupy_symbuf.autograd"),
-    ("Delta encoding", "cupy_symbuf.delta"),
+    ("DeltaExchange", "cupy_symbuf.DeltaExchange"),
     ("Symmetric arrays", "cupy_symbuf.symmetric"),
     ("Tuning table", "cupy_symbuf.tuning"),
     ("Diagnostics", "cupy_symbuf.diagnostics"),
