@@ -326,12 +326,13 @@ class Engine:
             raise ValueError(f"{op}: Config.mode={mode!r} but this call cannot move its rows directly: {why}")
         return found
 
-    def run(self, plan, send_parts, send_index, recv_parts, direct=None) -> None:
+    def run(self, plan, send_parts, send_index, recv_parts, direct=None, relaxed: bool = False) -> None:
         """Run ``plan`` on the transport (the hot path of a validated call); raises
         :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (see :meth:`exchange_rows`).
-        ``direct``: :meth:`direct_source` (``plan.direct`` must say the same)."""
+        ``direct``: :meth:`direct_source` (``plan.direct`` must say the same); ``relaxed``: see
+        :func:`check_sync`."""
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op,
-                             *(() if direct is None else (direct,)))
+                             *(() if direct is None else (direct,)), **self._relaxed(relaxed, direct))
         self._count(plan)
         if rejected:
             self._raise_rejected(plan.op, rejected)
@@ -376,8 +377,14 @@ class Engine:
             f"the rows from rank {who} were not delivered; the communicator stays usable", rank=self.rank,
             rejecting_rank=who, op=op)
 
+    def _relaxed(self, relaxed: bool, direct) -> dict:
+        """The transport keyword of ``sync="relaxed"``: only the host engine defers anything (its direct-mode
+        senders' wait for the peers' heads); on the GPU a relaxed call runs as a strong one (a stronger guarantee
+        than asked)."""
+        return {"relaxed": True} if relaxed and direct is not None and self.backend == "host" else {}
+
     def exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
-                      recv_counts: np.ndarray, sig_text: str, direct=None) -> None:
+                      recv_counts: np.ndarray, sig_text: str, direct=None, relaxed: bool = False) -> None:
         """Row exchange (both backends): a sent row is the concatenation of row ``send_index[r]`` (or ``r``) of
         every array of ``send_parts`` (``[n, ...]``, rows contiguous, any row stride), rows grouped by destination;
         received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``. ``sig_text``:
@@ -393,9 +400,27 @@ class Engine:
         plan = self.plans.get(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
                               send_counts, recv_counts, direct is not None)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
-                             *(() if direct is None else (direct,)))
+                             *(() if direct is None else (direct,)), **self._relaxed(relaxed, direct))
         self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)
+
+
+SYNC_MODES = ("strong", "relaxed")
+
+
+def check_sync(op: str, sync) -> bool:
+    """Validate a collective's ``sync`` argument; True for ``"relaxed"``.
+
+    ``"strong"`` (default): the call returns with every peer done with this call's buffers: the caller may
+    overwrite ``sendbuf`` at once. ``"relaxed"``: the call returns once this rank has received every row and sent
+    every header, possibly while peers still copy rows straight out of its ``sendbuf`` (direct / cross-memory
+    attach modes; the rings hold their own copy); the caller must not modify ``sendbuf`` until its next collective
+    on this communicator returns (which first waits for those copies) or :meth:`Communicator.synchronize`. Saves
+    the trailing wait for the slowest peer's copy (NCCL / MPI ``Isend``-style buffer ownership). On the GPU path
+    and through the rings a relaxed call behaves as a strong one. ``ValueError`` for another value."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"{op}: argument 'sync' must be one of {SYNC_MODES}, got {sync!r}")
+    return sync == "relaxed"
 
 

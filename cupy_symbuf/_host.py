@@ -152,6 +152,34 @@ class HostTransport:
         self.trace = None
         L = layout
         self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
+        #: relaxed calls (``sync="relaxed"``) in direct mode return before the peers handed their header slots
+        #: back: (head line, counter awaited, channel, peer) per stream, awaited by the next collective (settle)
+        self._pending = []
+
+    def settle(self, op: str) -> None:
+        """Wait until every peer has copied the rows of this rank's earlier ``sync="relaxed"`` calls out of its
+        sendbufs (their heads reached those calls' header slots): the guarantee a relaxed call defers to the next
+        collective or ``synchronize()``. Bounded by ``timeout_s`` (then the abort word is set on every rank and
+        :class:`SymBufferTimeoutError` names the rank, peer, channel, head and the counter awaited); polls the
+        abort word."""
+        if not self._pending:
+            return
+        start = time.monotonic()
+        idle = 0
+        while True:
+            self._pending = [w for w in self._pending if int(w[0][0]) < w[1]]
+            if not self._pending:
+                break
+            self.check_abort(op)
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                line, want, c, p = self._pending[0]
+                self.set_abort(P.ERR_TIMEOUT, p, c)
+                raise SymBufferTimeoutError(rank=self.rank, peer=p, channel=c, role="send", head=int(line[0]),
+                                            tail=want, timeout_s=self.timeout_s, op=op)
+            idle += 1
+            _yield(idle, waited)
+        self.buf.sync()  # the peers' reads of our memory happened before their head stores we saw
 
     def _u64(self, rank: int, offset: int, n: int = 1) -> np.ndarray:
         return self.views[rank][offset: offset + 8 * n].view(np.uint64)
@@ -214,14 +242,16 @@ class HostTransport:
         return self.cma_pids is not None
 
     # ---- row exchange ---------------------------------------------------------------------------------------
-    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None) -> list:
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None,
+                      relaxed: bool = False) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf._plan.ExchangePlan`): every (channel, peer) stream sends
         its call header and its chunks and receives the peer's; returns the ranks whose header said they rejected
         the call (their rows are not delivered; the rings stay in step). ``send_parts``: arrays ``[n, ...]`` with
         contiguous rows; ``send_index``: int64 ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
         ``direct`` (``plan.direct``): ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` of a send part in a
         symmetric array, or ``(MODE_CMA, pid, address)`` of a plain one (cross-memory attach); each peer then
-        copies its rows straight out of it and this call returns once every peer has.
+        copies its rows straight out of it and this call returns once every peer has, or (``relaxed``) once every
+        header is out and every row received: the peers' copies are then awaited by the next call (:meth:`settle`).
 
         Raises :class:`SymBufferMismatchError` (a peer's header differs: rank, peer, channel, field, both values),
         :class:`SymBufferTimeoutError` or :class:`SymBufferAbortedError`; the first two set the abort word on every
@@ -229,6 +259,7 @@ class HostTransport:
         """
         me, W = self.rank, self.world_size
         self.check_abort(op)
+        self.settle(op)  # earlier relaxed calls: their sendbufs are the caller's again once this returns
         send = recv = None
         if not plan.reject:
             send = _Side(send_parts, send_index, plan.send_units, plan.send_first, plan.byte_stream, plan.row_bytes)
@@ -300,7 +331,9 @@ class HostTransport:
                     progressed = True
                 # done once all is written; in direct mode once the peer has consumed the header too (it copied
                 # its rows out of our symmetric array)
-                if x.header is None and x.pos >= x.end and (not is_direct or head >= x.pos_counter):
+                if x.header is None and x.pos >= x.end and (not is_direct or relaxed or head >= x.pos_counter):
+                    if is_direct and head < x.pos_counter:  # relaxed: the next call waits for this head
+                        self._pending.append((x.counter, x.pos_counter, x.c, x.p))
                     x.state[P.STATE_COUNTER], x.state[P.STATE_SEQ] = x.pos_counter, x.seq
                     sends.remove(x)
                     progressed = True
@@ -505,6 +538,7 @@ class HostTransport:
         ``s`` is rank ``s``'s ``[op, status, signature, values for this rank...]``. Slots double-buffered by
         ``epoch % 2``; every wait is bounded and polls the abort word. (``wait``: the GPU engine's; the host
         engine always completes the exchange.)"""
+        self.settle(op)
         L = self.layout
         me = self.rank
         W, M = send_meta.shape

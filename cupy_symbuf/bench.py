@@ -290,6 +290,8 @@ def main(argv=None) -> int:
                     help="extra references beside NCCL (GPU) / MPI (host), comma-separated: torch "
                          "(torch.distributed all_to_all_single: gloo on the host, NCCL on GPUs with a rank per "
                          "GPU; skipped with the reason where torch cannot run it); '' for none. Default: torch")
+    ap.add_argument("--relaxed", action="store_true",
+                    help="also time the ours-sym row with sync='relaxed' (row ours-sym-relaxed)")
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
                     help="Config.mode (default auto); copy_engine: the ours-sym row of at least 16 MiB per peer is "
                          "pulled by the copy engines")
@@ -444,6 +446,9 @@ def main(argv=None) -> int:
                     raise RuntimeError(f"bench: alltoall of symmetric arrays of {_fmt(W * per_peer)} per rank gave "
                                        f"wrong data; not timing it")
                 rows["ours-sym"] = timed(lambda: c.alltoall(xs, out=outs), c.synchronize)
+                if args.relaxed:  # selective synchronisation: the next call waits for the peers' copies
+                    rows["ours-sym-relaxed"] = timed(lambda: c.alltoall(xs, out=outs, sync="relaxed"),
+                                                     c.synchronize)
                 c.free(outs)
                 c.free(xs)
             if "ce" in sends and c.backend == "cuda":

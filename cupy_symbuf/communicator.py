@@ -11,7 +11,7 @@ from mpi4py import MPI
 from . import _compat
 from . import moe as _moe
 from ._streams import run_collective as _run_collective
-from ._engine import row_signature
+from ._engine import check_sync, row_signature
 from ._validate import as_array, check_counts, check_out
 from .config import Config
 from .errors import SymBufferClosedError, SymBufferError
@@ -266,7 +266,8 @@ class Communicator:
         On the GPU path collectives return once queued (``Config.blocking=False``, the default); this is where
         their :class:`~cupy_symbuf.SymBufferTimeoutError` surfaces if no later call raised it first. The results
         of the collective that timed out and of every one queued after it are not valid. Local (no communication);
-        a no-op on the host path, whose calls complete before returning.
+        on the host path, whose calls complete before returning, it waits only for the peers' copies out of the
+        sendbufs of earlier ``sync="relaxed"`` calls.
 
         Raises
         ------
@@ -284,6 +285,8 @@ class Communicator:
         if self.backend == "cuda":
             self._run(self._transport.synchronize)
             self._transport.check_layout_error("synchronize")  # a local argument error: the communicator stays usable
+        else:  # the peers' copies out of the sendbufs of earlier sync="relaxed" calls
+            self._run(self._transport.settle, "synchronize")
 
     def __enter__(self) -> "Communicator":
         return self
@@ -436,7 +439,7 @@ class Communicator:
         return self._engine._run(fn, *args, **kwargs)
 
     # ---- collectives ----------------------------------------------------------------------------------------
-    def alltoall(self, sendbuf, *, out=None, stream=None, async_op=False):
+    def alltoall(self, sendbuf, *, out=None, stream=None, async_op=False, sync="strong"):
         """All-to-all of equal blocks: ``recvbuf[j]`` is what rank ``j`` sent to this rank (``sendbuf[rank]`` there).
 
         Parameters
@@ -451,6 +454,12 @@ class Communicator:
             with ``out`` and replay with new data in ``sendbuf``.
         stream, async_op : keyword-only
             See Streams below (every collective takes them).
+        sync : {"strong", "relaxed"}, keyword-only
+            Selective synchronisation. ``"strong"`` (default): returns with every peer done with this call's
+            buffers. ``"relaxed"``: may return while peers still copy this rank's rows straight out of ``sendbuf``
+            (direct modes); do not modify ``sendbuf`` until the next collective on this communicator returns (it
+            waits for those copies first) or :meth:`synchronize`. Saves the wait for the slowest peer's copy; the
+            same as strong through the rings and on the GPU path (see ``_engine.check_sync``).
 
         Returns
         -------
@@ -491,8 +500,8 @@ class Communicator:
             the event is complete at once.
         """
         if stream is not None or async_op is not False:
-            return _run_collective(self, "alltoall", False, self.alltoall, (sendbuf,), {"out": out}, stream=stream,
-                                   async_op=async_op)
+            return _run_collective(self, "alltoall", False, self.alltoall, (sendbuf,), {"out": out, "sync": sync},
+                                   stream=stream, async_op=async_op)
         op = "alltoall"
         eng = self._engine
         self._check_open()
@@ -501,6 +510,7 @@ class Communicator:
             if x.shape[0] != self.world_size:
                 raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), "
                                  f"got shape {tuple(x.shape)}")
+            relaxed = check_sync(op, sync)
             direct = eng.direct_source(op, [x], None)
             plan = eng.rows_plan(op, x, self._ones, direct is not None)
             recv = self.xp.empty(x.shape, dtype=x.dtype) if out is None else \
@@ -508,11 +518,11 @@ class Communicator:
         except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
             eng.reject(op, notify=False)
             raise
-        eng.run(plan, [x], None, [recv], direct)
+        eng.run(plan, [x], None, [recv], direct, relaxed)
         return recv
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, out=None, stream=None,
-                  async_op=False, wire_dtype=None):
+                  async_op=False, wire_dtype=None, sync="strong"):
         """All-to-all of variable row counts.
 
         Parameters
@@ -549,6 +559,8 @@ class Communicator:
             ``quant.error_bound`` (fp8, relative ~2**-4) / ``quant.int8_error_bound`` (half a step). Not with
             ``out``. Every rank must pass the same ``wire_dtype`` and dtype (the packed rows' format and the
             source dtype are in the row signature every peer checks).
+        sync : {"strong", "relaxed"}, keyword-only
+            As in :meth:`alltoall`.
 
         Returns
         -------
@@ -582,15 +594,18 @@ class Communicator:
         if stream is not None or async_op is not False:
             return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
                                    {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out,
-                                    "wire_dtype": wire_dtype}, stream=stream, async_op=async_op)
+                                    "wire_dtype": wire_dtype, "sync": sync}, stream=stream, async_op=async_op)
         op = "alltoallv"
         eng = self._engine
         if wire_dtype is not None:
-            return self._alltoallv_wire(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype)
+            return self._alltoallv_wire(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype,
+                                        sync)
         if recv_capacity is not None or (self.backend == "cuda" and _compat.is_cupy_array(send_counts)):
             with eng.call(op, notify=True):
-                return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out)
+                return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out,
+                                                check_sync(op, sync))
         with eng.call(op, notify=recv_counts is None):
+            relaxed = check_sync(op, sync)
             if out is not None and recv_counts is None:
                 raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
                                  f"known before the count exchange)")
@@ -612,14 +627,15 @@ class Communicator:
             shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
             recv = self.xp.empty(shape, dtype=x.dtype) if out is None else \
                 check_out(op, out, self.backend, shape, x.dtype, inputs=(x,))
-            eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct)
+            eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct, relaxed)
         return recv, recv_counts
 
     #: wire_dtype -> (packed dtype, quantiser, dequantiser); the packed rows of fp8 (uint8) and int8 (int8) differ
     #: in dtype, so ranks mixing them fail the row-signature check instead of decoding each other's codes
     _WIRE = {"fp8": (np.uint8, "quantize_fp8", "dequantize_fp8"), "int8": (np.int8, "quantize_int8", "dequantize_int8")}
 
-    def _alltoallv_wire(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype):
+    def _alltoallv_wire(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype,
+                        sync="strong"):
         """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
         from . import dtypes as _dt
         from . import quant
@@ -651,7 +667,8 @@ class Communicator:
         except BaseException:
             eng.reject(op, notify=notify)
             raise
-        recv, got = self.alltoallv(packed, send_counts, recv_counts=recv_counts, recv_capacity=recv_capacity)
+        recv, got = self.alltoallv(packed, send_counts, recv_counts=recv_counts, recv_capacity=recv_capacity,
+                                   sync=sync)
         m = int(recv.shape[0])
         recv = recv.reshape(m, width)
         rq = recv[:, :per_row]
@@ -660,7 +677,8 @@ class Communicator:
             f = getattr(quant, dqname)(rq, rs)
             return _dt.from_float32(xp, f, kind, x.dtype).reshape((m,) + row_shape), got
 
-    def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None):
+    def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None,
+                            relaxed=False):
         """alltoallv in capacity mode (see :meth:`alltoallv`): GPU: counts checked and exchanged on the device,
         the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
         from the host protocol, padded to the capacity."""
@@ -696,7 +714,7 @@ class Communicator:
                 raise eng.fatal(SymBufferMismatchError(
                     f"{op}: rank {self.rank} receives {n} rows, more than recv_capacity={cap}", rank=self.rank,
                     op=op, field="capacity", expected=cap, got=n))
-            eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig, direct)
+            eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig, direct, relaxed)
             return recv, got
         cp = self.xp
         counts = send_counts if _compat.is_cupy_array(send_counts) else cp.asarray(np.asarray(send_counts))

@@ -868,7 +868,7 @@ def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=
     return out
 
 
-def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, out=None):
+def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, out=None, sync: str = "strong"):
     """Return each dispatched token's rows to its source rank and sum them there. Collective.
 
     DeepEP: ``Buffer.combine`` (``deep_ep/buffer.py``), intranode: a plain sum **without** weights (weight the
@@ -891,6 +891,10 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
         How to read ``x``: ``None`` (from ``x.dtype``), ``"bfloat16"`` / ``ml_dtypes.bfloat16`` (``x`` may then be
         raw ``uint16`` bits: CuPy builds without a bfloat16 dtype hold bf16 so), ``numpy.float16`` or
         ``numpy.float32`` (must equal ``x.dtype``).
+    sync : {"strong", "relaxed"}, keyword-only
+        Selective synchronisation (:meth:`Communicator.alltoall`): combine gathers its rows through the rings,
+        which hold their own copy, so both return with every peer done with ``x``; ``"relaxed"`` is accepted so
+        that training loops can ask for it uniformly.
 
     Returns
     -------
@@ -918,7 +922,9 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     three launches, and a combine of a worst-case handle can be captured in a CUDA graph.
     """
     op = "combine"
+    from ._engine import check_sync
     with comm.call(op, notify=False):
+        check_sync(op, sync)
         return _combine(comm, op, x, handle, topk_weights, dtype, out)
 
 
