@@ -153,7 +153,9 @@ class HostTransport:
         L = layout
         self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
         #: relaxed calls (``sync="relaxed"``) in direct mode return before the peers handed their header slots
-        #: back: (head line, counter awaited, channel, peer) per stream, awaited by the next collective (settle)
+        #: back: (head line, counter awaited, channel, peer, the send parts) per stream, awaited by the next
+        #: collective (settle); the parts are kept alive until then (a contiguous copy or packed rows the library
+        #: made for the call would otherwise be freed while a peer still reads them by cross-memory attach)
         self._pending = []
 
     def settle(self, op: str) -> None:
@@ -167,13 +169,16 @@ class HostTransport:
         start = time.monotonic()
         idle = 0
         while True:
-            self._pending = [w for w in self._pending if int(w[0][0]) < w[1]]
-            if not self._pending:
+            left = [w for w in self._pending if int(w[0][0]) < w[1]]
+            if len(left) < len(self._pending):
+                start, idle = time.monotonic(), 0  # bounded from the last progress, as the exchange loop is
+            self._pending = left
+            if not left:
                 break
             self.check_abort(op)
             waited = time.monotonic() - start
             if waited > self.timeout_s:
-                line, want, c, p = self._pending[0]
+                line, want, c, p, _ = self._pending[0]
                 self.set_abort(P.ERR_TIMEOUT, p, c)
                 raise SymBufferTimeoutError(rank=self.rank, peer=p, channel=c, role="send", head=int(line[0]),
                                             tail=want, timeout_s=self.timeout_s, op=op)
@@ -333,7 +338,7 @@ class HostTransport:
                 # its rows out of our symmetric array)
                 if x.header is None and x.pos >= x.end and (not is_direct or relaxed or head >= x.pos_counter):
                     if is_direct and head < x.pos_counter:  # relaxed: the next call waits for this head
-                        self._pending.append((x.counter, x.pos_counter, x.c, x.p))
+                        self._pending.append((x.counter, x.pos_counter, x.c, x.p, send_parts))
                     x.state[P.STATE_COUNTER], x.state[P.STATE_SEQ] = x.pos_counter, x.seq
                     sends.remove(x)
                     progressed = True

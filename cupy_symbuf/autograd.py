@@ -87,6 +87,23 @@ def _zeros_like_xp(comm, shape, dtype):
 _FUNCTIONS = None
 
 
+class _rejecting:
+    """Context for argument conversions before a collective: an error there is a rejection told to the peers
+    (they raise :class:`~cupy_symbuf.SymBufferRejectedError` instead of waiting), then it propagates."""
+
+    def __init__(self, comm, op: str, notify: bool):
+        self.comm, self.op, self.notify = comm, op, notify
+
+    def __enter__(self):
+        self.comm._check_open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.comm._engine.reject(self.op, notify=self.notify)
+        return False
+
+
 def _functions():
     """The two ``torch.autograd.Function`` classes, made once (torch is imported only when they are used)."""
     global _FUNCTIONS
@@ -94,12 +111,15 @@ def _functions():
         return _FUNCTIONS
     torch = _torch()
 
+    once = torch.autograd.function.once_differentiable
+
     class _Dispatch(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, topk_weights, comm, topk_idx, num_experts, kwargs, box):
-            xa, bits = _to_xp(comm, x, "x")
-            ia, _ = _to_xp(comm, topk_idx, "topk_idx")
-            wa = None if topk_weights is None else _to_xp(comm, topk_weights, "topk_weights")[0]
+            with _rejecting(comm, "dispatch", True):
+                xa, bits = _to_xp(comm, x, "x")
+                ia, _ = _to_xp(comm, topk_idx, "topk_idx")
+                wa = None if topk_weights is None else _to_xp(comm, topk_weights, "topk_weights")[0]
             with _stream_scope(comm):
                 recv_x, recv_idx, recv_w, counts, handle = comm.dispatch(xa, ia, wa, num_experts, **kwargs)
             box["handle"], box["counts"] = handle, counts
@@ -112,6 +132,7 @@ def _functions():
             return _to_torch(recv_x, bits), idx_t, (None if recv_w is None else _to_torch(recv_w))
 
         @staticmethod
+        @once
         def backward(ctx, grad_recv_x, grad_recv_idx, grad_recv_w):
             comm, h = ctx.comm, ctx.handle
             xp = comm.xp
@@ -136,7 +157,8 @@ def _functions():
     class _Combine(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, comm, handle):
-            xa, bits = _to_xp(comm, x, "x")
+            with _rejecting(comm, "combine", False):
+                xa, bits = _to_xp(comm, x, "x")
             with _stream_scope(comm):
                 y, _ = comm.combine(xa, handle, dtype="bfloat16" if bits else None)
             ctx.comm, ctx.handle, ctx.bits = comm, handle, bits
@@ -144,6 +166,7 @@ def _functions():
             return _to_torch(y, bits)
 
         @staticmethod
+        @once
         def backward(ctx, grad_y):
             comm = ctx.comm
             g = _zeros_like_xp(comm, ctx.y_shape, ctx.y_dtype) if grad_y is None else _to_xp(comm, grad_y,
@@ -187,10 +210,11 @@ def dispatch(comm, x, topk_idx, topk_weights=None, num_experts=None, **kwargs):
     The backward pass is ``combine`` of the gradients (see the module docstring). Raises what
     :meth:`Communicator.dispatch` raises, and ``TypeError`` for a tensor on the wrong device or not a tensor.
     """
-    for k in ("handle", "num_worst_tokens"):
-        if k in kwargs:
-            raise ValueError(f"cupy_symbuf.autograd.dispatch: {k!r} is not supported (a differentiable dispatch "
-                             f"computes its own layout)")
+    with _rejecting(comm, "dispatch", True):
+        for k in ("handle", "num_worst_tokens"):
+            if k in kwargs:
+                raise ValueError(f"cupy_symbuf.autograd.dispatch: {k!r} is not supported (a differentiable "
+                                 f"dispatch computes its own layout)")
     box = {}
     recv_x, recv_idx, recv_w = _functions()[0].apply(x, topk_weights, comm, topk_idx, num_experts, kwargs, box)
     return recv_x, recv_idx, recv_w, box["counts"], box["handle"]

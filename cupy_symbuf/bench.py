@@ -177,6 +177,8 @@ def _torch_setup(comm, c):
             why = _nccl_skip_reason(c) or (None if torch.cuda.is_available() else "torch has no CUDA")
     except ImportError:
         why = "torch is not installed"
+    except Exception as exc:  # noqa: BLE001 - a broken torch install: the row is skipped, the bench goes on
+        why = f"torch failed to load ({type(exc).__name__}: {exc})"
     why = next((w for w in comm.allgather(why) if w), None)  # one answer on every rank
     if why is None:
         import socket
@@ -196,8 +198,10 @@ def _torch_setup(comm, c):
         try:
             if c.backend == "cuda":
                 torch.cuda.set_device(c.buffer.device_id)
+            import datetime
             dist.init_process_group("gloo" if c.backend == "host" else "nccl", init_method=f"tcp://{addr}:{port}",
-                                    rank=comm.Get_rank(), world_size=comm.Get_size())
+                                    rank=comm.Get_rank(), world_size=comm.Get_size(),
+                                    timeout=datetime.timedelta(seconds=max(30.0, c.config.timeout_s)))
         except Exception as exc:  # noqa: BLE001 - reported as the row's skip reason
             why = f"init_process_group failed: {type(exc).__name__}: {exc}"
         why = comm.allgather(why)

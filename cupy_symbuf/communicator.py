@@ -639,6 +639,7 @@ class Communicator:
         """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
         from . import dtypes as _dt
         from . import quant
+        self._check_open()
         notify = recv_counts is None or recv_capacity is not None
         try:
             if wire_dtype not in self._WIRE:
@@ -649,7 +650,8 @@ class Communicator:
             kind = _dt.float_kind(x.dtype)
             if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32) or x.ndim < 2:
                 raise TypeError(f"{op}: wire_dtype={wire_dtype!r} needs float32 / float16 / bfloat16 rows (at least "
-                                f"2-D), got dtype {x.dtype} shape {tuple(x.shape)}")
+                                f"2-D; bfloat16 as the ml_dtypes dtype on the host: CuPy has none, so on the GPU "
+                                f"pass float16 or float32), got dtype {x.dtype} shape {tuple(x.shape)}")
             n, row_shape = int(x.shape[0]), tuple(x.shape[1:])
             per_row = int(np.prod(row_shape))
             if per_row % quant.QUANT_BLOCK:

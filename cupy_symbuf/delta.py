@@ -91,10 +91,10 @@ class DeltaExchange:
         ``p``) and return the receiver's reconstruction of every peer's rows (float32 ``[world_size, rows,
         hidden]``, block ``s`` from rank ``s``; a new array each step). Collective. Raises ``ValueError`` for an
         array of another shape or dtype (a rejection: the peers' step raises
-        :class:`~cupy_symbuf.SymBufferRejectedError`, and no rank's copies change). On the GPU a peer's
-        rejection is reported by the next ``synchronize()``, after this rank's copies took the step: build a new
-        ``DeltaExchange`` then."""
+        :class:`~cupy_symbuf.SymBufferRejectedError`, and no rank's copies change). On the GPU each step waits for
+        its all-to-all (``synchronize``) before its copies change, so a rejection is seen there too."""
         c, xp = self.comm, self.comm.xp
+        c._check_open()
         W = c.world_size
         shape = (W, self.rows, self.hidden)
         x = xp.asarray(x)
@@ -107,6 +107,7 @@ class DeltaExchange:
         off_rank = (W - 1) * self.rows * self.hidden
         if full:
             held = c.alltoall(xp.ascontiguousarray(x))  # raises (nothing changed here) when a peer rejected
+            self._confirm()
             self._sent[...] = x
             self._held = held
             wire_bytes = 4 * off_rank
@@ -116,6 +117,7 @@ class DeltaExchange:
             wire = xp.concatenate([q.reshape(W, self._code_bytes).view(np.uint8),
                                    scale.view(np.uint8).reshape(W, 4 * nb)], axis=1)
             got = c.alltoall(xp.ascontiguousarray(wire))  # raises (nothing changed here) when a peer rejected
+            self._confirm()
             # error feedback: the receivers now hold the old copy plus the dequantised difference, and so do we
             self._sent += quant.dequantize_int8(q, scale, B)
             q_in = got[:, : self._code_bytes].view(np.int8).reshape(shape)
@@ -127,6 +129,12 @@ class DeltaExchange:
         self.plain_bytes += 4 * off_rank
         self.wire_bytes += wire_bytes
         return self._held.copy()
+
+    def _confirm(self) -> None:
+        """GPU: wait for the step's all-to-all before the copies change (a queued call reports a peer's rejection
+        only at synchronize; committing first would leave the ranks' copies out of step). Host: nothing."""
+        if self.comm.backend == "cuda":
+            self.comm.synchronize()
 
     @property
     def wire_ratio(self) -> float:

@@ -14,7 +14,8 @@ Dequantised ``x' = float(q) * scale``. **Error bound** (finite x): ``|x - x'| <=
 rounding of ``inv`` and of the product (relative ``2**-23`` each; :func:`error_bound` includes them). NaN input is
 not supported (the amax ignores NaN on the GPU; the codes of NaN elements are NaN).
 
-Every function takes NumPy or CuPy arrays and returns arrays of the same module (the same elementwise integer
+Every function but the error bounds (NumPy, for tests) takes NumPy or CuPy arrays and returns arrays of the same
+module (the same elementwise integer
 arithmetic on both), so the wire quantisation of ``dispatch`` / ``alltoallv`` (``wire_dtype="fp8"``) runs where
 the data is. :func:`quantize_int8` / :func:`dequantize_int8` are the int8 form (``scale = amax / 127``).
 """

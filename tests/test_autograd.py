@@ -82,6 +82,12 @@ def test_wrong_device_and_unsupported_arguments(backend, comm):
         if backend == "host" and torch.cuda.is_available():  # pragma: no cover (no GPU in CI)
             with pytest.raises(TypeError, match="takes cpu tensors"):
                 autograd.dispatch(c, x.cuda(), idx, None, comm.size)
-        # the communicator is still usable (nothing above reached a collective)
+        if comm.size > 1 and backend == "host":  # rank 0 alone passes a bad x: it raises, the peers are told
+            with pytest.raises((TypeError, ValueError)) as info:
+                autograd.dispatch(c, np.zeros((2, 4), np.float32) if comm.rank == 0 else x, idx, None, comm.size)
+            assert isinstance(info.value, TypeError) == (comm.rank == 0)
+            if comm.rank != 0:
+                assert isinstance(info.value, cs.SymBufferRejectedError)
+        # the communicator is still usable
         y = c.alltoall(c.xp.arange(comm.size * 2, dtype=np.float32).reshape(comm.size, 2))
         assert y.shape == (comm.size, 2)

@@ -41,6 +41,7 @@ def test_relaxed_returns_before_the_peers_copied(comm, monkeypatch):
             assert c._transport._pending                      # returned while the peers still copy
         c.synchronize()
         assert not c._transport._pending
+        sym[...] = -1.0  # allowed now: synchronize waited for the peers' (slow) copies; theirs must be untouched
         np.testing.assert_array_equal(y, _a2a_reference(comm, x))
 
 
