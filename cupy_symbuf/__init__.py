@@ -14,9 +14,11 @@ from .layout import ChannelLayout
 from .low_latency import LowLatencyBuffer, LowLatencyHandle, bench_low_latency  # noqa: F401 (issue 10 item 5)
 from .symbuffer import SymBuffer
 from .delta import DeltaExchange
+from .hierarchical import HierarchicalCommunicator
 from ._info import info
 
 __version__ = "0.1.0"
 __all__ = ["SymBuffer", "Communicator", "CollectiveEvent", "Config", "ChannelLayout", "layout", "SymBufferError",
            "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError", "SymBufferAbortedError",
-           "SymBufferRejectedError", "DeltaExchange", "info", "__version__"]
+           "SymBufferRejectedError", "DeltaExchange", "HierarchicalCommunicator", "info",
+           "__version__"]

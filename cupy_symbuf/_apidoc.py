@@ -17,6 +17,7 @@ PUBLIC = [
     ("DeepEP shim", "cupy_symbuf.deepep"),
     ("PyTorch autograd", "cupy_symbuf.autograd"),
     ("DeltaExchange", "cupy_symbuf.DeltaExchange"),
+    ("HierarchicalCommunicator", "cupy_symbuf.HierarchicalCommunicator"),
     ("Symmetric arrays", "cupy_symbuf.symmetric"),
     ("Tuning table", "cupy_symbuf.tuning"),
     ("Diagnostics", "cupy_symbuf.diagnostics"),

@@ -324,11 +324,14 @@ def main(argv=None) -> int:
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf._bench_control)")
     ap.add_argument("--tokens", type=int, default=4096, help="--control: tokens per rank (default 4096)")
-    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta"),
+    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier"),
                     help="alltoall (equal blocks; default), alltoallv with --patterns (p50 / p99 per call, "
                          "cupy_symbuf._bench_alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "
                          "p99, cupy_symbuf._bench_moe) or delta (DeltaExchange against the plain alltoall, "
-                         "cupy_symbuf._bench_delta)")
+                         "cupy_symbuf._bench_delta) or hier (the hierarchical all-to-all over --node-size virtual "
+                         "nodes beside the flat one and MPI, host; cupy_symbuf._bench_hier)")
+    ap.add_argument("--node-size", type=int, default=None,
+                    help="--op hier: ranks per virtual node (default: CUPY_SYMBUF_NODE_SIZE, else all)")
     ap.add_argument("--moe-tokens", default="4096,128",
                     help="--op dispatch: tokens per rank, comma-separated (default 4096,128)")
     ap.add_argument("--hidden", type=int, default=7168, help="--op dispatch: hidden size (default 7168)")
@@ -377,6 +380,15 @@ def main(argv=None) -> int:
             if not args.control and args.op == "alltoall":
                 print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
                       f"{'busbw_GB/s':>11} {'copy_share':>10}")
+        if args.op == "hier":
+            from . import _bench_hier
+            from .hierarchical import node_size_from_env
+            args.node_size = args.node_size or node_size_from_env()
+            results = _bench_hier.run(c, comm, timer, args, [parse_size(x) for x in args.sizes.split(",")])
+            if me == 0 and args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+            return 0
         if args.op == "delta":
             from . import _bench_delta
             results = _bench_delta.run(c, comm, timer, args, [parse_size(x) for x in args.sizes.split(",")])

@@ -122,3 +122,19 @@ def test_delta_bench_rows():
             assert 2.5 < rows["plain"]["sent_bytes_per_step"] / rows["delta"]["sent_bytes_per_step"] < 4.0
         assert 0 <= rows["delta"]["max_rel_err"] < 1e-3
         os.remove(path)
+
+
+def test_hierarchical_bench_rows():
+    """--op hier: the hierarchical, flat and MPI rows per size, each checked against the reference first."""
+    world = MPI.COMM_WORLD
+    W = world.Get_size()
+    k = 2 if W % 2 == 0 else 1
+    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
+    assert bench.main(["--backend", "host", "--op", "hier", "--node-size", str(k), "--sizes", "16K", "--iters", "3",
+                       "--warmup", "1", "--json", path]) == 0
+    world.Barrier()
+    if world.Get_rank() == 0:
+        rows = json.load(open(path))
+        assert {r["engine"] for r in rows} == {"hierarchical", "ours-out", "mpi"}
+        assert all(r["loop_us"] > 0 and r["node_size"] == k for r in rows)
+        os.remove(path)
