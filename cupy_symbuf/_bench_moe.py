@@ -28,7 +28,7 @@ def routing(rng, tokens: int, num_experts: int, topk: int) -> np.ndarray:
     return np.argsort(keys, axis=1)[:, :topk].astype(np.int64)
 
 
-def run(c, comm, timer, args) -> list:
+def run(c, comm, timer, args, sizes=None) -> list:  # sizes: unused (token counts come from --moe-tokens)
     W, me, xp = c.world_size, c.rank, c.xp
     E, K, H = args.num_experts, args.topk, args.hidden
     if E % W:

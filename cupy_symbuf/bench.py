@@ -276,6 +276,11 @@ def _ce_pull(c, x, expected, comm):
     return run, xs
 
 
+#: --op (other than alltoall) -> the module that benchmarks it (its run(c, comm, timer, args, sizes) -> rows)
+_OP_MODULES = {"alltoallv": "_bench_alltoallv", "dispatch": "_bench_moe", "delta": "_bench_delta",
+               "hier": "_bench_hier"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=None,
@@ -380,32 +385,14 @@ def main(argv=None) -> int:
             if not args.control and args.op == "alltoall":
                 print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
                       f"{'busbw_GB/s':>11} {'copy_share':>10}")
-        if args.op == "hier":
-            from . import _bench_hier
-            from .hierarchical import node_size_from_env
-            args.node_size = args.node_size or node_size_from_env()
-            results = _bench_hier.run(c, comm, timer, args, [parse_size(x) for x in args.sizes.split(",")])
-            if me == 0 and args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
-            return 0
-        if args.op == "delta":
-            from . import _bench_delta
-            results = _bench_delta.run(c, comm, timer, args, [parse_size(x) for x in args.sizes.split(",")])
-            if me == 0 and args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
-            return 0
-        if args.op == "dispatch":
-            from . import _bench_moe
-            results = _bench_moe.run(c, comm, timer, args)
-            if me == 0 and args.json:
-                with open(args.json, "w") as f:
-                    json.dump(results, f, indent=1)
-            return 0
-        if args.op == "alltoallv":
-            from . import _bench_alltoallv
-            results = _bench_alltoallv.run(c, comm, timer, args, [parse_size(x) for x in args.sizes.split(",")])
+        if args.op != "alltoall":  # the other operations' benchmarks: one module each, same output path
+            if args.op == "hier":
+                from .hierarchical import node_size_from_env
+                args.node_size = args.node_size or node_size_from_env()
+            import importlib
+            module = importlib.import_module(f".{_OP_MODULES[args.op]}", __package__)
+            sizes = [parse_size(x) for x in args.sizes.split(",")]
+            results = module.run(c, comm, timer, args, sizes)
             if me == 0 and args.json:
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1)

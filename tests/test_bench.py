@@ -15,6 +15,21 @@ def test_parse_size():
     assert bench.parse_size("4KiB") == 4096 and bench.parse_size("1000") == 1000
 
 
+def _bench_rows(argv):
+    """Run ``bench.main(argv + ["--json", file])`` on every rank; rank 0 gets the rows written, the others None.
+    One file made by rank 0 (pytest's tmp_path would make every rank clean one shared base folder: a race)."""
+    world = MPI.COMM_WORLD
+    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
+    assert bench.main(list(argv) + ["--json", path]) == 0
+    world.Barrier()
+    if world.Get_rank() != 0:
+        return None
+    with open(path) as f:
+        rows = json.load(f)
+    os.remove(path)
+    return rows
+
+
 def _has_torch() -> bool:
     try:
         import torch.distributed as dist
@@ -24,13 +39,8 @@ def _has_torch() -> bool:
 
 
 def test_bench_runs_and_reports():
-    # One file made by rank 0 (pytest's tmp_path would make every rank clean one shared base folder: a race).
-    path = MPI.COMM_WORLD.bcast(tempfile.mkstemp(suffix=".json")[1] if MPI.COMM_WORLD.Get_rank() == 0 else None)
-    assert bench.main(["--backend", "host", "--sizes", "64K", "--iters", "2", "--warmup", "1", "--relaxed",
-                       "--json", path]) == 0
-    MPI.COMM_WORLD.Barrier()
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        rows = json.load(open(path))
+    rows = _bench_rows(["--backend", "host", "--sizes", "64K", "--iters", "2", "--warmup", "1", "--relaxed"])
+    if rows is not None:
         # torch.distributed (gloo) beside MPI when it could start (torch present and its process group up)
         refs = ("mpi",) + (("torch",) if _has_torch() and bench._TORCH["ready"] is True else ())
         assert {(r["engine"], r["timing"]) for r in rows} == \
@@ -41,7 +51,6 @@ def test_bench_runs_and_reports():
         assert all(r["copy_share"] > 0 and r["copy_GBps"] > 0 for r in rows)
         assert all(r["time_us"] > 0 and r["size_per_rank"] == 64 * 1024 // MPI.COMM_WORLD.Get_size()
                    * MPI.COMM_WORLD.Get_size() for r in rows)
-        os.remove(path)
 
 
 def test_bench_plots():
@@ -69,18 +78,13 @@ def test_alltoallv_patterns_and_percentiles():
         z = bv.pattern_counts("zipf", me, W, 1000)
         assert z[me] == z.max() and z[(me + 1) % W] > z[(me + 2) % W]            # its own favourites
     world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
-    assert bench.main(["--backend", "host", "--op", "alltoallv", "--sizes", "16K", "--iters", "5", "--warmup", "1",
-                       "--json", path]) == 0
-    world.Barrier()
-    if world.Get_rank() == 0:
-        rows = json.load(open(path))
+    rows = _bench_rows(["--backend", "host", "--op", "alltoallv", "--sizes", "16K", "--iters", "5", "--warmup", "1"])
+    if rows is not None:
         assert {(r["pattern"], r["engine"]) for r in rows} == {(p, e) for p in bv.PATTERNS for e in ("ours", "mpi")}
         assert all(0 < r["p50_us"] <= r["p99_us"] and r["loop_us"] > 0 for r in rows)
         hot = [r for r in rows if r["pattern"] == "hot"]
         assert all(r["max_recv_rows_over_mean"] >= (world.Get_size() / 2 if world.Get_size() > 1 else 1) - 0.01
                    for r in hot)
-        os.remove(path)
 
 
 def test_moe_dispatch_bench_rows():
@@ -91,37 +95,28 @@ def test_moe_dispatch_bench_rows():
     assert idx.shape == (50, 4) and all(len(set(r)) == 4 for r in idx.tolist()) and idx.min() >= 0 and idx.max() < 16
     world = MPI.COMM_WORLD
     W = world.Get_size()
-    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
-    assert bench.main(["--backend", "host", "--op", "dispatch", "--moe-tokens", "64,8", "--hidden", "256",
-                       "--num-experts", str(4 * W), "--topk", "3", "--iters", "5", "--warmup", "1",
-                       "--wire", "fp8", "--json", path]) == 0
-    world.Barrier()
-    if world.Get_rank() == 0:
-        rows = json.load(open(path))
+    rows = _bench_rows(["--backend", "host", "--op", "dispatch", "--moe-tokens", "64,8", "--hidden", "256",
+                        "--num-experts", str(4 * W), "--topk", "3", "--iters", "5", "--warmup", "1", "--wire", "fp8"])
+    if rows is not None:
         ops = ("dispatch", "dispatch-cached", "combine", "dispatch-fp8", "dispatch-cached-fp8")
         assert {(r["tokens"], r["op"]) for r in rows} == {(t, o) for t in (64, 8) for o in ops}
         assert all(5e-3 < r["rel_l2_error"] < 5e-2 for r in rows if r["op"].endswith("fp8"))
         assert all(0 < r["p50_us"] <= r["p99_us"] and r["loop_us"] > 0 for r in rows)
         assert all(r["deepep_GBps"] >= r["nvl_GBps"] >= 0 for r in rows)
         assert all(r["nvl_GBps"] > 0 for r in rows) or W == 1
-        os.remove(path)
 
 
 def test_delta_bench_rows():
     """--op delta: plain and delta rows per size; the delta row sends fewer bytes (1 + 4/128 per element against 4,
     refreshes included) and its copy stays close to the rows."""
     world = MPI.COMM_WORLD
-    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
-    assert bench.main(["--backend", "host", "--op", "delta", "--sizes", "64K", "--iters", "5", "--warmup", "1",
-                       "--json", path]) == 0
-    world.Barrier()
-    if world.Get_rank() == 0:
-        rows = {r["engine"]: r for r in json.load(open(path))}
+    got = _bench_rows(["--backend", "host", "--op", "delta", "--sizes", "64K", "--iters", "5", "--warmup", "1"])
+    if got is not None:
+        rows = {r["engine"]: r for r in got}
         assert set(rows) == {"plain", "delta"} and all(r["loop_us"] > 0 for r in rows.values())
         if world.Get_size() > 1:
             assert 2.5 < rows["plain"]["sent_bytes_per_step"] / rows["delta"]["sent_bytes_per_step"] < 4.0
         assert 0 <= rows["delta"]["max_rel_err"] < 1e-3
-        os.remove(path)
 
 
 def test_hierarchical_bench_rows():
@@ -129,12 +124,8 @@ def test_hierarchical_bench_rows():
     world = MPI.COMM_WORLD
     W = world.Get_size()
     k = 2 if W % 2 == 0 else 1
-    path = world.bcast(tempfile.mkstemp(suffix=".json")[1] if world.Get_rank() == 0 else None)
-    assert bench.main(["--backend", "host", "--op", "hier", "--node-size", str(k), "--sizes", "16K", "--iters", "3",
-                       "--warmup", "1", "--json", path]) == 0
-    world.Barrier()
-    if world.Get_rank() == 0:
-        rows = json.load(open(path))
+    rows = _bench_rows(["--backend", "host", "--op", "hier", "--node-size", str(k), "--sizes", "16K", "--iters", "3",
+                        "--warmup", "1"])
+    if rows is not None:
         assert {r["engine"] for r in rows} == {"hierarchical", "ours-out", "mpi"}
         assert all(r["loop_us"] > 0 and r["node_size"] == k for r in rows)
-        os.remove(path)
