@@ -558,7 +558,10 @@ class Communicator:
             bytes per element), and ``recvbuf`` comes back dequantised in ``sendbuf``'s dtype. Errors per element:
             ``quant.error_bound`` (fp8, relative ~2**-4) / ``quant.int8_error_bound`` (half a step). Not with
             ``out``. Every rank must pass the same ``wire_dtype`` and dtype (the packed rows' format and the
-            source dtype are in the row signature every peer checks).
+            source dtype are in the row signature every peer checks): with a count exchange a difference raises
+            ``ValueError`` on every rank and the communicator stays usable; with ``recv_counts`` it is a call-header
+            mismatch, fatal on every rank (:class:`~cupy_symbuf.SymBufferMismatchError`). A NaN or inf in a
+            128-element block makes that block's scale non-finite: the whole block arrives as NaN.
         sync : {"strong", "relaxed"}, keyword-only
             As in :meth:`alltoall`.
 

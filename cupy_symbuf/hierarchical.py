@@ -122,19 +122,28 @@ class HierarchicalCommunicator:
     # ---- collectives ----------------------------------------------------------------------------------------
     def alltoallv(self, sendbuf, send_counts):
         """Variable all-to-all over the nodes: the same arguments and result as :meth:`Communicator.alltoallv`
-        without a count exchange of our own (the counts travel by ``MPI.Alltoall``). ``sendbuf`` NumPy
+        (the counts, dtype and row shape of every rank travel in one bounded exchange first). ``sendbuf`` NumPy
         ``[rows, ...]`` grouped by destination global rank, ``send_counts`` int ``[world_size]``. Returns
         ``(recvbuf [sum(recv_counts), ...], recv_counts int64 [world_size])``, rows in source-rank order.
         Raises ``ValueError`` for bad arguments or ranks disagreeing on dtype / row shape, on every rank (the first
         step is a bounded exchange of every rank's counts), and what the node communicator raises. The step between
         nodes is MPI's own ``Alltoallv`` (its waits are MPI's)."""
+        return self._alltoallv(sendbuf, send_counts, None)
+
+    def _alltoallv(self, sendbuf, send_counts, err):
+        """The body of :meth:`alltoallv`; ``err``: an error the caller already found (told to every rank)."""
         self._check_open()
         op = "HierarchicalCommunicator.alltoallv"
         k, N, W = self.node_size, self.num_nodes, self.world_size
-        err, mine = None, None
+        mine = None
         try:
+            if err is not None:
+                raise err
             x = np.ascontiguousarray(sendbuf)
-            counts = np.asarray(send_counts, dtype=np.int64)
+            try:
+                counts = np.asarray(send_counts, dtype=np.int64)
+            except (TypeError, ValueError):
+                raise ValueError(f"{op}: send_counts must be {W} ints >= 0, got {send_counts!r}") from None
             if x.ndim < 1 or counts.shape != (W,) or (counts < 0).any() or int(counts.sum()) != x.shape[0]:
                 raise ValueError(f"{op}: send_counts must be {W} ints >= 0 summing to the rows of sendbuf "
                                  f"({x.shape[0] if x.ndim else 0}), got {np.asarray(send_counts).tolist()}")
@@ -198,11 +207,15 @@ class HierarchicalCommunicator:
     def alltoall(self, sendbuf):
         """Equal blocks (``sendbuf [world_size, ...]``, block ``j`` to rank ``j``): :meth:`alltoallv` with one row
         each; returns ``[world_size, ...]``, block ``j`` from rank ``j``."""
-        x = np.ascontiguousarray(sendbuf)
-        if x.ndim < 1 or x.shape[0] != self.world_size:
-            raise ValueError(f"HierarchicalCommunicator.alltoall: sendbuf must have shape[0] == world_size "
+        err = None
+        try:
+            x = np.ascontiguousarray(sendbuf)
+        except Exception as exc:  # noqa: BLE001 - told to every rank by the count exchange
+            x, err = np.zeros((self.world_size, 0)), TypeError(f"HierarchicalCommunicator.alltoall: sendbuf: {exc}")
+        if err is None and (x.ndim < 1 or x.shape[0] != self.world_size):  # told to every rank likewise
+            err = ValueError(f"HierarchicalCommunicator.alltoall: sendbuf must have shape[0] == world_size "
                              f"({self.world_size}), got {x.shape}")
-        y, _ = self.alltoallv(x, np.ones(self.world_size, np.int64))
+        y, _ = self._alltoallv(x, np.ones(self.world_size, np.int64), err)
         return y
 
     # ---- lifecycle ------------------------------------------------------------------------------------------

@@ -484,7 +484,9 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         of 2 or 4), and ``recv_x`` comes back dequantised in ``x``'s dtype. Error per element at most
         ``|x| * 2**-4 + scale * 2**-10`` (``quant.error_bound``). A cached dispatch may use it too. Not with an
         fp8 tuple ``x``. Every rank must make the same choice (the rows' format is in the signature every
-        receiver checks).
+        receiver checks: a difference raises ``ValueError`` on every rank after the count exchange, but in a
+        cached dispatch, which has none, it is a fatal call-header mismatch). Finite values only: a NaN or inf
+        makes its whole 128-element block NaN.
 
     Returns
     -------

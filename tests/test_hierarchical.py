@@ -67,7 +67,15 @@ def test_bad_counts_fail_on_every_rank_and_it_stays_usable(comm):
         if W > 1:  # ranks disagreeing on the row shape
             with pytest.raises(ValueError, match="same dtype and row shape"):
                 h.alltoallv(x if comm.rank else x.reshape(W, 2, 1), np.ones(W, np.int64))
+        with pytest.raises((TypeError, ValueError)):  # send_counts None: named, on every rank
+            h.alltoallv(x, None if comm.rank == 0 else np.ones(W, np.int64))
+        if W > 1:  # a bad alltoall shape on the last rank only: every rank raises, all stay in step
+            with pytest.raises(ValueError):
+                h.alltoall(np.zeros((W + 1, 2), np.float32) if comm.rank == W - 1 else x)
         got, n = h.alltoallv(x, np.ones(W, np.int64))
         assert n.tolist() == [1] * W and got.shape == (W, 2)
+        np.testing.assert_array_equal(h.alltoall(x), np.stack([comm.allgather(x)[j][comm.rank] for j in range(W)]))
     with pytest.raises(cs.SymBufferClosedError):
         h.alltoall(x)
+    with cs.Communicator(comm, backend="host") as c:  # nothing left over in MPI from the rejected calls
+        assert c.world_size == W
