@@ -68,8 +68,20 @@ struct RowStream {
   }
   // One warp copies stream rows [r, r + n) between the parts and packed rows at `flat` (a ring slot).
   // kToFlat: parts -> flat (sender; the source is read-only during the kernel); else flat -> parts (receiver).
+  // skip: parts (bit i = part i) not copied (MODE_PUSH: the sender wrote them into our outputs itself).
   template <bool kToFlat>
-  __device__ __forceinline__ void copy_rows(u8* flat, i64 r, i64 n, int lane) const {
+  __device__ __forceinline__ void copy_rows(u8* flat, i64 r, i64 n, int lane, u32 skip = 0) const {
+    if (skip != 0) {
+      if (dense()) return;  // one part, and it is skipped
+      for (i64 j = 0; j < n; ++j)
+        for (int i = 0; i < num_parts; ++i) {
+          if ((skip >> i) & 1u) continue;
+          u8* f = flat + j * row_bytes + parts[i].offset;
+          if (kToFlat) copy_bytes<false>(f, at(i, r + j), parts[i].width, lane);
+          else copy_bytes<true>(at(i, r + j), f, parts[i].width, lane);
+        }
+      return;
+    }
     if (dense()) {
       u8* p = reinterpret_cast<u8*>(parts[0].base) + (row0 + r) * row_bytes;
       if (kToFlat) copy_bytes<false>(flat, p, n * row_bytes, lane);
@@ -85,6 +97,23 @@ struct RowStream {
     }
   }
 };
+
+// MODE_PUSH, one sender warp: stream rows [r, r + n) of `send`; the parts in `mask` go straight into the
+// receiver's outputs: part i of row r + j at recv.parts[i].base + delta[i] + (row0 + r + j) * recv.parts[i].stride
+// (`recv` is this rank's own receive stream, laid out as the receiver's: the row signature agrees on it; delta =
+// the receiver's block minus ours, as mapped here; row0 = the receiver's first row of our stream); the other parts
+// into the packed rows at `flat` (a ring slot), as copy_rows<true>.
+__device__ __forceinline__ void push_rows(const RowStream& send, const RowStream& recv, u8* flat, i64 r, i64 n,
+                                          i64 row0, u32 mask, const i64* delta, int lane) {
+  for (i64 j = 0; j < n; ++j)
+    for (int i = 0; i < send.num_parts; ++i) {
+      const u8* src = send.at(i, r + j);
+      u8* dst = ((mask >> i) & 1u)
+                    ? reinterpret_cast<u8*>(recv.parts[i].base + delta[i]) + (row0 + r + j) * recv.parts[i].stride
+                    : flat + j * send.row_bytes + send.parts[i].offset;
+      copy_bytes<false>(dst, src, send.parts[i].width, lane);
+    }
+}
 
 // Synchronise the threads of one warp group (one peer) inside a block: named barrier `id` (1..15) for several
 // warps, __syncwarp for one.

@@ -39,6 +39,11 @@ __device__ __forceinline__ i64 ld_volatile_global(const i64* ptr) {
   return v;
 }
 
+// A plain store that is not kept in a register or merged away (a word a peer reads after a later release).
+__device__ __forceinline__ void st_volatile_global(i64* ptr, i64 v) {
+  asm volatile("st.volatile.global.s64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ u64 globaltimer_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

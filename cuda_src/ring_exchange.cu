@@ -163,11 +163,50 @@ struct HeaderStep {
   const i64* sym_table;       // this rank's symmetric table (DESC_SYM_TABLE), or nullptr
   i64 ce_alloc, ce_offset;    // FLAG_CE: where the peer's stream must lie (else ce_alloc < 0)
   CallHeader mine;            // sender: the header to send; receiver: what it expects
+  // MODE_PUSH (push_mask != 0: receive parts in symmetric allocations push_alloc[i]): receiver: its first row of
+  // the peer's stream and the rows its outputs hold; sender: where the receiver's answer goes (push_delta[i] =
+  // the receiver's block minus ours for each pushed part; *direct_src = the receiver's first row, or -1)
+  u32 push_mask;
+  const i64* push_alloc;
+  i64* push_delta;
+  i64 push_row0, push_rows;
   u64 first, num_slots;       // first: the header's counter
   i64 chunk_bytes, region_bytes, row_bytes;
   int peer, role;
   bool is_sender, reject;
 };
+
+// MODE_PUSH, the sender's leader after its header: wait for the receiver's head = first + 1 (t = first +
+// num_slots: free once head > first), take its answer (HEAD_PUSH_ROW of our head line, ordered by that acquire)
+// into *direct_src, and the receiver's block of every pushed part's allocation from our symmetric table into
+// push_delta. False (abort set) on a failed wait or an allocation not in the table (fatal FIELD_MODE).
+__device__ __noinline__ bool push_answer(const HeaderStep& g, u64& head) {
+  const WaitCtx& c = *g.ctx;
+  if (!wait_for_space(&c, g.peer, g.local_counter, g.first + g.num_slots, g.num_slots, head, g.abort_flag))
+    return false;
+  (void)ld_acquire_sys_global(g.local_counter);  // head >= first + 1 now: this acquire orders the answer's load
+  *g.direct_src = static_cast<u64>(ld_volatile_global(reinterpret_cast<const i64*>(g.local_counter) + HEAD_PUSH_ROW));
+  for (int i = 0; i < MAX_PARTS; ++i) {
+    if (!((g.push_mask >> i) & 1u)) continue;
+    i64 delta = 0;
+    bool found = false;
+    for (int k = 0; k < SYM_TABLE_ROWS && g.sym_table != nullptr; ++k) {
+      const i64* row = g.sym_table + static_cast<i64>(k) * SYM_TABLE_STRIDE;
+      if (row[0] == g.push_alloc[i] + 1) {
+        delta = row[2 + g.peer] - row[2 + c.rank];
+        found = row[2 + g.peer] != 0;
+        break;
+      }
+    }
+    if (!found) {
+      fail(c, ROLE_SEND, g.peer, MODE_PUSH, g.push_alloc[i], ERR_MISMATCH, FIELD_MODE);
+      *g.abort_flag = 1;
+      return false;
+    }
+    g.push_delta[i] = delta;
+  }
+  return true;
+}
 
 // The call header, by the leader (lane 0 of warp 0) of a ring group, every call. Sender: waits for space for the
 // header slot, writes the header, releases tail = first + 1 at once. Receiver: waits for tail >= first + 1, checks
@@ -200,9 +239,11 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
     u64 head = 0;
     if (wait_for_space(&c, g.peer, g.local_counter, g.first, g.num_slots, head, abort_flag)) {
       write_call_header(slot, g.mine);
-      // release: the header's stores are visible before the tail (folded: the first run's release covers them)
-      if (!SYMBUF_HEADER_FOLD || g.mine.nchunks <= 0) publish_tail(g.remote_counter, c0);
+      // release: the header's stores are visible before the tail (folded: the first run's release covers them;
+      // MODE_PUSH: never folded, the receiver answers the header before any chunk is written)
+      if (!SYMBUF_HEADER_FOLD || g.mine.nchunks <= 0 || g.push_mask) publish_tail(g.remote_counter, c0);
       verdict = kGateCopy;
+      if (g.push_mask && !push_answer(g, head)) verdict = kGateAbort;
       // MODE_DIRECT: the receiver copies out of our sendbuf and then hands the header slot back (head = first +
       // 1): wait for that, so that nothing after this kernel in stream order overwrites the rows it still reads
       // (the acquire orders its reads before whatever follows). t = first + num_slots: free once head > first.
@@ -230,6 +271,8 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
         verdict = kGateSkip;
         st_release_cta(g.gate, verdict);
         end = c0 + (peer_rejects || got.nchunks <= 0 ? 0ull : static_cast<u64>(got.nchunks));
+        if (got.mode == MODE_PUSH)  // push nothing into our outputs (before the head release that answers)
+          st_volatile_global(reinterpret_cast<i64*>(g.remote_counter) + HEAD_PUSH_ROW, -1);
         u64 head = g.first;
         while (head < end) {  // head released over what arrived (the slots are never read)
           if (!wait_for_data(&c, g.peer, g.local_counter, head + 1, head, head, g.num_slots, tail, abort_flag)) break;
@@ -272,6 +315,21 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
           end = c0;             // no payload chunks: the header slot is the call's only counter
           verdict = kGateDirect;
         }
+      } else if (got.mode == MODE_PUSH || g.push_mask) {
+        // MODE_PUSH (the signature, checked above, says both ends lay the outputs out alike): the stream must fit
+        // our outputs; answer with our first row of it, then hand the header slot back at once (never folded:
+        // the sender writes nothing before it)
+        if (got.mode != MODE_PUSH || !g.push_mask || got.nchunks != g.mine.nchunks) {
+          fail(c, ROLE_RECV, g.peer, g.push_mask ? MODE_PUSH : MODE_RING, got.mode, ERR_MISMATCH, FIELD_MODE);
+          *abort_flag = 1;
+        } else if (g.push_row0 < 0 || got.units < 0 || g.push_row0 + got.units > g.push_rows) {
+          fail(c, ROLE_RECV, g.peer, g.push_rows, g.push_row0 + got.units, ERR_MISMATCH, FIELD_CAPACITY);
+          *abort_flag = 1;
+        } else {
+          st_volatile_global(reinterpret_cast<i64*>(g.remote_counter) + HEAD_PUSH_ROW, g.push_row0);
+          publish_head(g.remote_counter, c0);  // release: the answer is visible first
+          verdict = kGateCopy;
+        }
       } else if (got.mode != MODE_RING) {
         fail(c, ROLE_RECV, g.peer, MODE_RING, got.mode, ERR_MISMATCH, FIELD_MODE);
         *abort_flag = 1;
@@ -297,7 +355,9 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[MAX_PEERS];
   __shared__ u64 s_gate[MAX_PEERS];  // receiver: the publisher's verdict on the call header (kGate*)
-  __shared__ u64 s_src[MAX_PEERS];   // receiver, MODE_DIRECT: the sender's stream in its block (mapped here)
+  __shared__ u64 s_src[MAX_PEERS];   // receiver, MODE_DIRECT: the sender's stream in its block (mapped here);
+                                     // sender, MODE_PUSH: the receiver's first row of our stream (-1: push nothing)
+  __shared__ i64 s_push_delta[MAX_PEERS * MAX_PARTS];  // sender, MODE_PUSH: receiver's block minus ours, per part
   __shared__ WaitCtx s_ctx;
   for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc.words[i];  // constant bank
   if (threadIdx.x == 0)
@@ -333,6 +393,11 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   const bool moves = !reject && row_bytes > 0 && row_bytes <= chunk_bytes;
   const bool my_send_direct = moves && s_desc[DESC_DIRECT_ALLOC] >= 0;
   const bool ce = my_send_direct && (s_desc[DESC_FLAGS] & FLAG_CE) != 0;  // copy-engine alltoall (FLAG_CE)
+  // MODE_PUSH (FLAG_PUSH, MoE dispatch into symmetric outputs): the receive parts peers write into themselves
+  u32 push_mask = 0;
+  if (moves && (s_desc[DESC_FLAGS] & FLAG_PUSH) != 0)
+    for (int i = 0; i < static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]); ++i)
+      if (s_desc[DESC_PUSH_ALLOC + i] >= 0) push_mask |= 1u << i;
 
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
@@ -452,8 +517,11 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
                        ce ? s_desc[DESC_DIRECT_ALLOC] : -1, ce ? s_desc[DESC_DIRECT_OFFSET] + peers[rank] : 0,
                        CallHeader{static_cast<i64>(HDR_MAGIC_VALUE), static_cast<i64>(call_seq), s_desc[DESC_OP],
                                   s_desc[DESC_SIG], rows, nchunks, reject ? HDR_REJECTED : HDR_OK, rank, channel,
-                                  direct_send ? MODE_DIRECT : MODE_RING, direct_send ? s_desc[DESC_DIRECT_ALLOC] : -1,
+                                  direct_send ? MODE_DIRECT : (push_mask ? MODE_PUSH : MODE_RING),
+                                  direct_send ? s_desc[DESC_DIRECT_ALLOC] : -1,
                                   direct_send ? s_desc[DESC_DIRECT_OFFSET] + peers[peer] : 0},
+                       push_mask, s_desc + DESC_PUSH_ALLOC, s_push_delta + peer * MAX_PARTS, recv.row0,
+                       s_desc[DESC_PUSH_ROWS],
                        first, static_cast<u64>(num_slots), chunk_bytes, L.region_bytes, row_bytes, peer, role,
                        is_sender, reject};
     verdict = call_header_step(h, end);
@@ -465,7 +533,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 
   if (copy_id < 0) {  // the publisher (lane 0 of warp 0); a receiver hands each slot back as soon as it is read
     if (lane == 0 && verdict == kGateCopy)
-      publish_runs(remote_counter, done, num_copy, c0, end, SYMBUF_HEADER_FOLD && nchunks > 0 ? first : c0,
+      publish_runs(remote_counter, done, num_copy, c0, end, SYMBUF_HEADER_FOLD && nchunks > 0 && !push_mask ? first : c0,
                    is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag, &s_ctx, role, peer);
     else if (lane == 0 && verdict == kGateDirect)
       direct_done(remote_counter, done, num_copy, c0, &s_ctx, peer, abort_flag, state, num_help, call_seq);
@@ -474,9 +542,9 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     // A receiver's copy warps touch no payload slot before the publisher verified the call header (its
     // st.release.cta of the verdict, acquired here). A sender's copy warps need no verdict: their slots are
     // counters >= first + 1, which the receiver reads only after the header; a failed header wait shows in
-    // *abort_flag below.
+    // *abort_flag below. MODE_PUSH: a sender's copy warps wait for it too (the receiver's answer: where to write).
     u64 go = kGateCopy;
-    if (!is_sender) {
+    if (!is_sender || push_mask) {
       if (lane == 0) {  // bounded: the publisher sets it on every path, after its own bounded waits
         do go = ld_acquire_cta(&s_gate[peer]);
         while (go == kGateWait);
@@ -545,8 +613,18 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
       const i64 r = lo + k * rows_per_chunk;
       u8* slot = ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes;
-      if (is_sender) send.copy_rows<true>(slot, r, min(rows_per_chunk, hi - r), lane);
-      else recv.copy_rows<false>(slot, r, min(rows_per_chunk, hi - r), lane);
+      if (!is_sender) {
+        recv.copy_rows<false>(slot, r, min(rows_per_chunk, hi - r), lane, push_mask);
+      } else if (push_mask) {  // the receiver's answer (its first row of our stream; -1: push nothing)
+        const i64 row0 = static_cast<i64>(s_src[peer]);
+        if (row0 >= 0)
+          push_rows(send, recv, slot, r, min(rows_per_chunk, hi - r), row0, push_mask, s_push_delta + peer * MAX_PARTS,
+                    lane);
+        else
+          send.copy_rows<true>(slot, r, min(rows_per_chunk, hi - r), lane, push_mask);
+      } else {
+        send.copy_rows<true>(slot, r, min(rows_per_chunk, hi - r), lane);
+      }
       __syncwarp();  // every lane's accesses to the slot precede lane 0's hand-off below
       if (lane == 0) {
         if (solo) st_release_sys_global(remote_counter, t + 1);  // publish_tail / publish_head

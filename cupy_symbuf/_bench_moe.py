@@ -28,6 +28,10 @@ def routing(rng, tokens: int, num_experts: int, topk: int) -> np.ndarray:
     return np.argsort(keys, axis=1)[:, :topk].astype(np.int64)
 
 
+def _host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
 def run(c, comm, timer, args, sizes=None) -> list:  # sizes: unused (token counts come from --moe-tokens)
     W, me, xp = c.world_size, c.rank, c.xp
     E, K, H = args.num_experts, args.topk, args.hidden
@@ -38,7 +42,7 @@ def run(c, comm, timer, args, sizes=None) -> list:  # sizes: unused (token count
     results = []
     if me == 0:
         print(f"# MoE: hidden {H} {dtype.name}, top-{K} of {E} experts, world_size {W}, {args.iters} calls per row")
-        print(f"{'tokens':>7} {'op':>16} {'p50_us':>10} {'p99_us':>10} {'loop_us':>10} {'nvl_GB/s':>9} "
+        print(f"{'tokens':>7} {'op':>19} {'p50_us':>10} {'p99_us':>10} {'loop_us':>10} {'nvl_GB/s':>9} "
               f"{'deepep_GB/s':>11}")
     for tokens in [int(t) for t in args.moe_tokens.split(",")]:
         rng = np.random.default_rng([me, tokens, 7])
@@ -65,6 +69,14 @@ def run(c, comm, timer, args, sizes=None) -> list:  # sizes: unused (token count
         rows = {"dispatch": (lambda: c.dispatch(x, idx, weights, E), nvl, allb),
                 "dispatch-cached": (lambda: c.dispatch(x, handle=handle), nvl, allb),
                 "combine": (lambda: c.combine(recv_x, handle), sent_nvl, sent_all)}
+        # direct mode: the tokens land in a symmetric out (GPU: the peers write them there, one copy per byte)
+        sym_out = c.empty((tokens * W, H), dtype)
+        got = c.dispatch(x, handle=handle, out=sym_out)[0]
+        if not comm.allreduce(bool(np.array_equal(_host(got), _host(recv_x))), op=MPI.LAND):
+            raise RuntimeError(f"bench --op dispatch: dispatch into a symmetric out differs from the plain one at "
+                               f"{tokens} tokens; not timing it")
+        rows["dispatch-sym"] = (lambda: c.dispatch(x, idx, weights, E, out=sym_out), nvl, allb)
+        rows["dispatch-cached-sym"] = (lambda: c.dispatch(x, handle=handle, out=sym_out), nvl, allb)
         rel_err = None
         if args.wire == "fp8":  # low-precision transfer: codes + scales on the wire (1 + 4/128 bytes an element)
             q = c.dispatch(x, handle=handle, wire_dtype="fp8")[0]
@@ -86,6 +98,7 @@ def run(c, comm, timer, args, sizes=None) -> list:  # sizes: unused (token count
                             "p99_us": p99 * 1e6, "loop_us": loop * 1e6, "nvl_GBps": b_nvl / p50 / 1e9,
                             "deepep_GBps": b_all / p50 / 1e9})
             if me == 0:
-                print(f"{tokens:7d} {op:>16} {p50 * 1e6:10.1f} {p99 * 1e6:10.1f} {loop * 1e6:10.1f} "
+                print(f"{tokens:7d} {op:>19} {p50 * 1e6:10.1f} {p99 * 1e6:10.1f} {loop * 1e6:10.1f} "
                       f"{b_nvl / p50 / 1e9:9.2f} {b_all / p50 / 1e9:11.2f}")
+        c.free(sym_out)
     return results

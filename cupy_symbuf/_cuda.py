@@ -116,8 +116,10 @@ class CudaTransport:
         self.sym_table = _compat.cupy.zeros(P.SYM_TABLE_ROWS * P.SYM_TABLE_STRIDE, np.int64)
         self._sym_rows = [None] * P.SYM_TABLE_ROWS  # allocation id per row
         d[DESC_SYM_TABLE], d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = int(self.sym_table.data.ptr), -1, 0
-        #: calls this rank sent in direct mode (tests, stats)
+        d[P.DESC_PUSH_ALLOC: P.DESC_PUSH_ALLOC + MAX_PARTS] = -1
+        #: calls this rank sent in direct mode, and dispatches whose outputs its peers pushed into (tests, stats)
         self.direct_calls = 0
+        self.push_calls = 0
         #: (start, stop) CUDA events recorded around each ring-kernel launch when set (``bench --breakdown``)
         self.kernel_events = None
         self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
@@ -370,7 +372,8 @@ class CudaTransport:
         alloc.registered = False
 
     # ---- row exchange ---------------------------------------------------------------------------------------
-    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0) -> list:
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0,
+                      push=None) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf._plan.ExchangePlan`) in one kernel launch on the current
         stream: every (channel, peer) stream sends its call header and its chunks and receives the peer's.
 
@@ -379,6 +382,8 @@ class CudaTransport:
         ``direct``: ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` (``Engine.direct_source``): the send part
         lies in a registered symmetric allocation; every peer's kernel copies its share straight out of it
         (MODE_DIRECT headers, no payload chunks) and this rank's kernel ends once every peer has.
+        ``push``: ``(allocation id or -1 per receive part, rows of the receive parts)`` (``Engine.push_targets``):
+        MODE_PUSH, the peers write those parts of their rows straight into ``recv_parts`` (symmetric outputs).
         Returns once the kernel is queued, with ``[]``; with ``self.blocking`` once it ended, with the ranks that
         rejected the call. Raises an error an earlier kernel recorded, before anything else.
         """
@@ -415,7 +420,14 @@ class CudaTransport:
                 int(plan.send_units[0]) >= P.CE_MIN_BYTES
         else:
             d[DESC_DIRECT_ALLOC] = -1
-        d[DESC_FLAGS] = (P.FLAG_REJECT if plan.reject else 0) | (P.FLAG_CE if ce else 0)
+        flags = (P.FLAG_REJECT if plan.reject else 0) | (P.FLAG_CE if ce else 0)
+        if push is not None and not plan.reject:
+            ids, rows = push
+            d[P.DESC_PUSH_ALLOC: P.DESC_PUSH_ALLOC + len(ids)] = ids
+            d[P.DESC_PUSH_ROWS] = rows
+            flags |= P.FLAG_PUSH
+            self.push_calls += 1
+        d[DESC_FLAGS] = flags
         stream = cp.cuda.get_current_stream()
         if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
             self.graph_keep.extend(copies)

@@ -237,16 +237,41 @@ class Engine:
             err.symbuf_agreed = True
             raise err
 
+    def push_targets(self, outs) -> Optional[tuple]:
+        """MODE_PUSH (GPU MoE dispatch into symmetric outputs, ``dispatch(out=...)``): which of the C-contiguous
+        receive arrays ``outs`` (one per row part, at their full capacity: never cut to this call's rows, which
+        only this rank knows) the peers can write into themselves: ``(ids, rows, sig)`` with ``ids`` the symmetric
+        allocation id of each part (-1: through the ring), ``rows`` the rows the pushed parts hold (a peer's stream
+        past them is a fatal capacity error in the kernel) and ``sig`` the text every rank's row signature gets
+        (allocation, byte offset and row bytes of each pushed part: the ranks must lay their outputs out alike, and
+        a difference is a signature mismatch on every rank, never a write elsewhere); or None: rings only (host
+        backend, ``Config.mode="ring"``, one rank, or no part is a registered symmetric array)."""
+        if self.backend != "cuda" or self.config.mode == "ring" or self.world_size == 1:
+            return None
+        ids, where, rows = [], [], []
+        for i, a in enumerate(outs):
+            sym = self.owner._heap.find(a)
+            if sym is not None and sym[0].registered:
+                ids.append(sym[0].id)
+                rows.append(int(a.shape[0]))
+                where.append(f"{i}:{sym[0].id}:{sym[1]}:{a.nbytes // max(1, a.shape[0])}")
+            else:
+                ids.append(-1)
+        if not where:
+            return None
+        return ids, min(rows), "|push=" + ";".join(where)
+
     def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table, *,
-                             row_stream: bool = True, direct=None) -> None:
+                             row_stream: bool = True, direct=None, push=None) -> None:
         """Row exchange of a device-count call (GPU): like :meth:`exchange_rows`, the units to and from each peer
         read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`): rows
         (``row_stream``) or bytes (one part without index: a byte stream, the table scaled by the row bytes).
-        ``direct``: :meth:`direct_source` (a byte stream only)."""
+        ``direct``: :meth:`direct_source` (a byte stream only). ``push``: ``(ids, rows)`` of :meth:`push_targets`
+        (its ``sig`` already in ``sig_text``): the peers write those receive parts straight into ``recv_parts``."""
         plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
                                  row_stream)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
-                             direct if not row_stream else None, counts=int(table))
+                             direct if not row_stream else None, counts=int(table), push=push)
         self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)

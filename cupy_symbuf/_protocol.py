@@ -68,13 +68,23 @@ HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RAN
 #: ``DESC_SYM_TABLE``) and receive both.
 HDR_MODE, HDR_DIRECT_ALLOC, HDR_DIRECT_OFFSET = 9, 10, 11
 MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
+#: MODE_PUSH (GPU, MoE dispatch into symmetric outputs, ``dispatch(out=...)``): the receive parts named by
+#: DESC_PUSH_ALLOC lie in symmetric allocations, at the same offsets on every rank (the row signature says where,
+#: so a difference is a signature mismatch). The sender releases its header at once and waits for the receiver's
+#: ``head = first + 1``, before which the receiver stores, in the sender's head line, word HEAD_PUSH_ROW = the row
+#: of its outputs where this sender's stream starts (-1: it rejects the call; push nothing). The sender's copy
+#: warps then write those parts of every row straight into the receiver's outputs (one copy) and the other parts
+#: into the ring as usual; the chunks' tails announce both. The receiver copies only the ring parts. The wait for
+#: head also orders the pushes after the receiver's previous use of its outputs (its kernel runs in stream order).
+MODE_PUSH = 3
+HEAD_PUSH_ROW = 1
 #: A plain sendbuf goes MODE_CMA from this many bytes per peer (on average) up: below it the rings measured as fast
 #: or faster on the 2-core machine (64 KiB: 26 vs 31 us; 256 KiB - 1 MiB equal; 4 MiB: 414 vs 288 us; 16 MiB:
 #: 2889 vs 2157 us; docs/perf-notes.md v10).
 CMA_MIN_BYTES = 256 * 1024
 HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
 #: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 HDR_MAGIC_VALUE = (0x53594D42 << 32) | PROTOCOL_VERSION
 HDR_OK = 0
 HDR_REJECTED = 1
@@ -108,7 +118,8 @@ FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIEL
                FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
                FIELD_RING: "ring counters (head <= tail <= head + capacity)",
                FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)",
-               FIELD_MODE: "transfer mode (through the rings, from a symmetric array, or by cross-memory attach)"}
+               FIELD_MODE: "transfer mode (through the rings, from a symmetric array, by cross-memory attach, or "
+                           "pushed into symmetric outputs)"}
 
 #: GPU error record (int64 words, host-mapped).
 STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
@@ -130,7 +141,11 @@ DESC_SEND_PARTS = 24                       # MAX_PARTS x {base, stride, width, o
 DESC_RECV_PARTS = DESC_SEND_PARTS + 4 * MAX_PARTS
 DESC_PEERS = DESC_RECV_PARTS + 4 * MAX_PARTS   # [4][world_size]: send offset, send units, recv offset, recv units
 DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS      # launch number, written into the error record
-DESC_WORDS = DESC_SEQ + 1
+#: MODE_PUSH: per receive part, the id of the symmetric allocation it lies in (-1: through the ring), and the rows
+#: the receive parts hold (a sender's stream past them is a fatal FIELD_CAPACITY error, checked by the receiver).
+DESC_PUSH_ALLOC = DESC_SEQ + 1
+DESC_PUSH_ROWS = DESC_PUSH_ALLOC + MAX_PARTS
+DESC_WORDS = DESC_PUSH_ROWS + 1
 #: Device counts table (int64 words; DESC_COUNTS holds its device address, 0 = the units are DESC_PEERS's): written
 #: by ``symbuf_notify`` in device-count mode, read by the ring kernel at launch, so a call whose counts never reach
 #: the host (worst-case mode, CUDA graphs) still moves exactly the agreed rows. CT_SKIP != 0: the call moves
@@ -156,6 +171,8 @@ FLAG_REJECT = 1                            # this rank rejected the call: header
 #: the rows), and ``symbuf_ce_finish`` hands every header slot back (head) and waits for the peers' heads, so no
 #: stream reuses a sendbuf a peer's copy engine still reads.
 FLAG_CE = 2
+#: MODE_PUSH (above): some receive parts of this dispatch are symmetric; peers push them, this rank pushes to peers.
+FLAG_PUSH = 4
 #: A copy-engine alltoall moves at least this many bytes per peer; smaller ones run the direct kernel copy.
 #: Measured on one H200 under MPS (docs/perf-notes.md v11, ``bench --mode copy_engine`` beside ``--mode auto``):
 #: 8 MiB per peer loses (2 ranks x 16 MiB: 62 us against the kernel's 38; 4 ranks x 16 MiB, 4 MiB per peer: 82

@@ -325,6 +325,41 @@ def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int])
     return x, None, kind
 
 
+def _check_out(op: str, comm, out, xv, scales) -> Optional[list]:
+    """Validate dispatch's ``out``: for an array ``x``, an array of ``x``'s dtype ``[capacity, hidden]``; for an fp8
+    tuple, a tuple ``(out_x, out_scales)`` of ``[capacity, hidden]`` (x_fp8's dtype) and ``[capacity, hidden //
+    128]`` float32; C-contiguous. Returns the arrays (viewed as the transport's dtypes) or None."""
+    if out is None:
+        return None
+    fp8 = scales is not None
+    if fp8 != isinstance(out, tuple) or (fp8 and len(out) != 2):
+        raise TypeError(f"{op}: out must be " + ("a tuple (out_x, out_scales) for an fp8 tuple x" if fp8 else
+                                                 "an array (a tuple only for an fp8 tuple x)") +
+                        f", got {type(out).__name__}")
+    wanted = [(xv, "out[0]" if fp8 else "out")] + ([(scales, "out[1]")] if fp8 else [])
+    arrays = []
+    for (ref, name), a in zip(wanted, out if fp8 else (out,)):
+        a = _check_array(op, name, a, comm, dims=(("capacity", None), ("hidden" if ref is xv else
+                                                                          f"hidden // {FP8_BLOCK}", ref.shape[1])))
+        if a.dtype.itemsize != ref.dtype.itemsize or (a.dtype != ref.dtype and a.dtype.kind != "u" and
+                                                      ref.dtype.kind != "u"):
+            raise TypeError(f"{op}: {name} must have dtype {ref.dtype} (the received rows'), got {a.dtype}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{op}: {name} must be C-contiguous (rows are written in place), got strides "
+                             f"{a.strides}")
+        arrays.append(a if a.dtype == ref.dtype else a.view(ref.dtype))
+    if arrays[1:] and arrays[1].shape[0] != arrays[0].shape[0]:
+        raise ValueError(f"{op}: out[0] and out[1] must have the same rows (capacity), got {arrays[0].shape[0]} "
+                         f"and {arrays[1].shape[0]}")
+    return arrays
+
+
+def _check_capacity(op: str, outs, rows: int, what: str) -> None:
+    if outs is not None and outs[0].shape[0] < rows:
+        raise ValueError(f"{op}: out holds {outs[0].shape[0]} rows, fewer than the {rows} this rank receives "
+                         f"({what})")
+
+
 def _check_weights(op: str, comm, w, num_rows: int, num_topk: int, rows_label: str):
     if w is None:
         return None
@@ -434,7 +469,7 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
 
 def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
              handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-             wire_dtype: Optional[str] = None):
+             wire_dtype: Optional[str] = None, out=None):
     """Send each token to every rank that holds at least one of its experts, once per rank. Collective.
 
     DeepEP: ``Buffer.dispatch`` (``deep_ep/buffer.py``), intranode normal mode; the layout that DeepEP takes as
@@ -486,7 +521,24 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         fp8 tuple ``x``. Every rank must make the same choice (the rows' format is in the signature every
         receiver checks: a difference raises ``ValueError`` on every rank after the count exchange, but in a
         cached dispatch, which has none, it is a fatal call-header mismatch). Finite values only: a NaN or inf
-        makes its whole 128-element block NaN.
+        makes its whole 128-element block NaN. Not with ``out``.
+    out : xp.ndarray ``[capacity, hidden]`` of ``x``'s dtype, or tuple ``(out_x, out_scales)`` for an fp8 tuple
+        ``x`` (``out_scales`` ``[capacity, hidden // 128]`` float32), C-contiguous (keyword-only)
+        Where the received tokens go: ``recv_x`` is ``out[:num_recv_tokens]`` (``num_worst_tokens`` rows in
+        worst-case mode), a view; no output is allocated. It must hold every row this rank receives: checked
+        before anything moves where the count is known (a cached dispatch; worst-case mode needs ``capacity >=
+        num_worst_tokens``), else a ``ValueError`` told to the peers as a rejection; in an eager dispatch the
+        count exchange finds it, and more rows than ``capacity`` are fatal as for ``num_worst_tokens``
+        (:class:`~cupy_symbuf.SymBufferMismatchError`, field "capacity"). **Direct mode** (GPU): when ``out``
+        (each part of it) is a symmetric array of this communicator (:meth:`Communicator.empty`), the peers write
+        their rows straight into it (one copy per byte instead of two through the rings; protocol MODE_PUSH,
+        after TRT-LLM's one-sided all-to-all and DeepEP V2, which write each token once into its final receive
+        slot); the top-k ids and weights still travel through the rings. Every rank must then pass the same
+        allocation at the same offset (the row signature says so; a difference raises ``ValueError`` on every
+        rank from the count exchange, or in a cached dispatch is a fatal call-header mismatch).
+        ``Config.mode="ring"`` keeps the rings. The caller owns ``out``: a later dispatch into the same ``out``
+        overwrites the rows an earlier handle's ``recv_x`` views (the peers write only after this rank's call has
+        begun, in stream order, so no earlier use of ``out`` on this rank is overtaken).
 
     Returns
     -------
@@ -529,11 +581,14 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         back = None
         if wire_dtype is not None:
             x, back = _wire_fp8(op, comm, x, wire_dtype)
-        out = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
-                        num_worst_tokens)
+        if wire_dtype is not None and out is not None:
+            raise ValueError(f"{op}: out and wire_dtype cannot be combined (the received rows are dequantised into "
+                             f"a new array)")
+        res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
+                        num_worst_tokens, out)
     if back is not None:
-        out = (back(*out[0]),) + tuple(out[1:])
-    return out
+        res = (back(*res[0]),) + tuple(res[1:])
+    return res
 
 
 def _wire_fp8(op, comm, x, wire_dtype):
@@ -556,7 +611,8 @@ def _wire_fp8(op, comm, x, wire_dtype):
     return (q, scales), back
 
 
-def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens):
+def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
+              out=None):
     xp = comm.xp
     align = _check_int(op, "expert_alignment", expert_alignment, minimum=1)
     worst = _check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
@@ -572,15 +628,19 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
             raise ValueError(f"{op}: with handle, num_worst_tokens must be 0 or the handle's "
                              f"({h.num_worst_tokens}), got {worst}")
         xv, scales, kind = _check_x(op, comm, x, h.num_tokens, None)
+        outs = _check_out(op, comm, out, xv, scales)
+        _check_capacity(op, outs, h.num_worst_tokens or h.num_recv_tokens,
+                        "num_worst_tokens" if h.num_worst_tokens else "the handle's count")
         if h.routing is not None:  # GPU: the units come from the handle's device counts table
             recv_x, recv_scales, _, _ = _exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
-                                                         h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr)
+                                                         h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr,
+                                                         user_outs=outs)
         else:
             recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx,
-                                                  h.send_counts, h.recv_counts, f"cached|{kind}")
+                                                  h.send_counts, h.recv_counts, f"cached|{kind}", user_outs=outs)
             if h.num_worst_tokens:
-                recv_x, recv_scales = _pad_rows(xp, recv_x, h.num_worst_tokens, 0), \
-                    _pad_rows(xp, recv_scales, h.num_worst_tokens, 0)
+                recv_x, recv_scales = _pad_rows(xp, recv_x, h.num_worst_tokens, 0, outs, 0), \
+                    _pad_rows(xp, recv_scales, h.num_worst_tokens, 0, outs, 1)
         out_x = (recv_x, recv_scales) if scales is not None else recv_x
         counts = h.num_recv_tokens_per_expert(align)
         if h.num_worst_tokens and isinstance(counts, list):  # host: an array, as the first call's and the GPU's
@@ -591,13 +651,16 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     if topk_idx is None:
         raise ValueError(f"{op}: topk_idx is required without a handle")
     xv, scales, kind = _check_x(op, comm, x, None, None)
+    outs = _check_out(op, comm, out, xv, scales)
+    if worst:
+        _check_capacity(op, outs, worst, "num_worst_tokens")
     num_tokens = xv.shape[0]
     cuda = comm.backend == "cuda"
     idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens, check_range=not cuda)
     weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
     if cuda:
         _check_device_experts(op, n_exp)
-        return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst)
+        return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs)
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank
@@ -623,6 +686,10 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     recv_counts = recv_meta[:, 0].copy()
     raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
     n_recv = int(recv_counts.sum())
+    if outs is not None and n_recv > outs[0].shape[0]:  # as the GPU's count exchange: fatal (see worst below)
+        raise comm.fatal(SymBufferMismatchError(
+            f"{op}: rank {rank} receives {n_recv} rows, more than out holds ({outs[0].shape[0]}, its capacity)",
+            rank=rank, op=op, field="capacity", expected=int(outs[0].shape[0]), got=n_recv))
     if worst and n_recv > worst:
         # between the steps, before any row moves (as the GPU's count exchange): fatal, and comm.fatal sets the
         # abort word, so the peers' row exchange of this very call fails instead of returning
@@ -633,7 +700,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
 
     # ---- data
     recv_x, recv_scales, recv_gidx, recv_w = _exchange(comm, op, xv, scales, idx, weights, send_token_idx,
-                                                       send_counts, recv_counts, sig)
+                                                       send_counts, recv_counts, sig, user_outs=outs)
     local = recv_gidx - rank * epr
     mine = (recv_gidx >= 0) & (local >= 0) & (local < epr)
     recv_topk_idx = xp.where(mine, local, -1).astype(np.int64, copy=False)
@@ -642,7 +709,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         recv_topk_weights = xp.where(mine, recv_w, np.float32(0)).astype(np.float32, copy=False)
 
     if worst:  # outputs of the worst-case size: rows past the real count are -1 / 0 (x, scales: 0)
-        recv_x, recv_scales = _pad_rows(xp, recv_x, worst, 0), _pad_rows(xp, recv_scales, worst, 0)
+        recv_x, recv_scales = _pad_rows(xp, recv_x, worst, 0, outs, 0), _pad_rows(xp, recv_scales, worst, 0, outs, 1)
         recv_topk_idx = _pad_rows(xp, recv_topk_idx, worst, -1)
         recv_topk_weights = _pad_rows(xp, recv_topk_weights, worst, 0)
     send_counts.setflags(write=False)
@@ -660,10 +727,14 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     return out_x, recv_topk_idx, recv_topk_weights, counts, h
 
 
-def _pad_rows(xp, a, rows: int, fill):
-    """``a`` with rows appended up to ``rows``, filled with ``fill`` (None stays None)."""
+def _pad_rows(xp, a, rows: int, fill, outs=None, k: int = 0):
+    """``a`` with rows appended up to ``rows``, filled with ``fill`` (None stays None); ``outs``: the caller's
+    ``out`` arrays, ``a`` the first rows of ``outs[k]``: filled in there."""
     if a is None or a.shape[0] == rows:
         return a
+    if outs is not None:
+        outs[k][a.shape[0]:rows] = fill
+        return outs[k][:rows]
     out = xp.full((rows,) + tuple(a.shape[1:]), fill, dtype=a.dtype)
     out[:a.shape[0]] = a
     return out
@@ -674,7 +745,7 @@ def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
             f"weights={weights is not None}|num_experts={n_exp}")
 
 
-def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int):
+def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None):
     """The GPU dispatch (:mod:`cupy_symbuf._moe_cuda`): layout kernel -> count exchange on the device (counts
     tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
     -> receive fix-up. With ``worst`` nothing is read on the host."""
@@ -686,6 +757,9 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     row_bytes = _row_bytes(xv, scales, num_topk, weights is not None)
     check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
     sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
+    push = comm.push_targets(user_outs) if user_outs is not None else None
+    if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
+        sig += push[2]
     idx = _moe_cuda.contiguous(idx)
     rt = _moe_cuda.Routing(num_tokens, num_topk, w_size, M)
     meta = rt.meta_ptr
@@ -700,15 +774,17 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
 
     # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
     # failure between the steps); temporaries a captured call reads stay alive as long as the communicator
-    outs = _device_outputs(cp, worst, xv, scales, idx, weights) if worst else None
+    outs = _device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
     comm.keep_for_graph(idx)
     res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
-                             capacity=worst if worst else -1, worst=bool(worst), self_error=bad_error,
+                             capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
+                             worst=bool(worst), self_error=bad_error,
                              sig_what=lambda: (
                                  f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
-                                 f"+ top-k) or on num_experts: rank {rank} has {row_bytes} bytes ({sig}); all ranks "
-                                 f"must pass the same hidden, dtype, num_topk, choice of topk_weights and "
-                                 f"num_experts"))
+                                 f"+ top-k), on num_experts or on where out lies: rank {rank} has {row_bytes} bytes "
+                                 f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
+                                 f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
+                                 f"the same offset on every rank"))
     if worst:
         send_counts = recv_counts = raw = None
         n_recv = worst
@@ -724,7 +800,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
         send_counts.setflags(write=False)
         recv_counts.setflags(write=False)
     recv_x, recv_scales, recv_gidx, recv_w = _exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
-                                                              sig, rt.table_ptr, outs)
+                                                              sig, rt.table_ptr, outs, user_outs=user_outs,
+                                                              push=push)
     counts_out = cp.empty(epr, np.int64) if worst else None
     _moe_cuda.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
                     counts_out=counts_out, align=align)
@@ -764,11 +841,13 @@ def _rows_part(xp, a):
     return a.view(_UINT_OF_SIZE[a.dtype.itemsize])
 
 
-def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig: str):
+def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig: str,
+              user_outs=None):
     """Send rows ``send_token_idx`` of ``x`` | scales | idx | weights (None parts left out) and receive them into
     new C-contiguous arrays. ``send_token_idx`` None sends every row in order (combine). The rows are gathered
     from the parts straight into the channel rings by the transport (one kernel on the GPU; no packed copy) and
     scattered from the rings into the outputs. Returns ``(recv_x, recv_scales, recv_idx, recv_weights)``.
+    ``user_outs``: dispatch's ``out`` arrays (x, scales), received into in place.
     """
     xp = comm.xp
     n_recv = int(recv_counts.sum())
@@ -777,8 +856,9 @@ def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, r
         if a is not None:
             parts.append((a, np.dtype(dt), a.shape[1]))
     send_parts, recv_parts, outs = [], [], []
-    for a, dt, n in parts:
-        out = xp.empty((n_recv, n), dtype=dt)
+    for k, (a, dt, n) in enumerate(parts):
+        out = user_outs[k][:n_recv] if user_outs is not None and k < len(user_outs) else \
+            xp.empty((n_recv, n), dtype=dt)
         outs.append(out)
         if n == 0:
             continue
@@ -801,34 +881,44 @@ def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, r
     return recv_x, recv_scales, recv_idx, recv_w
 
 
-def _device_outputs(xp, n_recv: int, xv, scales, idx, weights) -> list:
-    """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None)."""
-    outs = [xp.empty((n_recv, xv.shape[1]), dtype=xv.dtype)]
-    for a, dt in ((scales, np.float32), (idx, np.int64), (weights, np.float32)):
+def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None) -> list:
+    """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None; the first
+    rows of dispatch's ``out`` arrays where given)."""
+    mine = list(user_outs or ())
+    outs = [mine[0][:n_recv] if mine else xp.empty((n_recv, xv.shape[1]), dtype=xv.dtype)]
+    for k, (a, dt) in enumerate(((scales, np.float32), (idx, np.int64), (weights, np.float32))):
         if a is not None:
-            outs.append(xp.empty((n_recv, a.shape[1]), dtype=dt))
+            outs.append(mine[1][:n_recv] if k == 0 and mine[1:] else xp.empty((n_recv, a.shape[1]), dtype=dt))
     return outs
 
 
 def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
-                     outs=None):
+                     outs=None, *, user_outs=None, push=None):
     """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
     capacity; ``outs``: already allocated by :func:`_device_outputs`), the per-peer units read by the ring kernel
-    from the counts table at ``table_ptr``."""
+    from the counts table at ``table_ptr``. ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
+    :meth:`~cupy_symbuf._engine.Engine.push_targets` (None: computed here; its text is added to ``sig``)."""
     xp = comm.xp
     if outs is None:
-        outs = _device_outputs(xp, n_recv, xv, scales, idx, weights)
-    send_parts, recv_parts = [], []
-    for a, out in zip([p for p in (xv, scales, idx, weights) if p is not None], outs):
+        outs = _device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs)
+    if user_outs is not None and push is None:
+        push = comm.push_targets(user_outs)
+        if push is not None:
+            sig += push[2]
+    ids = list(push[0]) if push is not None else None
+    send_parts, recv_parts, push_ids = [], [], []
+    for k, (a, out) in enumerate(zip([p for p in (xv, scales, idx, weights) if p is not None], outs)):
         if out.shape[1] == 0:
             continue
         send_parts.append(_rows_part(xp, a))
         recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
+        push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
     # read / written by every replay of a captured call: copies made by _rows_part, and the combine's returned
     # rows (its reduction's input, never handed to the caller)
     comm.keep_for_graph(*send_parts, *outs)
     if send_parts:
-        comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr)
+        comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
+                                  push=(push_ids, push[1]) if push is not None else None)
     it = iter(outs[1:])
     recv_x = outs[0]
     recv_scales = next(it) if scales is not None else None

@@ -98,7 +98,8 @@ def test_moe_dispatch_bench_rows():
     rows = _bench_rows(["--backend", "host", "--op", "dispatch", "--moe-tokens", "64,8", "--hidden", "256",
                         "--num-experts", str(4 * W), "--topk", "3", "--iters", "5", "--warmup", "1", "--wire", "fp8"])
     if rows is not None:
-        ops = ("dispatch", "dispatch-cached", "combine", "dispatch-fp8", "dispatch-cached-fp8")
+        ops = ("dispatch", "dispatch-cached", "combine", "dispatch-sym", "dispatch-cached-sym", "dispatch-fp8",
+               "dispatch-cached-fp8")
         assert {(r["tokens"], r["op"]) for r in rows} == {(t, o) for t in (64, 8) for o in ops}
         assert all(5e-3 < r["rel_l2_error"] < 5e-2 for r in rows if r["op"].endswith("fp8"))
         assert all(0 < r["p50_us"] <= r["p99_us"] and r["loop_us"] > 0 for r in rows)
