@@ -2,7 +2,7 @@
 # Issue 11 on one H200 (one device call): the direct-mode and alltoall tests on 1 rank, the whole suite at 2 ranks
 # under MPS, the direct-mode tests at 4 ranks, then the alltoall bench (plain / out= / symmetric, share of the copy
 # rate measured in the same run) at 2, 4 and 8 ranks under MPS.
-# Usage: bash .ci/device_issue11.sh [stage...]   stages: quick suite2 quickN (N ranks) bench sms
+# Usage: bash .ci/device_issue11.sh [stage...]   stages: quick suite2 quickN (N ranks) bench sms tune ce exp control moe
 # (default: quick suite2 quick4 bench)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -75,6 +75,14 @@ for stage in $STAGES; do
         timeout ${BENCH_LIMIT:-90} $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --no-reference \
           --sizes ${BENCH_SIZES:-16M,128M} --iters ${ITERS:-20} --warmup 3 --num-sms $sms --timing loop > $LOG/sms_$sms.log 2>&1
         echo "== [bench 2 ranks --num-sms $sms] rc=$?"; grep -vE "^$" $LOG/sms_$sms.log | grep -v sizes | tail -12
+      done
+      mps_off ;;
+    moe)  # bench --op dispatch (plain, cached, into a symmetric out: direct mode) at BENCH_RANKS ranks
+      mps_on
+      for n in ${BENCH_RANKS:-2 4 8}; do
+        timeout ${BENCH_LIMIT:-120} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op dispatch \
+          --moe-tokens ${MOE_TOKENS:-4096,128} --dtype float16 --iters ${ITERS:-50} --warmup 5 ${MOE_ARGS:-} > $LOG/moe_$n.log 2>&1
+        echo "== [dispatch bench $n ranks MPS] rc=$?"; grep -vE "^$" $LOG/moe_$n.log | tail -${MOE_TAIL:-16}
       done
       mps_off ;;
     bench)
