@@ -12,7 +12,9 @@ Patterns (rows of ``ROW_BYTES`` bytes; every rank sends about ``size`` bytes in 
 Every call is first checked exactly (each row carries its source, destination and index). Timings, max over ranks:
 ``p50`` / ``p99`` of ``--iters`` calls each after a barrier (the cross-rank maximum of each call, then the
 percentile over calls: DeepEP / nccl-tests report per-call maxima), and ``loop`` (calls back to back). Reference:
-``MPI.Comm.Alltoallv`` of the same NumPy arrays on the host; on GPUs none yet (printed).
+``MPI.Comm.Alltoallv`` of the same NumPy arrays on the host; on GPUs, with ``--references mpi``, ``mpi-cuda``:
+CUDA-aware ``MPI.Comm.Alltoallv`` of the same CuPy arrays (``cupy_symbuf._bench_mpi_cuda``; skipped with the reason
+where MPI has no CUDA support).
 """
 from __future__ import annotations
 
@@ -64,12 +66,20 @@ def run(c, comm, timer, args, sizes) -> list:
     from .bench import _fmt
     W, me, xp = c.world_size, c.rank, c.xp
     patterns = args.patterns.split(",")
+    refs = set(r for r in str(getattr(args, "references", "")).split(",") if r)
+    mpi_cuda = ""  # the mpi-cuda row: "" not asked for (or host), None runs, else why it is skipped
+    if c.backend == "cuda" and not args.no_reference and "mpi" in refs:
+        from . import _bench_mpi_cuda
+        mpi_cuda = _bench_mpi_cuda.skip_reason(c, comm)
     results = []
     if me == 0:
         print(f"{'size/rank':>10} {'pattern':>8} {'engine':>8} {'p50_us':>10} {'p99_us':>10} {'loop_us':>10} "
               f"{'max_recv':>9} {'busbw_GB/s':>11}")
-        if c.backend == "cuda":
-            print("# alltoallv reference on GPUs: none yet (NCCL grouped send/recv with counts: not built)")
+        if c.backend == "cuda" and mpi_cuda == "":
+            print("# alltoallv reference on GPUs: --references mpi (CUDA-aware MPI Alltoallv; NCCL grouped "
+                  "send/recv with counts: not built)")
+        elif c.backend == "cuda" and mpi_cuda:
+            print(f"# mpi-cuda: skipped: {mpi_cuda}")
     for size in sizes:
         rows = max(W, size // ROW_BYTES)
         for pattern in patterns:
@@ -95,6 +105,9 @@ def run(c, comm, timer, args, sizes) -> list:
                 sspec = [sflat, (counts * ROW_BYTES, sdisp), MPI.BYTE]
                 rspec = [ybuf, (recv_counts * ROW_BYTES, rdisp), MPI.BYTE]
                 engines["mpi"] = lambda: comm.Alltoallv(sspec, rspec)
+            if mpi_cuda is None:
+                from . import _bench_mpi_cuda
+                engines["mpi-cuda"] = _bench_mpi_cuda.alltoallv_fn(comm, x, counts, recv_counts, ROW_BYTES, want)
             max_recv = comm.allreduce(int(recv_counts.sum()), op=MPI.MAX)
             off_rank = comm.allreduce(int(counts.sum() - counts[me]), op=MPI.MAX)  # the busiest sender's bytes
             for engine, fn in engines.items():

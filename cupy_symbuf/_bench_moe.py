@@ -10,12 +10,19 @@ each call, then the percentile; use ``--iters 200`` or more for a p99 worth the 
 back). ``--wire fp8`` adds the same dispatches with ``wire_dtype="fp8"`` (their bandwidth counts the bytes on the
 wire) and prints the relative L2 error of the received tokens. Bandwidth (GB/s, of the p50 time): ``nvl`` = token bytes received from (dispatch) or sent to (combine)
 other ranks, ``deepep`` = all token bytes received (dispatch) or sent (combine), a rank's own included: DeepEP's
-convention (its 331.8 / 321.9 GB/s on 8 x H200). The low-latency mode is timed by ``bench --control``.
+convention (its 331.8 / 321.9 GB/s on 8 x H200). The low-latency mode (:class:`~cupy_symbuf.LowLatencyBuffer`):
+rows ``ll-dispatch`` / ``ll-combine`` at ``--ll-tokens`` (default: 128 when ``--moe-tokens`` has it), checked
+against NumPy first and timed with at least ``--ll-iters`` (200) calls (``cupy_symbuf._bench_ll``). With
+``--energy`` (GPU) every row also carries J/GB from NVML over at least a second of back-to-back calls, the bytes
+being all ranks' received token bytes (dispatch) or sent ones (combine), DeepEP's convention summed over ranks
+(``cupy_symbuf._bench_energy``; a table after the rows).
 """
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
+
+from . import _bench_energy as _energy
 
 __all__ = ["run", "routing"]
 
@@ -66,6 +73,8 @@ def run(c, comm, timer, args, sizes=None) -> list:  # sizes: unused (token count
         allb = comm.allreduce(n_recv * row, op=MPI.MAX)
         sent_nvl = comm.allreduce(int(ranks.sum() - own) * row, op=MPI.MAX)
         sent_all = comm.allreduce(int(ranks.sum()) * row, op=MPI.MAX)
+        e_disp = comm.allreduce(n_recv * row)  # all ranks' received token bytes: the energy rows' bytes per call
+        e_comb = comm.allreduce(int(ranks.sum()) * row)  # all ranks' sent token bytes
         rows = {"dispatch": (lambda: c.dispatch(x, idx, weights, E), nvl, allb),
                 "dispatch-cached": (lambda: c.dispatch(x, handle=handle), nvl, allb),
                 "combine": (lambda: c.combine(recv_x, handle), sent_nvl, sent_all)}
@@ -96,7 +105,10 @@ def run(c, comm, timer, args, sizes=None) -> list:  # sizes: unused (token count
             results.append({"op": op, "tokens": tokens, "rel_l2_error": rel_err if op.endswith("fp8") else 0.0, "hidden": H, "dtype": dtype.name, "num_experts": E,
                             "topk": K, "world_size": W, "backend": c.backend, "p50_us": p50 * 1e6,
                             "p99_us": p99 * 1e6, "loop_us": loop * 1e6, "nvl_GBps": b_nvl / p50 / 1e9,
-                            "deepep_GBps": b_all / p50 / 1e9})
+                            "deepep_GBps": b_all / p50 / 1e9,
+                            **_energy.row_fields(timer, fn, c.synchronize,
+                                                 e_comb if op == "combine" else e_disp * b_all / max(allb, 1),
+                                                 loop, _energy.MOE_BYTES[op == "combine"])})
             if me == 0:
                 print(f"{tokens:7d} {op:>19} {p50 * 1e6:10.1f} {p99 * 1e6:10.1f} {loop * 1e6:10.1f} "
                       f"{b_nvl / p50 / 1e9:9.2f} {b_all / p50 / 1e9:11.2f}")

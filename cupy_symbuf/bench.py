@@ -2,8 +2,9 @@
 ``--tune``: sweep the layout per message size and write the library's defaults (``cupy_symbuf._bench_tune``);
 ``--control [--tokens 4096]``: the control-path table (MoE layout, dispatch / combine, CUDA graphs, low-latency
 mode, alltoall host issue time); ``--op alltoallv --patterns uniform,zipf,hot`` (``cupy_symbuf._bench_alltoallv``)
-and ``--op dispatch --moe-tokens 4096,128`` (MoE dispatch, cached dispatch and combine; ``cupy_symbuf._bench_moe``):
-p50 / p99 per call.
+and ``--op dispatch --moe-tokens 4096,128`` (MoE dispatch, cached dispatch and combine, ``cupy_symbuf._bench_moe``;
+the low-latency mode's ``ll-dispatch`` / ``ll-combine`` at 128 tokens, ``cupy_symbuf._bench_ll``): p50 / p99 per
+call.
 
 Times ``Communicator.alltoall`` on equal blocks for each per-rank input size, and the same traffic through a
 reference engine in the same run: NCCL grouped send/recv (``cupy.cuda.nccl``) on GPUs, ``MPI.Alltoall`` on the
@@ -24,6 +25,19 @@ Two timings (``--timing``), each the max over ranks:
   Host work before the launch and the ranks' skew count in full.
 * ``loop``: the nccl-tests method: ``--iters`` calls issued back to back after one barrier, one pair of events around
   all of them, time / iters. Host work overlaps the previous call's kernel, as in a training step.
+
+``vs_peer``: the peer baseline's time / the row's time, same timing, same run (> 1: faster than the peer). The peer
+is NCCL where it runs, else ``mpi-cuda`` on GPUs (``--references mpi``: CUDA-aware ``MPI.Alltoall`` straight on the
+CuPy arrays, ``cupy_symbuf._bench_mpi_cuda``; the baseline where ranks share a GPU and NCCL refuses them), and
+``MPI.Alltoall`` on the host.
+
+Energy (``--energy``, on by default on GPUs when ``pynvml`` from nvidia-ml-py imports; ``--no-energy``): for every
+row, NVML's energy counter of **the whole GPU** (summed over the run's GPUs, read by the lowest rank on each) around
+at least one second of back-to-back calls; ``J/GB`` = joules / (calls x all ranks' input bytes / 1e9), with the
+idle power (``idle_W``, nothing running, sampled over 0.5 s at the start) beside it and ``energy_above_idle_J_per_GB``
+in the JSON. With several ranks on one GPU (MPS) the figure covers all of them. Without pynvml, on the host path or
+when NVML fails, one line says why and the fields are null (``cupy_symbuf._bench_energy``). ``--op dispatch``
+rows get the same fields (bytes: all ranks' received / sent token bytes) and a table after the rows.
 """
 from __future__ import annotations
 
@@ -34,7 +48,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import _compat
+from . import _bench_energy, _bench_mpi_cuda, _compat
 from .communicator import Communicator
 from .config import Config
 from .utils import select_device
@@ -236,15 +250,19 @@ def _progress(items, rank: int, what: str):
     return tqdm(items, desc=what, leave=False)
 
 
-def _copy_rate(comm, xp, timer, nbytes: int, iters: int, warmup: int) -> float:
+def _copy_rate(comm, xp, timer, nbytes: int, iters: int, warmup: int, energy=None) -> float:
     """The machine's copy rate in bytes per second, measured in the same run: every rank copies ``nbytes`` (its
     alltoall input) between two of its own arrays at once, back to back (``loop`` timing, max over ranks);
     returns all ranks' bytes / time. On one GPU shared by the ranks (MPS) this is the device-to-device rate the
     ranks share; on the host, the memory bandwidth the ranks share. ``copy_share`` in the table = all ranks' input
-    bytes per second of a collective / this rate (an all-to-all that copies every byte once reaches ~100%)."""
+    bytes per second of a collective / this rate (an all-to-all that copies every byte once reaches ~100%).
+    ``energy(fn, seconds_per_call)``, when given, is called (collectively) with the copy to measure its energy."""
     src = xp.ones(max(1, nbytes), dtype=np.uint8)
     dst = xp.empty_like(src)
-    per = timer.time_loop(lambda: xp.copyto(dst, src), iters, warmup, comm)
+    fn = lambda: xp.copyto(dst, src)  # noqa: E731
+    per = timer.time_loop(fn, iters, warmup, comm)
+    if energy is not None:
+        energy(fn, per)
     return comm.Get_size() * max(1, nbytes) / per
 
 
@@ -276,12 +294,33 @@ def _ce_pull(c, x, expected, comm):
     return run, xs
 
 
+#: --references accepted (beside the NCCL / MPI rows that --no-reference turns off)
+_REFERENCES = {"torch", "mpi"}
+
+
+def _print_moe_energy(results: list) -> None:
+    """Rank 0: the energy table of ``--op dispatch`` (rows with a measurement)."""
+    rows = [r for r in results if r.get("energy_J_per_GB") is not None]
+    if not rows:
+        return
+    print(f"# energy per row ({rows[0]['energy_scope']}; bytes: all ranks' received token bytes for dispatch, sent "
+          f"for combine)")
+    print(f"{'tokens':>7} {'op':>19} {'J/GB':>9} {'above_idle':>10} {'avg_W':>7} {'idle_W':>7} {'seconds':>8} "
+          f"{'calls':>7}")
+    for r in rows:
+        above = r["energy_above_idle_J_per_GB"]
+        print(f"{r['tokens']:7d} {r['op']:>19} {r['energy_J_per_GB']:9.3f} "
+              f"{(f'{above:10.3f}' if above is not None else '-'):>10} {r['energy_avg_W']:7.1f} "
+              f"{(r['idle_W'] or float('nan')):7.1f} {r['energy_s']:8.2f} {r['energy_calls']:7d}")
+
+
 #: --op (other than alltoall) -> the module that benchmarks it (its run(c, comm, timer, args, sizes) -> rows)
 _OP_MODULES = {"alltoallv": "_bench_alltoallv", "dispatch": "_bench_moe", "delta": "_bench_delta",
                "hier": "_bench_hier"}
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main`."""
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=None,
                     help="per-rank input sizes, comma-separated (K/M/G suffix); default 1M,16M,128M (--tune: 64K,1M,16M)")
@@ -298,7 +337,13 @@ def main(argv=None) -> int:
     ap.add_argument("--references", default="torch",
                     help="extra references beside NCCL (GPU) / MPI (host), comma-separated: torch "
                          "(torch.distributed all_to_all_single: gloo on the host, NCCL on GPUs with a rank per "
-                         "GPU; skipped with the reason where torch cannot run it); '' for none. Default: torch")
+                         "GPU; skipped with the reason where torch cannot run it), mpi (GPU: row mpi-cuda, "
+                         "CUDA-aware MPI Alltoall / Alltoallv on the CuPy arrays, the peer baseline where NCCL "
+                         "cannot run; skipped with the reason where MPI has no CUDA support); '' for none. "
+                         "Default: torch")
+    ap.add_argument("--energy", action=argparse.BooleanOptionalAction, default=True,
+                    help="GPU: J/GB per row from NVML's energy counter (whole GPU, >= 1 s of back-to-back calls) "
+                         "and the idle power (needs nvidia-ml-py; skipped with the reason otherwise). Default: on")
     ap.add_argument("--relaxed", action="store_true",
                     help="also time the ours-sym row with sync='relaxed' (row ours-sym-relaxed)")
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
@@ -339,6 +384,12 @@ def main(argv=None) -> int:
                     help="--op hier: ranks per virtual node (default: CUPY_SYMBUF_NODE_SIZE, else all)")
     ap.add_argument("--moe-tokens", default="4096,128",
                     help="--op dispatch: tokens per rank, comma-separated (default 4096,128)")
+    ap.add_argument("--ll-tokens", default=None,
+                    help="--op dispatch: tokens per rank of the low-latency rows ll-dispatch / ll-combine, "
+                         "comma-separated ('' or 0: none; default 128 when --moe-tokens has it)")
+    ap.add_argument("--ll-iters", type=int, default=None,
+                    help="--op dispatch: timed calls of each low-latency row, at least (the larger of this and "
+                         "--iters; default 200 on GPUs, --iters on the host)")
     ap.add_argument("--hidden", type=int, default=7168, help="--op dispatch: hidden size (default 7168)")
     ap.add_argument("--num-experts", type=int, default=256, help="--op dispatch: experts in all (default 256)")
     ap.add_argument("--topk", type=int, default=8, help="--op dispatch: experts per token (default 8)")
@@ -355,6 +406,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-out", default=None,
                     help="--tune: table file to write (default: $CUPY_SYMBUF_TUNING, else "
                          "~/.config/cupy_symbuf/tuning.json)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     args.sizes_given = args.sizes is not None
     if args.sizes is None:
@@ -372,19 +428,32 @@ def main(argv=None) -> int:
         from .symbuffer import resolve_backend
         backend = resolve_backend(args.backend)
         return _bench_tune.run(comm, _Timer(backend), args, backend, _compat.array_module(backend))
+    refs = set(r for r in args.references.split(",") if r)
+    if not refs <= _REFERENCES:
+        ap.error(f"--references: unknown {sorted(refs - _REFERENCES)}")
     with Communicator(comm, cfg, backend=args.backend) as c:
         W, me, xp = c.world_size, c.rank, c.xp
         timer = _Timer(c.backend)
+        meter = None
+        if not args.control and args.op in ("alltoall", "dispatch"):
+            meter, timer.energy_skip = _bench_energy.setup(c, comm, args.energy)
+            timer.energy = meter
         if me == 0:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
                   f"chunk={c.config.chunk_bytes} slots={c.config.num_slots}")
             if c.backend == "cuda":
                 k = c._transport._k_ring
+                bulk = c._transport.bulk_smem
                 print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
-                      f"(spills), {c._transport.threads} threads/block")
+                      f"(spills), {c._transport.threads} threads/block"
+                      + (f", bulk copies (cp.async.bulk) through {bulk // 1024} KiB of shared memory" if bulk else ""))
+            if not args.control and args.op in ("alltoall", "dispatch"):
+                print(f"# energy: NVML energy counter, {meter.scope}; idle {meter.idle_w:.1f} W (sampled over "
+                      f"{meter.idle_s} s)" if meter is not None else f"# energy: skipped: {timer.energy_skip}")
             if not args.control and args.op == "alltoall":
                 print(f"{'size/rank':>10} {'engine':>12} {'timing':>7} {'time_us':>10} {'algbw_GB/s':>11} "
-                      f"{'busbw_GB/s':>11} {'copy_share':>10}")
+                      f"{'busbw_GB/s':>11} {'copy_share':>10}" + ("" if args.no_reference else f" {'vs_peer':>8}")
+                      + ("" if meter is None else f" {'J/GB':>8} {'idle_W':>7}"))
         if args.op != "alltoall":  # the other operations' benchmarks: one module each, same output path
             if args.op == "hier":
                 from .hierarchical import node_size_from_env
@@ -393,6 +462,13 @@ def main(argv=None) -> int:
             module = importlib.import_module(f".{_OP_MODULES[args.op]}", __package__)
             sizes = [parse_size(x) for x in args.sizes.split(",")]
             results = module.run(c, comm, timer, args, sizes)
+            if args.op == "dispatch":
+                from . import _bench_ll
+                results += _bench_ll.run(c, comm, timer, args)
+                if me == 0 and meter is not None:
+                    _print_moe_energy(results)
+            if meter is not None:
+                meter.close()
             if me == 0 and args.json:
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1)
@@ -405,20 +481,21 @@ def main(argv=None) -> int:
                     json.dump([{"row": r, "us": v, "target": t, "world_size": W} for r, v, t in rows], f, indent=1)
             return 0
         timings = ("call", "loop") if args.timing == "both" else (args.timing,)
-        refs = set(r for r in args.references.split(",") if r)
-        if not refs <= {"torch"}:
-            ap.error(f"--references: unknown {sorted(refs - {'torch'})}")
         sends = set((args.sends or ("sym" if args.mode == "copy_engine" else "plain,out,sym")).split(","))
         if not sends <= {"plain", "out", "sym", "ce"}:
             ap.error(f"--sends: unknown kinds {sorted(sends - {'plain', 'out', 'sym', 'ce'})}")
 
-        def timed(fn, sync=None):  # {timing: seconds per call}
+        def timed(fn, sync=None, engine=None):  # {timing: seconds per call}; with engine: its energy too
             out = {}
             if "call" in timings:
                 out["call"] = timer.time(fn, args.iters, args.warmup, comm, sync)
             if "loop" in timings:
                 out["loop"] = timer.time_loop(fn, args.iters, args.warmup, comm, sync)
+            if engine is not None:
+                energies[engine] = _bench_energy.row_fields(timer, fn, sync, W * W * per_peer,
+                                                            out.get("loop", out.get("call")), _bench_energy.A2A_BYTES)
             return out
+        skipped = {}  # reference rows asked for but not run: name -> why (every row's JSON says so)
         sizes = [parse_size(s) for s in args.sizes.split(",")]
         for size in _progress(sizes, me, "sizes"):
             per_peer = size // W
@@ -435,11 +512,12 @@ def main(argv=None) -> int:
             if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
                 raise RuntimeError(f"bench: alltoall of {_fmt(W * per_peer)} per rank gave wrong data; not timing it")
             rows = {}
+            energies = {}
             if "plain" in sends:
-                rows["ours"] = timed(lambda: c.alltoall(x), c.synchronize)
+                rows["ours"] = timed(lambda: c.alltoall(x), c.synchronize, "ours")
             if "out" in sends:  # plain arrays, the output reused (no fresh pages / pool blocks per call)
                 out = xp.empty_like(x)
-                rows["ours-out"] = timed(lambda: c.alltoall(x, out=out), c.synchronize)
+                rows["ours-out"] = timed(lambda: c.alltoall(x, out=out), c.synchronize, "ours-out")
                 del out
             if "sym" in sends:  # symmetric input and output (Communicator.empty): direct mode on the host
                 xs, outs = c.array(x), c.empty(x.shape, x.dtype)
@@ -448,15 +526,15 @@ def main(argv=None) -> int:
                 if not comm.allreduce(bool(np.array_equal(got, expected)), op=MPI.LAND):
                     raise RuntimeError(f"bench: alltoall of symmetric arrays of {_fmt(W * per_peer)} per rank gave "
                                        f"wrong data; not timing it")
-                rows["ours-sym"] = timed(lambda: c.alltoall(xs, out=outs), c.synchronize)
+                rows["ours-sym"] = timed(lambda: c.alltoall(xs, out=outs), c.synchronize, "ours-sym")
                 if args.relaxed:  # selective synchronisation: the next call waits for the peers' copies
                     rows["ours-sym-relaxed"] = timed(lambda: c.alltoall(xs, out=outs, sync="relaxed"),
-                                                     c.synchronize)
+                                                     c.synchronize, "ours-sym-relaxed")
                 c.free(outs)
                 c.free(xs)
             if "ce" in sends and c.backend == "cuda":
                 run, xs = _ce_pull(c, x, expected, comm)
-                rows["ce-pull"] = timed(run)
+                rows["ce-pull"] = timed(run, None, "ce-pull")
                 c.synchronize()
                 c.free(xs)
             if args.profile and not results:
@@ -494,22 +572,39 @@ def main(argv=None) -> int:
                     why = _nccl_skip_reason(c)
                     if why is None:
                         run, nc = _nccl_alltoall(comm, per_peer)
-                        rows["nccl"] = timed(run)
+                        rows["nccl"] = timed(run, None, "nccl")
                         del nc
-                    elif me == 0 and not results:
-                        print(f"# nccl: skipped: {why}")
+                    else:
+                        skipped["nccl"] = why
+                        if me == 0 and not results:
+                            print(f"# nccl: skipped: {why}")
                 else:
                     xh = np.asarray(x)
                     yh = np.empty_like(xh)
-                    rows["mpi"] = timed(lambda: comm.Alltoall(xh, yh))
+                    rows["mpi"] = timed(lambda: comm.Alltoall(xh, yh), None, "mpi")
+                if "mpi" in refs:  # CUDA-aware MPI on the device arrays (GPU only)
+                    why = _bench_mpi_cuda.skip_reason(c, comm)
+                    if why is None:
+                        rows["mpi-cuda"] = timed(_bench_mpi_cuda.alltoall_fn(comm, x, expected), None, "mpi-cuda")
+                    else:
+                        skipped["mpi-cuda"] = why
+                        if me == 0 and not results:
+                            print(f"# mpi-cuda: skipped: {why}")
                 if "torch" in refs:
                     why = _torch_setup(comm, c)
                     if why is None:
-                        rows["torch"] = timed(_torch_alltoall(x, expected, comm))
-                    elif me == 0 and not results:
-                        print(f"# torch.distributed: skipped: {why}")
-            copy_bps = _copy_rate(comm, xp, timer, W * per_peer, args.iters, args.warmup)
+                        rows["torch"] = timed(_torch_alltoall(x, expected, comm), None, "torch")
+                    else:
+                        skipped["torch"] = why
+                        if me == 0 and not results:
+                            print(f"# torch.distributed: skipped: {why}")
+            copy_bps = _copy_rate(comm, xp, timer, W * per_peer, args.iters, args.warmup,
+                                  energy=lambda fn, t: energies.__setitem__("copy", _bench_energy.row_fields(
+                                      timer, fn, None, W * W * per_peer, t, _bench_energy.A2A_BYTES)))
             rows["copy"] = {"loop": W * W * per_peer / copy_bps}  # every rank copying its input at once
+            peer = next((p for p in ("nccl", "mpi-cuda", "mpi") if p in rows), None)
+            if me == 0 and not results and peer is not None:
+                print(f"# vs_peer: {peer}'s time / the row's time (> 1: faster than {peer})")
             for timing in ("call", "loop"):
                 for engine, by_timing in rows.items():
                     if timing not in by_timing:
@@ -518,12 +613,23 @@ def main(argv=None) -> int:
                     algbw = W * per_peer / t / 1e9
                     busbw = (W - 1) * per_peer / t / 1e9
                     share = W * W * per_peer / t / copy_bps  # all ranks' input bytes per second / copy rate
+                    vs = rows[peer][timing] / t if peer is not None and timing in rows[peer] else None
+                    en = energies.get(engine) or dict(_bench_energy.EMPTY, energy_skipped=(
+                        timer.energy_skip if meter is None else "not measured for this row"))
                     results.append({"size_per_rank": W * per_peer, "engine": engine, "timing": timing,
                                     "time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw, "world_size": W,
-                                    "backend": c.backend, "copy_share": share, "copy_GBps": copy_bps / 1e9})
+                                    "backend": c.backend, "copy_share": share, "copy_GBps": copy_bps / 1e9,
+                                    "peer": peer, "vs_peer": vs, **en, "skipped": dict(skipped)})
                     if me == 0:
+                        extra = ""
+                        if not args.no_reference:
+                            extra += f" {vs:7.2f}x" if vs is not None else f" {'-':>8}"
+                        if meter is not None:
+                            j, idle = en["energy_J_per_GB"], en["idle_W"]
+                            extra += (f" {j:8.3f}" if j is not None else f" {'-':>8}") + \
+                                (f" {idle:7.1f}" if idle is not None else f" {'-':>7}")
                         print(f"{_fmt(W * per_peer):>10} {engine:>12} {timing:>7} {t * 1e6:10.1f} {algbw:11.1f} "
-                              f"{busbw:11.1f} {share:10.0%}")
+                              f"{busbw:11.1f} {share:10.0%}" + extra)
     if profile_stats is not None:
         issue_us, stats = profile_stats
         print(f"# host time to issue one call of the first size: {issue_us:.1f} us (100 calls, no profiler); "
@@ -533,6 +639,8 @@ def main(argv=None) -> int:
         for (path, line, name), (_, ncalls, tottime, cumtime, _) in rows:
             where = f"{path.split('/')[-1]}:{line}({name})"
             print(f"{tottime * 1e4:9.2f} {cumtime * 1e4:9.2f} {ncalls / 100:6.1f}  {where}")
+    if meter is not None:
+        meter.close()
     if me == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -130,3 +130,189 @@ def test_hierarchical_bench_rows():
     if rows is not None:
         assert {r["engine"] for r in rows} == {"hierarchical", "ours-out", "mpi"}
         assert all(r["loop_us"] > 0 and r["node_size"] == k for r in rows)
+
+
+# ---- energy (NVML), the CUDA-aware MPI row, the low-latency rows (issue 12) ------------------------------------
+
+def test_bench_new_flags_parse():
+    p = bench._parser()
+    a = p.parse_args([])
+    assert a.energy is True and a.references == "torch" and a.ll_tokens is None and a.ll_iters is None
+    a = p.parse_args(["--no-energy", "--references", "torch,mpi", "--ll-tokens", "8,16", "--ll-iters", "50"])
+    assert a.energy is False and a.references == "torch,mpi" and a.ll_tokens == "8,16" and a.ll_iters == 50
+    assert p.parse_args(["--energy"]).energy is True
+    from cupy_symbuf import _bench_ll
+    assert _bench_ll.ll_tokens(p.parse_args([])) == [128]                      # --moe-tokens 4096,128
+    assert _bench_ll.ll_tokens(p.parse_args(["--moe-tokens", "64,8"])) == []
+    assert _bench_ll.ll_tokens(p.parse_args(["--ll-tokens", "8,16"])) == [8, 16]
+    assert _bench_ll.ll_tokens(p.parse_args(["--ll-tokens", ""])) == []
+    import pytest
+    with pytest.raises(SystemExit):  # an unknown reference fails on every rank before anything collective
+        bench.main(["--backend", "host", "--references", "torch,bogus"])
+
+
+def test_host_energy_and_mpi_cuda_skip_with_reason(capsys):
+    """Host backend: energy and mpi-cuda each print why they are skipped; every row has the fields, null."""
+    rows = _bench_rows(["--backend", "host", "--sizes", "16K", "--iters", "2", "--warmup", "1", "--sends", "out",
+                        "--references", "mpi"])
+    printed = capsys.readouterr().out
+    if rows is not None:
+        assert "# energy: skipped: host backend" in printed
+        assert "# mpi-cuda: skipped: host backend" in printed
+        assert {r["engine"] for r in rows} == {"ours-out", "mpi", "copy"}
+        for r in rows:
+            assert "energy_J_per_GB" in r and r["energy_J_per_GB"] is None and r["idle_W"] is None
+            assert r["energy_skipped"].startswith("host backend")
+            assert r["skipped"]["mpi-cuda"].startswith("host backend")
+            assert r["peer"] == "mpi" and r["vs_peer"] > 0
+        assert all(abs(r["vs_peer"] - 1) < 1e-12 for r in rows if r["engine"] == "mpi")
+    rows = _bench_rows(["--backend", "host", "--op", "dispatch", "--moe-tokens", "8", "--hidden", "128",
+                        "--num-experts", str(2 * MPI.COMM_WORLD.Get_size()), "--topk", "2", "--iters", "3",
+                        "--warmup", "1", "--ll-tokens", ""])
+    if rows is not None:
+        assert rows and all(r["energy_J_per_GB"] is None and r["energy_skipped"] for r in rows)
+
+
+class _FakeNVML:
+    """A stand-in for pynvml: an energy counter (mJ) that advances only when the measured function runs, a fixed
+    power reading."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, power_mw=60_000, fail_init=False):
+        self.counter_mj = 1_000_000
+        self.power_mw = power_mw
+        self.fail_init = fail_init
+        self.fail_reads = False
+        self.shutdowns = 0
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        return ("handle", bus)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        if self.fail_reads:
+            raise self.NVMLError("GPU is lost")
+        return self.counter_mj
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self.power_mw
+
+
+def _open_fake(monkeypatch, fake, reader=None):
+    import sys
+    from cupy_symbuf import _bench_energy
+    world = MPI.COMM_WORLD
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    meter, why = _bench_energy.EnergyMeter.open(
+        world, world.Get_rank() == 0 if reader is None else reader, "0000:19:00.0", "ab" * 16, num_gpus=1,
+        ranks_per_gpu=world.Get_size(), device_sync=lambda: None)
+    return meter, why
+
+
+def test_energy_arithmetic_with_a_fake_nvml(monkeypatch):
+    """J/GB from the energy counter's advance: 500 mJ per call of 2e8 bytes (all ranks' input) -> 2.5 J/GB, whatever
+    the number of calls; idle power from the power readings (60 W, rank 0 reads: one GPU shared by the ranks)."""
+    import pytest
+    from cupy_symbuf import _bench_energy
+    f = _bench_energy.energy_figures(12_000.0, 2.0, 100, 1e8, idle_w=1.0)    # 12 J over 100 x 0.1 GB = 10 GB
+    assert f["energy_J_per_GB"] == pytest.approx(1.2) and f["energy_avg_W"] == pytest.approx(6.0)
+    assert f["energy_above_idle_J_per_GB"] == pytest.approx((12 - 1.0 * 2.0) / 10)
+    assert f["energy_calls"] == 100 and f["energy_bytes"] == 1e10
+    world = MPI.COMM_WORLD
+    fake = _FakeNVML()
+    meter, why = _open_fake(monkeypatch, fake)
+    assert why is None and meter is not None
+    assert ("shared by" in meter.scope) == (world.Get_size() > 1) and "whole GPU" in meter.scope
+    meter.min_s, meter.idle_s, meter.idle_period_s = 0.05, 0.02, 0.005
+    assert meter.measure_idle() == pytest.approx(60.0)                       # one reader: 60 W
+    assert meter.idle_energy_w == 0.0                                        # the counter did not move while idle
+
+    def call():
+        fake.counter_mj += 500
+        import time
+        time.sleep(0.002)
+    got = meter.measure(call, None, 2e8, est_s=0.002)
+    assert got["energy_calls"] >= 1 and got["energy_s"] >= 0.05
+    assert got["energy_J_per_GB"] == pytest.approx(2.5, rel=1e-12)
+    calls, s = got["energy_calls"], got["energy_s"]
+    assert got["energy_J"] == pytest.approx(0.5 * calls)
+    assert got["energy_above_idle_J_per_GB"] == pytest.approx((0.5 * calls - 60.0 * s) / (calls * 0.2))
+    assert got["idle_W"] == pytest.approx(60.0) and got["energy_scope"] == meter.scope
+    # a timer carrying the meter: the bench row's fields
+    timer = bench._Timer("host")
+    timer.energy = meter
+    row = _bench_energy.row_fields(timer, call, None, 2e8, 0.002, _bench_energy.A2A_BYTES)
+    assert row["energy_J_per_GB"] == pytest.approx(2.5, rel=1e-12)
+    assert row["energy_bytes_kind"] == _bench_energy.A2A_BYTES
+    assert set(row) == set(_bench_energy.EMPTY)
+    # a reading failing later: no crash, the meter is off, the row says why (every rank alike)
+    fake.fail_reads = True
+    assert meter.measure(call, None, 2e8, est_s=0.002) is None and meter.failed
+    fake.fail_reads = False
+    row = _bench_energy.row_fields(timer, call, None, 2e8, 0.002, _bench_energy.A2A_BYTES)
+    assert row["energy_J_per_GB"] is None and row["energy_skipped"] == meter.failed
+    meter.close()
+    assert fake.shutdowns == (1 if world.Get_rank() == 0 else 0)
+    timer = bench._Timer("host")
+    assert _bench_energy.row_fields(timer, call, None, 1, None, "x")["energy_J_per_GB"] is None
+
+
+def test_energy_skips_when_nvml_is_missing_or_fails(monkeypatch):
+    """No pynvml, or nvmlInit failing on the reading rank: the same reason on every rank, no meter, no crash."""
+    world = MPI.COMM_WORLD
+    meter, why = _open_fake(monkeypatch, None)                    # sys.modules[name] = None: ImportError
+    assert meter is None and "pynvml is not installed" in why
+    meter, why = _open_fake(monkeypatch, _FakeNVML(fail_init=True))
+    assert meter is None and "nvmlInit failed" in why and "Driver Not Loaded" in why
+    assert world.allgather(why) == [why] * world.Get_size()
+
+
+def test_mpi_cuda_support_query(monkeypatch):
+    """The CUDA-support question is answered without touching a device array (forced by the environment)."""
+    from cupy_symbuf import _bench_mpi_cuda as mc
+    monkeypatch.setenv("CUPY_SYMBUF_MPI_CUDA", "0")
+    assert mc.cuda_support() == (False, "CUPY_SYMBUF_MPI_CUDA=0")
+    monkeypatch.setenv("CUPY_SYMBUF_MPI_CUDA", "1")
+    assert mc.cuda_support()[0] is True
+    monkeypatch.delenv("CUPY_SYMBUF_MPI_CUDA")
+    ok, how = mc.cuda_support()
+    assert ok in (True, False, None) and how
+
+
+def test_low_latency_rows_on_the_host():
+    """--op dispatch times ll-dispatch / ll-combine (checked against NumPy first) with p50 <= p99 and the iteration
+    count asked for; the energy fields are there, null on the host."""
+    W = MPI.COMM_WORLD.Get_size()
+    rows = _bench_rows(["--backend", "host", "--op", "dispatch", "--moe-tokens", "16", "--hidden", "256",
+                        "--num-experts", str(4 * W), "--topk", "3", "--iters", "3", "--warmup", "1",
+                        "--ll-tokens", "16,8", "--ll-iters", "12"])
+    if rows is not None:
+        ll = [r for r in rows if r["op"].startswith("ll-")]
+        assert {(r["tokens"], r["op"]) for r in ll} == {(t, o) for t in (16, 8) for o in ("ll-dispatch", "ll-combine")}
+        assert all(0 < r["p50_us"] <= r["p99_us"] and r["loop_us"] > 0 and r["iters"] == 12 for r in ll)
+        assert all(r["deepep_GBps"] >= r["nvl_GBps"] >= 0 for r in ll)
+        assert all(r["nvl_GBps"] > 0 for r in ll) or W == 1
+        assert all("energy_J_per_GB" in r and r["energy_J_per_GB"] is None for r in ll)
+
+
+def test_low_latency_references():
+    """The NumPy references the low-latency rows are checked against, on a hand example: 2 ranks, 1 expert each,
+    top-2; combine of identity experts = the token times the sum of its weights (rounded as documented)."""
+    from cupy_symbuf import _bench_ll
+    x0 = np.array([[1, 2], [3, 4]], np.float16)
+    x1 = np.array([[5, 6]], np.float16)
+    i0 = np.array([[0, 1], [1, -1]], np.int64)
+    i1 = np.array([[0, 1]], np.int64)
+    rows, cnt = _bench_ll.reference_dispatch([x0, x1], [i0, i1], 1, 1)          # rank 1 holds expert 1
+    assert cnt.tolist() == [3] and rows[0].tolist() == [[1, 2], [3, 4], [5, 6]]
+    w = np.array([[0.25, 0.5], [1.0, 0.0]], np.float32)
+    y = _bench_ll.reference_combine(x0, i0, w, 2, 1)
+    assert y.dtype == np.float16 and y.tolist() == [[0.75, 1.5], [3.0, 4.0]]
