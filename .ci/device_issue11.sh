@@ -2,7 +2,7 @@
 # Issue 11 on one H200 (one device call): the direct-mode and alltoall tests on 1 rank, the whole suite at 2 ranks
 # under MPS, the direct-mode tests at 4 ranks, then the alltoall bench (plain / out= / symmetric, share of the copy
 # rate measured in the same run) at 2, 4 and 8 ranks under MPS.
-# Usage: bash .ci/device_issue11.sh [stage...]   stages: quick suite2 quickN (N ranks) bench sms tune ce exp control moe
+# Usage: bash .ci/device_issue11.sh [stage...]   stages: quick suite2 quickN (N ranks) bench sms tune ce exp control moe sass bulk
 # (default: quick suite2 quick4 bench)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -26,7 +26,7 @@ for stage in $STAGES; do
     quick[0-9])  # quickN: the quick tests at N ranks under MPS
       n=${stage#quick}
       mps_on
-      timeout ${QUICK_LIMIT:-120} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 $PYTEST -x $QUICK > $LOG/$stage.log 2>&1
+      timeout ${QUICK_LIMIT:-120} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_NVRTC_DEFINES="${DEFINES:-}" $PYTEST -x $QUICK > $LOG/$stage.log 2>&1
       echo "== [quick $n ranks MPS] rc=$? $((SECONDS - t0)) s"; show $LOG/$stage.log
       mps_off ;;
     tune)  # bench --tune at 2 and 4 ranks under MPS, merged into a copy of the packaged table under $LOG
@@ -77,10 +77,28 @@ for stage in $STAGES; do
         echo "== [bench 2 ranks --num-sms $sms] rc=$?"; grep -vE "^$" $LOG/sms_$sms.log | grep -v sizes | tail -12
       done
       mps_off ;;
+    sass)  # registers, spills and SASS of the ring kernel, default and bulk (cp.async.bulk) builds, via ptxas
+      for v in default bulk; do
+        d=""; [ $v = bulk ] && d="-DSYMBUF_BULK=1"
+        python3 -c "import sys; from cupy_symbuf import _kernels; sys.stdout.write(_kernels.compile_ptx('ring_exchange.cu', 'compute_90', defines=tuple('$d -DSYMBUF_MAX_THREADS=512'.split())))" > $LOG/ring_$v.ptx
+        ptxas -arch=sm_90 -v $LOG/ring_$v.ptx -o $LOG/ring_$v.cubin 2>&1 | grep -A2 symbuf_ring_exchange | head -4
+        cuobjdump -sass $LOG/ring_$v.cubin > $LOG/ring_$v.sass 2>&1
+        echo "== [sass $v] UBLKCP $(grep -c UBLKCP $LOG/ring_$v.sass) SYNCS $(grep -c SYNCS $LOG/ring_$v.sass) LDG.E.128 $(grep -c 'LDG.E.*128' $LOG/ring_$v.sass) STG.E.128 $(grep -c 'STG.E.*128' $LOG/ring_$v.sass)"
+      done ;;
+    bulk)  # alltoall (plain / out= / symmetric) and dispatch with and without bulk copies, same call, BENCH_RANKS
+      mps_on
+      for n in ${BENCH_RANKS:-2 4 8}; do
+        for d in "" "-DSYMBUF_BULK=1"; do
+          timeout ${BENCH_LIMIT:-90} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_NVRTC_DEFINES="$d" python3 -m cupy_symbuf.bench \
+            --no-reference --timing loop --sizes ${BENCH_SIZES:-16M,128M} --iters ${ITERS:-20} --warmup 3 ${BULK_ARGS:-} > $LOG/bulk_$n${d:+_on}.log 2>&1
+          echo "== [alltoall $n ranks ${d:-register copy}] rc=$?"; grep -E "MiB|KiB|GiB|regist" $LOG/bulk_$n${d:+_on}.log
+        done
+      done
+      mps_off ;;
     moe)  # bench --op dispatch (plain, cached, into a symmetric out: direct mode) at BENCH_RANKS ranks
       mps_on
       for n in ${BENCH_RANKS:-2 4 8}; do
-        timeout ${BENCH_LIMIT:-120} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op dispatch \
+        timeout ${BENCH_LIMIT:-120} $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_NVRTC_DEFINES="${DEFINES:-}" python3 -m cupy_symbuf.bench --op dispatch \
           --moe-tokens ${MOE_TOKENS:-4096,128} --dtype float16 --iters ${ITERS:-50} --warmup 5 ${MOE_ARGS:-} > $LOG/moe_$n.log 2>&1
         echo "== [dispatch bench $n ranks MPS] rc=$?"; grep -vE "^$" $LOG/moe_$n.log | tail -${MOE_TAIL:-16}
       done

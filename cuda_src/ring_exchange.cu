@@ -39,6 +39,7 @@
 // of the channel's rows straight from the send parts to the receive parts (nothing under FLAG_REJECT).
 // Every wait is bounded by DESC_TIMEOUT_NS and polls this rank's abort word (protocol.cuh, SpinBudget); the first
 // failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
+#define SYMBUF_BULK_KERNEL 1  // the ring kernel may copy with cp.async.bulk (SYMBUF_BULK, primitives.cuh)
 #include "protocol.cuh"
 
 // The sender's publisher releases tail once at least this many chunks are ready (or the stream is complete, or
@@ -365,6 +366,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
                           static_cast<int>(desc.words[DESC_WORLD_SIZE]), static_cast<int>(blockIdx.x >> 1),
                           desc.words[DESC_ABORT_OFFSET], static_cast<u64>(desc.words[DESC_TIMEOUT_NS]),
                           static_cast<u64>(desc.words[DESC_SEQ]));
+  bulk_init();  // SYMBUF_BULK on sm_90: each warp's stages of the dynamic shared memory and their mbarriers
   __syncthreads();
   // Device-count call (DESC_COUNTS != 0): the per-peer units come from the counts table the notify kernel wrote
   // before this launch in stream order (plain loads: the kernel boundary orders them), not from the descriptor;

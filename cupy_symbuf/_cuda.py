@@ -61,6 +61,32 @@ def part_geometry(a) -> tuple:
     return int(a.data.ptr), int(stride), int(width)
 
 
+#: Bulk-copy stages of a ring-kernel block take at most this much dynamic shared memory (bytes).
+BULK_SMEM_MAX = 192 * 1024
+
+
+def bulk_shared_bytes(function, defines) -> int:
+    """Dynamic shared memory for the ring kernel's bulk copies (``-DSYMBUF_BULK=1`` among its defines or
+    ``CUPY_SYMBUF_NVRTC_DEFINES``, on a GPU of compute capability 9.0 or newer): what the device lets a block opt
+    into beside the kernel's static shared memory, capped at BULK_SMEM_MAX; the kernel's attribute is raised to
+    it. 0 otherwise (the register copy)."""
+    cp = _compat.cupy
+    every = tuple(defines) + _kernels._tuning_defines()
+    if "-DSYMBUF_BULK=1" not in every:
+        return 0
+    dev = cp.cuda.Device()
+    if int(dev.compute_capability) < 90:
+        return 0
+    from cupy_backends.cuda.api import driver
+    optin = int(cp.cuda.runtime.deviceGetAttribute(97, dev.id))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    static = int(getattr(function, "shared_size_bytes", 16 * 1024))
+    smem = min(BULK_SMEM_MAX, optin - static - 1024) // 1024 * 1024
+    if smem <= 0:
+        return 0
+    driver.funcSetAttribute(int(function.kernel.ptr), 8, smem)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    return smem
+
+
 class _Launch:
     """The launch descriptor of one plan and part strides (everything but the buffer addresses, written per
     call); ``desc is None`` when nothing moves and there is no peer to tell (one rank)."""
@@ -162,7 +188,10 @@ class CudaTransport:
         self._arg_ptrs = (ctypes.c_void_p * 3)(self._desc.ctypes.data, base, base + 8)
         params = ctypes.addressof(self._arg_ptrs)
         grid, threads = 2 * layout.num_channels, self.threads
-        self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, 0, stream_ptr,
+        #: SYMBUF_BULK (sm_90+): dynamic shared memory of each ring-kernel block, the copy warps' bulk-copy stages
+        self.bulk_smem = bulk_shared_bytes(self._k_ring, ring_kernel_defines(self.world_size))
+        smem = self.bulk_smem
+        self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
                                                               params, 0)
         #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
         #: next call or by ``synchronize()``; True: every call waits for its kernel and raises its own timeout.

@@ -11,8 +11,9 @@ from cupy_symbuf import _kernels, _protocol
 REQUIRED = os.environ.get("CUPY_SYMBUF_REQUIRE_NVRTC") == "1"
 RING = "ring_exchange.cu"
 VARIANTS = [(), ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",), ("-DSYMBUF_DEBUG=1",),
-            ("-DSYMBUF_MAX_THREADS=512", "-DSYMBUF_DEBUG=1")]
-VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug"]
+            ("-DSYMBUF_MAX_THREADS=512", "-DSYMBUF_DEBUG=1"), ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=1024")]
+VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024"]
 
 
 def _nvrtc_or_skip():
@@ -49,6 +50,31 @@ def test_compiles_for_sm90(source, defines):
     entries = re.findall(r"\.entry (\w+)", ptx)
     assert entries, f"no kernels in {source}"
     assert "warning" not in log.lower(), log
+
+
+@pytest.mark.parametrize("defines", [(), ("-DSYMBUF_BULK=1",)], ids=["default", "bulk"])
+@pytest.mark.parametrize("source", _kernels.list_sources())
+def test_compiles_for_sm80(source, defines):
+    """A100 (sm_80) has no cp.async.bulk: every kernel compiles there, the bulk variant to the register copy."""
+    _nvrtc_or_skip()
+    ptx, log = _kernels.compile_ptx(source, "compute_80", defines=defines, return_log=True)
+    assert ".target sm_80" in ptx and re.findall(r"\.entry (\w+)", ptx)
+    assert "cp.async.bulk" not in ptx and "mbarrier" not in ptx
+    assert "warning" not in log.lower(), log
+
+
+def test_bulk_copies_only_in_the_ring_kernel_on_sm90():
+    """SYMBUF_BULK=1 on sm_90: the ring kernel's copy warps get the TMA path (bulk loads completing on an mbarrier,
+    bulk stores in groups, proxy fences); the default build and the other sources have none."""
+    _nvrtc_or_skip()
+    bulk = _kernels.compile_ptx(RING, "compute_90", defines=("-DSYMBUF_BULK=1",))
+    for needle in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+                   "cp.async.bulk.global.shared::cta.bulk_group", "cp.async.bulk.commit_group",
+                   "cp.async.bulk.wait_group", "mbarrier.try_wait.parity", "fence.proxy.async", "%dynamic_smem_size"):
+        assert needle in bulk, needle
+    assert "cp.async.bulk" not in _kernels.compile_ptx(RING, "compute_90")
+    for other in [s for s in _kernels.list_sources() if s != RING]:
+        assert "cp.async.bulk" not in _kernels.compile_ptx(other, "compute_90", defines=("-DSYMBUF_BULK=1",))
 
 
 @pytest.mark.parametrize("defines", [(), ("-DSYMBUF_DEBUG=1",)], ids=["default", "debug"])
