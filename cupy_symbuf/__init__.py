@@ -15,10 +15,11 @@ from .low_latency import LowLatencyBuffer, LowLatencyHandle, bench_low_latency  
 from .symbuffer import SymBuffer
 from .delta import DeltaExchange
 from .hierarchical import HierarchicalCommunicator
+from .topology import Topology
 from ._info import info
 
 __version__ = "0.1.0"
 __all__ = ["SymBuffer", "Communicator", "CollectiveEvent", "Config", "ChannelLayout", "layout", "SymBufferError",
            "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError", "SymBufferAbortedError",
-           "SymBufferRejectedError", "DeltaExchange", "HierarchicalCommunicator", "info",
+           "SymBufferRejectedError", "DeltaExchange", "HierarchicalCommunicator", "Topology", "info",
            "__version__"]

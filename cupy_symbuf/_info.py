@@ -5,7 +5,8 @@ torch), the backend ``auto`` resolves to, the CPU and cross-memory attach (the h
 (name, UUID, PCI bus id, SMs, memory), peer access between them and their NVLink state through NVML
 (``nvidia-ml-py``, optional), whether MPS looks active, and the tuning table entry that applies. Under ``mpiexec``
 the CLI also builds a Communicator over ``MPI.COMM_WORLD`` and prints its resolved config and buffer map
-(:meth:`Communicator.describe`) from rank 0.
+(:meth:`Communicator.describe`) from rank 0, and the topology of every rank of ``MPI.COMM_WORLD``
+(:func:`cupy_symbuf.topology.discover`: nodes, hosts, GPUs, the link of every pair), gathered on rank 0.
 """
 from __future__ import annotations
 
@@ -142,11 +143,17 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     report = info()
+    backend = args.backend
+    if backend == "auto":
+        backend = "cuda" if report["backend_auto"] == "cuda" else "host"
+    if backend == "cuda" and report.get("gpus", {}).get("available"):
+        from .utils import select_device
+        select_device(comm)
+    from .topology import discover
+    topo = discover(comm, backend)  # collective over COMM_WORLD (every rank runs main); never fails for a missing piece
+    report["topology"] = topo.as_dict()
     if not args.no_communicator:
         from .communicator import Communicator
-        if args.backend != "host" and report.get("gpus", {}).get("available"):
-            from .utils import select_device
-            select_device(comm)
         with Communicator(comm, backend=args.backend) as c:
             report["communicator"] = {"backend": c.backend, "world_size": c.world_size,
                                       "cross_memory_attach_between_ranks": getattr(c._transport, "cma_pids", None)
@@ -160,6 +167,8 @@ def main(argv=None) -> int:
                     print(f"communicator: backend={v['backend']} world_size={v['world_size']} cross-memory attach "
                           f"between ranks: {v['cross_memory_attach_between_ranks']}")
                     print(v["describe"])
+                elif k == "topology":
+                    print(topo.describe())
                 else:
                     print(f"{k}: {v}")
     return 0

@@ -41,7 +41,7 @@ class Communicator:
     Attributes
     ----------
     rank, world_size, backend, config, layout (:class:`~cupy_symbuf.layout.ChannelLayout`), buffer (SymBuffer),
-    xp (``numpy`` or ``cupy``).
+    xp (``numpy`` or ``cupy``), topology (:class:`~cupy_symbuf.Topology`).
 
     Notes
     -----
@@ -87,7 +87,7 @@ class Communicator:
         what = "Communicator construction"
         try:
             # 1. Every rank is here (bounded), with its backend and GPU; a local failure is told to all.
-            err, gpu, sm_count, gpu_name = None, None, 132, ""
+            err, gpu, sm_count, gpu_name, place = None, None, 132, "", None
             try:
                 backend = resolve_backend(backend)
                 if backend == "cuda":
@@ -95,12 +95,15 @@ class Communicator:
                     gpu = ident["uuid"] + "/" + ident["pci_bus_id"]
                     sm_count = ident["sm_count"] or sm_count
                     gpu_name = ident.get("name", "")
+                from .topology import local_record
+                place = local_record(backend, nvml=False)  # for self.topology: host, GPU, peer access (no NVML)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"
-            step = _agree.exchange_all(comm, (backend, gpu, err), timeout, what)
-            _agree.raise_if_any_failed([e for _, _, e in step], "Communicator")
-            _agree.check_agreement([{"backend": b} for b, _, _ in step], "Communicator")
-            ranks_per_gpu = [g for _, g, _ in step].count(gpu) if backend == "cuda" else 1
+            step = _agree.exchange_all(comm, (backend, gpu, err, place), timeout, what)
+            _agree.raise_if_any_failed([s[2] for s in step], "Communicator")
+            _agree.check_agreement([{"backend": s[0]} for s in step], "Communicator")
+            ranks_per_gpu = [s[1] for s in step].count(gpu) if backend == "cuda" else 1
+            self._places = [dict(s[3], shm=0) for s in step]  # one node: SymBuffer checks it below
             # 2. Everything that shapes the wire, compared before anything is allocated.
             world_size = comm.Get_size()
             err, fp = None, None
@@ -422,6 +425,22 @@ class Communicator:
     def is_symmetric(self, a) -> bool:
         """Whether ``a`` is C-contiguous and lies inside one of this communicator's live symmetric arrays (local)."""
         return self._heap.find(a) is not None if hasattr(a, "flags") else False
+
+    @property
+    def topology(self):
+        """The ranks' :class:`~cupy_symbuf.Topology` (hosts, GPUs by UUID / PCI bus id, the link of every pair:
+        same GPU, NVLink count and speed through NVML, PCIe, none; host backend: shared memory).
+
+        Local, no communication (any rank may read it alone, also after :meth:`close`): every rank's host name, GPU
+        and peer access came with construction's first exchange; the first read adds the NVLink links through this
+        process's NVML (:func:`cupy_symbuf.topology.with_local_nvml`), so construction never pays for NVML.
+        """
+        topo = self.__dict__.get("_topology_obj")
+        if topo is None:
+            from .topology import Topology, with_local_nvml
+            places = with_local_nvml(self._places, self.rank) if self.backend == "cuda" else self._places
+            topo = self.__dict__["_topology_obj"] = Topology(self.backend, places, rank=self.rank)
+        return topo
 
     # ---- transport ------------------------------------------------------------------------------------------
     @property
