@@ -55,6 +55,12 @@
 #define SYMBUF_HEADER_FOLD 1
 #endif
 
+// 1: channel telemetry (Config(trace=True), _protocol DESC_TRACE): lane 0 of each copy warp appends a record per
+// chunk / direct slice / own-rows share. A build of its own, so a communicator without trace pays nothing.
+#ifndef SYMBUF_TRACE
+#define SYMBUF_TRACE 0
+#endif
+
 // Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128.
 #ifndef SYMBUF_MAX_THREADS
 #define SYMBUF_MAX_THREADS 1024
@@ -133,6 +139,38 @@ __device__ __noinline__ void direct_done(u64* head_line, const u64* done, int nu
     report_aborted(*ctx, ROLE_RECV, peer, static_cast<i64>(c0), static_cast<i64>(c0));
     *abort_flag = 1;
   }
+}
+
+#if SYMBUF_TRACE
+// One trace record (layout: _protocol DESC_TRACE) of an event that began at t0 (ns) and ends now.
+__device__ __noinline__ void trace_event(const i64* desc, int kind, u64 t0, int channel, int peer, i64 bytes,
+                                         u64 head, u64 tail) {
+  i64* buf = reinterpret_cast<i64*>(desc[DESC_TRACE]);
+  if (buf == nullptr) return;
+  const u64 i = atomicAdd(reinterpret_cast<unsigned long long*>(buf), 1ull);
+  if (i >= static_cast<u64>(desc[DESC_TRACE_CAP])) return;  // counted, not kept
+  i64* r = buf + TRACE_HDR_WORDS + static_cast<i64>(i) * TRACE_WORDS;
+  r[0] = static_cast<i64>(t0);
+  r[1] = static_cast<i64>(globaltimer_ns());
+  r[2] = desc[DESC_SEQ];
+  r[3] = (desc[DESC_OP] & 0xFF) | (static_cast<i64>(kind) << 8) | (static_cast<i64>(channel & 0xFFFF) << 16) |
+         (static_cast<i64>(peer + 1) << 32);
+  r[4] = bytes;
+  r[5] = static_cast<i64>(head);
+  r[6] = static_cast<i64>(tail);
+}
+#define SYMBUF_TRACE_T0(var) const u64 var = globaltimer_ns()
+#define SYMBUF_TRACE_EVENT(...) trace_event(__VA_ARGS__)
+#else
+#define SYMBUF_TRACE_T0(var)
+#define SYMBUF_TRACE_EVENT(...)
+#endif
+
+// Bytes of slice k of `total` of an n-byte direct copy (direct_slice's cut).
+__device__ __forceinline__ i64 direct_slice_bytes(i64 n, int k, int total) {
+  const i64 a = n * k / total / 16 * 16;
+  const i64 b = k == total - 1 ? n : n * (k + 1) / total / 16 * 16;
+  return b > a ? b - a : 0;
 }
 
 // One warp's slice k of `total` of an n-byte direct copy (16-byte aligned cuts; the last slice takes the rest).
@@ -457,16 +495,23 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     if (hi <= lo) return;  // an empty share, or FLAG_REJECT: nothing to copy, no header
     const i64 mid = lo + (hi - lo) / 2 / align * align;
     const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
+    SYMBUF_TRACE_T0(t_self);
+    i64 self_bytes = 0;
     if (send.dense() && recv.dense()) {  // one span of bytes, cut into 16-byte aligned slices, one per warp
       const i64 n = (b - a) * row_bytes;
       const i64 lo_b = n * warp_in_group / group_warps / 16 * 16;
       const i64 hi_b = warp_in_group == group_warps - 1 ? n : n * (warp_in_group + 1) / group_warps / 16 * 16;
       copy_bytes<false>(recv.at(0, a) + lo_b, send.at(0, a) + lo_b, hi_b - lo_b, lane);
+      self_bytes = hi_b - lo_b;
     } else {  // one warp per row
-      for (i64 r = a + warp_in_group; r < b; r += group_warps)
+      for (i64 r = a + warp_in_group; r < b; r += group_warps) {
         for (int i = 0; i < send.num_parts; ++i)
           copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
+        self_bytes += row_bytes;
+      }
     }
+    if (lane == 0 && self_bytes > 0) SYMBUF_TRACE_EVENT(s_desc, TRACE_SELF, t_self, channel, -1, self_bytes, 0, 0);
+    (void)self_bytes;
     return;
   }
 
@@ -558,7 +603,11 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       // mark, or (one warp) head itself
       const u8* src = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, lane == 0 ? s_src[peer] : 0ull, 0));
       __syncwarp();  // lane 0's acquire of the verdict precedes every lane's loads (the shuffle is no barrier)
+      SYMBUF_TRACE_T0(t_pull);
       direct_slice(recv.at(0, lo), src + lo, hi - lo, copy_id, num_copy + num_help, lane);
+      if (lane == 0)
+        SYMBUF_TRACE_EVENT(s_desc, TRACE_PULL, t_pull, channel, peer,
+                           direct_slice_bytes(hi - lo, copy_id, num_copy + num_help), c0, c0);
       __syncwarp();  // every lane's loads precede lane 0's hand-off
       if (lane == 0) {
         if (solo) direct_done(remote_counter, nullptr, 0, c0, &s_ctx, peer, abort_flag, state, 0, call_seq);
@@ -588,8 +637,12 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
         const i64 rn = peers[3 * world_size + peer];
         i64 rlo = 0, rhi = 0;
         channel_range(rn, channel, num_channels, align, rlo, rhi);
+        SYMBUF_TRACE_T0(t_help);
         direct_slice(recv.at(0, rlo), reinterpret_cast<const u8*>(src) + rlo, rhi - rlo, num_copy + copy_id,
                      num_copy + num_help, lane);
+        if (lane == 0)
+          SYMBUF_TRACE_EVENT(s_desc, TRACE_PULL, t_help, channel, peer,
+                             direct_slice_bytes(rhi - rlo, num_copy + copy_id, num_copy + num_help), c0, c0);
         __syncwarp();
         if (lane == 0) st_release_sys_global(rstate + STATE_HELP_DONE + copy_id, call_seq);
       }
@@ -599,6 +652,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     u64 seen = is_sender ? 0 : c0;  // sender: the last head read; receiver: the last tail read
     for (i64 k = copy_id; k < todo; k += num_copy) {
       const u64 t = c0 + static_cast<u64>(k);  // ring counter of this chunk
+      SYMBUF_TRACE_T0(t_chunk);
       if (lane == 0) {  // sender: wait while the ring is full (backpressure); receiver: wait until tail covers t
         if (is_sender) wait_for_space(&s_ctx, peer, local_counter, t, num_slots, seen, abort_flag);
         else wait_for_data(&s_ctx, peer, local_counter, t + 1, c0, t, num_slots, seen, abort_flag);
@@ -631,6 +685,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       if (lane == 0) {
         if (solo) st_release_sys_global(remote_counter, t + 1);  // publish_tail / publish_head
         else st_release_cta(&done[copy_id], t + 1);
+        SYMBUF_TRACE_EVENT(s_desc, is_sender ? TRACE_SEND : TRACE_RECV, t_chunk, channel, peer,
+                           min(rows_per_chunk, hi - r) * row_bytes, is_sender ? seen : t, is_sender ? t + 1 : seen);
       }
       __syncwarp();
     }

@@ -181,18 +181,12 @@ class CudaTransport:
         # The ring kernel is launched through the driver API (cuLaunchKernel) with a parameter block built once:
         # the descriptor array, the device array of peer bases and the error record. A few us per call instead of
         # CuPy's argument marshalling, and the only way to pass a struct by value.
-        from cupy_backends.cuda.api import driver
-        fn = int(self._k_ring.kernel.ptr)
         self._ptr_args = (ctypes.c_uint64 * 2)(buf.peer_ptrs_device.data.ptr, self._status.ptr)
         base = ctypes.addressof(self._ptr_args)
         self._arg_ptrs = (ctypes.c_void_p * 3)(self._desc.ctypes.data, base, base + 8)
-        params = ctypes.addressof(self._arg_ptrs)
-        grid, threads = 2 * layout.num_channels, self.threads
-        #: SYMBUF_BULK (sm_90+): dynamic shared memory of each ring-kernel block, the copy warps' bulk-copy stages
-        self.bulk_smem = bulk_shared_bytes(self._k_ring, ring_kernel_defines(self.world_size))
-        smem = self.bulk_smem
-        self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
-                                                              params, 0)
+        self._bind_ring(ring_kernel_defines(self.world_size))
+        #: Config(trace=True): the kernels' channel telemetry (_trace.DeviceRecorder, see enable_trace), else None
+        self.trace = None
         #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
         #: next call or by ``synchronize()``; True: every call waits for its kernel and raises its own timeout.
         self.blocking = False
@@ -206,6 +200,30 @@ class CudaTransport:
         self.graph_keep = []
         #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
         self.pending_rejection = None
+
+    def _bind_ring(self, defines) -> None:
+        """Compile (or fetch) the ring kernel variant ``defines`` and make it the one every call launches."""
+        from cupy_backends.cuda.api import driver
+        self._k_ring = _kernels.get_function(RING_SOURCE, RING_KERNEL, tuple(defines))
+        fn = int(self._k_ring.kernel.ptr)
+        params = ctypes.addressof(self._arg_ptrs)
+        grid, threads = 2 * self.layout.num_channels, self.threads
+        #: SYMBUF_BULK (sm_90+): dynamic shared memory of each ring-kernel block, the copy warps' bulk-copy stages
+        self.bulk_smem = bulk_shared_bytes(self._k_ring, defines)
+        smem = self.bulk_smem
+        self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
+                                                              params, 0)
+
+    def enable_trace(self, capacity: int = 1 << 18):
+        """``Config(trace=True)`` (at construction, before any call): the ring kernel's telemetry build
+        (``SYMBUF_TRACE=1``: same protocol, a record per chunk / direct slice / own-rows share) and its device buffer
+        of ``capacity`` records; returns the :class:`~cupy_symbuf._trace.DeviceRecorder`. Local policy: the build
+        differs from the peers' only by the records it writes."""
+        from ._trace import DeviceRecorder
+        self.trace = DeviceRecorder(capacity)
+        self._desc[P.DESC_TRACE], self._desc[P.DESC_TRACE_CAP] = self.trace.ptr, self.trace.capacity
+        self._bind_ring(ring_kernel_defines(self.world_size) + ("-DSYMBUF_TRACE=1",))
+        return self.trace
 
     def close(self):
         """Wait for queued kernels, free the host records; return the error recorded but not yet raised (or

@@ -145,7 +145,19 @@ DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS      # launch number, written into the err
 #: the receive parts hold (a sender's stream past them is a fatal FIELD_CAPACITY error, checked by the receiver).
 DESC_PUSH_ALLOC = DESC_SEQ + 1
 DESC_PUSH_ROWS = DESC_PUSH_ALLOC + MAX_PARTS
-DESC_WORDS = DESC_PUSH_ROWS + 1
+#: Channel telemetry on the GPU (``Config(trace=True)``; kernels built with SYMBUF_TRACE=1): DESC_TRACE = device
+#: address of the trace buffer (0: none), DESC_TRACE_CAP = its capacity in records. Buffer: word 0 = events so far
+#: (an atomic counter; records past the capacity are counted, not kept), then from word TRACE_HDR_WORDS on
+#: TRACE_WORDS int64 words per record: t0 and t1 (%globaltimer ns: before the event's wait, after its copy), launch
+#: number (DESC_SEQ), op | kind << 8 | channel << 16 | (peer + 1) << 32, bytes, head, tail.
+DESC_TRACE = DESC_PUSH_ROWS + 1
+DESC_TRACE_CAP = DESC_TRACE + 1
+DESC_WORDS = DESC_TRACE_CAP + 1
+TRACE_HDR_WORDS = 16
+TRACE_WORDS = 8
+#: Trace event kinds (``_trace``): a chunk written into a peer's ring (or pushed into its outputs), a chunk copied
+#: out of our ring, a direct-mode copy out of a peer's memory, a rank's own rows, a spell with nothing to move (host).
+TRACE_SEND, TRACE_RECV, TRACE_PULL, TRACE_SELF, TRACE_IDLE = range(5)
 #: Device counts table (int64 words; DESC_COUNTS holds its device address, 0 = the units are DESC_PEERS's): written
 #: by ``symbuf_notify`` in device-count mode, read by the ring kernel at launch, so a call whose counts never reach
 #: the host (worst-case mode, CUDA graphs) still moves exactly the agreed rows. CT_SKIP != 0: the call moves

@@ -109,9 +109,6 @@ class Communicator:
             err, fp = None, None
             self.tuning_source = None
             try:
-                if backend == "cuda" and config.trace:
-                    raise ValueError("Communicator: Config.trace is not available on the GPU path yet (the kernels "
-                                     "do not record); use it with backend='host'")
                 config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu)
                 self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
                                               world_size=world_size)
@@ -148,8 +145,11 @@ class Communicator:
             self._heap = SymmetricHeap(self)
             self._transport.heap = self._heap
             if self.config.trace:
-                from ._trace import Recorder
-                self._transport.trace = Recorder()
+                if self.backend == "cuda":  # the kernels record (a telemetry build of the ring kernel)
+                    self._transport.enable_trace()
+                else:
+                    from ._trace import Recorder
+                    self._transport.trace = Recorder()
             if self.backend == "host":  # can every rank read every other's memory (plain sendbufs go direct)?
                 if not self._transport.probe_cma(self.buffer.comm, self.config.timeout_s) and self.world_size > 1:
                     _logger.info("cross-memory attach (process_vm_readv) is not available between these ranks: "
@@ -334,7 +334,8 @@ class Communicator:
 
     def trace(self, clear: bool = False):
         """The channel telemetry recorded so far (``Config(trace=True)``): a NumPy structured array of
-        ``cupy_symbuf._trace.TRACE_DTYPE`` (fields ``t0``, ``t1`` seconds of ``time.monotonic``; ``call``, ``op``,
+        ``cupy_symbuf._trace.TRACE_DTYPE`` (fields ``t0``, ``t1`` seconds of ``time.monotonic``, on the GPU of
+        ``%globaltimer`` (waits for the device first); ``call``, ``op``,
         ``kind`` (send / recv / pull / self / idle), ``channel``, ``peer``, ``bytes``, ``head``, ``tail``), one
         record per event, in order. Local. ``clear=True`` empties the buffer after the copy. ``ValueError`` when
         the communicator was built without ``trace=True``."""

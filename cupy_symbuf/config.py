@@ -121,11 +121,13 @@ class Config:
         MoE ``dispatch`` / ``combine`` gather their rows through an index and always use the rings. The mode is the
         sender's and travels in each call header, so ranks may differ (local policy).
     trace : bool
-        Channel telemetry (host backend): record every ring chunk published or consumed, every direct copy and
-        every idle spell (timestamps, channel, peer, bytes, head / tail) into a bounded buffer of 2**18 events;
-        read it with :meth:`Communicator.trace`, save it with :meth:`Communicator.save_trace` and turn the files
-        of all ranks into pictures and a report with ``python -m cupy_symbuf.diagnostics``. Off (default): no
-        recording. Not available on the GPU path yet. Local policy.
+        Channel telemetry: record every ring chunk published or consumed, every direct copy and (host) every idle
+        spell (timestamps, channel, peer, bytes, head / tail) into a bounded buffer of 2**18 events; read it with
+        :meth:`Communicator.trace`, save it with :meth:`Communicator.save_trace` and turn the files of all ranks
+        into pictures and a report with ``python -m cupy_symbuf.diagnostics``. On the GPU the ring kernel's copy
+        warps write the records (a telemetry build of the kernel, ``SYMBUF_TRACE=1``; ``%globaltimer`` times,
+        the wait for ring space or data included; no idle records). Off (default): no recording, and the GPU runs
+        a kernel build without it. Local policy.
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
     ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit

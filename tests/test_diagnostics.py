@@ -9,25 +9,30 @@ from mpi4py import MPI
 
 import cupy_symbuf as cs
 from cupy_symbuf import _trace, diagnostics
-from _util import random_rows, rng_for
+from _util import random_rows, rng_for, to_backend
 
 
-def test_trace_and_diagnostics_name_the_hot_rank(comm):
+def test_trace_and_diagnostics_name_the_hot_rank(comm, backend):
+    """Both backends: on the GPU the ring kernel's copy warps write the records (SEND / RECV per chunk, SELF)."""
     W, me = comm.size, comm.rank
     with pytest.raises(ValueError, match="trace=True"):
-        with cs.Communicator(comm, backend="host") as c0:
+        with cs.Communicator(comm, backend=backend) as c0:
             c0.trace()
-    c = cs.Communicator(comm, cs.Config(trace=True, chunk_bytes=16384, num_slots=4), backend="host")
+    c = cs.Communicator(comm, cs.Config(trace=True, chunk_bytes=16384, num_slots=4), backend=backend)
     try:
         rng = rng_for(comm, 1)
         for it in range(4):
             counts = rng.integers(20, 40, W)
             counts[0] = 400                      # rank 0 is hot: every rank sends it 10x the rows
             x = random_rows(rng, int(counts.sum()), (700,), np.uint8)   # ring and CMA sizes both occur
-            c.alltoallv(x, counts)
-            c.alltoall(random_rows(rng, W, (3000,), np.uint8))
+            c.alltoallv(to_backend(x, backend), counts)
+            c.alltoall(to_backend(random_rows(rng, W, (3000,), np.uint8), backend))
         rec = c.trace()
         assert rec.dtype == _trace.TRACE_DTYPE and len(rec) > 0 and (rec["t1"] >= rec["t0"]).all()
+        assert set(np.unique(rec["op"]).tolist()) <= {cs._protocol.OPS["alltoall"], cs._protocol.OPS["alltoallv"]}
+        assert (rec["channel"] >= 0).all() or backend == "host"  # host IDLE records have no channel
+        if W > 1:  # every peer's stream is seen, in both directions
+            assert set(rec[rec["kind"] == _trace.SEND]["peer"].tolist()) == set(range(W)) - {me}
         st = c.stats()
         got_in = np.zeros(W, np.int64)
         for kind in (_trace.RECV, _trace.PULL):

@@ -12,8 +12,10 @@ REQUIRED = os.environ.get("CUPY_SYMBUF_REQUIRE_NVRTC") == "1"
 RING = "ring_exchange.cu"
 VARIANTS = [(), ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",), ("-DSYMBUF_DEBUG=1",),
             ("-DSYMBUF_MAX_THREADS=512", "-DSYMBUF_DEBUG=1"), ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=512"),
-            ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=1024")]
-VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024"]
+            ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=1024"), ("-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=1024")]
+VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024",
+               "trace-512", "trace-1024"]
 
 
 def _nvrtc_or_skip():
