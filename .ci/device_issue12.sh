@@ -21,8 +21,9 @@ for stage in $STAGES; do
       timeout 60 $R python3 -m cupy_symbuf info --backend cuda --no-communicator > $LOG/topo.log 2>&1
       echo "== [info --backend cuda] rc=$?"; tail -20 $LOG/topo.log ;;
     trace)  # GPU channel telemetry with a skewed routing -> diagnostics PNGs and report; the cost of tracing
-      timeout 150 $MPIRUN -n ${TRACE_RANKS:-4} -x CUDA_VISIBLE_DEVICES=0 -x OUT=$LOG python3 .ci/gpu_trace.py > $LOG/trace.log 2>&1
-      echo "== [trace ${TRACE_RANKS:-4} ranks] rc=$?"; tail -30 $LOG/trace.log; ls $LOG/diag ;;
+      timeout 150 $MPIRUN -n ${TRACE_RANKS:-4} -x CUDA_VISIBLE_DEVICES=0 python3 .ci/gpu_trace.py > $LOG/trace.log 2>&1
+      echo "== [trace ${TRACE_RANKS:-4} ranks] rc=$?"; tail -40 $LOG/trace.log; ls /tmp/symbuf_trace/diag
+      cp /tmp/symbuf_trace/diag/channels.png $LOG/gpu-trace-channels.png 2>/dev/null ;;
     json)  # the bench's table, JSON and plots in one call
       timeout 120 $R python3 -m cupy_symbuf.bench --sizes 4K,64K,1M,16M,128M --iters 20 --warmup 3 \
         --json $LOG/bench.json --plot $LOG/plots > $LOG/bench_json.log 2>&1

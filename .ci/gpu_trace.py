@@ -1,7 +1,7 @@
 """Channel telemetry on the GPU (issue 12), one device call: N ranks under MPS with Config(trace=True) run a
 deliberately skewed alltoallv (every rank sends rank 0 ten times the rows) and a MoE dispatch / combine whose routing
 favours rank 0's experts, each checked against NumPy; every rank saves its trace, rank 0 runs the diagnostics CLI
-(PNGs + report into $OUT/diag) and prints the report. Then the cost of tracing: alltoall loop time with trace off and
+(PNGs + report into $TRACE_DIR/diag, default /tmp/symbuf_trace) and prints the report. Then the cost of tracing: alltoall loop time with trace off and
 on, same sizes, same process.
 
     mpirun -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 .ci/gpu_trace.py
@@ -20,7 +20,8 @@ from cupy_symbuf.utils import select_device
 world = MPI.COMM_WORLD
 W, me = world.Get_size(), world.Get_rank()
 select_device(world)
-out_dir = os.environ.get("OUT", "/tmp")
+out_dir = os.environ.get("TRACE_DIR", "/tmp/symbuf_trace")
+os.makedirs(out_dir, exist_ok=True)
 rng = np.random.default_rng([me, 11])
 bad = 0
 with cs.Communicator(world, cs.Config(trace=True)) as c:
@@ -58,7 +59,7 @@ for size in (1 << 20, 16 << 20):
     res = {}
     for trace in (False, True, False, True):
         with cs.Communicator(world, cs.Config(trace=trace)) as c:
-            x = cp.asarray(rng.integers(0, 255, size, dtype=np.uint8))
+            x = cp.asarray(rng.integers(0, 255, (W, size // W), dtype=np.uint8))
             for _ in range(5):
                 c.alltoall(x)
             c.synchronize()
