@@ -325,6 +325,8 @@ class Engine:
         (probed at construction). Either way one copy per byte, and the call returns (GPU: its kernel ends) once
         every peer has copied. ``Config.mode="direct"`` makes a call that cannot go direct a ``ValueError`` (a
         rejection; the peers are told) instead of a fallback to the rings."""
+        for a in send_parts:
+            self.owner._heap.check_live(op, "sendbuf", a)
         mode = self.config.mode
         if mode == "ring":
             return None

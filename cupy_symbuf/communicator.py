@@ -533,6 +533,7 @@ class Communicator:
             relaxed = check_sync(op, sync)
             direct = eng.direct_source(op, [x], None)
             plan = eng.rows_plan(op, x, self._ones, direct is not None)
+            self._heap.check_live(op, "out", out)
             recv = self.xp.empty(x.shape, dtype=x.dtype) if out is None else \
                 check_out(op, out, self.backend, x.shape, x.dtype, inputs=(x,))
         except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
@@ -648,6 +649,7 @@ class Communicator:
                                      f"send_counts[{self.rank}] ({send_counts[self.rank]}): the rows this rank sends "
                                      f"to itself")
             shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
+            self._heap.check_live(op, "out", out)
             recv = self.xp.empty(shape, dtype=x.dtype) if out is None else \
                 check_out(op, out, self.backend, shape, x.dtype, inputs=(x,))
             eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct, relaxed)
@@ -729,6 +731,7 @@ class Communicator:
             direct = eng.direct_source(op, [x], None)
             # the output before the count exchange: a capacity too large to allocate is a rejection told to the
             # peers (communicator usable), not a failure between the steps
+            self._heap.check_live(op, "out", out)
             recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
                 check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))
             got = check_counts(op, "recv_counts (from the count exchange)",
@@ -755,6 +758,7 @@ class Communicator:
             1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
         rb = part_width(x)
         direct = eng.direct_source(op, [x], None)
+        self._heap.check_live(op, "out", out)
         recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
             check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))  # before the notify
         scale = rb or 1  # rows of 0 bytes: the table counts rows (nothing moves), so the counts still come back

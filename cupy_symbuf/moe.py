@@ -325,10 +325,12 @@ def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int])
     return x, None, kind
 
 
-def _check_out(op: str, comm, out, xv, scales) -> Optional[list]:
-    """Validate dispatch's ``out``: for an array ``x``, an array of ``x``'s dtype ``[capacity, hidden]``; for an fp8
-    tuple, a tuple ``(out_x, out_scales)`` of ``[capacity, hidden]`` (x_fp8's dtype) and ``[capacity, hidden //
-    128]`` float32; C-contiguous. Returns the arrays (viewed as the transport's dtypes) or None."""
+def _check_out(op: str, comm, out, xv, scales, inputs=()) -> Optional[list]:
+    """Validate dispatch's ``out``: for an array ``x``, an array of ``x``'s dtype (or the unsigned integer type of
+    its size: raw bits) ``[capacity, hidden]``; for an fp8 tuple, a tuple ``(out_x, out_scales)`` of ``[capacity,
+    hidden]`` (x_fp8's dtype) and ``[capacity, hidden // 128]`` float32; C-contiguous, writeable, sharing no memory
+    with ``x``, the scales or the other ``inputs`` (topk_idx, topk_weights). Returns the arrays (viewed as the
+    transport's dtypes) or None."""
     if out is None:
         return None
     fp8 = scales is not None
@@ -341,12 +343,20 @@ def _check_out(op: str, comm, out, xv, scales) -> Optional[list]:
     for (ref, name), a in zip(wanted, out if fp8 else (out,)):
         a = _check_array(op, name, a, comm, dims=(("capacity", None), ("hidden" if ref is xv else
                                                                           f"hidden // {FP8_BLOCK}", ref.shape[1])))
-        if a.dtype.itemsize != ref.dtype.itemsize or (a.dtype != ref.dtype and a.dtype.kind != "u" and
-                                                      ref.dtype.kind != "u"):
-            raise TypeError(f"{op}: {name} must have dtype {ref.dtype} (the received rows'), got {a.dtype}")
+        raw = np.dtype(_UINT_OF_SIZE[ref.dtype.itemsize])
+        if a.dtype != ref.dtype and a.dtype != raw:
+            raise TypeError(f"{op}: {name} must have dtype {ref.dtype} (the received rows'), or {raw} (their raw "
+                            f"bits), got {a.dtype}")
         if not a.flags.c_contiguous:
             raise ValueError(f"{op}: {name} must be C-contiguous (rows are written in place), got strides "
                              f"{a.strides}")
+        if not a.flags.writeable:
+            raise ValueError(f"{op}: {name} must be writeable (the received rows are written into it)")
+        comm.owner._heap.check_live(op, name, a)
+        for other, what in [(xv, "x"), (scales, "the scales of x"), *inputs] + [(b, "out[0]") for b in arrays]:
+            if other is not None and a.size and other.size and comm.xp.may_share_memory(a, other):
+                raise ValueError(f"{op}: {name} must not share memory with {what} (it is written while the "
+                                 f"inputs are still being read)")
         arrays.append(a if a.dtype == ref.dtype else a.view(ref.dtype))
     if arrays[1:] and arrays[1].shape[0] != arrays[0].shape[0]:
         raise ValueError(f"{op}: out[0] and out[1] must have the same rows (capacity), got {arrays[0].shape[0]} "
@@ -525,7 +535,9 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     out : xp.ndarray ``[capacity, hidden]`` of ``x``'s dtype, or tuple ``(out_x, out_scales)`` for an fp8 tuple
         ``x`` (``out_scales`` ``[capacity, hidden // 128]`` float32), C-contiguous (keyword-only)
         Where the received tokens go: ``recv_x`` is ``out[:num_recv_tokens]`` (``num_worst_tokens`` rows in
-        worst-case mode), a view; no output is allocated. It must hold every row this rank receives: checked
+        worst-case mode), a view in ``x``'s dtype; no output is allocated. ``out`` may also be the unsigned integer
+        type of the element size (raw bits, e.g. ``uint16`` for bfloat16 on CuPy); it must be writeable and share
+        no memory with ``x`` or the other inputs (``ValueError``). It must hold every row this rank receives: checked
         before anything moves where the count is known (a cached dispatch; worst-case mode needs ``capacity >=
         num_worst_tokens``), else a ``ValueError`` told to the peers as a rejection; in an eager dispatch the
         count exchange finds it, and more rows than ``capacity`` are fatal as for ``num_worst_tokens``
@@ -651,13 +663,13 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     if topk_idx is None:
         raise ValueError(f"{op}: topk_idx is required without a handle")
     xv, scales, kind = _check_x(op, comm, x, None, None)
-    outs = _check_out(op, comm, out, xv, scales)
-    if worst:
-        _check_capacity(op, outs, worst, "num_worst_tokens")
     num_tokens = xv.shape[0]
     cuda = comm.backend == "cuda"
     idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens, check_range=not cuda)
     weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
+    outs = _check_out(op, comm, out, xv, scales, [(idx, "topk_idx"), (weights, "topk_weights")])
+    if worst:
+        _check_capacity(op, outs, worst, "num_worst_tokens")
     if cuda:
         _check_device_experts(op, n_exp)
         return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs)

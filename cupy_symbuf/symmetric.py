@@ -18,6 +18,7 @@ Lifetime: the blocks are freed collectively, by :meth:`Communicator.free` or :me
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -99,6 +100,9 @@ class SymmetricHeap:
         self.owner = owner
         self._next_id = 0
         self.allocations: list = []
+        #: what owned the memory of freed allocations (weakly): an array left over from one is refused by the
+        #: collectives (check_live) instead of being read or written after its memory was unmapped
+        self._freed: dict = {}  # id(owner) -> weak reference to it (NumPy arrays are not hashable)
 
     # ---- collective allocation ----------------------------------------------------------------------------
     def empty(self, shape, dtype, what: str = "empty", err: Optional[BaseException] = None):
@@ -189,12 +193,28 @@ class SymmetricHeap:
         self.allocations.remove(alloc)
         if owner.backend == "cuda":
             owner._transport.sym_unregister(alloc)
+        try:
+            self._freed = {k: r for k, r in self._freed.items() if r() is not None}  # drop the collected ones
+            self._freed[id(alloc.root)] = weakref.ref(alloc.root)
+        except TypeError:  # an owner that takes no weak reference: not tracked
+            pass
         alloc.buffer.close()
 
     def close(self) -> None:
         """Free every allocation (collective; from ``Communicator.close``), newest first."""
         while self.allocations:
             self.allocations.pop().buffer.close()
+
+    def check_live(self, op: str, name: str, a) -> None:
+        """``ValueError`` naming ``name`` when ``a`` is (a view of) a symmetric array this communicator has freed:
+        its memory is unmapped, so any access would crash the process or hit another allocation."""
+        if not self._freed or not (isinstance(a, np.ndarray) or _compat.is_cupy_array(a)):
+            return
+        root = _root(a)
+        ref = self._freed.get(id(root))
+        if ref is not None and ref() is root:
+            raise ValueError(f"{op}: argument '{name}' is a view of a symmetric array freed by Communicator.free; "
+                             f"its memory is unmapped")
 
     # ---- lookup -------------------------------------------------------------------------------------------
     def _owning(self, a) -> Optional[SymmetricAllocation]:

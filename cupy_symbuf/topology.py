@@ -336,9 +336,10 @@ def discover(comm, backend: str = "host", timeout_s: float = 30.0, *, device: Op
 def _check_int(where: str, name: str, value, upper: int, what: str) -> int:
     import numpy as np
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: {name} must be an int {what} in [0, {upper}), got {type(value).__name__}")
+        raise TypeError(f"{where}: argument '{name}' must be an int ({what} in [0, {upper})), got "
+                        f"{type(value).__name__}")
     if not 0 <= int(value) < upper:
-        raise ValueError(f"{where}: {name} must be {what} in [0, {upper}), got {int(value)}")
+        raise ValueError(f"{where}: argument '{name}' must be {what} in [0, {upper}), got {int(value)}")
     return int(value)
 
 

@@ -149,17 +149,38 @@ def _bad(c, name, x, idx, w, n_exp, hidden):
         return dict(out=(xp.empty((100, hidden), np.float32),)), TypeError, "an array"
     if name == "wire":
         return dict(out=xp.empty((100, hidden), np.float32), wire_dtype="fp8"), ValueError, "wire_dtype"
+    if name == "overlap":  # written while x is still read
+        return dict(out="x"), ValueError, "share memory with x"
+    if name == "rawbits":  # raw bfloat16 bits in, float16 out: refused (only x's dtype or the raw uint)
+        return dict(out=xp.empty((100, hidden), np.float16), raw_x=True), TypeError, "raw bits"
+    if name == "freed":
+        sym = c.empty((100, hidden), np.float32)
+        c.free(sym)
+        return dict(out=sym), ValueError, "freed"
     raise AssertionError(name)
 
 
-@pytest.mark.parametrize("name", ["dtype", "hidden", "strided", "tuple", "wire"])
+@pytest.mark.parametrize("name", ["dtype", "hidden", "strided", "tuple", "wire", "overlap", "rawbits", "freed",
+                                  "readonly"])
 def test_bad_out_raises_everywhere_then_usable(moe_comm, name):
     c = moe_comm
     n_exp, topk, hidden, tokens = 2 * W, 2, 128, 9
     idx, x, w = _inputs(("bad-out", name, c.backend), tokens, hidden, n_exp, topk)
-    kwargs, exc, match = _bad(c, name, x, idx, w, n_exp, hidden)
+    if name == "readonly":
+        if c.backend != "host":
+            pytest.skip("CuPy arrays are always writeable")
+        ro = np.empty((100, hidden), np.float32)
+        ro.setflags(write=False)
+        kwargs, exc, match = dict(out=ro), ValueError, "writeable"
+    else:
+        kwargs, exc, match = _bad(c, name, x, idx, w, n_exp, hidden)
+    xd = to_dev(c, x)
+    if kwargs.pop("raw_x", False):
+        xd = to_dev(c, x.astype(np.float16)).view(np.uint16)
+    if kwargs.get("out") == "x" if isinstance(kwargs.get("out"), str) else False:
+        kwargs["out"] = xd
     with pytest.raises(exc, match=match):
-        c.dispatch(to_dev(c, x), to_dev(c, idx), to_dev(c, w), n_exp, **kwargs)
+        c.dispatch(xd, to_dev(c, idx), to_dev(c, w), n_exp, **kwargs)
     got = c.dispatch(to_dev(c, x), to_dev(c, idx), to_dev(c, w), n_exp)[0]
     rx = _reference(idx, x, w, n_exp)[0]
     all_ranks(lambda: np.testing.assert_array_equal(to_np(got), rx))
