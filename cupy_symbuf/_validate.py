@@ -109,7 +109,7 @@ def check_out(op: str, out, backend: str, shape: tuple, dtype, *, inputs=()):
         raise TypeError(f"{op}: argument 'out' must have dtype {np.dtype(dtype)}, got {out.dtype}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{op}: argument 'out' must be C-contiguous (the transport writes whole rows into it)")
-    if not out.flags.writeable:
+    if not getattr(out.flags, "writeable", True):  # CuPy arrays have no such flag (always writeable)
         raise ValueError(f"{op}: argument 'out' must be writeable (the received rows are written into it)")
     if out.size:
         lo = out.data.ptr if backend == "cuda" else out.ctypes.data

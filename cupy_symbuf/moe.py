@@ -350,7 +350,7 @@ def _check_out(op: str, comm, out, xv, scales, inputs=()) -> Optional[list]:
         if not a.flags.c_contiguous:
             raise ValueError(f"{op}: {name} must be C-contiguous (rows are written in place), got strides "
                              f"{a.strides}")
-        if not a.flags.writeable:
+        if not getattr(a.flags, "writeable", True):  # CuPy arrays have no such flag (always writeable)
             raise ValueError(f"{op}: {name} must be writeable (the received rows are written into it)")
         comm.owner._heap.check_live(op, name, a)
         for other, what in [(xv, "x"), (scales, "the scales of x"), *inputs] + [(b, "out[0]") for b in arrays]:
