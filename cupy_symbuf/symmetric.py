@@ -193,11 +193,12 @@ class SymmetricHeap:
         self.allocations.remove(alloc)
         if owner.backend == "cuda":
             owner._transport.sym_unregister(alloc)
+        self._freed = {k: r for k, r in self._freed.items() if r() is not None}  # drop the collected ones
         try:
-            self._freed = {k: r for k, r in self._freed.items() if r() is not None}  # drop the collected ones
             self._freed[id(alloc.root)] = weakref.ref(alloc.root)
-        except TypeError:  # an owner that takes no weak reference: not tracked
-            pass
+        except TypeError:  # an owner that takes no weak reference (CuPy's memory object): a strong one (small; it
+            root = alloc.root  # owns no device memory, SymBuffer freed that), which also keeps its id unique
+            self._freed[id(root)] = lambda: root
         alloc.buffer.close()
 
     def close(self) -> None:
