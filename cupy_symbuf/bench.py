@@ -443,6 +443,13 @@ def main(argv=None) -> int:
                   f"chunk={c.config.chunk_bytes} slots={c.config.num_slots}")
             if c.backend == "cuda":
                 k = c._transport._k_ring
+                try:  # the SMs the ring kernel takes (one block per SM: sender and receiver per channel)
+                    sms = int(c.xp.cuda.Device().attributes["MultiProcessorCount"])
+                    blocks = 2 * c.layout.num_channels
+                    print(f"# SMs used: {blocks} of the GPU's {sms} ({100 * blocks / sms:.0f}%) per rank; ranks on "
+                          f"one GPU (MPS) share them")
+                except Exception as exc:  # pragma: no cover - a report line, never a failure
+                    print(f"# SMs used: {2 * c.layout.num_channels} blocks (SM count unknown: {exc})")
                 bulk = c._transport.bulk_smem
                 print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
                       f"(spills), {c._transport.threads} threads/block"
