@@ -24,7 +24,8 @@ out_dir = os.environ.get("TRACE_DIR", "/tmp/symbuf_trace")
 os.makedirs(out_dir, exist_ok=True)
 rng = np.random.default_rng([me, 11])
 bad = 0
-with cs.Communicator(world, cs.Config(trace=True)) as c:
+ADAPTIVE = os.environ.get("CUPY_SYMBUF_TRACE_ADAPTIVE", "0") == "1"  # issue 13: the work-sharing build traced
+with cs.Communicator(world, cs.Config(trace=True, adaptive=ADAPTIVE, adaptive_interval=2)) as c:
     for it in range(6):
         counts = rng.integers(2000, 4000, W)
         counts[0] *= 10                                   # rank 0 is hot

@@ -74,15 +74,17 @@
 // every access of each warp acquired from. `published0` (<= first) is the counter already released: first - 1 when
 // the call header's slot (counter first - 1, written by this lane or checked by it) is still to be announced with
 // the first run (SYMBUF_HEADER_FOLD), so that run counts only payload chunks towards `batch`.
-__device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* done, int num_copy, u64 first, u64 end,
-                                             u64 published0, u64 batch, volatile int* abort_flag,
+// Work sharing (SYMBUF_ADAPTIVE) passes per-counter marks instead: done[(counter - base) % mod] with base = 0 and
+// mod = ADAPT_WINDOW (any warp of the block may copy any chunk; see share_chunks).
+__device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* done, int mod, u64 base, u64 first,
+                                             u64 end, u64 published0, u64 batch, volatile int* abort_flag,
                                              const WaitCtx* ctx, int role, int peer) {
   u64 published = published0, ready = first;
   u32 idle = 0;
   SpinBudget spin(ctx);
   while (published < end && !*abort_flag) {
     const u64 before = ready;
-    while (ready < end && ld_acquire_cta(&done[(ready - first) % num_copy]) > ready) ++ready;
+    while (ready < end && ld_acquire_cta(&done[(ready - base) % static_cast<u64>(mod)]) > ready) ++ready;
     idle = ready == before ? idle + 1 : 0;
     const u64 base = published > first ? published : first;  // payload chunks not yet released
     if (ready > published && (ready - base >= batch || ready == end || idle > 32)) {
@@ -188,6 +190,128 @@ constexpr u64 kGateCopy = 1;   // header verified: copy the payload
 constexpr u64 kGateSkip = 2;   // no payload to copy (the peer rejected, or this rank rejects and drains)
 constexpr u64 kGateAbort = 3;  // mismatch, failed wait or abort: leave
 constexpr u64 kGateDirect = 4; // header verified, MODE_DIRECT: copy the share straight out of the sender's block
+
+// ---- work sharing (SYMBUF_ADAPTIVE=1: Config(adaptive=True)) ----------------------------------------------------------
+// The static kernel gives each (channel, peer) ring stream its own warp group, so under skewed routing the hot
+// peer's group works while the others idle. With work sharing the chunks of every ring stream of a block are
+// claimed from a per-peer counter in shared memory (atomicAdd, in counter order) by any warp of the block: the
+// group's own copy warps, copy warps of other groups once they are done with their own stream (or whose home, the
+// re-balanced map DESC_HOME, is another peer), and the self group's warps once they copied this rank's own rows.
+// What goes on the wire is unchanged (the same chunks, cut by the agreed plan; the same counters and headers), so
+// received rows land exactly where they do without it, and the ranks need not agree on the map.
+//  * Done marks: per peer a window of ADAPT_WINDOW words, mark[t % ADAPT_WINDOW] = t + 1 (st.release.cta) once the
+//    chunk of counter t is copied; the group's publisher acquires them in counter order (publish_runs). A chunk is
+//    copied only when the ring has room for it (sender: head > t - num_slots) or holds it (receiver: tail > t), and
+//    either needs every counter <= t - num_slots published by this block, so the previous user of the mark (t -
+//    ADAPT_WINDOW <= t - num_slots) was acquired before it is overwritten (the host checks num_slots <= window).
+//  * Progress: copy warp 0 of each group (the "dedicated" warp) takes only its own stream's chunks until none are
+//    left, so every stream always has a warp; a warp holds one claimed chunk at a time and waits only for that
+//    chunk's ring condition, so the lowest unfinished counter of a stream can always move: sharing can delay a
+//    stream, never deadlock it (the waits stay bounded as before).
+//  * A group's leader describes its stream (ShareWork) and releases s_ready before its call-header step; a warp of
+//    another group acquires it, and a receiver's (or a MODE_PUSH sender's) also acquires the header verdict before
+//    touching a slot, as the group's own warps do.
+#ifndef SYMBUF_ADAPTIVE
+#define SYMBUF_ADAPTIVE 0
+#endif
+
+struct ShareWork {
+  u8* ring;                  // the ring the stream's chunks go into (sender: the peer's) or come out of
+  const u64* local_counter;  // sender: head in our buffer; receiver: tail in our buffer
+  u64 c0;                    // counter of payload chunk 0
+  i64 lo, hi, rows_per_chunk, todo;  // the channel's share, units per chunk, chunks to claim
+  u32 push;                  // MODE_PUSH: the pushed receive parts (sender: wait for the receiver's answer)
+};
+
+// The block's shared state (the kernel's __shared__ arrays), handed to the sharing loops by pointer.
+struct ShareCtx {
+  ShareWork* work;
+  u64* ready;
+  u64* gate;
+  unsigned int* next;
+  unsigned int* stolen;
+  u64* marks;
+  int* abort;
+  const RowStream* streams;
+  const u64* src;
+  const i64* push_delta;
+  const i64* desc;
+  const WaitCtx* ctx;
+  i64 num_slots, chunk_bytes, row_bytes;
+  int channel, rank, world_size;
+  bool is_sender;
+};
+
+// One warp claims and copies chunks of peer q's stream until none are left (or the stream aborted).
+__device__ __noinline__ void share_chunks(const ShareCtx& S, int q, int own_peer, int lane) {
+  u64 ok = 0;
+  if (lane == 0) {  // bounded: q's leader writes it before any wait of its own
+    do ok = ld_acquire_cta(&S.ready[q]);
+    while (ok == 0);
+  }
+  __syncwarp();  // lane 0's acquire precedes every lane's reads of the work descriptor
+  const ShareWork& w = S.work[q];
+  if (w.todo <= 0) return;
+  if (!S.is_sender || w.push) {  // the header verdict first, as for the group's own warps
+    u64 go = kGateWait;
+    if (lane == 0) {
+      do go = ld_acquire_cta(&S.gate[q]);
+      while (go == kGateWait);
+    }
+    go = __shfl_sync(0xffffffffu, go, 0);
+    __syncwarp();
+    if (go != kGateCopy) return;
+  }
+  volatile int* abort_flag = &S.abort[q];
+  const RowStream& send = S.streams[2 * q];
+  const RowStream& recv = S.streams[2 * q + 1];
+  u64* marks = S.marks + q * ADAPT_WINDOW;
+  const int role = S.is_sender ? ROLE_SEND : ROLE_RECV;
+  (void)role;
+  u64 seen = S.is_sender ? 0 : w.c0;  // the last head (sender) / tail (receiver) read
+  while (true) {
+    unsigned int claimed = 0;
+    if (lane == 0) claimed = atomicAdd(&S.next[q], 1u);
+    const i64 k = static_cast<i64>(__shfl_sync(0xffffffffu, claimed, 0));
+    if (k >= w.todo) break;
+    const u64 t = w.c0 + static_cast<u64>(k);
+    SYMBUF_TRACE_T0(t_chunk);
+    if (lane == 0) {
+      if (S.is_sender) wait_for_space(S.ctx, q, w.local_counter, t, S.num_slots, seen, abort_flag);
+      else wait_for_data(S.ctx, q, w.local_counter, t + 1, w.c0, t, S.num_slots, seen, abort_flag);
+    }
+    __syncwarp();  // lane 0's acquire precedes every lane's accesses to the slot
+    if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;
+    const i64 r = w.lo + k * w.rows_per_chunk;
+    const i64 n = min(w.rows_per_chunk, w.hi - r);
+    u8* slot = w.ring + static_cast<i64>(t % static_cast<u64>(S.num_slots)) * S.chunk_bytes;
+    if (!S.is_sender) {
+      recv.copy_rows<false>(slot, r, n, lane, w.push);
+    } else if (w.push) {
+      const i64 row0 = static_cast<i64>(S.src[q]);
+      if (row0 >= 0) push_rows(send, recv, slot, r, n, row0, w.push, S.push_delta + q * MAX_PARTS, lane);
+      else send.copy_rows<true>(slot, r, n, lane, w.push);
+    } else {
+      send.copy_rows<true>(slot, r, n, lane);
+    }
+    __syncwarp();  // every lane's accesses to the slot precede lane 0's mark
+    if (lane == 0) {
+      if (q != own_peer) atomicAdd(&S.stolen[q], 1u);  // before the mark: the leader reads it after the last one
+      st_release_cta(&marks[t % ADAPT_WINDOW], t + 1);
+      SYMBUF_TRACE_EVENT(S.desc, S.is_sender ? TRACE_SEND : TRACE_RECV, t_chunk, S.channel, q, n * S.row_bytes,
+                         S.is_sender ? seen : t, S.is_sender ? t + 1 : seen);
+    }
+    __syncwarp();
+  }
+}
+
+// A warp's sharing pass: every ring stream of the block, from `start` on in peer order.
+__device__ __forceinline__ void share_all(const ShareCtx& S, int start, int own_peer, int lane) {
+  for (int i = 0; i < S.world_size; ++i) {
+    const int q = (start + i) % S.world_size;
+    if (q != S.rank) share_chunks(S, q, own_peer, lane);
+  }
+}
 
 // What the leader's call-header step needs; built by the leader only and handed by reference to a function that
 // is not inlined, so that the header's registers do not weigh on the copy loops (64 per thread at 1024 threads).
@@ -398,6 +522,21 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
                                      // sender, MODE_PUSH: the receiver's first row of our stream (-1: push nothing)
   __shared__ i64 s_push_delta[MAX_PEERS * MAX_PARTS];  // sender, MODE_PUSH: receiver's block minus ours, per part
   __shared__ WaitCtx s_ctx;
+#if SYMBUF_ADAPTIVE
+  __shared__ ShareWork s_work[MAX_PEERS];     // per peer: its stream, for warps of other groups (work sharing)
+  __shared__ u64 s_ready[MAX_PEERS];          // != 0: s_work[peer] written (st.release.cta by the group's leader)
+  __shared__ unsigned int s_next[MAX_PEERS];  // next chunk of the peer's stream to claim
+  __shared__ unsigned int s_stolen[MAX_PEERS];  // its chunks copied by warps of other groups (load counters)
+  __shared__ u64 s_marks[MAX_PEERS * ADAPT_WINDOW];  // done marks per ring counter (publish_runs)
+  for (int i = threadIdx.x; i < MAX_PEERS; i += blockDim.x) {
+    s_ready[i] = 0;
+    s_next[i] = 0;
+    s_stolen[i] = 0;
+    s_gate[i] = kGateWait;  // read by other groups' warps, perhaps before this peer's leader starts
+  }
+#else
+  u64* const s_marks = nullptr;
+#endif
   for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc.words[i];  // constant bank
   if (threadIdx.x == 0)
     s_ctx = make_wait_ctx(status, peer_bases, static_cast<int>(desc.words[DESC_RANK]),
@@ -468,6 +607,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   const int warp_in_group = tid >> 5;
   const bool leader = tid == 0;
   const int bar_id = 1 + peer;
+  // Work sharing (SYMBUF_ADAPTIVE): groups of several warps only (a one-warp group publishes its own chunks)
+  const bool share = SYMBUF_ADAPTIVE && ring_warps > 1;
 
   const i64* peers = s_desc + DESC_PEERS;  // [4][world_size]: send unit offset, send units, recv offset, recv units
   // The two row streams of this group live in shared memory (read on use, not held in registers: the copy
@@ -485,6 +626,14 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   group_sync(bar_id, nthreads);
   const RowStream& send = s_streams[2 * peer];
   const RowStream& recv = s_streams[2 * peer + 1];
+#if SYMBUF_ADAPTIVE
+  // this warp's home in the re-balanced map (HOME_OWN: its own group's stream; a self warp: the next peer's)
+  const int home = static_cast<int>((s_desc[DESC_HOME + (is_sender ? 0 : 4) + warp / 8] >> (8 * (warp % 8))) & 0xFF);
+  const bool home_ok = home != HOME_OWN && home < world_size && home != rank;
+  const ShareCtx share_ctx{s_work, s_ready, s_gate, s_next, s_stolen, s_marks, s_abort, s_streams, s_src,
+                           s_push_delta, s_desc, &s_ctx, s_desc[DESC_NUM_SLOTS], s_desc[DESC_CHUNK_BYTES],
+                           s_desc[DESC_ROW_BYTES], channel, rank, world_size, is_sender};
+#endif
   // Units of the whole stream to (sender) or from (receiver) this peer: the call header carries / checks them.
   const i64 rows = is_sender ? peers[world_size + peer] : peers[3 * world_size + peer];
   i64 lo = 0, hi = 0;
@@ -492,7 +641,15 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 
   if (peer == rank) {  // to ourselves: no ring; the sender block copies the first half, the receiver block the rest
     if (ce) return;      // FLAG_CE: a copy engine copies them too (after this kernel, beside the peers' rows)
+#if SYMBUF_ADAPTIVE
+    // work sharing: once our own rows are copied, this warp helps the ring streams (the hot one first)
+    if (hi <= lo) {
+      if (share) share_all(share_ctx, home_ok ? home : (rank + 1) % world_size, rank, lane);
+      return;
+    }
+#else
     if (hi <= lo) return;  // an empty share, or FLAG_REJECT: nothing to copy, no header
+#endif
     const i64 mid = lo + (hi - lo) / 2 / align * align;
     const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
     SYMBUF_TRACE_T0(t_self);
@@ -512,6 +669,9 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     }
     if (lane == 0 && self_bytes > 0) SYMBUF_TRACE_EVENT(s_desc, TRACE_SELF, t_self, channel, -1, self_bytes, 0, 0);
     (void)self_bytes;
+#if SYMBUF_ADAPTIVE
+    if (share) share_all(share_ctx, home_ok ? home : (rank + 1) % world_size, rank, lane);
+#endif
     return;
   }
 
@@ -555,6 +715,16 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   volatile int* abort_flag = &s_abort[peer];
   const int role = is_sender ? ROLE_SEND : ROLE_RECV;
   if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], c0);
+#if SYMBUF_ADAPTIVE
+  if (share && warp_in_group == 0) {  // the marks of this call, then the stream for the other groups' warps
+    for (int i = lane; i < ADAPT_WINDOW; i += 32) s_marks[peer * ADAPT_WINDOW + i] = 0;
+    __syncwarp();
+    if (lane == 0) {
+      s_work[peer] = ShareWork{ring, local_counter, c0, lo, hi, rows_per_chunk, nchunks, push_mask};
+      st_release_cta(&s_ready[peer], 1);
+    }
+  }
+#endif
   group_sync(bar_id, nthreads);
 
   u64 verdict = kGateAbort;  // the leader's: header sent (sender) / checked (receiver)
@@ -580,7 +750,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 
   if (copy_id < 0) {  // the publisher (lane 0 of warp 0); a receiver hands each slot back as soon as it is read
     if (lane == 0 && verdict == kGateCopy)
-      publish_runs(remote_counter, done, num_copy, c0, end, SYMBUF_HEADER_FOLD && nchunks > 0 && !push_mask ? first : c0,
+      publish_runs(remote_counter, share ? s_marks + peer * ADAPT_WINDOW : done, share ? ADAPT_WINDOW : num_copy,
+                   share ? 0 : c0, c0, end, SYMBUF_HEADER_FOLD && nchunks > 0 && !push_mask ? first : c0,
                    is_sender ? SYMBUF_PUBLISH_BATCH : 1, abort_flag, &s_ctx, role, peer);
     else if (lane == 0 && verdict == kGateDirect)
       direct_done(remote_counter, done, num_copy, c0, &s_ctx, peer, abort_flag, state, num_help, call_seq);
@@ -648,7 +819,11 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       }
       __syncwarp();
     }
-    const i64 todo = go == kGateCopy ? nchunks : 0;
+#if SYMBUF_ADAPTIVE
+    // work sharing: the dedicated warp (copy warp 0) starts with its own stream, the others with their home
+    if (share) share_all(share_ctx, copy_id == 0 || !home_ok ? peer : home, peer, lane);
+#endif
+    const i64 todo = go == kGateCopy && !share ? nchunks : 0;
     u64 seen = is_sender ? 0 : c0;  // sender: the last head read; receiver: the last tail read
     for (i64 k = copy_id; k < todo; k += num_copy) {
       const u64 t = c0 + static_cast<u64>(k);  // ring counter of this chunk
@@ -695,6 +870,17 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   if (leader && !*abort_flag) {
     state[STATE_COUNTER] = end;
     state[STATE_SEQ] = call_seq;
+#if SYMBUF_ADAPTIVE
+    // load counters (DESC_LOAD): this (role, channel, peer) entry is written by this leader alone, kernels in
+    // stream order; s_stolen[peer] is final: every chunk's mark (released after its count) was acquired above
+    if (s_desc[DESC_LOAD] != 0 && moves) {
+      i64* load = reinterpret_cast<i64*>(s_desc[DESC_LOAD]) +
+                  ((static_cast<i64>(is_sender ? 0 : 1) * num_channels + channel) * world_size + peer) * LOAD_WORDS;
+      load[LOAD_BYTES] += (hi - lo) * row_bytes;
+      load[LOAD_CHUNKS] += nchunks;
+      load[LOAD_STOLEN] += share ? static_cast<i64>(s_stolen[peer]) : 0;
+    }
+#endif
   }
 }
 

@@ -31,7 +31,7 @@ __all__ = ["CollectiveTimeoutError", "exchange_all", "barrier", "discard_leftove
 #: construction would be mistaken for ours; after construction the exchanges run on the SymBuffer's own Dup).
 TAG = 0x5359  # 'SY'
 #: Config fields that are local policy: ranks may differ on them without changing the wire.
-LOCAL_POLICY_FIELDS = ("timeout_s", "blocking", "abort_on_failure", "mode", "trace")
+LOCAL_POLICY_FIELDS = ("timeout_s", "blocking", "abort_on_failure", "mode", "trace", "adaptive", "adaptive_interval")
 
 # Send requests of timed-out exchanges, kept so that their pickled buffers stay alive until MPI is done with them.
 _ORPHANS: list = []

@@ -65,7 +65,7 @@ def _percentiles(timer, fn, iters, warmup, comm, sync):
 def run(c, comm, timer, args, sizes) -> list:
     from .bench import _fmt
     W, me, xp = c.world_size, c.rank, c.xp
-    patterns = args.patterns.split(",")
+    patterns = (args.patterns or "uniform,zipf,hot").split(",")
     refs = set(r for r in str(getattr(args, "references", "")).split(",") if r)
     mpi_cuda = ""  # the mpi-cuda row: "" not asked for (or host), None runs, else why it is skipped
     if c.backend == "cuda" and not args.no_reference and "mpi" in refs:

@@ -187,6 +187,9 @@ class CudaTransport:
         self._bind_ring(ring_kernel_defines(self.world_size))
         #: Config(trace=True): the kernels' channel telemetry (_trace.DeviceRecorder, see enable_trace), else None
         self.trace = None
+        #: Config(adaptive=True): the work-sharing build's device load counters (enable_adaptive), else None
+        self.load = None
+        self._home = None
         #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
         #: next call or by ``synchronize()``; True: every call waits for its kernel and raises its own timeout.
         self.blocking = False
@@ -214,6 +217,60 @@ class CudaTransport:
         self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
                                                               params, 0)
 
+    def _variant(self) -> tuple:
+        """The ring kernel's build for this world size and the local options (telemetry, work sharing)."""
+        return ring_kernel_defines(self.world_size) + (("-DSYMBUF_TRACE=1",) if self.trace is not None else ()) + \
+            (("-DSYMBUF_ADAPTIVE=1",) if self.load is not None else ())
+
+    def enable_adaptive(self) -> None:
+        """``Config(adaptive=True)`` (at construction, before any call): the ring kernel's work-sharing build
+        (``SYMBUF_ADAPTIVE=1``, same wire) and its load counters (device int64 ``[2, num_channels, world_size,
+        LOAD_WORDS]``, ``DESC_LOAD``). Local policy."""
+        cp = _compat.cupy
+        C, W = self.layout.num_channels, self.world_size
+        self.load = cp.zeros((2, C, W, P.LOAD_WORDS), np.int64)
+        self._load_host = _Pinned(self.load.size)  # the asynchronous snapshot (load_snapshot)
+        self._load_event = None
+        self._desc[P.DESC_LOAD] = int(self.load.data.ptr)
+        self._home = np.full(P.HOME_WORDS, -1, np.int64)  # every byte HOME_OWN
+        self._desc[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
+        self._bind_ring(self._variant())
+
+    def set_home(self, load) -> None:
+        """The home map of ``load`` (:class:`~cupy_symbuf.adaptive.ChannelLoad`) for the next launches (written
+        into each call's descriptor; a captured graph keeps the words of its capture)."""
+        if self.load is not None:
+            self._home = np.asarray(load.words, np.int64).copy()
+
+    def load_snapshot(self):
+        """The load counters as of the previous call of this method (int64 ``[2, C, W, LOAD_WORDS]``), without
+        waiting: queues a copy of the device counters into pinned memory on the current stream and returns the one
+        queued last time once its event completed (None before that)."""
+        cp = _compat.cupy
+        got = None
+        ev = self._load_event
+        if ev is not None:
+            if not ev.done:
+                return None  # the last copy is still queued: no new one
+            got = self._load_host.array.reshape(self.load.shape).copy()
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(self._load_host.ptr, int(self.load.data.ptr), self.load.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._load_event = cp.cuda.Event(disable_timing=True)
+        self._load_event.record(stream)
+        return got
+
+    def load_totals(self) -> np.ndarray:
+        """The device load counters now (waits for every queued kernel)."""
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        return _compat.cupy.asnumpy(self.load)
+
+    def load_reset(self) -> None:
+        """Zero the device load counters (after every queued kernel)."""
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        self.load.fill(0)
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+
     def enable_trace(self, capacity: int = 1 << 18):
         """``Config(trace=True)`` (at construction, before any call): the ring kernel's telemetry build
         (``SYMBUF_TRACE=1``: same protocol, a record per chunk / direct slice / own-rows share) and its device buffer
@@ -222,7 +279,7 @@ class CudaTransport:
         from ._trace import DeviceRecorder
         self.trace = DeviceRecorder(capacity)
         self._desc[P.DESC_TRACE], self._desc[P.DESC_TRACE_CAP] = self.trace.ptr, self.trace.capacity
-        self._bind_ring(ring_kernel_defines(self.world_size) + ("-DSYMBUF_TRACE=1",))
+        self._bind_ring(self._variant())
         return self.trace
 
     def close(self):
@@ -248,6 +305,8 @@ class CudaTransport:
         self.layout_error.free()
         self._meta.free()
         self._meta_in.free()
+        if self.load is not None:
+            self._load_host.free()
         return err
 
     def _next_launch(self, op: str, stream, plan=None) -> int:
@@ -475,6 +534,8 @@ class CudaTransport:
             flags |= P.FLAG_PUSH
             self.push_calls += 1
         d[DESC_FLAGS] = flags
+        if self._home is not None:  # adaptive: the current home map (plans keep no copy of their own)
+            d[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
         stream = cp.cuda.get_current_stream()
         if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
             self.graph_keep.extend(copies)

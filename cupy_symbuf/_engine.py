@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _compat
 from . import _protocol as P
-from ._plan import PlanCache, check_bytes, part_width
+from ._plan import PlanCache, check_bytes, kernel_geometry, part_width
 from .errors import SymBufferError, SymBufferRejectedError, mismatch_error
 
 __all__ = ["Engine", "row_signature"]
@@ -72,6 +72,12 @@ class Engine:
         # per-operation byte totals per peer when it grows or stats() is asked for
         self._calls: dict = {}
         self._totals: dict = {}
+        # load counters per (role, channel, peer) and the adaptive home map (Config(adaptive=True); adaptive.py)
+        from .adaptive import ChannelLoad
+        self.load = ChannelLoad(world_size, rank, layout.num_channels, adaptive=config.adaptive,
+                                interval=config.adaptive_interval)
+        #: the GPU's work-sharing kernel counts the loads itself (device counters, device-count calls included)
+        self._device_load = backend == "cuda" and config.adaptive and world_size > 1
 
     # ---- lifecycle hooks ------------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -370,9 +376,52 @@ class Engine:
         self._calls[plan] = 1 if n is None else n + 1
         if n is None and len(self._calls) > 256:
             self._fold()
+        self.load.calls_total += 1
+        if self.load.adaptive:
+            self._adapt()
+
+    def _adapt(self) -> None:
+        """Config(adaptive=True), after every ring exchange: every ``adaptive_interval`` eager calls, re-balance
+        the home map from the loads since the last re-balance and hand it to the transport (the GPU's from its
+        device counters, read asynchronously: the map follows the loads of about one interval before). A call
+        being captured into a CUDA graph is not counted (the graph keeps the map of its capture)."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            return
+        if not self.load.due():
+            return
+        if self._device_load:
+            totals = self.transport.load_snapshot()
+            if totals is None:  # the first snapshot is still on its way: try again next interval
+                self.load.calls = 0
+                return
+        else:
+            self._fold()
+            totals = self.load.totals
+        if self.load.rebalance(totals):
+            self.transport.set_home(self.load)
+
+    def channel_stats(self, reset: bool = False) -> dict:
+        """See :meth:`Communicator.channel_stats`."""
+        self._fold()
+        if self._device_load:
+            totals = self.transport.load_totals()
+        else:
+            totals = self.load.totals
+        out = self.load.stats(totals, work_sharing=self._device_load and kernel_geometry(self.world_size).ring_warps > 1)
+        if reset:
+            if self._device_load:
+                self.transport.load_reset()
+            self.load.totals[:] = 0
+            self.load._last[:] = 0
+        return out
 
     def _fold(self) -> None:
         W = self.world_size
+        if not self._device_load:
+            from .adaptive import ChannelLoad
+            C = self.layout.num_channels
+            for plan, n in self._calls.items():
+                self.load.totals += n * ChannelLoad.plan_load(plan, C, W, self.rank)
         for plan, n in self._calls.items():
             t = self._totals.get(plan.op)
             if t is None:

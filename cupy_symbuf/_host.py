@@ -152,11 +152,20 @@ class HostTransport:
         self.trace = None
         L = layout
         self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
+        #: Config(adaptive=True): the home map's workers per peer (send, recv), the order the progress loop serves
+        #: the streams in (most workers first; adaptive.py), or None: channel then peer order
+        self.visit = None
         #: relaxed calls (``sync="relaxed"``) in direct mode return before the peers handed their header slots
         #: back: (head line, counter awaited, channel, peer, the send parts) per stream, awaited by the next
         #: collective (settle); the parts are kept alive until then (a contiguous copy or packed rows the library
         #: made for the call would otherwise be freed while a peer still reads them by cross-memory attach)
         self._pending = []
+
+    def set_home(self, load) -> None:
+        """Adaptive channels: serve the streams in the order of ``load``'s home map (:class:`~cupy_symbuf.adaptive.
+        ChannelLoad`; the peers with more workers first), the host twin of the GPU's warp homes."""
+        from .adaptive import workers_per_peer
+        self.visit = tuple(workers_per_peer(load.home[r], self.world_size, self.rank) for r in (0, 1))
 
     def settle(self, op: str) -> None:
         """Wait until every peer has copied the rows of this rank's earlier ``sync="relaxed"`` calls out of its
@@ -291,6 +300,10 @@ class HostTransport:
         pulled = False
         sends = [_Stream(st, True) for st in statics[0]]
         recvs = [_Stream(st, False) for st in statics[1]]
+        if self.visit is not None:  # adaptive: the hot peers' streams first in every pass (stable: then channels)
+            sw, rw = self.visit
+            sends.sort(key=lambda x: -sw[x.p])
+            recvs.sort(key=lambda r: -rw[r.p])
         if is_direct:
             mode, where, base = direct
             for x in sends:

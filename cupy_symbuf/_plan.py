@@ -120,7 +120,8 @@ class ExchangePlan:
 
     __slots__ = ("op", "op_code", "sig", "reject", "byte_stream", "row_bytes", "unit_bytes", "align",
                  "part_widths", "send_units", "recv_units", "send_first", "recv_first", "num_channels",
-                 "num_copy", "chunk_bytes", "world_size", "rank", "engine_data", "device_counts", "direct", "least_bytes")
+                 "num_copy", "chunk_bytes", "world_size", "rank", "engine_data", "device_counts", "direct", "least_bytes",
+                 "load")
 
     def __init__(self, *, op: str, sig_text: str, part_widths, has_index: bool, send_counts, recv_counts,
                  layout, rank: int, reject: bool = False, direct: bool = False, host: bool = False):
@@ -137,6 +138,7 @@ class ExchangePlan:
         self.num_copy = kernel_geometry(W).num_copy
         self.least_bytes = P.CHUNK_LEAST_BYTES if not host else P.HOST_CHUNK_LEAST_BYTES
         self.engine_data = None  # the engine's own cache for this plan (the GPU's launch descriptor)
+        self.load = None  # its per-call load counters (adaptive.ChannelLoad.plan_load), made on first use
         self.device_counts = False  # units from a device counts table (PlanCache.device), not the fields below
         zeros = np.zeros(W, np.int64)
         if self.reject:

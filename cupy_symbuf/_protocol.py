@@ -152,7 +152,25 @@ DESC_PUSH_ROWS = DESC_PUSH_ALLOC + MAX_PARTS
 #: number (DESC_SEQ), op | kind << 8 | channel << 16 | (peer + 1) << 32, bytes, head, tail.
 DESC_TRACE = DESC_PUSH_ROWS + 1
 DESC_TRACE_CAP = DESC_TRACE + 1
-DESC_WORDS = DESC_TRACE_CAP + 1
+#: Adaptive channels (``Config(adaptive=True)``; kernels built with SYMBUF_ADAPTIVE=1): DESC_HOME = the home map,
+#: HOME_WORDS int64 words holding one byte per warp of a block, sender block first (warps 0..31: bytes of words
+#: DESC_HOME .. +3), then the receiver block's: the peer whose ring stream that warp takes chunks of first (0xFF:
+#: its own group's, or for a self-group warp the next peer after this rank); ``_plan.home_map`` computes it.
+#: DESC_LOAD = device address of the load counters (0: none): int64 [2 (send, recv)][num_channels][world_size]
+#: [LOAD_WORDS]: bytes of the stream's channel share, ring chunks, chunks copied by a warp of another group
+#: (work sharing), accumulated by each ring group's leader at the end of every call.
+DESC_HOME = DESC_TRACE_CAP + 1
+HOME_WORDS = 8
+DESC_LOAD = DESC_HOME + HOME_WORDS
+LOAD_WORDS = 3
+LOAD_BYTES, LOAD_CHUNKS, LOAD_STOLEN = range(3)
+#: Work sharing's done marks: one per ring counter modulo this window, per peer of a block. A chunk is copied only
+#: once the ring has room for it (sender) or holds it (receiver), at most ``num_slots`` counters past the first
+#: one not yet published, so the window must hold ``num_slots`` (``Config(adaptive=True)`` needs ``num_slots <=
+#: ADAPT_WINDOW``).
+ADAPT_WINDOW = 32
+HOME_OWN = 0xFF
+DESC_WORDS = DESC_LOAD + 1
 TRACE_HDR_WORDS = 16
 TRACE_WORDS = 8
 #: Trace event kinds (``_trace``): a chunk written into a peer's ring (or pushed into its outputs), a chunk copied

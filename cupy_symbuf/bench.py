@@ -316,7 +316,7 @@ def _print_moe_energy(results: list) -> None:
 
 #: --op (other than alltoall) -> the module that benchmarks it (its run(c, comm, timer, args, sizes) -> rows)
 _OP_MODULES = {"alltoallv": "_bench_alltoallv", "dispatch": "_bench_moe", "delta": "_bench_delta",
-               "hier": "_bench_hier"}
+               "hier": "_bench_hier", "adaptive": "_bench_adaptive"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -374,12 +374,14 @@ def _parser() -> argparse.ArgumentParser:
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf._bench_control)")
     ap.add_argument("--tokens", type=int, default=4096, help="--control: tokens per rank (default 4096)")
-    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier"),
+    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier", "adaptive"),
                     help="alltoall (equal blocks; default), alltoallv with --patterns (p50 / p99 per call, "
                          "cupy_symbuf._bench_alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "
                          "p99, cupy_symbuf._bench_moe) or delta (DeltaExchange against the plain alltoall, "
                          "cupy_symbuf._bench_delta) or hier (the hierarchical all-to-all over --node-size virtual "
-                         "nodes beside the flat one and MPI, host; cupy_symbuf._bench_hier)")
+                         "nodes beside the flat one and MPI, host; cupy_symbuf._bench_hier) or adaptive (MoE "
+                         "dispatch / combine on skewed routing, Config(adaptive=True) against the static split, "
+                         "interleaved, p50 / p99; cupy_symbuf._bench_adaptive)")
     ap.add_argument("--node-size", type=int, default=None,
                     help="--op hier: ranks per virtual node (default: CUPY_SYMBUF_NODE_SIZE, else all)")
     ap.add_argument("--moe-tokens", default="4096,128",
@@ -397,8 +399,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="--op dispatch: token dtype (default float16)")
     ap.add_argument("--wire", default=None, choices=("fp8",),
                     help="--op dispatch: also time the dispatches with wire_dtype='fp8' (low-precision transfer)")
-    ap.add_argument("--patterns", default="uniform,zipf,hot",
-                    help="--op alltoallv: traffic patterns, comma-separated: uniform, zipf, hot (default: all)")
+    ap.add_argument("--patterns", default=None,
+                    help="--op alltoallv: traffic patterns, comma-separated: uniform, zipf, hot (default: all); "
+                         "--op adaptive: uniform, zipf1.0, zipf1.5, hot (default: all)")
     ap.add_argument("--tune", action="store_true",
                     help="sweep layouts (num_sms, chunk_bytes) and send modes per size, print the table and write the "
                          "best layout to the tuning table the library reads for its defaults (cupy_symbuf.tuning)")

@@ -144,6 +144,8 @@ class Communicator:
             from .symmetric import SymmetricHeap
             self._heap = SymmetricHeap(self)
             self._transport.heap = self._heap
+            if self.config.adaptive and self.backend == "cuda" and self.world_size > 1:
+                self._transport.enable_adaptive()  # the work-sharing build of the ring kernel, its load counters
             if self.config.trace:
                 if self.backend == "cuda":  # the kernels record (a telemetry build of the ring kernel)
                     self._transport.enable_trace()
@@ -367,6 +369,26 @@ class Communicator:
         device (worst-case / capacity modes, cached dispatch and combine): counted, their bytes are not. The cost is
         one dict update per call. ``reset=True`` zeroes the counters after reading them."""
         return self._engine.stats(reset)
+
+    def channel_stats(self, reset: bool = False) -> dict:
+        """Load counters per (channel, peer) of this rank's ring streams, kept across calls, and the adaptive home
+        map (``Config(adaptive=True)``, :mod:`cupy_symbuf.adaptive`). Local, no communication.
+
+        Returns a dict: ``adaptive`` (bool), ``interval`` (eager calls between re-balances), ``work_sharing`` (the
+        GPU's work-sharing kernel runs), ``calls`` (row exchanges counted), ``rebalances`` (home maps computed) and
+        ``remaps`` (of which changed the map), and per role ``"send"`` / ``"recv"`` a dict of
+        ``bytes`` and ``chunks`` (``[num_channels][world_size]`` ints: payload bytes of each stream's channel share
+        and its ring chunks; entry ``rank`` is 0: a rank's own rows take no ring), ``stolen``
+        (``[num_channels][world_size]``: chunks copied by warps of another peer's group; GPU work sharing only),
+        ``bytes_per_peer`` (``[world_size]``), ``imbalance`` (the busiest peer's bytes over the mean of the ring
+        peers'; 1.0 when balanced or idle), ``home`` (32 ints: each warp's home peer, 255 = its own group's) and
+        ``workers`` (``[world_size]``: warps that start on each peer's stream).
+
+        Sources: the host engine, and the GPU without ``adaptive``, count the plans' own cuts of the calls whose
+        counts the host knows (GPU device-count calls, e.g. ``num_worst_tokens`` or a cached handle, are not
+        counted there); the GPU's work-sharing kernel counts every call itself (this method then waits for the
+        queued kernels). ``reset=True`` zeroes the counters after reading them."""
+        return self._engine.channel_stats(reset)
 
     # ---- symmetric arrays -----------------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32):

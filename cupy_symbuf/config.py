@@ -128,6 +128,19 @@ class Config:
         warps write the records (a telemetry build of the kernel, ``SYMBUF_TRACE=1``; ``%globaltimer`` times,
         the wait for ring space or data included; no idle records). Off (default): no recording, and the GPU runs
         a kernel build without it. Local policy.
+    adaptive : bool
+        Adaptive channel assignment under skewed routing (:mod:`cupy_symbuf.adaptive`). On the GPU the ring
+        kernel's work-sharing build (``SYMBUF_ADAPTIVE=1``): the chunks of every (channel, peer) ring stream are
+        claimed from a shared per-peer counter by any warp of the block, so warps whose own stream is done (and the
+        self group's, once this rank's own rows are copied) help the hot peer; and every ``adaptive_interval``
+        eager calls the *home map* (which stream each shareable warp starts on) is re-balanced from the load
+        counters (:meth:`Communicator.channel_stats`). The host engine serves streams in the map's order. The wire
+        is unchanged (same chunks, counters and headers), so results are bitwise the same; local policy. Needs
+        ``num_slots <= 32`` on the GPU (``_protocol.ADAPT_WINDOW``; the default for 2 or more ranks is). Off
+        (default): the static split.
+    adaptive_interval : int
+        Eager calls between two re-balances of the home map; >= 1 (default 100). A call captured in a CUDA graph
+        keeps the map of its capture and is not counted.
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
     ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit
@@ -135,8 +148,8 @@ class Config:
 
     Agreement: every rank of a Communicator must have the same resolved values of ``num_sms``, ``chunk_bytes``,
     ``num_slots`` and ``max_notify_ints`` (they shape the wire); construction raises ``ValueError`` on every rank
-    naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure``, ``mode`` and ``trace`` are
-    local policy and may differ between ranks.
+    naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure``, ``mode``, ``trace``,
+    ``adaptive`` and ``adaptive_interval`` are local policy and may differ between ranks.
     """
 
     num_sms: Optional[int] = None
@@ -148,6 +161,8 @@ class Config:
     abort_on_failure: bool = dataclasses.field(default_factory=_env_abort_default)
     mode: str = "auto"
     trace: bool = False
+    adaptive: bool = False
+    adaptive_interval: int = 100
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
@@ -193,6 +208,13 @@ class Config:
             raise TypeError(f"Config: abort_on_failure must be True or False, got {self.abort_on_failure!r}")
         if not isinstance(self.trace, bool):
             raise TypeError(f"Config: trace must be True or False, got {self.trace!r}")
+        if not isinstance(self.adaptive, bool):
+            raise TypeError(f"Config: adaptive must be True or False, got {self.adaptive!r}")
+        if _is_int(self.adaptive_interval):
+            object.__setattr__(self, "adaptive_interval", int(self.adaptive_interval))
+        if not _is_int(self.adaptive_interval) or not 1 <= self.adaptive_interval <= 2 ** 31:
+            raise ValueError(f"Config: adaptive_interval must be an int >= 1 (eager calls between re-balances), got "
+                             f"{self.adaptive_interval!r}")
         if self.mode not in MODES:
             raise ValueError(f"Config: mode must be one of {MODES}, got {self.mode!r}")
 
@@ -219,6 +241,10 @@ class Config:
                 num_sms = min(DEFAULT_GPU_NUM_SMS, share)
             if chunk is None:
                 chunk = 64 * 1024
+            from ._protocol import ADAPT_WINDOW
+            if self.adaptive and world_size > 1 and slots > ADAPT_WINDOW:
+                raise ValueError(f"Config: adaptive=True needs num_slots <= {ADAPT_WINDOW} on the cuda backend (the "
+                                 f"work-sharing kernel's window of done marks), got {slots}")
             if gpu_sm_count and num_sms > 2 * gpu_sm_count:
                 raise ValueError(f"Config: num_sms must be <= 2 * the GPU's SM count ({2 * gpu_sm_count}) on the "
                                  f"cuda backend, got {num_sms}")

@@ -1,0 +1,199 @@
+"""Adaptive channel assignment (issue 13, ``Config(adaptive=True)``): skewed traffic (one hot rank, Zipf routing)
+gives bitwise the results of a NumPy reference with work sharing and re-balanced home maps, at any re-balance
+interval and with ranks that differ in the option; the load counters of ``channel_stats`` add up to the bytes the
+calls moved (independent count from the send counts); the home map gives the hot peer the warps and never moves a
+group's dedicated warp; bad arguments raise naming the argument."""
+import numpy as np
+import pytest
+
+import cupy_symbuf as cs
+from cupy_symbuf import _protocol as P
+from cupy_symbuf._plan import kernel_geometry
+from cupy_symbuf.adaptive import home_map, pack_home, workers_per_peer
+from _util import random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
+
+
+def _first_warp(W, rank, p):
+    geo = kernel_geometry(W)
+    return p * geo.ring_warps if p < rank else rank * geo.ring_warps + geo.self_warps + (p - rank - 1) * geo.ring_warps
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 5, 8, 15])
+def test_home_map_gives_the_hot_peer_the_warps(W):
+    geo = kernel_geometry(W)
+    for rank in range(W):
+        loads = np.full(W, 1000, np.int64)
+        hot = (rank + 1 + W // 2) % W if W > 2 else 1 - rank
+        loads[hot] = 10 ** 7
+        loads[rank] = 12345  # ignored
+        home = home_map(loads, W, rank)
+        assert home.dtype == np.uint8 and home.shape == (32,)
+        workers = workers_per_peer(home, W, rank)
+        assert workers[rank] == 0
+        total = (W - 1) * (geo.ring_warps - 1) + geo.self_warps
+        assert sum(workers) == total
+        for p in range(W):
+            if p != rank:
+                # the dedicated warp (copy warp 0 of each group) always stays home
+                assert home[_first_warp(W, rank, p) + 1] == P.HOME_OWN
+                assert workers[p] >= 1
+        assert workers[hot] == max(workers)
+        if W > 2:
+            assert workers[hot] >= total - (W - 2) * 1 - 1  # every shareable warp but rounding goes to the hot peer
+        assert (home_map(loads, W, rank) == home).all()  # deterministic
+
+
+def test_home_map_edge_cases():
+    assert (home_map([0, 0, 0, 0], 4, 1) == P.HOME_OWN).all()  # nothing moved: static
+    assert (home_map([5], 1, 0) == P.HOME_OWN).all()
+    assert (home_map(np.arange(16) * 7, 16, 3) == P.HOME_OWN).all()  # one warp per group: no sharing
+    with pytest.raises(ValueError, match="'loads'.*shape"):
+        home_map([1, 2], 3, 0)
+    with pytest.raises(ValueError, match="'loads'.*>= 0"):
+        home_map([1, -2, 3], 3, 0)
+    a = np.arange(32, dtype=np.uint8)
+    b = (np.arange(32, dtype=np.uint8) * 7) % 251
+    words = pack_home(a, b)
+    assert words.dtype == np.int64 and words.shape == (P.HOME_WORDS,)
+    for w in range(32):  # the kernel's decoding: byte w % 8 of word w // 8
+        assert (int(words[w // 8]) >> (8 * (w % 8))) & 0xFF == a[w]
+        assert (int(words[4 + w // 8]) >> (8 * (w % 8))) & 0xFF == b[w]
+
+
+def test_config_fields_are_checked():
+    assert cs.Config().adaptive is False and cs.Config().adaptive_interval == 100
+    with pytest.raises(TypeError, match="adaptive must be True or False"):
+        cs.Config(adaptive=1)
+    for bad in (0, -3, 1.5, "100", True):
+        with pytest.raises(ValueError, match="adaptive_interval must be an int >= 1"):
+            cs.Config(adaptive_interval=bad)
+    assert cs.Config(adaptive_interval=np.int64(7)).adaptive_interval == 7
+    with pytest.raises(ValueError, match="adaptive=True needs num_slots <= 32"):
+        cs.Config(adaptive=True, num_slots=64).resolved("cuda", world_size=4)
+    cs.Config(adaptive=True, num_slots=64).resolved("host", world_size=4)  # the host engine has no window
+
+
+def _skewed_counts(rng, W, me, kind, scale):
+    if kind == "hot_rank":
+        counts = rng.integers(1, 8, W)
+        counts[0] = scale  # every rank sends most of its rows to rank 0
+    elif kind == "zipf":
+        ranks = (np.arange(W) + me) % W  # each rank's own hot peer order, heavy tail
+        counts = np.floor(scale / (1 + ranks) ** 1.5).astype(np.int64) + rng.integers(0, 3, W)
+    else:
+        counts = np.full(W, scale // max(1, W))
+    return counts.astype(np.int64)
+
+
+@pytest.mark.parametrize("kind", ["hot_rank", "zipf", "uniform"])
+def test_skewed_alltoallv_matches_numpy_and_counts_add_up(comm, backend, kind):
+    W, me = comm.Get_size(), comm.Get_rank()
+    rng = rng_for(comm, 1301)
+    row = (24,)
+    scale = 3000 if backend == "host" else 60000
+    sent = np.zeros(W, np.int64)
+    with cs.Communicator(comm, cs.Config(adaptive=True, adaptive_interval=3), backend=backend) as c:
+        for it in range(10):
+            counts = _skewed_counts(rng, W, me, kind, scale)
+            x = random_rows(rng, int(counts.sum()), row, np.float32)
+            want, want_counts = reference_alltoallv(comm, x, counts)
+            got, got_counts = c.alltoallv(to_backend(x, backend), counts)
+            np.testing.assert_array_equal(to_numpy(got_counts), want_counts)
+            np.testing.assert_array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
+            sent += counts
+        st = c.channel_stats()
+        assert st["adaptive"] and st["interval"] == 3 and st["calls"] == 10
+        row_bytes = 4 * 24
+        send_bytes = np.asarray(st["send"]["bytes"])
+        assert send_bytes.shape == (c.layout.num_channels, W)
+        want_peer = sent * row_bytes
+        want_peer[me] = 0  # own rows take no ring
+        np.testing.assert_array_equal(send_bytes.sum(axis=0), want_peer)
+        np.testing.assert_array_equal(np.asarray(st["send"]["bytes_per_peer"]), want_peer)
+        everyone = comm.allgather(sent)
+        got_from = np.array([everyone[s][me] for s in range(W)]) * row_bytes
+        got_from[me] = 0
+        np.testing.assert_array_equal(np.asarray(st["recv"]["bytes"]).sum(axis=0), got_from)
+        chunks = np.asarray(st["send"]["chunks"])
+        assert (chunks >= -(-send_bytes // c.layout.chunk_bytes)).all() and (chunks[send_bytes == 0] == 0).all()
+        if W > 2:
+            assert st["rebalances"] == 3
+            if kind == "hot_rank" and me != 0:  # the map now sends the shareable warps to rank 0's stream
+                assert st["remaps"] >= 1
+                assert st["send"]["workers"][0] == max(st["send"]["workers"])
+        if backend == "cuda" and W > 2 and kind == "hot_rank":
+            assert st["work_sharing"]
+            if me != 0:  # other groups' and the self group's warps copied chunks of the hot stream
+                assert np.asarray(st["send"]["stolen"])[:, 0].sum() > 0
+        st2 = c.channel_stats(reset=True)
+        assert st2["send"]["bytes"] == st["send"]["bytes"]
+        assert not np.asarray(c.channel_stats()["send"]["bytes"]).any()
+
+
+def test_ranks_may_differ_in_the_option_and_the_interval(comm, backend):
+    """Local policy: the wire is the same, so a mix of adaptive and static ranks, re-balancing at different calls,
+    still gives the reference's bytes; dispatch / combine too."""
+    from test_moe import CASES, run_case
+    W, me = comm.Get_size(), comm.Get_rank()
+    rng = rng_for(comm, 1302)
+    cfg = cs.Config(adaptive=me % 2 == 0, adaptive_interval=1 + me)
+    with cs.Communicator(comm, cfg, backend=backend) as c:
+        for it in range(6):
+            counts = _skewed_counts(rng, W, me, "hot_rank", 500)
+            x = random_rows(rng, int(counts.sum()), (3, 5), np.int16)
+            want, _ = reference_alltoallv(comm, x, counts)
+            got, _ = c.alltoallv(to_backend(x, backend), counts)
+            np.testing.assert_array_equal(to_numpy(got), want)
+        for case in CASES:
+            if case.name in ("zipf_bf16_top8", "one_rank_fp16_h7", "masked_fp32_top8", "align128_zipf_fp32",
+                             "fp8_h384_strided_scales"):
+                for k in range(3):
+                    run_case(c, case, key=("adaptive", k))
+        st = c.channel_stats()
+        assert st["adaptive"] == (me % 2 == 0)
+        assert st["calls"] >= 6 and (st["rebalances"] > 0) == (me % 2 == 0)
+
+
+def test_static_communicator_counts_too(comm, backend):
+    W, me = comm.Get_size(), comm.Get_rank()
+    rng = rng_for(comm, 1303)
+    with cs.Communicator(comm, backend=backend) as c:
+        x = random_rows(rng, 7 * W, (4,), np.float64)
+        counts = np.full(W, 7)
+        c.alltoallv(to_backend(x, backend), counts)
+        c.alltoall(to_backend(x[:W], backend))
+        st = c.channel_stats()
+        assert not st["adaptive"] and st["rebalances"] == 0 and not st["work_sharing"]
+        want = np.full(W, 7 * 32 + 32)
+        want[me] = 0
+        np.testing.assert_array_equal(st["send"]["bytes_per_peer"], want)
+        np.testing.assert_array_equal(st["recv"]["bytes_per_peer"], want)
+        assert all(h == P.HOME_OWN for h in st["send"]["home"])
+
+
+@pytest.fixture(scope="module", params=__import__("conftest").available_backends())
+def adaptive_comm(request):
+    """One work-sharing communicator per backend, re-balancing every 2 calls, for every MoE case."""
+    from mpi4py import MPI
+    if request.param == "cuda":
+        from cupy_symbuf.utils import select_device
+        select_device(MPI.COMM_WORLD)
+    c = cs.Communicator(MPI.COMM_WORLD, cs.Config(adaptive=True, adaptive_interval=2), backend=request.param)
+    yield c
+    c.close()
+
+
+def _moe_cases():
+    from test_moe import CASES
+    return CASES
+
+
+@pytest.mark.parametrize("case", _moe_cases(), ids=lambda c: c.name)
+def test_every_moe_case_with_work_sharing(adaptive_comm, case):
+    """test_moe's cases (every routing, dtype, layout, alignment and hidden size) bitwise against its NumPy
+    reference on a communicator whose map is re-balanced between the calls."""
+    from test_moe import run_case
+    if case.cuda_only and adaptive_comm.backend != "cuda":
+        pytest.skip("GPU-sized case")
+    for k in range(2):
+        run_case(adaptive_comm, case, key=("work-sharing", k))
