@@ -873,11 +873,12 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 #if SYMBUF_ADAPTIVE
     // load counters (DESC_LOAD): this (role, channel, peer) entry is written by this leader alone, kernels in
     // stream order; s_stolen[peer] is final: every chunk's mark (released after its count) was acquired above
-    if (s_desc[DESC_LOAD] != 0 && moves) {
+    // (bytes of the share when it moved, through the ring or directly; ring chunks only when they carried it)
+    if (s_desc[DESC_LOAD] != 0 && moves && (verdict == kGateCopy || verdict == kGateDirect)) {
       i64* load = reinterpret_cast<i64*>(s_desc[DESC_LOAD]) +
                   ((static_cast<i64>(is_sender ? 0 : 1) * num_channels + channel) * world_size + peer) * LOAD_WORDS;
       load[LOAD_BYTES] += (hi - lo) * row_bytes;
-      load[LOAD_CHUNKS] += nchunks;
+      load[LOAD_CHUNKS] += verdict == kGateCopy ? nchunks : 0;
       load[LOAD_STOLEN] += share ? static_cast<i64>(s_stolen[peer]) : 0;
     }
 #endif
