@@ -41,7 +41,14 @@ PY
         echo "== [repeat $k] rc=$?"; tail -1 $LOG/adaptive_rep.log
       done ;;
     bench)
-      for n in 4 8; do
+      for n in 2 4; do  # uniform alltoall with and without work sharing (2 ranks: only the self warps can help)
+        for a in "" --adaptive; do
+          timeout 120 $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --sizes 1M,16M,128M \
+            --iters 20 --warmup 3 --no-reference --no-energy $a > $LOG/a2a_$n$a.log 2>&1
+          echo "== [alltoall $n ranks $a] rc=$?"; grep -E "MiB|KiB" $LOG/a2a_$n$a.log | tail -8
+        done
+      done
+      for n in 2 4 8; do
         timeout 240 $MPIRUN -n $n -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op adaptive \
           --moe-tokens ${MOE_TOKENS:-4096} --iters ${ITERS:-200} --warmup 5 --json $LOG/adaptive_$n.json \
           > $LOG/adaptive_bench_$n.log 2>&1

@@ -346,6 +346,9 @@ def _parser() -> argparse.ArgumentParser:
                          "and the idle power (needs nvidia-ml-py; skipped with the reason otherwise). Default: on")
     ap.add_argument("--relaxed", action="store_true",
                     help="also time the ours-sym row with sync='relaxed' (row ours-sym-relaxed)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="Config(adaptive=True) for the communicator under test (GPU: the work-sharing ring kernel); "
+                         "--op adaptive compares both itself")
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
                     help="Config.mode (default auto); copy_engine: the ours-sym row of at least 16 MiB per peer is "
                          "pulled by the copy engines")
@@ -423,6 +426,7 @@ def main(argv=None) -> int:
     if args.backend != "host":
         select_device(comm)
     cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, mode=args.mode,
+                 adaptive=args.adaptive and args.op != "adaptive",
                  **({} if args.num_slots is None else {"num_slots": args.num_slots}))
     profile_stats = None
     results = []
