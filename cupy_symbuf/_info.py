@@ -133,6 +133,21 @@ def _read(path: str):
         return "absent"
 
 
+def _cuda_unavailable():
+    """None when CuPy imports and sees a GPU, else why not (one line)."""
+    from . import _compat
+    if _compat.cupy is None:
+        return "CuPy is not installed (or failed to import), so no CUDA device is available"
+    try:
+        n = int(_compat.cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 - e.g. no driver: cudaErrorInsufficientDriver / NoDevice
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"no CUDA device is available (CuPy: {text})"
+    if n < 1:
+        return "no CUDA device is available (CuPy sees 0 GPUs)"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf info", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -140,6 +155,11 @@ def main(argv=None) -> int:
                     help="do not build a Communicator (otherwise: over MPI.COMM_WORLD, its config and buffer map)")
     ap.add_argument("--backend", default="auto", choices=("auto", "host", "cuda"))
     args = ap.parse_args(argv)
+    if args.backend == "cuda":
+        why = _cuda_unavailable()
+        if why is not None:  # one clear line instead of a Communicator traceback (every rank says it: local check)
+            print(f"python -m cupy_symbuf info: --backend cuda: {why}; use --backend host or auto", file=sys.stderr)
+            return 1
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     report = info()
