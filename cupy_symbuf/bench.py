@@ -383,6 +383,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
                     help="Config.mode (default auto); copy_engine: the ours-sym row of at least 16 MiB per peer is "
                          "pulled by the copy engines")
+    ap.add_argument("--transport", default=None, choices=("auto", "ipc", "staged"),
+                    help="Config.transport (GPU): staged puts the buffer in pinned host memory (every byte crosses "
+                         "PCIe twice); default: $CUPY_SYMBUF_TRANSPORT, else auto")
     ap.add_argument("--sends", default=None,
                     help="which alltoall rows to time, comma-separated: plain (fresh output per call: 'ours'), out "
                          "(plain arrays, out= reused: 'ours-out'), sym (symmetric input and output from "
@@ -454,7 +457,8 @@ def main(argv=None) -> int:
     if args.backend != "host":
         select_device(comm)
     cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, mode=args.mode,
-                 **({} if args.num_slots is None else {"num_slots": args.num_slots}))
+                 **({} if args.num_slots is None else {"num_slots": args.num_slots}),
+                 **({} if args.transport is None else {"transport": args.transport}))
     profile_stats = None
     results = []
     if args.tune:
@@ -479,7 +483,8 @@ def main(argv=None) -> int:
             timer.energy = meter
         if me == 0:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
-                  f"chunk={c.config.chunk_bytes} slots={c.config.num_slots}")
+                  f"chunk={c.config.chunk_bytes} slots={c.config.num_slots} transport={c.transport}"
+                  + (f" ({c.transport_reason})" if c.transport == "staged" else ""))
             if c.backend == "cuda":
                 k = c._transport._k_ring
                 try:  # the SMs the ring kernel takes (one block per SM: sender and receiver per channel)
