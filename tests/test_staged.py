@@ -459,10 +459,10 @@ def test_gpu_staged_alltoallv(staged):
         off = np.concatenate([[0], np.cumsum(cj)])
         parts.append(xj[off[RANK]: off[RANK + 1]])
     want = np.concatenate(parts)
-    out = c.alltoallv(cupy.asarray(x), counts)
-    got = out[0] if isinstance(out, tuple) else out
+    got, recv_counts = c.alltoallv(cupy.asarray(x), counts)
     c.synchronize()
-    all_ranks(lambda: np.testing.assert_array_equal(_np(got), want))
+    all_ranks(lambda: (np.testing.assert_array_equal(_np(got), want),
+                       np.testing.assert_array_equal(_np(recv_counts), [int(cj[RANK]) for _, cj in every])))
 
 
 @gpu
@@ -544,3 +544,23 @@ def test_gpu_auto_on_this_machine_reports(monkeypatch):
         assert all(g == got[0] for g in got) and got[0][0] in ("ipc", "staged") and got[0][1]
         if RANK == 0:
             print(f"\nauto transport on this machine: {got[0]}")
+
+
+@gpu
+def test_gpu_info_reports_the_transport(capsys):
+    """``python -m cupy_symbuf info --backend cuda --transport staged``: the transport the topology gives and the
+    one the Communicator chose, in the JSON report (rank 0) and the text."""
+    import json
+
+    from cupy_symbuf import _info
+    assert _info.main(["--json", "--backend", "cuda", "--transport", "staged"]) == 0
+    out = capsys.readouterr().out
+    if RANK == 0:
+        r = json.loads(out)
+        assert r["transport"] == {"requested": "staged", "from_topology": "staged",
+                                  "reason": "requested (Config.transport='staged' / CUPY_SYMBUF_TRANSPORT=staged)"}
+        assert r["communicator"]["transport"] == "staged" and "transport: staged" in r["communicator"]["describe"]
+    assert _info.main(["--backend", "cuda", "--transport", "staged"]) == 0
+    out = capsys.readouterr().out
+    if RANK == 0:
+        assert "transport=staged (requested" in out and "transport: requested staged, from the topology: staged" in out
