@@ -9,6 +9,7 @@ PUBLIC = [
     ("Communicator", "cupy_symbuf.Communicator"),
     ("Config", "cupy_symbuf.Config"),
     ("SymBuffer", "cupy_symbuf.SymBuffer"),
+    ("Transport choice (cupy_symbuf.symbuffer.choose_transport)", "cupy_symbuf.symbuffer.choose_transport"),
     ("CollectiveEvent", "cupy_symbuf.CollectiveEvent"),
     ("ChannelLayout", "cupy_symbuf.ChannelLayout"),
     ("LowLatencyBuffer", "cupy_symbuf.LowLatencyBuffer"),

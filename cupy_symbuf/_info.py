@@ -6,7 +6,9 @@ torch), the backend ``auto`` resolves to, the CPU and cross-memory attach (the h
 (``nvidia-ml-py``, optional), whether MPS looks active, and the tuning table entry that applies. Under ``mpiexec``
 the CLI also builds a Communicator over ``MPI.COMM_WORLD`` and prints its resolved config and buffer map
 (:meth:`Communicator.describe`) from rank 0, and the topology of every rank of ``MPI.COMM_WORLD``
-(:func:`cupy_symbuf.topology.discover`: nodes, hosts, GPUs, the link of every pair), gathered on rank 0.
+(:func:`cupy_symbuf.topology.discover`: nodes, hosts, GPUs, the link of every pair), gathered on rank 0; on the cuda
+backend the transport (``Config.transport``: ``ipc`` or ``staged``) that topology gives and the one the Communicator
+chose (``--transport`` forces one).
 """
 from __future__ import annotations
 
@@ -133,13 +135,35 @@ def _read(path: str):
         return "absent"
 
 
+def _cuda_unavailable():
+    """None when CuPy imports and sees a GPU, else why not (one line)."""
+    from . import _compat
+    if _compat.cupy is None:
+        return "CuPy is not installed (or failed to import), so no CUDA device is available"
+    try:
+        n = int(_compat.cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 - e.g. no driver: cudaErrorInsufficientDriver / NoDevice
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"no CUDA device is available (CuPy: {text})"
+    if n < 1:
+        return "no CUDA device is available (CuPy sees 0 GPUs)"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cupy_symbuf info", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--no-communicator", action="store_true",
                     help="do not build a Communicator (otherwise: over MPI.COMM_WORLD, its config and buffer map)")
     ap.add_argument("--backend", default="auto", choices=("auto", "host", "cuda"))
+    ap.add_argument("--transport", default=None, choices=("auto", "ipc", "staged"),
+                    help="Config.transport of the Communicator (cuda; default: $CUPY_SYMBUF_TRANSPORT, else auto)")
     args = ap.parse_args(argv)
+    if args.backend == "cuda":
+        why = _cuda_unavailable()
+        if why is not None:  # one clear line instead of a Communicator traceback (every rank says it: local check)
+            print(f"python -m cupy_symbuf info: --backend cuda: {why}; use --backend host or auto", file=sys.stderr)
+            return 1
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     report = info()
@@ -152,10 +176,20 @@ def main(argv=None) -> int:
     from .topology import discover
     topo = discover(comm, backend)  # collective over COMM_WORLD (every rank runs main); never fails for a missing piece
     report["topology"] = topo.as_dict()
+    from .config import Config
+    config = Config() if args.transport is None else Config(transport=args.transport)
+    if backend == "cuda":  # what a cuda Communicator would choose from this topology (before any IPC handle opens)
+        from .symbuffer import choose_transport
+        try:
+            t, why = choose_transport(config.transport, topo)
+            report["transport"] = {"requested": config.transport, "from_topology": t, "reason": why}
+        except Exception as exc:  # noqa: BLE001 - reported, never fatal here
+            report["transport"] = {"requested": config.transport, "error": f"{type(exc).__name__}: {exc}"}
     if not args.no_communicator:
         from .communicator import Communicator
-        with Communicator(comm, backend=args.backend) as c:
+        with Communicator(comm, config, backend=args.backend) as c:
             report["communicator"] = {"backend": c.backend, "world_size": c.world_size,
+                                      "transport": c.transport, "transport_reason": c.transport_reason,
                                       "cross_memory_attach_between_ranks": getattr(c._transport, "cma_pids", None)
                                       is not None, "describe": c.describe()}
     if comm.Get_rank() == 0:
@@ -164,11 +198,15 @@ def main(argv=None) -> int:
         else:
             for k, v in report.items():
                 if k == "communicator":
-                    print(f"communicator: backend={v['backend']} world_size={v['world_size']} cross-memory attach "
-                          f"between ranks: {v['cross_memory_attach_between_ranks']}")
+                    print(f"communicator: backend={v['backend']} world_size={v['world_size']} transport="
+                          f"{v['transport']} ({v['transport_reason']}) cross-memory attach between ranks: "
+                          f"{v['cross_memory_attach_between_ranks']}")
                     print(v["describe"])
                 elif k == "topology":
                     print(topo.describe())
+                elif k == "transport":
+                    print(f"transport: requested {v['requested']}, from the topology: "
+                          + (f"{v['from_topology']} ({v['reason']})" if "error" not in v else v["error"]))
                 else:
                     print(f"{k}: {v}")
     return 0

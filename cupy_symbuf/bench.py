@@ -296,6 +296,40 @@ def _ce_pull(c, x, expected, comm):
 
 #: --references accepted (beside the NCCL / MPI rows that --no-reference turns off)
 _REFERENCES = {"torch", "mpi"}
+#: the --op values each --references entry adds a row to (``mpi``: the mpi-cuda row of alltoall and alltoallv;
+#: ``torch``: alltoall, and it is the default, so other ops skip it without a word)
+_REFERENCE_OPS = {"mpi": ("alltoall", "alltoallv")}
+
+
+def _int_at_least(lo: int):
+    """An argparse ``type``: an int >= ``lo`` (else "must be an int >= lo, got '...'")."""
+    def parse(text):
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {text!r}")
+        return value
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def _int_list_at_least(lo: int):
+    """An argparse ``type``: comma-separated ints, each >= ``lo``; returns the text (normalised: ``"4096,128"``)."""
+    one = _int_at_least(lo)
+
+    def parse(text):
+        items = [t.strip() for t in str(text).split(",")]
+        if not items or any(not t for t in items):
+            raise argparse.ArgumentTypeError(f"must be comma-separated ints, each an int >= {lo}, got {text!r}")
+        try:
+            return ",".join(str(one(t)) for t in items)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated ints, each an int >= {lo}, got "
+                                             f"{text!r}") from None
+    parse.__name__ = f"list of int >= {lo}"
+    return parse
 
 
 def _print_moe_energy(results: list) -> None:
@@ -326,13 +360,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="per-rank input sizes, comma-separated (K/M/G suffix); default 1M,16M,128M (--tune: 64K,1M,16M)")
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"),
                     help="cuda (CuPy arrays, GPU kernels) or host (NumPy, MPI shared memory); default: auto")
-    ap.add_argument("--iters", type=int, default=20,
+    ap.add_argument("--iters", type=_int_at_least(1), default=20,
                     help="timed calls per size (call timing: median; loop: mean; default 20)")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
-    ap.add_argument("--num-sms", type=int, default=None, help="Config.num_sms (default: per device)")
+    ap.add_argument("--warmup", type=_int_at_least(0), default=5, help="untimed calls before timing (default 5)")
+    ap.add_argument("--num-sms", type=_int_at_least(2), default=None, help="Config.num_sms (default: per device)")
     ap.add_argument("--chunk-bytes", type=parse_size, default=None,
                     help="Config.chunk_bytes, e.g. 64K (default: per backend)")
-    ap.add_argument("--num-slots", type=int, default=None, help="Config.num_slots (default: Config's)")
+    ap.add_argument("--num-slots", type=_int_at_least(2), default=None, help="Config.num_slots (default: Config's)")
     ap.add_argument("--no-reference", action="store_true", help="skip NCCL / MPI reference timings")
     ap.add_argument("--references", default="torch",
                     help="extra references beside NCCL (GPU) / MPI (host), comma-separated: torch "
@@ -352,6 +386,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mode", default="auto", choices=("auto", "ring", "direct", "copy_engine"),
                     help="Config.mode (default auto); copy_engine: the ours-sym row of at least 16 MiB per peer is "
                          "pulled by the copy engines")
+    ap.add_argument("--transport", default=None, choices=("auto", "ipc", "staged"),
+                    help="Config.transport (GPU): staged puts the buffer in pinned host memory (every byte crosses "
+                         "PCIe twice); default: $CUPY_SYMBUF_TRANSPORT, else auto")
     ap.add_argument("--sends", default=None,
                     help="which alltoall rows to time, comma-separated: plain (fresh output per call: 'ours'), out "
                          "(plain arrays, out= reused: 'ours-out'), sym (symmetric input and output from "
@@ -376,7 +413,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="the control-path table instead of the sizes: MoE layout, dispatch / combine with and "
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf._bench_control)")
-    ap.add_argument("--tokens", type=int, default=4096, help="--control: tokens per rank (default 4096)")
+    ap.add_argument("--tokens", type=_int_at_least(1), default=4096, help="--control: tokens per rank (default 4096)")
     ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier", "adaptive"),
                     help="alltoall (equal blocks; default), alltoallv with --patterns (p50 / p99 per call, "
                          "cupy_symbuf._bench_alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "
@@ -385,19 +422,19 @@ def _parser() -> argparse.ArgumentParser:
                          "nodes beside the flat one and MPI, host; cupy_symbuf._bench_hier) or adaptive (MoE "
                          "dispatch / combine on skewed routing, Config(adaptive=True) against the static split, "
                          "interleaved, p50 / p99; cupy_symbuf._bench_adaptive)")
-    ap.add_argument("--node-size", type=int, default=None,
+    ap.add_argument("--node-size", type=_int_at_least(1), default=None,
                     help="--op hier: ranks per virtual node (default: CUPY_SYMBUF_NODE_SIZE, else all)")
-    ap.add_argument("--moe-tokens", default="4096,128",
+    ap.add_argument("--moe-tokens", default="4096,128", type=_int_list_at_least(1),
                     help="--op dispatch: tokens per rank, comma-separated (default 4096,128)")
     ap.add_argument("--ll-tokens", default=None,
                     help="--op dispatch: tokens per rank of the low-latency rows ll-dispatch / ll-combine, "
                          "comma-separated ('' or 0: none; default 128 when --moe-tokens has it)")
-    ap.add_argument("--ll-iters", type=int, default=None,
+    ap.add_argument("--ll-iters", type=_int_at_least(1), default=None,
                     help="--op dispatch: timed calls of each low-latency row, at least (the larger of this and "
                          "--iters; default 200 on GPUs, --iters on the host)")
-    ap.add_argument("--hidden", type=int, default=7168, help="--op dispatch: hidden size (default 7168)")
-    ap.add_argument("--num-experts", type=int, default=256, help="--op dispatch: experts in all (default 256)")
-    ap.add_argument("--topk", type=int, default=8, help="--op dispatch: experts per token (default 8)")
+    ap.add_argument("--hidden", type=_int_at_least(1), default=7168, help="--op dispatch: hidden size (default 7168)")
+    ap.add_argument("--num-experts", type=_int_at_least(1), default=256, help="--op dispatch: experts in all (default 256)")
+    ap.add_argument("--topk", type=_int_at_least(1), default=8, help="--op dispatch: experts per token (default 8)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "float32"),
                     help="--op dispatch: token dtype (default float16)")
     ap.add_argument("--wire", default=None, choices=("fp8",),
@@ -408,7 +445,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tune", action="store_true",
                     help="sweep layouts (num_sms, chunk_bytes) and send modes per size, print the table and write the "
                          "best layout to the tuning table the library reads for its defaults (cupy_symbuf.tuning)")
-    ap.add_argument("--tune-rounds", type=int, default=3, help="--tune: rounds, median kept (default 3)")
+    ap.add_argument("--tune-rounds", type=_int_at_least(1), default=3, help="--tune: rounds, median kept (default 3)")
     ap.add_argument("--tune-out", default=None,
                     help="--tune: table file to write (default: $CUPY_SYMBUF_TUNING, else "
                          "~/.config/cupy_symbuf/tuning.json)")
@@ -427,7 +464,8 @@ def main(argv=None) -> int:
         select_device(comm)
     cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, mode=args.mode,
                  adaptive=args.adaptive and args.op != "adaptive",
-                 **({} if args.num_slots is None else {"num_slots": args.num_slots}))
+                 **({} if args.num_slots is None else {"num_slots": args.num_slots}),
+                 **({} if args.transport is None else {"transport": args.transport}))
     profile_stats = None
     results = []
     if args.tune:
@@ -438,6 +476,11 @@ def main(argv=None) -> int:
     refs = set(r for r in args.references.split(",") if r)
     if not refs <= _REFERENCES:
         ap.error(f"--references: unknown {sorted(refs - _REFERENCES)}")
+    for ref in sorted(refs):  # asked for, but nothing of this run would time it: refuse (before anything collective)
+        ops = _REFERENCE_OPS.get(ref)
+        if ops is not None and not args.no_reference and (args.control or args.op not in ops):
+            ap.error(f"--references {ref}: the {ref} reference covers --op {' and '.join(ops)} only (without "
+                     f"--control), not {'--control' if args.control else '--op ' + args.op}")
     with Communicator(comm, cfg, backend=args.backend) as c:
         W, me, xp = c.world_size, c.rank, c.xp
         timer = _Timer(c.backend)
@@ -447,7 +490,8 @@ def main(argv=None) -> int:
             timer.energy = meter
         if me == 0:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
-                  f"chunk={c.config.chunk_bytes} slots={c.config.num_slots}")
+                  f"chunk={c.config.chunk_bytes} slots={c.config.num_slots} transport={c.transport}"
+                  + (f" ({c.transport_reason})" if c.transport == "staged" else ""))
             if c.backend == "cuda":
                 k = c._transport._k_ring
                 try:  # the SMs the ring kernel takes (one block per SM: sender and receiver per channel)

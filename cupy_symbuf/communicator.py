@@ -41,7 +41,8 @@ class Communicator:
     Attributes
     ----------
     rank, world_size, backend, config, layout (:class:`~cupy_symbuf.layout.ChannelLayout`), buffer (SymBuffer),
-    xp (``numpy`` or ``cupy``), topology (:class:`~cupy_symbuf.Topology`).
+    xp (``numpy`` or ``cupy``), topology (:class:`~cupy_symbuf.Topology`), transport (``"ipc"`` / ``"staged"`` /
+    ``"shared_memory"``: where the buffer lives, ``Config.transport``), transport_reason.
 
     Notes
     -----
@@ -122,7 +123,7 @@ class Communicator:
             self.world_size = world_size
             # 3. The buffer (its size checked against free memory on every rank first).
             self.buffer = SymBuffer(comm, self.layout.total_bytes, backend=backend, timeout_s=timeout,
-                                    _managed=True)
+                                    transport=self.config.transport, _managed=True)
         except SymBufferError as exc:  # a construction timeout: the excepthook applies this config's policy
             exc.abort_on_failure = config.abort_on_failure
             raise
@@ -162,6 +163,8 @@ class Communicator:
         self._pid = os.getpid()
         self._closed = False
         self._token = _lifecycle.register(self)
+        if self.backend == "cuda":
+            _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
         _logger.debug("Communicator: backend=%s world_size=%d %s%s", self.backend, self.world_size, self.config,
                       f" (layout from the tuning table {self.tuning_source})" if self.tuning_source else "")
 
@@ -329,6 +332,8 @@ class Communicator:
             tuned += ("\n  cross-memory attach between the ranks: " +
                       ("on (plain sendbufs of >= 256 KiB per peer are read in place)" if cma else
                        "off (plain sendbufs go through the rings)"))
+        if self.backend == "cuda":
+            tuned += f"\n  transport: {self.transport} ({self.transport_reason})"
         return (f"{self.layout.describe()}\n{self._heap.describe()}\n  backend={self.backend} config={self.config}"
                 f"{tuned}\n"
                 f"  state={state} (created by pid {getattr(self, '_pid', '?')}; fields compared across ranks at "
@@ -448,6 +453,20 @@ class Communicator:
     def is_symmetric(self, a) -> bool:
         """Whether ``a`` is C-contiguous and lies inside one of this communicator's live symmetric arrays (local)."""
         return self._heap.find(a) is not None if hasattr(a, "flags") else False
+
+    @property
+    def transport(self) -> str:
+        """Where the symmetric buffer (rings, symmetric arrays, low-latency buffers) lives, the same on every rank:
+        ``"ipc"`` (cuda: each GPU's own memory, mapped into the peers through CUDA IPC), ``"staged"`` (cuda: pinned
+        host memory mapped into every GPU, chosen by ``Config.transport``: every byte crosses PCIe twice) or
+        ``"shared_memory"`` (host backend). :attr:`transport_reason` says why."""
+        return self.buffer.transport
+
+    @property
+    def transport_reason(self) -> str:
+        """Why :attr:`transport` was chosen (one line: requested, every pair peer-accessible, the pairs without
+        peer access, or the CUDA IPC handle that did not open)."""
+        return self.buffer.transport_reason
 
     @property
     def topology(self):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["Config", "DEFAULT_GPU_NUM_SMS", "DEFAULT_HOST_NUM_SMS", "MAX_NUM_SMS", "MAX_CHUNK_BYTES", "MAX_NUM_SLOTS",
-           "MAX_NOTIFY_INTS", "MAX_TIMEOUT_S"]
+           "MAX_NOTIFY_INTS", "MAX_TIMEOUT_S", "TRANSPORTS"]
 
 #: Default SMs for the GPU path when one rank owns a GPU. More SMs keep more bytes in flight over NVLink
 #: (measured on H200: 8 sender blocks with 4 loads in flight per thread already reach ~355 GB/s of SM stores),
@@ -34,6 +34,8 @@ MAX_NUM_SLOTS = 4096
 MAX_NOTIFY_INTS = 1 << 20
 #: ``mode``: how rows travel (see Config).
 MODES = ("auto", "ring", "direct", "copy_engine")
+#: ``transport``: where the GPU path's symmetric buffer lives (see Config).
+TRANSPORTS = ("auto", "ipc", "staged")
 #: ``timeout_s``: about 31 years; larger values overflow the kernels' nanosecond deadline arithmetic.
 MAX_TIMEOUT_S = 1e9
 
@@ -46,6 +48,15 @@ def _env_float(name: str, default: float) -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"environment variable {name} must be a number of seconds, got {value!r}") from None
+
+
+def _env_transport() -> str:
+    value = os.environ.get("CUPY_SYMBUF_TRANSPORT", "").strip().lower()
+    if not value:
+        return "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"environment variable CUPY_SYMBUF_TRANSPORT must be one of {TRANSPORTS}, got {value!r}")
+    return value
 
 
 def _env_abort_default() -> bool:
@@ -141,14 +152,29 @@ class Config:
     adaptive_interval : int
         Eager calls between two re-balances of the home map; >= 1 (default 100). A call captured in a CUDA graph
         keeps the map of its capture and is not counted.
+    transport : {"auto", "ipc", "staged"}
+        GPU path: where the symmetric buffer lives. ``"ipc"``: each rank's buffer in its own GPU's memory
+        (``cudaMalloc``), mapped into every peer through CUDA IPC; every pair of the ranks' GPUs must be the same
+        GPU or peer-accessible (NVLink / PCIe P2P), else construction raises ``RuntimeError``. ``"staged"``: the
+        whole buffer in host memory (an MPI shared-memory window, as on the host backend, pinned and mapped into
+        every GPU with ``cudaHostRegister``); the same kernels run unchanged, but every byte crosses PCIe twice
+        (the sender's GPU writes it to host memory, the receiver's GPU reads it back), so it is much slower than
+        NVLink and for GPUs without peer access only. ``"auto"`` (default): ``"staged"`` when some pair of the
+        ranks' GPUs has no peer access (``cudaDeviceCanAccessPeer``, the communicator's
+        :class:`~cupy_symbuf.Topology`) or opening a peer's CUDA IPC handle fails, else ``"ipc"``. The choice is
+        the same on every rank and reported: ``Communicator.transport``, a log line (staged chosen by ``auto``: a
+        warning), :meth:`Communicator.describe` and ``python -m cupy_symbuf info``. Default from the environment
+        variable ``CUPY_SYMBUF_TRANSPORT``, else ``"auto"``. Must be the same on every rank (it is compared at
+        construction). The host backend ignores it (its buffer is always shared memory). Design: NCCL's SHM
+        transport for GPUs without P2P (``NCCL_P2P_DISABLE``), a host-memory staging buffer.
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
     ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit
     in free memory (checked before allocating).
 
     Agreement: every rank of a Communicator must have the same resolved values of ``num_sms``, ``chunk_bytes``,
-    ``num_slots`` and ``max_notify_ints`` (they shape the wire); construction raises ``ValueError`` on every rank
-    naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure``, ``mode``, ``trace``,
+    ``num_slots``, ``max_notify_ints`` and ``transport`` (they shape the wire); construction raises ``ValueError`` on
+    every rank naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure``, ``mode``, ``trace``,
     ``adaptive`` and ``adaptive_interval`` are local policy and may differ between ranks.
     """
 
@@ -163,6 +189,7 @@ class Config:
     trace: bool = False
     adaptive: bool = False
     adaptive_interval: int = 100
+    transport: str = dataclasses.field(default_factory=_env_transport)
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
@@ -217,6 +244,8 @@ class Config:
                              f"{self.adaptive_interval!r}")
         if self.mode not in MODES:
             raise ValueError(f"Config: mode must be one of {MODES}, got {self.mode!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"Config: transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
     @property
     def num_channels(self) -> int:

@@ -285,7 +285,9 @@ class LowLatencyBuffer:
         # ---- symmetric layout (bytes; every area 128-aligned) ----
         for k, v in _layout(W, N, H, self.itemsize, K).items():
             setattr(self, k, v)
-        self.buffer = SymBuffer(mpi, self.nbytes, backend=self.backend, timeout_s=timeout)
+        transport = getattr(comm, "transport", None)  # where the communicator's rings live (cuda: ipc / staged)
+        self.buffer = SymBuffer(mpi, self.nbytes, backend=self.backend, timeout_s=timeout,
+                                transport=transport if transport in ("ipc", "staged") else "auto")
         self._dispatch_calls = 0
         self._combine_calls = 0
         self._broken = None

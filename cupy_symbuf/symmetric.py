@@ -2,7 +2,8 @@
 
 ``Communicator.empty(shape, dtype)`` is collective: every rank allocates one equally sized block (a
 :class:`~cupy_symbuf.SymBuffer` of its own: an MPI shared-memory window on the host, a ``cudaMalloc`` mapped into
-every peer through CUDA IPC on the GPU) and gets back a plain array over its own block. Every rank makes the same
+every peer through CUDA IPC on the GPU; with ``Communicator.transport == "staged"`` pinned host memory mapped into
+every GPU, like the rings) and gets back a plain array over its own block. Every rank makes the same
 allocations in the same order, so an allocation is named by its number (its *id*), the same on every rank, and a
 peer's block of allocation ``id`` is mapped here: the receiver of a collective whose ``sendbuf`` is a symmetric
 array copies its rows straight out of the sender's block (direct mode, one copy per byte, as MPI does with
@@ -83,6 +84,12 @@ def _root(a):
     return a.data.mem
 
 
+def _transport_of(owner) -> str:
+    """The communicator's transport as a SymBuffer request: a symmetric array lives where its rings do."""
+    t = getattr(owner, "transport", None)
+    return t if t in ("ipc", "staged") else "auto"
+
+
 #: Each rank's block of a symmetric array starts on its own page: no false sharing between ranks, aligned rows.
 BLOCK_ALIGN = 4096
 #: The exchange label every allocation uses (empty / zeros / array are the same step on the wire).
@@ -143,7 +150,7 @@ class SymmetricHeap:
                     f"allocation {theirs[3]} of shape {theirs[0]} dtype {theirs[2]}; nothing was allocated")
         try:
             buf = SymBuffer(comm, -(-max(nbytes, 1) // BLOCK_ALIGN) * BLOCK_ALIGN, backend=owner.backend,
-                            timeout_s=timeout, _managed=True)
+                            timeout_s=timeout, transport=_transport_of(owner), _managed=True)
         except Exception as exc:  # on every rank alike (SymBuffer agrees first); e.g. out of memory, or windows
             many = len(self.allocations) >= 256  # each is an MPI window and communicator of its own
             msg = (f"{op}: symmetric allocation {self._next_id} of {nbytes} B per rank failed "

@@ -388,9 +388,68 @@ class Topology:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Topology":
-        """The topology :meth:`as_dict` wrote (e.g. read back from ``python -m cupy_symbuf info --json``)."""
+        """The topology :meth:`as_dict` wrote (e.g. read back from ``python -m cupy_symbuf info --json``).
+
+        Parameters
+        ----------
+        d : dict
+            ``backend`` (str), ``ranks`` (list of per-rank dicts, each with ``host`` (str) and ``shm`` (int), and
+            optionally ``gpu`` (dict with ``ordinal``, ``uuid``, ``pci_bus_id``, ``name``, or None), ``nvml`` and
+            ``peer_access`` (dict or None), ``source`` (str), ``notes`` (list of str)), optionally ``rank`` (int or
+            None). Other keys (``links``, ``nodes``, ...) are ignored: the links are recomputed.
+
+        Raises
+        ------
+        ValueError
+            A malformed record: not a dict, a required field missing, or a field of the wrong type; the message
+            names the field (``ranks[i].gpu.uuid``, ...).
+        """
         raw = ("host", "shm", "gpu", "nvml", "peer_access", "source", "notes")
-        return cls(d["backend"], [{k: rec.get(k) for k in raw} for rec in d["ranks"]], rank=d.get("rank"))
+        where = "Topology.from_dict"
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a dict (Topology.as_dict()), got {type(d).__name__}")
+        for key in ("backend", "ranks"):
+            if key not in d:
+                raise ValueError(f"{where}: missing field {key!r}")
+        if not isinstance(d["backend"], str):
+            raise ValueError(f"{where}: field 'backend' must be a str, got {type(d['backend']).__name__}")
+        ranks = d["ranks"]
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise ValueError(f"{where}: field 'ranks' must be a non-empty list of per-rank records, got "
+                             f"{type(ranks).__name__ if not isinstance(ranks, (list, tuple)) else 'an empty list'}")
+        records = []
+        for i, rec in enumerate(ranks):
+            name = f"ranks[{i}]"
+            if not isinstance(rec, dict):
+                raise ValueError(f"{where}: field {name!r} must be a dict, got {type(rec).__name__}")
+            for key in ("host", "shm"):
+                if key not in rec:
+                    raise ValueError(f"{where}: missing field '{name}.{key}'")
+            if not isinstance(rec["host"], str):
+                raise ValueError(f"{where}: field '{name}.host' must be a str, got {type(rec['host']).__name__}")
+            if isinstance(rec["shm"], bool) or not isinstance(rec["shm"], int):
+                raise ValueError(f"{where}: field '{name}.shm' must be an int, got {type(rec['shm']).__name__}")
+            for key in ("nvml", "peer_access"):
+                if rec.get(key) is not None and not isinstance(rec[key], dict):
+                    raise ValueError(f"{where}: field '{name}.{key}' must be a dict or null, got "
+                                     f"{type(rec[key]).__name__}")
+            if rec.get("notes") is not None and not isinstance(rec["notes"], (list, tuple)):
+                raise ValueError(f"{where}: field '{name}.notes' must be a list or null, got "
+                                 f"{type(rec['notes']).__name__}")
+            if rec.get("source") is not None and not isinstance(rec["source"], str):
+                raise ValueError(f"{where}: field '{name}.source' must be a str, got {type(rec['source']).__name__}")
+            gpu = rec.get("gpu")
+            if gpu is not None:
+                if not isinstance(gpu, dict):
+                    raise ValueError(f"{where}: field '{name}.gpu' must be a dict or null, got {type(gpu).__name__}")
+                for key in ("ordinal", "uuid", "pci_bus_id", "name"):
+                    if key not in gpu:
+                        raise ValueError(f"{where}: missing field '{name}.gpu.{key}'")
+            records.append({k: rec.get(k) for k in raw})
+        rank = d.get("rank")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(records)):
+            raise ValueError(f"{where}: field 'rank' must be null or an int in [0, {len(records)}), got {rank!r}")
+        return cls(d["backend"], records, rank=rank)
 
     # ---- ranks and nodes -----------------------------------------------------------------------------------
     @property

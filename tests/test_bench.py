@@ -316,3 +316,43 @@ def test_low_latency_references():
     w = np.array([[0.25, 0.5], [1.0, 0.0]], np.float32)
     y = _bench_ll.reference_combine(x0, i0, w, 2, 1)
     assert y.dtype == np.float16 and y.tolist() == [[0.75, 1.5], [3.0, 4.0]]
+
+
+# ---- argument checks: counts >= 1, references an op does not time -------------------------------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, flag, lo", [
+    (["--iters", "0"], "--iters", 1), (["--iters", "-2"], "--iters", 1), (["--iters", "x"], "--iters", 1),
+    (["--moe-tokens", "0"], "--moe-tokens", 1), (["--moe-tokens", "4096,-128"], "--moe-tokens", 1),
+    (["--moe-tokens", "4096,"], "--moe-tokens", 1), (["--warmup", "-1"], "--warmup", 0),
+    (["--tokens", "0"], "--tokens", 1), (["--ll-iters", "0"], "--ll-iters", 1), (["--hidden", "0"], "--hidden", 1),
+    (["--num-experts", "-8"], "--num-experts", 1), (["--topk", "0"], "--topk", 1),
+    (["--tune-rounds", "0"], "--tune-rounds", 1), (["--node-size", "0"], "--node-size", 1),
+])
+def test_counts_must_be_positive(argv, flag, lo, capsys):
+    """Zero or negative counts are refused by argparse (exit 2, "must be an int >= 1" naming the flag); the old
+    parser took them (int) and the runs then timed nothing or failed deep inside."""
+    with pytest.raises(SystemExit) as e:
+        bench._parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err and f"int >= {lo}" in err, err
+
+
+def test_counts_accepted_values():
+    a = bench._parser().parse_args(["--iters", "1", "--warmup", "0", "--moe-tokens", " 64, 8", "--tokens", "3"])
+    assert (a.iters, a.warmup, a.moe_tokens, a.tokens) == (1, 0, "64,8", 3)
+    assert bench._parser().parse_args([]).moe_tokens == "4096,128"
+
+
+@pytest.mark.parametrize("argv", [["--op", "dispatch"], ["--op", "delta"], ["--op", "hier"], ["--control"]])
+def test_mpi_reference_refused_where_it_times_nothing(argv, capsys):
+    """``--references mpi`` with an op the mpi reference does not cover is an argparse error (exit 2, before anything
+    collective), like an unknown reference; it used to add nothing without a word."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--backend", "host", "--references", "mpi"] + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--references mpi" in err and "covers --op alltoall and alltoallv only" in err, err

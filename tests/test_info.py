@@ -43,3 +43,25 @@ def test_module_entry_point():
     p = subprocess.run([sys.executable, "-m", "cupy_symbuf", "nonsense"], capture_output=True, text=True, timeout=60,
                        env=env)
     assert p.returncode == 2 and "unknown command" in p.stderr
+
+
+def test_info_cuda_without_gpu_is_one_line(monkeypatch, capsys):
+    """``info --backend cuda`` where CuPy is missing: exit code 1 and one line on stderr saying no CUDA device is
+    available (it was a Communicator traceback, or with --no-communicator a report of a backend that cannot run)."""
+    monkeypatch.setattr(cs._compat, "cupy", None)
+    for extra in ([], ["--no-communicator"], ["--json"]):
+        assert _info.main(["--backend", "cuda"] + extra) == 1
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.count("\n") == 1, cap
+        assert "no CUDA device" in cap.err and "CuPy is not installed" in cap.err and "--backend host" in cap.err
+
+
+def test_module_entry_point_cuda_without_gpu():
+    """The same through ``python -m cupy_symbuf info --backend cuda`` on a machine without a GPU: no traceback."""
+    if MPI.COMM_WORLD.Get_size() > 1 or cs._compat.cuda_available():
+        return  # the real machine has a GPU: nothing to refuse (the in-process test above fakes its absence)
+    from _jobs import clean_env
+    p = subprocess.run([sys.executable, "-m", "cupy_symbuf", "info", "--backend", "cuda"], capture_output=True,
+                       text=True, timeout=120, env=clean_env())
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert p.stderr.count("\n") == 1 and "no CUDA device is available" in p.stderr, p.stderr

@@ -7,6 +7,7 @@ GPUs with 18 NVLink 4.0 links between them (or through NVSwitch), and a CUDA run
 fallback; with a GPU (the ``backend`` fixture), the cuda Communicator's topology against CuPy's own answers.
 """
 import json
+import re
 import socket
 import sys
 import types
@@ -441,3 +442,34 @@ def test_info_prints_every_ranks_topology(comm, capsys):
         for r in range(comm.size):
             assert f"  rank {r}: node {ref[1][r]} local {ref[2][r]} host {ref[0][r]}" in out_text
     all_ranks(check)
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda d: d.pop("backend"), "'backend'"),
+    (lambda d: d.pop("ranks"), "'ranks'"),
+    (lambda d: d.__setitem__("ranks", []), "'ranks'"),
+    (lambda d: d.__setitem__("ranks", "abc"), "'ranks'"),
+    (lambda d: d["ranks"].__setitem__(1, "rank one"), "'ranks[1]'"),
+    (lambda d: d["ranks"][0].pop("host"), "'ranks[0].host'"),
+    (lambda d: d["ranks"][1].pop("shm"), "'ranks[1].shm'"),
+    (lambda d: d["ranks"][1].__setitem__("shm", "zero"), "'ranks[1].shm'"),
+    (lambda d: d["ranks"][0].__setitem__("host", 7), "'ranks[0].host'"),
+    (lambda d: d["ranks"][0].__setitem__("gpu", "GPU0"), "'ranks[0].gpu'"),
+    (lambda d: d["ranks"][1]["gpu"].pop("uuid"), "'ranks[1].gpu.uuid'"),
+    (lambda d: d["ranks"][0].__setitem__("peer_access", [True]), "'ranks[0].peer_access'"),
+    (lambda d: d["ranks"][0].__setitem__("notes", 3), "'ranks[0].notes'"),
+    (lambda d: d.__setitem__("rank", 9), "'rank'"),
+])
+def test_from_dict_malformed_names_the_field(mutate, field):
+    """A malformed record gives ValueError naming the field, not a raw KeyError / TypeError (which the old code
+    raised for every one of these but the empty list)."""
+    gpu = lambda i: {"ordinal": i, "uuid": "%02d" % i * 16, "pci_bus_id": "0000:%02x:00.0" % (i + 1), "name": "G"}
+    recs = [{"host": "h", "shm": 0, "gpu": gpu(i), "nvml": None, "peer_access": {}, "source": "cuda", "notes": []}
+            for i in range(2)]
+    d = json.loads(json.dumps(Topology("cuda", recs, rank=0).as_dict()))
+    assert Topology.from_dict(json.loads(json.dumps(d))).links()[0][1].kind == "unknown"
+    mutate(d)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        Topology.from_dict(d)
+    with pytest.raises(ValueError, match="expected a dict"):
+        Topology.from_dict([d])
