@@ -349,3 +349,198 @@ def test_dispatch_combine_match_flat_and_numpy(hiers, flat, name, k):
     h = hiers(k)
     for seed in range(3):
         _round(h, flat, CASES[name], seed * 7 + len(name), k)
+
+
+# ---- bad arguments and mismatches: on one rank, every rank fails alike; the communicator stays usable -----------
+
+BADRANK = W - 1  # the rank that passes the bad argument (rank 0 itself at world size 1)
+OPD, OPC = "HierarchicalCommunicator.dispatch", "HierarchicalCommunicator.combine"
+
+
+def _base(seed=5):
+    rng = np.random.default_rng([seed, RANK])
+    E = 4 * W
+    return E, routing(rng, 16, E, 2), values(rng, (16, 8), "fp32"), rng.uniform(0.1, 1, (16, 2)).astype(np.float32)
+
+
+def _bad_cases():
+    def disp(mutate):
+        def run(h, other):
+            E, idx, x, w = _base()
+            a = dict(x=x, idx=idx, w=w, n=E, kw={})
+            if RANK == BADRANK:
+                a.update(mutate(dict(a)))
+            h.dispatch(a["x"], a["idx"], a["w"], a["n"], **a["kw"])
+        return run
+
+    def each(mutate):  # every rank passes its own (valid) arguments: they disagree
+        def run(h, other):
+            E, idx, x, w = _base()
+            a = dict(x=x, idx=idx, w=w, n=E)
+            a.update(mutate(dict(a)))
+            h.dispatch(a["x"], a["idx"], a["w"], a["n"])
+        return run
+
+    def cached(mutate):
+        def run(h, other):
+            E, idx, x, w = _base()
+            hd = h.dispatch(x, idx, w, E)[4]
+            a = dict(x=x, idx=None, w=None, n=None, kw={"handle": hd})
+            if RANK == BADRANK:
+                a.update(mutate(dict(a), h, other, hd))
+            h.dispatch(a["x"], a["idx"], a["w"], a["n"], **a["kw"])
+        return run
+
+    def comb(mutate, everyone=False):
+        def run(h, other):
+            E, idx, x, w = _base()
+            rx, _, rw, _, hd = h.dispatch(x, idx, w, E)
+            a = dict(x=rx, h=hd, w=rw, kw={})
+            if everyone or RANK == BADRANK:
+                a.update(mutate(dict(a), h, other, x, idx, w, E))
+            h.combine(a["x"], a["h"], a["w"], **a["kw"])
+        return run
+
+    def idx_at(v):
+        def m(a):
+            i = a["idx"].copy()
+            i[3, 1] = v if v != "E" else a["n"]
+            return {"idx": i}
+        return m
+
+    def other_handle(a, h, other, x, idx, w, E):
+        return {"h": other.dispatch(x, idx, w, E)[4]}
+
+    def flat_handle(a, h, other, x, idx, w, E):
+        return {"h": other.node_comm.dispatch(x, idx if other.world_size == 1 else -np.ones_like(idx), None,
+                                              4 * other.node_size)[4]}
+
+    def cached_other(h, other):  # every rank dispatches on the other communicator; the bad rank uses its handle
+        E, idx, x, w = _base()
+        ho = other.dispatch(x, idx, w, E)[4]
+        hd = h.dispatch(x, idx, w, E)[4]
+        h.dispatch(x, handle=ho if RANK == BADRANK else hd)
+
+    def second_dispatch(a, h, other, x, idx, w, E):  # every rank dispatches again; the bad rank keeps the first
+        hd2 = h.dispatch(x, idx, w, E)[4]
+        return {} if RANK == BADRANK else {"h": hd2}
+
+    V, T = ValueError, TypeError
+    rej, mis = "rejected", "mismatch"
+    return {
+        # name: (call, exception on the bad rank, pattern, kind)
+        "expert_index_too_big": (disp(idx_at("E")), V, rf"{OPD}: topk_idx values must be -1 .*num_experts", rej),
+        "expert_index_below_minus_one": (disp(idx_at(-2)), V, rf"{OPD}: topk_idx values must be -1", rej),
+        "num_experts_not_multiple": (disp(lambda a: {"n": a["n"] + 1}), V,
+                                     rf"{OPD}: num_experts must be a multiple of world_size", rej),
+        "num_experts_missing": (disp(lambda a: {"n": None}), V, rf"{OPD}: num_experts is required", rej),
+        "num_experts_float": (disp(lambda a: {"n": float(a["n"])}), T, rf"{OPD}: num_experts must be an int", rej),
+        "topk_idx_missing": (disp(lambda a: {"idx": None}), V, rf"{OPD}: topk_idx is required", rej),
+        "topk_idx_float": (disp(lambda a: {"idx": a["idx"].astype(np.float32)}), T, rf"{OPD}: topk_idx must be int64",
+                           rej),
+        "topk_idx_rows": (disp(lambda a: {"idx": a["idx"][:-1]}), V, rf"{OPD}: topk_idx must have shape", rej),
+        "topk_weights_float64": (disp(lambda a: {"w": a["w"].astype(np.float64)}), T,
+                                 rf"{OPD}: topk_weights must be float32", rej),
+        "topk_weights_cols": (disp(lambda a: {"w": a["w"][:, :1].copy()}), V, rf"{OPD}: topk_weights must have shape",
+                              rej),
+        "x_float64": (disp(lambda a: {"x": a["x"].astype(np.float64)}), T, rf"{OPD}: x must be bfloat16", rej),
+        "x_list": (disp(lambda a: {"x": a["x"].tolist()}), T, rf"{OPD}: argument 'x' must be a NumPy array", rej),
+        "x_3d": (disp(lambda a: {"x": a["x"].reshape(16, 2, 4)}), V, rf"{OPD}: x must be 2-D", rej),
+        "fp8_hidden_96": (disp(lambda a: {"x": (values(np.random.default_rng(1), (16, 96), "fp8"),
+                                                np.ones((16, 0), np.float32))}), V,
+                          rf"{OPD}: x\[0\] \(x_fp8\) needs hidden divisible by 128", rej),
+        "row_larger_than_chunk": (disp(lambda a: {"x": np.ones((16, 1 << 18), np.float32)}), V,
+                                  rf"{OPD}: one row is .* bytes .*Config.chunk_bytes", rej),
+        "expert_alignment_zero": (disp(lambda a: {"kw": {"expert_alignment": 0}}), V,
+                                  rf"{OPD}: expert_alignment must be >= 1", rej),
+        "handle_not_a_handle": (disp(lambda a: {"idx": None, "w": None, "n": None, "kw": {"handle": (1, 2)}}), T,
+                                rf"{OPD}: handle must be a HierarchicalDispatchHandle", rej),
+        "cached_with_topk_idx": (cached(lambda a, h, o, hd: {"idx": _base()[1]}), V,
+                                 rf"{OPD}: with handle .*topk_idx and topk_weights must be None", rej),
+        "cached_other_num_experts": (cached(lambda a, h, o, hd: {"n": 1000 * W}), V,
+                                     rf"{OPD}: num_experts=.* differs from the handle's", rej),
+        "cached_rows": (cached(lambda a, h, o, hd: {"x": a["x"][:-1]}), V, rf"{OPD}: x must have shape", rej),
+        "cached_handle_of_other_communicator": (cached_other, V, rf"{OPD}: handle comes from another communicator",
+                                                rej),
+        "combine_not_a_handle": (comb(lambda a, *r: {"h": "handle"}), T,
+                                 rf"{OPC}: handle must be a HierarchicalDispatchHandle", rej),
+        "combine_flat_handle": (comb(flat_handle), T, rf"{OPC}: handle must be a HierarchicalDispatchHandle", rej),
+        "combine_other_communicator": (comb(other_handle, everyone=True), V,
+                                       rf"{OPC}: handle comes from another communicator", "every"),
+        "combine_rows": (comb(lambda a, *r: {"x": np.ones((a["x"].shape[0] + 1, 8), np.float32)}), V,
+                         rf"{OPC}: x must have shape .*num_recv_tokens", rej),
+        "combine_hidden": (comb(lambda a, *r: {"x": np.ones((a["x"].shape[0], 9), np.float32)}), V,
+                           rf"{OPC}: x must have shape .*hidden", rej),
+        "combine_uint16_without_dtype": (comb(lambda a, *r: {"x": np.ones(a["x"].shape, np.uint16)}), T,
+                                         rf"{OPC}: x must be .*dtype='bfloat16'", rej),
+        "combine_dtype_mismatch": (comb(lambda a, *r: {"kw": {"dtype": np.float16}}), T, rf"{OPC}: dtype", rej),
+        "combine_weights_shape": (comb(lambda a, *r: {"w": a["w"][:, :1].copy()}), V,
+                                  rf"{OPC}: topk_weights must have shape", rej),
+        "combine_x_list": (comb(lambda a, *r: {"x": a["x"].tolist()}), T,
+                           rf"{OPC}: argument 'x' must be a NumPy array", rej),
+        # every rank valid on its own, the ranks disagree: ValueError on every rank, naming the field
+        "hidden_differs": (each(lambda a: {"x": values(np.random.default_rng(2), (16, 8 + RANK % 2), "fp32")}), V,
+                           rf"{OPD}: ranks disagree on hidden", mis),
+        "dtype_differs": (each(lambda a: {"x": a["x"].astype(np.float16) if RANK % 2 else a["x"]}), V,
+                          rf"{OPD}: ranks disagree on dtype", mis),
+        "weights_on_some_ranks": (each(lambda a: {"w": None if RANK % 2 else a["w"]}), V,
+                                  rf"{OPD}: ranks disagree on topk_weights", mis),
+        "num_topk_differs": (each(lambda a: {"idx": np.concatenate([a["idx"], -np.ones((16, RANK % 2), np.int64)], 1),
+                                             "w": None}), V, rf"{OPD}: ranks disagree on num_topk", mis),
+        "num_experts_differs": (each(lambda a: {"n": a["n"] * (1 + RANK % 2)}), V,
+                                rf"{OPD}: ranks disagree on num_experts", mis),
+        "cached_handles_of_different_dispatches": (
+            cached(lambda a, h, o, hd: {}), V, rf"{OPD}: ranks disagree on handle", "cached-mis"),
+        "combine_handles_of_different_dispatches": (comb(second_dispatch, everyone=True), V,
+                                                    rf"{OPC}: ranks disagree on handle", mis),
+        "combine_weights_on_some_ranks": (comb(lambda a, *r: {"w": None if RANK % 2 else a["w"]}, everyone=True), V,
+                                          rf"{OPC}: ranks disagree on topk_weights", mis),
+    }
+
+
+BAD = _bad_cases()
+
+
+@pytest.fixture(scope="module")
+def other_hier():
+    h = HierarchicalCommunicator(WORLD, node_size=1)
+    yield h
+    h.close()
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_argument_on_one_rank_fails_everywhere(hiers, flat, other_hier, name):
+    """One rank's bad argument: that rank raises its own error naming the operation, the argument and the rule;
+    every other rank raises SymBufferRejectedError naming that rank and repeating the error; ranks disagreeing
+    raise ValueError naming the field on every rank. Then the communicator works (checked against NumPy)."""
+    call, exc, pattern, kind = BAD[name]
+    if (kind in ("mismatch", "cached-mis") or name == "num_experts_not_multiple") and W == 1:
+        pytest.skip("needs world_size > 1")
+    k = 2 if W % 2 == 0 else 1
+    h = hiers(k)
+    if kind == "cached-mis":  # the bad rank passes the handle of an earlier dispatch
+        E, idx, x, w = _base()
+        first = h.dispatch(x, idx, w, E)[4]
+        second = h.dispatch(x, idx, w, E)[4]
+        call = lambda h, o: h.dispatch(x, handle=first if RANK == BADRANK else second)  # noqa: E731
+
+    def check():
+        if kind in ("mismatch", "cached-mis", "every") or RANK == BADRANK:
+            with pytest.raises(exc, match=pattern):
+                call(h, other_hier)
+        else:
+            with pytest.raises(cs.SymBufferRejectedError,
+                               match=rf"rank {BADRANK} rejected its arguments \((TypeError|ValueError): {pattern}"):
+                call(h, other_hier)
+    all_ranks(check)
+    _round(h, flat, CASES["fp32_top4_weights"], 11, k)
+
+
+def test_dispatch_after_close_raises():
+    E, idx, x, w = _base()
+    with HierarchicalCommunicator(WORLD, node_size=1) as h:
+        hd = h.dispatch(x, idx, w, E)[4]
+    with pytest.raises(cs.SymBufferClosedError):
+        h.dispatch(x, idx, w, E)
+    with pytest.raises(cs.SymBufferClosedError):
+        h.combine(np.zeros((hd.num_recv_tokens, 8), np.float32), hd)
