@@ -259,9 +259,10 @@ CASES = {  # name: (dtype, num_experts per rank, topk, hidden, weights, align, r
 }
 
 
-def _round(h, fl, case, seed, k):
+def _round(h, fl, case, seed, k, dev=lambda a: a):
     """One dispatch + combine + cached dispatch of fresh random data on h (k ranks a node) and on the flat fl;
-    everything checked against the reference and the flat results; inputs and outputs poisoned in between."""
+    everything checked against the reference and the flat results; inputs and outputs poisoned in between.
+    ``dev``: NumPy -> the backend's arrays (the GPU tests: CuPy)."""
     dtype, epr, K, H, with_w, align, kind = case
     rng = np.random.default_rng([seed, RANK, W, k])
     E = epr * W
@@ -270,8 +271,9 @@ def _round(h, fl, case, seed, k):
     x = values(rng, (T, H), dtype)
     scales = rng.uniform(0.5, 2, (T, H // 128)).astype(np.float32) if dtype == "fp8" else None
     w = rng.uniform(0.05, 1.0, (T, K)).astype(np.float32) if with_w else None
-    arg = (x.copy(), scales.copy()) if scales is not None else x.copy()
-    idx_in, w_in = idx.astype(np.int32 if seed % 3 == 0 else np.int64), None if w is None else w.copy()
+    arg = (dev(x.copy()), dev(scales.copy())) if scales is not None else dev(x.copy())
+    idx_in = dev(idx.astype(np.int32 if seed % 3 == 0 else np.int64))
+    w_in = None if w is None else dev(w.copy())
     got = h.dispatch(arg, idx_in, w_in, E, expert_alignment=align)
     want = fl.dispatch(arg, idx_in, w_in, E, expert_alignment=align)
     # poison the inputs: the results must not alias them
@@ -299,9 +301,10 @@ def _round(h, fl, case, seed, k):
     # poison the dispatch's outputs: combine must not read them
     for a in (got[0] if isinstance(got[0], tuple) else (got[0],)) + tuple(a for a in got[1:3] if a is not None):
         a.view(np.uint8)[...] = 0xFF
-    cx_in, cw_in = cx.copy(), None if cw is None else cw.copy()
+    cx_in, cw_in = dev(cx.copy()), None if cw is None else dev(cw.copy())
     comb, comb_w = h.combine(cx_in, hh, cw_in, **kw)
-    fcomb, fcomb_w = fl.combine(cx, want[4], cw, **kw)
+    fcomb, fcomb_w = fl.combine(dev(cx), want[4], None if cw is None else dev(cw), **kw)
+    comb, comb_w, fcomb, fcomb_w = _np(comb), _np(comb_w), _np(fcomb), _np(fcomb_w)
     cx_in[...] = 0
     all_cx, all_cw = WORLD.allgather(cx), WORLD.allgather(cw)
     routes = ref_routes(all_idx, E)
@@ -326,7 +329,7 @@ def _round(h, fl, case, seed, k):
     # a cached dispatch of fresh data on the same routes
     x2 = values(rng, (T, H), dtype)
     s2 = rng.uniform(0.5, 2, (T, H // 128)).astype(np.float32) if dtype == "fp8" else None
-    got2 = h.dispatch((x2, s2) if s2 is not None else x2, handle=hh, expert_alignment=align)
+    got2 = h.dispatch((dev(x2), dev(s2)) if s2 is not None else dev(x2), handle=hh, expert_alignment=align)
     all_x2, all_s2 = WORLD.allgather(x2), WORLD.allgather(s2)
 
     def check_cached():
@@ -544,3 +547,70 @@ def test_dispatch_after_close_raises():
         h.dispatch(x, idx, w, E)
     with pytest.raises(cs.SymBufferClosedError):
         h.combine(np.zeros((hd.num_recv_tokens, 8), np.float32), hd)
+
+
+# ---- the GPU form (backend="cuda": the node communicator on the GPU, the step between nodes staged through host
+# memory); skipped without CuPy and a GPU -------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not _compat.cuda_available(), reason="needs CuPy and a visible GPU")
+
+
+def _to_cupy(a):
+    """NumPy -> CuPy (a dtype CuPy lacks, bfloat16 or fp8: its raw unsigned bits)."""
+    import cupy
+    if a is None:
+        return None
+    try:
+        d = cupy.asarray(a)
+        if d.dtype == a.dtype:
+            return d
+    except Exception:  # noqa: BLE001 - a dtype CuPy does not have
+        pass
+    return cupy.asarray(np.ascontiguousarray(a).view(UINT[a.dtype.itemsize]))
+
+
+@pytest.fixture(scope="module")
+def gpu_comms():
+    from cupy_symbuf.utils import select_device
+    select_device(WORLD)
+    made = {}
+
+    def get(k):
+        if k not in made:
+            made[k] = HierarchicalCommunicator(WORLD, node_size=k, backend="cuda")
+        return made[k]
+    flat_gpu = cs.Communicator(WORLD, backend="cuda")
+    yield get, flat_gpu
+    for k in sorted(made):
+        made[k].close()
+    flat_gpu.close()
+
+
+@gpu
+@pytest.mark.parametrize("k", _splits(W))
+@pytest.mark.parametrize("name", ["fp32_top4_weights", "fp16_top2_no_weights_skip_last", "bf16raw_top3"])
+def test_gpu_dispatch_combine_match_flat_and_numpy(gpu_comms, name, k):
+    """The same rounds as the host test with CuPy arrays in and out, against NumPy and the flat GPU communicator."""
+    get, flat_gpu = gpu_comms
+    h = get(k)
+    assert h.backend == "cuda" and h.node_comm.backend == "cuda"
+    for seed in range(2):
+        _round(h, flat_gpu, CASES[name], seed * 5 + 1, k, dev=_to_cupy)
+
+
+@gpu
+@pytest.mark.parametrize("k", _splits(W))
+def test_gpu_alltoallv_matches_numpy(gpu_comms, k):
+    get, _ = gpu_comms
+    h = get(k)
+    rng = rng_for(WORLD, 77)
+    for trial in range(2):
+        counts = rng.integers(0, 6, W)
+        send = random_rows(rng, int(counts.sum()), (3,), np.float32)
+        want, want_counts = reference_alltoallv(WORLD, send, counts)
+        got, got_counts = h.alltoallv(_to_cupy(send), counts)
+        assert type(got).__module__.startswith("cupy")
+        np.testing.assert_array_equal(got_counts, want_counts)
+        np.testing.assert_array_equal(_np(got).view(np.uint8), want.view(np.uint8))
+    with pytest.raises(TypeError, match="HierarchicalCommunicator.alltoallv: argument 'sendbuf' must be a CuPy"):
+        h.alltoallv(send, counts)  # NumPy on the cuda backend: refused on every rank alike
