@@ -445,25 +445,27 @@ class HierarchicalCommunicator:
                              f"communicator whose dispatch returned it")
         return handle
 
-    def _agree(self, op: str, sig: Optional[dict], err: Optional[BaseException], rule: str) -> None:
+    def _agree(self, op: str, sig: Optional[dict], err: Optional[BaseException], rule: str, counts=None) -> list:
         """The bounded agreement before a call moves anything: every rank's row layout ``sig`` (a dict) or its
-        argument error. Raises on every rank alike: the rank's own error; a peer's as
+        argument error, and its ``counts`` (any picklable value, returned for every rank: the count exchange
+        rides along). Raises on every rank alike: the rank's own error; a peer's as
         :class:`~cupy_symbuf.SymBufferRejectedError`; ranks disagreeing on ``sig`` as ``ValueError`` naming the
         field, the values and the ranks (``rule`` says what must agree). Nothing has moved then: the
         communicator stays usable."""
         text = None if err is None else f"{type(err).__name__}: {err}"
-        everyone = _agree.exchange_all(self._ctl, (sig, text), self.node_comm.config.timeout_s, op)
+        everyone = _agree.exchange_all(self._ctl, (sig, text, counts), self.node_comm.config.timeout_s, op)
         if err is not None:
             raise err
-        bad = [(r, e) for r, (_, e) in enumerate(everyone) if e]
+        bad = [(r, e) for r, (_, e, _) in enumerate(everyone) if e]
         if bad:
             r, e = bad[0]
             raise SymBufferRejectedError(f"{op}: rank {r} rejected its arguments ({e}); nothing was exchanged",
                                          rank=self.rank, rejecting_rank=r, op=op)
         try:
-            _agree.check_agreement([s for s, _ in everyone], op)
+            _agree.check_agreement([s for s, _, _ in everyone], op)
         except ValueError as exc:
             raise ValueError(f"{exc}; {rule}") from None
+        return [c for _, _, c in everyone]
 
     def _rail_exchange(self, parts, send_counts, recv_counts):
         """Rows of the 2-D arrays ``parts`` (the same rows each, in send order: grouped by destination node) to
@@ -611,32 +613,38 @@ class HierarchicalCommunicator:
                 check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_stream=False)
                 sig = {"cached": False, "dtype": kind, "hidden": int(xv.shape[1]), "scales": scales is not None,
                        "num_topk": int(idx.shape[1]), "topk_weights": weights is not None, "num_experts": n_exp}
+                layout = self._layout(idx, n_exp)
         except Exception as exc:  # noqa: BLE001 - every rank is told, then this rank raises it
             err = exc
-        self._agree(op, sig, err, "all ranks must pass the same hidden, dtype, num_topk, choice of topk_weights "
-                                  "and num_experts (cached: handles of the same dispatch)")
+        # the count exchange rides along: tokens to every rank, tokens to every node
+        counts = self._agree(op, sig, err, "all ranks must pass the same hidden, dtype, num_topk, choice of "
+                                           "topk_weights and num_experts (cached: handles of the same dispatch)",
+                             None if handle is not None or err is not None else
+                             (layout[2].tolist(), layout[3].tolist()))
         if handle is not None:
             return self._dispatch_cached(h, xv, scales, align)
-        return self._dispatch(op, xv, scales, idx, weights, n_exp, align)
+        return self._dispatch(op, xv, scales, idx, weights, n_exp, align, layout, counts)
 
-    def _dispatch(self, op, xv, scales, idx, weights, n_exp: int, align: int):
+    def _layout(self, idx, n_exp: int):
+        """``(is_token_in_rank [T, W], is_token_in_node [T, N], tokens to each rank [W], tokens to each node [N])``
+        (the last two NumPy int64)."""
+        xp = self._xp
+        T = idx.shape[0]
+        _, _, in_rank = _moe._layout(xp, idx, n_exp, self.world_size)
+        in_node = in_rank.reshape(T, self.num_nodes, self.node_size).any(axis=2) if T else \
+            xp.zeros((T, self.num_nodes), bool)
+        return (in_rank, in_node, self._to_host(in_rank.sum(axis=0)).astype(np.int64),
+                self._to_host(in_node.sum(axis=0)).astype(np.int64))
+
+    def _dispatch(self, op, xv, scales, idx, weights, n_exp: int, align: int, layout, counts):
         xp = self._xp
         k, N, W = self.node_size, self.num_nodes, self.world_size
         T, K = idx.shape
         epr = n_exp // W
-        # layout: ranks and nodes of each token
-        _, _, in_rank = _moe._layout(xp, idx, n_exp, W)
-        in_node = in_rank.reshape(T, N, k).any(axis=2) if T else xp.zeros((T, N), bool)
-        send_counts = self._to_host(in_rank.sum(axis=0)).astype(np.int64)
-        rail_send = self._to_host(in_node.sum(axis=0)).astype(np.int64)
-        # counts: tokens to each rank (what each receives in the end) and, to the rail peers, tokens to their node
-        meta = np.zeros((W, 2), np.int64)
-        meta[:, 0] = send_counts
-        meta[np.arange(N) * k + self.local_rank, 1] = rail_send
-        got = np.empty_like(meta)
-        self._ctl.Alltoall(meta, got)
-        recv_counts = got[:, 0].copy()
-        rail_recv = got[np.arange(N) * k + self.local_rank, 1].copy()
+        in_rank, in_node, send_counts, rail_send = layout
+        # what each rank receives in the end, and what the rail peers (m, l) send to this node
+        recv_counts = np.array([c[0][self.rank] for c in counts], np.int64)
+        rail_recv = np.array([counts[m * k + self.local_rank][1][self.node] for m in range(N)], np.int64)
         # 1. across nodes, once per destination node: rows, top-k ids, weights (grouped by node, tokens ascending)
         _, rail_idx = xp.nonzero(xp.ascontiguousarray(in_node.T))
         rail_idx = xp.ascontiguousarray(rail_idx, dtype=np.int64)
