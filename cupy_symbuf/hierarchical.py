@@ -90,6 +90,9 @@ class HierarchicalDispatchHandle:
 
     Attributes
     ----------
+    seq : int
+        Which dispatch of its communicator made it (1, 2, ...: the same on every rank; ranks passing handles of
+        different dispatches to one call are refused by the call's agreement).
     rank, world_size, node_size : int
         Of the communicator that made the handle.
     backend : str
@@ -104,8 +107,14 @@ class HierarchicalDispatchHandle:
         Tokens sent to each rank (counted as a flat dispatch would; they travel per node).
     recv_counts : numpy.ndarray, int64 ``[world_size]``
         Tokens received from each rank; ``recv_x`` rows ``recv_offsets[s]:recv_offsets[s + 1]`` came from rank ``s``.
+    rail_token_idx : xp.ndarray, int64 ``[sum(rail_send_counts)]``
+        The tokens sent over the rail, grouped by destination node (node 0's first), ascending within a node.
     rail_send_counts, rail_recv_counts : numpy.ndarray, int64 ``[num_nodes]``
-        Tokens this rank sent to / forwarded for each node over the rail (MPI).
+        Tokens this rank sent to each node over the rail (MPI), and tokens it received from each node's rank with
+        its local index, to forward inside its node.
+    recv_order : xp.ndarray, int64 ``[num_recv_tokens]``
+        ``recv_x[i]`` is row ``recv_order[i]`` of the node dispatch's output (which is grouped by forwarding
+        rank, then source node, then token).
     num_recv_tokens_per_expert_raw : tuple of int ``[num_local_experts]``
         Received (token, local expert) pairs per local expert, not aligned.
     expert_alignment : int
