@@ -259,6 +259,15 @@ CASES = {  # name: (dtype, num_experts per rank, topk, hidden, weights, align, r
 }
 
 
+def poison(a):
+    """Overwrite ``a`` (NumPy or CuPy, any strides) with garbage: all-ones bytes, or -7.25 where its rows are
+    strided."""
+    if a.flags.c_contiguous:
+        a.view(np.uint8)[...] = 0xFF
+    else:
+        a[...] = 0xFF if np.dtype(a.dtype).kind in "iu" else -7.25
+
+
 def _round(h, fl, case, seed, k, dev=lambda a: a):
     """One dispatch + combine + cached dispatch of fresh random data on h (k ranks a node) and on the flat fl;
     everything checked against the reference and the flat results; inputs and outputs poisoned in between.
@@ -271,14 +280,19 @@ def _round(h, fl, case, seed, k, dev=lambda a: a):
     x = values(rng, (T, H), dtype)
     scales = rng.uniform(0.5, 2, (T, H // 128)).astype(np.float32) if dtype == "fp8" else None
     w = rng.uniform(0.05, 1.0, (T, K)).astype(np.float32) if with_w else None
-    arg = (dev(x.copy()), dev(scales.copy())) if scales is not None else dev(x.copy())
+    if scales is None and seed % 2:  # a row-strided x (every other column of a wider array)
+        big = values(rng, (T, 2 * H), dtype)
+        big[:, ::2] = x
+        arg = dev(big)[:, ::2]
+    else:
+        arg = (dev(x.copy()), dev(scales.copy())) if scales is not None else dev(x.copy())
     idx_in = dev(idx.astype(np.int32 if seed % 3 == 0 else np.int64))
     w_in = None if w is None else dev(w.copy())
     got = h.dispatch(arg, idx_in, w_in, E, expert_alignment=align)
     want = fl.dispatch(arg, idx_in, w_in, E, expert_alignment=align)
     # poison the inputs: the results must not alias them
     for a in (arg if isinstance(arg, tuple) else (arg,)) + ((w_in,) if w_in is not None else ()):
-        a.view(np.uint8)[...] = 0xFF
+        poison(a)
     idx_in[...] = -1
     all_x, all_s, all_idx, all_w = (WORLD.allgather(a) for a in (x, scales, idx, w))
     all_ranks(lambda: check_dispatch(got, all_x, all_s, all_idx, all_w, E, align, dtype, H))
@@ -300,8 +314,12 @@ def _round(h, fl, case, seed, k, dev=lambda a: a):
     kw = {"dtype": "bfloat16"} if cdt == "bf16raw" else {}
     # poison the dispatch's outputs: combine must not read them
     for a in (got[0] if isinstance(got[0], tuple) else (got[0],)) + tuple(a for a in got[1:3] if a is not None):
-        a.view(np.uint8)[...] = 0xFF
+        poison(a)
     cx_in, cw_in = dev(cx.copy()), None if cw is None else dev(cw.copy())
+    if seed % 2 == 0:  # a strided combine input
+        big = values(rng, (n_recv, 2 * H), cdt)
+        big[:, 1::2] = cx
+        cx_in = dev(big)[:, 1::2]
     comb, comb_w = h.combine(cx_in, hh, cw_in, **kw)
     fcomb, fcomb_w = fl.combine(dev(cx), want[4], None if cw is None else dev(cw), **kw)
     comb, comb_w, fcomb, fcomb_w = _np(comb), _np(comb_w), _np(fcomb), _np(fcomb_w)
