@@ -19,6 +19,7 @@ PUBLIC = [
     ("PyTorch autograd", "cupy_symbuf.autograd"),
     ("DeltaExchange", "cupy_symbuf.DeltaExchange"),
     ("HierarchicalCommunicator", "cupy_symbuf.HierarchicalCommunicator"),
+    ("HierarchicalDispatchHandle (cupy_symbuf.hierarchical)", "cupy_symbuf.hierarchical.HierarchicalDispatchHandle"),
     ("Topology", "cupy_symbuf.Topology"),
     ("Topology link (cupy_symbuf.topology.Link)", "cupy_symbuf.topology.Link"),
     ("Topology discovery (cupy_symbuf.topology.discover)", "cupy_symbuf.topology.discover"),

@@ -121,14 +121,19 @@ def test_delta_bench_rows():
 
 
 def test_hierarchical_bench_rows():
-    """--op hier: the hierarchical, flat and MPI rows per size, each checked against the reference first."""
+    """--op hier: the hierarchical, flat and MPI rows per size, and the MoE rows (hierarchical dispatch / combine,
+    flat, MPI Alltoallv of the same bytes), each checked against the reference first."""
     world = MPI.COMM_WORLD
     W = world.Get_size()
     k = 2 if W % 2 == 0 else 1
     rows = _bench_rows(["--backend", "host", "--op", "hier", "--node-size", str(k), "--sizes", "16K", "--iters", "3",
-                        "--warmup", "1"])
+                        "--warmup", "1", "--moe-tokens", "32", "--hidden", "64", "--num-experts", str(4 * W),
+                        "--topk", "4"])
     if rows is not None:
-        assert {r["engine"] for r in rows} == {"hierarchical", "ours-out", "mpi"}
+        assert {r["engine"] for r in rows if r["op"] == "hier"} == {"hierarchical", "ours-out", "mpi"}
+        assert {r["engine"] for r in rows if r["op"] == "hier-moe"} == {
+            "hier-dispatch", "flat-dispatch", "mpi-alltoallv-dispatch", "hier-dispatch-cached",
+            "flat-dispatch-cached", "hier-combine", "flat-combine", "mpi-alltoallv-combine"}
         assert all(r["loop_us"] > 0 and r["node_size"] == k for r in rows)
 
 
