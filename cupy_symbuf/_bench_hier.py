@@ -1,10 +1,12 @@
-"""``python -m cupy_symbuf.bench --backend host --op hier --node-size K [--sizes 64K,1M] [--moe-tokens 512]
+"""``python -m cupy_symbuf.bench [--backend host|cuda] --op hier --node-size K [--sizes 64K,1M] [--moe-tokens 512]
 [--hidden 2048] [--num-experts 64] [--topk 8] [--dtype float16]``: the hierarchical collectives
 (:class:`~cupy_symbuf.HierarchicalCommunicator`: MPI between virtual nodes of ``K`` ranks, our channels inside
 them) beside the flat ones and plain MPI, in the same run; every engine checked first; max over ranks.
 
 - all-to-all, per ``--sizes``: ``h.alltoall`` against the flat ``Communicator.alltoall`` (``out=``) and
-  ``MPI.Alltoall``; loop timing (rows ``op: hier``).
+  ``MPI.Alltoall`` (on the GPU ``mpi-staged``: device to host, ``MPI.Alltoall``, back; the MPI here is not
+  CUDA-aware); loop timing (rows ``op: hier``). The MPI rows of the MoE part move host NumPy buffers on both
+  backends (the bare transfer of the same bytes).
 - MoE, per ``--moe-tokens``: ``h.dispatch`` / cached ``h.dispatch`` / ``h.combine`` against the flat
   ``Communicator.dispatch`` / ``combine`` and against one ``MPI.Alltoallv`` of the flat call's bytes per rank pair
   (dispatch: each (token, destination rank) row of x | top-k ids | weights; combine: each returned row of x;
@@ -30,25 +32,32 @@ def run(c, comm, timer, args, sizes) -> list:
     W, me = c.world_size, c.rank
     k = args.node_size or W
     results = []
-    if c.backend != "host":
-        raise ValueError("bench --op hier: --backend host only for now (its alltoall rows and MPI reference use NumPy "
-                         "arrays; the GPU form of HierarchicalCommunicator is not benchmarked yet)")
+    xp = c.xp
     with HierarchicalCommunicator(comm, node_size=k, backend=c.backend) as h:
         if me == 0:
             print(f"# hierarchical: {h.num_nodes} node(s) of {k} rank(s); between them MPI, inside our channels")
             print(f"{'size/rank':>10} {'engine':>12} {'loop_us':>10} {'algbw_GB/s':>11}")
         for size in sizes:
             per_peer = max(1, size // W)
-            x = np.random.default_rng([me, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)
+            x_h = np.random.default_rng([me, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)
             want = np.stack([np.random.default_rng([j, size]).integers(0, 255, (W, per_peer), dtype=np.uint8)[me]
                              for j in range(W)])
-            out = np.empty_like(x)
+            x = xp.asarray(x_h)
+            out = xp.empty_like(x)
+            out_h = np.empty_like(x_h)
+
+            def mpi():  # plain MPI (on the GPU staged through host memory: the MPI here is not CUDA-aware)
+                if xp is np:
+                    comm.Alltoall(x, out)
+                    return out
+                comm.Alltoall(xp.asnumpy(x), out_h)
+                return xp.asarray(out_h)
             engines = {"hierarchical": lambda: h.alltoall(x), "ours-out": lambda: c.alltoall(x, out=out),
-                       "mpi": lambda: comm.Alltoall(x, out)}
+                       ("mpi" if xp is np else "mpi-staged"): mpi}
             for name, fn in engines.items():
                 got = fn()
                 got = out if got is None else got
-                if not comm.allreduce(bool(np.array_equal(got, want)), op=MPI.LAND):
+                if not comm.allreduce(bool(np.array_equal(_host(got), want)), op=MPI.LAND):
                     raise RuntimeError(f"bench --op hier: {name} gave wrong data at {_fmt(W * per_peer)}")
                 t = timer.time_loop(fn, args.iters, args.warmup, comm, c.synchronize)
                 results.append({"op": "hier", "engine": name, "size_per_rank": W * per_peer,
