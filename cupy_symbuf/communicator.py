@@ -681,8 +681,12 @@ class Communicator:
             direct = eng.direct_source(op, [x], None)
             if recv_counts is None:
                 # what the peers send (each checked its own counts); their sum is checked exactly here too
+                what = self.__dict__.pop("_sig_what", None) or (
+                    f"every rank must send rows of the same dtype and row shape, with the same wire_dtype; this rank "
+                    f"has {sig}" + (" (no wire_dtype)" if op == "alltoallv" else ""))
                 recv_counts = check_counts(op, "recv_counts (from the count exchange)",
-                                           eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), self.world_size)
+                                           eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0].copy(),
+                                           self.world_size)
             else:
                 recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
                 if recv_counts[self.rank] != send_counts[self.rank]:
@@ -735,8 +739,14 @@ class Communicator:
         except BaseException:
             eng.reject(op, notify=notify)
             raise
-        recv, got = self.alltoallv(packed, send_counts, recv_counts=recv_counts, recv_capacity=recv_capacity,
-                                   sync=sync)
+        # a rank that differs in wire_dtype / dtype / row shape: say it in the caller's terms, not the packed rows'
+        self._sig_what = (f"every rank must send rows of the same dtype and row shape, with the same wire_dtype; this "
+                          f"rank sends {x.dtype} rows of shape {row_shape} as wire_dtype={wire_dtype!r}")
+        try:
+            recv, got = self.alltoallv(packed, send_counts, recv_counts=recv_counts, recv_capacity=recv_capacity,
+                                       sync=sync)
+        finally:
+            self.__dict__.pop("_sig_what", None)
         m = int(recv.shape[0])
         recv = recv.reshape(m, width)
         rq = recv[:, :per_row]

@@ -86,6 +86,11 @@ def test_wire_dtype_must_agree_and_bad_input_is_rejected(backend, comm):
             # float32 rows on rank 0, float16 elsewhere: the source dtype travels in the packed row shape
             with pytest.raises(ValueError):
                 c.alltoallv(xb if me == 0 else xb.astype(np.float16), counts, wire_dtype="fp8")
+            # fp8 on rank 0 only: each rank's error says it in the caller's terms (not the packed uint8 rows)
+            want = (r"sends float32 rows of shape \(.*\) as wire_dtype='fp8', but rank 1 does not" if me == 0 else
+                    r"this rank has .*float32.* \(no wire_dtype\), but rank 0 does not")
+            with pytest.raises(ValueError, match=want):
+                c.alltoallv(xb, counts, **({"wire_dtype": "fp8"} if me == 0 else {}))
         got, _ = c.alltoallv(xb, counts, wire_dtype="int8")  # still usable
         assert got.shape[1:] == x.shape[1:]
 
