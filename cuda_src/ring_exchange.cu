@@ -86,8 +86,8 @@ __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* don
     const u64 before = ready;
     while (ready < end && ld_acquire_cta(&done[(ready - base) % static_cast<u64>(mod)]) > ready) ++ready;
     idle = ready == before ? idle + 1 : 0;
-    const u64 base = published > first ? published : first;  // payload chunks not yet released
-    if (ready > published && (ready - base >= batch || ready == end || idle > 32)) {
+    const u64 unreleased = published > first ? published : first;  // payload chunks not yet released
+    if (ready > published && (ready - unreleased >= batch || ready == end || idle > 32)) {
       st_release_sys_global(remote_counter, ready);  // publish_tail / publish_head (protocol.cuh)
       published = ready;
       spin = SpinBudget(ctx);
@@ -231,60 +231,99 @@ struct ShareCtx {
   unsigned int* next;
   unsigned int* stolen;
   u64* marks;
-  int* abort;
+  volatile int* abort;
   const RowStream* streams;
   const u64* src;
   const i64* push_delta;
   const i64* desc;
   const WaitCtx* ctx;
-  i64 num_slots, chunk_bytes, row_bytes;
+  i64 num_slots, chunk_bytes, row_bytes, region_bytes;
   int channel, rank, world_size;
   bool is_sender;
 };
 
-// One warp claims and copies chunks of peer q's stream until none are left (or the stream aborted).
-__device__ __noinline__ void share_chunks(const ShareCtx& S, int q, int own_peer, int lane) {
-  u64 ok = 0;
-  if (lane == 0) {  // bounded: q's leader writes it before any wait of its own
-    do ok = ld_acquire_cta(&S.ready[q]);
-    while (ok == 0);
+// Bounded wait of lane 0 for a shared word another warp of the block sets (q's leader: s_ready before any wait of
+// its own, the gate after its bounded header step): the abort word is polled and the wait times out like every
+// other (SpinBudget); true once *word != kGateWait, false (q's abort flag set) when the wait failed.
+__device__ __noinline__ bool share_wait_word(const ShareCtx& S, int q, const u64* word) {
+  if (ld_acquire_cta(word) != kGateWait) return true;
+  SpinBudget spin(S.ctx);
+  while (ld_acquire_cta(word) == kGateWait) {
+    if (S.abort[q] || !spin.ok(S.is_sender ? ROLE_SEND : ROLE_RECV, q, 0, 0)) {
+      S.abort[q] = 1;
+      return false;
+    }
   }
+  return true;
+}
+
+// One warp claims and copies chunks of peer q's stream until none are left (or the stream aborted). `polite`: a
+// helper's first pass: leave the stream (returns false) instead of claiming a chunk whose ring condition does not
+// hold yet (sender: the ring is full; receiver: the chunk has not arrived), so that it helps elsewhere rather than
+// park on a throttled stream; the second pass (polite = false) claims and waits as the dedicated warp does.
+// Returns kShareDone once no chunk of q is left to claim (or q aborted, or its verdict is not to copy), else
+// kShareLater (polite only), or kShareMoved when it copied chunks before leaving.
+constexpr int kShareLater = 0, kShareMoved = 1, kShareDone = 2;
+__device__ __noinline__ int share_chunks(const ShareCtx& S, int q, int own_peer, int lane, bool polite) {
+  bool ok = true;
+  if (lane == 0) ok = share_wait_word(S, q, &S.ready[q]);  // q's leader writes it before any wait of its own
   __syncwarp();  // lane 0's acquire precedes every lane's reads of the work descriptor
+  if (!__shfl_sync(0xffffffffu, ok ? 1 : 0, 0)) return kShareDone;
   const ShareWork& w = S.work[q];
-  if (w.todo <= 0) return;
+  if (w.todo <= 0) return kShareDone;
   if (!S.is_sender || w.push) {  // the header verdict first, as for the group's own warps
     u64 go = kGateWait;
     if (lane == 0) {
-      do go = ld_acquire_cta(&S.gate[q]);
-      while (go == kGateWait);
+      if (polite && ld_acquire_cta(&S.gate[q]) == kGateWait) go = kGateWait;  // not yet: come back later
+      else go = share_wait_word(S, q, &S.gate[q]) ? ld_acquire_cta(&S.gate[q]) : kGateAbort;
     }
     go = __shfl_sync(0xffffffffu, go, 0);
     __syncwarp();
-    if (go != kGateCopy) return;
+    if (go == kGateWait) return kShareLater;
+    if (go != kGateCopy) return kShareDone;
   }
   volatile int* abort_flag = &S.abort[q];
   const RowStream& send = S.streams[2 * q];
   const RowStream& recv = S.streams[2 * q + 1];
   u64* marks = S.marks + q * ADAPT_WINDOW;
-  const int role = S.is_sender ? ROLE_SEND : ROLE_RECV;
-  (void)role;
   u64 seen = S.is_sender ? 0 : w.c0;  // the last head (sender) / tail (receiver) read
+  int moved = kShareLater;
   while (true) {
     unsigned int claimed = 0;
-    if (lane == 0) claimed = atomicAdd(&S.next[q], 1u);
-    const i64 k = static_cast<i64>(__shfl_sync(0xffffffffu, claimed, 0));
-    if (k >= w.todo) break;
+    if (lane == 0) {
+      if (polite) {  // only a chunk whose ring condition holds now (a lower bound: it may hold by the time we copy)
+        const u64 next = w.c0 + static_cast<u64>(*reinterpret_cast<volatile unsigned int*>(&S.next[q]));
+        const u64 counter = ld_volatile_global(reinterpret_cast<const i64*>(w.local_counter));
+        const bool can = S.is_sender ? next + 1 - counter <= static_cast<u64>(S.num_slots) : counter > next;
+        claimed = can ? atomicAdd(&S.next[q], 1u) : 0xFFFFFFFFu;
+      } else {
+        claimed = atomicAdd(&S.next[q], 1u);
+      }
+    }
+    claimed = __shfl_sync(0xffffffffu, claimed, 0);
+    if (claimed == 0xFFFFFFFFu) return moved;  // polite: the ring condition does not hold; come back later
+    const i64 k = static_cast<i64>(claimed);
+    if (k >= w.todo) return kShareDone;
     const u64 t = w.c0 + static_cast<u64>(k);
     SYMBUF_TRACE_T0(t_chunk);
+    u8* slot = w.ring + static_cast<i64>(t % static_cast<u64>(S.num_slots)) * S.chunk_bytes;
     if (lane == 0) {
       if (S.is_sender) wait_for_space(S.ctx, q, w.local_counter, t, S.num_slots, seen, abort_flag);
       else wait_for_data(S.ctx, q, w.local_counter, t + 1, w.c0, t, S.num_slots, seen, abort_flag);
+#if SYMBUF_DEBUG
+      const i64 bytes = min(w.rows_per_chunk, w.hi - w.lo - k * w.rows_per_chunk) * S.row_bytes;
+      u8* region = w.ring - RING_OFFSET;
+      if (!*abort_flag && !slot_in_region(region, slot, bytes, S.region_bytes, S.chunk_bytes)) {
+        fail(*S.ctx, S.is_sender ? ROLE_SEND : ROLE_RECV, q, slot - region, slot - region + bytes, ERR_INVARIANT,
+             FIELD_OFFSET);
+        *abort_flag = 1;
+      }
+#endif
     }
     __syncwarp();  // lane 0's acquire precedes every lane's accesses to the slot
-    if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;
+    if (__shfl_sync(0xffffffffu, *abort_flag, 0)) return kShareDone;
     const i64 r = w.lo + k * w.rows_per_chunk;
     const i64 n = min(w.rows_per_chunk, w.hi - r);
-    u8* slot = w.ring + static_cast<i64>(t % static_cast<u64>(S.num_slots)) * S.chunk_bytes;
     if (!S.is_sender) {
       recv.copy_rows<false>(slot, r, n, lane, w.push);
     } else if (w.push) {
@@ -302,14 +341,33 @@ __device__ __noinline__ void share_chunks(const ShareCtx& S, int q, int own_peer
                          S.is_sender ? seen : t, S.is_sender ? t + 1 : seen);
     }
     __syncwarp();
+    moved = kShareMoved;
   }
 }
 
-// A warp's sharing pass: every ring stream of the block, from `start` on in peer order.
-__device__ __forceinline__ void share_all(const ShareCtx& S, int start, int own_peer, int lane) {
+// A warp's sharing: every ring stream of the block, from `start` on in peer order. `dedicated` (copy warp 0 of a
+// group, start = its own peer): its own stream first, claiming and waiting until none is left, so that every
+// stream always has a warp. Then (and for every other warp from the start) polite passes, which skip a stream whose
+// next chunk cannot move yet, as long as a pass moves something, then a last pass that claims and waits (bounded).
+__device__ __forceinline__ void share_all(const ShareCtx& S, int start, int own_peer, int lane, bool dedicated) {
+  if (dedicated) share_chunks(S, start, own_peer, lane, false);
+  u32 open = 0;  // bit q: q's stream may still have chunks to claim
+  for (int q = 0; q < S.world_size; ++q)
+    if (q != S.rank && !(dedicated && q == start)) open |= 1u << q;
+  bool progress = true;
+  while (open != 0 && progress) {
+    progress = false;
+    for (int i = 0; i < S.world_size; ++i) {
+      const int q = (start + i) % S.world_size;
+      if (!((open >> q) & 1u)) continue;
+      const int r = share_chunks(S, q, own_peer, lane, true);
+      if (r == kShareDone) open &= ~(1u << q);
+      if (r != kShareLater) progress = true;
+    }
+  }
   for (int i = 0; i < S.world_size; ++i) {
     const int q = (start + i) % S.world_size;
-    if (q != S.rank) share_chunks(S, q, own_peer, lane);
+    if ((open >> q) & 1u) share_chunks(S, q, own_peer, lane, false);
   }
 }
 
@@ -533,6 +591,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     s_next[i] = 0;
     s_stolen[i] = 0;
     s_gate[i] = kGateWait;  // read by other groups' warps, perhaps before this peer's leader starts
+    s_abort[i] = 0;         // likewise (share_wait_word polls it while it waits for s_ready)
   }
 #else
   u64* const s_marks = nullptr;
@@ -608,7 +667,8 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   const bool leader = tid == 0;
   const int bar_id = 1 + peer;
   // Work sharing (SYMBUF_ADAPTIVE): groups of several warps only (a one-warp group publishes its own chunks)
-  const bool share = SYMBUF_ADAPTIVE && ring_warps > 1;
+  // (and a ring of at most ADAPT_WINDOW slots: the done-mark window; the host checks it, this is the fallback)
+  const bool share = SYMBUF_ADAPTIVE && ring_warps > 1 && s_desc[DESC_NUM_SLOTS] <= ADAPT_WINDOW;
 
   const i64* peers = s_desc + DESC_PEERS;  // [4][world_size]: send unit offset, send units, recv offset, recv units
   // The two row streams of this group live in shared memory (read on use, not held in registers: the copy
@@ -630,9 +690,11 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   // this warp's home in the re-balanced map (HOME_OWN: its own group's stream; a self warp: the next peer's)
   const int home = static_cast<int>((s_desc[DESC_HOME + (is_sender ? 0 : 4) + warp / 8] >> (8 * (warp % 8))) & 0xFF);
   const bool home_ok = home != HOME_OWN && home < world_size && home != rank;
+  // a self warp without a home starts on the peers in turn (warp i of the group: the (i % (W - 1))-th after us)
+  const int self_start = home_ok ? home : (rank + 1 + warp_in_group % max(1, world_size - 1)) % world_size;
   const ShareCtx share_ctx{s_work, s_ready, s_gate, s_next, s_stolen, s_marks, s_abort, s_streams, s_src,
                            s_push_delta, s_desc, &s_ctx, s_desc[DESC_NUM_SLOTS], s_desc[DESC_CHUNK_BYTES],
-                           s_desc[DESC_ROW_BYTES], channel, rank, world_size, is_sender};
+                           s_desc[DESC_ROW_BYTES], s_desc[DESC_REGION_BYTES], channel, rank, world_size, is_sender};
 #endif
   // Units of the whole stream to (sender) or from (receiver) this peer: the call header carries / checks them.
   const i64 rows = is_sender ? peers[world_size + peer] : peers[3 * world_size + peer];
@@ -644,7 +706,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 #if SYMBUF_ADAPTIVE
     // work sharing: once our own rows are copied, this warp helps the ring streams (the hot one first)
     if (hi <= lo) {
-      if (share) share_all(share_ctx, home_ok ? home : (rank + 1) % world_size, rank, lane);
+      if (share) share_all(share_ctx, self_start, rank, lane, false);
       return;
     }
 #else
@@ -670,7 +732,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     if (lane == 0 && self_bytes > 0) SYMBUF_TRACE_EVENT(s_desc, TRACE_SELF, t_self, channel, -1, self_bytes, 0, 0);
     (void)self_bytes;
 #if SYMBUF_ADAPTIVE
-    if (share) share_all(share_ctx, home_ok ? home : (rank + 1) % world_size, rank, lane);
+    if (share) share_all(share_ctx, self_start, rank, lane, false);
 #endif
     return;
   }
@@ -821,7 +883,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     }
 #if SYMBUF_ADAPTIVE
     // work sharing: the dedicated warp (copy warp 0) starts with its own stream, the others with their home
-    if (share) share_all(share_ctx, copy_id == 0 || !home_ok ? peer : home, peer, lane);
+    if (share) share_all(share_ctx, copy_id == 0 || !home_ok ? peer : home, peer, lane, copy_id == 0);
 #endif
     const i64 todo = go == kGateCopy && !share ? nchunks : 0;
     u64 seen = is_sender ? 0 : c0;  // sender: the last head read; receiver: the last tail read

@@ -208,6 +208,9 @@ class CudaTransport:
         """Compile (or fetch) the ring kernel variant ``defines`` and make it the one every call launches."""
         from cupy_backends.cuda.api import driver
         self._k_ring = _kernels.get_function(RING_SOURCE, RING_KERNEL, tuple(defines))
+        if int(self._k_ring.max_threads_per_block) < self.threads:
+            raise RuntimeError(f"{RING_KERNEL} {' '.join(defines)}: compiled for {self._k_ring.max_threads_per_block} "
+                               f"threads per block, fewer than the {self.threads} it is launched with")
         fn = int(self._k_ring.kernel.ptr)
         params = ctypes.addressof(self._arg_ptrs)
         grid, threads = 2 * self.layout.num_channels, self.threads
@@ -235,6 +238,7 @@ class CudaTransport:
         self._home = np.full(P.HOME_WORDS, -1, np.int64)  # every byte HOME_OWN
         self._desc[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
         self._bind_ring(self._variant())
+        self.load_snapshot()  # the first snapshot (zeros) in flight: every due interval has one to re-balance from
 
     def set_home(self, load) -> None:
         """The home map of ``load`` (:class:`~cupy_symbuf.adaptive.ChannelLoad`) for the next launches (written
@@ -266,10 +270,12 @@ class CudaTransport:
         return _compat.cupy.asnumpy(self.load)
 
     def load_reset(self) -> None:
-        """Zero the device load counters (after every queued kernel)."""
+        """Zero the device load counters (after every queued kernel); a snapshot still pending is dropped (it holds
+        the counters from before the reset)."""
         _compat.cupy.cuda.runtime.deviceSynchronize()
         self.load.fill(0)
         _compat.cupy.cuda.runtime.deviceSynchronize()
+        self._load_event = None
 
     def enable_trace(self, capacity: int = 1 << 18):
         """``Config(trace=True)`` (at construction, before any call): the ring kernel's telemetry build

@@ -402,26 +402,27 @@ class Engine:
 
     def channel_stats(self, reset: bool = False) -> dict:
         """See :meth:`Communicator.channel_stats`."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            raise RuntimeError("channel_stats: not while a CUDA graph is being captured (it waits for the queued "
+                               "kernels); call it outside the capture")
         self._fold()
         if self._device_load:
             totals = self.transport.load_totals()
         else:
             totals = self.load.totals
-        out = self.load.stats(totals, work_sharing=self._device_load and kernel_geometry(self.world_size).ring_warps > 1)
+        out = self.load.stats(totals, work_sharing=self._device_load and kernel_geometry(self.world_size).ring_warps > 1,
+                              detailed=self.load.adaptive)
         if reset:
             if self._device_load:
                 self.transport.load_reset()
-            self.load.totals[:] = 0
-            self.load._last[:] = 0
+            self.load.reset()
         return out
 
     def _fold(self) -> None:
         W = self.world_size
-        if not self._device_load:
-            from .adaptive import ChannelLoad
-            C = self.layout.num_channels
-            for plan, n in self._calls.items():
-                self.load.totals += n * ChannelLoad.plan_load(plan, C, W, self.rank)
+        detailed = self.load.adaptive and not self._device_load  # the GPU's work-sharing kernel counts itself
+        for plan, n in self._calls.items():
+            self.load.add_plan(plan, n, detailed=detailed)
         for plan, n in self._calls.items():
             t = self._totals.get(plan.op)
             if t is None:

@@ -155,7 +155,8 @@ DESC_TRACE_CAP = DESC_TRACE + 1
 #: Adaptive channels (``Config(adaptive=True)``; kernels built with SYMBUF_ADAPTIVE=1): DESC_HOME = the home map,
 #: HOME_WORDS int64 words holding one byte per warp of a block, sender block first (warps 0..31: bytes of words
 #: DESC_HOME .. +3), then the receiver block's: the peer whose ring stream that warp takes chunks of first (0xFF:
-#: its own group's, or for a self-group warp the next peer after this rank); ``_plan.home_map`` computes it.
+#: its own group's, or for the self group's warp i the (i % (world_size - 1))-th peer after this rank);
+#: ``adaptive.home_map`` computes it.
 #: DESC_LOAD = device address of the load counters (0: none): int64 [2 (send, recv)][num_channels][world_size]
 #: [LOAD_WORDS]: bytes of the stream's channel share, ring chunks, chunks copied by a warp of another group
 #: (work sharing), accumulated by each ring group's leader at the end of every call.

@@ -48,8 +48,8 @@ def _group_warps(world_size: int, rank: int):
 
 def home_map(loads, world_size: int, rank: int) -> np.ndarray:
     """The home of every warp of one ring-kernel block (sender or receiver) of ``rank``: uint8 ``[32]``, the peer
-    whose stream that warp takes chunks of first, or ``_protocol.HOME_OWN`` (its own group's stream; a self-group
-    warp: the peer after ``rank``).
+    whose stream that warp takes chunks of first, or ``_protocol.HOME_OWN`` (its own group's stream; the self
+    group's warp ``i``: the ``(i % (world_size - 1))``-th peer after ``rank``).
 
     ``loads``: int ``[world_size]``, bytes of each peer's stream in this role over the last interval (the entry
     of ``rank`` is ignored). The block's shareable warps (every ring group's copy warps but the first, which keeps
@@ -101,8 +101,8 @@ def home_map(loads, world_size: int, rank: int) -> np.ndarray:
 
 def workers_per_peer(home: np.ndarray, world_size: int, rank: int) -> list:
     """Warps of one block that start on each peer's stream under ``home`` (:func:`home_map`): ``[world_size]``
-    ints, the dedicated warp included (0 for ``rank``; self-group warps at ``HOME_OWN`` count for the peer after
-    ``rank``)."""
+    ints, the dedicated warp included (0 for ``rank``; self-group warps at ``HOME_OWN`` count for the peers in turn
+    after ``rank``, as the kernel starts them)."""
     W = int(world_size)
     counts = [0] * W
     if W == 1:
@@ -116,9 +116,9 @@ def workers_per_peer(home: np.ndarray, world_size: int, rank: int) -> list:
         for w in range(first(p) + 1, first(p) + ring):
             h = int(home[w])
             counts[p if h == P.HOME_OWN or w == first(p) + 1 else h] += 1
-    for w in range(self_first, self_first + self_w):
-        h = int(home[w])
-        counts[(rank + 1) % W if h == P.HOME_OWN else h] += 1
+    for i, w in enumerate(range(self_first, self_first + self_w)):
+        h = int(home[w])  # the kernel's self_start: without a home, the peers in turn after this rank
+        counts[(rank + 1 + i % (W - 1)) % W if h == P.HOME_OWN else h] += 1
     return counts
 
 
@@ -127,6 +127,34 @@ def pack_home(send_home: np.ndarray, recv_home: np.ndarray) -> np.ndarray:
     block's (little-endian: warp ``w``'s byte is bits ``8 * (w % 8)`` of word ``w // 8``)."""
     raw = np.concatenate([np.asarray(send_home, np.uint8), np.asarray(recv_home, np.uint8)])
     return raw.view("<i8").astype(np.int64)
+
+
+def _cuts(plan, units: np.ndarray, C: int):
+    """``(units, chunks)``, int64 ``[W, C]``: each peer stream's share on each channel and its ring chunks: the
+    plan's ``channel_range`` and ``num_chunks`` for every (peer, channel) at once (Python ints where a product could
+    leave int64)."""
+    W = units.shape[0]
+    c = np.arange(C, dtype=np.int64)
+    align = int(plan.align)
+    if W and int(units.max(initial=0)) >= (1 << 62) // max(C + 1, 1):  # huge streams: exact Python ints
+        n = np.array([[plan.channel_range(int(u), k)[1] - plan.channel_range(int(u), k)[0] for k in range(C)]
+                      for u in units], np.int64).reshape(W, C)
+        chunks = np.array([[plan.num_chunks(*plan.channel_range(int(u), k)) for k in range(C)] for u in units],
+                          np.int64).reshape(W, C)
+        return n, chunks
+    lo = (units[:, None] * c[None, :] // C) // align * align
+    hi = (units[:, None] * (c[None, :] + 1) // C) // align * align
+    hi[:, C - 1] = units
+    n = hi - lo
+    max_rows = plan.chunk_bytes // plan.unit_bytes  # layout.chunk_rows, vectorised
+    grain = min(max_rows, -(-P.CHUNK_GRAIN_BYTES // plan.unit_bytes))
+    least = min(max_rows, -(-plan.least_bytes // plan.unit_bytes))
+    pos = np.maximum(n, 1)
+    rounds = -(-pos // (plan.num_copy * max_rows))
+    per = -(-pos // (plan.num_copy * rounds))
+    per = np.minimum(max_rows, np.maximum(least, -(-per // grain) * grain))
+    chunks = np.where(n > 0, -(-n // per), 0)
+    return n, chunks
 
 
 class ChannelLoad:
@@ -140,6 +168,9 @@ class ChannelLoad:
         self.world_size, self.rank, self.num_channels = world_size, rank, num_channels
         self.adaptive, self.interval = bool(adaptive), int(interval)
         self.totals = np.zeros((2, num_channels, world_size, P.LOAD_WORDS), np.int64)
+        #: bytes per (role, peer) of the host-count calls, kept by every communicator (one NumPy add per plan at
+        #: a fold); the per-channel ``totals`` only with ``adaptive`` (their cuts cost ~0.1-0.2 ms per new plan)
+        self.peer_bytes = np.zeros((2, world_size), np.int64)
         self.calls = 0            # eager ring exchanges counted towards the next re-balance
         self.calls_total = 0
         self.rebalances = 0       # maps computed
@@ -151,23 +182,19 @@ class ChannelLoad:
     @staticmethod
     def plan_load(plan, num_channels: int, world_size: int, rank: int) -> np.ndarray:
         """The per-call load of a host-count plan: int64 ``[2, C, W, LOAD_WORDS]`` (bytes, chunks; nothing
-        stolen), from the plan's own cuts (the same the kernel and the host engine use); zeros for a rejected or
+        stolen), from the plan's own cuts (``layout.channel_row_range`` / ``chunk_rows``, the same the kernel and the
+        host engine use), computed with NumPy over every (channel, peer) at once; zeros for a rejected or
         device-count plan (its units are not known on the host). Cached on the plan."""
         got = getattr(plan, "load", None)
         if got is not None:
             return got
         out = np.zeros((2, num_channels, world_size, P.LOAD_WORDS), np.int64)
         if not plan.reject and not plan.device_counts:
-            unit = plan.unit_bytes
             for role, units in ((SEND, plan.send_units), (RECV, plan.recv_units)):
-                for p in range(world_size):
-                    if p == rank:
-                        continue
-                    for c in range(num_channels):
-                        lo, hi = plan.channel_range(int(units[p]), c)
-                        out[role, c, p, P.LOAD_BYTES] = (hi - lo) * unit
-                        out[role, c, p, P.LOAD_CHUNKS] = 0 if plan.direct and role == SEND else \
-                            plan.num_chunks(lo, hi)
+                n, chunks = _cuts(plan, np.asarray(units, np.int64), num_channels)
+                n[rank] = chunks[rank] = 0  # a rank's own rows take no ring
+                out[role, :, :, P.LOAD_BYTES] = (n * plan.unit_bytes).T
+                out[role, :, :, P.LOAD_CHUNKS] = 0 if plan.direct and role == SEND else chunks.T
         out.flags.writeable = False
         plan.load = out
         return out
@@ -199,7 +226,24 @@ class ChannelLoad:
         self.remaps += 1
         return True
 
-    def stats(self, totals=None, *, work_sharing: bool = False) -> dict:
+    def add_plan(self, plan, n: int, *, detailed: bool) -> None:
+        """Count ``n`` calls of ``plan``: its bytes per peer, and with ``detailed`` its per-channel load."""
+        if plan.reject or plan.device_counts:
+            return
+        unit = plan.unit_bytes
+        self.peer_bytes[SEND] += n * unit * plan.send_units
+        self.peer_bytes[RECV] += n * unit * plan.recv_units
+        if detailed:
+            self.totals += n * self.plan_load(plan, self.num_channels, self.world_size, self.rank)
+
+    def reset(self) -> None:
+        """Zero every counter (the map stays)."""
+        self.totals[:] = 0
+        self._last[:] = 0
+        self.peer_bytes[:] = 0
+        self.calls = self.calls_total = self.rebalances = self.remaps = 0
+
+    def stats(self, totals=None, *, work_sharing: bool = False, detailed: bool = True) -> dict:
         """The dict :meth:`Communicator.channel_stats` returns (see there)."""
         t = self.totals if totals is None else totals
         W = self.world_size
@@ -207,11 +251,16 @@ class ChannelLoad:
                "calls": self.calls_total, "rebalances": self.rebalances, "remaps": self.remaps}
         for role, name in ((SEND, "send"), (RECV, "recv")):
             b = t[role, :, :, P.LOAD_BYTES]
-            per_peer = b.sum(axis=0)
+            if detailed:
+                per_peer = b.sum(axis=0)
+            else:
+                per_peer = self.peer_bytes[role].copy()
+                per_peer[self.rank] = 0  # a rank's own rows take no ring
             ring = [p for p in range(W) if p != self.rank]
             mean = per_peer[ring].mean() if ring else 0.0
-            out[name] = {"bytes": b.tolist(), "chunks": t[role, :, :, P.LOAD_CHUNKS].tolist(),
-                         "stolen": t[role, :, :, P.LOAD_STOLEN].tolist(),
+            out[name] = {"bytes": b.tolist() if detailed else None,
+                         "chunks": t[role, :, :, P.LOAD_CHUNKS].tolist() if detailed else None,
+                         "stolen": t[role, :, :, P.LOAD_STOLEN].tolist() if detailed else None,
                          "bytes_per_peer": per_peer.tolist(),
                          "imbalance": float(per_peer[ring].max() / mean) if ring and mean > 0 else 1.0,
                          "home": [int(h) for h in self.home[role]],

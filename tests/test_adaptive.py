@@ -127,7 +127,9 @@ def test_skewed_alltoallv_matches_numpy_and_counts_add_up(comm, backend, kind):
                 assert np.asarray(st["send"]["stolen"])[:, 0].sum() > 0
         st2 = c.channel_stats(reset=True)
         assert st2["send"]["bytes"] == st["send"]["bytes"]
-        assert not np.asarray(c.channel_stats()["send"]["bytes"]).any()
+        st3 = c.channel_stats()
+        assert not np.asarray(st3["send"]["bytes"]).any() and not any(st3["send"]["bytes_per_peer"])
+        assert st3["calls"] == st3["rebalances"] == st3["remaps"] == 0
 
 
 def test_ranks_may_differ_in_the_option_and_the_interval(comm, backend):
@@ -164,6 +166,7 @@ def test_static_communicator_counts_too(comm, backend):
         c.alltoall(to_backend(x[:W], backend))
         st = c.channel_stats()
         assert not st["adaptive"] and st["rebalances"] == 0 and not st["work_sharing"]
+        assert st["send"]["bytes"] is None and st["send"]["chunks"] is None  # per channel: adaptive only
         want = np.full(W, 7 * 32 + 32)
         want[me] = 0
         np.testing.assert_array_equal(st["send"]["bytes_per_peer"], want)
@@ -197,3 +200,31 @@ def test_every_moe_case_with_work_sharing(adaptive_comm, case):
         pytest.skip("GPU-sized case")
     for k in range(2):
         run_case(adaptive_comm, case, key=("work-sharing", k))
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("host", [True, False])
+def test_plan_load_is_the_plans_own_cuts(W, host):
+    """The vectorised per-(channel, peer) load equals the plan's channel_range / num_chunks one by one (random
+    counts from empty to many chunks, byte and row streams, both engines' chunk rules), and a rank's own rows count
+    nothing."""
+    from cupy_symbuf._plan import ExchangePlan
+    from cupy_symbuf.adaptive import ChannelLoad
+    from cupy_symbuf.layout import ChannelLayout
+    rng = np.random.default_rng([W, host])
+    cfg = cs.Config(num_sms=8 if host else 24).resolved("host" if host else "cuda", world_size=W)
+    L = ChannelLayout.from_config(cfg, W)
+    for trial in range(25):
+        counts = rng.integers(0, int(rng.choice([3, 100, 5000, 200000])), W)
+        width = int(rng.choice([1, 2, 7, 64, 256, 14336]))
+        idx = bool(rng.integers(0, 2))
+        me = int(rng.integers(0, W))
+        plan = ExchangePlan(op="alltoallv", sig_text="t", part_widths=[width, 8] if idx else [width], has_index=idx,
+                            send_counts=counts, recv_counts=counts[::-1].copy(), layout=L, rank=me, host=host)
+        load = ChannelLoad.plan_load(plan, L.num_channels, W, me)
+        for role, units in ((0, plan.send_units), (1, plan.recv_units)):
+            for p in range(W):
+                for ch in range(L.num_channels):
+                    lo, hi = plan.channel_range(int(units[p]), ch)
+                    want = (0, 0) if p == me else ((hi - lo) * plan.unit_bytes, plan.num_chunks(lo, hi))
+                    assert tuple(load[role, ch, p, :2]) == want, (role, p, ch)
