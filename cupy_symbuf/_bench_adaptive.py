@@ -29,6 +29,25 @@ __all__ = ["run", "routing"]
 PATTERNS = ("uniform", "zipf1.0", "zipf1.5", "hot")
 
 
+def check_patterns(text) -> list:
+    """The ``--patterns`` of ``--op adaptive`` (None: all of :data:`PATTERNS`): ``uniform``, ``hot`` or ``zipfS``
+    with ``S`` a finite number > 0; ``ValueError`` naming the bad entry."""
+    out = [p.strip() for p in (text or ",".join(PATTERNS)).split(",") if p.strip()]
+    for p in out:
+        ok = p in ("uniform", "hot")
+        if p.startswith("zipf"):
+            try:
+                ok = np.isfinite(float(p[4:])) and float(p[4:]) > 0
+            except ValueError:
+                ok = False
+        if not ok:
+            raise ValueError(f"--patterns: {p!r} is not a pattern of --op adaptive (uniform, hot, or zipfS with S a "
+                             f"number > 0, e.g. zipf1.0, zipf1.5)")
+    if not out:
+        raise ValueError("--patterns: no pattern given")
+    return out
+
+
 def routing(pattern: str, tokens: int, num_experts: int, topk: int, world_size: int, seed) -> np.ndarray:
     """int64 ``[tokens, topk]``: distinct experts per token for ``pattern`` (see the module docstring), drawn with
     the Gumbel top-k trick (sampling without replacement in proportion to the weights)."""
@@ -60,7 +79,7 @@ def run(c, comm, timer, args, sizes) -> list:
     tokens = int(str(args.moe_tokens).split(",")[0])
     H, E, K = args.hidden, args.num_experts, args.topk
     dtype = np.dtype(args.dtype)
-    patterns = [p for p in (args.patterns or ",".join(PATTERNS)).split(",") if p]
+    patterns = check_patterns(args.patterns)
     if E % W or K > E:
         raise SystemExit(f"bench --op adaptive: --num-experts ({E}) must be a multiple of the world size ({W}) "
                          f"and >= --topk ({K})")

@@ -177,7 +177,11 @@ def main(argv=None) -> int:
     topo = discover(comm, backend)  # collective over COMM_WORLD (every rank runs main); never fails for a missing piece
     report["topology"] = topo.as_dict()
     from .config import Config
-    config = Config() if args.transport is None else Config(transport=args.transport)
+    try:
+        config = Config() if args.transport is None else Config(transport=args.transport)
+    except (TypeError, ValueError) as exc:  # e.g. a bad CUPY_SYMBUF_TRANSPORT: one line, no traceback
+        print(f"python -m cupy_symbuf info: {exc}", file=sys.stderr)
+        return 1
     if backend == "cuda":  # what a cuda Communicator would choose from this topology (before any IPC handle opens)
         from .symbuffer import choose_transport
         try:

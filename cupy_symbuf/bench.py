@@ -460,12 +460,34 @@ def main(argv=None) -> int:
         args.sizes = "1M,16M,128M"
 
     comm = MPI.COMM_WORLD
+    # argument errors every rank finds alike, before anything collective: one line each, no traceback
+    if args.backend == "cuda" and not _compat.cuda_available():
+        ap.error("--backend cuda: no CUDA device is available here (CuPy with a visible GPU); use --backend host")
+    if args.op == "adaptive":
+        from ._bench_adaptive import check_patterns
+        try:
+            check_patterns(args.patterns)
+        except ValueError as exc:
+            ap.error(str(exc))
+    if args.op == "hier":
+        k = args.node_size
+        if k is None:
+            from .hierarchical import node_size_from_env
+            try:
+                k = node_size_from_env()
+            except ValueError as exc:
+                ap.error(str(exc))
+        if k is not None and comm.Get_size() % k:
+            ap.error(f"--node-size {k} must divide the world size ({comm.Get_size()})")
     if args.backend != "host":
         select_device(comm)
-    cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, mode=args.mode,
-                 adaptive=args.adaptive and args.op != "adaptive",
-                 **({} if args.num_slots is None else {"num_slots": args.num_slots}),
-                 **({} if args.transport is None else {"transport": args.transport}))
+    try:
+        cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, mode=args.mode,
+                     adaptive=args.adaptive and args.op != "adaptive",
+                     **({} if args.num_slots is None else {"num_slots": args.num_slots}),
+                     **({} if args.transport is None else {"transport": args.transport}))
+    except (TypeError, ValueError) as exc:  # e.g. a bad CUPY_SYMBUF_TRANSPORT / CUPY_SYMBUF_TIMEOUT_S
+        ap.error(str(exc))
     profile_stats = None
     results = []
     if args.tune:

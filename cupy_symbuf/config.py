@@ -150,7 +150,7 @@ class Config:
         ``num_slots <= 32`` on the GPU (``_protocol.ADAPT_WINDOW``; the default for 2 or more ranks is). Off
         (default): the static split.
     adaptive_interval : int
-        Eager calls between two re-balances of the home map; >= 1 (default 100). A call captured in a CUDA graph
+        Eager calls between two re-balances of the home map; 1 to 2**31 (default 100). A call captured in a CUDA graph
         keeps the map of its capture and is not counted.
     transport : {"auto", "ipc", "staged"}
         GPU path: where the symmetric buffer lives. ``"ipc"``: each rank's buffer in its own GPU's memory
@@ -169,7 +169,7 @@ class Config:
         transport for GPUs without P2P (``NCCL_P2P_DISABLE``), a host-memory staging buffer.
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
-    ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``; the resulting buffer must also fit
+    ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``, ``adaptive_interval <= 2**31``; the resulting buffer must also fit
     in free memory (checked before allocating).
 
     Agreement: every rank of a Communicator must have the same resolved values of ``num_sms``, ``chunk_bytes``,
@@ -240,8 +240,8 @@ class Config:
         if _is_int(self.adaptive_interval):
             object.__setattr__(self, "adaptive_interval", int(self.adaptive_interval))
         if not _is_int(self.adaptive_interval) or not 1 <= self.adaptive_interval <= 2 ** 31:
-            raise ValueError(f"Config: adaptive_interval must be an int >= 1 (eager calls between re-balances), got "
-                             f"{self.adaptive_interval!r}")
+            raise ValueError(f"Config: adaptive_interval must be an int >= 1 and <= 2**31 (eager calls between "
+                             f"re-balances), got {self.adaptive_interval!r}")
         if self.mode not in MODES:
             raise ValueError(f"Config: mode must be one of {MODES}, got {self.mode!r}")
         if self.transport not in TRANSPORTS:

@@ -316,11 +316,14 @@ class HierarchicalCommunicator:
 
         Raises
         ------
-        ValueError
-            Bad ``send_counts``, or ranks disagreeing on dtype / row shape, on every rank (the first step is a
-            bounded exchange of every rank's counts); what the node communicator raises.
-        TypeError
-            (cuda) ``sendbuf`` not a CuPy array.
+        ValueError, TypeError
+            Bad ``sendbuf`` / ``send_counts`` (the flat :meth:`Communicator.alltoallv`'s checks) on the rank that
+            passed them; ranks disagreeing on dtype (by name: ml_dtypes' fp8 types differ) or row shape, on every
+            rank. The first step is a bounded exchange of every rank's counts and row layout, so nothing moves
+            before these are known.
+        SymBufferRejectedError
+            On the other ranks, when one rank's arguments failed its checks (nothing was exchanged; the
+            communicator stays usable).
 
         Notes
         -----
@@ -329,40 +332,30 @@ class HierarchicalCommunicator:
         """
         return self._alltoallv(sendbuf, send_counts, None)
 
-    def _alltoallv(self, sendbuf, send_counts, err):
-        """The body of :meth:`alltoallv`; ``err``: an error the caller already found (told to every rank)."""
+    def _alltoallv(self, sendbuf, send_counts, err, op=None):
+        """The body of :meth:`alltoallv` (``op``: the name errors give); ``err``: an error the caller already found
+        (told to every rank)."""
         self._check_open()
-        op = "HierarchicalCommunicator.alltoallv"
+        op = op or "HierarchicalCommunicator.alltoallv"
         k, N, W = self.node_size, self.num_nodes, self.world_size
         xp = self._xp
-        mine = None
-        x = None
+        sig = None
+        x = counts = None
         try:
             if err is not None:
                 raise err
-            x = self._input(op, "sendbuf", sendbuf)
-            try:
-                counts = np.asarray(send_counts, dtype=np.int64)
-            except (TypeError, ValueError):
-                raise ValueError(f"{op}: send_counts must be {W} ints >= 0, got {send_counts!r}") from None
-            if x.ndim < 1 or counts.shape != (W,) or (counts < 0).any() or int(counts.sum()) != x.shape[0]:
-                raise ValueError(f"{op}: send_counts must be {W} ints >= 0 summing to the rows of sendbuf "
-                                 f"({x.shape[0] if x.ndim else 0}), got {np.asarray(send_counts).tolist()}")
-            mine = (counts.tolist(), x.dtype.str, tuple(x.shape[1:]))
-        except (TypeError, ValueError) as exc:
+            from ._engine import row_signature
+            from ._validate import as_array, check_counts
+            x = self._xp.ascontiguousarray(as_array(op, "sendbuf", sendbuf, self.backend, contiguous=False))
+            counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
+            sig = {"rows": row_signature(x)}  # dtype by name too: ml_dtypes' 1-byte types share dtype.str '<V1'
+        except Exception as exc:  # noqa: BLE001 - any argument error is told to every rank before anything moves
             err = exc
-        # 1. every rank's counts, dtype and row shape (a bounded exchange; a rank's bad arguments fail every rank)
-        everyone = _agree.exchange_all(self._ctl, (mine, None if err is None else str(err)),
-                                       self.node_comm.config.timeout_s, op)
-        if err is not None:
-            raise err
-        bad = [(r, e) for r, (_, e) in enumerate(everyone) if e]
-        if bad:
-            raise ValueError(f"{op}: rank {bad[0][0]} rejected its arguments ({bad[0][1]}); nothing was exchanged")
-        if len({(d, rs) for (_, d, rs), _ in everyone}) != 1:
-            raise ValueError(f"{op}: every rank must send the same dtype and row shape, got "
-                             f"{[(d, rs) for (_, d, rs), _ in everyone]}")
-        C = np.array([c for (c, _, _), _ in everyone], np.int64)  # C[s, d] = rows s sends to d
+        # 1. every rank's counts, dtype and row shape (one bounded exchange): a rank's bad arguments are its own
+        # error there and a SymBufferRejectedError on the others; ranks whose rows differ raise ValueError
+        everyone = self._agree(op, sig, err, "every rank must send rows of the same dtype and row shape",
+                               counts.tolist() if counts is not None else None)
+        C = np.array(everyone, np.int64)  # C[s, d] = rows s sends to d
         row_shape = x.shape[1:]
         row_bytes = x.dtype.itemsize * int(np.prod(row_shape))
         recv_counts = C[:, self.rank].copy()
@@ -435,7 +428,7 @@ class HierarchicalCommunicator:
                              f"({self.world_size}), got {x.shape}")
         if err is not None:
             x = self._xp.zeros((self.world_size, 0))
-        y, _ = self._alltoallv(x, np.ones(self.world_size, np.int64), err)
+        y, _ = self._alltoallv(x, np.ones(self.world_size, np.int64), err, "HierarchicalCommunicator.alltoall")
         return y
 
     # ---- MoE: DeepEP's internode dispatch / combine -------------------------------------------------------
@@ -576,7 +569,7 @@ class HierarchicalCommunicator:
             multiple of ``world_size`` (or too many local experts for ``Config.max_notify_ints``); rows or
             ``num_topk`` of the arrays disagreeing; fp8 shapes; a row larger than the node communicator's
             ``Config.chunk_bytes``; ``handle`` from another communicator or with ``topk_idx`` / ``topk_weights`` /
-            another ``num_experts``; ``expert_alignment < 1``; ranks disagreeing on the row layout (dtype, hidden,
+            another ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; ranks disagreeing on the row layout (dtype, hidden,
             scales, ``num_topk``, choice of ``topk_weights``, ``num_experts``) or, in a cached dispatch, passing
             handles of different dispatches.
         SymBufferRejectedError
@@ -597,7 +590,8 @@ class HierarchicalCommunicator:
         chk = self._checker()
         err, sig = None, None
         try:
-            align = _moe._check_int(op, "expert_alignment", expert_alignment, minimum=1)
+            align = _moe._check_int(op, "expert_alignment", expert_alignment, minimum=1,
+                                    maximum=_moe.MAX_EXPERT_ALIGNMENT)
             if handle is not None:
                 h = self._check_handle(op, handle)
                 if topk_idx is not None or topk_weights is not None:

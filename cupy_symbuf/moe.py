@@ -236,12 +236,18 @@ def _check_array(op: str, name: str, a, comm, *, dims: Optional[Tuple[Tuple[str,
     return a  # pragma: no cover - unreachable
 
 
-def _check_int(op: str, name: str, v, *, minimum: int) -> int:
+def _check_int(op: str, name: str, v, *, minimum: int, maximum: Optional[int] = None) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{op}: {name} must be an int, got {_type_name(v)}")
     if v < minimum:
         raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{op}: {name} must be <= {maximum}, got {v}")
     return int(v)
+
+
+#: expert_alignment's bound: the aligned per-expert counts are int32 (DeepEP's num_recv_tokens_per_expert_list)
+MAX_EXPERT_ALIGNMENT = 1 << 30
 
 
 def _check_num_experts(op: str, comm, num_experts) -> int:
@@ -582,7 +588,7 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``topk_weights`` or ``scales`` disagreeing, or ``num_topk`` of ``topk_weights`` differing from
         ``topk_idx``'s; fp8 ``hidden`` not divisible by 128 or ``scales`` not ``[num_tokens, hidden // 128]``;
         ``handle`` from another communicator, or given together with ``topk_idx``/``topk_weights``/a different
-        ``num_experts``; ``expert_alignment < 1``; after the count exchange, ranks disagreeing on the row size, or
+        ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; after the count exchange, ranks disagreeing on the row size, or
         (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger
         than ``Config.chunk_bytes`` (ring slots hold whole rows; every rank raises alike, the communicator stays
         usable).
@@ -626,7 +632,7 @@ def _wire_fp8(op, comm, x, wire_dtype):
 def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
               out=None):
     xp = comm.xp
-    align = _check_int(op, "expert_alignment", expert_alignment, minimum=1)
+    align = _check_int(op, "expert_alignment", expert_alignment, minimum=1, maximum=MAX_EXPERT_ALIGNMENT)
     worst = _check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
 
     if handle is not None:

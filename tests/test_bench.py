@@ -361,3 +361,26 @@ def test_mpi_reference_refused_where_it_times_nothing(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--references mpi" in err and "covers --op alltoall and alltoallv only" in err, err
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--op", "adaptive", "--patterns", "bogus"], "'bogus' is not a pattern of --op adaptive"),
+    (["--op", "adaptive", "--patterns", "uniform,zipf"], "'zipf' is not a pattern of --op adaptive"),
+    (["--op", "adaptive", "--patterns", "zipfnan"], "'zipfnan' is not a pattern"),
+    (["--op", "adaptive", "--patterns", "zipf-1"], "'zipf-1' is not a pattern"),
+])
+def test_bad_arguments_found_before_anything_collective(argv, text, capsys):
+    """From a new-user attack: a bad --patterns of --op adaptive gave a traceback on every rank after part of the run
+    (or, for 'zipf', after the first pattern's timing); now an argparse error (exit 2) before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--backend", "host"] + argv)
+    assert e.value.code == 2
+    assert text in capsys.readouterr().err
+
+
+def test_node_size_must_divide_the_world(comm, capsys):
+    W = comm.Get_size()
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--backend", "host", "--op", "hier", "--node-size", str(W + 1)])
+    assert e.value.code == 2
+    assert "must divide the world size" in capsys.readouterr().err

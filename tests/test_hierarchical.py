@@ -69,7 +69,8 @@ def test_bad_counts_fail_on_every_rank_and_it_stays_usable(comm):
         with pytest.raises(ValueError) as info:
             h.alltoallv(x, bad)
         msg = str(info.value)
-        assert ("summing" in msg and "rejected its" not in msg) if comm.rank == 0 else "rank 0 rejected" in msg
+        assert ("must sum to the number of rows" in msg and "rejected its" not in msg) if comm.rank == 0 else \
+            "rank 0 rejected" in msg and isinstance(info.value, cs.SymBufferRejectedError)
         if W > 1:  # ranks disagreeing on the row shape
             with pytest.raises(ValueError, match="same dtype and row shape"):
                 h.alltoallv(x if comm.rank else x.reshape(W, 2, 1), np.ones(W, np.int64))
@@ -85,6 +86,35 @@ def test_bad_counts_fail_on_every_rank_and_it_stays_usable(comm):
         h.alltoall(x)
     with cs.Communicator(comm, backend="host") as c:  # nothing left over in MPI from the rejected calls
         assert c.world_size == W
+
+
+def test_alltoallv_checks_like_the_flat_one(comm):
+    """From a new-user attack: ml_dtypes' 1-byte types share dtype.str '<V1' (an fp8 e4m3fn row was taken as
+    e4m3fnuz on the other ranks: wrong data); a count too large for int64 on one rank made that rank leave before
+    the agreement (every later call out of step until the timeout); non-integer counts were truncated; a list
+    sendbuf was accepted. All now fail on every rank before anything moves, and the communicator stays usable."""
+    import ml_dtypes
+    W, me = comm.size, comm.rank
+    with HierarchicalCommunicator(comm, node_size=2 if W % 2 == 0 else 1) as h:
+        x = np.ones((W, 4), np.float32)
+        if W > 1:
+            fp8 = x.astype(ml_dtypes.float8_e4m3fn if me == 0 else ml_dtypes.float8_e4m3fnuz)
+            with pytest.raises(ValueError, match="same dtype and row shape"):
+                h.alltoallv(fp8, np.ones(W, np.int64))
+        for bad in ([2 ** 63] + [0] * (W - 1), [1.5] + [1.0] * (W - 1)):
+            with pytest.raises((TypeError, ValueError)) as info:
+                h.alltoallv(x, bad if me == 0 else np.ones(W, np.int64))
+            if me != 0:
+                assert isinstance(info.value, cs.SymBufferRejectedError) and "rank 0 rejected" in str(info.value)
+            else:
+                assert "send_counts" in str(info.value)
+        with pytest.raises((TypeError, ValueError)):
+            h.alltoallv(x.tolist() if me == 0 else x, np.ones(W, np.int64))
+        with pytest.raises((TypeError, ValueError)) as info:
+            h.alltoall(np.zeros((W + 1, 4), np.float32) if me == 0 else x)
+        assert "HierarchicalCommunicator.alltoall" in str(info.value)
+        y = h.alltoall(x * (me + 1))  # still in step
+        np.testing.assert_array_equal(y[:, 0], np.arange(1, W + 1, dtype=np.float32))
 
 
 # ---- MoE dispatch / combine over (virtual) nodes (DeepEP's internode design) ------------------------------------

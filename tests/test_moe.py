@@ -704,6 +704,9 @@ def _bad_cases():
                                   r"dispatch: argument 'topk_idx' (must be a (NumPy|CuPy) array|is a CuPy array)"),
         "expert_alignment_zero": (disp(lambda *a: {"kw": {"expert_alignment": 0}}), V,
                                   r"dispatch: expert_alignment must be >= 1"),
+        # a new-user attack: 2**70 passed the check and failed with a bare OverflowError after the rows moved
+        "expert_alignment_huge": (disp(lambda *a: {"kw": {"expert_alignment": 2 ** 70}}), V,
+                                  r"dispatch: expert_alignment must be <= 1073741824"),
         "fp8_hidden_not_multiple_of_128": (fp8(96, 0), V, r"divisible by 128"),
         "fp8_scales_shape": (fp8(256, 3), V, r"dispatch: x\[1\] \(scales\) must have shape"),
         "fp8_scales_dtype": (fp8(256, 2, np.float16), T, r"dispatch: x\[1\] \(scales\) must be float32"),
