@@ -98,15 +98,40 @@ def block_scales(xf: np.ndarray, ue8m0: bool = False) -> np.ndarray:
     return scale
 
 
+#: Launch shape of the fused GPU (de)quantiser (cuda_src/quant.cu): warps per block and a cap on the blocks (the
+#: kernels are grid-stride loops, one warp per 128-element block).
+_GPU_THREADS = 256
+_GPU_MAX_BLOCKS = 4096
+
+
+def _gpu_launch(name: str, num_blocks: int, args) -> None:
+    """Run kernel ``name`` of ``cuda_src/quant.cu`` over ``num_blocks`` 128-element blocks on the current stream."""
+    from . import _kernels
+    warps = _GPU_THREADS // 32
+    grid = max(1, min(_GPU_MAX_BLOCKS, -(-num_blocks // warps)))
+    _kernels.get_function("quant.cu", name)((grid,), (_GPU_THREADS,), args)
+
+
 def quantize_fp8(xf, ue8m0: bool = False):
     """``(q, scales)``: ``q`` uint8 e4m3 bits with ``xf``'s shape, ``scales`` float32 ``[..., hidden // 128]``.
 
     ``xf``: float32 (or anything exactly convertible: bf16 widened, fp16) array whose last axis is a multiple of
-    128. Bitwise equal to the GPU quantiser (``cuda_src/quant.cuh``)."""
+    128. Bitwise equal to the GPU quantiser (``cuda_src/quant.cuh``). On CuPy arrays it runs as one kernel
+    (``cuda_src/quant.cu``, ``symbuf_quant_fp8``: one warp per block), the NumPy arithmetic below being its
+    specification."""
     xp = _xp(xf)
     xf = xp.ascontiguousarray(xf, dtype=np.float32)
     if xf.shape[-1] % QUANT_BLOCK:
         raise ValueError(f"quantize_fp8: the last axis ({xf.shape[-1]}) must be a multiple of {QUANT_BLOCK}")
+    if xp is not np:
+        if xf.data.ptr % 16:  # a view starting inside an allocation: the kernel loads 16 bytes at a time
+            xf = xf.copy()
+        q = xp.empty(xf.shape, np.uint8)
+        scale = xp.empty(xf.shape[:-1] + (xf.shape[-1] // QUANT_BLOCK,), np.float32)
+        nb = xf.size // QUANT_BLOCK
+        if nb:
+            _gpu_launch("symbuf_quant_fp8", nb, (xf, np.int64(nb), np.int32(1 if ue8m0 else 0), q, scale))
+        return q, scale
     scale = block_scales(xf, ue8m0)
     inv = (np.float32(1.0) / scale).astype(np.float32)
     blocks = xf.reshape(xf.shape[:-1] + (xf.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
@@ -115,7 +140,22 @@ def quantize_fp8(xf, ue8m0: bool = False):
 
 
 def dequantize_fp8(q, scales) -> np.ndarray:
-    """float32 ``float(q) * scale`` per 128-element block."""
+    """float32 ``float(q) * scale`` per 128-element block (CuPy arrays: one kernel, ``symbuf_dequant_fp8``)."""
+    xp = _xp(q)
+    if xp is not np and q.ndim >= 1 and q.shape[-1] % QUANT_BLOCK == 0:
+        codes = xp.ascontiguousarray(q).view(np.uint8) if q.dtype.itemsize == 1 else xp.ascontiguousarray(
+            q.astype(np.uint8))
+        s = xp.ascontiguousarray(xp.asarray(scales, np.float32))
+        if codes.data.ptr % 4:  # the kernel loads 4 codes at a time
+            codes = codes.copy()
+        if s.data.ptr % 4:
+            s = s.copy()
+        if s.size * QUANT_BLOCK == codes.size:
+            out = xp.empty(codes.shape, np.float32)
+            nb = codes.size // QUANT_BLOCK
+            if nb:
+                _gpu_launch("symbuf_dequant_fp8", nb, (codes, s, np.int64(nb), out))
+            return out
     f = fp8_e4m3_to_float32(q)
     xp = _xp(f)
     blocks = f.reshape(f.shape[:-1] + (f.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
