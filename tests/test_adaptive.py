@@ -147,6 +147,8 @@ def test_ranks_may_differ_in_the_option_and_the_interval(comm, backend):
             got, _ = c.alltoallv(to_backend(x, backend), counts)
             np.testing.assert_array_equal(to_numpy(got), want)
         for case in CASES:
+            if case.experts() % W:
+                continue  # test_moe's cases assume a world size dividing their expert counts (1, 2, 4, 8 ranks)
             if case.name in ("zipf_bf16_top8", "one_rank_fp16_h7", "masked_fp32_top8", "align128_zipf_fp32",
                              "fp8_h384_strided_scales"):
                 for k in range(3):
@@ -198,6 +200,8 @@ def test_every_moe_case_with_work_sharing(adaptive_comm, case):
     from test_moe import run_case
     if case.cuda_only and adaptive_comm.backend != "cuda":
         pytest.skip("GPU-sized case")
+    if case.experts() % adaptive_comm.world_size:
+        pytest.skip("the case's experts do not divide among these ranks")
     for k in range(2):
         run_case(adaptive_comm, case, key=("work-sharing", k))
 
