@@ -56,7 +56,9 @@ MOE_DTYPES = ["fp32", "fp16"] + (["bf16"] if BF16 is not None else [])
 class Soak:
     def __init__(self, args):
         self.args = args
-        self.comm = Communicator(WORLD, backend=args.backend)
+        from cupy_symbuf import Config
+        cfg = Config(adaptive=True, adaptive_interval=7) if args.adaptive else Config()
+        self.comm = Communicator(WORLD, cfg, backend=args.backend)
         self.backend = self.comm.backend
         self.xp = self.comm.xp
         self.checked = 0
@@ -271,6 +273,8 @@ def main():
     ap.add_argument("--corrupt", type=int, default=-1, metavar="ITER",
                     help="self-test: flip one received bit on rank 0 at iteration ITER (must report a mismatch)")
     ap.add_argument("--report-every", type=int, default=0, help="progress line every n iterations (rank 0)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="Config(adaptive=True, adaptive_interval=7): work sharing and re-balanced home maps")
     ap.add_argument("--ops", default="alltoall,alltoallv,alltoallv_rc,moe",
                     help="operations to mix (alltoallv_rc = alltoallv with recv_counts; moe = layout, dispatch, "
                          "combine, cached dispatch)")
