@@ -32,7 +32,10 @@ case ${1:-1} in
     T 420 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TEST_BACKENDS=cuda python3 -m pytest -q \
       -p no:cacheprovider --timeout=200 tests > $OUT/suite2.log 2>&1
     echo "== [GPU suite, 2 ranks] rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/suite2.log | tail -12
-    bash .ci/device_staged.sh suite2 ;;
+    bash .ci/device_staged.sh suite2
+    T 150 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 examples/soak.py --backend cuda --iters 3000 --check-every 5 \
+      --adaptive > $OUT/soak_adaptive.log 2>&1
+    echo "== [soak --adaptive, 4 ranks, 3000 iterations] rc=$?"; tail -2 $OUT/soak_adaptive.log ;;
   3)
     bash .ci/device_issue13.sh bench
     T 120 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op dispatch --moe-tokens 4096,128 \
