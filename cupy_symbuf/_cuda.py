@@ -37,6 +37,11 @@ DESC = {n: getattr(P, n) for n in dir(P) if n.startswith("DESC_")}
 assert MAX_PARTS == 4 and MAX_PEERS == 32
 
 
+#: cudaMemcpyDefault: the direction from the addresses (UVA), for copies whose end may be device memory (ipc) or
+#: registered host memory (the staged transport)
+_MEMCPY_DEFAULT = 4
+
+
 class _Pinned:
     """Host-mapped pinned int64 array, written by kernels and read by the host without a copy (UVA)."""
 
@@ -215,7 +220,10 @@ class CudaTransport:
         params = ctypes.addressof(self._arg_ptrs)
         grid, threads = 2 * self.layout.num_channels, self.threads
         #: SYMBUF_BULK (sm_90+): dynamic shared memory of each ring-kernel block, the copy warps' bulk-copy stages
-        self.bulk_smem = bulk_shared_bytes(self._k_ring, defines)
+        # (not on the staged transport: cp.async.bulk may not read or write host memory, and every ring slot is
+        # host memory there; the kernel then takes its register copy)
+        staged = getattr(self.buf, "transport", "ipc") == "staged"
+        self.bulk_smem = 0 if staged else bulk_shared_bytes(self._k_ring, defines)
         smem = self.bulk_smem
         self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
                                                               params, 0)
@@ -432,7 +440,7 @@ class CudaTransport:
         out = np.zeros(P.HDR_WORDS, np.int64)
         rt = _compat.cupy.cuda.runtime
         rt.memcpy(out.ctypes.data, self.buf.peer_ptrs[self.rank] + self.layout.abort_offset, out.nbytes,
-                  rt.memcpyDeviceToHost)
+                  _MEMCPY_DEFAULT)  # by address: device memory (ipc) or mapped host memory (staged)
         return out
 
     def check_abort(self, op: str) -> None:
@@ -451,9 +459,9 @@ class CudaTransport:
         flag = np.ones(1, np.int64)
         off = self.layout.abort_offset
         for base in self.buf.peer_ptrs:  # synchronous copies: every rank's fields land before any flag
-            rt.memcpy(base + off + 8, fields[1:].ctypes.data, fields.nbytes - 8, rt.memcpyHostToDevice)
+            rt.memcpy(base + off + 8, fields[1:].ctypes.data, fields.nbytes - 8, _MEMCPY_DEFAULT)
         for base in self.buf.peer_ptrs:
-            rt.memcpy(base + off, flag.ctypes.data, 8, rt.memcpyHostToDevice)
+            rt.memcpy(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT)
 
     # ---- symmetric table ------------------------------------------------------------------------------------
     def sym_register(self, alloc) -> bool:
@@ -573,7 +581,7 @@ class CudaTransport:
         dst = int(recv.data.ptr)
         for j in range(self.world_size):  # this rank's own rows too (the kernel left them to the copy engine)
             rt.memcpyAsync(dst + int(plan.recv_first[j]), alloc.buffer.peer_ptrs[j] + src_off,
-                           int(plan.recv_units[j]), rt.memcpyDeviceToDevice, stream.ptr)
+                           int(plan.recv_units[j]), _MEMCPY_DEFAULT, stream.ptr)
         a = self._ce_args
         a[-1] = seq
         self._l_ce(1, 256, a, stream=stream)

@@ -286,7 +286,7 @@ def _ce_pull(c, x, expected, comm):
     def run():
         s = cp.cuda.get_current_stream().ptr
         for j in range(W):
-            rt.memcpyAsync(dst + j * n, srcs[j], n, rt.memcpyDeviceToDevice, s)
+            rt.memcpyAsync(dst + j * n, srcs[j], n, 4, s)  # cudaMemcpyDefault: device or staged host memory
     run()
     cp.cuda.get_current_stream().synchronize()
     if not comm.allreduce(bool(np.array_equal(out.get(), expected)), op=MPI.LAND):

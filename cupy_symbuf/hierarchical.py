@@ -244,8 +244,13 @@ class HierarchicalCommunicator:
                                  f"{W}, got {k!r}")
         except (ValueError, RuntimeError) as exc:
             err = exc
+        try:  # the bound of this first exchange: the node communicator's (its Config or the environment's)
+            from .config import Config
+            timeout = (config if config is not None else Config()).timeout_s
+        except (TypeError, ValueError, AttributeError):
+            timeout = 60.0  # a bad config is the node Communicator's to report
         everyone = _agree.exchange_all(comm, (None if err else (int(k), backend),
-                                              None if err is None else str(err)), 60.0, "HierarchicalCommunicator")
+                                              None if err is None else str(err)), timeout, "HierarchicalCommunicator")
         if err is not None:
             raise err
         bad = [(r, e) for r, (_, e) in enumerate(everyone) if e]
@@ -469,22 +474,43 @@ class HierarchicalCommunicator:
             raise ValueError(f"{exc}; {rule}") from None
         return [c for _, _, c in everyone]
 
-    def _rail_exchange(self, parts, send_counts, recv_counts):
+    def _rail_exchange(self, parts, send_counts, recv_counts, op: str = "HierarchicalCommunicator"):
         """Rows of the 2-D arrays ``parts`` (the same rows each, in send order: grouped by destination node) to
         the rail peers, ``send_counts[m]`` rows to node ``m``, ``recv_counts[m]`` from it, as packed bytes in one
         ``MPI.Alltoallv`` (staged through host memory on the cuda backend). Returns the received parts (arrays of
-        the backend, C-contiguous, the parts' dtypes and columns)."""
+        the backend, C-contiguous, the parts' dtypes and columns).
+
+        Before the ``Alltoallv`` (whose waits are MPI's, unbounded) the rail peers agree in one bounded exchange
+        that each has its rows ready: a rank whose packing failed, or (cuda) whose node step before it failed in
+        its kernel (``Communicator`` calls are queued; the copy to the host waits for them, then the node
+        communicator's error record is read), raises its error and the others a ``SymBufferError`` naming it,
+        instead of the others waiting forever or shipping rows a failed kernel left."""
+        from .errors import SymBufferError
         xp = self._xp
         n_send, n_recv = int(np.sum(send_counts)), int(np.sum(recv_counts))
         widths = [int(p.shape[1]) * p.dtype.itemsize for p in parts]
         rb = sum(widths)
-        packed = xp.empty((n_send, rb), np.uint8)
-        o = 0
-        for p, w in zip(parts, widths):
-            if w and n_send:
-                packed[:, o:o + w] = xp.ascontiguousarray(p).view(np.uint8).reshape(n_send, w)
-            o += w
-        sendbuf = self._to_host(packed).reshape(-1)
+        err = None
+        try:
+            packed = xp.empty((n_send, rb), np.uint8)
+            o = 0
+            for p, w in zip(parts, widths):
+                if w and n_send:
+                    packed[:, o:o + w] = xp.ascontiguousarray(p).view(np.uint8).reshape(n_send, w)
+                o += w
+            sendbuf = self._to_host(packed).reshape(-1)
+            if self.backend == "cuda":
+                self.node_comm._transport.check(op)  # a failure a queued node kernel recorded
+        except Exception as exc:  # noqa: BLE001 - told to the rail peers first
+            err = exc
+        ready = _agree.exchange_all(self._rail, None if err is None else f"{type(err).__name__}: {err}",
+                                    self.node_comm.config.timeout_s, op + " (rail)")
+        if err is not None:
+            raise err
+        bad = [(r, e) for r, e in enumerate(ready) if e]
+        if bad:
+            raise SymBufferError(f"{op}: the rank of node {bad[0][0]} on this rank's rail failed before the step "
+                                 f"between nodes ({bad[0][1]}); nothing crossed nodes")
         landed = np.empty(n_recv * rb, np.uint8)
         sc = np.asarray(send_counts, np.int64) * rb
         rc = np.asarray(recv_counts, np.int64) * rb
@@ -493,7 +519,9 @@ class HierarchicalCommunicator:
         landed = self._to_device(landed.reshape(n_recv, rb))
         out, o = [], 0
         for p, w in zip(parts, widths):
-            piece = xp.ascontiguousarray(landed[:, o:o + w])
+            # a copy always: a one-row slice counts as C-contiguous, and its view at byte o would be misaligned for
+            # the part's dtype (e.g. int64 top-k ids after 7 bf16 columns)
+            piece = landed[:, o:o + w].copy()
             out.append(piece.view(p.dtype).reshape(n_recv, p.shape[1]) if w else
                        xp.empty((n_recv, p.shape[1]), p.dtype))
             o += w
@@ -653,7 +681,7 @@ class HierarchicalCommunicator:
         rail_idx = xp.ascontiguousarray(rail_idx, dtype=np.int64)
         parts = [xv[rail_idx]] + ([scales[rail_idx]] if scales is not None else []) + [idx[rail_idx]] + \
             ([weights[rail_idx]] if weights is not None else [])
-        landed = self._rail_exchange(parts, rail_send, rail_recv)
+        landed = self._rail_exchange(parts, rail_send, rail_recv, op)
         lx = landed[0]
         ls = landed[1] if scales is not None else None
         lidx = landed[2 if scales is not None else 1]
@@ -687,7 +715,7 @@ class HierarchicalCommunicator:
     def _dispatch_cached(self, h: HierarchicalDispatchHandle, xv, scales, align: int):
         sent = h.rail_token_idx
         parts = [xv[sent]] + ([scales[sent]] if scales is not None else [])
-        landed = self._rail_exchange(parts, h.rail_send_counts, h.rail_recv_counts)
+        landed = self._rail_exchange(parts, h.rail_send_counts, h.rail_recv_counts, "HierarchicalCommunicator.dispatch")
         arg = (landed[0], landed[1]) if scales is not None else landed[0]
         nx = self.node_comm.dispatch(arg, handle=h.node_handle)[0]
         order = h.recv_order
@@ -777,7 +805,7 @@ class HierarchicalCommunicator:
         part_x, part_w = self.node_comm.combine(nx, h.node_handle, nw, dtype=dtype)
         # 2. each partial sum crosses nodes once, back to its source rank (rows grouped by the node they came from)
         parts = [part_x] + ([part_w] if part_w is not None else [])
-        back = self._rail_exchange(parts, h.rail_recv_counts, h.rail_send_counts)
+        back = self._rail_exchange(parts, h.rail_recv_counts, h.rail_send_counts, op)
         # 3. the source adds the nodes' partial sums (float32, nodes ascending), rounds once
         acc = xp.zeros((h.num_tokens, h.hidden), np.float32)
         acc_w = xp.zeros((h.num_tokens, h.num_topk), np.float32) if weights is not None else None

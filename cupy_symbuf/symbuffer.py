@@ -512,16 +512,27 @@ class SymBuffer:
             _agree.exchange_all(self.comm, _memory_verdict(self.nbytes, self.world_size, "host"), self.timeout_s,
                                 "SymBuffer construction (host memory)"), "SymBuffer")
         seg = -(-self.nbytes // _PAGE) * _PAGE  # whole pages: no two ranks' parts share one (a page registers once)
-        win = MPI.Win.Allocate_shared(seg, 1, comm=self.comm)
+        # One page more per rank, and each part starts on the first page boundary inside its allocation: MPI puts
+        # a window's parts after its own headers (Open MPI 4.1: 8 bytes past a 16-byte boundary), which would leave
+        # every ring slot, symmetric array and the low-latency kernels' 16-byte accesses misaligned. The skip is the
+        # same in every process (shared mappings start on page boundaries).
+        win = MPI.Win.Allocate_shared(seg + _PAGE if seg else 0, 1, comm=self.comm)
         _lifecycle.count("win", 1)
         win.Lock_all(MPI.MODE_NOCHECK)
         self._win = win
         bases = []
         for r in range(self.world_size):
             buf, _ = win.Shared_query(r)
-            view = np.frombuffer(buf, dtype=np.uint8) if seg else np.zeros(0, np.uint8)
+            if seg:
+                raw = np.frombuffer(buf, dtype=np.uint8)
+                skip = -int(raw.__array_interface__["data"][0]) % _PAGE
+                view = raw[skip: skip + seg]
+            else:
+                view = np.zeros(0, np.uint8)
             self._host_views.append(view[: self.nbytes])
             bases.append(int(view.__array_interface__["data"][0]) if seg else 0)
+            if seg and bases[-1] % _PAGE:
+                raise AssertionError(f"SymBuffer: internal: rank {r}'s part of the window is not page-aligned")
         self._host_views[self.rank][:] = 0
         win.Sync()
         err = None
@@ -543,10 +554,16 @@ class SymBuffer:
         self._local_ptr = ptrs[self.rank]
 
     def _free_staged(self) -> None:
-        """Unregister this process's ranges of the window, then free the window (collective)."""
+        """Unregister this process's ranges of the window, then free the window (collective). The window is freed
+        even when an unregistration fails (the peers wait in its collective free), and the first such error is
+        raised after."""
         rt = _compat.cupy.cuda.runtime
+        first = None
         for start, _size, _dev in self._registered:
-            rt.hostUnregister(start)
+            try:
+                rt.hostUnregister(start)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the collective free
+                first = first or exc
         self._registered = []
         self._host_views = []
         if self._win is not None:
@@ -554,6 +571,8 @@ class SymBuffer:
             self._win.Free()
             self._win = None
             _lifecycle.count("win", -1)
+        if first is not None:
+            raise first
 
     @property
     def ranks_per_gpu(self) -> int:

@@ -587,6 +587,46 @@ def test_bad_argument_on_one_rank_fails_everywhere(hiers, flat, other_hier, name
     _round(h, flat, CASES["fp32_top4_weights"], 11, k)
 
 
+@pytest.mark.skipif(W == 1, reason="a rail needs two nodes")
+@pytest.mark.parametrize("step", ["dispatch", "combine"])
+def test_a_failure_before_the_rail_step_fails_every_rail_peer(hiers, flat, monkeypatch, step):
+    """From a review: an error on one rank between the agreement and the rail's MPI Alltoallv (there: a failed copy
+    to the host, or a node kernel that failed) left its rail peers in MPI's unbounded wait. The rail peers now agree
+    first: the failing rank raises its error, the others SymBufferError naming it, nothing crosses nodes, and the
+    communicator works after (checked against NumPy)."""
+    h = hiers(1)  # one rank per node: every rank is on one rail with all the others
+    E, idx, x, w = _base()
+    rx, _, rw, _, hd = h.dispatch(x, idx, w, E)
+    real = h._to_host
+
+    def broken(a):  # the rail step's packed rows only (uint8 [rows, bytes]); the layout's counts go through
+        if getattr(a, "ndim", 0) == 2 and a.dtype == np.uint8:
+            raise RuntimeError("simulated failure before the rail step")
+        return real(a)
+    if RANK == BADRANK:
+        monkeypatch.setattr(h, "_to_host", broken)
+
+    def call():
+        if step == "dispatch":
+            h.dispatch(x, idx, w, E)
+        else:
+            h.combine(rx, hd, rw)
+
+    def check():
+        if RANK == BADRANK:
+            with pytest.raises(RuntimeError, match="simulated failure"):
+                call()
+        else:
+            with pytest.raises(cs.SymBufferError, match=rf"node {BADRANK} on this rank's rail failed before the step "
+                                                        rf"between nodes \(RuntimeError: simulated failure"):
+                call()
+    try:
+        all_ranks(check)
+    finally:
+        monkeypatch.setattr(h, "_to_host", real)
+    _round(h, flat, CASES["fp32_top4_weights"], 13, 1)
+
+
 def test_dispatch_after_close_raises():
     E, idx, x, w = _base()
     with HierarchicalCommunicator(WORLD, node_size=1) as h:
