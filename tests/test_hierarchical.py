@@ -286,6 +286,8 @@ CASES = {  # name: (dtype, num_experts per rank, topk, hidden, weights, align, r
     "fp16_top2_no_weights_skip_last": ("fp16", 2, 2, 8, False, 1, "skip_last"),
     "bf16raw_top3": ("bf16raw", 4, 3, 7, True, 1, "random"),
     "fp8_top4": ("fp8", 4, 4, 256, True, 1, "random"),
+    # one token a rank (decode): a rail carries a single row, whose unpacked parts were misaligned views on the GPU
+    "bf16raw_top3_one_token": ("bf16raw", 4, 3, 7, True, 1, "random", 1),
 }
 
 
@@ -302,10 +304,12 @@ def _round(h, fl, case, seed, k, dev=lambda a: a):
     """One dispatch + combine + cached dispatch of fresh random data on h (k ranks a node) and on the flat fl;
     everything checked against the reference and the flat results; inputs and outputs poisoned in between.
     ``dev``: NumPy -> the backend's arrays (the GPU tests: CuPy)."""
-    dtype, epr, K, H, with_w, align, kind = case
+    dtype, epr, K, H, with_w, align, kind = case[:7]
     rng = np.random.default_rng([seed, RANK, W, k])
     E = epr * W
     T = 0 if RANK == W - 1 and seed % 2 else int(rng.integers(12, 40))  # the last rank empty every other round
+    if len(case) > 7:
+        T = case[7]
     idx = routing(rng, T, E, K, kind)
     x = values(rng, (T, H), dtype)
     scales = rng.uniform(0.5, 2, (T, H // 128)).astype(np.float32) if dtype == "fp8" else None
@@ -676,7 +680,8 @@ def gpu_comms():
 
 @gpu
 @pytest.mark.parametrize("k", _splits(W))
-@pytest.mark.parametrize("name", ["fp32_top4_weights", "fp16_top2_no_weights_skip_last", "bf16raw_top3"])
+@pytest.mark.parametrize("name", ["fp32_top4_weights", "fp16_top2_no_weights_skip_last", "bf16raw_top3",
+                                  "bf16raw_top3_one_token", "fp8_top4"])
 def test_gpu_dispatch_combine_match_flat_and_numpy(gpu_comms, name, k):
     """The same rounds as the host test with CuPy arrays in and out, against NumPy and the flat GPU communicator."""
     get, flat_gpu = gpu_comms
