@@ -75,9 +75,18 @@ def _host(a):
 
 
 def run(c, comm, timer, args, sizes) -> list:
+    """Every ``--moe-tokens`` value in turn (see the module docstring); the rows, one per (tokens, pattern, op,
+    engine)."""
+    results = []
+    for tokens in [int(t) for t in str(args.moe_tokens).split(",")]:
+        results += _run(c, comm, timer, args, tokens)
+    return results
+
+
+def _run(c, comm, timer, args, tokens: int) -> list:
+    """One ``--moe-tokens`` value: every pattern, static and adaptive interleaved."""
     from .communicator import Communicator
     W, me, xp = c.world_size, c.rank, c.xp
-    tokens = int(str(args.moe_tokens).split(",")[0])
     H, E, K = args.hidden, args.num_experts, args.topk
     dtype = np.dtype(args.dtype)
     patterns = check_patterns(args.patterns)

@@ -33,7 +33,11 @@ def run(c, comm, timer, args, sizes) -> list:
     k = args.node_size or W
     results = []
     xp = c.xp
-    with HierarchicalCommunicator(comm, node_size=k, backend=c.backend) as h:
+    import dataclasses
+    # the bench's own Config (its --num-sms / --chunk-bytes / --num-slots / --mode / --adaptive), resolved by the
+    # node communicator for its k ranks
+    cfg = dataclasses.replace(c.config, num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, num_slots=args.num_slots)
+    with HierarchicalCommunicator(comm, cfg, node_size=k, backend=c.backend) as h:
         if me == 0:
             print(f"# hierarchical: {h.num_nodes} node(s) of {k} rank(s); between them MPI, inside our channels")
             print(f"{'size/rank':>10} {'engine':>12} {'loop_us':>10} {'algbw_GB/s':>11}")
