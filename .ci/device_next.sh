@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The next GPU session's first device calls (written in the fourth session, which had no device): the GPU code of
-# issues 13 and 14 that has never run on a GPU. One call each (under 10 minutes); every log goes into one tarball
-# in $OUT (the device returns only a few files), the summary lines to stdout.
-# Usage: bash .ci/device_next.sh 1    call 1: correctness (adaptive 4 + 8 ranks, staged 2 ranks, hierarchical
-#                                            2 x 2 on one GPU under MPS, repeats of the adaptive tests)
-#        bash .ci/device_next.sh 2    call 2: the GPU suite at 2 ranks with adaptive-free defaults (regression of the
-#                                            merged tree), the staged transport forced over the suite
-#        bash .ci/device_next.sh 3    call 3: numbers (bench --op adaptive at 2/4/8 ranks, uniform alltoall with and
-#                                            without work sharing, fp8 dispatch, staged vs ipc bench, hierarchical
-#                                            GPU bench)
-# Read: every stage prints "== [what] rc=N" and then pytest's summary or the bench rows.
+# The next GPU session's device calls (written in the fourth session, which had no device): the GPU code that has
+# never run on a GPU (issue 13's work-sharing ring kernel, issue 14's staged transport and hierarchical GPU form,
+# the fused fp8 kernels). One H200, ranks under MPS. Each call keeps its stage timeouts under ~540 s in all, so
+# that the device's 600 s limit never cuts it before the logs are packed: every log goes into one tarball in $OUT
+# (the device returns only a few files), the summary lines to stdout ("== [what] rc=N", then pytest's summary or
+# the bench rows). Run 1 first: a hang or a wrong result there decides what 2 and 3 are worth.
+# Usage: bash .ci/device_next.sh 1    correctness of the new GPU code (about 7-8 minutes)
+#        bash .ci/device_next.sh 2    numbers: bench --op adaptive, alltoall with / without work sharing, fp8 wire
+#                                     dispatch, hierarchical and staged benches (about 7-8 minutes)
+#        bash .ci/device_next.sh 3    the whole GPU suite at 2 ranks (regression of the merged tree), then the
+#                                     suite with the staged transport forced, as far as the time allows
 set -uo pipefail
 REAL_OUT=${OUT:-/tmp}
 export OUT=/tmp/devlogs
@@ -17,34 +17,47 @@ mkdir -p $OUT
 cd "$(dirname "$0")/.."
 source .ci/device_env.sh
 nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started"
-T() { local t=$1; shift; timeout $t "$@"; }
+df -h /dev/shm | tail -1  # the staged transport's window lives there (about 48 MiB per rank)
+G="-x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TEST_BACKENDS=cuda"
+PT="python3 -m pytest -q -p no:cacheprovider"
+run() {  # run NAME SECONDS command...: the log in $OUT/NAME.log, the last lines here
+  local name=$1 t=$2; shift 2
+  timeout $t "$@" > $OUT/$name.log 2>&1
+  echo "== [$name] rc=$?"; grep -vE "^$|it/s" $OUT/$name.log | tail -${TAIL:-4}
+}
 case ${1:-1} in
   1)
-    bash .ci/device_issue13.sh sass tests
-    T 150 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TEST_BACKENDS=cuda python3 -m pytest -q -x \
-      -p no:cacheprovider --timeout=120 tests/test_hierarchical.py > $OUT/hier4.log 2>&1
-    echo "== [test_hierarchical.py, 4 ranks on cuda (2 x 2 virtual nodes)] rc=$?"; tail -4 $OUT/hier4.log
-    T 120 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TEST_BACKENDS=cuda python3 -m pytest -q -x \
-      -p no:cacheprovider --timeout=100 tests/test_wire.py tests/test_delta.py > $OUT/wire2.log 2>&1
-    echo "== [test_wire.py + test_delta.py, 2 ranks on cuda: the fused fp8 kernels] rc=$?"; tail -3 $OUT/wire2.log
-    bash .ci/device_staged.sh fake staged2 ;;
+    bash .ci/device_issue13.sh sass
+    run adaptive4 110 $MPIRUN -n 4 $G $PT -x --timeout=100 tests/test_adaptive.py
+    run adaptive8 100 $MPIRUN -n 8 $G $PT -x --timeout=100 tests/test_adaptive.py
+    run adaptive4_repeat 50 $MPIRUN -n 4 $G $PT -x --timeout=50 tests/test_adaptive.py -k "skewed or differ"
+    run hier4 80 $MPIRUN -n 4 $G $PT -x --timeout=80 tests/test_hierarchical.py
+    run wire2 50 $MPIRUN -n 2 $G $PT -x --timeout=40 tests/test_wire.py tests/test_delta.py
+    run staged1 30 env CUDA_VISIBLE_DEVICES=0 CUPY_SYMBUF_TEST_BACKENDS=cuda $PT -x --timeout=30 tests/test_staged.py
+    run staged2 60 $MPIRUN -n 2 $G $PT -x --timeout=50 tests/test_staged.py
+    run soak_adaptive 45 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 examples/soak.py --backend cuda \
+      --iters 2000 --check-every 5 --adaptive ;;
   2)
-    T 420 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TEST_BACKENDS=cuda python3 -m pytest -q \
-      -p no:cacheprovider --timeout=200 tests > $OUT/suite2.log 2>&1
-    echo "== [GPU suite, 2 ranks] rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/suite2.log | tail -12
-    bash .ci/device_staged.sh suite2
-    T 150 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 examples/soak.py --backend cuda --iters 3000 --check-every 5 \
-      --adaptive > $OUT/soak_adaptive.log 2>&1
-    echo "== [soak --adaptive, 4 ranks, 3000 iterations] rc=$?"; tail -2 $OUT/soak_adaptive.log ;;
+    TAIL=22 run bench_adaptive4 110 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench \
+      --op adaptive --moe-tokens 4096 --iters 100 --warmup 5
+    TAIL=22 run bench_adaptive8 110 $MPIRUN -n 8 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench \
+      --op adaptive --moe-tokens 4096 --iters 100 --warmup 5
+    for a in "" --adaptive; do
+      TAIL=8 run a2a4$a 50 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --sizes 1M,16M,128M \
+        --iters 20 --warmup 3 --no-reference --no-energy $a
+    done
+    TAIL=16 run fp8 70 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op dispatch \
+      --moe-tokens 4096,128 --wire fp8 --iters 50 --warmup 5 --no-energy
+    TAIL=16 run hier_bench 60 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op hier \
+      --node-size 2 --sizes 1M,16M --moe-tokens 128,1024 --iters 20 --warmup 3
+    for t in ipc staged; do
+      TAIL=8 run a2a_$t 40 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --sizes 1M,16M \
+        --iters 20 --warmup 3 --no-reference --no-energy --transport $t
+    done ;;
   3)
-    bash .ci/device_issue13.sh bench
-    T 120 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op dispatch --moe-tokens 4096,128 \
-      --wire fp8 --iters 50 --warmup 5 --no-energy > $OUT/fp8.log 2>&1
-    echo "== [dispatch --wire fp8 (fused quantiser)] rc=$?"; grep -vE "^$|it/s" $OUT/fp8.log | tail -16
-    bash .ci/device_staged.sh bench
-    T 120 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 -m cupy_symbuf.bench --op hier --node-size 2 --backend cuda \
-      --sizes 1M,16M --moe-tokens 128,1024 --iters 20 --warmup 3 > $OUT/hier_bench.log 2>&1
-    echo "== [bench --op hier, cuda, 2 x 2] rc=$?"; grep -vE "^$|it/s" $OUT/hier_bench.log | tail -16 ;;
+    TAIL=12 run suite2 330 $MPIRUN -n 2 $G $PT --timeout=200 tests
+    TAIL=12 run suite2_staged 200 $MPIRUN -n 2 $G -x CUPY_SYMBUF_TRANSPORT=staged $PT --timeout=100 \
+      tests/test_alltoall.py tests/test_symmetric.py tests/test_moe.py tests/test_low_latency.py ;;
 esac
 echo quit | nvidia-cuda-mps-control 2>/dev/null
 tar czf $REAL_OUT/logs_call${1:-1}.tgz -C $OUT . 2>/dev/null && echo "logs: logs_call${1:-1}.tgz"
