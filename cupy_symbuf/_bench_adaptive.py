@@ -15,8 +15,8 @@ bitwise equal to the static one's (which the test suite checks against NumPy).
 
 Columns: ``p50_us``, ``p99_us``, ``p99_gain`` (static p99 / adaptive p99; the issue's target is >= 1.3 on the
 skewed patterns and no loss beyond the run-to-run spread on uniform), ``imbalance`` (the busiest peer's bytes over
-the mean, from ``channel_stats``), ``stolen`` (the share of ring chunks copied by a warp of another group: GPU work
-sharing only) and ``workers_hot`` (warps starting on the hottest peer's stream after re-balancing).
+the mean, from ``channel_stats``), ``stolen`` (JSON ``stolen_share``: the share of ring chunks copied by a warp of
+another group; GPU work sharing only) and ``workers_hot`` (warps starting on the hottest peer's stream after re-balancing).
 """
 from __future__ import annotations
 
@@ -138,7 +138,8 @@ def _run(c, comm, timer, args, tokens: int) -> list:
                 for r in range(iters // 10):
                     for name in (("static", "adaptive") if r % 2 == 0 else ("adaptive", "static")):
                         cc = c if name == "static" else ca
-                        samples[name].append(timer.samples(fns[name], 10, 2 if r == 0 else 0, comm, cc.synchronize))
+                        samples[name].append(timer.samples(fns[name], 10, args.warmup if r == 0 else 0, comm,
+                                                           cc.synchronize))
                 st = ca.channel_stats()
                 per_peer = np.asarray(st["send"]["bytes_per_peer"])
                 chunks = np.asarray(st["send"]["chunks"]).sum() + np.asarray(st["recv"]["chunks"]).sum()

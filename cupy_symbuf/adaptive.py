@@ -162,7 +162,8 @@ class ChannelLoad:
 
     ``totals``: int64 ``[2 (send, recv), num_channels, world_size, LOAD_WORDS]``: bytes of each stream's channel
     share, ring chunks, and (GPU work sharing) chunks copied by warps of another group. ``adaptive``: re-balance
-    the map every ``interval`` eager calls; off, the counters are still kept (``Communicator.channel_stats``)."""
+    the map every ``interval`` eager calls; off, only the bytes per peer are kept (``peer_bytes``;
+    ``Communicator.channel_stats``)."""
 
     def __init__(self, world_size: int, rank: int, num_channels: int, *, adaptive: bool, interval: int):
         self.world_size, self.rank, self.num_channels = world_size, rank, num_channels

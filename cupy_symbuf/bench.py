@@ -419,8 +419,8 @@ def _parser() -> argparse.ArgumentParser:
                          "cupy_symbuf._bench_alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "
                          "p99, cupy_symbuf._bench_moe) or delta (DeltaExchange against the plain alltoall, "
                          "cupy_symbuf._bench_delta) or hier (the hierarchical all-to-all over --node-size virtual "
-                         "nodes beside the flat one and MPI, host; cupy_symbuf._bench_hier) or adaptive (MoE "
-                         "dispatch / combine on skewed routing, Config(adaptive=True) against the static split, "
+                         "nodes beside the flat one and MPI; cupy_symbuf._bench_hier) or adaptive (MoE "
+                         "dispatch / cached dispatch / combine on skewed routing, Config(adaptive=True) against the static split, "
                          "interleaved, p50 / p99; cupy_symbuf._bench_adaptive)")
     ap.add_argument("--node-size", type=_int_at_least(1), default=None,
                     help="--op hier: ranks per virtual node (default: CUPY_SYMBUF_NODE_SIZE, else all)")
