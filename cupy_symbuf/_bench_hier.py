@@ -39,7 +39,8 @@ def run(c, comm, timer, args, sizes) -> list:
     cfg = dataclasses.replace(c.config, num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, num_slots=args.num_slots)
     with HierarchicalCommunicator(comm, cfg, node_size=k, backend=c.backend) as h:
         if me == 0:
-            print(f"# hierarchical: {h.num_nodes} node(s) of {k} rank(s); between them MPI, inside our channels")
+            print(f"# hierarchical: {h.num_nodes} node(s) of {k} rank(s); between them {h.inter_node.upper()}, "
+                  f"inside our channels")
             print(f"{'size/rank':>10} {'engine':>12} {'loop_us':>10} {'algbw_GB/s':>11}")
         for size in sizes:
             per_peer = max(1, size // W)
@@ -65,7 +66,7 @@ def run(c, comm, timer, args, sizes) -> list:
                     raise RuntimeError(f"bench --op hier: {name} gave wrong data at {_fmt(W * per_peer)}")
                 t = timer.time_loop(fn, args.iters, args.warmup, comm, c.synchronize)
                 results.append({"op": "hier", "engine": name, "size_per_rank": W * per_peer,
-                                "loop_us": t * 1e6, "node_size": k, "world_size": W})
+                                "loop_us": t * 1e6, "node_size": k, "world_size": W, "inter_node": h.inter_node})
                 if me == 0:
                     print(f"{_fmt(W * per_peer):>10} {name:>12} {t * 1e6:10.1f} {W * per_peer / t / 1e9:11.2f}")
         results += _moe(h, c, comm, timer, args, k)
@@ -153,7 +154,8 @@ def _moe(h, c, comm, timer, args, k) -> list:
             p50 = float(np.percentile(samples, 50))
             loop = timer.time_loop(fn, args.iters, args.warmup, comm, c.synchronize)
             results.append({"op": "hier-moe", "engine": name, "tokens": tokens, "hidden": H, "dtype": dtype.name,
-                            "num_experts": E, "topk": K, "node_size": k, "world_size": W, "p50_us": p50 * 1e6,
+                            "num_experts": E, "topk": K, "node_size": k, "world_size": W, "inter_node": h.inter_node,
+                            "p50_us": p50 * 1e6,
                             "loop_us": loop * 1e6, "internode_KB": kb})
             if me == 0:
                 print(f"{tokens:7d} {name:>22} {p50 * 1e6:10.1f} {loop * 1e6:10.1f} {kb:13.1f}")

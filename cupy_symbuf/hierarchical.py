@@ -51,6 +51,13 @@ __all__ = ["HierarchicalCommunicator", "HierarchicalDispatchHandle", "node_size_
 
 #: Backends of the node communicator.
 BACKENDS = ("host", "cuda", "auto")
+#: What carries the step between nodes (HierarchicalCommunicator's ``inter_node``).
+INTER_NODE = ("auto", "mpi", "nccl")
+
+
+def _address(a) -> int:
+    """The data address of a NumPy or CuPy array."""
+    return int(a.data.ptr) if hasattr(a.data, "ptr") else int(a.__array_interface__["data"][0])
 
 
 def node_size_from_env() -> Optional[int]:
@@ -195,6 +202,15 @@ class HierarchicalCommunicator:
         kernels and the step between nodes is staged through host memory (device -> NumPy, ``MPI.Alltoallv``,
         NumPy -> device). ``"auto"``: ``"cuda"`` where CuPy sees a GPU, else ``"host"``. Every rank must resolve
         to the same backend.
+    inter_node : {"auto", "mpi", "nccl"}
+        What carries the step between nodes. ``"mpi"``: ``MPI.Alltoallv`` over the rail (on the cuda backend
+        staged through host memory: the MPI here need not be CUDA-aware). ``"nccl"`` (cuda only): NCCL grouped
+        send / receive over the rail on the current stream, device memory to device memory (CuPy's binding; one
+        NCCL communicator per rail, made at construction); it needs every rail's ranks on distinct GPUs (NCCL
+        refuses two ranks on one GPU, as under MPS). ``"auto"`` (default): ``"nccl"`` where that holds on every
+        rail and CuPy has NCCL, else ``"mpi"``. The choice is the same on every rank (agreed at construction);
+        ``"nccl"`` where it cannot run is a ``ValueError`` on every rank. Design: DeepEP's internode kernels move
+        the same bytes over RDMA; NCCL point-to-point is the existing engine for it here.
 
     Attributes
     ----------
@@ -202,6 +218,8 @@ class HierarchicalCommunicator:
         This rank's node and index in it, the number of nodes and ranks per node.
     backend : str
         ``"host"`` or ``"cuda"``.
+    inter_node : str
+        ``"mpi"`` or ``"nccl"``: what carries the step between nodes.
     node_comm : Communicator
         The node's communicator (our channels).
 
@@ -218,7 +236,8 @@ class HierarchicalCommunicator:
     The GPU form is written but has not yet run on a GPU (issue 14); the host form is the tested one.
     """
 
-    def __init__(self, comm, config=None, *, node_size: Optional[int] = None, backend: str = "host"):
+    def __init__(self, comm, config=None, *, node_size: Optional[int] = None, backend: str = "host",
+                 inter_node: str = "auto"):
         from .communicator import Communicator
         from .symbuffer import resolve_backend
         W, me = comm.Get_size(), comm.Get_rank()
@@ -227,6 +246,9 @@ class HierarchicalCommunicator:
         try:
             if not isinstance(backend, str) or backend not in BACKENDS:
                 raise ValueError(f"HierarchicalCommunicator: backend must be one of {BACKENDS}, got {backend!r}")
+            if not isinstance(inter_node, str) or inter_node not in INTER_NODE:
+                raise ValueError(f"HierarchicalCommunicator: inter_node must be one of {INTER_NODE}, got "
+                                 f"{inter_node!r}")
             backend = resolve_backend(backend)
             if k is None:
                 k = node_size_from_env()
@@ -271,14 +293,78 @@ class HierarchicalCommunicator:
         self._ctl = comm.Dup()  # our bounded exchanges and count steps, apart from the user's traffic on comm
         self._node_mpi = comm.Split(self.node, self.local_rank)
         self._rail = comm.Split(self.local_rank, self.node)  # ranks with this local index, one per node
+        self._nccl = None
         try:
             self.node_comm = Communicator(self._node_mpi, config, backend=backend)
+            self.inter_node = self._choose_inter_node(inter_node)
         except BaseException:
+            if getattr(self, "node_comm", None) is not None:
+                self.node_comm.close()
             self._ctl.Free()
             self._node_mpi.Free()
             self._rail.Free()
             raise
         self._closed = False
+
+    def _choose_inter_node(self, want: str) -> str:
+        """The engine of the step between nodes (see ``inter_node``), the same on every rank: every rank's reason
+        why NCCL cannot carry its rail (or None) is gathered, then the rail's NCCL communicator is made."""
+        why = None
+        if self.backend != "cuda":
+            why = "the host backend moves host memory"
+        elif want != "mpi":
+            try:
+                import importlib
+                importlib.import_module("cupy.cuda.nccl")
+                gpu = _compat.cupy.cuda.Device().pci_bus_id
+            except Exception as exc:  # noqa: BLE001 - the reason is told to every rank
+                why, gpu = f"CuPy's NCCL binding is not available ({type(exc).__name__}: {exc})", None
+            if why is None:
+                gpus = self._rail.allgather(gpu)
+                if len(set(gpus)) != len(gpus):
+                    why = f"two ranks of a rail share a GPU ({gpus}); NCCL refuses two ranks on one GPU"
+        if want == "mpi":
+            return "mpi"
+        reasons = _agree.exchange_all(self._ctl, why, self.node_comm.config.timeout_s,
+                                      "HierarchicalCommunicator (inter_node)")
+        bad = next(((r, w) for r, w in enumerate(reasons) if w), None)
+        if bad is not None:
+            if want == "nccl":
+                raise ValueError(f"HierarchicalCommunicator: inter_node='nccl' cannot run: rank {bad[0]}: {bad[1]}")
+            return "mpi"
+        from cupy.cuda import nccl
+        uid = self._rail.bcast(nccl.get_unique_id() if self.node == 0 else None, root=0)
+        self._nccl = nccl.NcclCommunicator(self.num_nodes, uid, self.node)  # rail rank = node index
+        return "nccl"
+
+    def _rail_bytes(self, send, send_bytes, recv_bytes):
+        """The step between nodes for flat uint8 ``send`` (grouped by destination node, ``send_bytes[m]`` bytes to
+        rank ``(m, local_rank)``): returns the flat uint8 bytes received, grouped by source node. MPI: one
+        ``Alltoallv`` of host memory (``send`` is copied to the host first when it is a device array); the result
+        is NumPy. NCCL: grouped ``send`` / ``recv`` per rail peer on the current stream; ``send`` must be of the
+        backend's array module and so is the result."""
+        sc, rc = np.asarray(send_bytes, np.int64), np.asarray(recv_bytes, np.int64)
+        so, ro = _offsets(sc), _offsets(rc)
+        if self._nccl is None:
+            host = self._to_host(send)
+            landed = np.empty(int(rc.sum()), np.uint8)
+            self._rail.Alltoallv([host, (sc, so[:-1]), MPI.BYTE], [landed, (rc, ro[:-1]), MPI.BYTE])
+            return landed
+        from cupy.cuda import nccl
+        xp = self._xp
+        landed = xp.empty(int(rc.sum()), np.uint8)
+        sp, rp = _address(send), _address(landed)
+        stream = _compat.cupy.cuda.get_current_stream().ptr if xp is not np else 0
+        nccl.groupStart()
+        try:
+            for m in range(self.num_nodes):
+                if sc[m]:
+                    self._nccl.send(sp + int(so[m]), int(sc[m]), nccl.NCCL_UINT8, m, stream)
+                if rc[m]:
+                    self._nccl.recv(rp + int(ro[m]), int(rc[m]), nccl.NCCL_UINT8, m, stream)
+        finally:
+            nccl.groupEnd()
+        return landed
 
     # ---- the array module: the one place that knows host from device ----------------------------------------
     @property
@@ -368,14 +454,11 @@ class HierarchicalCommunicator:
         by_node = counts.reshape(N, k).sum(axis=1)
         rail_recv = np.array([C[m * k + self.local_rank, self.node * k: (self.node + 1) * k].sum()
                               for m in range(N)], np.int64)  # what (m, l) sends to us
-        host_x = self._to_host(x)
-        flat = host_x.reshape(host_x.shape[0], -1).view(np.uint8).reshape(-1) if x.size else np.zeros(0, np.uint8)
-        landed = np.empty(int(rail_recv.sum()) * row_bytes, np.uint8)
-        sdispl = np.concatenate([[0], np.cumsum(by_node)[:-1]]) * row_bytes
-        rdispl = np.concatenate([[0], np.cumsum(rail_recv)[:-1]]) * row_bytes
-        self._rail.Alltoallv([flat, (by_node * row_bytes, sdispl), MPI.BYTE],
-                             [landed, (rail_recv * row_bytes, rdispl), MPI.BYTE])
-        landed = landed.reshape(-1, row_bytes) if row_bytes else np.zeros((int(rail_recv.sum()), 0), np.uint8)
+        lx = x if self._nccl is not None else self._to_host(x)  # NCCL moves device memory, MPI host memory
+        lxp = xp if self._nccl is not None else np
+        flat = lx.reshape(lx.shape[0], -1).view(np.uint8).reshape(-1) if x.size else lxp.zeros(0, np.uint8)
+        landed = self._rail_bytes(flat, by_node * row_bytes, rail_recv * row_bytes)
+        landed = landed.reshape(-1, row_bytes) if row_bytes else lxp.zeros((int(rail_recv.sum()), 0), np.uint8)
         # landed holds, per source node m (rank (m, l)), rows for our node's ranks l' = 0..k-1 in order
         # 3. inside the node: forward each row to its local destination, grouped by destination, then by source node
         pieces, fwd_counts = [], np.zeros(k, np.int64)
@@ -387,7 +470,7 @@ class HierarchicalCommunicator:
                 lo = int(starts[m] + block[:lp].sum())
                 pieces.append(landed[lo: lo + int(block[lp])])
                 fwd_counts[lp] += int(block[lp])
-        fwd = np.concatenate(pieces) if pieces else np.zeros((0, row_bytes), np.uint8)
+        fwd = lxp.concatenate(pieces) if pieces else lxp.zeros((0, row_bytes), np.uint8)
         got, got_counts = self.node_comm.alltoallv(self._to_device(fwd), fwd_counts)
         # got: from each local rank l (in order), rows of sources (m, l) for m = 0..N-1, in that order
         # 4. source-rank order: global source g = m * k + l
@@ -498,7 +581,7 @@ class HierarchicalCommunicator:
                 if w and n_send:
                     packed[:, o:o + w] = xp.ascontiguousarray(p).view(np.uint8).reshape(n_send, w)
                 o += w
-            sendbuf = self._to_host(packed).reshape(-1)
+            sendbuf = (packed if self._nccl is not None else self._to_host(packed)).reshape(-1)
             if self.backend == "cuda":
                 self.node_comm._transport.check(op)  # a failure a queued node kernel recorded
         except Exception as exc:  # noqa: BLE001 - told to the rail peers first
@@ -511,11 +594,8 @@ class HierarchicalCommunicator:
         if bad:
             raise SymBufferError(f"{op}: the rank of node {bad[0][0]} on this rank's rail failed before the step "
                                  f"between nodes ({bad[0][1]}); nothing crossed nodes")
-        landed = np.empty(n_recv * rb, np.uint8)
-        sc = np.asarray(send_counts, np.int64) * rb
-        rc = np.asarray(recv_counts, np.int64) * rb
-        self._rail.Alltoallv([sendbuf, (sc, _offsets(sc)[:-1]), MPI.BYTE],
-                             [landed, (rc, _offsets(rc)[:-1]), MPI.BYTE])
+        landed = self._rail_bytes(sendbuf, np.asarray(send_counts, np.int64) * rb,
+                                  np.asarray(recv_counts, np.int64) * rb)
         landed = self._to_device(landed.reshape(n_recv, rb))
         out, o = [], 0
         for p, w in zip(parts, widths):
@@ -597,9 +677,9 @@ class HierarchicalCommunicator:
             multiple of ``world_size`` (or too many local experts for ``Config.max_notify_ints``); rows or
             ``num_topk`` of the arrays disagreeing; fp8 shapes; a row larger than the node communicator's
             ``Config.chunk_bytes``; ``handle`` from another communicator or with ``topk_idx`` / ``topk_weights`` /
-            another ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; ranks disagreeing on the row layout (dtype, hidden,
-            scales, ``num_topk``, choice of ``topk_weights``, ``num_experts``) or, in a cached dispatch, passing
-            handles of different dispatches.
+            another ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; ranks disagreeing on the row
+            layout (dtype, hidden, scales, ``num_topk``, choice of ``topk_weights``, ``num_experts``) or, in a
+            cached dispatch, passing handles of different dispatches.
         SymBufferRejectedError
             (a ``ValueError``) on the other ranks when one rank rejected its arguments.
 
@@ -837,6 +917,9 @@ class HierarchicalCommunicator:
         try:
             self.node_comm.close()
         finally:
+            if self._nccl is not None:
+                self._nccl.destroy()
+                self._nccl = None
             self._node_mpi.Free()
             self._rail.Free()
             self._ctl.Free()

@@ -707,3 +707,71 @@ def test_gpu_alltoallv_matches_numpy(gpu_comms, k):
         np.testing.assert_array_equal(_np(got).view(np.uint8), want.view(np.uint8))
     with pytest.raises(TypeError, match="HierarchicalCommunicator.alltoallv: argument 'sendbuf' must be a CuPy"):
         h.alltoallv(send, counts)  # NumPy on the cuda backend: refused on every rank alike
+
+
+class _FakeNccl:
+    """CuPy's NCCL binding as the rail step uses it (groupStart, send, recv, groupEnd, NCCL_UINT8, destroy), over
+    host memory: the grouped sends / receives run as MPI Isend / Irecv on the rail at groupEnd. Lets the host tests
+    check the NCCL branch's offsets and counts (the real one needs GPUs on distinct devices)."""
+
+    NCCL_UINT8 = 7
+
+    def __init__(self, rail):
+        self.rail, self.ops, self.destroyed = rail, [], False
+
+    # the module's functions
+    def groupStart(self):
+        self.ops = []
+
+    def groupEnd(self):
+        import ctypes
+        reqs, keep = [], []
+        for kind, addr, n, peer in self.ops:
+            buf = (ctypes.c_uint8 * n).from_address(addr)
+            keep.append(buf)
+            reqs.append(self.rail.Isend([buf, MPI.BYTE], dest=peer, tag=91) if kind == "send" else
+                        self.rail.Irecv([buf, MPI.BYTE], source=peer, tag=91))
+        MPI.Request.Waitall(reqs)
+        self.ops = []
+
+    # the communicator's methods
+    def send(self, addr, n, dtype, peer, stream):
+        assert dtype == self.NCCL_UINT8 and stream == 0 and n > 0
+        self.ops.append(("send", addr, n, peer))
+
+    def recv(self, addr, n, dtype, peer, stream):
+        assert dtype == self.NCCL_UINT8 and stream == 0 and n > 0
+        self.ops.append(("recv", addr, n, peer))
+
+    def destroy(self):
+        self.destroyed = True
+
+
+@pytest.mark.parametrize("k", _splits(W))
+def test_nccl_rail_branch_moves_the_same_bytes(flat, monkeypatch, k):
+    """The inter_node='nccl' branch of the step between nodes (grouped send / recv per rail peer), run on the host
+    with a fake NCCL that moves the bytes by MPI: alltoallv, dispatch, cached dispatch and combine equal NumPy and
+    the flat communicator, as over MPI; the rail communicator is destroyed at close."""
+    import sys
+    import types
+    h = HierarchicalCommunicator(WORLD, node_size=k)
+    assert h.inter_node == "mpi"  # the host backend: MPI
+    fake = _FakeNccl(h._rail)
+    cuda_pkg = types.SimpleNamespace(nccl=fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", fake)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda_pkg)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda_pkg))
+    h._nccl, h.inter_node = fake, "nccl"
+    try:
+        rng = rng_for(WORLD, 91 + k)
+        counts = rng.integers(0, 5, W)
+        send = random_rows(rng, int(counts.sum()), (3,), np.float32)
+        want, want_counts = reference_alltoallv(WORLD, send, counts)
+        got, got_counts = h.alltoallv(send, counts)
+        np.testing.assert_array_equal(got_counts, want_counts)
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        for name in ("fp32_top4_weights", "bf16raw_top3_one_token"):
+            _round(h, flat, CASES[name], 17, k)
+    finally:
+        h.close()
+    assert fake.destroyed
