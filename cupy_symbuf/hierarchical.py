@@ -271,7 +271,7 @@ class HierarchicalCommunicator:
             timeout = (config if config is not None else Config()).timeout_s
         except (TypeError, ValueError, AttributeError):
             timeout = 60.0  # a bad config is the node Communicator's to report
-        everyone = _agree.exchange_all(comm, (None if err else (int(k), backend),
+        everyone = _agree.exchange_all(comm, (None if err else (int(k), backend, inter_node),
                                               None if err is None else str(err)), timeout, "HierarchicalCommunicator")
         if err is not None:
             raise err
@@ -283,6 +283,8 @@ class HierarchicalCommunicator:
         if len({v[1] for v, _ in everyone}) != 1:
             raise ValueError(f"HierarchicalCommunicator: ranks disagree on the backend: "
                              f"{[v[1] for v, _ in everyone]} (every rank must resolve to the same one)")
+        if len({v[2] for v, _ in everyone}) != 1:
+            raise ValueError(f"HierarchicalCommunicator: ranks disagree on inter_node: {[v[2] for v, _ in everyone]}")
         k = int(k)
         self.world = comm
         self.world_size, self.rank = W, me
@@ -313,16 +315,16 @@ class HierarchicalCommunicator:
         if self.backend != "cuda":
             why = "the host backend moves host memory"
         elif want != "mpi":
+            gpu = None
             try:
                 import importlib
                 importlib.import_module("cupy.cuda.nccl")
                 gpu = _compat.cupy.cuda.Device().pci_bus_id
             except Exception as exc:  # noqa: BLE001 - the reason is told to every rank
-                why, gpu = f"CuPy's NCCL binding is not available ({type(exc).__name__}: {exc})", None
-            if why is None:
-                gpus = self._rail.allgather(gpu)
-                if len(set(gpus)) != len(gpus):
-                    why = f"two ranks of a rail share a GPU ({gpus}); NCCL refuses two ranks on one GPU"
+                why = f"CuPy's NCCL binding is not available ({type(exc).__name__}: {exc})"
+            gpus = self._rail.allgather(gpu)  # every rank of the rail takes part, whatever it found
+            if why is None and len(set(gpus)) != len(gpus):
+                why = f"two ranks of a rail share a GPU ({gpus}); NCCL refuses two ranks on one GPU"
         if want == "mpi":
             return "mpi"
         reasons = _agree.exchange_all(self._ctl, why, self.node_comm.config.timeout_s,

@@ -49,6 +49,15 @@ def test_node_size_is_checked_everywhere(comm, monkeypatch):
             HierarchicalCommunicator(comm, node_size=1, backend="cuda")
     with HierarchicalCommunicator(comm, node_size=1, backend="auto") as h:
         assert h.backend == ("cuda" if cs._compat.cuda_available() else "host") == h.node_comm.backend
+    with pytest.raises(ValueError, match=r"inter_node must be one of \('auto', 'mpi', 'nccl'\), got 'rdma'"):
+        HierarchicalCommunicator(comm, node_size=1, inter_node="rdma")
+    if W > 1:  # ranks asking for different engines: every rank raises, before any is made
+        with pytest.raises(ValueError, match="ranks disagree on inter_node"):
+            HierarchicalCommunicator(comm, node_size=1, inter_node="mpi" if comm.rank == 0 else "auto")
+    with pytest.raises(ValueError, match="inter_node='nccl' cannot run: rank 0: the host backend"):
+        HierarchicalCommunicator(comm, node_size=1, backend="host", inter_node="nccl")
+    with HierarchicalCommunicator(comm, node_size=1, backend="host", inter_node="auto") as h:
+        assert h.inter_node == "mpi"
     monkeypatch.setenv("CUPY_SYMBUF_NODE_SIZE", "x")
     with pytest.raises(ValueError, match="CUPY_SYMBUF_NODE_SIZE"):
         node_size_from_env()
