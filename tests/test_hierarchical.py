@@ -220,15 +220,7 @@ def routing(rng, tokens, num_experts, topk, kind="random"):
     return idx
 
 
-def ref_routes(all_idx, num_experts):
-    """routes[r]: the (source rank, token) rows rank r receives, in order (source rank, then token)."""
-    epr = num_experts // W
-    routes = [[] for _ in range(W)]
-    for s in range(W):
-        for t in range(all_idx[s].shape[0]):
-            for r in sorted({int(e) // epr for e in all_idx[s][t] if e >= 0}):
-                routes[r].append((s, t))
-    return routes
+from test_moe import ref_routes  # noqa: E402  (routes[r]: the (source rank, token) rows rank r receives, in order)
 
 
 def check_dispatch(got, all_x, all_s, all_idx, all_w, num_experts, align, dtype, hidden):
