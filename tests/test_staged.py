@@ -485,8 +485,8 @@ def test_gpu_staged_symmetric_sendbuf(staged):
             got = c.alltoall(src)
             c.synchronize()
             all_ranks(lambda: np.testing.assert_array_equal(_np(got), want))
-        alloc = c._heap.find(src)
-        assert alloc is not None and alloc.buffer.transport == "staged"
+        found = c._heap.find(src)
+        assert found is not None and found[0].buffer.transport == "staged"
     finally:
         c.free(src)
 
