@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 13's adaptive channels on one H200 (one device call), under MPS. Written in the fourth session, which had no
-# device: nothing here has run on a GPU yet. Run it first in the next session with a GPU, before trusting the numbers.
+# Issue 13's adaptive channels on one H200 (one device call), under MPS. Written in the fourth session (no device);
+# the fifth session ran its sass stage and the equivalent tests and bench through .ci/device_next.sh 1 and 2.
 # Usage: bash .ci/device_issue13.sh [stage...]   stages: sass tests bench trace (default: all four)
 #   sass   ptxas of the work-sharing build (registers, spills, shared memory) beside the default build
 #   tests  tests/test_adaptive.py (every MoE case of test_moe.py on a work-sharing communicator, skewed alltoallv,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The next GPU session's device calls (written in the fourth session, which had no device): the GPU code that has
-# never run on a GPU (issue 13's work-sharing ring kernel, issue 14's staged transport and hierarchical GPU form,
+# Device calls written in the fourth session (no device) for the GPU code it built. Calls 1 and 2 ran in the fifth
+# session (docs/benchmarks.md); call 3 and .ci/device_profile.py did not (the loans paused). The code covered:
+# (issue 13's work-sharing ring kernel, issue 14's staged transport and hierarchical GPU form,
 # the fused fp8 kernels). One H200, ranks under MPS. Each call keeps its stage timeouts under ~540 s in all, so
 # that the device's 600 s limit never cuts it before the logs are packed: every log goes into one tarball in $OUT
 # (the device returns only a few files), the summary lines to stdout ("== [what] rc=N", then pytest's summary or

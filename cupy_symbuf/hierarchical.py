@@ -233,7 +233,9 @@ class HierarchicalCommunicator:
 
     Notes
     -----
-    The GPU form is written but has not yet run on a GPU (issue 14); the host form is the tested one.
+    Tested on the host backend (1, 2, 4 ranks, every split) and on the cuda backend as 2 x 2 virtual nodes on one
+    H200 under MPS (``tests/test_hierarchical.py``, 87 passed per rank, MPI between the virtual nodes). The
+    ``inter_node="nccl"`` step has not run on GPUs (NCCL needs one GPU per rank: issue 15).
     """
 
     def __init__(self, comm, config=None, *, node_size: Optional[int] = None, backend: str = "host",
