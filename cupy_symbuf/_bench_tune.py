@@ -26,12 +26,16 @@ from .config import Config
 __all__ = ["run", "candidates"]
 
 
-def candidates(backend: str, ranks_per_gpu: int = 1, sm_count: int = 132) -> list:
+def candidates(backend: str, ranks_per_gpu: int = 1, sm_count: int = 132, transport: str = "ipc") -> list:
     """The layouts swept: ``Config`` keyword dicts (``num_slots`` from Config's rule for each; ``--num-sms``,
-    ``--chunk-bytes`` and ``--num-slots`` are not used by ``--tune``)."""
+    ``--chunk-bytes`` and ``--num-slots`` are not used by ``--tune``). The staged transport (every flag a PCIe
+    round trip, a few microseconds) sweeps larger chunks and fewer SMs: the seed's "batch size by link latency"."""
     if backend == "host":
         return [dict(num_sms=s, chunk_bytes=c) for s in (2, 4) for c in (64 << 10, 256 << 10, 1 << 20)]
     share = max(2, sm_count // max(1, ranks_per_gpu) // 2 * 2)
+    if transport == "staged":
+        sms = sorted({min(s, share) for s in (8, 16, 32)})
+        return [dict(num_sms=s, chunk_bytes=c) for s in sms for c in (128 << 10, 512 << 10, 1 << 20)]
     sms = sorted({min(s, share) for s in (16, 24, 32, 48, 64)})
     return [dict(num_sms=s, chunk_bytes=c) for s in sms for c in (64 << 10, 128 << 10)]
 
@@ -40,22 +44,24 @@ def run(comm, timer, args, backend: str, xp) -> int:
     from .bench import _fmt, parse_size
     me, W = comm.Get_rank(), comm.Get_size()
     sizes = [parse_size(s) for s in (args.sizes if args.sizes_given else "64K,1M,16M").split(",")]
-    probe = Communicator(comm, backend=backend)
+    forced = {} if getattr(args, "transport", None) is None else {"transport": args.transport}
+    probe = Communicator(comm, Config(**forced), backend=backend)
     ranks_per_gpu = probe.buffer.ranks_per_gpu
+    transport = probe.transport if probe.backend == "cuda" else "ipc"
     name, sm_count = "", 132
     if probe.backend == "cuda":
         from .symbuffer import _gpu_identity
         ident = _gpu_identity(probe.buffer.device_id)
         name, sm_count = ident.get("name", ""), ident["sm_count"] or 132
-    key = tuning.table_key(probe.backend, W, name, ranks_per_gpu)
+    key = tuning.table_key(probe.backend, W, name, ranks_per_gpu, transport)
     probe.close()
-    cands = candidates(backend, ranks_per_gpu, sm_count)
+    cands = candidates(probe.backend, ranks_per_gpu, sm_count, transport)
     sends = ("out", "sym")  # plain arrays (rings) and symmetric ones (direct mode), both backends
     times = {}  # (candidate index, send, size) -> [seconds per call, one per round]
     slots = {}  # candidate index -> the num_slots its Communicator resolved
     for rnd in range(args.tune_rounds):
         for i, cfg in enumerate(cands):
-            c = Communicator(comm, Config(**cfg), backend=backend)
+            c = Communicator(comm, Config(**cfg, **forced), backend=backend)
             slots[i] = c.config.num_slots  # what was measured (explicit layout fields: no table applies)
             try:
                 for size in sizes:

@@ -24,6 +24,23 @@ from ._agree import LOCAL_POLICY_FIELDS as _LOCAL_POLICY  # noqa: E402
 from ._log import logger as _logger  # noqa: E402
 
 
+def planned_transport(requested: str, backend: str, places) -> str:
+    """The transport (``"ipc"`` / ``"staged"``) the cuda buffer of these ranks will be built with, computed before it
+    exists, as :class:`~cupy_symbuf.SymBuffer` computes it (:func:`~cupy_symbuf.symbuffer.choose_transport` over
+    the ranks' topology records ``places``, one per rank): the tuning table's key depends on it. ``"ipc"`` on the
+    host backend, and where the choice raises (the buffer's construction then raises the same on every rank).
+    An IPC handle that fails to open later can still make the buffer staged (logged by the Communicator)."""
+    if backend != "cuda":
+        return "ipc"
+    from .symbuffer import choose_transport
+    from .topology import Topology
+    try:
+        topo = None if requested == "staged" or len(places) <= 1 else Topology("cuda", list(places))
+        return choose_transport(requested, topo)[0]
+    except Exception:  # noqa: BLE001 - SymBuffer raises it below, agreed on every rank
+        return "ipc"
+
+
 class Communicator:
     """All-to-all collectives (``alltoall``, ``alltoallv``, MoE ``dispatch``/``combine``) over a SymBuffer.
 
@@ -110,7 +127,9 @@ class Communicator:
             err, fp = None, None
             self.tuning_source = None
             try:
-                config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu)
+                self._planned_transport = planned_transport(config.transport, backend, self._places)
+                config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu,
+                                     self._planned_transport)
                 self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
                                               world_size=world_size)
                 self.layout = ChannelLayout.from_config(self.config, world_size)
@@ -165,19 +184,24 @@ class Communicator:
         self._token = _lifecycle.register(self)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
+            if self.tuning_source and self.transport != self._planned_transport:
+                _logger.warning("Communicator: the layout came from the tuning table's %s entry (%s), but the buffer "
+                                "fell back to the %s transport; pass num_sms / chunk_bytes / num_slots to choose "
+                                "another", self._planned_transport, self.tuning_source, self.transport)
         _logger.debug("Communicator: backend=%s world_size=%d %s%s", self.backend, self.world_size, self.config,
                       f" (layout from the tuning table {self.tuning_source})" if self.tuning_source else "")
 
-    def _tuned(self, config: Config, backend: str, world_size: int, gpu_name: str, ranks_per_gpu: int) -> Config:
+    def _tuned(self, config: Config, backend: str, world_size: int, gpu_name: str, ranks_per_gpu: int,
+               transport: str = "ipc") -> Config:
         """``config`` with the layout (``num_sms``, ``chunk_bytes``, ``num_slots``) of the tuning table entry of this
-        device kind and world size (:mod:`cupy_symbuf.tuning`), when there is one and the caller set none of the
-        three."""
+        device kind, ranks per GPU, world size and transport (:mod:`cupy_symbuf.tuning`), when there is one and the
+        caller set none of the three."""
         import dataclasses
 
         from . import tuning
         if any(getattr(config, f) is not None for f in tuning.FIELDS):
             return config  # a layout field set by the caller: the table's values were measured together, none apply
-        tuned, source = tuning.lookup(tuning.table_key(backend, world_size, gpu_name, ranks_per_gpu))
+        tuned, source = tuning.lookup(tuning.table_key(backend, world_size, gpu_name, ranks_per_gpu, transport))
         if not tuned:
             return config
         try:

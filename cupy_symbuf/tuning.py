@@ -13,7 +13,14 @@ An entry applies only to a Config that sets none of ``num_sms``, ``chunk_bytes``
 measured together).
 
 A key names what the measurement depends on: ``"host/AMD EPYC/cores=2/world=2"`` (CPU model and core count),
-``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2"``.
+``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2"``. On the GPU the key carries the link class the layout was measured
+over (issue 14, "a chunk size per link class"): ranks sharing one GPU under MPS (``ranks_per_gpu`` equal to the
+world size) or one GPU each (peers over NVLink or PCIe through CUDA IPC), and the transport. A key for the staged
+transport, where every byte and every flag crosses PCIe, ends in ``"/transport=staged"``:
+``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2/transport=staged"``. So an entry measured over IPC never sets the
+layout of a staged communicator, and the reverse. The key uses the transport that the topology chooses before the
+buffer exists (:func:`cupy_symbuf.symbuffer.choose_transport`). In the rare case where an IPC handle then fails to
+open and the buffer falls back to staged, the IPC entry's layout is kept, and the log says so.
 Without an entry the built-in defaults apply (``Config.resolved``). Every rank must resolve the same values: the
 construction fingerprint compares them, so ranks reading different tables fail loudly on every rank.
 
@@ -64,11 +71,16 @@ def host_kind() -> str:
     return f"{model.replace('/', '_')}/cores={os.cpu_count() or 1}"
 
 
-def table_key(backend: str, world_size: int, device_name: str = "", ranks_per_gpu: int = 1) -> str:
-    """The key of a table entry (see the module docstring)."""
+def table_key(backend: str, world_size: int, device_name: str = "", ranks_per_gpu: int = 1,
+              transport: str = "ipc") -> str:
+    """The key of a table entry (see the module docstring). ``transport``: ``"ipc"`` or ``"staged"``, the cuda
+    backend's transport (ignored on the host); raises ``ValueError`` for any other value."""
     if backend == "host":
         return f"host/{host_kind()}/world={world_size}"
-    return f"cuda/{device_name or 'unknown GPU'}/ranks_per_gpu={ranks_per_gpu}/world={world_size}"
+    if transport not in ("ipc", "staged"):
+        raise ValueError(f"table_key: transport must be 'ipc' or 'staged', got {transport!r}")
+    return (f"cuda/{device_name or 'unknown GPU'}/ranks_per_gpu={ranks_per_gpu}/world={world_size}"
+            + ("/transport=staged" if transport == "staged" else ""))
 
 
 def _read(path: str) -> Optional[dict]:

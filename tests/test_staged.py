@@ -38,6 +38,11 @@ def _pci(i: int) -> str:
 def _topo(gpus, peer, hosts=None):
     """A cuda Topology of ``len(gpus)`` ranks: rank r on GPU ``gpus[r]``; ``peer(a, b)``: rank a's answer of
     cudaDeviceCanAccessPeer towards GPU b (None: rank a cannot see GPU b)."""
+    return Topology("cuda", _records(gpus, peer, hosts), rank=0)
+
+
+def _records(gpus, peer, hosts=None):
+    """The per-rank records of :func:`_topo`'s Topology."""
     n_gpu = max(gpus) + 1
     recs = []
     for r, g in enumerate(gpus):
@@ -48,7 +53,32 @@ def _topo(gpus, peer, hosts=None):
         recs.append({"host": (hosts or ["h"] * len(gpus))[r], "shm": 0 if hosts is None else hosts.index(hosts[r]),
                      "gpu": {"ordinal": g, "uuid": "%02x" % (g + 1) * 16, "pci_bus_id": _pci(g), "name": "Fake"},
                      "nvml": None, "peer_access": pa, "source": "cuda", "notes": []})
-    return Topology("cuda", recs, rank=0)
+    return recs
+
+
+def test_planned_transport_keys_the_tuning_table():
+    """Issue 14, a layout per link class: the tuning table's key carries the transport the topology chooses before
+    the buffer exists (``planned_transport``, SymBuffer's rule), so an entry measured over CUDA IPC never sets the
+    layout of a staged communicator; IPC keys are what they were (the packaged entries still apply)."""
+    from cupy_symbuf import tuning
+    from cupy_symbuf.communicator import planned_transport
+    ok, cut = _records([0, 1], lambda a, b: True), _records([0, 1], lambda a, b: False)
+    assert planned_transport("auto", "cuda", ok) == "ipc"
+    assert planned_transport("auto", "cuda", cut) == "staged"
+    assert planned_transport("staged", "cuda", ok) == "staged"
+    assert planned_transport("ipc", "cuda", cut) == "ipc"  # refused by SymBuffer, on every rank
+    assert planned_transport("auto", "cuda", _records([0, 0], lambda a, b: False)) == "ipc"  # one GPU (MPS)
+    assert planned_transport("auto", "cuda", ok[:1]) == "ipc" and planned_transport("staged", "cuda", ok[:1]) == \
+        "staged"
+    assert planned_transport("auto", "host", cut) == "ipc"
+    two_nodes = _records([0, 1], lambda a, b: True, hosts=["a", "b"])
+    assert planned_transport("auto", "cuda", two_nodes) == "ipc"  # SymBuffer raises NotImplementedError there
+    key = tuning.table_key("cuda", 2, "NVIDIA H200", 2)
+    assert key == "cuda/NVIDIA H200/ranks_per_gpu=2/world=2" == tuning.table_key("cuda", 2, "NVIDIA H200", 2, "ipc")
+    assert tuning.table_key("cuda", 2, "NVIDIA H200", 2, "staged") == key + "/transport=staged"
+    assert tuning.table_key("host", 2, transport="staged") == tuning.table_key("host", 2)
+    with pytest.raises(ValueError, match="transport must be 'ipc' or 'staged'"):
+        tuning.table_key("cuda", 2, "NVIDIA H200", 2, "shared_memory")
 
 
 def test_choose_all_peer_access_is_ipc():

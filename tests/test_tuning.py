@@ -3,6 +3,7 @@ explicit fields win, a broken table fails on every rank, and --tune writes an en
 import json
 import os
 import tempfile
+import types
 
 import numpy as np
 import pytest
@@ -114,3 +115,28 @@ def test_entry_shape_is_checked(comm, table_path):
         with pytest.raises(ValueError, match=msg):
             cs.Communicator(comm, backend="host")
         comm.Barrier()
+
+
+def test_entry_of_the_staged_transport_applies_to_it_alone(comm, table_path):
+    """cuda keys carry the transport (issue 14: a layout per link class): the staged entry sets a staged
+    communicator's layout, the IPC entry an IPC one's, and an explicit layout field still wins over both."""
+    ipc = tuning.table_key("cuda", 2, "Fake GPU", 1)
+    staged = tuning.table_key("cuda", 2, "Fake GPU", 1, "staged")
+    if comm.rank == 0:
+        tuning.save_entry(table_path, ipc, {"default": {"num_sms": 8, "chunk_bytes": 65536, "num_slots": 4}})
+        tuning.save_entry(table_path, staged, {"default": {"num_sms": 4, "chunk_bytes": 1 << 20, "num_slots": 3}})
+    comm.Barrier()
+    got = {}
+    for transport in ("ipc", "staged"):
+        me = types.SimpleNamespace(tuning_source=None)
+        cfg = cs.Communicator._tuned(me, cs.Config(), "cuda", 2, "Fake GPU", 1, transport)
+        got[transport] = (cfg.num_sms, cfg.chunk_bytes, cfg.num_slots, me.tuning_source)
+    assert got["ipc"][:3] == (8, 65536, 4) and got["ipc"][3].endswith(f"[{ipc}]: " + str(
+        {"num_sms": 8, "chunk_bytes": 65536, "num_slots": 4}))
+    assert got["staged"][:3] == (4, 1 << 20, 3) and f"[{staged}]" in got["staged"][3]
+    me = types.SimpleNamespace(tuning_source=None)
+    cfg = cs.Communicator._tuned(me, cs.Config(chunk_bytes=131072), "cuda", 2, "Fake GPU", 1, "staged")
+    assert (cfg.num_sms, cfg.chunk_bytes, me.tuning_source) == (None, 131072, None)
+    # another GPU kind, or world size: no entry
+    me = types.SimpleNamespace(tuning_source=None)
+    assert cs.Communicator._tuned(me, cs.Config(), "cuda", 4, "Fake GPU", 1, "staged").num_sms is None
