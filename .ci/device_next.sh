@@ -9,8 +9,10 @@
 # Usage: bash .ci/device_next.sh 1    correctness of the new GPU code (about 7-8 minutes)
 #        bash .ci/device_next.sh 2    numbers: bench --op adaptive, alltoall with / without work sharing, fp8 wire
 #                                     dispatch, hierarchical and staged benches (about 7-8 minutes)
-#        bash .ci/device_next.sh 3    the whole GPU suite at 2 ranks (regression of the merged tree), then the
-#                                     suite with the staged transport forced, as far as the time allows
+#        bash .ci/device_next.sh 3    the whole GPU suite at 2 ranks (regression of the merged tree), then
+#                                     bench --tune --transport staged (the staged entry of the tuning table)
+#        bash .ci/device_next.sh 4    the core suites with the staged transport forced, then .ci/device_profile.py
+#                                     (where the fp8 wire's and the hierarchical path's time goes)
 set -uo pipefail
 REAL_OUT=${OUT:-/tmp}
 export OUT=/tmp/devlogs
@@ -57,8 +59,14 @@ case ${1:-1} in
     done ;;
   3)
     TAIL=12 run suite2 330 $MPIRUN -n 2 $G $PT --timeout=200 tests
+    # the staged transport's own layout (issue 14, a layout per link class): the entry lands in the tarball
+    TAIL=14 run tune_staged 150 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TUNING=$OUT/tuning_staged.json \
+      python3 -m cupy_symbuf.bench --tune --transport staged --tune-rounds 1 --sizes 1M,16M --iters 10 --warmup 2 ;;
+  4)
     TAIL=12 run suite2_staged 200 $MPIRUN -n 2 $G -x CUPY_SYMBUF_TRANSPORT=staged $PT --timeout=100 \
-      tests/test_alltoall.py tests/test_symmetric.py tests/test_moe.py tests/test_low_latency.py ;;
+      tests/test_alltoall.py tests/test_symmetric.py tests/test_moe.py tests/test_low_latency.py
+    TAIL=12 run profile_fp8 90 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 python3 .ci/device_profile.py fp8
+    TAIL=40 run profile_hier 200 $MPIRUN -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 .ci/device_profile.py hier ;;
 esac
 echo quit | nvidia-cuda-mps-control 2>/dev/null
 tar czf $REAL_OUT/logs_call${1:-1}.tgz -C $OUT . 2>/dev/null && echo "logs: logs_call${1:-1}.tgz"

@@ -10,8 +10,7 @@ from mpi4py import MPI
 
 import cupy as cp
 import cupy_symbuf as cs
-from cupy_symbuf import quant, moe, hierarchical
-from cupy_symbuf import dtypes as _dt
+from cupy_symbuf import quant, hierarchical
 
 world = MPI.COMM_WORLD
 me, W = world.Get_rank(), world.Get_size()
