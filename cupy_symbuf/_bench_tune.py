@@ -47,7 +47,9 @@ def run(comm, timer, args, backend: str, xp) -> int:
     forced = {} if getattr(args, "transport", None) is None else {"transport": args.transport}
     probe = Communicator(comm, Config(**forced), backend=backend)
     ranks_per_gpu = probe.buffer.ranks_per_gpu
-    transport = probe.transport if probe.backend == "cuda" else "ipc"
+    # the key a later Communicator looks up: the transport planned before its buffer exists (an IPC handle that then
+    # fails to open makes the buffer staged, but the lookup was the IPC key's)
+    transport = probe._planned_transport
     name, sm_count = "", 132
     if probe.backend == "cuda":
         from .symbuffer import _gpu_identity

@@ -184,7 +184,7 @@ class Communicator:
         self._token = _lifecycle.register(self)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
-            if self.tuning_source and self.transport != self._planned_transport:
+            if self.tuning_source and self.transport != self._planned_transport and self.rank == 0:
                 _logger.warning("Communicator: the layout came from the tuning table's %s entry (%s), but the buffer "
                                 "fell back to the %s transport; pass num_sms / chunk_bytes / num_slots to choose "
                                 "another", self._planned_transport, self.tuning_source, self.transport)

@@ -429,6 +429,28 @@ def test_fake_transport_disagreement(fake_cuda):
         SymBuffer(WORLD, 4096, backend="cuda", transport="host")
 
 
+def test_fake_communicator_looks_up_the_planned_transports_key(fake_cuda, monkeypatch):
+    """A cuda Communicator's tuning lookup uses the key of the transport its buffer will have: staged when asked or
+    when a pair has no peer access, else the IPC key (the lookup is stopped there, before any buffer exists; the
+    error reaches every rank through the fingerprint exchange)."""
+    from cupy_symbuf import tuning
+    seen = []
+
+    def lookup(key):
+        seen.append(key)
+        raise RuntimeError("lookup stopped by the test")
+    monkeypatch.setattr(tuning, "lookup", lookup)
+    cases = [(lambda a, b: True, "staged", "staged"), (lambda a, b: True, "auto", "ipc"),
+             (lambda a, b: False, "auto", "staged" if W > 1 else "ipc")]
+    for peer, requested, want in cases:
+        rt = fake_cuda(peer=peer)
+        seen.clear()
+        with pytest.raises(Exception, match="lookup stopped by the test"):
+            cs.Communicator(WORLD, Config(transport=requested), backend="cuda")
+        assert len(seen) == 1 and seen[0].endswith("/transport=staged") == (want == "staged"), (requested, seen)
+        assert f"/ranks_per_gpu=1/world={W}" in seen[0] and rt.malloced == [] and rt.registered == {}
+
+
 def test_fake_zero_bytes_staged(fake_cuda):
     rt = fake_cuda()
     with SymBuffer(WORLD, 0, backend="cuda", transport="staged") as b:

@@ -73,9 +73,11 @@ def test_broken_table_fails_on_every_rank(comm, table_path):
         cs.Communicator(comm, backend="host")
 
 
-def test_bench_tune_writes_an_entry_the_library_reads(comm, table_path):
+@pytest.mark.parametrize("transport", [[], ["--transport", "staged"]])
+def test_bench_tune_writes_an_entry_the_library_reads(comm, table_path, transport):
+    """(--transport: the sweep's communicators take it; on the host the key has no transport.)"""
     assert bench.main(["--backend", "host", "--tune", "--sizes", "8K,64K", "--tune-rounds", "1", "--iters", "2",
-                       "--warmup", "1", "--tune-out", table_path]) == 0
+                       "--warmup", "1", "--tune-out", table_path] + transport) == 0
     comm.Barrier()
     entry = json.load(open(table_path))["entries"][tuning.table_key("host", comm.size)]
     chosen = entry["default"]
