@@ -652,8 +652,10 @@ class Communicator:
             ``out``. Every rank must pass the same ``wire_dtype`` and dtype (the packed rows' format and the
             source dtype are in the row signature every peer checks): with a count exchange a difference raises
             ``ValueError`` on every rank and the communicator stays usable; with ``recv_counts`` it is a call-header
-            mismatch, fatal on every rank (:class:`~cupy_symbuf.SymBufferMismatchError`). A NaN or inf in a
-            128-element block makes that block's scale non-finite: the whole block arrives as NaN.
+            mismatch, fatal on every rank (:class:`~cupy_symbuf.SymBufferMismatchError`). An inf in a
+            128-element block makes that block's scale inf: the whole block arrives as NaN. A NaN arrives as NaN
+            in its own element with ``"fp8"`` (the block's amax ignores NaN) and makes the whole block NaN with
+            ``"int8"``.
         sync : {"strong", "relaxed"}, keyword-only
             As in :meth:`alltoall`.
 
@@ -742,7 +744,7 @@ class Communicator:
         self._check_open()
         notify = recv_counts is None or recv_capacity is not None
         try:
-            if wire_dtype not in self._WIRE:
+            if not isinstance(wire_dtype, str) or wire_dtype not in self._WIRE:  # (a list is unhashable)
                 raise ValueError(f"{op}: wire_dtype must be None, 'fp8' or 'int8', got {wire_dtype!r}")
             if out is not None:
                 raise ValueError(f"{op}: out= is not supported with wire_dtype (the rows arrive packed)")

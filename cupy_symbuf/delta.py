@@ -5,7 +5,9 @@ shards, a fixed set of embedding rows): instead of the rows it sends their chang
 ``block`` elements with a float32 scale, against what the receiver already holds (:func:`cupy_symbuf.quant.quantize_int8`). Both sides keep the receiver's
 reconstruction; the sender adds what it sent to its copy, so the quantisation error is carried into the next
 step's difference instead of accumulating (error feedback, as in 1-bit SGD / EF-SGD). Every ``refresh`` steps the
-rows go exactly (float32), which resets both copies.
+rows go exactly (float32), which resets both copies. A block holding an inf or NaN (or whose difference overflows
+float32) in a delta step arrives as NaN in that step's result, and both copies of it restart from zero, so the next
+step sends it whole (and the bound below holds again from there) instead of staying NaN until the next refresh.
 
 Wire bytes per element: 1 + 4 / block (int8 codes plus one float32 scale per block) against 4 for float32 rows:
 3.9x fewer at ``block=128``.
@@ -97,10 +99,13 @@ class DeltaExchange:
         c._check_open()
         W = c.world_size
         shape = (W, self.rows, self.hidden)
-        x = xp.asarray(x)
-        if tuple(x.shape) != shape or x.dtype != np.float32:
-            bad = ValueError(f"DeltaExchange.step: argument 'x' must be float32 of shape {shape}, got "
-                             f"{x.dtype} {tuple(x.shape)}")
+        try:  # whatever x is, a rejection is told to the peers (a rank leaving alone puts every later step out of step)
+            x = xp.asarray(x)
+            got = None if tuple(x.shape) == shape and x.dtype == np.float32 else f"{x.dtype} {tuple(x.shape)}"
+        except Exception as exc:  # noqa: BLE001 - e.g. a ragged list, a tensor that needs grad
+            got = f"{type(x).__module__}.{type(x).__name__}, not convertible to an array ({type(exc).__name__}: {exc})"
+        if got is not None:
+            bad = ValueError(f"DeltaExchange.step: argument 'x' must be float32 of shape {shape}, got {got}")
             c._engine.reject("alltoall", notify=False)
             raise bad
         full = self.steps % self.refresh == 0
@@ -125,10 +130,28 @@ class DeltaExchange:
                                                                                           self.hidden // B)
             self._held += quant.dequantize_int8(q_in, s_in, B)
             wire_bytes = (W - 1) * (self._code_bytes + 4 * nb)
+            out = self._held.copy()
+            # a block whose scale is not finite (an inf / NaN in x, or a difference that overflowed) arrived as NaN;
+            # left so, every later difference against it would be NaN until the next refresh. Both ends see the
+            # same scales (they travel bitwise), so both restart that block from zero: the next step sends it whole.
+            self._restart(self._sent, scale)
+            self._restart(self._held, s_in)
+            self.steps += 1
+            self.plain_bytes += 4 * off_rank
+            self.wire_bytes += wire_bytes
+            return out
         self.steps += 1
         self.plain_bytes += 4 * off_rank
         self.wire_bytes += wire_bytes
         return self._held.copy()
+
+    def _restart(self, copy, scales) -> None:
+        """Zero the blocks of ``copy`` ``[W, rows, hidden]`` whose scale ``[W, rows, hidden // block]`` is not
+        finite (in place)."""
+        xp = self.comm.xp
+        blocks = copy.reshape(scales.shape + (self.block,))  # a view: copy is C-contiguous
+        # where= instead of a boolean index: no device-to-host sync on the GPU
+        xp.copyto(blocks, np.float32(0), where=~xp.isfinite(scales)[..., None])
 
     def _confirm(self) -> None:
         """GPU: wait for the step's all-to-all before the copies change (a queued call reports a peer's rejection

@@ -53,6 +53,8 @@ __all__ = ["HierarchicalCommunicator", "HierarchicalDispatchHandle", "node_size_
 BACKENDS = ("host", "cuda", "auto")
 #: What carries the step between nodes (HierarchicalCommunicator's ``inter_node``).
 INTER_NODE = ("auto", "mpi", "nccl")
+#: The exchange communicators of failed HierarchicalCommunicators, never freed (see ``close``).
+_LEFT_ALLOCATED: list = []
 
 
 def _address(a) -> int:
@@ -230,12 +232,23 @@ class HierarchicalCommunicator:
         unequal size or of non-consecutive ranks, a backend not in ``("host", "cuda", "auto")`` (on every rank).
     RuntimeError
         ``backend="cuda"`` where CuPy sees no GPU (on every rank, through the same exchange).
+    ValueError, RuntimeError, SymBufferTimeoutError
+        A node's :class:`~cupy_symbuf.Communicator` could not be built (e.g. a ``Config`` that differs between
+        the ranks of one node): that node's ranks raise its error, the ranks of the other nodes a ``ValueError``
+        (``RuntimeError`` for other failures) naming the rank; no rank gets a communicator.
 
     Notes
     -----
     Tested on the host backend (1, 2, 4 ranks, every split) and on the cuda backend as 2 x 2 virtual nodes on one
     H200 under MPS (``tests/test_hierarchical.py``, 87 passed per rank, MPI between the virtual nodes). The
     ``inter_node="nccl"`` step has not run on GPUs (NCCL needs one GPU per rank: issue 15).
+
+    Failure: a call whose bounded agreement fails (a peer that does not call within ``Config.timeout_s``, ranks
+    calling different collectives: :class:`~cupy_symbuf.SymBufferTimeoutError` / ``SymBufferError``), or whose
+    step between nodes fails, leaves the ranks out of step: the communicator is then unusable (every later call
+    raises ``SymBufferError`` naming the first failure) and, like a failed :class:`~cupy_symbuf.Communicator`,
+    closing it ends the job under ``Config.abort_on_failure``. A rejected call (bad arguments, ranks
+    disagreeing on the row layout) is not a failure: it raises on every rank and the communicator stays usable.
     """
 
     def __init__(self, comm, config=None, *, node_size: Optional[int] = None, backend: str = "host",
@@ -298,8 +311,26 @@ class HierarchicalCommunicator:
         self._node_mpi = comm.Split(self.node, self.local_rank)
         self._rail = comm.Split(self.local_rank, self.node)  # ranks with this local index, one per node
         self._nccl = None
+        self._broken: Optional[str] = None  # set when a bounded exchange or the step between nodes failed
         try:
-            self.node_comm = Communicator(self._node_mpi, config, backend=backend)
+            # the node communicators are built per node: a failure there (e.g. a Config differing inside one node)
+            # is told to every rank, so that no rank of another node goes on with a communicator of its own
+            node_err = None
+            try:
+                self.node_comm = Communicator(self._node_mpi, config, backend=backend)
+            except Exception as exc:  # noqa: BLE001 - told to every rank first
+                node_err = exc
+            built = _agree.exchange_all(self._ctl, None if node_err is None else
+                                        (type(node_err).__name__, str(node_err)), timeout,
+                                        "HierarchicalCommunicator (node communicators)")
+            if node_err is not None:
+                raise node_err
+            bad = next(((r, b) for r, b in enumerate(built) if b), None)
+            if bad is not None:
+                r, (kind, text) = bad
+                raise (ValueError if kind in ("ValueError", "TypeError") else RuntimeError)(
+                    f"HierarchicalCommunicator: the node communicator of rank {r} (node {r // k}) could not be "
+                    f"built ({kind}: {text}); no rank's communicator was made")
             self.inter_node = self._choose_inter_node(inter_node)
         except BaseException:
             if getattr(self, "node_comm", None) is not None:
@@ -386,9 +417,7 @@ class HierarchicalCommunicator:
 
     def _input(self, op: str, name: str, a):
         """A C-contiguous array of the backend from the caller's ``a`` (``TypeError`` naming it otherwise)."""
-        if self.backend == "host":
-            return np.ascontiguousarray(a)
-        from ._validate import as_array
+        from ._validate import as_array  # host too: a list is refused, as by the flat collectives and alltoallv
         return self._xp.ascontiguousarray(as_array(op, name, a, self.backend, min_ndim=0, contiguous=False))
 
     # ---- collectives ----------------------------------------------------------------------------------------
@@ -461,7 +490,7 @@ class HierarchicalCommunicator:
         lx = x if self._nccl is not None else self._to_host(x)  # NCCL moves device memory, MPI host memory
         lxp = xp if self._nccl is not None else np
         flat = lx.reshape(lx.shape[0], -1).view(np.uint8).reshape(-1) if x.size else lxp.zeros(0, np.uint8)
-        landed = self._rail_bytes(flat, by_node * row_bytes, rail_recv * row_bytes)
+        landed = self._rail_step(flat, by_node * row_bytes, rail_recv * row_bytes)
         landed = landed.reshape(-1, row_bytes) if row_bytes else lxp.zeros((int(rail_recv.sum()), 0), np.uint8)
         # landed holds, per source node m (rank (m, l)), rows for our node's ranks l' = 0..k-1 in order
         # 3. inside the node: forward each row to its local destination, grouped by destination, then by source node
@@ -547,7 +576,7 @@ class HierarchicalCommunicator:
         field, the values and the ranks (``rule`` says what must agree). Nothing has moved then: the
         communicator stays usable."""
         text = None if err is None else f"{type(err).__name__}: {err}"
-        everyone = _agree.exchange_all(self._ctl, (sig, text, counts), self.node_comm.config.timeout_s, op)
+        everyone = self._exchange(self._ctl, (sig, text, counts), op)
         if err is not None:
             raise err
         bad = [(r, e) for r, (_, e, _) in enumerate(everyone) if e]
@@ -590,16 +619,15 @@ class HierarchicalCommunicator:
                 self.node_comm._transport.check(op)  # a failure a queued node kernel recorded
         except Exception as exc:  # noqa: BLE001 - told to the rail peers first
             err = exc
-        ready = _agree.exchange_all(self._rail, None if err is None else f"{type(err).__name__}: {err}",
-                                    self.node_comm.config.timeout_s, op + " (rail)")
+        ready = self._exchange(self._rail, None if err is None else f"{type(err).__name__}: {err}", op + " (rail)")
         if err is not None:
             raise err
         bad = [(r, e) for r, e in enumerate(ready) if e]
         if bad:
             raise SymBufferError(f"{op}: the rank of node {bad[0][0]} on this rank's rail failed before the step "
                                  f"between nodes ({bad[0][1]}); nothing crossed nodes")
-        landed = self._rail_bytes(sendbuf, np.asarray(send_counts, np.int64) * rb,
-                                  np.asarray(recv_counts, np.int64) * rb)
+        landed = self._rail_step(sendbuf, np.asarray(send_counts, np.int64) * rb,
+                                 np.asarray(recv_counts, np.int64) * rb)
         landed = self._to_device(landed.reshape(n_recv, rb))
         out, o = [], 0
         for p, w in zip(parts, widths):
@@ -912,9 +940,43 @@ class HierarchicalCommunicator:
         if self._closed:
             from .errors import SymBufferClosedError
             raise SymBufferClosedError("HierarchicalCommunicator is closed")
+        if self._broken:
+            from .errors import SymBufferError
+            raise SymBufferError(f"HierarchicalCommunicator is unusable after an earlier failure: {self._broken}")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark this communicator unusable after ``exc`` left the ranks out of step: a bounded exchange that failed
+        (a timeout, ranks calling different collectives) leaves its messages queued, where a later call would take
+        them for its own, and the step between nodes (MPI's, unbounded) may have moved part of its bytes. The node
+        communicator is marked failed too, so that closing ends the job under ``Config.abort_on_failure``, as for
+        a failed :class:`~cupy_symbuf.Communicator`."""
+        if not self._broken:
+            self._broken = f"{type(exc).__name__}: {exc}"
+        nc = getattr(self, "node_comm", None)
+        if nc is not None and not getattr(nc, "_broken", None):
+            nc._broken = f"HierarchicalCommunicator: {self._broken}"
+
+    def _exchange(self, comm, obj, what: str) -> list:
+        """``_agree.exchange_all`` bounded by the node communicator's ``timeout_s``; its failure marks this
+        communicator unusable (:meth:`_fail`)."""
+        try:
+            return _agree.exchange_all(comm, obj, self.node_comm.config.timeout_s, what)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _rail_step(self, send, send_bytes, recv_bytes):
+        """:meth:`_rail_bytes`; a failure there (MPI's or NCCL's) marks this communicator unusable."""
+        try:
+            return self._rail_bytes(send, send_bytes, recv_bytes)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def close(self) -> None:
-        """Close the node communicator and free the MPI communicators (collective); idempotent."""
+        """Close the node communicator and free the MPI communicators (collective); idempotent. After a failure
+        (see Notes of the class) the communicators of the bounded exchanges stay allocated: messages of the failed
+        exchange may still be queued there, and MPI could hand them to a communicator made later."""
         if self._closed:
             return
         self._closed = True
@@ -925,8 +987,11 @@ class HierarchicalCommunicator:
                 self._nccl.destroy()
                 self._nccl = None
             self._node_mpi.Free()
-            self._rail.Free()
-            self._ctl.Free()
+            if self._broken:
+                _LEFT_ALLOCATED.extend((self._rail, self._ctl))
+            else:
+                self._rail.Free()
+                self._ctl.Free()
 
     def __enter__(self) -> "HierarchicalCommunicator":
         return self

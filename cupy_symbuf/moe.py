@@ -536,8 +536,9 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``|x| * 2**-4 + scale * 2**-10`` (``quant.error_bound``). A cached dispatch may use it too. Not with an
         fp8 tuple ``x``. Every rank must make the same choice (the rows' format is in the signature every
         receiver checks: a difference raises ``ValueError`` on every rank after the count exchange, but in a
-        cached dispatch, which has none, it is a fatal call-header mismatch). Finite values only: a NaN or inf
-        makes its whole 128-element block NaN. Not with ``out``.
+        cached dispatch, which has none, it is a fatal call-header mismatch). Finite values only: an inf makes
+        its whole 128-element block NaN; a NaN arrives as NaN in its own element (the block's amax ignores NaN).
+        Not with ``out``.
     out : xp.ndarray ``[capacity, hidden]`` of ``x``'s dtype, or tuple ``(out_x, out_scales)`` for an fp8 tuple
         ``x`` (``out_scales`` ``[capacity, hidden // 128]`` float32), C-contiguous (keyword-only)
         Where the received tokens go: ``recv_x`` is ``out[:num_recv_tokens]`` (``num_worst_tokens`` rows in

@@ -776,3 +776,97 @@ def test_nccl_rail_branch_moves_the_same_bytes(flat, monkeypatch, k):
     finally:
         h.close()
     assert fake.destroyed
+
+
+# ---- failures that leave the ranks out of step (from a new-user attack) -----------------------------------------
+
+def _a2av_round(h, seed):
+    """One alltoallv through ``h`` with random counts and rows, checked against NumPy on every rank."""
+    rng = rng_for(WORLD, seed)
+    counts = rng.integers(0, 5, W)
+    send = random_rows(rng, int(counts.sum()), (3,), np.float32)
+    want, want_counts = reference_alltoallv(WORLD, send, counts)
+    got, got_counts = h.alltoallv(send, counts)
+    np.testing.assert_array_equal(got_counts, want_counts)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.skipif(W == 1, reason="needs a peer")
+@pytest.mark.parametrize("case", ["late_rank", "different_collectives"])
+def test_a_failed_agreement_makes_it_unusable_on_every_rank(case):
+    """A rank that came to a call after its peers' bounded agreement had timed out, or ranks calling different
+    collectives, left the agreement's messages queued: the next call took them for its own, and some ranks went on
+    into the rail's MPI Alltoallv (unbounded) while the others raised: a hang. Now the failing call raises on every
+    rank, every later call raises SymBufferError naming the first failure (at once, on every rank), close works,
+    and a communicator made after it is in step (checked against NumPy)."""
+    import time
+    k = 2 if W % 2 == 0 else 1
+    h = HierarchicalCommunicator(WORLD, cs.Config(timeout_s=1, abort_on_failure=False), node_size=k)
+    x = np.arange(W * 2, dtype=np.float32).reshape(W, 2)
+    ones = np.ones(W, np.int64)
+
+    def fail():
+        with pytest.raises(cs.SymBufferError):
+            if case == "late_rank":
+                if RANK == 1:
+                    time.sleep(1.5)  # the others' agreement times out first
+                h.alltoallv(x, ones)
+            elif RANK == 0:
+                h.alltoall(x)
+            else:
+                h.alltoallv(x, ones)
+    all_ranks(fail)
+
+    def refused():
+        E, idx, xt, w = _base()
+        for call in (lambda: h.alltoallv(x, ones), lambda: h.alltoall(x), lambda: h.dispatch(xt, idx, w, E)):
+            t0 = time.monotonic()
+            with pytest.raises(cs.SymBufferError, match="HierarchicalCommunicator is unusable after an earlier "
+                                                        "failure"):
+                call()
+            assert time.monotonic() - t0 < 0.5  # refused at once, not after a wait
+    all_ranks(refused)
+    h.close()
+    WORLD.Barrier()
+    with HierarchicalCommunicator(WORLD, node_size=k) as fresh:
+        _a2av_round(fresh, 97)
+
+
+@pytest.mark.skipif(W % 2 or W < 4, reason="needs two nodes of two ranks")
+def test_a_node_communicator_that_fails_to_build_fails_every_rank():
+    """A Config that differs between the ranks of one node failed that node's Communicator only: the ranks of the
+    other nodes got a HierarchicalCommunicator (inter_node='mpi') whose first call timed out, or waited out
+    timeout_s in construction ('auto'). Now every rank raises at construction, the other nodes' ranks naming the
+    failing rank, and a communicator made after it works (checked against NumPy)."""
+    for inter in ("mpi", "auto"):
+        cfg = cs.Config(timeout_s=5, num_slots=8 if RANK == 0 else 16)
+
+        def build():
+            with pytest.raises(ValueError) as info:
+                HierarchicalCommunicator(WORLD, cfg, node_size=2, inter_node=inter)
+            if RANK < 2:
+                assert "ranks disagree on config.num_slots" in str(info.value)
+            else:
+                assert "the node communicator of rank 0 (node 0) could not be built" in str(info.value)
+        all_ranks(build)
+    with HierarchicalCommunicator(WORLD, node_size=2) as h:
+        _a2av_round(h, 98)
+
+
+def test_alltoall_refuses_a_list_like_the_flat_one():
+    """From a new-user attack: HierarchicalCommunicator.alltoall took a Python list (np.ascontiguousarray on the host)
+    where its alltoallv and the flat alltoall raise TypeError. Now the list's rank raises TypeError naming sendbuf,
+    the others SymBufferRejectedError, and the next alltoall is in step (against NumPy)."""
+    x = np.arange(W * 3, dtype=np.float32).reshape(W, 3) + 10 * RANK
+    with HierarchicalCommunicator(WORLD, node_size=1) as h:
+        def check():
+            with pytest.raises((TypeError, ValueError)) as info:
+                h.alltoall(x.tolist() if RANK == 0 else x)
+            if RANK == 0:
+                assert isinstance(info.value, TypeError) and "argument 'sendbuf' must be a NumPy array" in \
+                    str(info.value)
+            else:
+                assert isinstance(info.value, cs.SymBufferRejectedError)
+        all_ranks(check)
+        everything = WORLD.allgather(x)
+        np.testing.assert_array_equal(h.alltoall(x), np.stack([everything[j][RANK] for j in range(W)]))

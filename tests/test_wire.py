@@ -78,6 +78,8 @@ def test_wire_dtype_must_agree_and_bad_input_is_rejected(backend, comm):
         xb = to_backend(x, backend)
         with pytest.raises(ValueError, match="wire_dtype must be"):
             c.alltoallv(xb, counts, wire_dtype="fp4")
+        with pytest.raises(ValueError, match=r"wire_dtype must be None, 'fp8' or 'int8', got \['fp8'\]"):
+            c.alltoallv(xb, counts, wire_dtype=["fp8"])  # was a bare "unhashable type: 'list'"
         with pytest.raises(ValueError, match="multiple of 128"):
             c.alltoallv(xb[:, :, :100], counts, wire_dtype="fp8")
         if W > 1:  # fp8 on rank 0, int8 elsewhere: the packed rows differ in dtype, every rank raises
@@ -164,3 +166,32 @@ def test_fused_gpu_quantiser_is_the_numpy_one_bit_for_bit(ue8m0):
     assert (np.isnan(g) == np.isnan(want)).all()  # NaN bits may differ (the GPU's canonical NaN)
     ok = ~np.isnan(want)
     np.testing.assert_array_equal(g[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+@pytest.mark.parametrize("wire", ["fp8", "int8"])
+def test_wire_non_finite_values_arrive_as_documented(backend, comm, wire):
+    """The documented non-finite behaviour (the docs had said a NaN makes its whole block NaN with fp8 too): an inf
+    makes its 128-element block NaN; a NaN is NaN in its own element only with fp8 and makes its block NaN with
+    int8; every other block within the quantiser's bound of the NumPy reference."""
+    W, me = comm.size, comm.rank
+    rng = np.random.default_rng([me, 77])
+    x = rng.standard_normal((2 * W, 384)).astype(np.float32)
+    x[0::2, 5] = np.nan      # block 0 of even rows: one NaN
+    x[1::2, 130] = np.inf    # block 1 of odd rows: one inf
+    with cs.Communicator(comm, backend=backend) as c:
+        with np.errstate(invalid="ignore", over="ignore"):
+            got, _ = c.alltoallv(to_backend(x, backend), np.full(W, 2), wire_dtype=wire)
+    got = to_numpy(got)
+    want = np.concatenate([a[2 * me: 2 * me + 2] for a in comm.allgather(x)])
+    nan = np.isnan(got)
+    assert nan[1::2, 128:256].all() and not nan[1::2, :128].any() and not nan[1::2, 256:].any()  # inf
+    if wire == "fp8":
+        assert nan[0::2, 5].all() and nan[0::2].sum() == W  # the NaN element only
+    else:
+        assert nan[0::2, :128].all() and not nan[0::2, 128:].any()  # the whole block
+    ok = ~nan
+    with np.errstate(invalid="ignore", over="ignore"):
+        quantise = quant.quantize_fp8 if wire == "fp8" else quant.quantize_int8
+        _, scales = quantise(np.where(np.isfinite(want), want, 0))
+    bound = quant.error_bound(want, scales) if wire == "fp8" else quant.int8_error_bound(scales)
+    assert (np.abs(got - want)[ok] <= bound[ok]).all()
