@@ -463,6 +463,9 @@ def main(argv=None) -> int:
     # argument errors every rank finds alike, before anything collective: one line each, no traceback
     if args.backend == "cuda" and not _compat.cuda_available():
         ap.error("--backend cuda: no CUDA device is available here (CuPy with a visible GPU); use --backend host")
+    if args.wire is not None and args.op != "dispatch":
+        ap.error(f"--wire applies to --op dispatch only (got --op {args.op}); alltoallv's wire_dtype is an argument "
+                 f"of Communicator.alltoallv")
     if args.op == "adaptive":
         from ._bench_adaptive import check_patterns
         try:

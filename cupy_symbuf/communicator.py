@@ -41,6 +41,14 @@ def planned_transport(requested: str, backend: str, places) -> str:
         return "ipc"
 
 
+def _check_reset(op: str, reset) -> bool:
+    """``reset`` of :meth:`Communicator.stats` / :meth:`Communicator.channel_stats` as a bool (``TypeError``
+    naming it unless it is one: ``reset="no"`` must not zero the counters)."""
+    if not isinstance(reset, (bool, np.bool_)):
+        raise TypeError(f"{op}: reset must be a bool (True / False), got {type(reset).__name__} {reset!r}")
+    return bool(reset)
+
+
 class Communicator:
     """All-to-all collectives (``alltoall``, ``alltoallv``, MoE ``dispatch``/``combine``) over a SymBuffer.
 
@@ -396,8 +404,9 @@ class Communicator:
         locally), over the calls whose rows this rank moved (calls this rank rejected are not counted; the rows
         of a peer that rejected a call are counted as planned). ``calls_device_counts``: GPU calls whose counts stay on the
         device (worst-case / capacity modes, cached dispatch and combine): counted, their bytes are not. The cost is
-        one dict update per call. ``reset=True`` zeroes the counters after reading them."""
-        return self._engine.stats(reset)
+        one dict update per call. ``reset=True`` zeroes the counters after reading them; ``reset`` must be a bool
+        (``TypeError`` otherwise: a string such as ``"no"`` would read as true)."""
+        return self._engine.stats(_check_reset("stats", reset))
 
     def channel_stats(self, reset: bool = False) -> dict:
         """Load counters per (channel, peer) of this rank's ring streams, kept across calls, and the adaptive home
@@ -422,8 +431,8 @@ class Communicator:
         the per-channel cuts only with ``adaptive`` (about 0.1-0.2 ms per new call shape on the host); the GPU's
         work-sharing kernel counts every call itself (this method then waits for the queued kernels; refused with
         ``RuntimeError`` during a CUDA graph capture). ``reset=True`` zeroes every counter after reading them (the
-        home map stays)."""
-        return self._engine.channel_stats(reset)
+        home map stays); ``reset`` must be a bool (``TypeError`` otherwise)."""
+        return self._engine.channel_stats(_check_reset("channel_stats", reset))
 
     # ---- symmetric arrays -----------------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32):

@@ -172,7 +172,9 @@ def error_bound(xf, scales) -> np.ndarray:
 def quantize_int8(xf, block: int = QUANT_BLOCK):
     """``(q, scales)``: int8 codes with ``xf``'s shape and float32 scales ``[..., last // block]`` per block of
     ``block`` elements of the last axis: ``scale = amax / 127`` (0 for an all-zero block), ``q = rint(x / scale)``
-    clipped to +-127. NumPy or CuPy. Error bound: :func:`int8_error_bound`."""
+    clipped to +-127. NumPy or CuPy. Error bound: :func:`int8_error_bound`. A block whose amax is below
+    ``127 * 2**-149`` (about 1.8e-43, subnormal) gets scale 0, since ``amax / 127`` underflows, and decodes to
+    zeros: its error is then up to amax itself, outside that bound."""
     xp = _xp(xf)
     xf = xp.ascontiguousarray(xf, dtype=np.float32)
     if xf.shape[-1] % block:

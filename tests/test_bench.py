@@ -368,6 +368,8 @@ def test_mpi_reference_refused_where_it_times_nothing(argv, capsys):
     (["--op", "adaptive", "--patterns", "uniform,zipf"], "'zipf' is not a pattern of --op adaptive"),
     (["--op", "adaptive", "--patterns", "zipfnan"], "'zipfnan' is not a pattern"),
     (["--op", "adaptive", "--patterns", "zipf-1"], "'zipf-1' is not a pattern"),
+    (["--op", "adaptive", "--wire", "fp8"], "--wire applies to --op dispatch only (got --op adaptive)"),
+    (["--wire", "fp8"], "--wire applies to --op dispatch only (got --op alltoall)"),
 ])
 def test_bad_arguments_found_before_anything_collective(argv, text, capsys):
     """From a new-user attack: a bad --patterns of --op adaptive gave a traceback on every rank after part of the run

@@ -28,3 +28,22 @@ def test_stats_count_bytes_per_peer(comm):
         assert s["alltoallv"]["calls"] == 300
         assert s["alltoallv"]["bytes_sent"] == sent_v.tolist() and s["alltoallv"]["bytes_received"] == recv_v.tolist()
         assert c.stats(reset=True) == s and c.stats() == {}
+
+
+def test_reset_must_be_a_bool(comm):
+    """From a new-user attack: ``stats(reset="no")`` zeroed the counters (any truthy value did); now a TypeError
+    naming reset, and the counters are intact; True / False and NumPy bools still work."""
+    import pytest
+    W = comm.size
+    with cs.Communicator(comm, backend="host") as c:
+        x = random_rows(rng_for(comm, 2), W, (4,), np.float32)
+        c.alltoall(x)
+        before = c.channel_stats()
+        for method in (c.stats, c.channel_stats):
+            for bad in ("no", 1, None, [True]):
+                with pytest.raises(TypeError, match="reset must be a bool"):
+                    method(reset=bad)
+        assert c.stats()["alltoall"]["calls"] == 1 and c.channel_stats() == before
+        assert before["send"]["bytes_per_peer"] == [16 if p != comm.rank else 0 for p in range(W)] or W == 1
+        assert c.stats(reset=np.bool_(False))["alltoall"]["calls"] == 1
+        assert c.stats(reset=True)["alltoall"]["calls"] == 1 and c.stats() == {}
