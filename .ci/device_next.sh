@@ -9,8 +9,9 @@
 # Usage: bash .ci/device_next.sh 1    correctness of the new GPU code (about 7-8 minutes)
 #        bash .ci/device_next.sh 2    numbers: bench --op adaptive, alltoall with / without work sharing, fp8 wire
 #                                     dispatch, hierarchical and staged benches (about 7-8 minutes)
-#        bash .ci/device_next.sh 3    the whole GPU suite at 2 ranks (regression of the merged tree), then
-#                                     bench --tune --transport staged (the staged entry of the tuning table)
+#        bash .ci/device_next.sh 3    the whole GPU suite at 2 ranks (regression of the merged tree, the fifth
+#                                     session's DeltaExchange / wire fixes included), test_hierarchical at 4 ranks,
+#                                     then bench --tune --transport staged (the staged entry of the tuning table)
 #        bash .ci/device_next.sh 4    the core suites with the staged transport forced, then .ci/device_profile.py
 #                                     (where the fp8 wire's and the hierarchical path's time goes)
 set -uo pipefail
@@ -59,6 +60,8 @@ case ${1:-1} in
     done ;;
   3)
     TAIL=12 run suite2 330 $MPIRUN -n 2 $G $PT --timeout=200 tests
+    # the fifth session's host-only fixes of the hierarchical path (unusable after a failed agreement), at 2 x 2
+    run hier4 80 $MPIRUN -n 4 $G $PT -x --timeout=80 tests/test_hierarchical.py
     # the staged transport's own layout (issue 14, a layout per link class): the entry lands in the tarball
     TAIL=14 run tune_staged 150 $MPIRUN -n 2 -x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TUNING=$OUT/tuning_staged.json \
       python3 -m cupy_symbuf.bench --tune --transport staged --tune-rounds 1 --sizes 1M,16M --iters 10 --warmup 2 ;;
