@@ -770,7 +770,9 @@ class Communicator:
                                  f"elements, got {per_row} (row shape {row_shape})")
             xp = self.xp
             packed_dtype, qname, dqname = self._WIRE[wire_dtype]
-            q, scales = getattr(quant, qname)(_dt.to_float32(xp, xp.ascontiguousarray(x).reshape(n, per_row), kind))
+            rows = xp.ascontiguousarray(x).reshape(n, per_row)
+            q, scales = quant.quantize_fp8_from(rows, kind) if wire_dtype == "fp8" else \
+                getattr(quant, qname)(_dt.to_float32(xp, rows, kind))
             width = per_row + 4 * (per_row // quant.QUANT_BLOCK)
             # the source dtype travels in the packed row shape ([n, code, width / code]), so it is checked too
             code = {_dt.FLOAT32: 1, _dt.FLOAT16: 2, _dt.BFLOAT16: 4}[kind]
@@ -793,8 +795,11 @@ class Communicator:
         rq = recv[:, :per_row]
         rs = xp.ascontiguousarray(recv[:, per_row:]).view(np.float32)
         with np.errstate(over="ignore", invalid="ignore"):  # capacity mode: rows past the count hold anything
-            f = getattr(quant, dqname)(rq, rs)
-            return _dt.from_float32(xp, f, kind, x.dtype).reshape((m,) + row_shape), got
+            if wire_dtype == "fp8":
+                back = quant.dequantize_fp8_to(rq, rs, kind, x.dtype)
+            else:
+                back = _dt.from_float32(xp, getattr(quant, dqname)(rq, rs), kind, x.dtype)
+            return back.reshape((m,) + row_shape), got
 
     def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None,
                             relaxed=False):

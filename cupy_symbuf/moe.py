@@ -622,11 +622,11 @@ def _wire_fp8(op, comm, x, wire_dtype):
     xv, _, kind = _check_x(op, comm, x, None, None)
     if xv.shape[1] % FP8_BLOCK:
         raise ValueError(f"{op}: wire_dtype='fp8' needs hidden divisible by {FP8_BLOCK}, got hidden={xv.shape[1]}")
-    xp, dtype = comm.xp, xv.dtype
-    q, scales = quant.quantize_fp8(_dt.to_float32(xp, xv, kind))
+    dtype = xv.dtype
+    q, scales = quant.quantize_fp8_from(xv, kind)  # GPU: one kernel reading x itself
 
     def back(recv_q, recv_scales):
-        return _dt.from_float32(xp, quant.dequantize_fp8(recv_q, recv_scales), kind, dtype)
+        return quant.dequantize_fp8_to(recv_q, recv_scales, kind, dtype)
     return (q, scales), back
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["QUANT_BLOCK", "FP8_MAX", "AMAX_FLOOR", "quantize_fp8", "dequantize_fp8", "fp8_e4m3_to_float32",
+__all__ = ["QUANT_BLOCK", "FP8_MAX", "AMAX_FLOOR", "quantize_fp8", "dequantize_fp8", "quantize_fp8_from",
+           "dequantize_fp8_to", "fp8_e4m3_to_float32",
            "float32_to_fp8_e4m3", "block_scales", "error_bound", "quantize_int8", "dequantize_int8",
            "int8_error_bound"]
 
@@ -160,6 +161,69 @@ def dequantize_fp8(q, scales) -> np.ndarray:
     xp = _xp(f)
     blocks = f.reshape(f.shape[:-1] + (f.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
     return (blocks * xp.asarray(scales, np.float32)[..., None]).reshape(f.shape)
+
+
+#: Suffix of the fused kernels' entry points per float kind (cuda_src/quant.cu, SYMBUF_QUANT_ENTRY), and the
+#: alignment in bytes their vector loads / stores of the caller's rows need (4 elements of the kind).
+_GPU_KIND = {"float32": ("", 16), "float16": ("_f16", 8), "bfloat16": ("_bf16", 8)}
+
+
+def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
+    """``(q, scales)`` of rows ``x`` of float kind ``kind``: bit for bit
+    ``quantize_fp8(dtypes.to_float32(xp, x, kind), ue8m0)``.
+
+    ``kind``: ``dtypes.FLOAT32`` / ``FLOAT16`` / ``BFLOAT16`` (bfloat16 as raw ``uint16`` bits or the ml_dtypes
+    dtype). On CuPy arrays it is one kernel that reads ``x`` in its own type (``symbuf_quant_fp8_f16`` / ``_bf16``):
+    no float32 copy of the rows, which on one GPU cost more HBM traffic than the fp8 wire saved (docs/perf-notes.md,
+    fifth session). Raises ``ValueError`` when the last axis is not a multiple of 128."""
+    from . import dtypes as _dt
+    xp = _xp(x)
+    if xp is np or kind not in _GPU_KIND:
+        return quantize_fp8(_dt.to_float32(xp, x, kind), ue8m0)
+    suffix, align = _GPU_KIND[kind]
+    x = xp.ascontiguousarray(x)
+    if x.ndim < 1 or x.shape[-1] % QUANT_BLOCK:
+        raise ValueError(f"quantize_fp8_from: the last axis ({x.shape[-1] if x.ndim else 0}) must be a multiple of "
+                         f"{QUANT_BLOCK}")
+    if x.dtype.itemsize != (4 if kind == "float32" else 2):
+        return quantize_fp8(_dt.to_float32(xp, x, kind), ue8m0)
+    if x.data.ptr % align:
+        x = x.copy()
+    q = xp.empty(x.shape, np.uint8)
+    scale = xp.empty(x.shape[:-1] + (x.shape[-1] // QUANT_BLOCK,), np.float32)
+    nb = x.size // QUANT_BLOCK
+    if nb:
+        _gpu_launch("symbuf_quant_fp8" + suffix, nb, (x, np.int64(nb), np.int32(1 if ue8m0 else 0), q, scale))
+    return q, scale
+
+
+def dequantize_fp8_to(q, scales, kind: str, out_dtype):
+    """``float(q) * scale`` per 128-element block, narrowed to float kind ``kind`` and returned with dtype
+    ``out_dtype``: bit for bit ``dtypes.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)`` (float16 NaN
+    payloads aside: the GPU's conversion, as CuPy's ``astype``, gives its canonical NaN). On CuPy arrays one kernel
+    writing the caller's type (``symbuf_dequant_fp8_f16`` / ``_bf16``), no float32 temporary."""
+    from . import dtypes as _dt
+    xp = _xp(q)
+    natural = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}.get(kind)
+    if xp is np or natural is None or q.ndim < 1 or q.shape[-1] % QUANT_BLOCK:
+        return _dt.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)
+    suffix, align = _GPU_KIND[kind]
+    codes = xp.ascontiguousarray(q).view(np.uint8) if q.dtype.itemsize == 1 else xp.ascontiguousarray(
+        q.astype(np.uint8))
+    s = xp.ascontiguousarray(xp.asarray(scales, np.float32))
+    if s.size * QUANT_BLOCK != codes.size:
+        return _dt.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)
+    if codes.data.ptr % 4:
+        codes = codes.copy()
+    if s.data.ptr % 4:
+        s = s.copy()
+    out = xp.empty(codes.shape, natural)  # a fresh allocation: aligned for the kernel's vector stores
+    nb = codes.size // QUANT_BLOCK
+    if nb:
+        _gpu_launch("symbuf_dequant_fp8" + suffix, nb, (codes, s, np.int64(nb), out))
+    if kind == "bfloat16":
+        return out if np.dtype(out_dtype) == np.uint16 else out.view(out_dtype)
+    return out if np.dtype(out_dtype) == np.dtype(natural) else out.astype(out_dtype)
 
 
 def error_bound(xf, scales) -> np.ndarray:

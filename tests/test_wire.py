@@ -195,3 +195,69 @@ def test_wire_non_finite_values_arrive_as_documented(backend, comm, wire):
         _, scales = quantise(np.where(np.isfinite(want), want, 0))
     bound = quant.error_bound(want, scales) if wire == "fp8" else quant.int8_error_bound(scales)
     assert (np.abs(got - want)[ok] <= bound[ok]).all()
+
+
+def _special_rows(seed):
+    """float32 rows of 3 blocks: every scale, an all-zero block, +-inf, NaN, subnormals, values past 448 x scale."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((29, 384)) * np.exp(rng.uniform(-12, 12, (29, 1)))).astype(np.float32)
+    x[0] = 0.0
+    x[1, :7] = [np.inf, -np.inf, np.nan, 1e-42, -1e-40, 3e38, -2.5]
+    x[2, 128:256] = 1e-45
+    return x
+
+
+def _in_kind(x32, kind):
+    """x32 in float kind ``kind`` as the caller holds it on the GPU (bfloat16: raw uint16 bits)."""
+    if kind == "float16":
+        with np.errstate(over="ignore"):
+            return x32.astype(np.float16)
+    if kind == "bfloat16":
+        return dt.float32_to_bf16_bits(np, x32)
+    return x32
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
+def test_quantize_from_kind_is_the_float32_composition(kind):
+    """quantize_fp8_from / dequantize_fp8_to (NumPy) are quantize_fp8 of the widened rows and the narrowing of
+    dequantize_fp8, for every float kind (bfloat16 as raw bits and as the ml_dtypes dtype)."""
+    x = _in_kind(_special_rows(7), kind)
+    for a in ([x, x.view(ml_dtypes.bfloat16)] if kind == "bfloat16" else [x]):
+        f = dt.to_float32(np, a, kind)
+        for ue8m0 in (False, True):
+            q, s = quant.quantize_fp8_from(a, kind, ue8m0)
+            wq, ws = quant.quantize_fp8(f, ue8m0)
+            np.testing.assert_array_equal(q, wq)
+            np.testing.assert_array_equal(s.view(np.uint32), ws.view(np.uint32))
+            with np.errstate(over="ignore", invalid="ignore"):
+                got = quant.dequantize_fp8_to(q, s, kind, a.dtype)
+                want = dt.from_float32(np, quant.dequantize_fp8(wq, ws), kind, a.dtype)
+            assert got.dtype == a.dtype and got.shape == a.shape
+            np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.skipif(not cs._compat.cuda_available(), reason="needs CuPy and a visible GPU")
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_fused_gpu_quantiser_reads_and_writes_the_callers_type(kind, ue8m0):
+    """The kernels for float16 / bfloat16 rows (symbuf_quant_fp8_f16 / _bf16 and the dequantisers writing the
+    caller's type) against the NumPy composition, bit for bit (a NaN: NaN, its payload the GPU's), also on a view
+    misaligned for their 8-byte loads."""
+    import cupy
+    host = _in_kind(_special_rows(8), kind)
+    f = dt.to_float32(np, host, kind)
+    want_q, want_s = quant.quantize_fp8(f, ue8m0)
+    big = cupy.asarray(np.concatenate([host.reshape(-1)[:1], host.reshape(-1)]))
+    for dev in (cupy.asarray(host), big[1:].reshape(host.shape)):
+        got_q, got_s = quant.quantize_fp8_from(dev, kind, ue8m0)
+        np.testing.assert_array_equal(cupy.asnumpy(got_s).view(np.uint32), want_s.view(np.uint32))
+        np.testing.assert_array_equal(cupy.asnumpy(got_q), want_q)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = dt.from_float32(np, quant.dequantize_fp8(want_q, want_s), kind, host.dtype)
+    got = cupy.asnumpy(quant.dequantize_fp8_to(cupy.asarray(want_q), cupy.asarray(want_s), kind, host.dtype))
+    assert got.dtype == host.dtype and got.shape == host.shape
+    # NaN stays NaN; its payload is the GPU's canonical one (its float32 product), as in the float32 kernel's test
+    nan = np.isnan(dt.to_float32(np, want, kind))
+    assert (np.isnan(dt.to_float32(np, got, kind)) == nan).all() and nan.any()
+    bits = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}[kind]
+    np.testing.assert_array_equal(got[~nan].view(bits), want[~nan].view(bits))
