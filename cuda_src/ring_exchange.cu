@@ -738,10 +738,12 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   }
 
   // A ring group goes on even with an empty share: the call header is exchanged on every call.
+#if !SYMBUF_ADAPTIVE  // the work-sharing build set both before __syncthreads: other groups' warps may use them now
   if (leader) {
     s_abort[peer] = 0;
     s_gate[peer] = kGateWait;
   }
+#endif
   // Sender: copy warps write chunks into the peer's ring and the publisher releases tail there; backpressure reads
   // head from our own region, where the peer's receiver releases it. Receiver: the mirror image (tail read from our
   // region, head released into the peer's). Warp 0 of a group publishes, the others copy, each owning every

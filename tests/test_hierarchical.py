@@ -602,14 +602,14 @@ def test_a_failure_before_the_rail_step_fails_every_rail_peer(hiers, flat, monke
     h = hiers(1)  # one rank per node: every rank is on one rail with all the others
     E, idx, x, w = _base()
     rx, _, rw, _, hd = h.dispatch(x, idx, w, E)
-    real = h._to_host
+    real = h._to_host_staged
 
-    def broken(a):  # the rail step's packed rows only (uint8 [rows, bytes]); the layout's counts go through
+    def broken(a, name):  # the rail step's packed rows (uint8 [rows, bytes]) into the staging buffer
         if getattr(a, "ndim", 0) == 2 and a.dtype == np.uint8:
             raise RuntimeError("simulated failure before the rail step")
-        return real(a)
+        return real(a, name)
     if RANK == BADRANK:
-        monkeypatch.setattr(h, "_to_host", broken)
+        monkeypatch.setattr(h, "_to_host_staged", broken)
 
     def call():
         if step == "dispatch":
@@ -628,7 +628,7 @@ def test_a_failure_before_the_rail_step_fails_every_rail_peer(hiers, flat, monke
     try:
         all_ranks(check)
     finally:
-        monkeypatch.setattr(h, "_to_host", real)
+        monkeypatch.setattr(h, "_to_host_staged", real)
     _round(h, flat, CASES["fp32_top4_weights"], 13, 1)
 
 
