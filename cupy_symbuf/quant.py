@@ -175,7 +175,7 @@ def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
     ``kind``: ``dtypes.FLOAT32`` / ``FLOAT16`` / ``BFLOAT16`` (bfloat16 as raw ``uint16`` bits or the ml_dtypes
     dtype). On CuPy arrays it is one kernel that reads ``x`` in its own type (``symbuf_quant_fp8_f16`` / ``_bf16``):
     no float32 copy of the rows, which on one GPU cost more HBM traffic than the fp8 wire saved (docs/perf-notes.md,
-    fifth session). Raises ``ValueError`` when the last axis is not a multiple of 128."""
+    v15). Raises ``ValueError`` when the last axis is not a multiple of 128."""
     from . import dtypes as _dt
     xp = _xp(x)
     if xp is np or kind not in _GPU_KIND:
@@ -199,15 +199,15 @@ def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
 
 def dequantize_fp8_to(q, scales, kind: str, out_dtype):
     """``float(q) * scale`` per 128-element block, narrowed to float kind ``kind`` and returned with dtype
-    ``out_dtype``: bit for bit ``dtypes.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)`` (float16 NaN
-    payloads aside: the GPU's conversion, as CuPy's ``astype``, gives its canonical NaN). On CuPy arrays one kernel
+    ``out_dtype``: bit for bit ``dtypes.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)``, NaN
+    payloads aside (a NaN stays NaN; the GPU's float32 product gives its canonical one). On CuPy arrays one kernel
     writing the caller's type (``symbuf_dequant_fp8_f16`` / ``_bf16``), no float32 temporary."""
     from . import dtypes as _dt
     xp = _xp(q)
     natural = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}.get(kind)
     if xp is np or natural is None or q.ndim < 1 or q.shape[-1] % QUANT_BLOCK:
         return _dt.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)
-    suffix, align = _GPU_KIND[kind]
+    suffix = _GPU_KIND[kind][0]
     codes = xp.ascontiguousarray(q).view(np.uint8) if q.dtype.itemsize == 1 else xp.ascontiguousarray(
         q.astype(np.uint8))
     s = xp.ascontiguousarray(xp.asarray(scales, np.float32))
