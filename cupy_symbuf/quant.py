@@ -105,6 +105,15 @@ _GPU_THREADS = 256
 _GPU_MAX_BLOCKS = 4096
 
 
+#: Suffix of the fused kernels' entry points per float kind (cuda_src/quant.cu, SYMBUF_QUANT_ENTRY), and the
+#: alignment in bytes their vector loads / stores of the caller's rows need (4 elements of the kind).
+_GPU_KIND = {"float32": ("", 16), "float16": ("_f16", 8), "bfloat16": ("_bf16", 8)}
+
+
+#: The dtype the kernels read and write for each float kind (bfloat16 as raw bits: CuPy has no bfloat16).
+_NATURAL = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
 def _gpu_launch(name: str, num_blocks: int, args) -> None:
     """Run kernel ``name`` of ``cuda_src/quant.cu`` over ``num_blocks`` 128-element blocks on the current stream."""
     from . import _kernels
@@ -125,14 +134,7 @@ def quantize_fp8(xf, ue8m0: bool = False):
     if xf.shape[-1] % QUANT_BLOCK:
         raise ValueError(f"quantize_fp8: the last axis ({xf.shape[-1]}) must be a multiple of {QUANT_BLOCK}")
     if xp is not np:
-        if xf.data.ptr % 16:  # a view starting inside an allocation: the kernel loads 16 bytes at a time
-            xf = xf.copy()
-        q = xp.empty(xf.shape, np.uint8)
-        scale = xp.empty(xf.shape[:-1] + (xf.shape[-1] // QUANT_BLOCK,), np.float32)
-        nb = xf.size // QUANT_BLOCK
-        if nb:
-            _gpu_launch("symbuf_quant_fp8", nb, (xf, np.int64(nb), np.int32(1 if ue8m0 else 0), q, scale))
-        return q, scale
+        return _gpu_quant(xf, "float32", ue8m0)
     scale = block_scales(xf, ue8m0)
     inv = (np.float32(1.0) / scale).astype(np.float32)
     blocks = xf.reshape(xf.shape[:-1] + (xf.shape[-1] // QUANT_BLOCK, QUANT_BLOCK))
@@ -143,19 +145,9 @@ def quantize_fp8(xf, ue8m0: bool = False):
 def dequantize_fp8(q, scales) -> np.ndarray:
     """float32 ``float(q) * scale`` per 128-element block (CuPy arrays: one kernel, ``symbuf_dequant_fp8``)."""
     xp = _xp(q)
-    if xp is not np and q.ndim >= 1 and q.shape[-1] % QUANT_BLOCK == 0:
-        codes = xp.ascontiguousarray(q).view(np.uint8) if q.dtype.itemsize == 1 else xp.ascontiguousarray(
-            q.astype(np.uint8))
-        s = xp.ascontiguousarray(xp.asarray(scales, np.float32))
-        if codes.data.ptr % 4:  # the kernel loads 4 codes at a time
-            codes = codes.copy()
-        if s.data.ptr % 4:
-            s = s.copy()
-        if s.size * QUANT_BLOCK == codes.size:
-            out = xp.empty(codes.shape, np.float32)
-            nb = codes.size // QUANT_BLOCK
-            if nb:
-                _gpu_launch("symbuf_dequant_fp8", nb, (codes, s, np.int64(nb), out))
+    if xp is not np:
+        out = _gpu_dequant(q, scales, "float32")
+        if out is not None:
             return out
     f = fp8_e4m3_to_float32(q)
     xp = _xp(f)
@@ -163,9 +155,41 @@ def dequantize_fp8(q, scales) -> np.ndarray:
     return (blocks * xp.asarray(scales, np.float32)[..., None]).reshape(f.shape)
 
 
-#: Suffix of the fused kernels' entry points per float kind (cuda_src/quant.cu, SYMBUF_QUANT_ENTRY), and the
-#: alignment in bytes their vector loads / stores of the caller's rows need (4 elements of the kind).
-_GPU_KIND = {"float32": ("", 16), "float16": ("_f16", 8), "bfloat16": ("_bf16", 8)}
+def _gpu_quant(x, kind: str, ue8m0: bool):
+    """The fused quantiser on CuPy ``x`` (C-contiguous, elements of float kind ``kind`` in their own type, last
+    axis a multiple of 128): ``(q, scales)``."""
+    suffix, align = _GPU_KIND[kind]
+    if x.data.ptr % align:  # a view starting inside an allocation: the kernel loads 4 elements at a time
+        x = x.copy()
+    xp = _xp(x)
+    q = xp.empty(x.shape, np.uint8)
+    scale = xp.empty(x.shape[:-1] + (x.shape[-1] // QUANT_BLOCK,), np.float32)
+    nb = x.size // QUANT_BLOCK
+    if nb:
+        _gpu_launch("symbuf_quant_fp8" + suffix, nb, (x, np.int64(nb), np.int32(1 if ue8m0 else 0), q, scale))
+    return q, scale
+
+
+def _gpu_dequant(q, scales, kind: str):
+    """The fused dequantiser on CuPy codes ``q`` writing float kind ``kind`` (its natural dtype: float32, float16,
+    uint16 bits for bfloat16), or None where the shapes do not fit the kernel (the caller's elementwise path)."""
+    xp = _xp(q)
+    if q.ndim < 1 or q.shape[-1] % QUANT_BLOCK:
+        return None
+    codes = xp.ascontiguousarray(q).view(np.uint8) if q.dtype.itemsize == 1 else xp.ascontiguousarray(
+        q.astype(np.uint8))
+    s = xp.ascontiguousarray(xp.asarray(scales, np.float32))
+    if s.size * QUANT_BLOCK != codes.size:
+        return None
+    if codes.data.ptr % 4:  # the kernel loads 4 codes at a time
+        codes = codes.copy()
+    if s.data.ptr % 4:
+        s = s.copy()
+    out = xp.empty(codes.shape, _NATURAL[kind])  # a fresh allocation: aligned for the kernel's vector stores
+    nb = codes.size // QUANT_BLOCK
+    if nb:
+        _gpu_launch("symbuf_dequant_fp8" + _GPU_KIND[kind][0], nb, (codes, s, np.int64(nb), out))
+    return out
 
 
 def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
@@ -180,21 +204,13 @@ def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
     xp = _xp(x)
     if xp is np or kind not in _GPU_KIND:
         return quantize_fp8(_dt.to_float32(xp, x, kind), ue8m0)
-    suffix, align = _GPU_KIND[kind]
     x = xp.ascontiguousarray(x)
     if x.ndim < 1 or x.shape[-1] % QUANT_BLOCK:
         raise ValueError(f"quantize_fp8_from: the last axis ({x.shape[-1] if x.ndim else 0}) must be a multiple of "
                          f"{QUANT_BLOCK}")
-    if x.dtype.itemsize != (4 if kind == "float32" else 2):
+    if x.dtype.itemsize != np.dtype(_NATURAL[kind]).itemsize:
         return quantize_fp8(_dt.to_float32(xp, x, kind), ue8m0)
-    if x.data.ptr % align:
-        x = x.copy()
-    q = xp.empty(x.shape, np.uint8)
-    scale = xp.empty(x.shape[:-1] + (x.shape[-1] // QUANT_BLOCK,), np.float32)
-    nb = x.size // QUANT_BLOCK
-    if nb:
-        _gpu_launch("symbuf_quant_fp8" + suffix, nb, (x, np.int64(nb), np.int32(1 if ue8m0 else 0), q, scale))
-    return q, scale
+    return _gpu_quant(x, kind, ue8m0)
 
 
 def dequantize_fp8_to(q, scales, kind: str, out_dtype):
@@ -204,26 +220,12 @@ def dequantize_fp8_to(q, scales, kind: str, out_dtype):
     writing the caller's type (``symbuf_dequant_fp8_f16`` / ``_bf16``), no float32 temporary."""
     from . import dtypes as _dt
     xp = _xp(q)
-    natural = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}.get(kind)
-    if xp is np or natural is None or q.ndim < 1 or q.shape[-1] % QUANT_BLOCK:
+    out = _gpu_dequant(q, scales, kind) if xp is not np and kind in _GPU_KIND else None
+    if out is None:
         return _dt.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)
-    suffix = _GPU_KIND[kind][0]
-    codes = xp.ascontiguousarray(q).view(np.uint8) if q.dtype.itemsize == 1 else xp.ascontiguousarray(
-        q.astype(np.uint8))
-    s = xp.ascontiguousarray(xp.asarray(scales, np.float32))
-    if s.size * QUANT_BLOCK != codes.size:
-        return _dt.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)
-    if codes.data.ptr % 4:
-        codes = codes.copy()
-    if s.data.ptr % 4:
-        s = s.copy()
-    out = xp.empty(codes.shape, natural)  # a fresh allocation: aligned for the kernel's vector stores
-    nb = codes.size // QUANT_BLOCK
-    if nb:
-        _gpu_launch("symbuf_dequant_fp8" + suffix, nb, (codes, s, np.int64(nb), out))
     if kind == "bfloat16":
         return out if np.dtype(out_dtype) == np.uint16 else out.view(out_dtype)
-    return out if np.dtype(out_dtype) == np.dtype(natural) else out.astype(out_dtype)
+    return out if np.dtype(out_dtype) == np.dtype(_NATURAL[kind]) else out.astype(out_dtype)
 
 
 def error_bound(xf, scales) -> np.ndarray:
