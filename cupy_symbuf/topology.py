@@ -343,6 +343,13 @@ def _check_int(where: str, name: str, value, upper: int, what: str) -> int:
     return int(value)
 
 
+def _require(where: str, obj: dict, prefix: str, keys) -> None:
+    """``ValueError`` naming the first of ``keys`` missing from ``obj`` (as ``'<prefix><key>'``)."""
+    for key in keys:
+        if key not in obj:
+            raise ValueError(f"{where}: missing field '{prefix}{key}'")
+
+
 class Topology:
     """Nodes, hosts, GPUs and pairwise links of ``world_size`` ranks (made by :func:`discover`; read-only).
 
@@ -408,9 +415,7 @@ class Topology:
         where = "Topology.from_dict"
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected a dict (Topology.as_dict()), got {type(d).__name__}")
-        for key in ("backend", "ranks"):
-            if key not in d:
-                raise ValueError(f"{where}: missing field {key!r}")
+        _require(where, d, "", ("backend", "ranks"))
         if not isinstance(d["backend"], str):
             raise ValueError(f"{where}: field 'backend' must be a str, got {type(d['backend']).__name__}")
         ranks = d["ranks"]
@@ -422,9 +427,7 @@ class Topology:
             name = f"ranks[{i}]"
             if not isinstance(rec, dict):
                 raise ValueError(f"{where}: field {name!r} must be a dict, got {type(rec).__name__}")
-            for key in ("host", "shm"):
-                if key not in rec:
-                    raise ValueError(f"{where}: missing field '{name}.{key}'")
+            _require(where, rec, name + ".", ("host", "shm"))
             if not isinstance(rec["host"], str):
                 raise ValueError(f"{where}: field '{name}.host' must be a str, got {type(rec['host']).__name__}")
             if isinstance(rec["shm"], bool) or not isinstance(rec["shm"], int):
@@ -442,9 +445,7 @@ class Topology:
             if gpu is not None:
                 if not isinstance(gpu, dict):
                     raise ValueError(f"{where}: field '{name}.gpu' must be a dict or null, got {type(gpu).__name__}")
-                for key in ("ordinal", "uuid", "pci_bus_id", "name"):
-                    if key not in gpu:
-                        raise ValueError(f"{where}: missing field '{name}.gpu.{key}'")
+                _require(where, gpu, name + ".gpu.", ("ordinal", "uuid", "pci_bus_id", "name"))
             records.append({k: rec.get(k) for k in raw})
         rank = d.get("rank")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(records)):

@@ -764,13 +764,7 @@ def test_nccl_rail_branch_moves_the_same_bytes(flat, monkeypatch, k):
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda_pkg))
     h._nccl, h.inter_node = fake, "nccl"
     try:
-        rng = rng_for(WORLD, 91 + k)
-        counts = rng.integers(0, 5, W)
-        send = random_rows(rng, int(counts.sum()), (3,), np.float32)
-        want, want_counts = reference_alltoallv(WORLD, send, counts)
-        got, got_counts = h.alltoallv(send, counts)
-        np.testing.assert_array_equal(got_counts, want_counts)
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+        _a2av_round(h, 91 + k)
         for name in ("fp32_top4_weights", "bf16raw_top3_one_token"):
             _round(h, flat, CASES[name], 17, k)
     finally:
