@@ -18,11 +18,6 @@ source .ci/device_env.sh
 nvidia-smi -L
 PT="python3 -m pytest -q -p no:cacheprovider"
 CVD='export CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK; exec'
-run() {  # run NAME SECONDS command...: the log in $OUT/NAME.log, the last lines here
-  local name=$1 t=$2; shift 2
-  timeout $t "$@" > $OUT/$name.log 2>&1
-  echo "== [$name] rc=$?"; grep -vE "^$|it/s" $OUT/$name.log | tail -${TAIL:-4}
-}
 B="python3 -m cupy_symbuf.bench"
 case ${1:-1} in
   1)

@@ -24,11 +24,6 @@ nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started"
 df -h /dev/shm | tail -1  # the staged transport's window lives there (about 48 MiB per rank)
 G="-x CUDA_VISIBLE_DEVICES=0 -x CUPY_SYMBUF_TEST_BACKENDS=cuda"
 PT="python3 -m pytest -q -p no:cacheprovider"
-run() {  # run NAME SECONDS command...: the log in $OUT/NAME.log, the last lines here
-  local name=$1 t=$2; shift 2
-  timeout $t "$@" > $OUT/$name.log 2>&1
-  echo "== [$name] rc=$?"; grep -vE "^$|it/s" $OUT/$name.log | tail -${TAIL:-4}
-}
 case ${1:-1} in
   1)
     bash .ci/device_issue13.sh sass
