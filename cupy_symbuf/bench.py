@@ -463,6 +463,14 @@ def main(argv=None) -> int:
     # argument errors every rank finds alike, before anything collective: one line each, no traceback
     if args.backend == "cuda" and not _compat.cuda_available():
         ap.error("--backend cuda: no CUDA device is available here (CuPy with a visible GPU); use --backend host")
+    if args.tune:  # the sweep times plain alltoall layouts only, and its entry is every later Communicator's default
+        ignored = [flag for flag, on in (("--op", args.op != "alltoall"), ("--wire", args.wire is not None),
+                                         ("--mode", args.mode != "auto"), ("--relaxed", args.relaxed)) if on]
+        if ignored:
+            ap.error(f"--tune sweeps the alltoall layout alone; {', '.join(ignored)} would be ignored (drop "
+                     f"{'it' if len(ignored) == 1 else 'them'})")
+    elif args.tune_out is not None:
+        ap.error("--tune-out is --tune's output file; give --tune too")
     if args.wire is not None and args.op != "dispatch":
         ap.error(f"--wire applies to --op dispatch only (got --op {args.op}); alltoallv's wire_dtype is an argument "
                  f"of Communicator.alltoallv")

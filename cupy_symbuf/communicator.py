@@ -657,7 +657,8 @@ class Communicator:
             :func:`cupy_symbuf.quant.quantize_fp8`; ``"int8"``: int8 codes, ``scale = amax / 127``,
             :func:`cupy_symbuf.quant.quantize_int8`) with one float32 scale, the codes and scales travel (1 + 4/128
             bytes per element), and ``recvbuf`` comes back dequantised in ``sendbuf``'s dtype. Errors per element:
-            ``quant.error_bound`` (fp8, relative ~2**-4) / ``quant.int8_error_bound`` (half a step). Not with
+            ``quant.error_bound`` (fp8, relative ~2**-4) / ``quant.int8_error_bound`` (half a step), plus, for
+            float16 / bfloat16 rows, half an ulp of that dtype (the dequantised value is rounded back into it). Not with
             ``out``. Every rank must pass the same ``wire_dtype`` and dtype (the packed rows' format and the
             source dtype are in the row signature every peer checks): with a count exchange a difference raises
             ``ValueError`` on every rank and the communicator stays usable; with ``recv_counts`` it is a call-header

@@ -533,7 +533,8 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         per 1x128 block to float8_e4m3fn with a float32 scale (:func:`cupy_symbuf.quant.quantize_fp8`, the
         quantiser of the low-latency kernels), the codes and scales travel (1 + 4/128 bytes per element instead
         of 2 or 4), and ``recv_x`` comes back dequantised in ``x``'s dtype. Error per element at most
-        ``|x| * 2**-4 + scale * 2**-10`` (``quant.error_bound``). A cached dispatch may use it too. Not with an
+        ``|x| * 2**-4 + scale * 2**-10`` (``quant.error_bound``), plus, for float16 / bfloat16 ``x``, half an ulp
+        of that dtype from rounding the dequantised value back into it. A cached dispatch may use it too. Not with an
         fp8 tuple ``x``. Every rank must make the same choice (the rows' format is in the signature every
         receiver checks: a difference raises ``ValueError`` on every rank after the count exchange, but in a
         cached dispatch, which has none, it is a fatal call-header mismatch). Finite values only: an inf makes
@@ -614,7 +615,7 @@ def _wire_fp8(op, comm, x, wire_dtype):
     """``dispatch(wire_dtype="fp8")``: the ``(codes, scales)`` tuple that travels and the function that turns the
     received pair back into ``x``'s dtype."""
     from . import quant
-    if wire_dtype != "fp8":
+    if not isinstance(wire_dtype, str) or wire_dtype != "fp8":  # (an array would compare elementwise)
         raise ValueError(f"{op}: wire_dtype must be None or 'fp8', got {wire_dtype!r}")
     if isinstance(x, tuple):
         raise ValueError(f"{op}: wire_dtype='fp8' quantises x itself; pass x as one array, not an (x_fp8, scales) "

@@ -91,7 +91,8 @@ def block_scales(xf: np.ndarray, ue8m0: bool = False) -> np.ndarray:
     else:  # NaN ignored, as fmax.reduce and the GPU quantiser do
         a = xp.abs(blocks)
         amax = xp.where(xp.isnan(a), np.float32(0), a).max(axis=-1)
-    amax = xp.maximum(amax.astype(np.float32), AMAX_FLOOR)
+    amax = xp.fmax(amax.astype(np.float32), AMAX_FLOOR)  # fmax: an all-NaN block's NaN amax takes the floor, as
+    # on the GPU (fmaxf)
     scale = (amax / FP8_MAX).astype(np.float32)
     if ue8m0:
         u = scale.view(np.uint32).astype(np.uint64)
@@ -192,6 +193,17 @@ def _gpu_dequant(q, scales, kind: str):
     return out
 
 
+def _check_kind(fn: str, name: str, dtype, kind: str) -> None:
+    """``ValueError`` for a ``kind`` that is no float kind of the wire, ``TypeError`` when ``dtype`` does not hold
+    ``kind`` values (bfloat16: the ml_dtypes dtype or ``uint16`` raw bits)."""
+    from . import dtypes as _dt
+    if kind not in _NATURAL:
+        raise ValueError(f"{fn}: kind must be one of {sorted(_NATURAL)}, got {kind!r}")
+    if _dt.float_kind(dtype, raw_uint16=_dt.BFLOAT16) != kind:
+        what = "the bfloat16 dtype or uint16 raw bits" if kind == "bfloat16" else kind
+        raise TypeError(f"{fn}: {name} must hold {kind} values ({what}) for kind={kind!r}, got dtype {np.dtype(dtype)}")
+
+
 def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
     """``(q, scales)`` of rows ``x`` of float kind ``kind``: bit for bit
     ``quantize_fp8(dtypes.to_float32(xp, x, kind), ue8m0)``.
@@ -199,17 +211,17 @@ def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
     ``kind``: ``dtypes.FLOAT32`` / ``FLOAT16`` / ``BFLOAT16`` (bfloat16 as raw ``uint16`` bits or the ml_dtypes
     dtype). On CuPy arrays it is one kernel that reads ``x`` in its own type (``symbuf_quant_fp8_f16`` / ``_bf16``):
     no float32 copy of the rows, which on one GPU cost more HBM traffic than the fp8 wire saved (docs/perf-notes.md,
-    v15). Raises ``ValueError`` when the last axis is not a multiple of 128."""
+    v15). Raises ``ValueError`` when the last axis is not a multiple of 128 or ``kind`` is not one of the three,
+    ``TypeError`` when ``x``'s dtype does not hold ``kind`` values."""
     from . import dtypes as _dt
+    _check_kind("quantize_fp8_from", "x", x.dtype, kind)
     xp = _xp(x)
-    if xp is np or kind not in _GPU_KIND:
+    if xp is np:
         return quantize_fp8(_dt.to_float32(xp, x, kind), ue8m0)
     x = xp.ascontiguousarray(x)
     if x.ndim < 1 or x.shape[-1] % QUANT_BLOCK:
         raise ValueError(f"quantize_fp8_from: the last axis ({x.shape[-1] if x.ndim else 0}) must be a multiple of "
                          f"{QUANT_BLOCK}")
-    if x.dtype.itemsize != np.dtype(_NATURAL[kind]).itemsize:
-        return quantize_fp8(_dt.to_float32(xp, x, kind), ue8m0)
     return _gpu_quant(x, kind, ue8m0)
 
 
@@ -217,10 +229,12 @@ def dequantize_fp8_to(q, scales, kind: str, out_dtype):
     """``float(q) * scale`` per 128-element block, narrowed to float kind ``kind`` and returned with dtype
     ``out_dtype``: bit for bit ``dtypes.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)``, NaN
     payloads aside (a NaN stays NaN; the GPU's float32 product gives its canonical one). On CuPy arrays one kernel
-    writing the caller's type (``symbuf_dequant_fp8_f16`` / ``_bf16``), no float32 temporary."""
+    writing the caller's type (``symbuf_dequant_fp8_f16`` / ``_bf16``), no float32 temporary. Raises
+    ``ValueError`` for a ``kind`` not of the three, ``TypeError`` when ``out_dtype`` does not hold ``kind`` values."""
     from . import dtypes as _dt
+    _check_kind("dequantize_fp8_to", "out_dtype", out_dtype, kind)
     xp = _xp(q)
-    out = _gpu_dequant(q, scales, kind) if xp is not np and kind in _GPU_KIND else None
+    out = _gpu_dequant(q, scales, kind) if xp is not np else None
     if out is None:
         return _dt.from_float32(xp, dequantize_fp8(q, scales), kind, out_dtype)
     if kind == "bfloat16":

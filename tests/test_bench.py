@@ -370,6 +370,9 @@ def test_mpi_reference_refused_where_it_times_nothing(argv, capsys):
     (["--op", "adaptive", "--patterns", "zipf-1"], "'zipf-1' is not a pattern"),
     (["--op", "adaptive", "--wire", "fp8"], "--wire applies to --op dispatch only (got --op adaptive)"),
     (["--wire", "fp8"], "--wire applies to --op dispatch only (got --op alltoall)"),
+    (["--tune", "--op", "dispatch", "--wire", "fp8"], "--op, --wire would be ignored"),
+    (["--tune", "--mode", "ring"], "--mode would be ignored"),
+    (["--tune-out", "/tmp/t.json"], "--tune-out is --tune's output file"),
 ])
 def test_bad_arguments_found_before_anything_collective(argv, text, capsys):
     """From a new-user attack: a bad --patterns of --op adaptive gave a traceback on every rank after part of the run

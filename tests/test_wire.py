@@ -261,3 +261,57 @@ def test_fused_gpu_quantiser_reads_and_writes_the_callers_type(kind, ue8m0):
     assert (np.isnan(dt.to_float32(np, got, kind)) == nan).all() and nan.any()
     bits = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}[kind]
     np.testing.assert_array_equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
+def test_kind_and_dtype_must_agree():
+    """From a new-user attack: float32 rows with kind='bfloat16' were read as shifted 32-bit words (garbage scales,
+    no error), float64 rows passed as float16, and out_dtype=float32 with kind='bfloat16' returned half the
+    columns. Now a TypeError naming the argument and the kind, a ValueError for an unknown kind; the right pairs
+    (bfloat16 as the ml_dtypes dtype or uint16 bits) still match the NumPy composition."""
+    x32 = np.random.default_rng(4).standard_normal((2, 256)).astype(np.float32)
+    for a, kind in ((x32, "bfloat16"), (x32.astype(np.float64), "float16"), (x32.astype(np.float16), "float32"),
+                    (dt.float32_to_bf16_bits(np, x32), "float16")):
+        with pytest.raises(TypeError, match=rf"quantize_fp8_from: x must hold {kind} values"):
+            quant.quantize_fp8_from(a, kind)
+    for bad in ("float8_e4m3", "FLOAT32", None):
+        with pytest.raises(ValueError, match="quantize_fp8_from: kind must be one of"):
+            quant.quantize_fp8_from(x32, bad)
+    q, s_ = quant.quantize_fp8(x32)
+    for out_dtype, kind in ((np.float32, "bfloat16"), (np.int8, "bfloat16"), (np.float16, "float32")):
+        with pytest.raises(TypeError, match=rf"dequantize_fp8_to: out_dtype must hold {kind} values"):
+            quant.dequantize_fp8_to(q, s_, kind, out_dtype)
+    bits = dt.float32_to_bf16_bits(np, x32)
+    for a in (bits, bits.view(ml_dtypes.bfloat16)):
+        got_q, got_s = quant.quantize_fp8_from(a, "bfloat16")
+        want_q, want_s = quant.quantize_fp8(dt.to_float32(np, bits, "bfloat16"))
+        np.testing.assert_array_equal(got_q, want_q)
+        np.testing.assert_array_equal(got_s, want_s)
+        back = quant.dequantize_fp8_to(got_q, got_s, "bfloat16", a.dtype)
+        assert back.dtype == a.dtype and back.shape == a.shape
+
+
+def test_all_nan_block_takes_the_floor_scale_as_on_the_gpu():
+    """From a new-user attack: an all-NaN block got scale NaN on the host (np.maximum passes NaN; the GPU's fmaxf
+    takes the floor, 1e-4 / 448, or 2**-22 with ue8m0); now the host's scales are the GPU's."""
+    x = np.random.default_rng(5).standard_normal((1, 256)).astype(np.float32)
+    x[0, :128] = np.nan
+    for ue8m0, want in ((False, np.float32(quant.AMAX_FLOOR) / quant.FP8_MAX), (True, np.float32(2.0 ** -22))):
+        with np.errstate(invalid="ignore"):
+            _, s = quant.quantize_fp8(x, ue8m0)
+        assert s[0, 0] == want and np.isfinite(s).all(), (ue8m0, s)
+        assert s[0, 1] == quant.block_scales(x[:, 128:], ue8m0)[0, 0]
+
+
+def test_dispatch_wire_dtype_must_be_a_str(backend, comm):
+    """From a new-user attack: dispatch took wire_dtype=np.array(["fp8"]) (an elementwise comparison) where
+    alltoallv refuses it; now the same ValueError, and the communicator stays usable."""
+    W = comm.size
+    x = np.random.default_rng([comm.rank, 6]).standard_normal((4, 128)).astype(np.float32)
+    idx = np.zeros((4, 1), np.int64)
+    with cs.Communicator(comm, backend=backend) as c:
+        with pytest.raises(ValueError, match="wire_dtype must be None or 'fp8'"):
+            c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, W, wire_dtype=np.array(["fp8"]))
+        got = to_numpy(c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, W)[0])
+        everyone = np.concatenate(comm.allgather(x))  # every token to expert 0, on rank 0
+        want = everyone if comm.rank == 0 else np.zeros((0, 128), np.float32)
+        np.testing.assert_array_equal(got, want)
