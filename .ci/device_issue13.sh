@@ -18,7 +18,7 @@ for stage in $STAGES; do
     sass)
       python3 - > $LOG/adaptive_sass.log 2>&1 <<'PY'
 import subprocess
-from cupy_symbuf import _kernels
+from cupy_symbuf.transport import kernels as _kernels
 for d in [("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=512"),
           ("-DSYMBUF_MAX_THREADS=1024",), ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024")]:
     open("/tmp/k.ptx", "w").write(_kernels.compile_ptx("ring_exchange.cu", "compute_90", defines=d))

@@ -7,7 +7,7 @@
 #include "primitives.cuh"
 
 #ifndef SYMBUF_PROTOCOL_GENERATED
-#error "cuda_src/ is compiled through cupy_symbuf._kernels, which prepends the generated protocol header"
+#error "cuda_src/ is compiled through cupy_symbuf.transport.kernels, which prepends the generated protocol header"
 #endif
 
 struct Layout {

@@ -113,7 +113,7 @@ __device__ __forceinline__ T ld_payload(const T* p) {
 // through its own slice of the block's dynamic shared memory (SYMBUF_BULK_STAGES stages): lane 0 issues global ->
 // shared loads that complete on an mbarrier, then shared -> global stores (bulk groups); no payload passes through
 // registers, so more bytes are in flight per warp (stages x stage bytes, against SYMBUF_UNROLL x 512 B). Only where
-// the kernel was launched with dynamic shared memory (the ring kernel, _cuda.py) and bulk_init ran; elsewhere, and
+// the kernel was launched with dynamic shared memory (the ring kernel, transport/cuda.py) and bulk_init ran; elsewhere, and
 // on sm_80 (no cp.async.bulk), the register copy below. Memory ordering: fence.proxy.async before the first load
 // (bytes this thread acquired through the generic proxy, e.g. a peer's ring chunk after the tail acquire, are what
 // the async proxy reads) and after the last store has completed (cp.async.bulk.wait_group 0; the lanes' later

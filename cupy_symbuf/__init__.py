@@ -5,18 +5,18 @@
 (DeepEP semantics) over its channels. Importing needs neither CuPy nor a GPU.
 """
 from . import layout
-from ._streams import CollectiveEvent
+from .transport.streams import CollectiveEvent
 from .communicator import Communicator
-from .config import Config
-from .errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
+from .common.config import Config
+from .common.errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
                      SymBufferRejectedError, SymBufferTimeoutError)
-from .layout import ChannelLayout
-from .low_latency import LowLatencyBuffer, LowLatencyHandle, bench_low_latency  # noqa: F401 (issue 10 item 5)
-from .symbuffer import SymBuffer
-from .delta import DeltaExchange
-from .hierarchical import HierarchicalCommunicator
-from .topology import Topology
-from ._info import info
+from .wire.channel_layout import ChannelLayout
+from .moe.low_latency import LowLatencyBuffer, LowLatencyHandle, bench_low_latency  # noqa: F401
+from .transport.symbuffer import SymBuffer
+from .collectives.delta import DeltaExchange
+from .scaleout.hierarchical import HierarchicalCommunicator
+from .transport.topology import Topology
+from .diagnostics.info import info
 
 __version__ = "0.1.0"
 __all__ = ["SymBuffer", "Communicator", "CollectiveEvent", "Config", "ChannelLayout", "layout", "SymBufferError",

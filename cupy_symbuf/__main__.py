@@ -9,7 +9,7 @@ def _main(argv=None) -> int:
         print(__doc__)
         return 0 if argv else 2
     if argv[0] == "info":
-        from ._info import main
+        from .diagnostics.info import main
         return main(argv[1:])
     print(f"python -m cupy_symbuf: unknown command {argv[0]!r}; known: info (benchmarks: python -m cupy_symbuf.bench)",
           file=sys.stderr)

@@ -8,20 +8,20 @@ from typing import Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import _compat
-from . import moe as _moe
-from ._streams import run_collective as _run_collective
-from ._engine import check_sync, row_signature
-from ._validate import as_array, check_counts, check_out
-from .config import Config
-from .errors import SymBufferClosedError, SymBufferError
-from .layout import ChannelLayout
-from .symbuffer import SymBuffer, _gpu_identity, resolve_backend
+from .common import backend as _compat
+from .moe import normal as _moe
+from .transport.streams import run_collective as _run_collective
+from .transport.engine import check_sync, row_signature
+from .common.checks import as_array, check_counts, check_out
+from .common.config import Config
+from .common.errors import SymBufferClosedError, SymBufferError
+from .wire.channel_layout import ChannelLayout
+from .transport.symbuffer import SymBuffer, _gpu_identity, resolve_backend
 
 __all__ = ["Communicator"]
 
-from ._agree import LOCAL_POLICY_FIELDS as _LOCAL_POLICY  # noqa: E402
-from ._log import logger as _logger  # noqa: E402
+from .transport.agree import LOCAL_POLICY_FIELDS as _LOCAL_POLICY  # noqa: E402
+from .common.log import logger as _logger  # noqa: E402
 
 
 def planned_transport(requested: str, backend: str, places) -> str:
@@ -32,8 +32,8 @@ def planned_transport(requested: str, backend: str, places) -> str:
     An IPC handle that fails to open later can still make the buffer staged (logged by the Communicator)."""
     if backend != "cuda":
         return "ipc"
-    from .symbuffer import choose_transport
-    from .topology import Topology
+    from .transport.symbuffer import choose_transport
+    from .transport.topology import Topology
     try:
         topo = None if requested == "staged" or len(places) <= 1 else Topology("cuda", list(places))
         return choose_transport(requested, topo)[0]
@@ -100,7 +100,8 @@ class Communicator:
     def __init__(self, comm: MPI.Comm, config: Optional[Config] = None, *, backend: str = "auto"):
         import os
 
-        from . import _agree, _lifecycle
+        from .transport import agree as _agree
+        from .transport import lifecycle as _lifecycle
         self._closed = True  # until construction completes (close() and __del__ of a half-built object do nothing)
         self._broken: Optional[str] = None
         if config is None:
@@ -121,7 +122,7 @@ class Communicator:
                     gpu = ident["uuid"] + "/" + ident["pci_bus_id"]
                     sm_count = ident["sm_count"] or sm_count
                     gpu_name = ident.get("name", "")
-                from .topology import local_record
+                from .transport.topology import local_record
                 place = local_record(backend, nvml=False)  # for self.topology: host, GPU, peer access (no NVML)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"
@@ -162,14 +163,14 @@ class Communicator:
         self._ones.flags.writeable = False
         try:
             if self.backend == "cuda":
-                from ._cuda import CudaTransport
+                from .transport.cuda import CudaTransport
                 self._transport = CudaTransport(self.buffer, self.layout, self.config.timeout_s)
                 self._transport.blocking = self.config.blocking
                 self._transport.copy_engine = self.config.mode == "copy_engine"
             else:
-                from ._host import HostTransport
+                from .transport.host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
-            from .symmetric import SymmetricHeap
+            from .transport.symmetric import SymmetricHeap
             self._heap = SymmetricHeap(self)
             self._transport.heap = self._heap
             if self.config.adaptive and self.backend == "cuda" and self.world_size > 1:
@@ -178,7 +179,7 @@ class Communicator:
                 if self.backend == "cuda":  # the kernels record (a telemetry build of the ring kernel)
                     self._transport.enable_trace()
                 else:
-                    from ._trace import Recorder
+                    from .transport.trace import Recorder
                     self._transport.trace = Recorder()
             if self.backend == "host":  # can every rank read every other's memory (plain sendbufs go direct)?
                 if not self._transport.probe_cma(self.buffer.comm, self.config.timeout_s) and self.world_size > 1:
@@ -206,7 +207,7 @@ class Communicator:
         caller set none of the three."""
         import dataclasses
 
-        from . import tuning
+        from .transport import tuning
         if any(getattr(config, f) is not None for f in tuning.FIELDS):
             return config  # a layout field set by the caller: the table's values were measured together, none apply
         tuned, source = tuning.lookup(tuning.table_key(backend, world_size, gpu_name, ranks_per_gpu, transport))
@@ -237,7 +238,7 @@ class Communicator:
         """
         import os
 
-        from . import _lifecycle
+        from .transport import lifecycle as _lifecycle
         if getattr(self, "_closed", True):
             return
         self._closed = True
@@ -281,7 +282,7 @@ class Communicator:
         ("aborted by this rank"). Every rank must still :meth:`close` it (with ``Config.abort_on_failure``, the
         default, closing a failed communicator ends the job with ``MPI.COMM_WORLD.Abort``). A no-op once closed.
         """
-        from . import _protocol
+        from .wire import protocol as _protocol
         if getattr(self, "_closed", True):
             return
         set_abort = getattr(self._transport, "set_abort", None)
@@ -373,7 +374,7 @@ class Communicator:
 
     def trace(self, clear: bool = False):
         """The channel telemetry recorded so far (``Config(trace=True)``): a NumPy structured array of
-        ``cupy_symbuf._trace.TRACE_DTYPE`` (fields ``t0``, ``t1`` seconds of ``time.monotonic``, on the GPU of
+        ``cupy_symbuf.transport.trace.TRACE_DTYPE`` (fields ``t0``, ``t1`` seconds of ``time.monotonic``, on the GPU of
         ``%globaltimer`` (waits for the device first); ``call``, ``op``,
         ``kind`` (send / recv / pull / self / idle), ``channel``, ``peer``, ``bytes``, ``head``, ``tail``), one
         record per event, in order. Local. ``clear=True`` empties the buffer after the copy. ``ValueError`` when
@@ -518,7 +519,7 @@ class Communicator:
         """
         topo = self.__dict__.get("_topology_obj")
         if topo is None:
-            from .topology import Topology, with_local_nvml
+            from .transport.topology import Topology, with_local_nvml
             places = with_local_nvml(self._places, self.rank) if self.backend == "cuda" else self._places
             topo = self.__dict__["_topology_obj"] = Topology(self.backend, places, rank=self.rank)
         return topo
@@ -526,10 +527,10 @@ class Communicator:
     # ---- transport ------------------------------------------------------------------------------------------
     @property
     def _engine(self):
-        """The internal interface of the collectives (:class:`cupy_symbuf._engine.Engine`), made on first use."""
+        """The internal interface of the collectives (:class:`cupy_symbuf.transport.engine.Engine`), made on first use."""
         eng = self.__dict__.get("_engine_obj")
         if eng is None:
-            from ._engine import Engine
+            from .transport.engine import Engine
             eng = Engine(self, self._transport, self.layout, self.config, rank=self.rank,
                          world_size=self.world_size, backend=self.backend)
             self.__dict__["_engine_obj"] = eng
@@ -749,8 +750,8 @@ class Communicator:
     def _alltoallv_wire(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype,
                         sync="strong"):
         """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
-        from . import dtypes as _dt
-        from . import quant
+        from .common import dtypes as _dt
+        from .collectives import quant
         self._check_open()
         notify = recv_counts is None or recv_capacity is not None
         try:
@@ -807,8 +808,8 @@ class Communicator:
         """alltoallv in capacity mode (see :meth:`alltoallv`): GPU: counts checked and exchanged on the device,
         the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
         from the host protocol, padded to the capacity."""
-        from . import _protocol as P
-        from ._plan import part_width
+        from .wire import protocol as P
+        from .wire.plan import part_width
         if recv_counts is not None:
             raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
                              f"counts on the device)")
@@ -836,7 +837,7 @@ class Communicator:
                                eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), W)
             n = int(got.sum())
             if n > cap:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
-                from .errors import SymBufferMismatchError
+                from .common.errors import SymBufferMismatchError
                 raise eng.fatal(SymBufferMismatchError(
                     f"{op}: rank {self.rank} receives {n} rows, more than recv_capacity={cap}", rank=self.rank,
                     op=op, field="capacity", expected=cap, got=n))
@@ -851,7 +852,7 @@ class Communicator:
         CT = P.CT_WORDS
         block = cp.empty(2 * CT + 1 + 2 + W, np.int64)  # tables, row sum, bad, meta
         bad, meta = block[2 * CT + 1:2 * CT + 3], block[2 * CT + 3:]
-        from . import _kernels
+        from .transport import kernels as _kernels
         _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
             1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
         rb = part_width(x)

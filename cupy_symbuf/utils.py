@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from . import _compat
+from .common import backend as _compat
 
 __all__ = ["select_device"]
 

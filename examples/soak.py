@@ -287,7 +287,7 @@ def main():
         ap.error("--iters and --check-every must be >= 1, --max-rows >= 0")
     if args.backend in ("auto", "cuda"):
         try:
-            from cupy_symbuf import _compat
+            from cupy_symbuf.common import backend as _compat
             if args.backend == "cuda" or _compat.cuda_available():
                 import cupy
                 from cupy_symbuf.utils import select_device

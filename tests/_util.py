@@ -87,7 +87,7 @@ class SymmetricSend:
     def _sym(self, x):
         from mpi4py import MPI
         import cupy_symbuf as cs
-        ok = (isinstance(x, np.ndarray) or cs._compat.is_cupy_array(x)) and x.ndim >= 1 and not x.dtype.hasobject \
+        ok = (isinstance(x, np.ndarray) or cs.common.backend.is_cupy_array(x)) and x.ndim >= 1 and not x.dtype.hasobject \
             and (type(x).__module__.startswith("cupy") == (self._c.backend == "cuda"))
         n = self._comm.allreduce(int(x.nbytes) if ok else 0, op=MPI.MAX)
         if self._buf is None or self._buf.nbytes < n:

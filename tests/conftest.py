@@ -8,14 +8,14 @@ import os
 # In-process tests catch cupy_symbuf's failures themselves: a failed communicator must not end pytest with
 # MPI.COMM_WORLD.Abort (Config.abort_on_failure; the fault tests in subprocesses exercise the default).
 os.environ.setdefault("CUPY_SYMBUF_ABORT_ON_FAILURE", "0")
-# The tests see the built-in Config defaults, not a tuning table (cupy_symbuf.tuning: a set CUPY_SYMBUF_TUNING naming
+# The tests see the built-in Config defaults, not a tuning table (cupy_symbuf.transport.tuning: a set CUPY_SYMBUF_TUNING naming
 # no file means no table); tests/test_tuning.py points it at its own tables and checks the packaged one.
 os.environ.setdefault("CUPY_SYMBUF_TUNING", os.path.join(os.path.dirname(__file__), "no-tuning-table.json"))
 
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from cupy_symbuf import _compat  # noqa: E402
+from cupy_symbuf.common import backend as _compat  # noqa: E402
 
 
 def pytest_configure(config):

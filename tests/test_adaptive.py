@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf import _protocol as P
-from cupy_symbuf._plan import kernel_geometry
-from cupy_symbuf.adaptive import home_map, pack_home, workers_per_peer
+from cupy_symbuf.wire import protocol as P
+from cupy_symbuf.wire.plan import kernel_geometry
+from cupy_symbuf.transport.adaptive import home_map, pack_home, workers_per_peer
 from _util import random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
 
 
@@ -212,9 +212,9 @@ def test_plan_load_is_the_plans_own_cuts(W, host):
     """The vectorised per-(channel, peer) load equals the plan's channel_range / num_chunks one by one (random
     counts from empty to many chunks, byte and row streams, both engines' chunk rules), and a rank's own rows count
     nothing."""
-    from cupy_symbuf._plan import ExchangePlan
-    from cupy_symbuf.adaptive import ChannelLoad
-    from cupy_symbuf.layout import ChannelLayout
+    from cupy_symbuf.wire.plan import ExchangePlan
+    from cupy_symbuf.transport.adaptive import ChannelLoad
+    from cupy_symbuf.wire.channel_layout import ChannelLayout
     rng = np.random.default_rng([W, host])
     cfg = cs.Config(num_sms=8 if host else 24).resolved("host" if host else "cuda", world_size=W)
     L = ChannelLayout.from_config(cfg, W)

@@ -247,7 +247,7 @@ def test_debug_switch_reports_ring_invariant(comm, monkeypatch):
     rank raises too (the abort word)."""
     if comm.size < 2:
         pytest.skip("needs two ranks")
-    from cupy_symbuf import _host
+    from cupy_symbuf.transport import host as _host
     monkeypatch.setattr(_host, "DEBUG", True)
     c = cs.Communicator(comm, cs.Config(**CFG), backend="host")
     x = np.arange(comm.size * 8, dtype=np.float32).reshape(comm.size, 8)
@@ -374,7 +374,7 @@ def test_exception_inside_the_transport_aborts_the_peers(comm, monkeypatch):
     if comm.size < 2:
         pytest.skip("needs two ranks")
     import time
-    from cupy_symbuf import _host
+    from cupy_symbuf.transport import host as _host
     c = cs.Communicator(comm, cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=30), backend="host")
     x = np.ones((comm.size * 64, 256), np.float32)  # 64 KiB per peer through 2 x 1 KiB rings
     counts = np.full(comm.size, 64)

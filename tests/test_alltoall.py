@@ -19,9 +19,9 @@ def _make(backend, comm, config, kind, monkeypatch):
     if kind == "cma":
         if backend != "host":
             pytest.skip("cross-memory attach is the host engine's")
-        monkeypatch.setattr(cs._protocol, "CMA_MIN_BYTES", 0)  # every plain contiguous sendbuf goes MODE_CMA
+        monkeypatch.setattr(cs.wire.protocol, "CMA_MIN_BYTES", 0)  # every plain contiguous sendbuf goes MODE_CMA
     elif kind == "plain":
-        monkeypatch.setattr(cs._protocol, "CMA_MIN_BYTES", 1 << 62)  # the rings, whatever the size
+        monkeypatch.setattr(cs.wire.protocol, "CMA_MIN_BYTES", 1 << 62)  # the rings, whatever the size
     c = cs.Communicator(comm, config, backend=backend)
     if kind == "cma" and c._transport.cma_pids is None and comm.size > 1:
         c.close()

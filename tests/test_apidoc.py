@@ -1,8 +1,8 @@
-"""docs/api.md is generated from the docstrings (cupy_symbuf._apidoc) and must be current: regenerate with
-``python -m cupy_symbuf._apidoc > docs/api.md``."""
+"""docs/api.md is generated from the docstrings (cupy_symbuf.diagnostics.apidoc) and must be current: regenerate with
+``python -m cupy_symbuf.diagnostics.apidoc > docs/api.md``."""
 import os
 
-from cupy_symbuf import _apidoc
+from cupy_symbuf.diagnostics import apidoc as _apidoc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_api_reference_is_current():
     with open(os.path.join(ROOT, "docs", "api.md")) as f:
         on_disk = f.read()
-    assert on_disk == _apidoc.render(), "docs/api.md is stale: run python -m cupy_symbuf._apidoc > docs/api.md"
+    assert on_disk == _apidoc.render(), "docs/api.md is stale: run python -m cupy_symbuf.diagnostics.apidoc > docs/api.md"
 
 
 def test_every_public_name_is_documented():

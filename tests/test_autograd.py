@@ -1,4 +1,4 @@
-"""cupy_symbuf.autograd: differentiable dispatch / combine for PyTorch tensors, forward values and gradients
+"""cupy_symbuf.moe.autograd: differentiable dispatch / combine for PyTorch tensors, forward values and gradients
 against a NumPy computation of the same layer on the gathered inputs of every rank."""
 import numpy as np
 import pytest
@@ -7,7 +7,7 @@ import cupy_symbuf as cs
 from _util import rng_for
 
 torch = pytest.importorskip("torch")
-from cupy_symbuf import autograd  # noqa: E402
+from cupy_symbuf.moe import autograd  # noqa: E402
 
 
 def _routing(rng, T, K, E):

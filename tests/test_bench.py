@@ -68,7 +68,7 @@ def test_bench_plots():
 
 
 def test_alltoallv_patterns_and_percentiles():
-    from cupy_symbuf import _bench_alltoallv as bv
+    from cupy_symbuf.bench import alltoallv as bv
     W = 4
     for me in range(W):
         for pattern in bv.PATTERNS:
@@ -90,7 +90,7 @@ def test_alltoallv_patterns_and_percentiles():
 def test_moe_dispatch_bench_rows():
     """--op dispatch: the routing is top-k distinct experts; every row (dispatch, cached, combine per token count)
     is reported with p50 <= p99 and both bandwidth conventions, DeepEP's (all received bytes) >= the off-rank one."""
-    from cupy_symbuf import _bench_moe as bm
+    from cupy_symbuf.bench import moe as bm
     idx = bm.routing(np.random.default_rng(0), 50, 16, 4)
     assert idx.shape == (50, 4) and all(len(set(r)) == 4 for r in idx.tolist()) and idx.min() >= 0 and idx.max() < 16
     world = MPI.COMM_WORLD
@@ -146,7 +146,7 @@ def test_bench_new_flags_parse():
     a = p.parse_args(["--no-energy", "--references", "torch,mpi", "--ll-tokens", "8,16", "--ll-iters", "50"])
     assert a.energy is False and a.references == "torch,mpi" and a.ll_tokens == "8,16" and a.ll_iters == 50
     assert p.parse_args(["--energy"]).energy is True
-    from cupy_symbuf import _bench_ll
+    from cupy_symbuf.bench import low_latency as _bench_ll
     assert _bench_ll.ll_tokens(p.parse_args([])) == [128]                      # --moe-tokens 4096,128
     assert _bench_ll.ll_tokens(p.parse_args(["--moe-tokens", "64,8"])) == []
     assert _bench_ll.ll_tokens(p.parse_args(["--ll-tokens", "8,16"])) == [8, 16]
@@ -213,7 +213,7 @@ class _FakeNVML:
 
 def _open_fake(monkeypatch, fake, reader=None):
     import sys
-    from cupy_symbuf import _bench_energy
+    from cupy_symbuf.bench import energy as _bench_energy
     world = MPI.COMM_WORLD
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     meter, why = _bench_energy.EnergyMeter.open(
@@ -226,7 +226,7 @@ def test_energy_arithmetic_with_a_fake_nvml(monkeypatch):
     """J/GB from the energy counter's advance: 500 mJ per call of 2e8 bytes (all ranks' input) -> 2.5 J/GB, whatever
     the number of calls; idle power from the power readings (60 W, rank 0 reads: one GPU shared by the ranks)."""
     import pytest
-    from cupy_symbuf import _bench_energy
+    from cupy_symbuf.bench import energy as _bench_energy
     f = _bench_energy.energy_figures(12_000.0, 2.0, 100, 1e8, idle_w=1.0)    # 12 J over 100 x 0.1 GB = 10 GB
     assert f["energy_J_per_GB"] == pytest.approx(1.2) and f["energy_avg_W"] == pytest.approx(6.0)
     assert f["energy_above_idle_J_per_GB"] == pytest.approx((12 - 1.0 * 2.0) / 10)
@@ -282,7 +282,7 @@ def test_energy_skips_when_nvml_is_missing_or_fails(monkeypatch):
 
 def test_mpi_cuda_support_query(monkeypatch):
     """The CUDA-support question is answered without touching a device array (forced by the environment)."""
-    from cupy_symbuf import _bench_mpi_cuda as mc
+    from cupy_symbuf.bench import mpi_cuda as mc
     monkeypatch.setenv("CUPY_SYMBUF_MPI_CUDA", "0")
     assert mc.cuda_support() == (False, "CUPY_SYMBUF_MPI_CUDA=0")
     monkeypatch.setenv("CUPY_SYMBUF_MPI_CUDA", "1")
@@ -311,7 +311,7 @@ def test_low_latency_rows_on_the_host():
 def test_low_latency_references():
     """The NumPy references the low-latency rows are checked against, on a hand example: 2 ranks, 1 expert each,
     top-2; combine of identity experts = the token times the sum of its weights (rounded as documented)."""
-    from cupy_symbuf import _bench_ll
+    from cupy_symbuf.bench import low_latency as _bench_ll
     x0 = np.array([[1, 2], [3, 4]], np.float16)
     x1 = np.array([[5, 6]], np.float16)
     i0 = np.array([[0, 1], [1, -1]], np.int64)

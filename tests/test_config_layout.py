@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf.layout import ChannelLayout, channel_row_range, LINE_BYTES
+from cupy_symbuf.wire.channel_layout import ChannelLayout, channel_row_range, LINE_BYTES
 
 
 @pytest.mark.parametrize("kwargs, word", [
@@ -104,7 +104,7 @@ def test_config_accepts_numpy_ints_and_rejects_odd_numbers(monkeypatch):
 
 
 def test_warp_groups():
-    from cupy_symbuf._cuda import warp_groups
+    from cupy_symbuf.transport.cuda import warp_groups
     # (ring warps per peer group, self-group warps); the block is (W - 1) * ring + self warps
     assert warp_groups(1, 512) == (0, 16)             # one rank: only the self copy
     assert warp_groups(2, 512) == (11, 5)             # 10 copy warps on the ring, 5 on the half-size local copy
@@ -127,7 +127,7 @@ def test_warp_groups():
 def test_wire_format_depends_only_on_shared_facts():
     """The row-exchange wire format (byte stream or packed rows) must be the same on every rank: it depends only on
     the number of parts and on whether rows are gathered, never on a rank's strides."""
-    from cupy_symbuf.layout import check_row_fits, is_byte_stream, stream_units
+    from cupy_symbuf.wire.channel_layout import check_row_fits, is_byte_stream, stream_units
     assert is_byte_stream(1, False)                     # alltoall(v), combine without weights
     assert not is_byte_stream(1, True)                  # cached dispatch (gather through the token index)
     assert not is_byte_stream(3, True) and not is_byte_stream(2, False)   # dispatch, combine with weights
@@ -142,7 +142,7 @@ def test_wire_format_depends_only_on_shared_facts():
 def test_chunk_rows_spreads_short_streams_and_keeps_alignment():
     """Ring chunks (the same formula as the kernel's chunk_rows): at most one slot, at least 4 KiB, byte streams cut
     on 512-byte multiples (16-byte aligned copies), a short stream spread over every copy warp, no extra rounds."""
-    from cupy_symbuf.layout import chunk_rows
+    from cupy_symbuf.wire.channel_layout import chunk_rows
     rng = np.random.default_rng(7)
     for _ in range(2000):
         unit = int(rng.choice([1, 2, 14, 4096, 14432]))
@@ -179,8 +179,9 @@ def test_chunk_rows_same_in_kernel_source():
     import shutil
     import subprocess
     import tempfile
-    from cupy_symbuf import _kernels, _protocol
-    from cupy_symbuf.layout import chunk_rows
+    from cupy_symbuf.transport import kernels as _kernels
+    from cupy_symbuf.wire import protocol as _protocol
+    from cupy_symbuf.wire.channel_layout import chunk_rows
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")

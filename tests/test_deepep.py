@@ -1,4 +1,4 @@
-"""The DeepEP shim (cupy_symbuf.deepep): DeepEP's call shapes, the native API's exact results, a NumPy reference.
+"""The DeepEP shim (cupy_symbuf.compat.deepep): DeepEP's call shapes, the native API's exact results, a NumPy reference.
 
 Runs on 1 rank and under ``mpiexec -n 2/4``, on every backend available here. PyTorch tests skip without torch.
 """
@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from conftest import _gpu_for_rank, available_backends
 from cupy_symbuf import LowLatencyBuffer, LowLatencyHandle, SymBufferRejectedError, moe
-from cupy_symbuf.deepep import Buffer, Config, EventOverlap
+from cupy_symbuf.compat.deepep import Buffer, Config, EventOverlap
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()

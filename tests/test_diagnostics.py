@@ -8,7 +8,8 @@ import pytest
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from cupy_symbuf import _trace, diagnostics
+from cupy_symbuf import diagnostics
+from cupy_symbuf.transport import trace as _trace
 from _util import random_rows, rng_for, to_backend
 
 
@@ -29,7 +30,7 @@ def test_trace_and_diagnostics_name_the_hot_rank(comm, backend):
             c.alltoall(to_backend(random_rows(rng, W, (3000,), np.uint8), backend))
         rec = c.trace()
         assert rec.dtype == _trace.TRACE_DTYPE and len(rec) > 0 and (rec["t1"] >= rec["t0"]).all()
-        assert set(np.unique(rec["op"]).tolist()) <= {cs._protocol.OPS["alltoall"], cs._protocol.OPS["alltoallv"]}
+        assert set(np.unique(rec["op"]).tolist()) <= {cs.wire.protocol.OPS["alltoall"], cs.wire.protocol.OPS["alltoallv"]}
         assert (rec["channel"] >= 0).all() or backend == "host"  # host IDLE records have no channel
         if W > 1:  # every peer's stream is seen, in both directions
             assert set(rec[rec["kind"] == _trace.SEND]["peer"].tolist()) == set(range(W)) - {me}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf.hierarchical import HierarchicalCommunicator, node_size_from_env
+from cupy_symbuf.scaleout.hierarchical import HierarchicalCommunicator, node_size_from_env
 from _util import random_rows, reference_alltoallv, rng_for
 
 
@@ -44,11 +44,11 @@ def test_node_size_is_checked_everywhere(comm, monkeypatch):
     with pytest.raises(ValueError, match=r"HierarchicalCommunicator: backend must be one of \('host', 'cuda', "
                                          r"'auto'\), got 'tpu'"):
         HierarchicalCommunicator(comm, node_size=1, backend="tpu")
-    if not cs._compat.cuda_available():  # the GPU form is accepted, and refused only for want of a GPU
+    if not cs.common.backend.cuda_available():  # the GPU form is accepted, and refused only for want of a GPU
         with pytest.raises(RuntimeError, match="backend='cuda' needs CuPy and a visible GPU"):
             HierarchicalCommunicator(comm, node_size=1, backend="cuda")
     with HierarchicalCommunicator(comm, node_size=1, backend="auto") as h:
-        assert h.backend == ("cuda" if cs._compat.cuda_available() else "host") == h.node_comm.backend
+        assert h.backend == ("cuda" if cs.common.backend.cuda_available() else "host") == h.node_comm.backend
     with pytest.raises(ValueError, match=r"inter_node must be one of \('auto', 'mpi', 'nccl'\), got 'rdma'"):
         HierarchicalCommunicator(comm, node_size=1, inter_node="rdma")
     if W > 1:  # ranks asking for different engines: every rank raises, before any is made
@@ -139,8 +139,8 @@ import ml_dtypes  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from _util import all_ranks  # noqa: E402
-from cupy_symbuf import _compat  # noqa: E402
-from cupy_symbuf.hierarchical import HierarchicalDispatchHandle  # noqa: E402
+from cupy_symbuf.common import backend as _compat  # noqa: E402
+from cupy_symbuf.scaleout.hierarchical import HierarchicalDispatchHandle  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 W, RANK = WORLD.Get_size(), WORLD.Get_rank()

@@ -8,16 +8,16 @@ import numpy as np
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from cupy_symbuf import _info
+from cupy_symbuf.diagnostics import info as _info
 
 
 def test_info_fields():
     r = cs.info()
     assert r["cupy_symbuf"] == cs.__version__ and r["numpy"] == np.__version__
-    assert r["protocol_version"] == cs._protocol.PROTOCOL_VERSION
+    assert r["protocol_version"] == cs.wire.protocol.PROTOCOL_VERSION
     assert r["mpi_library"] and r["backend_auto"] in ("host", "cuda")
     assert r["host"]["cpu"].endswith("/cores=%d" % (__import__("os").cpu_count() or 1))
-    assert r["gpus"]["available"] == cs._compat.cuda_available()
+    assert r["gpus"]["available"] == cs.common.backend.cuda_available()
     json.dumps(r, default=str)  # serialisable
 
 
@@ -48,7 +48,7 @@ def test_module_entry_point():
 def test_info_cuda_without_gpu_is_one_line(monkeypatch, capsys):
     """``info --backend cuda`` where CuPy is missing: exit code 1 and one line on stderr saying no CUDA device is
     available (it was a Communicator traceback, or with --no-communicator a report of a backend that cannot run)."""
-    monkeypatch.setattr(cs._compat, "cupy", None)
+    monkeypatch.setattr(cs.common.backend, "cupy", None)
     for extra in ([], ["--no-communicator"], ["--json"]):
         assert _info.main(["--backend", "cuda"] + extra) == 1
         cap = capsys.readouterr()
@@ -58,7 +58,7 @@ def test_info_cuda_without_gpu_is_one_line(monkeypatch, capsys):
 
 def test_module_entry_point_cuda_without_gpu():
     """The same through ``python -m cupy_symbuf info --backend cuda`` on a machine without a GPU: no traceback."""
-    if MPI.COMM_WORLD.Get_size() > 1 or cs._compat.cuda_available():
+    if MPI.COMM_WORLD.Get_size() > 1 or cs.common.backend.cuda_available():
         return  # the real machine has a GPU: nothing to refuse (the in-process test above fakes its absence)
     from _jobs import clean_env
     p = subprocess.run([sys.executable, "-m", "cupy_symbuf", "info", "--backend", "cuda"], capture_output=True,

@@ -1,12 +1,14 @@
 """Every kernel in cuda_src/ compiles with NVRTC for sm_90 (compute_90 PTX) with no GPU, without warnings, in every
-variant; the protocol constants come only from the generated header (cupy_symbuf._protocol); build_id follows
+variant; the protocol constants come only from the generated header (cupy_symbuf.wire.protocol); build_id follows
 what is compiled."""
 import os
 import re
 
 import pytest
 
-from cupy_symbuf import _kernels, _protocol
+from cupy_symbuf.transport import kernels as _kernels
+
+from cupy_symbuf.wire import protocol as _protocol
 
 REQUIRED = os.environ.get("CUPY_SYMBUF_REQUIRE_NVRTC") == "1"
 RING = "ring_exchange.cu"
@@ -111,7 +113,7 @@ def _entry_params(ptx: str, name: str) -> int:
 
 
 def test_kernel_argument_lists():
-    """The argument lists _cuda.py launches with: the ring kernel (desc by value, peer bases, error record) and the
+    """The argument lists transport/cuda.py launches with: the ring kernel (desc by value, peer bases, error record) and the
     notify kernel (send_meta, recv_meta, num_values, epoch word, op, call_status, sig, peer_bases, rank,
     world_size, 6 layout scalars, abort_offset, timeout_ns, status, seq, local_reject, send_echo, sums, table,
     scale, capacity, device_checks, done, ticket); the MoE layout (13) and receive fix-up (10) kernels of moe.cu."""
@@ -211,7 +213,7 @@ def test_moe_layout_shared_memory_fits_max_experts():
     launched without the opt-in attribute: static + 4 * MAX_EXPERTS must fit the default 48 KiB per block, or a
     dispatch with num_experts near MAX_EXPERTS fails at launch."""
     _nvrtc_or_skip()
-    from cupy_symbuf import _moe_cuda
+    from cupy_symbuf.moe import gpu as _moe_cuda
     ptx = _kernels.compile_ptx("moe.cu")
     sizes = {"b8": 1, "u32": 4, "s32": 4, "b32": 4, "u64": 8, "s64": 8, "b64": 8}
     static = 0

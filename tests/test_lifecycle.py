@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf import _agree, _lifecycle, symbuffer
-from cupy_symbuf.layout import ChannelLayout
+from cupy_symbuf.transport import agree as _agree
+from cupy_symbuf.transport import lifecycle as _lifecycle
+from cupy_symbuf.transport import symbuffer
+from cupy_symbuf.wire.channel_layout import ChannelLayout
 from _util import to_backend, to_numpy
 
 
@@ -53,7 +55,7 @@ def test_mismatched_config_same_total_size_raises_on_every_rank(backend, comm):
 @pytest.fixture
 def fresh_defines():
     """The compile-time defines are read once per process: re-read them for the test, and after it."""
-    from cupy_symbuf import _kernels
+    from cupy_symbuf.transport import kernels as _kernels
     caches = [f for f in (getattr(_kernels, n, None) for n in ("_tuning_defines", "_debug_defines"))
               if hasattr(f, "cache_clear")]
     for f in caches:
@@ -65,7 +67,7 @@ def fresh_defines():
 
 def test_mismatched_defines_and_debug_switch(backend, comm, monkeypatch, fresh_defines):
     _need2(comm)
-    from cupy_symbuf import _kernels
+    from cupy_symbuf.transport import kernels as _kernels
     monkeypatch.setenv("CUPY_SYMBUF_NVRTC_DEFINES", f"-DSYMBUF_UNROLL={2 + (comm.rank > 0) * 2}")
     with pytest.raises(ValueError, match=r"ranks disagree on defines: rank 0 has '-DSYMBUF_UNROLL=2', "
                                          r"ranks? [\d,]+ ha(s|ve) '-DSYMBUF_UNROLL=4'"):

@@ -22,8 +22,8 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 from conftest import _gpu_for_rank, available_backends  # noqa: E402
 from cupy_symbuf import (Communicator, Config, LowLatencyBuffer, SymBufferAbortedError,  # noqa: E402
                          SymBufferMismatchError, SymBufferTimeoutError, quant)
-from cupy_symbuf import dtypes as dt  # noqa: E402
-from cupy_symbuf.low_latency import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, bench_low_latency  # noqa: E402
+from cupy_symbuf.common import dtypes as dt  # noqa: E402
+from cupy_symbuf.moe.low_latency import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, bench_low_latency  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -344,7 +344,7 @@ def test_quantiser_matches_ml_dtypes():
 
 def test_kernel_argument_sizes():
     pytest.importorskip("cupy")
-    from cupy_symbuf import _kernels
+    from cupy_symbuf.transport import kernels as _kernels
     try:
         ptx = _kernels.compile_ptx("low_latency.cu", "compute_90")
     except Exception as exc:  # pragma: no cover

@@ -388,8 +388,8 @@ def test_worst_case_overflow_fails_the_call_on_every_rank(moe_comm):
 def test_gpu_capacity_error_text():
     """The GPU's capacity overflow (symbuf_notify's FIELD_CAPACITY record: no peer, no call header) reads like the
     host path's error: field "capacity", the rows and the capacity, no "rank -1" / "call header"."""
-    from cupy_symbuf import _protocol as P
-    from cupy_symbuf.errors import mismatch_error
+    from cupy_symbuf.wire import protocol as P
+    from cupy_symbuf.common.errors import mismatch_error
     err = mismatch_error("dispatch", 3, -1, -1, P.FIELD_CAPACITY, 11, 12)
     assert err.field == "capacity" and (err.expected, err.got) == (11, 12)
     assert "receives 12 rows, more than the output capacity 11" in str(err)

@@ -1,7 +1,7 @@
 """Issue 14: the staged transport (``Config.transport``): the symmetric buffer of the cuda backend in host memory
 when some pair of GPUs has no peer access, an IPC handle does not open, or it is asked for.
 
-Host part (runs everywhere, 1 / 2 / 4 ranks): :func:`cupy_symbuf.symbuffer.choose_transport` against Topologies
+Host part (runs everywhere, 1 / 2 / 4 ranks): :func:`cupy_symbuf.transport.symbuffer.choose_transport` against Topologies
 built from fake records; ``Config.transport`` and ``CUPY_SYMBUF_TRANSPORT``; and the whole cuda SymBuffer
 construction (choice, agreement, IPC fallback, registration of the real MPI shared-memory window, close) with CuPy
 replaced by a fake CUDA runtime that records every call: the window is real, only the CUDA calls are faked.
@@ -19,10 +19,12 @@ import pytest
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from cupy_symbuf import _agree, _compat, _lifecycle
-from cupy_symbuf.config import Config
-from cupy_symbuf.symbuffer import SymBuffer, _PAGE, choose_transport
-from cupy_symbuf.topology import Topology
+from cupy_symbuf.transport import agree as _agree
+from cupy_symbuf.common import backend as _compat
+from cupy_symbuf.transport import lifecycle as _lifecycle
+from cupy_symbuf.common.config import Config
+from cupy_symbuf.transport.symbuffer import SymBuffer, _PAGE, choose_transport
+from cupy_symbuf.transport.topology import Topology
 from _util import all_ranks
 
 WORLD = MPI.COMM_WORLD
@@ -60,7 +62,7 @@ def test_planned_transport_keys_the_tuning_table():
     """Issue 14, a layout per link class: the tuning table's key carries the transport the topology chooses before
     the buffer exists (``planned_transport``, SymBuffer's rule), so an entry measured over CUDA IPC never sets the
     layout of a staged communicator; IPC keys are what they were (the packaged entries still apply)."""
-    from cupy_symbuf import tuning
+    from cupy_symbuf.transport import tuning
     from cupy_symbuf.communicator import planned_transport
     ok, cut = _records([0, 1], lambda a, b: True), _records([0, 1], lambda a, b: False)
     assert planned_transport("auto", "cuda", ok) == "ipc"
@@ -146,7 +148,7 @@ def test_config_transport_field(monkeypatch):
 def test_transport_shapes_the_wire():
     """Not local policy: ranks asking for different transports fail construction, naming the field."""
     assert "transport" not in _agree.LOCAL_POLICY_FIELDS
-    from cupy_symbuf.layout import ChannelLayout
+    from cupy_symbuf.wire.channel_layout import ChannelLayout
     cfg = Config(transport="staged").resolved("host", world_size=2)
     fp = _agree.fingerprint(cfg, ChannelLayout.from_config(cfg, 2), "host")
     assert fp["config.transport"] == "staged"
@@ -433,7 +435,7 @@ def test_fake_communicator_looks_up_the_planned_transports_key(fake_cuda, monkey
     """A cuda Communicator's tuning lookup uses the key of the transport its buffer will have: staged when asked or
     when a pair has no peer access, else the IPC key (the lookup is stopped there, before any buffer exists; the
     error reaches every rank through the fingerprint exchange)."""
-    from cupy_symbuf import tuning
+    from cupy_symbuf.transport import tuning
     seen = []
 
     def lookup(key):
@@ -608,7 +610,7 @@ def test_gpu_info_reports_the_transport(capsys):
     one the Communicator chose, in the JSON report (rank 0) and the text."""
     import json
 
-    from cupy_symbuf import _info
+    from cupy_symbuf.diagnostics import info as _info
     assert _info.main(["--json", "--backend", "cuda", "--transport", "staged"]) == 0
     out = capsys.readouterr().out
     if RANK == 0:
@@ -627,7 +629,7 @@ def test_fake_staged_parts_start_on_pages_whatever_mpi_returns(fake_cuda, monkey
     segment header), where the low-latency kernels' 16-byte accesses fault. Simulated here (mpich's parts are
     page-aligned) by a window whose Shared_query returns every part 8 bytes in: the staged buffer's parts must still
     start on pages, and what a rank writes is what the others read."""
-    import cupy_symbuf.symbuffer as sb
+    import cupy_symbuf.transport.symbuffer as sb
     real = MPI
 
     class _Win:

@@ -1,4 +1,4 @@
-"""``stream=`` and ``async_op=`` on every collective (cupy_symbuf._streams), against NumPy references.
+"""``stream=`` and ``async_op=`` on every collective (cupy_symbuf.transport.streams), against NumPy references.
 
 Runs on 1 rank and under ``mpiexec -n 2/4``; on every backend available (host always; cuda where CuPy sees a GPU).
 On the GPU the collectives run on a non-default stream whose memory pool was first filled with garbage (poisoned),

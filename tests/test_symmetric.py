@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf import _host
+from cupy_symbuf.transport import host as _host
 from _util import all_ranks, random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
 
 
@@ -189,7 +189,7 @@ def test_config_mode_ring_and_direct(comm, pulls):
 
 def test_symmetric_arrays_freed_with_the_communicator(comm):
     """Each symmetric array is an MPI window and a communicator of its own; close() frees every one of them."""
-    from cupy_symbuf import _lifecycle
+    from cupy_symbuf.transport import lifecycle as _lifecycle
     before = _lifecycle.live_mpi_objects()
     c = cs.Communicator(comm, backend="host")
     for i in range(3):
@@ -260,7 +260,7 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
     """Plain sendbufs of CMA_MIN_BYTES per peer and more go by cross-memory attach when every rank can read every
     other (probed at construction, the same verdict on every rank); exact against NumPy, the sendbuf overwritten at
     once after return; Config.mode='ring' turns it off."""
-    from cupy_symbuf import _protocol as P
+    from cupy_symbuf.wire import protocol as P
     c = cs.Communicator(comm, cs.Config(num_sms=4), backend="host")
     try:
         verdicts = comm.allgather(c._transport.cma_pids is not None)
@@ -268,12 +268,12 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
         if comm.size == 1 or not verdicts[0]:
             pytest.skip("one rank, or process_vm_readv not allowed here")
         reads = {"n": 0}
-        real = cs._cma.read_into
+        real = cs.transport.cma.read_into
 
         def spy(pid, addr, dst):
             reads["n"] += 1
             return real(pid, addr, dst)
-        monkeypatch.setattr(cs._cma, "read_into", spy)
+        monkeypatch.setattr(cs.transport.cma, "read_into", spy)
         W = comm.size
         rng = rng_for(comm, 9)
         per_peer = P.CMA_MIN_BYTES + 48
@@ -308,7 +308,7 @@ def test_reader_never_returns_rows_of_a_sender_that_failed(comm, monkeypatch):
     if comm.size < 2:
         pytest.skip("needs two ranks")
     import time
-    from cupy_symbuf import _host as H
+    from cupy_symbuf.transport import host as H
     c = cs.Communicator(comm, cs.Config(timeout_s=20), backend="host")
     try:
         W = comm.size
@@ -361,7 +361,7 @@ def _send_counters(c):
     from its buffer after the queued calls ended: a direct-mode call moves each by exactly 1 (its call header), a
     ring call by 1 + its payload chunks."""
     import cupy as cp
-    from cupy_symbuf import _protocol as P
+    from cupy_symbuf.wire import protocol as P
     c.synchronize()
     L, base = c.layout, c.buffer.peer_ptrs[c.rank]
     out = np.zeros((L.num_channels, c.world_size), np.uint64)
@@ -544,7 +544,7 @@ def test_gpu_copy_engine_alltoall_matches_numpy(comm):
     the direct kernel copies. Exact against NumPy around the crossover, out= poisoned, the sendbuf overwritten right
     after each call (the finish kernel waits for the peers' copies), repeated."""
     import cupy as cp
-    from cupy_symbuf import _protocol as P
+    from cupy_symbuf.wire import protocol as P
     c = _cuda_comm(comm, cs.Config(mode="copy_engine"))
     try:
         W = comm.size
@@ -585,7 +585,7 @@ def test_gpu_copy_engine_needs_the_same_offset_everywhere(comm):
     differs makes the kernel's header check fail: an error on every rank (at the latest from the next call),
     never the wrong rows."""
     import cupy as cp
-    from cupy_symbuf import _protocol as P
+    from cupy_symbuf.wire import protocol as P
     if comm.size < 2:
         pytest.skip("needs two ranks")
     c = _cuda_comm(comm, cs.Config(mode="copy_engine", timeout_s=10))

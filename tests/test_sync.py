@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf import _host
+from cupy_symbuf.transport import host as _host
 from _util import random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
 
 

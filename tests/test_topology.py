@@ -1,4 +1,4 @@
-"""Topology discovery (cupy_symbuf.topology, ``Communicator.topology``, ``python -m cupy_symbuf info``).
+"""Topology discovery (cupy_symbuf.transport.topology, ``Communicator.topology``, ``python -m cupy_symbuf info``).
 
 Under mpiexec (1, 2, 4 ranks): nodes, hosts and local ranks against a reference built here from ``MPI.COMM_WORLD``,
 ``socket.gethostname()`` and ``Split_type`` (and with host names faked per rank, so one machine holds several
@@ -16,8 +16,9 @@ import pytest
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from cupy_symbuf import _info, topology
-from cupy_symbuf.topology import Link, Topology, discover, local_record
+from cupy_symbuf.diagnostics import info as _info
+from cupy_symbuf.transport import topology
+from cupy_symbuf.transport.topology import Link, Topology, discover, local_record
 from _util import all_ranks
 
 

@@ -1,4 +1,4 @@
-"""The tuning table (cupy_symbuf.tuning) and ``bench --tune``: entries become the defaults of unset Config fields,
+"""The tuning table (cupy_symbuf.transport.tuning) and ``bench --tune``: entries become the defaults of unset Config fields,
 explicit fields win, a broken table fails on every rank, and --tune writes an entry the library then reads."""
 import json
 import os
@@ -10,7 +10,8 @@ import pytest
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from cupy_symbuf import bench, tuning
+from cupy_symbuf import bench
+from cupy_symbuf.transport import tuning
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from cupy_symbuf import dtypes as dt
-from cupy_symbuf import quant
+from cupy_symbuf.common import dtypes as dt
+from cupy_symbuf.collectives import quant
 from _util import to_backend, to_numpy
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -140,7 +140,7 @@ def test_int8_quantiser_spec():
     assert (back[5, 128:256] == 0).all()
 
 
-@pytest.mark.skipif(not cs._compat.cuda_available(), reason="needs CuPy and a visible GPU")
+@pytest.mark.skipif(not cs.common.backend.cuda_available(), reason="needs CuPy and a visible GPU")
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_fused_gpu_quantiser_is_the_numpy_one_bit_for_bit(ue8m0):
     """The fused kernels (cuda_src/quant.cu) against quant.py's NumPy arithmetic on random blocks of every scale,
@@ -236,7 +236,7 @@ def test_quantize_from_kind_is_the_float32_composition(kind):
             np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.skipif(not cs._compat.cuda_available(), reason="needs CuPy and a visible GPU")
+@pytest.mark.skipif(not cs.common.backend.cuda_available(), reason="needs CuPy and a visible GPU")
 @pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_fused_gpu_quantiser_reads_and_writes_the_callers_type(kind, ue8m0):

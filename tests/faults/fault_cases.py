@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi4py import MPI  # noqa: E402
 
 import cupy_symbuf as cs  # noqa: E402
-from cupy_symbuf.errors import SymBufferError  # noqa: E402
+from cupy_symbuf.common.errors import SymBufferError  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 R, W = WORLD.Get_rank(), WORLD.Get_size()
@@ -54,11 +54,11 @@ def fault(what: str) -> None:
 
 
 def tag(label: str, exc: BaseException = None) -> str:
-    """``[on rank R during LABEL t=TIME isa CLASSES]``: CLASSES are the public cupy_symbuf.errors classes (and
+    """``[on rank R during LABEL t=TIME isa CLASSES]``: CLASSES are the public cupy_symbuf.common.errors classes (and
     ValueError) the exception is an instance of, so a private subclass still matches what users catch."""
     isa = ""
     if exc is not None:
-        names = [n for n in cs.errors.__all__ if isinstance(exc, getattr(cs.errors, n))]
+        names = [n for n in cs.common.errors.__all__ if isinstance(exc, getattr(cs.common.errors, n))]
         names += [b.__name__ for b in (ValueError, TypeError) if isinstance(exc, b)]
         isa = " isa " + ",".join(names or ["-"])
     return f"[on rank {R} during {label} t={time.time():.3f}{isa}]"

@@ -1,0 +1,126 @@
+"""Exceptions raised by cupy_symbuf."""
+from __future__ import annotations
+
+from ..wire import protocol as P
+
+__all__ = ["SymBufferError", "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError",
+           "SymBufferAbortedError", "SymBufferRejectedError"]
+
+
+class SymBufferError(RuntimeError):
+    """Base class of cupy_symbuf runtime errors (not argument errors, which are ValueError/TypeError)."""
+
+
+class SymBufferClosedError(SymBufferError):
+    """A SymBuffer or Communicator was used after ``close()``."""
+
+
+class SymBufferTimeoutError(SymBufferError):
+    """A spin-wait on a channel ring (or the notify step) exceeded ``Config.timeout_s``.
+
+    Attributes ``rank``, ``peer``, ``channel``, ``role`` ("send", "recv" or "notify"), ``head`` and ``tail``
+    (ring counters in chunks; for notify, ``head`` is the epoch awaited and ``tail`` the epoch seen) say which
+    wait expired. The ring counters of this communicator (and of its peers) are then inconsistent: it refuses
+    further calls; close it on every rank and build a new Communicator.
+    """
+
+    def __init__(self, *, rank: int, peer: int, channel: int, role: str, head: int, tail: int,
+                 timeout_s: float, op: str = ""):
+        self.rank, self.peer, self.channel, self.role = rank, peer, channel, role
+        self.head, self.tail, self.timeout_s, self.op = head, tail, timeout_s, op
+        what = {"send": "sender waiting for the peer to hand slots back (head): the ring is full (tail - head == "
+                        "capacity), or in direct / copy-engine mode the peer is still copying out of this rank's "
+                        "sendbuf",
+                "recv": "receiver waiting for data (tail == head)",
+                "notify": "notify waiting for the peer's count (head = epoch awaited, tail = epoch seen)"}
+        what = what.get(role, role)
+        super().__init__(
+            f"{op + ': ' if op else ''}timeout after {timeout_s:g} s on rank {rank}, peer {peer}, channel {channel}: "
+            f"{what}; head={head} tail={tail}. A peer rank probably failed or is not calling the same collective (or "
+            f"recv_counts given to alltoallv differ from what the peers send).")
+
+
+class SymBufferMismatchError(SymBufferError):
+    """Ranks disagree on a collective: the call header a peer sent (or its notify slot, or its construction
+    fingerprint) differs from this rank's call, so the data cannot be trusted.
+
+    Attributes ``rank``, ``peer``, ``channel`` (-1 for the notify step), ``op`` (this rank's operation), ``field``
+    (what differed, e.g. "operation", "row signature", "row count sent to this rank"), ``expected`` (this rank's
+    value) and ``got`` (the peer's). Raised on every rank involved (the detecting rank sets the abort word on all
+    ranks); the communicator is then unusable: close it on every rank.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, peer: int = -1, channel: int = -1, op: str = "",
+                 field: str = "", expected=None, got=None):
+        self.rank, self.peer, self.channel, self.op = rank, peer, channel, op
+        self.field, self.expected, self.got = field, expected, got
+        super().__init__(message)
+
+
+class SymBufferAbortedError(SymBufferError):
+    """Another rank (or this one) aborted the communicator: :meth:`Communicator.abort`, a timeout or a mismatch
+    found there. ``aborting_rank`` names it, ``reason`` says why; the communicator is unusable."""
+
+    def __init__(self, message: str, *, rank: int = -1, aborting_rank: int = -1, reason: str = "", op: str = ""):
+        self.rank, self.aborting_rank, self.reason, self.op = rank, aborting_rank, reason, op
+        super().__init__(message)
+
+
+class SymBufferRejectedError(ValueError):
+    """A collective was rejected by another rank's argument checks (the peer raised ``ValueError``/``TypeError``
+    for its own arguments and told its peers through the call header or the count exchange). Nothing was
+    delivered from that call; the communicator stays usable. ``rejecting_rank`` names the rank, ``op`` the call.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, rejecting_rank: int = -1, op: str = ""):
+        self.rank, self.rejecting_rank, self.op = rank, rejecting_rank, op
+        super().__init__(message)
+
+
+# ---- the messages both engines raise (host engine, GPU error record) ---------------------------------------
+
+def aborted_error(op: str, rank: int, line) -> SymBufferAbortedError:
+    """The error a wait raises when the abort word (``_protocol.ABORT_*`` words in ``line``) is set."""
+    who, reason = int(line[P.ABORT_RANK]), int(line[P.ABORT_REASON])
+    peer, channel, detail = int(line[P.ABORT_PEER]), int(line[P.ABORT_CHANNEL]), int(line[P.ABORT_DETAIL])
+    why = P.ERR_NAMES.get(reason, f"reason {reason}")
+    if reason == P.ERR_MISMATCH:
+        why += f" ({P.FIELD_NAMES.get(detail, detail)})"
+    where = f" with peer {peer}" if peer >= 0 else ""
+    where += f" on channel {channel}" if channel >= 0 else ""
+    return SymBufferAbortedError(
+        f"{op}: rank {rank}: the communicator was aborted by rank {who}: {why}{where}. The communicator is "
+        f"unusable: close it on every rank.", rank=rank, aborting_rank=who, reason=why, op=op)
+
+
+def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expected, got,
+                   plan=None) -> SymBufferMismatchError:
+    """A peer's call header differs from this rank's call (both engines use this text)."""
+    name = P.FIELD_NAMES.get(field, f"field {field}")
+    if field == P.FIELD_CAPACITY:  # found by this rank's count exchange (no peer, no header): as the host path says it
+        return SymBufferMismatchError(
+            f"{op}: rank {rank} receives {got} rows, more than the output capacity {expected} (num_worst_tokens / "
+            f"recv_capacity must bound what any rank can receive, e.g. num_tokens * world_size); nothing was copied "
+            f"on this rank; the communicator is unusable (every other rank raises SymBufferAbortedError)",
+            rank=rank, op=op, field="capacity", expected=expected, got=got)
+    if field == P.FIELD_OP:
+        detail = f"this rank called {P.op_name(expected)}, rank {peer} called {P.op_name(got)}"
+    elif field == P.FIELD_UNITS:
+        def rows(units):  # byte streams count bytes on the wire
+            if plan is not None and plan.byte_stream and plan.row_bytes > 1:
+                return f"{units // plan.row_bytes} rows ({units} bytes)" if units % plan.row_bytes == 0 else \
+                    f"{units} bytes"
+            return f"{units} rows"
+        detail = f"this rank expects {rows(expected)} from rank {peer} (its recv_counts), rank {peer} sends {rows(got)}"
+    elif field == P.FIELD_MODE:
+        detail = (f"transfer mode {got} is none of ring ({P.MODE_RING}), direct ({P.MODE_DIRECT}) or cross-memory "
+                  f"attach ({P.MODE_CMA}): not this protocol")
+    elif field == P.FIELD_SIG:
+        detail = "the peer's dtype, row shape or parts differ from this rank's"
+    else:
+        detail = f"expected {expected}, got {got}"
+    return SymBufferMismatchError(
+        f"{op}: ranks disagree on the call: rank {rank} received from rank {peer} (channel {channel}) a call header "
+        f"whose {name} differs: {detail}. No data was returned; the communicator is unusable (every other rank "
+        f"raises SymBufferAbortedError, in this call or its next).",
+        rank=rank, peer=peer, channel=channel, op=op, field=name, expected=expected, got=got)

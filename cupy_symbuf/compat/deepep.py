@@ -1,0 +1,759 @@
+"""DeepEP-compatible shim: DeepEP's intranode ``Buffer`` call shapes over :class:`cupy_symbuf.Communicator`.
+
+Code written for DeepEP's normal (intranode) mode runs with a changed import and an mpi4py communicator in place
+of the ``torch.distributed`` process group::
+
+    # import deep_ep; buffer = deep_ep.Buffer(group, num_nvl_bytes)
+    from mpi4py import MPI
+    from cupy_symbuf.deepep import Buffer, EventOverlap
+    buffer = Buffer(MPI.COMM_WORLD, num_nvl_bytes)
+    num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(
+        topk_idx, num_experts)
+    recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event = buffer.dispatch(
+        x, num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+        num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx, topk_weights=topk_weights)
+    combined_x, _, event = buffer.combine(expert_out, handle)
+
+The call shapes are those of ``deep_ep.Buffer`` (``deep_ep/buffer.py``, in newer releases
+``deep_ep/buffers/legacy.py``, https://github.com/deepseek-ai/DeepEP); the semantics are those of
+:mod:`cupy_symbuf.moe` (DeepEP normal mode), whose results the shim returns unchanged.
+
+Tensors: PyTorch tensors in give PyTorch tensors out (zero-copy through DLPack; ``torch.bfloat16`` and the
+``torch.float8_*`` dtypes travel as their raw bits and come back in their dtype), NumPy in gives NumPy out
+(host backend), CuPy in gives CuPy out (cuda backend). PyTorch is imported only when a tensor arrives.
+
+Streams (cuda backend), as DeepEP: every call runs on a stream the ``Buffer`` owns (:meth:`Buffer.get_comm_stream`).
+That stream first waits for ``previous_event`` if given, else for the current stream (``torch.cuda.current_stream()``
+when the inputs are PyTorch tensors, else the current CuPy stream). Without ``async_finish`` the current stream then
+waits for the call; with it, the returned :class:`EventOverlap` carries the call's completion event and the caller
+waits on it (``event.current_stream_wait()`` or ``with event:``). Results are allocated from the comm stream's CuPy
+memory pool whatever ``allocate_on_comm_stream`` says (DeepEP allocates them on the current stream unless it is
+set): when a result is dropped its memory is reused only by later calls on the comm stream, which are ordered
+after the current stream (or after their ``previous_event``: capture it after the last use of anything dropped).
+On the host backend every call completes before it returns and the events are complete.
+
+Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``, intranode): over
+:class:`cupy_symbuf.LowLatencyBuffer`, whose results it returns unchanged (see its docstring for the layout and
+arithmetic). One ``LowLatencyBuffer`` per ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype)``, made
+at the first low-latency call with those values; **its creation is collective**: every rank must make its first
+low-latency call (of each shape) together and with the same values, or pass them to the constructor
+(``Buffer(..., low_latency_mode=True, num_max_dispatch_tokens_per_rank=..., hidden=..., num_experts=...)``), which
+creates it there. All low-latency calls of a Buffer run on its comm stream, in call order (the mode's sequence
+numbers need that).
+
+Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, dispatch without ``topk_idx``,
+the low-latency mode's split send/receive (``return_recv_hook`` gives a hook, but the call already did both),
+LogFMT (``use_logfmt``: the wire is plain ``x`` dtype) and packed ue8m0 scales (float32 powers of two instead).
+The handle is a :class:`cupy_symbuf.moe.DispatchHandle` (opaque, as DeepEP's tuple is to its callers), in the
+low-latency mode a :class:`cupy_symbuf.LowLatencyHandle`.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from ..common import backend as _compat
+from ..transport.streams import CollectiveEvent, check_flag, reject_call
+from ..communicator import Communicator
+from ..moe.low_latency import LowLatencyBuffer, LowLatencyHandle
+
+__all__ = ["Buffer", "EventOverlap", "Config"]
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+
+
+def _is_torch(a) -> bool:
+    return type(a).__module__.split(".")[0] == "torch"
+
+
+def _torch_in_use() -> bool:
+    """PyTorch is imported and has initialized CUDA: its current stream is the caller's current stream."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:  # pragma: no cover - a partial torch
+        return False
+
+
+class _NoSync:
+    """DLPack export of ``a`` without the stream synchronization the protocol does by default (``stream=-1``):
+    the shim orders its streams itself (``previous_event``)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, stream=None, **kwargs):
+        try:
+            return self._a.__dlpack__(stream=-1, **kwargs)
+        except TypeError:
+            if not kwargs:
+                raise
+            return self._a.__dlpack__(stream=-1)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class _Tensors:
+    """Conversions of one call: PyTorch tensors to NumPy/CuPy arrays (zero-copy) and the results back."""
+
+    def __init__(self, torch_mode: bool):
+        self.torch = sys.modules["torch"] if torch_mode else None
+        self.bf16 = False        # x was torch.bfloat16 (travels as uint16 bits)
+        self.fp8 = None          # x was this torch fp8 dtype (travels as uint8 bits)
+
+    def native(self, a, *, is_x: bool = False):
+        if a is None or not _is_torch(a):
+            return a
+        torch = self.torch or sys.modules["torch"]
+        t = a.detach()
+        raw = None
+        if t.dtype == torch.bfloat16:
+            t, raw = t.view(torch.int16), np.uint16
+            if is_x:
+                self.bf16 = True
+        elif "float8" in str(t.dtype):
+            if is_x:
+                self.fp8 = t.dtype
+            t, raw = t.view(torch.uint8), np.uint8
+        if t.device.type == "cuda":
+            arr = _compat.cupy.from_dlpack(_NoSync(t))
+        else:
+            arr = t.numpy()
+        return arr.view(raw) if raw is not None else arr
+
+    def out(self, a, *, is_x: bool = False):
+        if self.torch is None or a is None or _is_torch(a):
+            return a
+        torch = self.torch
+        bf16 = is_x and self.bf16 and a.dtype == np.uint16
+        if bf16:  # int16 bits: every torch version converts int16 (uint16 only from torch 2.3)
+            a = a.view(np.int16)
+        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(_NoSync(a))
+        if bf16:
+            t = t.view(torch.bfloat16)
+        elif is_x and self.fp8 is not None and t.dtype == torch.uint8:
+            t = t.view(self.fp8)
+        return t
+
+    def out_x(self, x):
+        if isinstance(x, tuple):  # fp8: (recv_x_fp8, recv_scales)
+            return self.out(x[0], is_x=True), self.out(x[1])
+        return self.out(x, is_x=True)
+
+
+# ------------------------------------------------------------------------------------------------ events / config
+
+
+class EventOverlap:
+    """DeepEP's ``EventOverlap`` (``deep_ep/utils/event.py``) over a :class:`cupy_symbuf.CollectiveEvent`.
+
+    Attributes
+    ----------
+    event : CollectiveEvent or None
+        The call's completion event; None when the call was not ``async_finish`` (the current stream already
+        waited) or on the host backend.
+    extra_tensors : tuple or None
+        References kept alive with the event (DeepEP's stand-in for ``record_stream``).
+
+    Unlike DeepEP, :meth:`current_stream_wait` on an event-less object is a no-op instead of an assertion error.
+    """
+
+    def __init__(self, event: Optional[CollectiveEvent] = None, extra_tensors: Optional[tuple] = None, *,
+                 torch_stream: bool = False) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self._torch_stream = torch_stream
+        self._release = False
+
+    def _current(self):
+        if self._torch_stream:
+            return sys.modules["torch"].cuda.current_stream()
+        return None  # the current CuPy stream
+
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """The current stream (``torch.cuda.current_stream()`` for calls on PyTorch tensors, else the current CuPy
+        stream) waits for the event on the device; the host does not block. ``release_handle``: drop the event
+        (and ``extra_tensors``) afterwards."""
+        if self.event is not None:
+            self.event.wait(self._current())
+        if release_handle:
+            self.event = None
+            self.extra_tensors = None
+
+    def __call__(self, release_handle: bool = False) -> "EventOverlap":
+        """``with event(release_handle=True):`` (DeepEP's form)."""
+        self._release = release_handle
+        return self
+
+    def __enter__(self) -> "EventOverlap":
+        """Work queued on the current stream inside the block overlaps with the call; leaving the block the current
+        stream waits for it."""
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        release, self._release = self._release, False
+        self.current_stream_wait(release_handle=release)
+
+
+class Config:
+    """DeepEP's performance config (``deep_ep.Config``): accepted and kept, not used.
+
+    Tuning of this implementation is :class:`cupy_symbuf.Config` (``Buffer(..., symbuf_config=...)``).
+    """
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: the shim sizes its symmetric buffer from :class:`cupy_symbuf.Config`, not from ``num_nvl_bytes``."""
+        return 0
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: no RDMA buffer (intranode only)."""
+        return 0
+
+    def __repr__(self) -> str:
+        return f"deepep.Config(num_sms={self.num_sms}) (accepted, not used)"
+
+
+def _event_of(op: str, previous_event):
+    """The CUDA event (a ``cupy.cuda.Event``) to wait for, or None; ``TypeError`` for anything else."""
+    if previous_event is None:
+        return None
+    if isinstance(previous_event, EventOverlap):
+        previous_event = previous_event.event
+        if previous_event is None:
+            return None
+    if isinstance(previous_event, CollectiveEvent):
+        return previous_event.event
+    cp = _compat.cupy
+    if cp is not None and isinstance(previous_event, cp.cuda.Event):
+        return previous_event
+    raise TypeError(f"{op}: argument 'previous_event' must be None, an EventOverlap (Buffer.capture() or a "
+                    f"previous call's event), a CollectiveEvent or a cupy.cuda.Event, got "
+                    f"{type(previous_event).__module__}.{type(previous_event).__qualname__}")
+
+
+#: ``max_topk`` of the LowLatencyBuffers the shim makes (the largest top-k a call may use)
+_LL_MAX_TOPK = 32
+
+
+# ------------------------------------------------------------------------------------------------ Buffer
+
+
+class Buffer:
+    """DeepEP's ``Buffer`` (intranode normal mode) over a :class:`cupy_symbuf.Communicator`.
+
+    Parameters
+    ----------
+    group : mpi4py.MPI.Comm
+        The ranks of one node (DeepEP: the ``torch.distributed`` process group). Construction is collective.
+    num_nvl_bytes, num_rdma_bytes : int
+        Accepted and kept as attributes, not used: the symmetric buffer is sized by ``symbuf_config``
+        (:class:`cupy_symbuf.Config`); only intranode communication exists here.
+    low_latency_mode : bool
+        Kept. The low-latency methods work either way; with it and all three of
+        ``num_max_dispatch_tokens_per_rank``, ``hidden``, ``num_experts`` (keyword-only, not DeepEP's) the
+        low-latency buffer (bfloat16) is created here, collectively, instead of at the first low-latency call.
+    num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink : accepted, not used.
+    explicitly_destroy : bool
+        Kept; :meth:`destroy` works either way (the communicator is also closed at exit).
+    comm : mpi4py.MPI.Comm, optional
+        Used when ``group`` is None (as DeepEP's own ``comm`` argument).
+    num_max_dispatch_tokens_per_rank, hidden, num_experts : int, optional (keyword-only)
+        See ``low_latency_mode``.
+    symbuf_config : cupy_symbuf.Config, optional (keyword-only)
+        Transport tuning of the underlying communicator.
+    backend : {"auto", "cuda", "host"} (keyword-only)
+        As :class:`cupy_symbuf.Communicator`.
+
+    Attributes
+    ----------
+    rank, group_size, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, explicitly_destroy, communicator
+    (the :class:`~cupy_symbuf.Communicator`; its native API gives the same results).
+
+    Raises
+    ------
+    ValueError
+        Neither ``group`` nor ``comm``.
+    TypeError
+        ``group`` not an ``mpi4py.MPI.Comm`` (a ``torch.distributed`` group is not supported: pass e.g.
+        ``MPI.COMM_WORLD``). Construction errors of :class:`~cupy_symbuf.Communicator` propagate.
+    """
+
+    #: DeepEP's SM count of the high-throughput kernels: kept for :meth:`get_dispatch_config`, not used.
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[MPI.Comm] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[MPI.Comm] = None, *,
+                 symbuf_config=None, backend: str = "auto", num_max_dispatch_tokens_per_rank: Optional[int] = None,
+                 hidden: Optional[int] = None, num_experts: Optional[int] = None) -> None:
+        mpi_comm = group if group is not None else comm
+        if mpi_comm is None:
+            raise ValueError("Buffer: either 'group' or 'comm' must be provided (an mpi4py.MPI.Comm)")
+        if not isinstance(mpi_comm, MPI.Comm):
+            raise TypeError(f"Buffer: argument 'group' must be an mpi4py.MPI.Comm (this shim runs over MPI; a "
+                            f"torch.distributed process group is not supported: pass e.g. MPI.COMM_WORLD), got "
+                            f"{type(mpi_comm).__module__}.{type(mpi_comm).__qualname__}")
+        self.communicator = Communicator(mpi_comm, symbuf_config, backend=backend)
+        self.group = mpi_comm
+        self.rank = self.communicator.rank
+        self.group_size = self.communicator.world_size
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = explicitly_destroy
+        self._comm_stream = None
+        self._ll = {}  # (N, hidden, num_experts, dtype) -> LowLatencyBuffer
+        if self.communicator.backend == "cuda":
+            self._comm_stream = _compat.cupy.cuda.Stream(non_blocking=True)
+        shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if low_latency_mode and all(v is not None for v in shape):
+            try:
+                self._ll_buffer("Buffer", *shape, "bfloat16")
+            except BaseException:
+                self.communicator.close()
+                raise
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Close the low-latency buffers and the communicator (collective; :meth:`cupy_symbuf.Communicator.close`)."""
+        lls, self._ll = list(self._ll.values()), {}
+        try:
+            for ll in lls:
+                ll.close()
+        finally:
+            self.communicator.close()
+
+    close = destroy
+
+    def __enter__(self) -> "Buffer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        lls, self._ll = list(self._ll.values()), {}
+        try:
+            for ll in lls:
+                ll.close()
+        finally:
+            self.communicator.__exit__(exc_type, exc, tb)
+
+    # ---- static helpers -------------------------------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: the kernels are compiled at run time by NVRTC (for ``sm_90`` and the device in use)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """DeepEP's SM count (must be even); kept, not used (tune with ``cupy_symbuf.Config(num_sms=...)``).
+
+        Raises ``ValueError`` for an odd count, as DeepEP asserts."""
+        if new_num_sms % 2:
+            raise ValueError(f"Buffer.set_num_sms: the SM count must be even, got {new_num_sms}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """A :class:`Config` (accepted by :meth:`dispatch`, not used)."""
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """A :class:`Config` (accepted by :meth:`combine`, not used)."""
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An :class:`EventOverlap` on the current stream (``torch.cuda.current_stream()`` when PyTorch has
+        initialized CUDA, else the current CuPy stream), for ``previous_event``. Without CuPy and a GPU: an
+        event-less EventOverlap (host calls complete before returning)."""
+        if not _compat.cuda_available():
+            return EventOverlap(None)
+        torch_mode = _torch_in_use()
+        stream = sys.modules["torch"].cuda.current_stream() if torch_mode else None
+        return EventOverlap(CollectiveEvent.record(stream), torch_stream=torch_mode)
+
+    def get_comm_stream(self):
+        """The stream every call of this Buffer runs on: a ``torch.cuda.ExternalStream`` when PyTorch has
+        initialized CUDA, else a ``cupy.cuda.Stream``; None on the host backend."""
+        if self._comm_stream is None:
+            return None
+        if _torch_in_use():
+            return sys.modules["torch"].cuda.ExternalStream(self._comm_stream.ptr)
+        return self._comm_stream
+
+    # ---- the call machinery ---------------------------------------------------------------------------------
+    def _launch(self, op: str, notify, torch_mode: bool, previous_event, async_finish, allocate_on_comm_stream,
+                call):
+        """Check the stream arguments (a rejection is told to the peers), order the comm stream after
+        ``previous_event`` or the current stream, run ``call(stream)`` (the native method with ``stream`` and
+        ``async_op``), and either make the current stream wait or return the event. Returns
+        ``(result, EventOverlap)``."""
+        comm = self.communicator
+        comm._check_open()
+        try:
+            async_finish = check_flag(op, "async_finish", async_finish)
+            allocate_on_comm_stream = check_flag(op, "allocate_on_comm_stream", allocate_on_comm_stream)
+            if allocate_on_comm_stream and (previous_event is None or not async_finish):
+                raise ValueError(f"{op}: allocate_on_comm_stream=True needs previous_event and async_finish=True "
+                                 f"(as DeepEP)")
+            prev = _event_of(op, previous_event)
+        except BaseException:
+            reject_call(comm, op, notify)
+            raise
+        if self._comm_stream is None:  # host: complete on return
+            return call(None), EventOverlap(None)
+        cp = _compat.cupy
+        torch = sys.modules.get("torch") if torch_mode else None
+        compute = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
+            else cp.cuda.get_current_stream()
+        s = self._comm_stream
+        s.wait_event(prev if prev is not None else compute.record())
+        ev = call(s)
+        if async_finish:
+            return ev.result, EventOverlap(ev, torch_stream=torch is not None)
+        ev.wait(compute)
+        return ev.result, EventOverlap(None)
+
+    def _native_call(self, method, *args, **kwargs):
+        def call(stream):
+            if stream is None:
+                return method(*args, **kwargs)
+            return method(*args, stream=stream, async_op=True, **kwargs)
+        return call
+
+    # ---- normal mode ----------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's ``Buffer.get_dispatch_layout``: where each token goes (local, no communication).
+
+        Parameters
+        ----------
+        topk_idx : ``[num_tokens, num_topk]`` int64 (int32 accepted) tensor/array; ``-1`` = no expert.
+        num_experts : int, a positive multiple of the group size.
+        previous_event, async_finish, allocate_on_comm_stream
+            DeepEP's stream arguments (see the module docstring). ``allocate_on_comm_stream=True`` needs
+            ``previous_event`` and ``async_finish`` (``ValueError``).
+
+        Returns
+        -------
+        num_tokens_per_rank : ``[num_ranks]`` int32
+        num_tokens_per_rdma_rank : None (intranode)
+        num_tokens_per_expert : ``[num_experts]`` int32
+        is_token_in_rank : ``[num_tokens, num_ranks]`` bool
+        event : EventOverlap (with an event only when ``async_finish``)
+
+        Tensors are of ``topk_idx``'s kind (PyTorch, NumPy or CuPy). Values as
+        :meth:`cupy_symbuf.Communicator.get_dispatch_layout` (its errors propagate: ``TypeError``/``ValueError``);
+        ``TypeError`` for a ``previous_event`` that is not an event.
+        """
+        op = "get_dispatch_layout"
+        conv = _Tensors(_is_torch(topk_idx))
+        idx = conv.native(topk_idx)
+        res, event = self._launch(op, None, conv.torch is not None, previous_event, async_finish,
+                                  allocate_on_comm_stream,
+                                  self._native_call(self.communicator.get_dispatch_layout, idx, num_experts))
+        per_rank, per_expert, in_rank = (conv.out(a) for a in res)
+        return per_rank, None, per_expert, in_rank, event
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """DeepEP's ``Buffer.dispatch`` (intranode): send each token to every rank holding one of its experts.
+        Collective.
+
+        Parameters
+        ----------
+        x : ``[num_tokens, hidden]`` bfloat16 (also float16/float32 here), or ``(x_fp8, scales)`` with ``x_fp8``
+            float8_e4m3fn ``[num_tokens, hidden]`` and ``scales`` float32 ``[num_tokens, hidden // 128]``.
+        handle : DispatchHandle, optional
+            From an earlier dispatch: cached mode (only ``x`` travels; ``topk_idx``/``topk_weights`` must be None).
+        num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
+            :meth:`get_dispatch_layout`'s results, required without ``handle`` as in DeepEP. Only
+            ``num_tokens_per_expert``'s length (``num_experts``) is read: the layout is recomputed on the device
+            from ``topk_idx`` (so it must be ``topk_idx``'s layout; not re-checked).
+        num_tokens_per_rdma_rank : ignored (intranode).
+        topk_idx : ``[num_tokens, num_topk]`` int64, required without ``handle`` (this implementation routes by it).
+        topk_weights : ``[num_tokens, num_topk]`` float32, optional.
+        expert_alignment : int >= 1
+            Round each ``num_recv_tokens_per_expert_list`` entry up to a multiple of it.
+        num_worst_tokens : int
+            Passed to the native ``dispatch`` only when nonzero (``TypeError`` while the native API lacks it).
+        config : :class:`Config` or None; accepted, not used.
+        previous_event, async_finish, allocate_on_comm_stream : see :meth:`get_dispatch_layout`.
+
+        Returns
+        -------
+        recv_x : received tokens, ``x``'s dtype (a tuple for fp8), ordered by source rank then token.
+        recv_topk_idx : ``[num_recv_tokens, num_topk]`` int64, local expert ids or ``-1``; None when cached.
+        recv_topk_weights : ``[num_recv_tokens, num_topk]`` float32 (0 where ``recv_topk_idx`` is ``-1``); None
+            when cached or without ``topk_weights``.
+        num_recv_tokens_per_expert_list : list of int ``[num_local_experts]``; None when cached.
+        handle : DispatchHandle for :meth:`combine` and cached dispatches; None when cached (as DeepEP).
+        event : EventOverlap
+
+        Values as :meth:`cupy_symbuf.Communicator.dispatch`, whose errors propagate. ``ValueError``:
+        ``num_tokens_per_expert`` or ``topk_idx`` missing without ``handle`` (told to the peers, who raise
+        :class:`~cupy_symbuf.SymBufferRejectedError`).
+        """
+        op = "dispatch"
+        notify = handle is None
+        first = x[0] if isinstance(x, tuple) else x
+        conv = _Tensors(_is_torch(first))
+        try:
+            xn = (conv.native(x[0], is_x=True), conv.native(x[1])) if isinstance(x, tuple) else \
+                conv.native(x, is_x=True)
+            kwargs = {}
+            if num_worst_tokens:
+                kwargs["num_worst_tokens"] = num_worst_tokens
+            if handle is None:
+                if num_tokens_per_expert is None:
+                    raise ValueError(f"Buffer.{op}: argument 'num_tokens_per_expert' is required without handle "
+                                     f"(get_dispatch_layout's result; its length is num_experts)")
+                if topk_idx is None:
+                    raise ValueError(f"Buffer.{op}: argument 'topk_idx' is required without handle (this "
+                                     f"implementation routes tokens by topk_idx)")
+                num_experts = int(num_tokens_per_expert.shape[0])
+                call = self._native_call(self.communicator.dispatch, xn, conv.native(topk_idx),
+                                         conv.native(topk_weights), num_experts,
+                                         expert_alignment=expert_alignment, **kwargs)
+            else:
+                call = self._native_call(self.communicator.dispatch, xn, conv.native(topk_idx),
+                                         conv.native(topk_weights), handle=handle,
+                                         expert_alignment=expert_alignment, **kwargs)
+        except BaseException:
+            reject_call(self.communicator, op, notify)
+            raise
+        res, event = self._launch(op, notify, conv.torch is not None, previous_event, async_finish,
+                                  allocate_on_comm_stream, call)
+        recv_x, recv_idx, recv_w, counts, new_handle = res
+        if handle is not None:
+            return conv.out_x(recv_x), None, None, None, None, event
+        return conv.out_x(recv_x), conv.out(recv_idx), conv.out(recv_w), counts, new_handle, event
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False):
+        """DeepEP's ``Buffer.combine`` (intranode): return each dispatched row to its source rank and sum there
+        (**without** weights, float32 accumulation, ranks in ascending order). Collective.
+
+        Parameters
+        ----------
+        x : ``[num_recv_tokens, hidden]`` bfloat16 (also float16/float32), one row per row of the dispatch's
+            ``recv_x``.
+        handle : DispatchHandle from :meth:`dispatch`.
+        topk_weights : ``[num_recv_tokens, num_topk]`` float32, optional (reduced the same way).
+        bias : must be None (``NotImplementedError`` otherwise: add it to ``combined_x`` yourself).
+        config : accepted, not used.
+        previous_event, async_finish, allocate_on_comm_stream : see :meth:`get_dispatch_layout`.
+
+        Returns
+        -------
+        combined_x : ``[num_tokens, hidden]``, ``x``'s dtype.
+        combined_topk_weights : ``[num_tokens, num_topk]`` float32, or None.
+        event : EventOverlap
+
+        Values and errors as :meth:`cupy_symbuf.Communicator.combine`.
+        """
+        op = "combine"
+        conv = _Tensors(_is_torch(x))
+        try:
+            if bias is not None:
+                raise NotImplementedError(f"Buffer.{op}: 'bias' is not supported yet (add it to combined_x)")
+            xn = conv.native(x, is_x=True)
+            dtype = "bfloat16" if conv.bf16 else None
+            call = self._native_call(self.communicator.combine, xn, handle, conv.native(topk_weights), dtype=dtype)
+        except BaseException:
+            reject_call(self.communicator, op, False)
+            raise
+        res, event = self._launch(op, False, conv.torch is not None, previous_event, async_finish,
+                                  allocate_on_comm_stream, call)
+        combined, combined_w = res
+        return conv.out(combined, is_x=True), conv.out(combined_w), event
+
+    # ---- low-latency mode ------------------------------------------------------------------------------------
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """DeepEP's buffer size hint of the low-latency mode: here the bytes of the symmetric buffer the shim's
+        :class:`~cupy_symbuf.LowLatencyBuffer` (bfloat16, top-k up to 32) allocates on every rank (the Buffer
+        allocates it itself: pass the value as ``num_rdma_bytes`` or not at all). ``num_experts`` does not change
+        it (the per-expert outputs are separate device arrays)."""
+        return LowLatencyBuffer.symmetric_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                max_topk=_LL_MAX_TOPK)
+
+    def _ll_buffer(self, op: str, num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype) -> LowLatencyBuffer:
+        """The LowLatencyBuffer of these values, made (collectively) on first use."""
+        key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, str(dtype))
+        ll = self._ll.get(key)
+        if ll is None:
+            ll = LowLatencyBuffer(self.communicator, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                  dtype=dtype, max_topk=_LL_MAX_TOPK)
+            self._ll[key] = ll
+        return ll
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """DeepEP's low-latency buffer reset: nothing to do here (the mode's flags are compared against sequence
+        numbers and block counts that only grow, never reset), so a no-op; kept for call compatibility."""
+        return None
+
+    def _ll_run(self, torch_mode: bool, async_finish, return_recv_hook, fn):
+        """Run ``fn()`` (a LowLatencyBuffer call) on the comm stream after the current stream; returns
+        ``(result, EventOverlap, hook)`` with DeepEP's stream behaviour: the current stream waits at once unless
+        ``async_finish`` (the event is returned) or ``return_recv_hook`` (``hook()`` makes the then current stream
+        wait)."""
+        async_finish = check_flag("low_latency", "async_finish", async_finish)
+        return_recv_hook = check_flag("low_latency", "return_recv_hook", return_recv_hook)
+        if self._comm_stream is None:  # host: complete on return
+            return fn(), EventOverlap(None), ((lambda: None) if return_recv_hook else None)
+        cp = _compat.cupy
+        torch = sys.modules.get("torch") if torch_mode else None
+        compute = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
+            else cp.cuda.get_current_stream()
+        s = self._comm_stream
+        s.wait_event(compute.record())
+        with s:
+            res = fn()
+        ev = CollectiveEvent(res, event=s.record(), stream=s, communicator=self.communicator)
+        hook = None
+        if return_recv_hook:
+            def _hook():
+                cur = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
+                    else cp.cuda.get_current_stream()
+                ev.wait(cur)
+            hook = _hook
+        if async_finish:
+            return res, EventOverlap(ev, torch_stream=torch is not None), hook
+        if not return_recv_hook:
+            ev.wait(compute)
+        return res, EventOverlap(None), hook
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False) -> Any:
+        """DeepEP's ``Buffer.low_latency_dispatch`` over :meth:`cupy_symbuf.LowLatencyBuffer.dispatch` (its
+        results, unchanged). Collective; the first call of each ``(num_max_dispatch_tokens_per_rank, hidden,
+        num_experts, dtype)`` creates the LowLatencyBuffer on every rank (see the module docstring).
+
+        Parameters
+        ----------
+        x : ``[num_tokens, hidden]`` bfloat16 (float16/float32 too), ``num_tokens <=
+            num_max_dispatch_tokens_per_rank`` (may differ across ranks).
+        topk_idx : ``[num_tokens, num_topk]`` int64, ``-1`` = none; ``num_topk <= 32``.
+        num_max_dispatch_tokens_per_rank, num_experts : int, the same on every rank.
+        cumulative_local_expert_recv_stats : ``[num_local_experts]`` int32, optional: ``recv_count`` is added to it
+            (in stream order).
+        dispatch_wait_recv_cost_stats : accepted, not written (no wait timing here).
+        use_fp8 : bool (default True, as DeepEP): float8_e4m3fn data and float32 scales per 128 elements.
+        round_scale, use_ue8m0 : scales rounded up to powers of two (still float32 ``[..., hidden // 128]``, not
+            DeepEP's packed int ``[..., hidden // 512]``).
+        async_finish, return_recv_hook : see :meth:`_ll_run` (the hook only orders the current stream: the
+            receive has been done by the call).
+
+        Returns
+        -------
+        recv_x : ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``, ``x``'s dtype, or
+            with ``use_fp8`` ``(float8_e4m3fn data, float32 scales [..., hidden // 128])`` (row-major scales:
+            DeepEP's are a column-major view of the same shape and values); rows below ``recv_count[e]`` valid,
+            ordered by (source rank, token).
+        recv_count : ``[num_local_experts]`` int32.
+        handle : :class:`cupy_symbuf.LowLatencyHandle` (``src_info``, ``layout_range``, ...), for
+            :meth:`low_latency_combine` within the next two dispatches of that shape.
+        event : EventOverlap; hook : callable or None.
+
+        The outputs are the LowLatencyBuffer's double buffer: valid until the dispatch after the next one.
+        Errors: those of :meth:`LowLatencyBuffer.dispatch` (validation ``TypeError``/``ValueError`` are **not**
+        told to the peers: validate alike on every rank).
+        """
+        op = "Buffer.low_latency_dispatch"
+        conv = _Tensors(_is_torch(x))
+        xn = conv.native(x, is_x=True)
+        idx = conv.native(topk_idx)
+        if getattr(xn, "ndim", 0) != 2:
+            raise ValueError(f"{op}: x must be [num_tokens, hidden], got shape {tuple(getattr(xn, 'shape', ()))}")
+        dtype = "bfloat16" if conv.bf16 or xn.dtype == np.uint16 else xn.dtype
+        ll = self._ll_buffer(op, num_max_dispatch_tokens_per_rank, int(xn.shape[1]), num_experts, dtype)
+        stats = conv.native(cumulative_local_expert_recv_stats)
+
+        def fn():
+            res = ll.dispatch(xn, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+            if stats is not None:
+                stats[...] += res[1].astype(stats.dtype, copy=False)
+            return res
+
+        (recv_x, recv_count, handle), event, hook = self._ll_run(conv.torch is not None, async_finish,
+                                                                 return_recv_hook, fn)
+        if isinstance(recv_x, tuple):
+            q, scales = recv_x
+            if conv.torch is not None:
+                q = conv.out(q.view(np.uint8)).view(conv.torch.float8_e4m3fn)
+                recv_x = (q, conv.out(scales))
+        else:
+            recv_x = conv.out(recv_x, is_x=True)
+        return recv_x, conv.out(recv_count), handle, event, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out=None, combine_wait_recv_cost_stats=None) -> Any:
+        """DeepEP's ``Buffer.low_latency_combine`` over :meth:`cupy_symbuf.LowLatencyBuffer.combine` (its result,
+        unchanged; **weights applied**, as DeepEP). Collective.
+
+        Parameters
+        ----------
+        x : ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``, the dispatch's dtype:
+            the experts' outputs in ``recv_x``'s layout.
+        topk_idx, topk_weights : the dispatched tokens' ``[num_tokens, num_topk]`` int64 / float32.
+        handle : :class:`cupy_symbuf.LowLatencyHandle` from :meth:`low_latency_dispatch`.
+        use_logfmt, zero_copy : accepted, not used (the wire is ``x``'s dtype; ``x`` is always read in place).
+        async_finish, return_recv_hook : as :meth:`low_latency_dispatch`.
+        out : optional ``[num_tokens, hidden]`` tensor/array of ``x``'s kind: the result is copied into it and it
+            is returned.
+        combine_wait_recv_cost_stats : accepted, not written.
+
+        Returns
+        -------
+        combined_x : ``[num_tokens, hidden]``, ``x``'s dtype (``out`` when given; else valid until the combine
+            after the next one). event : EventOverlap; hook : callable or None.
+        """
+        op = "Buffer.low_latency_combine"
+        if not isinstance(handle, LowLatencyHandle) or not isinstance(handle.owner, LowLatencyBuffer) \
+                or handle.owner not in self._ll.values():
+            raise TypeError(f"{op}: handle must be the LowLatencyHandle of this Buffer's low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        ll = handle.owner
+        conv = _Tensors(_is_torch(x))
+        xn = conv.native(x, is_x=True)
+        idx, w = conv.native(topk_idx), conv.native(topk_weights)
+        outn = conv.native(out, is_x=True) if out is not None else None
+
+        def fn():
+            res = ll.combine(xn, idx, w, handle)
+            if outn is not None:
+                outn[...] = res
+                return outn
+            return res
+
+        combined, event, hook = self._ll_run(conv.torch is not None, async_finish, return_recv_hook, fn)
+        if out is not None:
+            return out, event, hook
+        return conv.out(combined, is_x=True), event, hook
+
+    def __repr__(self) -> str:
+        return f"deepep.Buffer({self.communicator!r})"

@@ -1,0 +1,13 @@
+"""Layer 4: mixture-of-experts all-to-all: normal mode (``get_dispatch_layout`` / ``dispatch`` / ``combine``, DeepEP
+semantics; ``normal``), its GPU kernels (``gpu``), low-latency mode (``low_latency``) and PyTorch autograd
+(``autograd``).
+
+This package is also the public face ``cupy_symbuf.moe``: it re-exports the normal mode's functions.
+"""
+from .normal import *  # noqa: F401,F403
+from .normal import __all__  # noqa: F401
+from . import normal as _normal
+
+
+def __getattr__(name):
+    return getattr(_normal, name)

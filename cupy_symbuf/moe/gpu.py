@@ -1,0 +1,178 @@
+"""The GPU path of :mod:`cupy_symbuf.moe`: layout, count exchange and per-peer counts stay on the device.
+
+DeepEP's design (``get_dispatch_layout`` as a kernel, ``notify_dispatch`` exchanging the counts on the device and
+the host waiting once through host-mapped memory, or not at all with ``num_worst_tokens``), built from our parts:
+
+* ``symbuf_moe_layout`` (``cuda_src/moe.cu``, one launch): ``is_token_in_rank``, the counts per rank and per
+  expert, the count exchange's values ``[world_size, 1 + num_local_experts]``, the send position of every
+  (token, rank) pair (``pos``; the combine reads it back) and ``send_idx`` (the token of every send row), and the
+  number of ``topk_idx`` values out of range (the count exchange then rejects the call on every rank).
+* ``symbuf_notify`` in device-count mode (``cuda_src/ring_exchange.cu``): writes two counts tables
+  (``_protocol.CT_*``: this call's units per peer and the reverse call's, for ``combine``) and the per-expert sums
+  into the handle's device block; the ring kernel reads its units from there (``DESC_COUNTS``), so one launch
+  descriptor serves every routing (the plan is cached per row layout, never per count).
+* eager mode: the host reads the receive counts once (the notify's host-mapped result) to size the outputs;
+  worst-case mode (``num_worst_tokens``): outputs sized for the worst case and nothing read on the host, so the
+  whole dispatch / combine can be captured in a CUDA graph.
+* ``symbuf_moe_recv_fixup``: local expert ids, weights of other ranks' slots zeroed, rows past the real count set
+  to ``-1`` / ``0`` (worst case), per-expert counts aligned on the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..common import backend as _compat
+from ..transport import kernels as _kernels
+from ..wire import protocol as P
+
+SOURCE = "moe.cu"
+LAYOUT_KERNEL = "symbuf_moe_layout"
+FIXUP_KERNEL = "symbuf_moe_recv_fixup"
+CT = P.CT_WORDS
+#: The layout kernel keeps one int32 counter per expert in dynamic shared memory next to ~13 KiB of static arrays,
+#: all within the 48 KiB a block gets without opting in (tests/test_kernels_compile.py checks the sum).
+MAX_EXPERTS = 8192
+
+
+_LAYOUT_TYPES = ("u64", "i64", "i32", "i32", "i32") + ("u64",) * 8
+_FIXUP_TYPES = ("u64", "u64", "i64", "i32", "i64", "i32", "u64", "u64", "u64", "i64")
+_REDUCE_TYPES = ("u64", "u64", "u64", "i64", "i64", "i32", "i32", "u64", "i64", "u64", "i32")
+
+
+def _ptr(a) -> int:
+    """Device address of an array, an address given as an int, or 0 for None."""
+    if a is None:
+        return 0
+    return a if isinstance(a, int) else a.data.ptr
+
+
+def _launcher(eng, name: str, types: tuple):
+    """The engine's cached :class:`~cupy_symbuf.transport.kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU is fixed:
+    no device lookup per call)."""
+    cache = eng.__dict__.setdefault("_moe_launchers", {})
+    fn = cache.get(name)
+    if fn is None:
+        fn = cache[name] = _kernels.get_launcher(SOURCE, name, types)
+    return fn
+
+
+def contiguous(idx):
+    return idx if idx.flags.c_contiguous else _compat.cupy.ascontiguousarray(idx)
+
+
+def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_rank=None, meta=None, bad=None,
+           sticky: bool = False, pos=None, send_idx=None) -> None:
+    """Launch the layout kernel on the current stream for int64 C-contiguous ``idx [N, K]`` (outputs: device
+    arrays or None; see ``cuda_src/moe.cu``)."""
+    n, k = idx.shape
+    W = eng.world_size
+    threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
+    sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
+    _launcher(eng, LAYOUT_KERNEL, _LAYOUT_TYPES)(
+        1, threads, (idx.data.ptr, n, k, num_experts, W, _ptr(per_rank), _ptr(per_expert), _ptr(in_rank),
+                     _ptr(meta), _ptr(bad), sticky_ptr, _ptr(pos), _ptr(send_idx)), shared_mem=4 * num_experts)
+
+
+def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_rows=None, table_ptr: int = 0,
+           rank: int = 0) -> None:
+    """Launch a combine reduction (``symbuf_combine_reduce_*``): ``out[t] = sum_r row(t, r)`` in float32, ranks in
+    order, where ``row(t, r)`` is ``back[pos[t, r]]``, or with ``self_rows`` (the combine's input, rows of
+    ``back``'s dtype, any row stride) this rank's own row read straight from it (the ring moved none: the reverse
+    counts table has no units to itself; ``table_ptr``: the dispatch's counts table)."""
+    item = back.dtype.itemsize
+    row = hidden * item
+    self_ptr = self_stride = 0
+    if self_rows is not None:
+        self_ptr = self_rows.data.ptr if self_rows.shape[0] else 0
+        self_stride = self_rows.strides[0] // item if self_rows.shape[0] > 1 else hidden
+    vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 and self_ptr % 16 == 0 and \
+        (self_stride * item) % 16 == 0  # 16 bytes per load
+    lanes = row // 16 if vec else hidden
+    _kernels.get_launcher(SOURCE, kernel, _REDUCE_TYPES)(
+        min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)),
+        (back.data.ptr, pos.data.ptr, out.data.ptr, num_tokens, hidden, pos.shape[1], 1 if vec else 0, self_ptr,
+         self_stride, table_ptr, rank))
+
+
+def get_dispatch_layout(eng, op: str, idx, num_experts: int):
+    """``(num_tokens_per_rank int32 [W], num_tokens_per_expert int32 [E], is_token_in_rank bool [N, W])`` from one
+    kernel launch, nothing read on the host: ``topk_idx`` values out of range are left out of the counts and
+    raised by the next ``synchronize()`` (at once with ``Config.blocking``)."""
+    cp = _compat.cupy
+    W = eng.world_size
+    n = idx.shape[0]
+    counts = cp.empty(W + num_experts, np.int32)  # one allocation: [per rank | per expert]
+    per_rank, per_expert = counts[:W], counts[W:]
+    in_rank = cp.empty((n, W), dtype=bool)
+    eng.transport.layout_error_what = (idx.shape, num_experts)
+    layout(eng, contiguous(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
+           sticky=True)
+    if eng.config.blocking:
+        cp.cuda.get_current_stream().synchronize()
+        eng.transport.check_layout_error(op)
+    return per_rank, per_expert, in_rank
+
+
+class Routing:
+    """What one dispatch's layout and count exchange made on the device (kept by the handle).
+
+    ``block`` int64 ``[2 * CT_WORDS + M + 2]``: the counts table of the dispatch, that of the combine (the reverse
+    call), the per-expert sums of the count exchange (``[0]`` = rows received), and the layout's bad-value count.
+    ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
+    """
+
+    __slots__ = ("block", "M", "table_ptr", "pos", "send_idx", "in_rank")
+
+    def __init__(self, n: int, k: int, W: int, M: int):
+        cp = _compat.cupy
+        self.block = cp.empty(2 * CT + M + 2 + W * M, np.int64)  # (+ the count exchange's values, [W, M])
+        self.M = M
+        self.table_ptr = self.block.data.ptr  # the parts by address on the hot path (views cost us each)
+        self.pos = cp.empty((n, W), np.int64)
+        self.send_idx = cp.empty(max(1, n * W), np.int64)
+        self.in_rank = cp.empty((n, W), dtype=bool)
+
+    # addresses of the parts (hot path) and views of them (errors, worst-case counts)
+    @property
+    def rev_table_ptr(self) -> int:
+        return self.table_ptr + 8 * CT
+
+    @property
+    def sums_ptr(self) -> int:
+        return self.table_ptr + 8 * 2 * CT
+
+    @property
+    def bad_ptr(self) -> int:
+        return self.sums_ptr + 8 * self.M
+
+    @property
+    def meta_ptr(self) -> int:
+        return self.bad_ptr + 16
+
+    @property
+    def table(self):
+        return self.block[:CT]
+
+    @property
+    def sums(self):
+        return self.block[2 * CT:2 * CT + self.M]
+
+    @property
+    def bad(self):
+        return self.block[2 * CT + self.M:2 * CT + self.M + 2]
+
+    @property
+    def num_recv_tokens(self):
+        """0-d int64 device array: rows this rank received (0 when the call was skipped)."""
+        return self.block[P.CT_RECV_TOTAL]
+
+
+def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out, align: int) -> None:
+    """Launch the receive fix-up (``cuda_src/moe.cu``) on the current stream; ``table_ptr`` 0: every row is real."""
+    n = rows * gidx.shape[1]
+    if n == 0 and counts_out is None:
+        return
+    grid = max(1, min(1024, (n + 255) // 256))
+    _launcher(eng, FIXUP_KERNEL, _FIXUP_TYPES)(
+        grid, 256, (gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, gidx.shape[1], eng.rank * epr, epr,
+                    table_ptr, _ptr(sums), _ptr(counts_out), align))

@@ -1,0 +1,1053 @@
+"""Low-latency MoE dispatch / combine for decode (1 to a few hundred tokens per rank), with DeepEP's
+``Buffer.low_latency_dispatch`` / ``Buffer.low_latency_combine`` semantics (``deep_ep/buffer.py``), intranode.
+
+::
+
+    ll = cupy_symbuf.LowLatencyBuffer(comm, num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=256)
+    recv_x, recv_count, handle = ll.dispatch(x, topk_idx)            # or use_fp8=True: recv_x = (x_fp8, scales)
+    y = run_experts(recv_x, recv_count)                               # [num_local_experts, W * N, hidden]
+    out = ll.combine(y, topk_idx, topk_weights, handle)               # [num_tokens, hidden], weights APPLIED
+
+``combine`` here **applies the top-k weights** (``out[t] = sum_j w[t, j] * y[expert topk_idx[t, j], row of t]``),
+as DeepEP's low-latency combine does. The normal-mode :meth:`Communicator.combine` does not: it sums the rows it is
+given, which the caller has weighted already.
+
+Design (decided and measured: ``docs/perf-notes.md``, "low-latency mode")
+-----------------------------------------------------------------------
+* Its own :class:`~cupy_symbuf.SymBuffer`, allocated collectively, sized for the worst case
+  (``num_max_dispatch_tokens_per_rank`` tokens to every rank), double-buffered: halves chosen by the parity of a
+  per-call sequence number kept in device memory (host memory on the host path) and advanced by the kernel, so
+  CUDA-graph replays keep alternating; every flag is compared against that sequence, never reset by the host.
+  A call waits for every peer's flag of that same call, so when call ``i + 2`` starts on a rank every peer has
+  finished call ``i``: the half is free again.
+* **One copy per (token, destination rank)** over the interconnect, not one per (token, expert): dispatch stores
+  token ``t`` of source ``s`` once into row ``t`` of ``s``'s staging area in every rank that holds one of its
+  experts (with ``s``'s ``topk_idx`` as int32 metadata); the receiver then places the rows per local expert with
+  local copies. ``recv_x[e]`` holds expert ``e``'s rows ordered by (source rank, token index): deterministic, so
+  the host twin gives the same bits. ``combine`` sends each token's weights to every rank first (``K`` floats a
+  token), each rank sums the weighted outputs of **its** experts for a token into one partial row (float32
+  accumulation, rounded once to ``x``'s dtype) and sends that row back once; the source sums the partials of the
+  ranks in ascending rank order (float32 from 0) and rounds once. So combine rounds twice (the per-rank partial,
+  then the sum), DeepEP once; the error is within one extra rounding of the partial (relative ``2**-9`` for
+  bf16) and is the same on both backends.
+* One kernel each (``cuda_src/low_latency.cu``: ``symbuf_ll_dispatch``, ``symbuf_ll_combine``), no host
+  synchronisation, no host read of counts, fixed sizes: graph-capturable. Every wait is a bounded SpinBudget
+  wait (``cuda_src/protocol.cuh``) that polls the **communicator's** abort word: a timeout raises
+  :class:`~cupy_symbuf.SymBufferTimeoutError` (rank, peer; ``head`` = the value awaited, ``tail`` = the one seen,
+  channel -1: for combine's weights flag a sequence number, for dispatch's and the partials' flags a count of the
+  peer's blocks, which add 1 each to every destination's line when their stores are done, so no block waits for
+  another before publishing), a peer's other call kind / dtype / top-k (the per-call signature in every flag line)
+  :class:`~cupy_symbuf.SymBufferMismatchError`, and :meth:`Communicator.abort` stops the waits.
+* Host cost per call (GPU): the first call of each shape (shapes, dtypes, fp8 options) is validated in full and
+  builds the kernel's parameter blocks (one per output set); later calls with CuPy arrays of that shape,
+  C-contiguous on this GPU, check only those attributes, write the input addresses and the launch number into the
+  block and call ``cuLaunchKernel`` (no allocation; the outputs and their views are the preallocated ones). Other
+  inputs (PyTorch tensors, non-contiguous or int32 ``topk_idx``) take the validating path every call.
+* fp8: the one quantiser of ``cuda_src/quant.cuh`` / :mod:`cupy_symbuf.quant` (per 128 elements, float32 scale
+  amax / 448, optionally rounded up to a power of two).
+
+Outputs are taken from two preallocated sets (like DeepEP's double buffer): what ``dispatch`` / ``combine`` return
+stays valid until the call after the next one of the same kind; copy it to keep it longer. A handle is usable by
+``combine`` until two more dispatches have been made.
+
+Rules: every rank makes the same calls in the same order with the same ``hidden``, dtype, top-k and fp8 options
+(checked in the flag lines); ``num_tokens`` may differ (0 too). Arguments are validated before anything moves;
+a call rejected on one rank only is **not** told to the peers (they time out naming it): validate alike. On the
+GPU, ``topk_idx`` entries outside ``[-1, num_experts)`` are ignored like -1 (a check would need a host read); the
+host path raises ``ValueError`` for them. Experts are placed contiguously (expert ``e`` on rank
+``e // num_local_experts``), as in :mod:`cupy_symbuf.moe`.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from ..transport import agree as _agree
+from ..common import backend as _compat
+from ..wire import protocol as P
+from ..common import dtypes as _dt
+from ..collectives import quant as _quant
+from ..common.checks import as_array
+from ..common.errors import SymBufferError, SymBufferTimeoutError, mismatch_error
+from ..transport.symbuffer import SymBuffer
+
+__all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISPATCH_FIELDS", "LL_COMBINE_FIELDS",
+           "LL_SOURCE"]
+
+LL_SOURCE = "low_latency.cu"
+#: Kernel argument words (int64, by value), in the order of ``struct LLDispatchArgs`` / ``LLCombineArgs``.
+LL_DISPATCH_FIELDS = ("x", "x_stride", "topk", "n", "k", "ll_bases", "half0", "half_bytes", "flags_off", "meta_off",
+                      "rows_off", "row_bytes", "N", "H", "L", "W", "rank", "use_fp8", "ue8m0", "kind", "sig",
+                      "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "inv", "recv_ntok",
+                      "status", "comm_bases", "abort_offset", "timeout_ns", "launch_seq", "ctrl", "grid",
+                      "prof")
+LL_COMBINE_FIELDS = ("x", "topk", "weights", "n", "k", "inv", "recv_ntok", "ll_bases", "half0", "half_bytes",
+                     "wflags_off", "weights_off", "pflags_off", "prows_off", "row_bytes", "N", "H", "L", "W", "rank",
+                     "kind", "sig", "out", "status", "comm_bases", "abort_offset", "timeout_ns", "launch_seq",
+                     "ctrl", "grid", "prof")
+_THREADS = 512
+_LINE = P.LINE_BYTES
+_KINDS = {_dt.BFLOAT16: 0, _dt.FLOAT16: 1, _dt.FLOAT32: 2}
+_ITEMSIZE = {_dt.BFLOAT16: 2, _dt.FLOAT16: 2, _dt.FLOAT32: 4}
+#: ctrl words (u64) of each kind's ctrl line on the host path: the sequence number (calls completed). (The
+#: kernels count the blocks that left in word 2 instead: seq = that count / grid + 1.)
+_CTRL_SEQ = 0
+_OPS = ("low_latency_dispatch", "low_latency_combine")
+_OPS_KEPT = 256
+#: the words of a parameter block rewritten per call (the input addresses, the launch number)
+_D_X, _D_TOPK, _D_SEQ = (LL_DISPATCH_FIELDS.index(f) for f in ("x", "topk", "launch_seq"))
+_C_X, _C_TOPK, _C_W, _C_INV, _C_NTOK, _C_SEQ = (LL_COMBINE_FIELDS.index(f) for f in (
+    "x", "topk", "weights", "inv", "recv_ntok", "launch_seq"))
+
+
+class _Entry:
+    """Prebuilt kernel parameter blocks (int64 words) of one call shape, one per output set, and the outputs the
+    calls return."""
+
+    __slots__ = ("which", "fn", "smem", "args", "ptrs", "params", "outs", "n", "K", "use_fp8")
+
+    def __init__(self, which: int, fn: int, smem: int) -> None:
+        self.which, self.fn, self.smem = which, fn, smem
+        self.args, self.ptrs, self.params, self.outs = [], [], [], []
+        self.n = self.K = 0
+        self.use_fp8 = False
+
+    def add(self, a: np.ndarray) -> None:
+        ptrs = (ctypes.c_void_p * 1)(a.ctypes.data)
+        self.args.append(a)
+        self.ptrs.append(ptrs)
+        self.params.append(ctypes.addressof(ptrs))
+
+
+def _align(v: int, a: int) -> int:
+    return (v + a - 1) // a * a
+
+
+def _layout(W: int, N: int, H: int, itemsize: int, K: int) -> dict:
+    """Offsets (bytes) of the symmetric buffer's areas and its size; every area 128-aligned."""
+    R = _align(H * itemsize, 16)
+    meta = _align(W * N * K * 4, _LINE)
+    rows = _align(W * N * R, _LINE)
+    d = {"row_bytes": R, "d_flags": 0, "d_meta": W * _LINE, "d_rows": W * _LINE + meta}
+    d["d_half"] = d["d_rows"] + rows
+    d["c_wflags"], d["c_weights"] = 0, W * _LINE
+    d["c_pflags"] = d["c_weights"] + meta
+    d["c_prows"] = d["c_pflags"] + W * _LINE
+    d["c_half"] = d["c_prows"] + rows
+    d["d0"] = 2 * _LINE
+    d["c0"] = d["d0"] + 2 * d["d_half"]
+    d["nbytes"] = d["c0"] + 2 * d["c_half"]
+    return d
+
+
+def _kind_of(dtype) -> Optional[str]:
+    return _dt.float_kind(dtype, raw_uint16=_dt.BFLOAT16)
+
+
+def _check_int(op: str, name: str, v, lo: int, hi: Optional[int] = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {type(v).__name__}")
+    v = int(v)
+    if v < lo or (hi is not None and v > hi):
+        rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{op}: {name} must be {rule}, got {v}")
+    return v
+
+
+class LowLatencyHandle:
+    """What :meth:`LowLatencyBuffer.combine` needs from its :meth:`~LowLatencyBuffer.dispatch` (DeepEP's
+    ``(recv_src_info, recv_layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)``).
+
+    ``src_info``: int32 ``[num_local_experts, W * N]``, source token index of each received row (rows below
+    ``recv_count[e]``); ``layout_range``: int64 ``[num_local_experts, W]``, ``(begin << 32) | count`` of the rows
+    from each source rank; ``recv_tokens_per_rank``: int32 ``[W]``, tokens each rank dispatched; ``inv``: int32
+    ``[W, N, num_topk]``, flattened ``recv_x`` row of each (source, token, slot) naming a local expert, else -1.
+    Device arrays on the GPU (no host read). Read-only by convention (a plain ``__slots__`` object: one is made per
+    dispatch, so it is cheap to build)."""
+
+    __slots__ = ("owner", "call", "num_tokens", "num_topk", "hidden", "use_fp8", "src_info", "layout_range",
+                 "recv_tokens_per_rank", "inv", "num_max_dispatch_tokens_per_rank", "num_experts")
+
+    def __init__(self, owner, call: int, num_tokens: int, num_topk: int, hidden: int, use_fp8: bool, src_info,
+                 layout_range, recv_tokens_per_rank, inv, num_max_dispatch_tokens_per_rank: int = 0,
+                 num_experts: int = 0) -> None:
+        self.owner = owner
+        self.call = call
+        self.num_tokens = num_tokens
+        self.num_topk = num_topk
+        self.hidden = hidden
+        self.use_fp8 = use_fp8
+        self.src_info = src_info
+        self.layout_range = layout_range
+        self.recv_tokens_per_rank = recv_tokens_per_rank
+        self.inv = inv
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self.num_experts = num_experts
+
+    def __repr__(self) -> str:
+        return (f"LowLatencyHandle(call={self.call}, num_tokens={self.num_tokens}, num_topk={self.num_topk}, "
+                f"hidden={self.hidden}, use_fp8={self.use_fp8}, num_max_dispatch_tokens_per_rank="
+                f"{self.num_max_dispatch_tokens_per_rank}, num_experts={self.num_experts})")
+
+
+class _ErrShim:
+    """What ``CudaTransport._error`` reads: the timeout and the communicator's abort line (same decoding and
+    messages as the ring kernels)."""
+
+    def __init__(self, timeout_s, read_abort_line):
+        self.timeout_s = timeout_s
+        self.read_abort_line = read_abort_line
+
+
+class LowLatencyBuffer:
+    """Low-latency MoE dispatch / combine over its own symmetric buffer (see the module docstring).
+
+    Parameters
+    ----------
+    comm : Communicator
+        The communicator whose ranks take part (collective over them; its abort word and error policy are shared).
+    num_max_dispatch_tokens_per_rank : int
+        ``N``: the most tokens any rank dispatches in one call (1 to 4096; DeepEP's name).
+    hidden : int
+        Elements per token; ``hidden * itemsize`` a multiple of 16 (fp8 dispatch also needs ``hidden % 128 == 0``).
+    num_experts : int
+        Global experts, a multiple of ``world_size``; ``num_local_experts = num_experts // world_size``.
+    dtype : "bfloat16" (default), "float16" or "float32"
+        Element type of ``x`` (bf16: ``ml_dtypes.bfloat16``, CuPy's bfloat16 or raw ``uint16`` bits).
+    max_topk : int
+        Largest ``topk_idx.shape[1]`` of a call (1 to 32; sizes the metadata areas).
+    num_blocks : int, optional
+        Thread blocks per kernel (GPU); default the GPU's SM count divided by the ranks sharing it.
+
+    Memory: the symmetric buffer holds ``2 x (W x N x row)`` for dispatch and for combine (row = ``hidden x
+    itemsize`` rounded to 16 bytes) plus metadata; the two output sets hold ``2 x num_local_experts x W x N x row``
+    (DeepEP's ``recv_x`` shape), fp8 outputs allocated on the first fp8 call.
+
+    Raises ``TypeError``/``ValueError`` for bad parameters (on every rank alike: the parameters are compared across
+    ranks, a difference names the field and the ranks).
+    """
+
+    def __init__(self, comm, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int, *,
+                 dtype="bfloat16", max_topk: int = 16, num_blocks: Optional[int] = None):
+        op = "LowLatencyBuffer"
+        self._closed = True
+        from ..communicator import Communicator
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"{op}: comm must be a cupy_symbuf.Communicator, got {type(comm).__name__}")
+        comm._check_open()
+        W = comm.world_size
+        err = None
+        try:
+            N = _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, 4096)
+            H = _check_int(op, "hidden", hidden, 1)
+            E = _check_int(op, "num_experts", num_experts, 1)
+            K = _check_int(op, "max_topk", max_topk, 1, 32)
+            kind = _kind_of(dtype)
+            if kind not in _KINDS:
+                raise TypeError(f"{op}: dtype must be bfloat16, float16 or float32, got {dtype!r}")
+            if E % W:
+                raise ValueError(f"{op}: num_experts ({E}) must be a multiple of world_size ({W})")
+            if W > 32:
+                raise ValueError(f"{op}: world_size must be <= 32, got {W}")
+            if (H * _ITEMSIZE[kind]) % 16:
+                raise ValueError(f"{op}: hidden * itemsize ({H} * {_ITEMSIZE[kind]}) must be a multiple of 16 bytes")
+            smem = 4 * (E * ((N + 31) // 32) + E)
+            if smem > 48 * 1024:
+                raise ValueError(f"{op}: num_experts * ceil(N / 32) too large for the receive masks ({smem} bytes "
+                                 f"of shared memory > 49152): lower num_max_dispatch_tokens_per_rank or num_experts")
+            if num_blocks is not None:
+                num_blocks = _check_int(op, "num_blocks", num_blocks, 1, 1024)
+        except (TypeError, ValueError) as exc:
+            err = exc
+        mpi = comm.buffer.comm
+        timeout = comm.config.timeout_s
+        verdicts = _agree.exchange_all(mpi, None if err is None else f"{type(err).__name__}: {err}", timeout,
+                                       f"{op} construction")
+        if err is not None:
+            raise err
+        _agree.raise_if_any_failed(verdicts, op)
+        fp = {"num_max_dispatch_tokens_per_rank": N, "hidden": H, "num_experts": E, "dtype": kind, "max_topk": K,
+              "num_blocks": num_blocks}
+        _agree.check_agreement(_agree.exchange_all(mpi, fp, timeout, f"{op} construction (parameters)"), op)
+        self.comm = comm
+        self.rank, self.world_size, self.backend = comm.rank, W, comm.backend
+        self.xp = comm.xp
+        self.num_max_dispatch_tokens_per_rank = self.N = N
+        self.hidden = self.H = H
+        self.num_experts = E
+        self.num_local_experts = self.L = E // W
+        self.max_topk = K
+        self.kind = kind
+        self.itemsize = _ITEMSIZE[kind]
+        self.timeout_s = timeout
+        # ---- symmetric layout (bytes; every area 128-aligned) ----
+        for k, v in _layout(W, N, H, self.itemsize, K).items():
+            setattr(self, k, v)
+        transport = getattr(comm, "transport", None)  # where the communicator's rings live (cuda: ipc / staged)
+        self.buffer = SymBuffer(mpi, self.nbytes, backend=self.backend, timeout_s=timeout,
+                                transport=transport if transport in ("ipc", "staged") else "auto")
+        self._dispatch_calls = 0
+        self._combine_calls = 0
+        self._broken = None
+        self._fast = None  # the GPU hot path's array type (set by _init_cuda)
+        self._sets = [dict(), dict()]
+        self._combine_out = [None, None]
+        try:
+            xp = self.xp
+            for s in self._sets:
+                s["recv_x"] = xp.zeros((self.L, W * N, H * self.itemsize), np.uint8)
+                s["recv_count"] = xp.zeros(self.L, np.int32)
+                s["src_info"] = xp.zeros((self.L, W * N), np.int32)
+                s["layout_range"] = xp.zeros((self.L, W), np.int64)
+                s["inv"] = xp.zeros((W, N, K), np.int32)
+                s["recv_ntok"] = xp.zeros(W, np.int32)
+            for i in range(2):
+                self._combine_out[i] = xp.zeros((N, H * self.itemsize), np.uint8)
+            if self.backend == "cuda":
+                self._init_cuda(num_blocks, smem)
+            else:
+                self._views = [self.buffer.host_view(r) for r in range(W)]
+        except BaseException:
+            self.buffer.close()
+            raise
+        self._closed = False
+
+    @staticmethod
+    def symmetric_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, world_size: int, *,
+                        dtype="bfloat16", max_topk: int = 16) -> int:
+        """Bytes of the symmetric buffer a ``LowLatencyBuffer`` of these parameters allocates on every rank
+        (outputs not included: ``2 x num_local_experts x W x N x row`` more, on the device)."""
+        kind = _kind_of(dtype)
+        if kind not in _KINDS:
+            raise TypeError(f"LowLatencyBuffer.symmetric_bytes: dtype must be bfloat16, float16 or float32, got "
+                            f"{dtype!r}")
+        return _layout(int(world_size), int(num_max_dispatch_tokens_per_rank), int(hidden), _ITEMSIZE[kind],
+                       int(max_topk))["nbytes"]
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the symmetric buffer (collective, bounded by the communicator's ``timeout_s``). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend == "cuda":
+            _compat.cupy.cuda.runtime.deviceSynchronize()
+            self._status.free()
+        self.buffer.close()
+
+    def __enter__(self) -> "LowLatencyBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise SymBufferError("LowLatencyBuffer is closed")
+        if self._broken:
+            raise SymBufferError(f"LowLatencyBuffer is unusable after an earlier failure: {self._broken}")
+        self.comm._check_open()
+
+    def _failed(self, exc: BaseException) -> None:
+        self._broken = f"{type(exc).__name__}: {exc}"
+        if not getattr(self.comm, "_broken", None):
+            self.comm._broken = f"low-latency mode: {self._broken}"
+
+    # ---- GPU ---------------------------------------------------------------------------------------------------
+    def _init_cuda(self, num_blocks, smem) -> None:
+        from cupy_backends.cuda.api import driver
+
+        from ..transport import kernels as _kernels
+        from ..transport.cuda import CudaTransport, _Pinned
+        cp = _compat.cupy
+        sm = int(self.buffer.gpu_identities[self.rank].get("sm_count") or 132)
+        self.grid = num_blocks or max(1, min(128, sm // max(1, self.buffer.ranks_per_gpu)))
+        grids = _agree.exchange_all(self.buffer.comm, self.grid, self.timeout_s, "LowLatencyBuffer grid")
+        self.grid = min(grids)  # every rank the same grid (counters compare against seq * grid)
+        self._status = _Pinned(P.STATUS_WORDS)
+        self._ctrl_ptr = self.buffer.local_ptr
+        self._k = [_kernels.get_function(LL_SOURCE, "symbuf_ll_dispatch"),
+                   _kernels.get_function(LL_SOURCE, "symbuf_ll_combine")]
+        self._smem = [smem, 0]
+        tr = self.comm._transport
+        self._shim = _ErrShim(self.timeout_s, tr.read_abort_line)
+        self._decode = CudaTransport._error
+        self._args = [np.zeros(len(LL_DISPATCH_FIELDS), np.int64), np.zeros(len(LL_COMBINE_FIELDS), np.int64)]
+        self._idx = [{f: i for i, f in enumerate(LL_DISPATCH_FIELDS)}, {f: i for i, f in enumerate(LL_COMBINE_FIELDS)}]
+        W, N = self.world_size, self.N
+        common = {"ll_bases": self.buffer.peer_ptrs_device.data.ptr, "N": N, "H": self.H, "L": self.L, "W": W,
+                  "rank": self.rank, "kind": _KINDS[self.kind], "status": self._status.ptr,
+                  "comm_bases": self.comm.buffer.peer_ptrs_device.data.ptr,
+                  "abort_offset": self.comm.layout.abort_offset, "timeout_ns": int(self.timeout_s * 1e9),
+                  "grid": self.grid, "row_bytes": self.row_bytes}
+        self._put(0, self._args[0], half0=self.d0, half_bytes=self.d_half, flags_off=self.d_flags,
+                  meta_off=self.d_meta, rows_off=self.d_rows, ctrl=self._ctrl_ptr, **common)
+        self._put(1, self._args[1], half0=self.c0, half_bytes=self.c_half, wflags_off=self.c_wflags,
+                  weights_off=self.c_weights, pflags_off=self.c_pflags, prows_off=self.c_prows,
+                  ctrl=self._ctrl_ptr + _LINE, **common)
+        # Hot path (see _issue): the kernel parameter block of every (call kind, argument shapes, output set) is
+        # built once (_Entry); a call rewrites only its input addresses and launch number, then cuLaunchKernel
+        # (the driver copies the block at launch, so it may be rewritten while the launch is queued).
+        self._fns = [int(k.kernel.ptr) for k in self._k]
+        self._launch_kernel = driver.launchKernel
+        self._get_stream = cp.cuda.get_current_stream
+        self._entries = [{}, {}]     # normalised key -> _Entry (dispatch, combine)
+        self._fastkeys = [{}, {}]    # the caller's argument key (shapes, dtypes, flags) -> _Entry
+        self._fast = cp.ndarray      # fast path only for CuPy arrays (a DLPack import is a new CuPy array anyway)
+        self._dev = int(cp.cuda.Device().id)
+        self._st = self._status.array
+        self._hsets = [(s["recv_count"], s["src_info"], s["layout_range"], s["recv_ntok"], s["inv"]) for s in self._sets]
+        self._hptrs = [(s["inv"].data.ptr, s["recv_ntok"].data.ptr) for s in self._sets]
+        self._prof = 0
+        self._launches = 0
+        self._launch_ops = [None] * _OPS_KEPT
+        cp.cuda.runtime.deviceSynchronize()
+
+    def _put(self, which: int, a: np.ndarray, **kw) -> None:
+        idx = self._idx[which]
+        for k, v in kw.items():
+            if k in idx:
+                a[idx[k]] = int(v)
+
+    def _entry(self, which: int, key: tuple, **kw) -> "_Entry":
+        """The prebuilt parameter blocks of one call shape (both output sets), made on first use."""
+        ent = self._entries[which].get(key)
+        if ent is None:
+            ent = _Entry(which, self._fns[which], self._smem[which])
+            for p in (0, 1):
+                a = self._args[which].copy()
+                self._put(which, a, prof=self._prof, **kw)
+                self._put(which, a, **self._set_words(which, p, kw))
+                ent.add(a)
+            self._entries[which][key] = ent
+        return ent
+
+    def _set_words(self, which: int, p: int, kw: dict) -> dict:
+        s = self._sets[p]
+        if which == 1:
+            return {"out": self._combine_out[p].data.ptr}
+        fp8 = bool(kw.get("use_fp8"))
+        return {"recv_x": (s["recv_q"] if fp8 else s["recv_x"]).data.ptr,
+                "recv_scales": s["recv_scales"].data.ptr if fp8 else 0, "recv_count": s["recv_count"].data.ptr,
+                "src_info": s["src_info"].data.ptr, "layout_range": s["layout_range"].data.ptr,
+                "inv": s["inv"].data.ptr, "recv_ntok": s["recv_ntok"].data.ptr}
+
+    def _same(self, given, checked) -> bool:
+        """``given`` (the caller's argument) is a contiguous CuPy array that validation passed through unchanged
+        (no copy, no dtype conversion): later calls with the same shapes and dtypes may skip validation."""
+        return (type(given) is self._fast and given._c_contiguous and given.dtype == checked.dtype
+                and given.shape == checked.shape and given.data.ptr == checked.data.ptr)
+
+    def _set_profile(self, ptr: int) -> None:
+        """Point every parameter block's ``prof`` word at a device array ``u64 [grid][8]`` (0: off)."""
+        self._prof = int(ptr)
+        for which in (0, 1):
+            i = self._idx[which]["prof"]
+            self._args[which][i] = self._prof
+            for ent in self._entries[which].values():
+                for a in ent.args:
+                    a[i] = self._prof
+
+    def _issue_dispatch(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int) -> None:
+        a = ent.args[p]
+        a[_D_X] = x_ptr
+        a[_D_TOPK] = topk_ptr
+        self._issue(ent, p, a, _D_SEQ, _OPS[0])
+
+    def _issue_combine(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, w_ptr: int, inv_ptr: int,
+                       ntok_ptr: int) -> None:
+        a = ent.args[p]
+        a[_C_X] = x_ptr
+        a[_C_TOPK] = topk_ptr
+        a[_C_W] = w_ptr
+        a[_C_INV] = inv_ptr
+        a[_C_NTOK] = ntok_ptr
+        self._issue(ent, p, a, _C_SEQ, _OPS[1])
+
+    def _issue(self, ent: "_Entry", p: int, a: np.ndarray, seq_word: int, op: str) -> None:
+        """Number the launch (for the error record) and launch ``ent``'s parameter block ``p`` on the current
+        stream."""
+        n = self._launches + 1
+        self._launches = n
+        a[seq_word] = n
+        self._launch_ops[n % _OPS_KEPT] = op
+        stream = self._get_stream()
+        self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
+        if self.comm.config.blocking:
+            self._check_record(op, stream)
+
+    def _check_record(self, op: str, stream=None) -> None:
+        """Raise the error a low-latency kernel recorded (decoded as the ring kernels' records are)."""
+        if stream is not None:
+            stream.synchronize()
+        st = self._status.array
+        if not st[P.STATUS_FLAG]:
+            return
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        info = [int(v) for v in st]
+        seq = info[P.STATUS_SEQ]
+        failed = (self._launch_ops[seq % _OPS_KEPT] if 0 < seq and self._launches - seq < _OPS_KEPT else None) \
+            or "a low-latency call"
+        where = op if failed == op and stream is not None else f"{failed} (queued earlier; found by {op})"
+        exc = self._decode(self._shim, where, info, None)
+        self._failed(exc)
+        raise exc
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued low-latency kernels (the current stream) and raise what they recorded."""
+        self._check_usable()
+        if self.backend == "cuda":
+            self._check_record("synchronize", _compat.cupy.cuda.get_current_stream())
+
+    # ---- validation ----------------------------------------------------------------------------------------------
+    def _check_x(self, op: str, name: str, x, shape) -> Any:
+        a = as_array(op, name, x, self.backend)
+        kind = _kind_of(a.dtype)
+        if kind != self.kind:
+            raise TypeError(f"{op}: {name} must have this buffer's dtype ({self.kind}"
+                            f"{'; raw uint16 bits accepted' if self.kind == _dt.BFLOAT16 else ''}), got {a.dtype}")
+        if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
+            spec = tuple("n" if w is None else w for w in shape)
+            raise ValueError(f"{op}: {name} must have shape {spec}, got {tuple(a.shape)}")
+        return a
+
+    def _check_topk(self, op: str, topk_idx, n: Optional[int]) -> Any:
+        t = as_array(op, "topk_idx", topk_idx, self.backend)
+        if t.ndim != 2 or (n is not None and t.shape[0] != n):
+            raise ValueError(f"{op}: topk_idx must be 2-D [num_tokens, num_topk] with num_tokens = {n}, got shape "
+                             f"{tuple(t.shape)}")
+        if not 1 <= t.shape[1] <= self.max_topk:
+            raise ValueError(f"{op}: topk_idx.shape[1] (num_topk) must be in [1, max_topk={self.max_topk}], got "
+                             f"{t.shape[1]}")
+        if t.dtype not in (np.int64, np.int32):
+            raise TypeError(f"{op}: topk_idx must be int64 (or int32), got {t.dtype}")
+        t = t.astype(np.int64, copy=False)
+        if self.backend == "host" and t.size and (int(t.min()) < -1 or int(t.max()) >= self.num_experts):
+            raise ValueError(f"{op}: topk_idx entries must be -1 or expert ids in [0, {self.num_experts}), got "
+                             f"min {int(t.min())}, max {int(t.max())}")
+        return t
+
+    def _sig(self, op: str, K: int, use_fp8: bool, ue8m0: bool) -> int:
+        return P.signature(op, self.kind, self.H, K, int(use_fp8), int(ue8m0))
+
+    def _fp8_set(self, s: dict) -> None:
+        if "recv_q" not in s:
+            s["recv_q"] = self.xp.zeros((self.L, self.world_size * self.N, self.H), np.uint8)
+            s["recv_scales"] = self.xp.zeros((self.L, self.world_size * self.N, self.H // _quant.QUANT_BLOCK),
+                                             np.float32)
+
+    # ---- dispatch --------------------------------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False):
+        """DeepEP ``low_latency_dispatch``: send each token to the ranks of its experts, grouped per local expert.
+
+        Parameters
+        ----------
+        x : array ``[num_tokens, hidden]`` of the buffer's dtype, ``num_tokens <= num_max_dispatch_tokens_per_rank``
+            (0 allowed; may differ across ranks).
+        topk_idx : int64 (or int32) array ``[num_tokens, num_topk]``; -1 = no expert in that slot.
+        use_fp8 : bool
+            Quantise to float8_e4m3fn per 128 elements on the way (:mod:`cupy_symbuf.quant`); ``hidden % 128 == 0``.
+        round_scale, use_ue8m0 : bool
+            Either one: fp8 scales rounded up to powers of two (still returned as float32).
+
+        Returns
+        -------
+        recv_x : ``[num_local_experts, W * N, hidden]`` of ``x``'s dtype; with ``use_fp8`` the tuple ``(x_fp8,
+            scales)``: e4m3 bytes (``ml_dtypes.float8_e4m3fn`` on NumPy when installed, else ``uint8``) and float32
+            ``[num_local_experts, W * N, hidden // 128]``. Expert ``e``'s rows ``0 .. recv_count[e] - 1`` hold its
+            tokens ordered by (source rank, source token index); rows past the count are not defined.
+        recv_count : int32 ``[num_local_experts]``.
+        handle : :class:`LowLatencyHandle` for :meth:`combine` (``src_info``, ``layout_range``).
+
+        Queued on the current stream on the GPU (no host synchronisation). The outputs stay valid until the
+        dispatch after the next one.
+        """
+        fast = self._fast
+        if fast is not None and type(x) is fast and type(topk_idx) is fast:
+            # hot path: a call shape seen before (validated then), CuPy arrays, contiguous, on this GPU
+            ent = self._fastkeys[0].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, use_fp8, round_scale,
+                                         use_ue8m0))
+            if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
+                    and x._c_contiguous and topk_idx._c_contiguous and x.data.device_id == self._dev
+                    and topk_idx.data.device_id == self._dev):
+                self.comm._check_open()
+                call = self._dispatch_calls
+                p = call & 1
+                self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr)
+                self._dispatch_calls = call + 1
+                h = self._hsets[p]
+                return ent.outs[p], h[0], LowLatencyHandle(self, call, ent.n, ent.K, self.H, ent.use_fp8, h[1],
+                                                           h[2], h[3], h[4], self.N, self.num_experts)
+        op = _OPS[0]
+        self._check_usable()
+        x_in, topk_in = x, topk_idx
+        x = self._check_x(op, "x", x, (None, self.H))
+        n = int(x.shape[0])
+        if n > self.N:
+            raise ValueError(f"{op}: x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({self.N})")
+        topk = self._check_topk(op, topk_idx, n)
+        K = int(topk.shape[1])
+        ue8m0 = bool(round_scale or use_ue8m0)
+        use_fp8 = bool(use_fp8)
+        if ue8m0 and not use_fp8:
+            raise ValueError(f"{op}: round_scale / use_ue8m0 need use_fp8=True")
+        if use_fp8 and self.H % _quant.QUANT_BLOCK:
+            raise ValueError(f"{op}: use_fp8 needs hidden % {_quant.QUANT_BLOCK} == 0, got hidden = {self.H}")
+        sig = self._sig(op, K, use_fp8, ue8m0)
+        call = self._dispatch_calls
+        s = self._sets[call & 1]
+        if use_fp8:
+            self._fp8_set(s)
+        try:
+            if self.backend == "cuda":
+                self._check_record(op)
+                if use_fp8:
+                    self._fp8_set(self._sets[1 - (call & 1)])  # both sets before the blocks are built
+                ent = self._entry(0, (n, K, use_fp8, ue8m0, x.dtype), x_stride=self.H * self.itemsize, n=n, k=K,
+                                  use_fp8=int(use_fp8), ue8m0=int(ue8m0), sig=sig)
+                if not ent.outs:
+                    ent.n, ent.K, ent.use_fp8 = n, K, use_fp8
+                    ent.outs = [self._dispatch_out(self._sets[q], use_fp8, x.dtype) for q in (0, 1)]
+                self._issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr)
+                if self._same(x_in, x) and self._same(topk_in, topk):
+                    self._fastkeys[0][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, use_fp8, round_scale,
+                                       use_ue8m0)] = ent
+            else:
+                self._host_dispatch(op, x, topk, n, K, use_fp8, ue8m0, sig, s)
+        except (SymBufferError, KeyboardInterrupt) as exc:
+            if not self._broken:
+                self._failed(exc)
+            raise
+        self._dispatch_calls += 1
+        handle = LowLatencyHandle(self, call, n, K, self.H, use_fp8, s["src_info"], s["layout_range"],
+                                  s["recv_ntok"], s["inv"], self.N, self.num_experts)
+        return self._dispatch_out(s, use_fp8, x.dtype), s["recv_count"], handle
+
+    def _dispatch_out(self, s: dict, use_fp8: bool, dtype):
+        if use_fp8:
+            q = s["recv_q"]
+            if self.backend == "host" and _dt.float8_e4m3fn_dtype() is not None:
+                q = q.view(_dt.float8_e4m3fn_dtype())
+            return q, s["recv_scales"]
+        return s["recv_x"].view(dtype).reshape(self.L, self.world_size * self.N, self.H)
+
+    low_latency_dispatch = dispatch
+
+    # ---- combine ---------------------------------------------------------------------------------------------------
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle):
+        """DeepEP ``low_latency_combine``: bring the expert outputs back to their tokens **and apply the weights**.
+
+        ``out[t] = sum_j topk_weights[t, j] * x[e_j, row of (this rank, t) in e_j]`` over the slots ``j`` with
+        ``topk_idx[t, j] >= 0`` (the normal-mode :meth:`Communicator.combine` does not weight: it sums what it is
+        given). Arithmetic, the same on both backends: each expert rank ``d`` makes ``partial_d = sum over j in
+        ascending order of its experts of w * x`` (float32, multiply then add, from 0), rounded once to the dtype
+        and sent back once per token; ``out[t] = sum over d ascending of float(partial_d)`` (float32 from 0),
+        rounded once. A token with no expert gives 0.
+
+        Parameters
+        ----------
+        x : ``[num_local_experts, W * N, hidden]`` of the buffer's dtype: the experts' outputs in ``recv_x``'s
+            layout (rows past ``recv_count`` are not read).
+        topk_idx : the ``[num_tokens, num_topk]`` passed to the dispatch that made ``handle``.
+        topk_weights : float32 ``[num_tokens, num_topk]``.
+        handle : from this buffer's :meth:`dispatch`, at most two dispatches old.
+
+        Returns
+        -------
+        combined_x : ``[num_tokens, hidden]`` of ``x``'s dtype; valid until the combine after the next one.
+        """
+        fast = self._fast
+        if (fast is not None and type(x) is fast and type(topk_idx) is fast and type(topk_weights) is fast
+                and type(handle) is LowLatencyHandle and handle.owner is self
+                and handle.call + 2 >= self._dispatch_calls):
+            ent = self._fastkeys[1].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, topk_weights.shape,
+                                         topk_weights.dtype))
+            if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
+                    and ent.n == handle.num_tokens and ent.K == handle.num_topk and x._c_contiguous
+                    and topk_idx._c_contiguous and topk_weights._c_contiguous and x.data.device_id == self._dev
+                    and topk_idx.data.device_id == self._dev and topk_weights.data.device_id == self._dev):
+                self.comm._check_open()
+                call = self._combine_calls
+                p = call & 1
+                hp = self._hptrs[handle.call & 1]
+                self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr, hp[0], hp[1])
+                self._combine_calls = call + 1
+                return ent.outs[p]
+        op = _OPS[1]
+        self._check_usable()
+        if not isinstance(handle, LowLatencyHandle):
+            raise TypeError(f"{op}: handle must be a LowLatencyHandle from dispatch, got {type(handle).__name__}")
+        if handle.owner is not self:
+            raise ValueError(f"{op}: handle belongs to another LowLatencyBuffer")
+        if handle.call + 2 < self._dispatch_calls:
+            raise ValueError(f"{op}: handle is stale: it is from dispatch call {handle.call}, and {self._dispatch_calls}"
+                             f" dispatches have been made (a handle lasts until two more dispatches)")
+        x_in, topk_in, w_in = x, topk_idx, topk_weights
+        x = self._check_x(op, "x", x, (self.L, self.world_size * self.N, self.H))
+        n, K = handle.num_tokens, handle.num_topk
+        topk = self._check_topk(op, topk_idx, n)
+        if topk.shape[1] != K:
+            raise ValueError(f"{op}: topk_idx must have num_topk = {K} (as in dispatch), got {topk.shape[1]}")
+        w = as_array(op, "topk_weights", topk_weights, self.backend)
+        if w.dtype != np.float32:
+            raise TypeError(f"{op}: topk_weights must be float32, got {w.dtype}")
+        if tuple(w.shape) != (n, K):
+            raise ValueError(f"{op}: topk_weights must have shape ({n}, {K}) like topk_idx, got {tuple(w.shape)}")
+        sig = self._sig(op, K, False, False)
+        out = self._combine_out[self._combine_calls & 1]
+        try:
+            if self.backend == "cuda":
+                self._check_record(op)
+                ent = self._entry(1, (n, K, x.dtype), n=n, k=K, sig=sig)
+                if not ent.outs:
+                    ent.n, ent.K = n, K
+                    ent.outs = [o[:n].view(x.dtype) for o in self._combine_out]
+                self._issue_combine(ent, self._combine_calls & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
+                                    handle.inv.data.ptr, handle.recv_tokens_per_rank.data.ptr)
+                if self._same(x_in, x) and self._same(topk_in, topk) and self._same(w_in, w):
+                    self._fastkeys[1][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, w_in.shape,
+                                       w_in.dtype)] = ent
+            else:
+                self._host_combine(op, x, topk, w, n, K, handle, sig, out)
+        except (SymBufferError, KeyboardInterrupt) as exc:
+            if not self._broken:
+                self._failed(exc)
+            raise
+        self._combine_calls += 1
+        return out[:n].view(x.dtype)
+
+    low_latency_combine = combine
+
+    # ---- host twin ---------------------------------------------------------------------------------------------------
+    def _u64(self, r: int, off: int, n: int = 1) -> np.ndarray:
+        return self._views[r][off: off + 8 * n].view(np.uint64)
+
+    def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: int) -> None:
+        """Bounded wait for ``line[0] == seq`` (the communicator's abort word polled); then the signature."""
+        tr = self.comm._transport
+        sync = self.buffer.sync
+        start = time.monotonic()
+        spins = 0
+        while True:
+            sync()
+            v = int(line[0])
+            if v == seq:
+                break
+            if v > seq:
+                tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SEQ)
+                raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SEQ, seq, v)
+            tr.check_abort(op)
+            if time.monotonic() - start > self.timeout_s:
+                tr.set_abort(P.ERR_TIMEOUT, peer, -1)
+                raise SymBufferTimeoutError(rank=self.rank, peer=peer, channel=-1, role="recv", head=seq, tail=v,
+                                            timeout_s=self.timeout_s, op=op)
+            spins += 1
+            time.sleep(0 if spins < 100 else 1e-4)
+        got = int(line.view(np.int64)[2])
+        if got != sig:
+            tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SIG)
+            raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SIG, sig, got)
+
+    def _publish(self, off: int, seq: int, n: int, sig: int) -> None:
+        """Flag line ``rank`` at ``off`` of every rank: [seq, n, sig], the seq word last (after a memory barrier)."""
+        self.buffer.sync()
+        for d in range(self.world_size):
+            line = self._u64(d, off + self.rank * _LINE, 3).view(np.int64)
+            line[1], line[2] = n, sig
+        self.buffer.sync()
+        for d in range(self.world_size):
+            self._u64(d, off + self.rank * _LINE)[0] = seq
+        self.buffer.sync()
+
+    def _host_dispatch(self, op, x, topk, n, K, use_fp8, ue8m0, sig, s) -> None:
+        W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
+        self.comm._transport.check_abort(op)
+        ctrl = self._u64(me, 0, 3)
+        seq = int(ctrl[_CTRL_SEQ]) + 1
+        half = self.d0 + (seq & 1) * self.d_half
+        ranks = np.where(topk >= 0, topk // L, -1)
+        if use_fp8:
+            q, sc = _quant.quantize_fp8(_dt.to_float32(np, x, self.kind), ue8m0)
+            payload = np.concatenate([q, np.ascontiguousarray(sc).view(np.uint8)], axis=1) if n else \
+                np.zeros((0, H + H // 32), np.uint8)
+        else:
+            payload = np.ascontiguousarray(x).view(np.uint8).reshape(n, H * self.itemsize)
+        meta = topk.astype(np.int32).reshape(-1)
+        for d in range(W):
+            v = self._views[d]
+            mo = half + self.d_meta + me * N * K * 4
+            v[mo: mo + n * K * 4].view(np.int32)[:] = meta
+            rows = v[half + self.d_rows + me * N * R: half + self.d_rows + (me + 1) * N * R].reshape(N, R)
+            sel = np.nonzero((ranks == d).any(axis=1))[0]
+            rows[sel, : payload.shape[1]] = payload[sel]
+        self._publish(half + self.d_flags, seq, n, sig)
+        ntok = np.zeros(W, np.int64)
+        for src in range(W):
+            line = self._u64(me, half + self.d_flags + src * _LINE, 3)
+            self._host_wait(op, line, seq, src, sig)
+            ns = int(line.view(np.int64)[1])
+            if not 0 <= ns <= N:
+                self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
+                raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, N, ns)
+            ntok[src] = ns
+        self.buffer.sync()
+        v = self._views[me]
+        metas = v[half + self.d_meta: half + self.d_meta + W * N * K * 4].view(np.int32).reshape(W, N, K)
+        staging = v[half + self.d_rows: half + self.d_rows + W * N * R].reshape(W, N, R)
+        rowb = H if use_fp8 else H * self.itemsize
+        recv = s["recv_q"].reshape(L * W * N, H) if use_fp8 else s["recv_x"].reshape(L * W * N, rowb)
+        inv = s["inv"]
+        src_info = s["src_info"].reshape(-1)
+        counts = np.zeros((L, W), np.int64)
+        ent = []  # (el, s, t, j) of every entry naming a local expert
+        for src in range(W):
+            ns = int(ntok[src])
+            m = metas[src, :ns].astype(np.int64)
+            inv[src, :ns] = -1
+            local = (m >= 0) & (m < L * W) & (m // L == me)
+            t_idx, j_idx = np.nonzero(local)
+            ent.append((m[t_idx, j_idx] - me * L, np.full(t_idx.size, src), t_idx, j_idx))
+        el = np.concatenate([e[0] for e in ent]).astype(np.int64)
+        ss = np.concatenate([e[1] for e in ent]).astype(np.int64)
+        tt = np.concatenate([e[2] for e in ent]).astype(np.int64)
+        jj = np.concatenate([e[3] for e in ent]).astype(np.int64)
+        # one row per distinct (expert, source, token), ordered by (expert, source, token)
+        key = (el * W + ss) * N + tt
+        uniq, first_of = np.unique(key, return_inverse=True)
+        u_el, u_s, u_t = uniq // (W * N), (uniq // N) % W, uniq % N
+        np.add.at(counts, (u_el, u_s), 1)
+        starts = np.concatenate([[0], np.cumsum(np.bincount(u_el, minlength=L))[:-1]]).astype(np.int64)
+        pos = np.arange(uniq.size) - starts[u_el]
+        row = u_el * W * N + pos
+        inv[ss, tt, jj] = row[first_of]
+        src_info[row] = u_t
+        recv[row] = staging[u_s, u_t, :rowb]
+        if use_fp8:
+            nb = H // _quant.QUANT_BLOCK
+            sc_out = s["recv_scales"].reshape(L * W * N, nb)
+            sc_out[row] = staging[u_s, u_t, H: H + 4 * nb].copy().view(np.float32).reshape(-1, nb)
+        base = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(counts, axis=1)[:, :-1]], axis=1)
+        s["layout_range"][:] = (base << 32) | counts
+        s["recv_count"][:] = counts.sum(axis=1).astype(np.int32)
+        s["recv_ntok"][:] = ntok.astype(np.int32)
+        ctrl[_CTRL_SEQ] = seq
+
+    def _host_combine(self, op, x, topk, w, n, K, handle, sig, out) -> None:
+        W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
+        self.comm._transport.check_abort(op)
+        ctrl = self._u64(me, _LINE, 3)
+        seq = int(ctrl[_CTRL_SEQ]) + 1
+        half = self.c0 + (seq & 1) * self.c_half
+        RC = self.row_bytes
+        for d in range(W):
+            o = half + self.c_weights + me * N * K * 4
+            self._views[d][o: o + n * K * 4].view(np.float32)[:] = np.ascontiguousarray(w).reshape(-1)
+        self._publish(half + self.c_wflags, seq, n, sig)
+        ntok = handle.recv_tokens_per_rank
+        for src in range(W):
+            line = self._u64(me, half + self.c_wflags + src * _LINE, 3)
+            self._host_wait(op, line, seq, src, sig)
+            ns = int(line.view(np.int64)[1])
+            if ns != int(ntok[src]):
+                self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
+                raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
+        self.buffer.sync()
+        v = self._views[me]
+        wts = v[half + self.c_weights: half + self.c_weights + W * N * K * 4].view(np.float32).reshape(W, N, K)
+        xf = _dt.to_float32(np, x.reshape(L * W * N, H), self.kind)
+        for src in range(W):
+            ns = int(ntok[src])
+            inv = handle.inv[src, :ns]
+            has = (inv >= 0).any(axis=1)
+            acc = np.zeros((ns, H), np.float32)
+            for j in range(K):
+                ok = inv[:, j] >= 0
+                acc[ok] = acc[ok] + wts[src, :ns, j, None][ok] * xf[inv[ok, j]]
+            bits = _dt.from_float32(np, acc, self.kind, np.dtype(x.dtype)).view(np.uint8).reshape(ns, H * self.itemsize)
+            dst = self._views[src]
+            o = half + self.c_prows + me * N * RC
+            prow = dst[o: o + N * RC].reshape(N, RC)
+            sel = np.nonzero(has)[0]
+            prow[sel, : bits.shape[1]] = bits[sel]
+        self._publish(half + self.c_pflags, seq, 0, sig)
+        for d in range(W):
+            self._host_wait(op, self._u64(me, half + self.c_pflags + d * _LINE, 3), seq, d, sig)
+        self.buffer.sync()
+        ranks = np.where((topk >= 0) & (topk < L * W), topk // L, -1)
+        acc = np.zeros((n, H), np.float32)
+        rb = H * self.itemsize
+        for d in range(W):
+            ok = (ranks == d).any(axis=1)
+            o = half + self.c_prows + d * N * RC
+            prow = v[o: o + N * RC].reshape(N, RC)[:n, :rb][ok]
+            acc[ok] = acc[ok] + _dt.to_float32(np, prow.copy().view(np.dtype(x.dtype)), self.kind)
+        out[:n] = _dt.from_float32(np, acc, self.kind, np.dtype(x.dtype)).view(np.uint8).reshape(n, rb)
+        ctrl[_CTRL_SEQ] = seq
+
+    def __repr__(self) -> str:
+        return (f"LowLatencyBuffer(backend={self.backend!r}, rank={self.rank}/{self.world_size}, N={self.N}, "
+                f"hidden={self.H}, num_experts={self.num_experts}, dtype={self.kind}, nbytes={self.nbytes})")
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+
+
+def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -> dict:
+    """Phase ends of back-to-back calls from the kernels' ``%globaltimer`` stamps (``prof`` words), see
+    :func:`bench_low_latency`. Collective; the stamps of ranks on one GPU share a clock (on several GPUs the
+    cross-rank numbers mix clocks)."""
+    cp = _compat.cupy
+    out = {}
+    bufs = cp.zeros((iters, ll.grid, 8), np.uint64)
+    for name, call in (("dispatch", d_call), ("combine", c_call)):
+        fresh_handle()
+        bufs[...] = 0
+        with stream:
+            stream.synchronize()
+            mpi.Barrier()
+            for i in range(iters):
+                ll._set_profile(bufs[i].data.ptr)
+                call()
+            ll._set_profile(0)
+            stream.synchronize()
+            ll.synchronize()
+        st = bufs.get().astype(np.int64)                       # [iters, grid, 8] ns
+        starts = st[:, :, 0].min(axis=1)                        # per call: earliest block start of this rank
+        ends = st[:, :, 1:5].max(axis=1)                        # per call: latest block at each phase end
+        allv = mpi.allgather((starts, ends))
+        s_all = np.stack([a[0] for a in allv])                  # [ranks, iters]
+        e_all = np.stack([a[1] for a in allv])                  # [ranks, iters, 4]
+        ref = s_all.min(axis=0)                                 # earliest start of any rank per call
+        phases = (e_all.max(axis=0) - ref[:, None]) / 1e3       # [iters, 4] us
+        out[f"{name}_phases_us"] = [round(float(v), 2) for v in np.median(phases, axis=0)]
+        out[f"{name}_start_skew_us"] = round(float(np.median((s_all.max(axis=0) - ref) / 1e3)), 2)
+    return out
+
+
+
+def bench_low_latency(comm, num_tokens: int = 128, hidden: int = 7168, num_experts: int = 256, topk: int = 8,
+                      iters: int = 50, warmup: int = 5, use_fp8: bool = False, graph: bool = True,
+                      seed: int = 0, host_issue: int = 1000, profile: bool = False,
+                      num_blocks: Optional[int] = None) -> dict:
+    """Microseconds per low-latency dispatch and per combine (max over ranks), CUDA events around ``iters``
+    back-to-back calls on one stream after ``warmup`` calls; with ``graph`` also the same calls replayed from a
+    CUDA graph (kernel time without Python launch overhead). Host backend: wall clock. Collective.
+
+    Returns ``{"dispatch_us", "combine_us", "dispatch_graph_us", "combine_graph_us", "bytes_dispatch",
+    "bytes_combine"}`` (bytes a rank stores into peers' buffers per call, itself excluded); on the GPU also
+    ``"dispatch_host_us"`` / ``"combine_host_us"``: host time per call to issue (``time.perf_counter`` around
+    ``host_issue`` calls in batches of 200, no synchronisation inside a batch; max over ranks), and with
+    ``profile`` ``"dispatch_phases_us"`` / ``"combine_phases_us"``: medians over ``iters`` back-to-back calls of
+    the kernel's phase ends (``%globaltimer`` stamps of every block, max over blocks and ranks) measured from the
+    earliest block start of any rank (dispatch: sent, flags seen, layout built, end; combine: weights seen,
+    partials sent, partials seen, end), and ``"*_start_skew_us"``: latest minus earliest rank start."""
+    from mpi4py import MPI
+    xp = comm.xp
+    W = comm.world_size
+    rng = np.random.default_rng(seed + comm.rank)
+    scores = rng.random((num_tokens, num_experts))
+    idx = np.argsort(-scores, axis=1)[:, :topk].astype(np.int64)
+    wts = rng.random((num_tokens, topk)).astype(np.float32)
+    xb = _dt.float32_to_bf16_bits(np, rng.standard_normal((num_tokens, hidden)).astype(np.float32))
+    L = num_experts // W
+    ranks = idx // L
+    sent = sum(int((ranks == d).any(axis=1).sum()) for d in range(W) if d != comm.rank)
+    row = hidden * 2
+    res = {"bytes_dispatch": sent * (hidden + hidden // 32 if use_fp8 else row), "bytes_combine": sent * row}
+    import contextlib
+    ll = LowLatencyBuffer(comm, num_tokens, hidden, num_experts, dtype="bfloat16", max_topk=topk,
+                          num_blocks=num_blocks)
+    mpi = ll.buffer.comm
+    # GPU: every call on one non-default stream (low-latency calls of a rank must not overlap; graphs need it)
+    stream = _compat.cupy.cuda.Stream(non_blocking=True) if comm.backend == "cuda" else None
+    try:
+      with (stream if stream is not None else contextlib.nullcontext()):
+          x, ti, tw = xp.asarray(xb), xp.asarray(idx), xp.asarray(wts)
+          y = ll.dispatch(x, ti)[0].copy()  # the experts' outputs: recv_x itself
+
+          def d_call():
+              return ll.dispatch(x, ti, use_fp8=use_fp8)
+
+          hs = {}
+
+          def c_call():
+              return ll.combine(y, ti, tw, hs["h"])
+
+          def fresh_handle():  # a handle lasts two dispatches: take one right before combine is timed
+              hs["h"] = ll.dispatch(x, ti, use_fp8=use_fp8)[2]
+
+          for _ in range(warmup):
+              h = d_call()[2]
+              ll.combine(y, ti, tw, h)
+          if comm.backend == "cuda":
+              cp = _compat.cupy
+  
+              def timed(fn, n):
+                  with stream:
+                      ll.synchronize()
+                      stream.synchronize()
+                      mpi.Barrier()
+                      e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                      e0.record(stream)
+                      fn(n)
+                      e1.record(stream)
+                      e1.synchronize()
+                      ll.synchronize()
+                      return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n
+
+              def loop(call):
+                  return lambda n: [call() for _ in range(n)]
+
+              t_d = timed(loop(d_call), iters)
+              fresh_handle()
+              t_c = timed(loop(c_call), iters)
+              res["dispatch_us"], res["combine_us"] = t_d, t_c
+              res["grid"] = ll.grid
+              if host_issue:
+                  for name, call in (("dispatch_host_us", d_call), ("combine_host_us", c_call)):
+                      fresh_handle()
+                      total, done = 0.0, 0
+                      while done < host_issue:
+                          m = min(200, host_issue - done)
+                          stream.synchronize()
+                          mpi.Barrier()
+                          t0 = time.perf_counter()
+                          for _ in range(m):
+                              call()
+                          total += time.perf_counter() - t0
+                          done += m
+                      stream.synchronize()
+                      ll.synchronize()
+                      res[name] = total * 1e6 / done
+              if profile:
+                  res.update(_profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters))
+              if graph:
+                  for name, call in (("dispatch_graph_us", d_call), ("combine_graph_us", c_call)):
+                      fresh_handle()
+                      with stream:
+                          ll.synchronize()
+                          mpi.Barrier()
+                          stream.begin_capture()
+                          for _ in range(10):
+                              call()
+                          g = stream.end_capture()
+                          g.launch(stream)  # warm replay
+                          stream.synchronize()
+                          res[name] = timed(lambda n, g=g: [g.launch(stream) for _ in range(n // 10)],
+                                            max(10, iters // 10 * 10))
+          else:
+              for name, call in (("dispatch_us", d_call), ("combine_us", c_call)):
+                  fresh_handle()
+                  mpi.Barrier()
+                  t0 = time.perf_counter()
+                  for _ in range(iters):
+                      call()
+                  res[name] = (time.perf_counter() - t0) * 1e6 / iters
+          for k in [k for k in res if k.endswith("_us") and isinstance(res[k], float)]:
+              res[k] = mpi.allreduce(float(res[k]), op=MPI.MAX)
+    finally:
+        ll.close()
+    return res

@@ -1,0 +1,1101 @@
+"""Mixture-of-experts dispatch and combine with DeepEP's normal-mode (intranode) semantics.
+
+The semantics follow DeepEP's ``Buffer.get_dispatch_layout``, ``Buffer.dispatch`` and ``Buffer.combine``
+(``deep_ep/buffer.py``, https://github.com/deepseek-ai/DeepEP), intranode case. This module is the reference
+design on the host backend (NumPy, the reference the tests check against); the cuda backend runs the same
+semantics with the control on the device (:mod:`cupy_symbuf.moe.gpu`: the layout kernel, the count exchange
+writing device counts tables, the ring kernel reading its counts from them, a receive fix-up kernel), and reads
+only the receive counts on the host, once, through host-mapped memory; in worst-case mode (``num_worst_tokens``)
+nothing at all.
+
+Data flow
+---------
+The functions take the communicator's internal interface (``cupy_symbuf.transport.engine.Engine``: ``call``, ``notify``,
+``exchange_rows``, ``xp``, ``backend``, ``rank``, ``world_size``, ``config``), never ``Communicator`` privates.
+
+``dispatch`` = layout (``xp``) -> count exchange ``Engine.notify`` (DeepEP's ``notify_dispatch``: every rank
+sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts...]`` and the row layout as the
+notify signature; every rank takes part, also with zero tokens) -> one row exchange ``Engine.exchange_rows`` with
+the receive counts already known (no second count exchange), each ring stream behind its call header. A row is ``x`` | fp8 scales | ``topk_idx`` (global expert ids) | ``topk_weights``
+of one (token, destination rank); a cached dispatch (with ``handle``) sends only ``x`` | scales.
+On the GPU the ring kernel (``cuda_src/ring_exchange.cu``) gathers each row's parts from the caller's arrays through
+the token index straight into the channel rings and scatters them from the rings into the output arrays (no packed
+copy); ring slots hold whole rows, so a row must fit in ``Config.chunk_bytes`` there (``ValueError`` otherwise).
+On the host the rows are packed with NumPy, streamed through the same ring protocol and unpacked.
+
+``combine`` = the row exchange back (rows ``x`` | ``topk_weights``) with both count vectors taken from the handle
+-> float32 accumulation, one source rank at a time in rank order (a token appears at most once per rank, so the
+summation order is fixed: results are bitwise reproducible) -> rounded once to ``x``'s dtype. On the GPU the
+accumulation is one kernel per part (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``); on the host NumPy
+scatter-adds.
+
+Expert placement
+----------------
+Experts are placed contiguously: with ``num_local_experts = num_experts // world_size``, expert ``e`` lives on rank
+``e // num_local_experts`` and is that rank's local expert ``e % num_local_experts``. ``num_experts`` must be a
+positive multiple of ``world_size``.
+
+Dtypes
+------
+``x`` may be bfloat16 (``ml_dtypes.bfloat16`` on NumPy, CuPy's ``bfloat16`` dtype, or raw ``uint16`` bits, which
+dispatch moves unchanged and ``combine(..., dtype="bfloat16")`` interprets), float16 or float32; or the fp8 tuple
+``(x_fp8, scales)`` with ``x_fp8`` float8_e4m3fn (``ml_dtypes.float8_e4m3fn`` or raw ``uint8`` bits) and
+``scales`` float32 ``[num_tokens, hidden // 128]`` (any strides). Outputs have the input dtypes.
+
+Errors
+------
+Every argument is validated before the first collective step, so a rejected call (made on every rank, as the
+collective contract requires) leaves the communicator usable. ``TypeError``: wrong array module for the backend,
+wrong dtype, a handle that is not a :class:`DispatchHandle`. ``ValueError``: shapes, ranges, divisibility, a
+handle from another communicator. Messages name the operation, the argument and the rule.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+import numpy as np
+
+from . import gpu as _moe_cuda
+from ..wire import protocol as P
+from ..common import dtypes as _dt
+from ..common.checks import as_array, check_out
+from ..common.errors import SymBufferMismatchError
+from ..wire.channel_layout import check_row_fits
+
+__all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
+
+#: Elements of ``x`` per fp8 scale: ``scales`` is ``[num_tokens, hidden // FP8_BLOCK]`` (DeepEP's 1x128 blocks).
+FP8_BLOCK = 128
+
+#: Extra int64 columns of the dispatch count exchange besides the per-expert counts:
+#: ``[num_tokens_to_rank, per-local-expert counts...]`` (the row layout travels as the notify signature).
+_NOTIFY_EXTRA = 1
+
+_DEFAULT_MAX_NOTIFY_INTS = 1024
+
+
+# ------------------------------------------------------------------------------------------------ handle
+
+
+def _make_ref(comm) -> Callable[[], Any]:
+    try:
+        return weakref.ref(comm)
+    except TypeError:  # a class without __weakref__: keep it alive instead
+        return lambda: comm
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchHandle:
+    """The cached layout of one :func:`dispatch`, needed by :func:`combine` and by a cached dispatch.
+
+    Immutable (frozen dataclass; its NumPy arrays are read-only). Counterpart of DeepEP's intranode handle
+    ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+    send_head)`` in ``deep_ep/buffer.py``. It belongs to the communicator that made it; passing it to another one
+    raises ``ValueError``.
+
+    Attributes
+    ----------
+    rank, world_size : int
+        Of the communicator that made the handle.
+    backend : str
+        ``"host"`` or ``"cuda"``.
+    num_experts : int
+        Global number of experts; ``num_local_experts = num_experts // world_size``.
+    num_tokens : int
+        Tokens this rank dispatched (rows of ``x`` / ``topk_idx``; rows of ``combined_x``).
+    num_topk : int
+        Columns of ``topk_idx``.
+    hidden : int
+        Columns of the dispatched ``x`` (``combine``'s ``x`` must have the same).
+    is_token_in_rank : xp.ndarray, bool ``[num_tokens, world_size]``
+        Whether token ``t`` was sent to rank ``r`` (at least one of its experts lives there).
+    send_token_idx : xp.ndarray, int64 ``[sum(send_counts)]``
+        Source token indices of the sent rows, grouped by destination rank (rank 0's first), ascending within a
+        rank: rows ``send_offsets[r]:send_offsets[r + 1]`` went to rank ``r``.
+    send_counts : numpy.ndarray, int64 ``[world_size]``
+        Tokens sent to each rank (= ``num_tokens_per_rank`` of the layout).
+    recv_counts : numpy.ndarray, int64 ``[world_size]``
+        Tokens received from each rank; ``recv_x`` rows ``recv_offsets[s]:recv_offsets[s + 1]`` came from rank
+        ``s``.
+    num_recv_tokens_per_expert_raw : tuple of int ``[num_local_experts]``
+        Received (token, local expert) pairs per local expert, not aligned.
+    expert_alignment : int
+        The alignment the dispatch that made the handle used.
+    """
+
+    _comm_ref: Callable[[], Any] = field(repr=False)
+    rank: int
+    world_size: int
+    backend: str
+    num_experts: int
+    num_tokens: int
+    num_topk: int
+    hidden: int
+    is_token_in_rank: Any = field(repr=False)
+    send_token_idx: Any = field(repr=False)
+    send_counts: np.ndarray = field(repr=False)
+    recv_counts: np.ndarray = field(repr=False)
+    num_recv_tokens_per_expert_raw: Optional[Tuple[int, ...]] = field(repr=False)
+    expert_alignment: int = 1
+    num_worst_tokens: int = 0
+    routing: Any = field(default=None, repr=False)
+    send_rows: int = 0
+
+    @property
+    def num_local_experts(self) -> int:
+        """``num_experts // world_size``."""
+        return self.num_experts // self.world_size
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """Rows of ``recv_x`` (``sum(recv_counts)``, or ``num_worst_tokens`` in worst-case mode); rows
+        ``combine``'s ``x`` must have."""
+        if self.num_worst_tokens:
+            return self.num_worst_tokens
+        return int(self.recv_counts.sum())
+
+    @property
+    def num_recv_tokens_device(self):
+        """0-d int64 array (``xp``): rows really received (``<= num_recv_tokens``). On the GPU it lives in device
+        memory and is read without a host synchronisation only in stream order (``int()`` of it waits)."""
+        if self.routing is not None:
+            return self.routing.num_recv_tokens
+        return np.asarray(int(self.recv_counts.sum()), dtype=np.int64)
+
+    def _host_counts(self, name: str) -> np.ndarray:
+        counts = self.send_counts if name == "send" else self.recv_counts
+        if counts is None:
+            raise ValueError(f"DispatchHandle.{name}_offsets: a worst-case (num_worst_tokens) GPU dispatch keeps its "
+                             f"counts on the device (handle.routing.table, num_recv_tokens_device); they never "
+                             f"reach the host")
+        return counts
+
+    @property
+    def send_offsets(self) -> np.ndarray:
+        """int64 ``[world_size + 1]``: exclusive prefix sum of ``send_counts``."""
+        return np.concatenate([[0], np.cumsum(self._host_counts("send"))]).astype(np.int64)
+
+    @property
+    def recv_offsets(self) -> np.ndarray:
+        """int64 ``[world_size + 1]``: exclusive prefix sum of ``recv_counts``."""
+        return np.concatenate([[0], np.cumsum(self._host_counts("recv"))]).astype(np.int64)
+
+    def num_recv_tokens_per_expert(self, expert_alignment: Optional[int] = None):
+        """Received tokens per local expert, each rounded up to ``expert_alignment`` (default: the handle's): a
+        list of int, or for a worst-case GPU handle an int64 device array (computed without a host read)."""
+        a = self.expert_alignment if expert_alignment is None else expert_alignment
+        if self.num_recv_tokens_per_expert_raw is None:
+            raw = self.routing.sums[1:1 + self.num_local_experts]
+            skip = self.routing.table[P.CT_SKIP] != 0
+            return (raw + (a - 1)) // a * a * (~skip)
+        return _align_counts(self.num_recv_tokens_per_expert_raw, a)
+
+    def belongs_to(self, comm) -> bool:
+        """True when ``comm`` is the communicator that made this handle (or its internal engine)."""
+        owner = self._comm_ref()
+        return owner is comm or owner is getattr(comm, "__dict__", {}).get("_engine_obj")
+
+
+def _align_counts(raw, alignment: int) -> List[int]:
+    if alignment == 1:
+        return list(raw)
+    return ((np.asarray(raw, np.int64) + (alignment - 1)) // alignment * alignment).tolist()
+
+
+# ------------------------------------------------------------------------------------------------ validation
+
+
+def _type_name(a) -> str:
+    t = type(a)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_array(op: str, name: str, a, comm, *, dims: Optional[Tuple[Tuple[str, Optional[int]], ...]] = None):
+    """Array module and device through the project's one helper (:func:`cupy_symbuf.common.checks.as_array`: NumPy on
+    the host, CuPy on the communicator's GPU, DLPack tensors such as PyTorch's imported zero-copy; strides kept),
+    then rank and sizes. Returns the array.
+
+    ``dims``: one ``(label, size)`` per axis, ``size`` ``None`` when any size is allowed, e.g.
+    ``(("num_tokens", 128), ("num_topk", None))``. Raises ``TypeError`` / ``ValueError`` naming ``op`` and ``name``.
+    """
+    a = as_array(op, name, a, comm.backend, min_ndim=0, contiguous=False)
+    if dims is None:
+        return a
+    shape = a.shape
+    if len(shape) == len(dims) and all(size is None or shape[i] == size for i, (_, size) in enumerate(dims)):
+        return a  # the hot path builds no message
+    spec = "[" + ", ".join(label for label, _ in dims) + "]"
+    if a.ndim != len(dims):
+        raise ValueError(f"{op}: {name} must be {len(dims)}-D {spec}, got shape {tuple(a.shape)}")
+    for axis, (label, size) in enumerate(dims):
+        if size is not None and a.shape[axis] != size:
+            raise ValueError(f"{op}: {name} must have shape {spec} with {label} = {size}, got shape "
+                             f"{tuple(a.shape)} (axis {axis} is {a.shape[axis]})")
+    return a  # pragma: no cover - unreachable
+
+
+def _check_int(op: str, name: str, v, *, minimum: int, maximum: Optional[int] = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {_type_name(v)}")
+    if v < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
+    if maximum is not None and v > maximum:
+        raise ValueError(f"{op}: {name} must be <= {maximum}, got {v}")
+    return int(v)
+
+
+#: expert_alignment's bound: the aligned per-expert counts are int32 (DeepEP's num_recv_tokens_per_expert_list)
+MAX_EXPERT_ALIGNMENT = 1 << 30
+
+
+def _check_num_experts(op: str, comm, num_experts) -> int:
+    if num_experts is None:
+        raise ValueError(f"{op}: num_experts is required (without a handle)")
+    n = _check_int(op, "num_experts", num_experts, minimum=1)
+    w = comm.world_size
+    if n % w:
+        raise ValueError(f"{op}: num_experts must be a multiple of world_size ({w}) so that expert e lives on rank "
+                         f"e // (num_experts // world_size), got num_experts={n}")
+    cfg = getattr(comm, "config", None)
+    max_ints = getattr(cfg, "max_notify_ints", None) or _DEFAULT_MAX_NOTIFY_INTS
+    if n // w + _NOTIFY_EXTRA > max_ints:
+        raise ValueError(f"{op}: num_experts // world_size + {_NOTIFY_EXTRA} must be <= Config.max_notify_ints "
+                         f"({max_ints}) (the count exchange sends one int64 per local expert of each peer), "
+                         f"got num_experts={n}, world_size={w}")
+    return n
+
+
+def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optional[int] = None, *,
+                    check_range: bool = True):
+    """Validate ``topk_idx`` and return it as int64 (a copy only when it was int32). ``check_range`` False: the
+    values are checked by the device layout kernel instead (no host synchronisation)."""
+    topk_idx = _check_array(op, "topk_idx", topk_idx, comm,
+                            dims=(("num_tokens (rows of x)", num_tokens), ("num_topk", None)))
+    if topk_idx.dtype not in (np.int64, np.int32):
+        raise TypeError(f"{op}: topk_idx must be int64 (or int32), got dtype {topk_idx.dtype}")
+    if topk_idx.shape[1] < 1:
+        raise ValueError(f"{op}: topk_idx must have num_topk >= 1 columns, got shape {tuple(topk_idx.shape)}")
+    idx = topk_idx.astype(np.int64, copy=False)
+    if idx.size and check_range:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = (idx < -1) | (idx >= num_experts)
+            flat = int(comm.xp.argmax(bad.ravel()))
+            t, k = divmod(flat, idx.shape[1])
+            raise ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={num_experts}), "
+                             f"got {int(idx[t, k])} at [{t}, {k}]")
+    return idx
+
+
+def _check_device_experts(op: str, num_experts: int) -> None:
+    if num_experts > _moe_cuda.MAX_EXPERTS:
+        raise ValueError(f"{op}: num_experts must be <= {_moe_cuda.MAX_EXPERTS} on the GPU path (the layout kernel "
+                         f"keeps one counter per expert in shared memory), got {num_experts}")
+
+
+def _check_handle(op: str, comm, handle) -> "DispatchHandle":
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"{op}: handle must be a DispatchHandle returned by dispatch, got {_type_name(handle)}")
+    if not handle.belongs_to(comm):
+        raise ValueError(f"{op}: handle comes from another communicator; a handle is valid only on the "
+                         f"communicator whose dispatch returned it")
+    return handle
+
+
+def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int]):
+    """Validate dispatch's ``x`` (array or fp8 tuple). Returns ``(x, scales_or_None, kind)``."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError(f"{op}: x as a tuple must be (x_fp8, scales), got a tuple of {len(x)}")
+        x8, scales = x
+        x8 = _check_array(op, "x[0] (x_fp8)", x8, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
+        if _dt.float_kind(x8.dtype, raw_uint8=_dt.FLOAT8_E4M3) != _dt.FLOAT8_E4M3:
+            raise TypeError(f"{op}: x[0] (x_fp8) must be float8_e4m3fn (or its raw uint8 bits), got dtype "
+                            f"{x8.dtype}")
+        n, h = x8.shape
+        if h % FP8_BLOCK:
+            raise ValueError(f"{op}: x[0] (x_fp8) needs hidden divisible by {FP8_BLOCK} (one float32 scale per "
+                             f"1x{FP8_BLOCK} block), got hidden={h}")
+        scales = _check_array(op, "x[1] (scales)", scales, comm,
+                              dims=(("num_tokens", n), (f"hidden // {FP8_BLOCK}", h // FP8_BLOCK)))
+        if scales.dtype != np.float32:
+            raise TypeError(f"{op}: x[1] (scales) must be float32, got dtype {scales.dtype}")
+        return x8, scales, _dt.FLOAT8_E4M3
+    x = _check_array(op, "x", x, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
+    kind = _dt.float_kind(x.dtype, raw_uint16=_dt.BFLOAT16)
+    if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32):
+        raise TypeError(f"{op}: x must be bfloat16 (or its raw uint16 bits), float16 or float32, or a tuple "
+                        f"(x_fp8, scales); got dtype {x.dtype}")
+    return x, None, kind
+
+
+def _check_out(op: str, comm, out, xv, scales, inputs=()) -> Optional[list]:
+    """Validate dispatch's ``out``: for an array ``x``, an array of ``x``'s dtype (or the unsigned integer type of
+    its size: raw bits) ``[capacity, hidden]``; for an fp8 tuple, a tuple ``(out_x, out_scales)`` of ``[capacity,
+    hidden]`` (x_fp8's dtype) and ``[capacity, hidden // 128]`` float32; C-contiguous, writeable, sharing no memory
+    with ``x``, the scales or the other ``inputs`` (topk_idx, topk_weights). Returns the arrays (viewed as the
+    transport's dtypes) or None."""
+    if out is None:
+        return None
+    fp8 = scales is not None
+    if fp8 != isinstance(out, tuple) or (fp8 and len(out) != 2):
+        raise TypeError(f"{op}: out must be " + ("a tuple (out_x, out_scales) for an fp8 tuple x" if fp8 else
+                                                 "an array (a tuple only for an fp8 tuple x)") +
+                        f", got {type(out).__name__}")
+    wanted = [(xv, "out[0]" if fp8 else "out")] + ([(scales, "out[1]")] if fp8 else [])
+    arrays = []
+    for (ref, name), a in zip(wanted, out if fp8 else (out,)):
+        a = _check_array(op, name, a, comm, dims=(("capacity", None), ("hidden" if ref is xv else
+                                                                          f"hidden // {FP8_BLOCK}", ref.shape[1])))
+        raw = np.dtype(_UINT_OF_SIZE[ref.dtype.itemsize])
+        if a.dtype != ref.dtype and a.dtype != raw:
+            raise TypeError(f"{op}: {name} must have dtype {ref.dtype} (the received rows'), or {raw} (their raw "
+                            f"bits), got {a.dtype}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{op}: {name} must be C-contiguous (rows are written in place), got strides "
+                             f"{a.strides}")
+        if not getattr(a.flags, "writeable", True):  # CuPy arrays have no such flag (always writeable)
+            raise ValueError(f"{op}: {name} must be writeable (the received rows are written into it)")
+        comm.owner._heap.check_live(op, name, a)
+        for other, what in [(xv, "x"), (scales, "the scales of x"), *inputs] + [(b, "out[0]") for b in arrays]:
+            if other is not None and a.size and other.size and comm.xp.may_share_memory(a, other):
+                raise ValueError(f"{op}: {name} must not share memory with {what} (it is written while the "
+                                 f"inputs are still being read)")
+        arrays.append(a if a.dtype == ref.dtype else a.view(ref.dtype))
+    if arrays[1:] and arrays[1].shape[0] != arrays[0].shape[0]:
+        raise ValueError(f"{op}: out[0] and out[1] must have the same rows (capacity), got {arrays[0].shape[0]} "
+                         f"and {arrays[1].shape[0]}")
+    return arrays
+
+
+def _check_capacity(op: str, outs, rows: int, what: str) -> None:
+    if outs is not None and outs[0].shape[0] < rows:
+        raise ValueError(f"{op}: out holds {outs[0].shape[0]} rows, fewer than the {rows} this rank receives "
+                         f"({what})")
+
+
+def _check_weights(op: str, comm, w, num_rows: int, num_topk: int, rows_label: str):
+    if w is None:
+        return None
+    w = _check_array(op, "topk_weights", w, comm,
+                     dims=((rows_label, num_rows), ("num_topk (of topk_idx)", num_topk)))
+    if w.dtype != np.float32:
+        raise TypeError(f"{op}: topk_weights must be float32, got dtype {w.dtype}")
+    return w
+
+
+def _combine_kind(op: str, x, dtype) -> str:
+    if dtype is None:
+        kind = _dt.float_kind(x.dtype)
+        if kind == _dt.FLOAT8_E4M3 or kind is None:
+            extra = " (for raw bfloat16 bits pass dtype='bfloat16')" if x.dtype == np.uint16 else ""
+            raise TypeError(f"{op}: x must be bfloat16, float16 or float32{extra}, got dtype {x.dtype}")
+        return kind
+    want = _dt.float_kind(dtype)
+    if want not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32):
+        raise TypeError(f"{op}: dtype must be 'bfloat16', float16 or float32, got {dtype!r}")
+    if want == _dt.BFLOAT16:
+        if x.dtype != np.uint16 and not _dt.is_bfloat16(x.dtype):
+            raise TypeError(f"{op}: dtype='bfloat16' needs x as bfloat16 or raw uint16 bits, got dtype {x.dtype}")
+    elif np.dtype(x.dtype) != np.dtype(want):
+        raise TypeError(f"{op}: dtype={dtype!r} does not match x.dtype {x.dtype}")
+    return want
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def _to_host(comm, a) -> np.ndarray:
+    return a.get() if comm.backend == "cuda" else np.asarray(a)
+
+
+_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _layout(xp, idx, num_experts: int, world_size: int):
+    """Layout of int64 ``idx [T, K]`` (already validated): see :func:`get_dispatch_layout`."""
+    num_tokens, _ = idx.shape
+    epr = num_experts // world_size
+    valid = idx >= 0
+    dest = xp.where(valid, idx // epr, world_size)           # invalid -> spare column world_size
+    hit = xp.zeros((num_tokens, world_size + 1), dtype=bool)
+    if idx.size:
+        hit[xp.arange(num_tokens)[:, None], dest] = True
+    is_token_in_rank = xp.ascontiguousarray(hit[:, :world_size])
+    num_tokens_per_rank = is_token_in_rank.sum(axis=0).astype(np.int32)
+    if idx.size:
+        num_tokens_per_expert = xp.bincount((idx + 1).ravel(), minlength=num_experts + 1)[1:].astype(np.int32)
+    else:
+        num_tokens_per_expert = xp.zeros(num_experts, dtype=np.int32)
+    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+
+
+# ------------------------------------------------------------------------------------------------ API
+
+
+def get_dispatch_layout(comm, topk_idx, num_experts: int):
+    """Where each token goes, computed locally (GPU: one kernel; host: NumPy); no communication.
+
+    DeepEP: ``Buffer.get_dispatch_layout`` (``deep_ep/buffer.py``), intranode (no RDMA ranks).
+
+    Parameters
+    ----------
+    topk_idx : xp.ndarray ``[num_tokens, num_topk]``, int64 (int32 accepted)
+        Expert chosen by each token in each of its top-k slots; ``-1`` means no expert (the slot is ignored).
+        Expert ``e`` lives on rank ``e // (num_experts // world_size)``.
+    num_experts : int
+        Global number of experts, a positive multiple of ``world_size``.
+
+    Returns
+    -------
+    num_tokens_per_rank : xp.ndarray ``[world_size]`` int32
+        Tokens to send to each rank; a token counts once per rank however many of its experts live there.
+    num_tokens_per_expert : xp.ndarray ``[num_experts]`` int32
+        (token, slot) pairs naming each expert (``-1`` slots not counted).
+    is_token_in_rank : xp.ndarray ``[num_tokens, world_size]`` bool
+        Whether token ``t`` goes to rank ``r``. A row whose slots are all ``-1`` is all False.
+
+    Raises
+    ------
+    TypeError
+        ``topk_idx`` not an array of the backend's module, or not int64/int32; ``num_experts`` not an int.
+    ValueError
+        ``topk_idx`` not 2-D or without columns; a value ``< -1`` or ``>= num_experts`` (on the GPU the layout is
+        one kernel and nothing is read on the host: such values are left out of the counts and raised by the next
+        ``synchronize()``, or at once with ``Config.blocking``); ``num_experts`` not a positive multiple of
+        ``world_size`` (GPU: or more than 8192).
+
+    Notes
+    -----
+    On the GPU the layout is one kernel (``cuda_src/moe.cu`` ``symbuf_moe_layout``, after DeepEP's
+    ``get_dispatch_layout`` kernel), queued on the current stream; the outputs are valid in stream order.
+    """
+    op = "get_dispatch_layout"
+    comm.check_open()
+    n_exp = _check_num_experts(op, comm, num_experts)
+    cuda = comm.backend == "cuda"
+    idx = _check_topk_idx(op, comm, topk_idx, n_exp, check_range=not cuda)
+    if cuda:
+        _check_device_experts(op, n_exp)
+        return _moe_cuda.get_dispatch_layout(comm, op, idx, n_exp)
+    return _layout(comm.xp, idx, n_exp, comm.world_size)
+
+
+def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
+             handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+             wire_dtype: Optional[str] = None, out=None):
+    """Send each token to every rank that holds at least one of its experts, once per rank. Collective.
+
+    DeepEP: ``Buffer.dispatch`` (``deep_ep/buffer.py``), intranode normal mode; the layout that DeepEP takes as
+    ``num_tokens_per_rank``/``is_token_in_rank``/``num_tokens_per_expert`` arguments is computed here from
+    ``topk_idx`` and ``num_experts`` (see :func:`get_dispatch_layout`). Every rank must call it, also with zero
+    tokens; all ranks must pass the same ``num_experts``, ``hidden``, dtype and choice of ``topk_weights``
+    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves; a cached
+    dispatch with ``handle`` has no count exchange, so there it is the caller's duty).
+
+    Parameters
+    ----------
+    x : xp.ndarray ``[num_tokens, hidden]``, or tuple ``(x_fp8, scales)``
+        Tokens: bfloat16 (or raw ``uint16`` bfloat16 bits), float16 or float32; any strides. Or ``x_fp8``
+        ``[num_tokens, hidden]`` float8_e4m3fn (or raw ``uint8`` bits) with ``hidden % 128 == 0`` and ``scales``
+        ``[num_tokens, hidden // 128]`` float32 of any strides (e.g. column-major), which travel with their tokens.
+    topk_idx : xp.ndarray ``[num_tokens, num_topk]`` int64 (int32 accepted), or None with ``handle``
+        Global expert per top-k slot; ``-1`` = none. A slot is never sent or counted when ``-1``. Required without
+        ``handle``; must be None with ``handle``.
+    topk_weights : xp.ndarray ``[num_tokens, num_topk]`` float32, optional
+        Gate weights travelling with ``topk_idx``. Must be None with ``handle``.
+    num_experts : int
+        Global number of experts, a positive multiple of ``world_size``. Required without ``handle``; with
+        ``handle`` it may be omitted or must equal the handle's.
+    handle : DispatchHandle, optional (keyword-only)
+        From an earlier ``dispatch`` on this communicator with the same routing: skips the layout and the count
+        exchange and sends only ``x`` (any dtype above; ``num_tokens`` must equal the handle's).
+    expert_alignment : int >= 1 (keyword-only)
+        Round each entry of ``num_recv_tokens_per_expert`` up to a multiple of this.
+    num_worst_tokens : int >= 0 (keyword-only)
+        Worst-case mode (DeepEP's ``num_worst_tokens``) when > 0: the receive outputs have exactly this many rows
+        and nothing is read on the host (GPU: the layout, the count exchange and the per-peer counts stay on the
+        device), so the call can be captured in a CUDA graph and replayed with new data and routing. Rows past the
+        real count hold ``-1`` in ``recv_topk_idx`` and ``0`` in ``recv_topk_weights`` on every call and replay,
+        whatever the memory held (``recv_x`` rows there are unspecified on the GPU, zeros on the host); the real
+        count is ``handle.num_recv_tokens_device`` (a 0-d device array) and ``num_recv_tokens_per_expert`` is an
+        int64 array of ``xp`` instead of a list. It must bound what this rank can receive (``num_tokens *
+        world_size`` always does): more is fatal (:class:`~cupy_symbuf.SymBufferMismatchError` with field
+        "capacity", raised on the GPU by ``synchronize``; the peers abort). On the GPU, errors a worst-case call
+        finds on the device (a ``topk_idx`` value out of range on some rank, ranks disagreeing on the row layout)
+        skip the call on every rank (outputs: no rows) and are raised by ``synchronize()`` as
+        :class:`~cupy_symbuf.SymBufferRejectedError`; the communicator stays usable. With ``handle``: 0 or the
+        handle's.
+    wire_dtype : {None, "fp8"} (keyword-only)
+        ``"fp8"``: low-precision transfer: ``x`` (bfloat16 / float16 / float32, ``hidden % 128 == 0``) is quantised
+        per 1x128 block to float8_e4m3fn with a float32 scale (:func:`cupy_symbuf.quant.quantize_fp8`, the
+        quantiser of the low-latency kernels), the codes and scales travel (1 + 4/128 bytes per element instead
+        of 2 or 4), and ``recv_x`` comes back dequantised in ``x``'s dtype. Error per element at most
+        ``|x| * 2**-4 + scale * 2**-10`` (``quant.error_bound``), plus, for float16 / bfloat16 ``x``, half an ulp
+        of that dtype from rounding the dequantised value back into it. A cached dispatch may use it too. Not with an
+        fp8 tuple ``x``. Every rank must make the same choice (the rows' format is in the signature every
+        receiver checks: a difference raises ``ValueError`` on every rank after the count exchange, but in a
+        cached dispatch, which has none, it is a fatal call-header mismatch). Finite values only: an inf makes
+        its whole 128-element block NaN; a NaN arrives as NaN in its own element (the block's amax ignores NaN).
+        Not with ``out``.
+    out : xp.ndarray ``[capacity, hidden]`` of ``x``'s dtype, or tuple ``(out_x, out_scales)`` for an fp8 tuple
+        ``x`` (``out_scales`` ``[capacity, hidden // 128]`` float32), C-contiguous (keyword-only)
+        Where the received tokens go: ``recv_x`` is ``out[:num_recv_tokens]`` (``num_worst_tokens`` rows in
+        worst-case mode), a view in ``x``'s dtype; no output is allocated. ``out`` may also be the unsigned integer
+        type of the element size (raw bits, e.g. ``uint16`` for bfloat16 on CuPy); it must be writeable and share
+        no memory with ``x`` or the other inputs (``ValueError``). It must hold every row this rank receives: checked
+        before anything moves where the count is known (a cached dispatch; worst-case mode needs ``capacity >=
+        num_worst_tokens``), else a ``ValueError`` told to the peers as a rejection; in an eager dispatch the
+        count exchange finds it, and more rows than ``capacity`` are fatal as for ``num_worst_tokens``
+        (:class:`~cupy_symbuf.SymBufferMismatchError`, field "capacity"). **Direct mode** (GPU): when ``out``
+        (each part of it) is a symmetric array of this communicator (:meth:`Communicator.empty`), the peers write
+        their rows straight into it (one copy per byte instead of two through the rings; protocol MODE_PUSH,
+        after TRT-LLM's one-sided all-to-all and DeepEP V2, which write each token once into its final receive
+        slot); the top-k ids and weights still travel through the rings. Every rank must then pass the same
+        allocation at the same offset (the row signature says so; a difference raises ``ValueError`` on every
+        rank from the count exchange, or in a cached dispatch is a fatal call-header mismatch).
+        ``Config.mode="ring"`` keeps the rings. The caller owns ``out``: a later dispatch into the same ``out``
+        overwrites the rows an earlier handle's ``recv_x`` views (the peers write only after this rank's call has
+        begun, in stream order, so no earlier use of ``out`` on this rank is overtaken).
+
+    Returns
+    -------
+    recv_x : xp.ndarray ``[num_recv_tokens, hidden]`` of ``x``'s dtype, or tuple ``(recv_x_fp8, recv_scales)``
+        with ``recv_scales`` ``[num_recv_tokens, hidden // 128]`` float32 (C-contiguous). With
+        ``num_worst_tokens``, every ``recv_*`` array has ``num_worst_tokens`` rows (the real ones first). Rows are
+        ordered by source rank, then by source token index (rows of source ``s`` are
+        ``handle.recv_offsets[s]:...[s + 1]``).
+    recv_topk_idx : xp.ndarray ``[num_recv_tokens, num_topk]`` int64, or None for a cached dispatch
+        Local expert index (``e - rank * num_local_experts``) where the slot's expert lives on this rank, else ``-1``
+        (other ranks' experts and ``-1`` slots alike).
+    recv_topk_weights : xp.ndarray ``[num_recv_tokens, num_topk]`` float32, or None
+        The sent weights, ``0.0`` where ``recv_topk_idx`` is ``-1`` (as DeepEP). None for a cached dispatch or when
+        ``topk_weights`` was None.
+    num_recv_tokens_per_expert : list of int ``[num_local_experts]``
+        Received (token, slot) pairs per local expert, each rounded up to ``expert_alignment``. (DeepEP returns
+        None in cached mode; here the cached counts are returned, aligned with this call's alignment.)
+    handle : DispatchHandle
+        The layout, for :func:`combine` and cached dispatches (in cached mode: the handle passed in).
+
+    Raises
+    ------
+    TypeError
+        An array not of the backend's module (e.g. NumPy on the cuda backend); a dtype outside those above;
+        ``handle`` not a :class:`DispatchHandle`.
+    ValueError
+        ``topk_idx`` value ``< -1`` or ``>= num_experts``; ``num_experts`` not a positive multiple of
+        ``world_size`` (or too many local experts for ``Config.max_notify_ints``); rows of ``x``, ``topk_idx``,
+        ``topk_weights`` or ``scales`` disagreeing, or ``num_topk`` of ``topk_weights`` differing from
+        ``topk_idx``'s; fp8 ``hidden`` not divisible by 128 or ``scales`` not ``[num_tokens, hidden // 128]``;
+        ``handle`` from another communicator, or given together with ``topk_idx``/``topk_weights``/a different
+        ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; after the count exchange, ranks disagreeing on the row size, or
+        (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger
+        than ``Config.chunk_bytes`` (ring slots hold whole rows; every rank raises alike, the communicator stays
+        usable).
+    """
+    op = "dispatch"
+    # the count exchange comes first without a handle; a call rejected here is told to the peers (_engine.call)
+    with comm.call(op, notify=handle is None):
+        back = None
+        if wire_dtype is not None:
+            x, back = _wire_fp8(op, comm, x, wire_dtype)
+        if wire_dtype is not None and out is not None:
+            raise ValueError(f"{op}: out and wire_dtype cannot be combined (the received rows are dequantised into "
+                             f"a new array)")
+        res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
+                        num_worst_tokens, out)
+    if back is not None:
+        res = (back(*res[0]),) + tuple(res[1:])
+    return res
+
+
+def _wire_fp8(op, comm, x, wire_dtype):
+    """``dispatch(wire_dtype="fp8")``: the ``(codes, scales)`` tuple that travels and the function that turns the
+    received pair back into ``x``'s dtype."""
+    from ..collectives import quant
+    if not isinstance(wire_dtype, str) or wire_dtype != "fp8":  # (an array would compare elementwise)
+        raise ValueError(f"{op}: wire_dtype must be None or 'fp8', got {wire_dtype!r}")
+    if isinstance(x, tuple):
+        raise ValueError(f"{op}: wire_dtype='fp8' quantises x itself; pass x as one array, not an (x_fp8, scales) "
+                         f"tuple")
+    xv, _, kind = _check_x(op, comm, x, None, None)
+    if xv.shape[1] % FP8_BLOCK:
+        raise ValueError(f"{op}: wire_dtype='fp8' needs hidden divisible by {FP8_BLOCK}, got hidden={xv.shape[1]}")
+    dtype = xv.dtype
+    q, scales = quant.quantize_fp8_from(xv, kind)  # GPU: one kernel reading x itself
+
+    def back(recv_q, recv_scales):
+        return quant.dequantize_fp8_to(recv_q, recv_scales, kind, dtype)
+    return (q, scales), back
+
+
+def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
+              out=None):
+    xp = comm.xp
+    align = _check_int(op, "expert_alignment", expert_alignment, minimum=1, maximum=MAX_EXPERT_ALIGNMENT)
+    worst = _check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
+
+    if handle is not None:
+        h = _check_handle(op, comm, handle)
+        if topk_idx is not None or topk_weights is not None:
+            raise ValueError(f"{op}: with handle (cached layout), topk_idx and topk_weights must be None; the "
+                             f"routing is the handle's")
+        if num_experts is not None and num_experts != h.num_experts:
+            raise ValueError(f"{op}: num_experts={num_experts} differs from the handle's ({h.num_experts})")
+        if worst and worst != h.num_worst_tokens:
+            raise ValueError(f"{op}: with handle, num_worst_tokens must be 0 or the handle's "
+                             f"({h.num_worst_tokens}), got {worst}")
+        xv, scales, kind = _check_x(op, comm, x, h.num_tokens, None)
+        outs = _check_out(op, comm, out, xv, scales)
+        _check_capacity(op, outs, h.num_worst_tokens or h.num_recv_tokens,
+                        "num_worst_tokens" if h.num_worst_tokens else "the handle's count")
+        if h.routing is not None:  # GPU: the units come from the handle's device counts table
+            recv_x, recv_scales, _, _ = _exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
+                                                         h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr,
+                                                         user_outs=outs)
+        else:
+            recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx,
+                                                  h.send_counts, h.recv_counts, f"cached|{kind}", user_outs=outs)
+            if h.num_worst_tokens:
+                recv_x, recv_scales = _pad_rows(xp, recv_x, h.num_worst_tokens, 0, outs, 0), \
+                    _pad_rows(xp, recv_scales, h.num_worst_tokens, 0, outs, 1)
+        out_x = (recv_x, recv_scales) if scales is not None else recv_x
+        counts = h.num_recv_tokens_per_expert(align)
+        if h.num_worst_tokens and isinstance(counts, list):  # host: an array, as the first call's and the GPU's
+            counts = xp.asarray(np.asarray(counts, np.int64))
+        return out_x, None, None, counts, h
+
+    n_exp = _check_num_experts(op, comm, num_experts)
+    if topk_idx is None:
+        raise ValueError(f"{op}: topk_idx is required without a handle")
+    xv, scales, kind = _check_x(op, comm, x, None, None)
+    num_tokens = xv.shape[0]
+    cuda = comm.backend == "cuda"
+    idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens, check_range=not cuda)
+    weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
+    outs = _check_out(op, comm, out, xv, scales, [(idx, "topk_idx"), (weights, "topk_weights")])
+    if worst:
+        _check_capacity(op, outs, worst, "num_worst_tokens")
+    if cuda:
+        _check_device_experts(op, n_exp)
+        return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs)
+
+    # ---- layout and count exchange (notify_dispatch)
+    w_size, rank = comm.world_size, comm.rank
+    epr = n_exp // w_size
+    per_rank, per_expert, in_rank = _layout(xp, idx, n_exp, w_size)
+    _, send_token_idx = xp.nonzero(xp.ascontiguousarray(in_rank.T))      # grouped by dest, ascending tokens
+    # contiguous: CuPy's nonzero returns strided column views of one [N, 2] array
+    send_token_idx = xp.ascontiguousarray(send_token_idx, dtype=np.int64)
+    send_counts = _to_host(comm, per_rank).astype(np.int64)
+    row_bytes = _row_bytes(xv, scales, idx.shape[1], weights is not None)
+    # before the count exchange, so that a row too large for a slot is a rejection told to the peers
+    check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
+    meta = np.zeros((w_size, epr + _NOTIFY_EXTRA), dtype=np.int64)
+    meta[:, 0] = send_counts
+    meta[:, 1:1 + epr] = _to_host(comm, per_expert).astype(np.int64).reshape(w_size, epr)
+    # every rank checks every rank's row layout (dtype, hidden, scales, top-k, weights) in the count exchange
+    sig = (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|"
+           f"weights={weights is not None}|num_experts={n_exp}")
+    recv_meta = comm.notify(op, meta, sig, sig_what=(
+        f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + top-k) or on "
+        f"num_experts: rank {rank} has {row_bytes} bytes ({sig}); all ranks must pass the same hidden, dtype, "
+        f"num_topk, choice of topk_weights and num_experts"))
+    recv_counts = recv_meta[:, 0].copy()
+    raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
+    n_recv = int(recv_counts.sum())
+    if outs is not None and n_recv > outs[0].shape[0]:  # as the GPU's count exchange: fatal (see worst below)
+        raise comm.fatal(SymBufferMismatchError(
+            f"{op}: rank {rank} receives {n_recv} rows, more than out holds ({outs[0].shape[0]}, its capacity)",
+            rank=rank, op=op, field="capacity", expected=int(outs[0].shape[0]), got=n_recv))
+    if worst and n_recv > worst:
+        # between the steps, before any row moves (as the GPU's count exchange): fatal, and comm.fatal sets the
+        # abort word, so the peers' row exchange of this very call fails instead of returning
+        raise comm.fatal(SymBufferMismatchError(
+            f"{op}: rank {rank} receives {n_recv} rows, more than num_worst_tokens={worst} (the output "
+            f"capacity; it must bound what any rank can receive, e.g. num_tokens * world_size)", rank=rank, op=op,
+            field="capacity", expected=worst, got=n_recv))
+
+    # ---- data
+    recv_x, recv_scales, recv_gidx, recv_w = _exchange(comm, op, xv, scales, idx, weights, send_token_idx,
+                                                       send_counts, recv_counts, sig, user_outs=outs)
+    local = recv_gidx - rank * epr
+    mine = (recv_gidx >= 0) & (local >= 0) & (local < epr)
+    recv_topk_idx = xp.where(mine, local, -1).astype(np.int64, copy=False)
+    recv_topk_weights = None
+    if recv_w is not None:
+        recv_topk_weights = xp.where(mine, recv_w, np.float32(0)).astype(np.float32, copy=False)
+
+    if worst:  # outputs of the worst-case size: rows past the real count are -1 / 0 (x, scales: 0)
+        recv_x, recv_scales = _pad_rows(xp, recv_x, worst, 0, outs, 0), _pad_rows(xp, recv_scales, worst, 0, outs, 1)
+        recv_topk_idx = _pad_rows(xp, recv_topk_idx, worst, -1)
+        recv_topk_weights = _pad_rows(xp, recv_topk_weights, worst, 0)
+    send_counts.setflags(write=False)
+    recv_counts.setflags(write=False)
+    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(idx.shape[1]),
+                       hidden=int(xv.shape[1]), is_token_in_rank=in_rank, send_token_idx=send_token_idx,
+                       send_counts=send_counts, recv_counts=recv_counts,
+                       num_recv_tokens_per_expert_raw=raw_per_expert, expert_alignment=align,
+                       num_worst_tokens=worst, send_rows=int(send_counts.sum()))
+    out_x = (recv_x, recv_scales) if scales is not None else recv_x
+    counts = h.num_recv_tokens_per_expert(align)
+    if worst:  # as the GPU's: an array, not a list (no host read there)
+        counts = xp.asarray(np.asarray(counts, np.int64))
+    return out_x, recv_topk_idx, recv_topk_weights, counts, h
+
+
+def _pad_rows(xp, a, rows: int, fill, outs=None, k: int = 0):
+    """``a`` with rows appended up to ``rows``, filled with ``fill`` (None stays None); ``outs``: the caller's
+    ``out`` arrays, ``a`` the first rows of ``outs[k]``: filled in there."""
+    if a is None or a.shape[0] == rows:
+        return a
+    if outs is not None:
+        outs[k][a.shape[0]:rows] = fill
+        return outs[k][:rows]
+    out = xp.full((rows,) + tuple(a.shape[1:]), fill, dtype=a.dtype)
+    out[:a.shape[0]] = a
+    return out
+
+
+def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
+    return (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|"
+            f"weights={weights is not None}|num_experts={n_exp}")
+
+
+def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None):
+    """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
+    tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
+    -> receive fix-up. With ``worst`` nothing is read on the host."""
+    cp = comm.xp
+    w_size, rank = comm.world_size, comm.rank
+    epr = n_exp // w_size
+    num_tokens, num_topk = idx.shape
+    M = 1 + epr
+    row_bytes = _row_bytes(xv, scales, num_topk, weights is not None)
+    check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
+    sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
+    push = comm.push_targets(user_outs) if user_outs is not None else None
+    if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
+        sig += push[2]
+    idx = _moe_cuda.contiguous(idx)
+    rt = _moe_cuda.Routing(num_tokens, num_topk, w_size, M)
+    meta = rt.meta_ptr
+    _moe_cuda.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
+                     send_idx=rt.send_idx)
+
+    def bad_error():
+        flat = int(rt.bad[1].get())
+        t, k = divmod(flat, num_topk)
+        return ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={n_exp}), got "
+                          f"{int(idx[t, k].get())} at [{t}, {k}] (found by the layout kernel; nothing was sent)")
+
+    # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
+    # failure between the steps); temporaries a captured call reads stay alive as long as the communicator
+    outs = _device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
+    comm.keep_for_graph(idx)
+    res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
+                             capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
+                             worst=bool(worst), self_error=bad_error,
+                             sig_what=lambda: (
+                                 f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
+                                 f"+ top-k), on num_experts or on where out lies: rank {rank} has {row_bytes} bytes "
+                                 f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
+                                 f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
+                                 f"the same offset on every rank"))
+    if worst:
+        send_counts = recv_counts = raw = None
+        n_recv = worst
+        send_rows = num_tokens * min(w_size, num_topk)
+        send_idx = rt.send_idx
+    else:
+        recv_vals, sent_vals = res
+        recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
+        raw = tuple(recv_vals[:, 1:1 + epr].sum(axis=0).tolist())
+        n_recv = int(recv_counts.sum())
+        send_rows = int(send_counts.sum())
+        send_idx = rt.send_idx[:send_rows]
+        send_counts.setflags(write=False)
+        recv_counts.setflags(write=False)
+    recv_x, recv_scales, recv_gidx, recv_w = _exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
+                                                              sig, rt.table_ptr, outs, user_outs=user_outs,
+                                                              push=push)
+    counts_out = cp.empty(epr, np.int64) if worst else None
+    _moe_cuda.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
+                    counts_out=counts_out, align=align)
+    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
+                       hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
+                       send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
+                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows)
+    out_x = (recv_x, recv_scales) if scales is not None else recv_x
+    counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
+    return out_x, recv_gidx, recv_w, counts, h
+
+
+def _row_bytes(xv, scales, num_topk: int, with_weights: bool) -> int:
+    rb = xv.shape[1] * xv.dtype.itemsize
+    if scales is not None:
+        rb += scales.shape[1] * 4
+    if num_topk:
+        rb += num_topk * 8
+    if with_weights:
+        rb += num_topk * 4
+    return int(rb)
+
+
+def _rows_contiguous(xp, a):
+    """``a`` (2-D or None) itself when its rows are contiguous runs of elements, else a C-contiguous copy."""
+    if a is not None and a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
+        return xp.ascontiguousarray(a)
+    return a
+
+
+def _rows_part(xp, a):
+    """``a`` (2-D, any dtype) as an unsigned-int view whose rows are contiguous (copied only when they are not),
+    for the transport's row gather."""
+    if a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
+        a = xp.ascontiguousarray(a)
+    return a.view(_UINT_OF_SIZE[a.dtype.itemsize])
+
+
+def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig: str,
+              user_outs=None):
+    """Send rows ``send_token_idx`` of ``x`` | scales | idx | weights (None parts left out) and receive them into
+    new C-contiguous arrays. ``send_token_idx`` None sends every row in order (combine). The rows are gathered
+    from the parts straight into the channel rings by the transport (one kernel on the GPU; no packed copy) and
+    scattered from the rings into the outputs. Returns ``(recv_x, recv_scales, recv_idx, recv_weights)``.
+    ``user_outs``: dispatch's ``out`` arrays (x, scales), received into in place.
+    """
+    xp = comm.xp
+    n_recv = int(recv_counts.sum())
+    parts = [(xv, xv.dtype, xv.shape[1])]
+    for a, dt in ((scales, np.float32), (idx, np.int64), (weights, np.float32)):
+        if a is not None:
+            parts.append((a, np.dtype(dt), a.shape[1]))
+    send_parts, recv_parts, outs = [], [], []
+    for k, (a, dt, n) in enumerate(parts):
+        out = user_outs[k][:n_recv] if user_outs is not None and k < len(user_outs) else \
+            xp.empty((n_recv, n), dtype=dt)
+        outs.append(out)
+        if n == 0:
+            continue
+        send_parts.append(_rows_part(xp, a))
+        recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
+    if send_parts:
+        comm.exchange_rows(op, send_parts, send_token_idx, np.asarray(send_counts, np.int64), recv_parts,
+                           np.asarray(recv_counts, np.int64), sig)
+    recv_x = outs[0]
+    k = 1
+    recv_scales = recv_idx = recv_w = None
+    if scales is not None:
+        recv_scales = outs[k]
+        k += 1
+    if idx is not None:
+        recv_idx = outs[k]
+        k += 1
+    if weights is not None:
+        recv_w = outs[k]
+    return recv_x, recv_scales, recv_idx, recv_w
+
+
+def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None) -> list:
+    """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None; the first
+    rows of dispatch's ``out`` arrays where given)."""
+    mine = list(user_outs or ())
+    outs = [mine[0][:n_recv] if mine else xp.empty((n_recv, xv.shape[1]), dtype=xv.dtype)]
+    for k, (a, dt) in enumerate(((scales, np.float32), (idx, np.int64), (weights, np.float32))):
+        if a is not None:
+            outs.append(mine[1][:n_recv] if k == 0 and mine[1:] else xp.empty((n_recv, a.shape[1]), dtype=dt))
+    return outs
+
+
+def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
+                     outs=None, *, user_outs=None, push=None):
+    """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
+    capacity; ``outs``: already allocated by :func:`_device_outputs`), the per-peer units read by the ring kernel
+    from the counts table at ``table_ptr``. ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
+    :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``)."""
+    xp = comm.xp
+    if outs is None:
+        outs = _device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs)
+    if user_outs is not None and push is None:
+        push = comm.push_targets(user_outs)
+        if push is not None:
+            sig += push[2]
+    ids = list(push[0]) if push is not None else None
+    send_parts, recv_parts, push_ids = [], [], []
+    for k, (a, out) in enumerate(zip([p for p in (xv, scales, idx, weights) if p is not None], outs)):
+        if out.shape[1] == 0:
+            continue
+        send_parts.append(_rows_part(xp, a))
+        recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
+        push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
+    # read / written by every replay of a captured call: copies made by _rows_part, and the combine's returned
+    # rows (its reduction's input, never handed to the caller)
+    comm.keep_for_graph(*send_parts, *outs)
+    if send_parts:
+        comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
+                                  push=(push_ids, push[1]) if push is not None else None)
+    it = iter(outs[1:])
+    recv_x = outs[0]
+    recv_scales = next(it) if scales is not None else None
+    recv_idx = next(it) if idx is not None else None
+    recv_w = next(it) if weights is not None else None
+    return recv_x, recv_scales, recv_idx, recv_w
+
+
+FLOAT32_KIND = _dt.FLOAT32
+_REDUCE_KERNELS = {_dt.BFLOAT16: "symbuf_combine_reduce_bf16", _dt.FLOAT16: "symbuf_combine_reduce_f16",
+                   _dt.FLOAT32: "symbuf_combine_reduce_f32"}
+
+
+def _combine_positions(xp, h: "DispatchHandle"):
+    """int64 ``[num_tokens, world_size]``: row of the combine's received array holding token ``t``'s row from rank
+    ``r`` (rows from rank ``r`` are its tokens in ascending order at ``send_offsets[r]``), or -1."""
+    in_rank = h.is_token_in_rank
+    offs = xp.asarray(h.send_offsets[:-1].astype(np.int64))
+    rank_pos = xp.cumsum(in_rank, axis=0, dtype=np.int64) - 1
+    return xp.ascontiguousarray(xp.where(in_rank, rank_pos + offs[None, :], -1))
+
+
+def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=None, table_ptr: int = 0,
+                 rank: int = 0, out=None):
+    """``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as ``out_dtype``; with
+    ``self_rows`` this rank's own rows come from there (see :func:`cupy_symbuf.moe.gpu.reduce`)."""
+    from ..common import backend as _compat
+    cp = _compat.cupy
+    hidden = back.shape[1]
+    if out is None:
+        out = cp.empty((num_tokens, hidden), dtype=out_dtype)
+    if num_tokens and hidden:
+        if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
+            back = cp.empty((1, hidden), back.dtype)
+        if self_rows is not None:
+            self_rows = self_rows.view(back.dtype)
+        _moe_cuda.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind], self_rows=self_rows,
+                         table_ptr=table_ptr, rank=rank)
+    return out
+
+
+def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, out=None, sync: str = "strong"):
+    """Return each dispatched token's rows to its source rank and sum them there. Collective.
+
+    DeepEP: ``Buffer.combine`` (``deep_ep/buffer.py``), intranode: a plain sum **without** weights (weight the
+    expert outputs before calling), accumulated in float32. Every rank must call it with a handle from the same
+    ``dispatch``, and all ranks must make the same choice of ``topk_weights`` (None or not) and ``dtype``.
+
+    Parameters
+    ----------
+    x : xp.ndarray ``[num_recv_tokens, hidden]``
+        One row per row of the dispatch's ``recv_x`` (same order; ``num_recv_tokens = handle.num_recv_tokens``,
+        ``hidden = handle.hidden``), typically the expert outputs already weighted and summed locally. bfloat16
+        (or raw ``uint16`` bits with ``dtype="bfloat16"``), float16 or float32; any strides.
+    handle : DispatchHandle
+        From ``dispatch`` on this communicator.
+    topk_weights : xp.ndarray ``[num_recv_tokens, num_topk]`` float32, optional
+        Per received row, reduced the same way (DeepEP passes ``recv_topk_weights`` here).
+    out : xp.ndarray ``[num_tokens, hidden]`` of ``x``'s dtype, optional (keyword-only)
+        Where to write ``combined_x`` (no allocation for it; C-contiguous, not overlapping ``x``); returned.
+    dtype : optional, keyword-only
+        How to read ``x``: ``None`` (from ``x.dtype``), ``"bfloat16"`` / ``ml_dtypes.bfloat16`` (``x`` may then be
+        raw ``uint16`` bits: CuPy builds without a bfloat16 dtype hold bf16 so), ``numpy.float16`` or
+        ``numpy.float32`` (must equal ``x.dtype``).
+    sync : {"strong", "relaxed"}, keyword-only
+        Selective synchronisation (:meth:`Communicator.alltoall`): combine gathers its rows through the rings,
+        which hold their own copy, so both return with every peer done with ``x``; ``"relaxed"`` is accepted so
+        that training loops can ask for it uniformly.
+
+    Returns
+    -------
+    combined_x : xp.ndarray ``[num_tokens, hidden]``, ``x``'s dtype
+        ``combined_x[t]`` = sum over the ranks token ``t`` was sent to of that rank's row for ``t``, in float32,
+        ranks in ascending order, rounded to nearest even once at the end. Tokens sent nowhere (all ``topk_idx``
+        ``-1``) are zeros.
+    combined_topk_weights : xp.ndarray ``[num_tokens, num_topk]`` float32, or None
+        Same sum of the ``topk_weights`` rows; None when ``topk_weights`` is None.
+
+    Raises
+    ------
+    TypeError
+        An array not of the backend's module; ``x`` not bfloat16/float16/float32 (``uint16`` without
+        ``dtype="bfloat16"``); ``topk_weights`` not float32; ``handle`` not a :class:`DispatchHandle`.
+    ValueError
+        ``handle`` from another communicator; ``x`` not ``[handle.num_recv_tokens, handle.hidden]``;
+        ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``; (GPU) a row ``hidden * itemsize``
+        (``+ num_topk * 4`` with ``topk_weights``) bytes larger than ``Config.chunk_bytes``.
+
+    Notes
+    -----
+    GPU: the row exchange takes its per-peer counts from the dispatch's device counts table (the reverse of the
+    dispatch's) and the reduction reads the send positions the layout kernel made: no host work beyond the two or
+    three launches, and a combine of a worst-case handle can be captured in a CUDA graph.
+    """
+    op = "combine"
+    from ..transport.engine import check_sync
+    with comm.call(op, notify=False):
+        check_sync(op, sync)
+        return _combine(comm, op, x, handle, topk_weights, dtype, out)
+
+
+def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
+    xp = comm.xp
+    h = _check_handle(op, comm, handle)
+    n_recv = h.num_recv_tokens
+    x = _check_array(op, "x", x, comm, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
+    kind = _combine_kind(op, x, dtype)
+    weights = _check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
+    if out is not None:
+        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
+
+    # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
+    sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
+    if h.routing is not None:  # GPU: the reverse counts table of the dispatch; no host work beyond the launches
+        # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
+        x, weights = _rows_contiguous(xp, x), _rows_contiguous(xp, weights)
+        comm.keep_for_graph(x, weights)  # (copies, when they are) read by the reduction of a captured call
+        back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
+                                                h.routing.rev_table_ptr)
+    else:
+        n_real = int(h.recv_counts.sum())
+        if n_real != n_recv:  # worst-case mode (host): the rows past the real count stay here
+            x = x[:n_real]
+            weights = None if weights is None else weights[:n_real]
+        back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts, sig)
+
+    num_tokens = h.num_tokens
+    if comm.backend == "cuda":
+        # one reduction kernel per part (cuda_src/moe.cu): the same float32 sum, ranks in ascending order
+        if h.routing is not None:  # this rank's own rows did not travel: the reduction reads them from x
+            rt = h.routing
+            combined = _reduce_cuda(back_x, rt.pos, kind, x.dtype, num_tokens, self_rows=x,
+                                    table_ptr=rt.table_ptr, rank=h.rank, out=out)
+            acc_w = None if weights is None else _reduce_cuda(back_w, rt.pos, FLOAT32_KIND, np.float32, num_tokens,
+                                                              self_rows=weights, table_ptr=rt.table_ptr,
+                                                              rank=h.rank)
+            return combined, acc_w
+        pos = _combine_positions(xp, h)
+        combined = _reduce_cuda(back_x, pos, kind, x.dtype, num_tokens, out=out)
+        acc_w = _reduce_cuda(back_w, pos, FLOAT32_KIND, np.float32, num_tokens) if weights is not None else None
+        return combined, acc_w
+    acc = xp.zeros((num_tokens, h.hidden), dtype=np.float32)
+    acc_w = xp.zeros((num_tokens, h.num_topk), dtype=np.float32) if weights is not None else None
+    if back_x.shape[0]:
+        back_f = _dt.to_float32(xp, back_x, kind)
+        offs = h.send_offsets
+        for r in range(h.world_size):
+            lo, hi = int(offs[r]), int(offs[r + 1])
+            if hi == lo:
+                continue
+            tok = h.send_token_idx[lo:hi]              # unique within one rank: the scatter-add is race-free
+            acc[tok] += back_f[lo:hi]
+            if acc_w is not None:
+                acc_w[tok] += back_w[lo:hi]
+    out_dtype = x.dtype
+    combined = _dt.from_float32(xp, acc, kind, out_dtype)
+    if out is not None:
+        out[...] = combined
+        combined = out
+    return combined, acc_w

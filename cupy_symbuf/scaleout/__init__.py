@@ -1,0 +1,2 @@
+"""Layer 6: scale-out: the hierarchical all-to-all across nodes (HierarchicalCommunicator).
+"""

@@ -1,0 +1,684 @@
+"""GPU transport: launches the ring kernel of ``cuda_src/ring_exchange.cu`` on the current CuPy stream.
+
+The kernel interprets a launch descriptor (``_protocol.DESC_*`` words) made once per
+:class:`~cupy_symbuf.wire.plan.ExchangePlan` and part strides; a call only writes its buffer addresses into it.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import time
+
+import numpy as np
+
+from ..common import backend as _compat
+from . import kernels as _kernels
+from ..wire import protocol as P
+from ..wire.plan import kernel_geometry, ring_kernel_defines, warp_groups  # noqa: F401 (re-exported)
+from ..wire.protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_BYTES, DESC_COUNTS, DESC_FLAGS, DESC_NUM_CHANNELS,
+                        DESC_NUM_RECV_PARTS, DESC_NUM_SEND_PARTS, DESC_NUM_SLOTS, DESC_OP, DESC_PEERS, DESC_RANK,
+                        DESC_RECV_INDEX, DESC_RECV_PARTS, DESC_REGION_BYTES, DESC_RING_WARPS, DESC_ROW_ALIGN,
+                        DESC_ROW_BYTES, DESC_SELF_WARPS, DESC_SEND_INDEX, DESC_SEND_PARTS, DESC_SEQ, DESC_SIG,
+                        DESC_TIMEOUT_NS, DESC_WORDS, DESC_WORLD_SIZE, MAX_PARTS, MAX_PEERS, DESC_DIRECT_ALLOC,
+                        DESC_DIRECT_OFFSET, DESC_SYM_TABLE)
+from ..common.errors import (SymBufferAbortedError, SymBufferMismatchError, SymBufferRejectedError, SymBufferTimeoutError,
+                     aborted_error, mismatch_error)
+from ..wire.channel_layout import ChannelLayout
+
+__all__ = ["CudaTransport", "warp_groups", "RING_SOURCE", "RING_KERNEL", "NOTIFY_KERNEL"]
+
+#: The data mover and the count exchange (``cuda_src/ring_exchange.cu``).
+RING_SOURCE = "ring_exchange.cu"
+RING_KERNEL = "symbuf_ring_exchange"
+NOTIFY_KERNEL = "symbuf_notify"
+CE_KERNEL = "symbuf_ce_finish"
+
+# re-exported for tests and tools that read descriptor words
+DESC = {n: getattr(P, n) for n in dir(P) if n.startswith("DESC_")}
+assert MAX_PARTS == 4 and MAX_PEERS == 32
+
+
+#: cudaMemcpyDefault: the direction from the addresses (UVA), for copies whose end may be device memory (ipc) or
+#: registered host memory (the staged transport)
+_MEMCPY_DEFAULT = 4
+
+
+class _Pinned:
+    """Host-mapped pinned int64 array, written by kernels and read by the host without a copy (UVA)."""
+
+    def __init__(self, count: int):
+        rt = _compat.cupy.cuda.runtime
+        self.nbytes = 8 * count
+        self.ptr = rt.hostAlloc(self.nbytes, rt.hostAllocMapped)
+        self.array = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(self.ptr))
+        self.array[:] = 0
+
+    def free(self) -> None:
+        if self.ptr:
+            _compat.cupy.cuda.runtime.freeHost(self.ptr)
+            self.ptr = 0
+
+
+def part_geometry(a) -> tuple:
+    """``(base address, row stride, row width)`` in bytes of an array whose rows (everything after axis 0) are
+    contiguous."""
+    width = a.dtype.itemsize * math.prod(a.shape[1:])
+    stride = a.strides[0] if a.shape[0] > 1 else width
+    return int(a.data.ptr), int(stride), int(width)
+
+
+#: Bulk-copy stages of a ring-kernel block take at most this much dynamic shared memory (bytes).
+BULK_SMEM_MAX = 192 * 1024
+
+
+def bulk_shared_bytes(function, defines) -> int:
+    """Dynamic shared memory for the ring kernel's bulk copies (``-DSYMBUF_BULK=1`` among its defines or
+    ``CUPY_SYMBUF_NVRTC_DEFINES``, on a GPU of compute capability 9.0 or newer): what the device lets a block opt
+    into beside the kernel's static shared memory, capped at BULK_SMEM_MAX; the kernel's attribute is raised to
+    it. 0 otherwise (the register copy)."""
+    cp = _compat.cupy
+    every = tuple(defines) + _kernels._tuning_defines()
+    if "-DSYMBUF_BULK=1" not in every:
+        return 0
+    dev = cp.cuda.Device()
+    if int(dev.compute_capability) < 90:
+        return 0
+    from cupy_backends.cuda.api import driver
+    optin = int(cp.cuda.runtime.deviceGetAttribute(97, dev.id))  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+    static = int(getattr(function, "shared_size_bytes", 16 * 1024))
+    smem = min(BULK_SMEM_MAX, optin - static - 1024) // 1024 * 1024
+    if smem <= 0:
+        return 0
+    driver.funcSetAttribute(int(function.kernel.ptr), 8, smem)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    return smem
+
+
+class _Launch:
+    """The launch descriptor of one plan and part strides (everything but the buffer addresses, written per
+    call); ``desc is None`` when nothing moves and there is no peer to tell (one rank)."""
+
+    __slots__ = ("desc", "addr", "copy_send", "send_words", "recv_words")
+
+    def __init__(self, desc, copy_send: bool, num_send: int, num_recv: int):
+        self.desc = desc
+        self.addr = 0 if desc is None else desc.ctypes.data
+        self.copy_send = copy_send
+        self.send_words = [DESC_SEND_PARTS + 4 * i for i in range(num_send)]
+        self.recv_words = [DESC_RECV_PARTS + 4 * i for i in range(num_recv)]
+
+
+_OPS_KEPT = 256
+
+
+class CudaTransport:
+    """Runs row exchanges (one ring-kernel launch per call) and the notify step over a cuda
+    :class:`~cupy_symbuf.SymBuffer`."""
+
+    def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
+        self.buf = buf
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.rank = buf.rank
+        self.world_size = buf.world_size
+        self.timeout_ns = np.uint64(int(timeout_s * 1e9))
+        self._status = _Pinned(P.STATUS_WORDS)
+        #: [count, first flat index] of topk_idx values out of range seen by a queued get_dispatch_layout kernel
+        #: (host-mapped; written only when it holds none), raised by synchronize (or at once with blocking)
+        self.layout_error = _Pinned(2)
+        self.layout_error_what = ""
+        width = P.NOTIFY_HDR_WORDS - 1 + layout.max_notify_ints
+        self._meta = _Pinned(self.world_size * width)
+        self._meta_in = _Pinned(self.world_size * layout.max_notify_ints)
+        #: the count exchange kernel stores its launch ticket here last (host-mapped): the host spins on it
+        self._notify_done = _Pinned(1)
+        #: the count exchange's epoch, kept on the device and advanced by the kernel (CUDA-graph replays count)
+        self._epoch = _compat.cupy.zeros(1, np.int64)
+        # The descriptor's static words; each plan gets a copy completed by _describe. It is the kernel's first
+        # parameter, passed by value (the driver copies it at launch, so it may be rewritten for the next call
+        # while this one is still queued on the stream).
+        self._desc = np.zeros(DESC_WORDS, np.int64)
+        d = self._desc
+        d[DESC_RANK], d[DESC_WORLD_SIZE], d[DESC_NUM_CHANNELS] = self.rank, self.world_size, layout.num_channels
+        d[DESC_REGION_BYTES], d[DESC_CHANNEL_BYTES] = layout.region_bytes, layout.channel_bytes
+        d[DESC_NUM_SLOTS], d[DESC_CHUNK_BYTES], d[DESC_TIMEOUT_NS] = layout.num_slots, layout.chunk_bytes, \
+            int(self.timeout_ns)
+        d[DESC_ABORT_OFFSET] = layout.abort_offset
+        #: the symmetric table (_protocol.SYM_TABLE_*): where every rank's block of each live symmetric allocation
+        #: is mapped in this process; the ring kernel's receivers look up a direct-mode sender's block in it
+        self.sym_table = _compat.cupy.zeros(P.SYM_TABLE_ROWS * P.SYM_TABLE_STRIDE, np.int64)
+        self._sym_rows = [None] * P.SYM_TABLE_ROWS  # allocation id per row
+        d[DESC_SYM_TABLE], d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = int(self.sym_table.data.ptr), -1, 0
+        d[P.DESC_PUSH_ALLOC: P.DESC_PUSH_ALLOC + MAX_PARTS] = -1
+        #: calls this rank sent in direct mode, and dispatches whose outputs its peers pushed into (tests, stats)
+        self.direct_calls = 0
+        self.push_calls = 0
+        #: (start, stop) CUDA events recorded around each ring-kernel launch when set (``bench --breakdown``)
+        self.kernel_events = None
+        self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
+        # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
+        geo = kernel_geometry(self.world_size)
+        self._k_ring = _kernels.get_function(RING_SOURCE, RING_KERNEL, ring_kernel_defines(self.world_size))
+        self._k_notify = _kernels.get_function(RING_SOURCE, NOTIFY_KERNEL)
+        # the count exchange through a prebuilt parameter block (_kernels.Launcher): the static arguments once
+        self._l_notify = _kernels.Launcher(self._k_notify, ("u64", "u64", "i32", "u64", "i64", "i64", "i64", "u64",
+                                                            "i32", "i32") + ("i64",) * 7 + ("u64",) * 3 +
+                                           ("u64",) * 4 + ("i64", "i64", "i32", "u64", "u64"))
+        self._notify_args = [0, self._meta.ptr, 0, int(self._epoch.data.ptr), 0, 0, 0,
+                             int(buf.peer_ptrs_device.data.ptr), self.rank, self.world_size,
+                             *[int(v) for v in layout.kernel_args()], int(layout.abort_offset),
+                             int(self.timeout_ns), self._status.ptr, 0, 0, 0, 0, 0, 1, -1, 0,
+                             self._notify_done.ptr, 0]
+        self._ticket = 0  # of the last count exchange whose result the host waits for (notify_result)
+        #: Config.mode == "copy_engine": alltoalls of symmetric arrays of at least CE_MIN_BYTES per peer are pulled
+        #: by the copy engines (FLAG_CE; every rank's sendbuf the same allocation and offset, checked by the kernel)
+        self.copy_engine = False
+        #: calls moved by the copy engines (tests, stats)
+        self.ce_calls = 0
+        self._l_ce = _kernels.Launcher(_kernels.get_function(RING_SOURCE, CE_KERNEL),
+                                       ("u64", "i32", "i32", "i32", "i64", "i64", "i64", "u64", "u64", "u64"))
+        self._ce_args = [int(buf.peer_ptrs_device.data.ptr), self.rank, self.world_size, layout.num_channels,
+                         layout.region_bytes, layout.channel_bytes, int(layout.abort_offset), int(self.timeout_ns),
+                         self._status.ptr, 0]
+        if int(self._k_ring.max_threads_per_block) < geo.max_threads:
+            raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
+                               f"block, fewer than its variant's {geo.max_threads} (register limit?)")
+        self.ring_warps, self.self_warps, self.threads = geo.ring_warps, geo.self_warps, geo.threads
+        d[DESC_RING_WARPS], d[DESC_SELF_WARPS] = self.ring_warps, self.self_warps
+        # The ring kernel is launched through the driver API (cuLaunchKernel) with a parameter block built once:
+        # the descriptor array, the device array of peer bases and the error record. A few us per call instead of
+        # CuPy's argument marshalling, and the only way to pass a struct by value.
+        self._ptr_args = (ctypes.c_uint64 * 2)(buf.peer_ptrs_device.data.ptr, self._status.ptr)
+        base = ctypes.addressof(self._ptr_args)
+        self._arg_ptrs = (ctypes.c_void_p * 3)(self._desc.ctypes.data, base, base + 8)
+        self._bind_ring(ring_kernel_defines(self.world_size))
+        #: Config(trace=True): the kernels' channel telemetry (_trace.DeviceRecorder, see enable_trace), else None
+        self.trace = None
+        #: Config(adaptive=True): the work-sharing build's device load counters (enable_adaptive), else None
+        self.load = None
+        self._home = None
+        #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
+        #: next call or by ``synchronize()``; True: every call waits for its kernel and raises its own timeout.
+        self.blocking = False
+        self._seq = 0                  # launches so far; a failing wait writes its launch's number into the record
+        self._ops = [""] * _OPS_KEPT   # op name of launch seq, at seq % _OPS_KEPT
+        self._op_plans = [None] * _OPS_KEPT  # and its plan (error messages in rows)
+        self._last_stream = None       # stream of the last launch (collectives are ordered across streams)
+        self._reported = False
+        self.rejected_why = P.REJECT_ARGS
+        #: copies made for calls captured into CUDA graphs (their replays read them), released by close()
+        self.graph_keep = []
+        #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
+        self.pending_rejection = None
+
+    def _bind_ring(self, defines) -> None:
+        """Compile (or fetch) the ring kernel variant ``defines`` and make it the one every call launches."""
+        from cupy_backends.cuda.api import driver
+        self._k_ring = _kernels.get_function(RING_SOURCE, RING_KERNEL, tuple(defines))
+        if int(self._k_ring.max_threads_per_block) < self.threads:
+            raise RuntimeError(f"{RING_KERNEL} {' '.join(defines)}: compiled for {self._k_ring.max_threads_per_block} "
+                               f"threads per block, fewer than the {self.threads} it is launched with")
+        fn = int(self._k_ring.kernel.ptr)
+        params = ctypes.addressof(self._arg_ptrs)
+        grid, threads = 2 * self.layout.num_channels, self.threads
+        #: SYMBUF_BULK (sm_90+): dynamic shared memory of each ring-kernel block, the copy warps' bulk-copy stages
+        # (not on the staged transport: cp.async.bulk may not read or write host memory, and every ring slot is
+        # host memory there; the kernel then takes its register copy)
+        staged = getattr(self.buf, "transport", "ipc") == "staged"
+        self.bulk_smem = 0 if staged else bulk_shared_bytes(self._k_ring, defines)
+        smem = self.bulk_smem
+        self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
+                                                              params, 0)
+
+    def _variant(self) -> tuple:
+        """The ring kernel's build for this world size and the local options (telemetry, work sharing)."""
+        return ring_kernel_defines(self.world_size) + (("-DSYMBUF_TRACE=1",) if self.trace is not None else ()) + \
+            (("-DSYMBUF_ADAPTIVE=1",) if self.load is not None else ())
+
+    def enable_adaptive(self) -> None:
+        """``Config(adaptive=True)`` (at construction, before any call): the ring kernel's work-sharing build
+        (``SYMBUF_ADAPTIVE=1``, same wire) and its load counters (device int64 ``[2, num_channels, world_size,
+        LOAD_WORDS]``, ``DESC_LOAD``). Local policy."""
+        cp = _compat.cupy
+        C, W = self.layout.num_channels, self.world_size
+        self.load = cp.zeros((2, C, W, P.LOAD_WORDS), np.int64)
+        self._load_host = _Pinned(self.load.size)  # the asynchronous snapshot (load_snapshot)
+        self._load_event = None
+        self._desc[P.DESC_LOAD] = int(self.load.data.ptr)
+        self._home = np.full(P.HOME_WORDS, -1, np.int64)  # every byte HOME_OWN
+        self._desc[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
+        self._bind_ring(self._variant())
+        self.load_snapshot()  # the first snapshot (zeros) in flight: every due interval has one to re-balance from
+
+    def set_home(self, load) -> None:
+        """The home map of ``load`` (:class:`~cupy_symbuf.adaptive.ChannelLoad`) for the next launches (written
+        into each call's descriptor; a captured graph keeps the words of its capture)."""
+        if self.load is not None:
+            self._home = np.asarray(load.words, np.int64).copy()
+
+    def load_snapshot(self):
+        """The load counters as of the previous call of this method (int64 ``[2, C, W, LOAD_WORDS]``), without
+        waiting: queues a copy of the device counters into pinned memory on the current stream and returns the one
+        queued last time once its event completed (None before that)."""
+        cp = _compat.cupy
+        got = None
+        ev = self._load_event
+        if ev is not None:
+            if not ev.done:
+                return None  # the last copy is still queued: no new one
+            got = self._load_host.array.reshape(self.load.shape).copy()
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(self._load_host.ptr, int(self.load.data.ptr), self.load.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._load_event = cp.cuda.Event(disable_timing=True)
+        self._load_event.record(stream)
+        return got
+
+    def load_totals(self) -> np.ndarray:
+        """The device load counters now (waits for every queued kernel)."""
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        return _compat.cupy.asnumpy(self.load)
+
+    def load_reset(self) -> None:
+        """Zero the device load counters (after every queued kernel); a snapshot still pending is dropped (it holds
+        the counters from before the reset)."""
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        self.load.fill(0)
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        self._load_event = None
+
+    def enable_trace(self, capacity: int = 1 << 18):
+        """``Config(trace=True)`` (at construction, before any call): the ring kernel's telemetry build
+        (``SYMBUF_TRACE=1``: same protocol, a record per chunk / direct slice / own-rows share) and its device buffer
+        of ``capacity`` records; returns the :class:`~cupy_symbuf.transport.trace.DeviceRecorder`. Local policy: the build
+        differs from the peers' only by the records it writes."""
+        from .trace import DeviceRecorder
+        self.trace = DeviceRecorder(capacity)
+        self._desc[P.DESC_TRACE], self._desc[P.DESC_TRACE_CAP] = self.trace.ptr, self.trace.capacity
+        self._bind_ring(self._variant())
+        return self.trace
+
+    def close(self):
+        """Wait for queued kernels, free the host records; return the error recorded but not yet raised (or
+        None)."""
+        _compat.cupy.cuda.runtime.deviceSynchronize()  # queued kernels still write the error record
+        err = None
+        if not self._reported:
+            try:
+                self.check("close")
+            except (SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError) as exc:
+                err = exc
+        rejected = self.take_rejected()  # a peer's rejection of a queued call that no synchronize() reported
+        if rejected is not None:
+            who, seq = rejected
+            self.pending_rejection = SymBufferRejectedError(
+                f"close: rank {who} rejected a queued collective ({self._op_name(seq)}) and no synchronize() "
+                f"reported it: that call's rows from rank {who} were not delivered", rank=self.rank,
+                rejecting_rank=who, op=self._op_name(seq))
+        self._status.free()
+        self.graph_keep = []
+        self._notify_done.free()
+        self.layout_error.free()
+        self._meta.free()
+        self._meta_in.free()
+        if self.load is not None:
+            self._load_host.free()
+        return err
+
+    def _next_launch(self, op: str, stream, plan=None) -> int:
+        """Number this launch (for the error record) and order it after the previous launch when that one went
+        to another stream: every kernel starts from the ring counters the previous one left."""
+        last = self._last_stream
+        if last is not None and last.ptr != stream.ptr and not stream.is_capturing():
+            ev = _compat.cupy.cuda.Event(disable_timing=True)
+            ev.record(last)
+            stream.wait_event(ev)
+        self._last_stream = stream
+        self._seq += 1
+        self._ops[self._seq % _OPS_KEPT] = op
+        self._op_plans[self._seq % _OPS_KEPT] = plan
+        return self._seq
+
+    # ---- errors ---------------------------------------------------------------------------------------------
+    def synchronize(self, op: str = "synchronize") -> None:
+        """Wait for the last launch (and the current stream), then raise a recorded error, or the rejection of a
+        queued call by a peer (:class:`SymBufferRejectedError`, once)."""
+        if self._last_stream is not None:
+            self._last_stream.synchronize()
+        self.check(op, _compat.cupy.cuda.get_current_stream())
+        rejected = self.take_rejected()
+        if rejected is not None:
+            who, seq = rejected
+            failed = self._op_name(seq)
+            if self.rejected_why == P.REJECT_SIG:
+                raise SymBufferRejectedError(
+                    f"{failed} (queued earlier; found by {op}): ranks disagree on the row layout (dtype, hidden, "
+                    f"top-k, weights or num_experts): rank {who}'s differs from this rank's; nothing was exchanged "
+                    f"and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+            if who == self.rank:
+                what = "send_counts negative or not summing to the rows of sendbuf" if failed == "alltoallv" else \
+                    "a topk_idx value outside [-1, num_experts)"
+                raise SymBufferRejectedError(
+                    f"{failed} (queued earlier; found by {op}): this rank rejected its own arguments on the device "
+                    f"({what}); nothing was exchanged and the communicator stays usable", rank=self.rank,
+                    rejecting_rank=who, op=failed)
+            raise SymBufferRejectedError(
+                f"{failed} (queued earlier; found by {op}): rank {who} rejected the call (its own arguments failed "
+                f"its checks; see rank {who}'s error); the rows from rank {who} were not delivered; the "
+                f"communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+
+    def check_layout_error(self, op: str) -> None:
+        """Raise ``ValueError`` (once) when a get_dispatch_layout kernel found topk_idx values out of range (read
+        after the stream was synchronised)."""
+        le = self.layout_error.array
+        if le[0]:
+            count, flat = int(le[0]), int(le[1])
+            le[0] = le[1] = 0
+            raise ValueError(f"get_dispatch_layout (queued earlier; found by {op}): {count} topk_idx value(s) "
+                             f"outside [-1, num_experts), the first at flat index {flat} (topk_idx shape and "
+                             f"num_experts: {self.layout_error_what}); "
+                             f"those slots were left out of the returned counts")
+
+    def _op_name(self, seq: int) -> str:
+        return self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else "a queued collective"
+
+    def take_rejected(self):
+        """``(rejecting rank, launch seq)`` recorded by a kernel that received a rejected call header, or None;
+        clears it."""
+        st = self._status.array
+        who = int(st[P.STATUS_REJECTED_BY])
+        if not who:
+            return None
+        seq = int(st[P.STATUS_REJECTED_SEQ])
+        self.rejected_why = int(st[P.STATUS_REJECTED_WHY])
+        st[P.STATUS_REJECTED_BY] = st[P.STATUS_REJECTED_SEQ] = st[P.STATUS_REJECTED_WHY] = 0
+        return who - 1, seq
+
+    def check(self, op: str, stream=None) -> None:
+        """Raise the error a kernel recorded, if any; with ``stream``, wait for it first.
+
+        Without ``stream`` this reads the host-mapped error record without waiting: a failure shows as soon as a
+        wait has recorded it. The record stays set (a failed communicator refuses further calls; queued kernels
+        that still wait see it on the device and give up at once). The error names the operation whose kernel
+        failed, and ``op`` (the call that found it) when that was a later one.
+        """
+        if stream is not None:
+            stream.synchronize()
+        st = self._status.array
+        if not st[P.STATUS_FLAG]:
+            return
+        if stream is None:  # order our reads of the fields after the flag (and let the failing kernels end)
+            _compat.cupy.cuda.runtime.deviceSynchronize()
+        info = [int(v) for v in st]
+        seq = info[P.STATUS_SEQ]
+        failed = self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else ""
+        # after our own launch (stream given, same launch) the failure is this call's; else an earlier call's
+        where = op if stream is not None and seq == self._seq and failed == op else \
+            f"{failed or 'an earlier collective'} (queued earlier; found by {op})"
+        self._reported = True
+        plan = self._op_plans[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else None
+        raise self._error(where, info, plan)
+
+    def _error(self, where: str, info: list, plan=None):
+        kind, field = info[P.STATUS_KIND], info[P.STATUS_FIELD]
+        rank, peer, channel = info[P.STATUS_RANK], info[P.STATUS_PEER], info[P.STATUS_CHANNEL]
+        head, tail = info[P.STATUS_HEAD], info[P.STATUS_TAIL]
+        role = P.ROLE_NAMES.get(info[P.STATUS_ROLE], str(info[P.STATUS_ROLE]))
+        if kind == P.ERR_MISMATCH:
+            return mismatch_error(where, rank, peer, channel, field, head, tail, plan)
+        if kind == P.ERR_ABORTED:
+            return aborted_error(where, rank, self.read_abort_line())
+        if kind == P.ERR_INVARIANT:
+            return SymBufferMismatchError(
+                f"{where}: CUPY_SYMBUF_DEBUG: {P.FIELD_NAMES.get(field, field)} on rank {rank}, peer {peer}, "
+                f"channel {channel} ({role}: head={head} tail={tail})", rank=rank, peer=peer, channel=channel,
+                op=where, field=P.FIELD_NAMES.get(field, str(field)), expected=head, got=tail)
+        return SymBufferTimeoutError(rank=rank, peer=peer, channel=channel, role=role, head=head, tail=tail,
+                                     timeout_s=self.timeout_s, op=where)
+
+    # ---- abort word -----------------------------------------------------------------------------------------
+    def read_abort_line(self) -> np.ndarray:
+        """This rank's abort line (int64 ``[16]``), copied from device memory (waits for nothing else)."""
+        out = np.zeros(P.HDR_WORDS, np.int64)
+        rt = _compat.cupy.cuda.runtime
+        rt.memcpy(out.ctypes.data, self.buf.peer_ptrs[self.rank] + self.layout.abort_offset, out.nbytes,
+                  _MEMCPY_DEFAULT)  # by address: device memory (ipc) or mapped host memory (staged)
+        return out
+
+    def check_abort(self, op: str) -> None:
+        """Raise :class:`SymBufferAbortedError` when this rank's abort word is set (one small device read)."""
+        line = self.read_abort_line()
+        if line[P.ABORT_FLAG]:
+            raise aborted_error(op, self.rank, line)
+
+    def set_abort(self, reason: int, peer: int = -1, channel: int = -1, detail: int = 0) -> None:
+        """Write this rank's abort into every rank's abort line (fields, then the flag); every waiting kernel of
+        every rank leaves with an error naming this rank."""
+        rt = _compat.cupy.cuda.runtime
+        fields = np.zeros(P.ABORT_DETAIL + 1, np.int64)
+        fields[P.ABORT_RANK], fields[P.ABORT_REASON] = self.rank, reason
+        fields[P.ABORT_PEER], fields[P.ABORT_CHANNEL], fields[P.ABORT_DETAIL] = peer, channel, detail
+        flag = np.ones(1, np.int64)
+        off = self.layout.abort_offset
+        for base in self.buf.peer_ptrs:  # synchronous copies: every rank's fields land before any flag
+            rt.memcpy(base + off + 8, fields[1:].ctypes.data, fields.nbytes - 8, _MEMCPY_DEFAULT)
+        for base in self.buf.peer_ptrs:
+            rt.memcpy(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT)
+
+    # ---- symmetric table ------------------------------------------------------------------------------------
+    def sym_register(self, alloc) -> bool:
+        """Enter symmetric allocation ``alloc`` (``SymmetricAllocation``) in the symmetric table; False when the
+        table is full (``SYM_TABLE_ROWS`` live allocations; the same on every rank, as allocation is collective):
+        then its sendbufs go through the rings. Synchronous (a row is written before any kernel can name it)."""
+        try:
+            row = self._sym_rows.index(None)
+        except ValueError:
+            return False
+        words = np.zeros(P.SYM_TABLE_STRIDE, np.int64)
+        words[0], words[1] = alloc.id + 1, alloc.buffer.nbytes
+        words[2: 2 + self.world_size] = alloc.buffer.peer_ptrs
+        s = row * P.SYM_TABLE_STRIDE
+        self.sym_table[s: s + P.SYM_TABLE_STRIDE].set(words)
+        _compat.cupy.cuda.runtime.deviceSynchronize()
+        self._sym_rows[row] = alloc.id
+        return True
+
+    def sym_unregister(self, alloc) -> None:
+        """Clear ``alloc``'s row (after the device was synchronised: no queued kernel reads it)."""
+        if alloc.id in self._sym_rows:
+            row = self._sym_rows.index(alloc.id)
+            s = row * P.SYM_TABLE_STRIDE
+            self.sym_table[s: s + P.SYM_TABLE_STRIDE].set(np.zeros(P.SYM_TABLE_STRIDE, np.int64))
+            _compat.cupy.cuda.runtime.deviceSynchronize()  # before the row can be given to a new allocation
+            self._sym_rows[row] = None
+        alloc.registered = False
+
+    # ---- row exchange ---------------------------------------------------------------------------------------
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0,
+                      push=None) -> list:
+        """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`) in one kernel launch on the current
+        stream: every (channel, peer) stream sends its call header and its chunks and receives the peer's.
+
+        ``send_parts``: CuPy arrays ``[n, ...]`` whose rows (all axes after the first) are contiguous, any row
+        stride; ``send_index``: int64 CuPy array ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
+        ``direct``: ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` (``Engine.direct_source``): the send part
+        lies in a registered symmetric allocation; every peer's kernel copies its share straight out of it
+        (MODE_DIRECT headers, no payload chunks) and this rank's kernel ends once every peer has.
+        ``push``: ``(allocation id or -1 per receive part, rows of the receive parts)`` (``Engine.push_targets``):
+        MODE_PUSH, the peers write those parts of their rows straight into ``recv_parts`` (symmetric outputs).
+        Returns once the kernel is queued, with ``[]``; with ``self.blocking`` once it ended, with the ranks that
+        rejected the call. Raises an error an earlier kernel recorded, before anything else.
+        """
+        cp = _compat.cupy
+        self.check(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+        strides = tuple(a.strides[0] if a.shape[0] > 1 else -1 for a in send_parts)
+        launches = plan.engine_data
+        if launches is None:
+            launches = plan.engine_data = {}
+        launch = launches.get(strides)
+        if launch is None:
+            launch = launches[strides] = self._describe(plan, send_parts, recv_parts)
+        d = launch.desc
+        if d is None:
+            return []  # one rank, nothing to move
+        copies = None
+        if launch.copy_send:  # a byte stream is one span per peer: rows that are not contiguous are copied first
+            send_parts = copies = [cp.ascontiguousarray(send_parts[0])]
+        for w, a in zip(launch.send_words, send_parts):
+            d[w] = a.data.ptr
+        for w, a in zip(launch.recv_words, recv_parts):
+            d[w] = a.data.ptr
+        if send_index is not None:
+            index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
+            if index is not send_index:
+                copies = (copies or []) + [index]
+            d[DESC_SEND_INDEX] = index.data.ptr
+        d[DESC_COUNTS] = counts  # a device counts table (device-count plans), else 0
+        ce = False
+        if direct is not None and not launch.copy_send:
+            d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = direct[1].id, direct[2]
+            self.direct_calls += 1
+            ce = self.copy_engine and plan.op == "alltoall" and counts == 0 and self.world_size > 1 and \
+                int(plan.send_units[0]) >= P.CE_MIN_BYTES
+        else:
+            d[DESC_DIRECT_ALLOC] = -1
+        flags = (P.FLAG_REJECT if plan.reject else 0) | (P.FLAG_CE if ce else 0)
+        if push is not None and not plan.reject:
+            ids, rows = push
+            d[P.DESC_PUSH_ALLOC: P.DESC_PUSH_ALLOC + len(ids)] = ids
+            d[P.DESC_PUSH_ROWS] = rows
+            flags |= P.FLAG_PUSH
+            self.push_calls += 1
+        d[DESC_FLAGS] = flags
+        if self._home is not None:  # adaptive: the current home map (plans keep no copy of their own)
+            d[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
+        stream = cp.cuda.get_current_stream()
+        if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
+            self.graph_keep.extend(copies)
+        d[DESC_SEQ] = self._next_launch(op, stream, plan)
+        self._arg_ptrs[0] = launch.addr  # the driver copies the descriptor at launch: it may change after
+        if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
+            self.kernel_events[0].record(stream)
+        self._launch(stream.ptr)
+        if ce:
+            self._copy_engine_pull(plan, direct, recv_parts[0], stream, int(d[DESC_SEQ]))
+        if self.kernel_events is not None:
+            self.kernel_events[1].record(stream)
+        if self.blocking:
+            self.check(op, stream)
+            rejected = self.take_rejected()
+            return [] if rejected is None else [rejected[0]]
+        return []
+
+    def _copy_engine_pull(self, plan, direct, recv, stream, seq: int) -> None:
+        """FLAG_CE, after the ring kernel (which checked that every peer's stream lies where this assumes and copied
+        nothing, this rank's own rows included). The copies are queued before that check's outcome is known: on a
+        call a peer rejected (or that failed) they still read the peer's block, so ``recv`` then holds arbitrary
+        bytes for that peer, and the call raises (:class:`SymBufferRejectedError` / the failure). One
+        ``cudaMemcpyAsync`` per rank, from its block of the same symmetric allocation at this rank's own offset plus
+        this rank's rows, into ``recv``, then ``symbuf_ce_finish`` (heads back, the peers' heads awaited)."""
+        rt = _compat.cupy.cuda.runtime
+        alloc, off = direct[1], direct[2]
+        src_off = off + int(plan.send_first[self.rank])
+        dst = int(recv.data.ptr)
+        for j in range(self.world_size):  # this rank's own rows too (the kernel left them to the copy engine)
+            rt.memcpyAsync(dst + int(plan.recv_first[j]), alloc.buffer.peer_ptrs[j] + src_off,
+                           int(plan.recv_units[j]), _MEMCPY_DEFAULT, stream.ptr)
+        a = self._ce_args
+        a[-1] = seq
+        self._l_ce(1, 256, a, stream=stream)
+        self.ce_calls += 1
+
+    def _describe(self, plan, send_parts, recv_parts) -> _Launch:
+        """The descriptor of ``plan`` for these parts' strides (addresses are filled per call)."""
+        W = self.world_size
+        d = self._desc.copy()  # the static words (rank, layout, warps) and room for this plan
+        d[DESC_OP], d[DESC_SIG], d[DESC_FLAGS] = plan.op_code, plan.sig, P.FLAG_REJECT if plan.reject else 0
+        d[DESC_SEND_INDEX] = d[DESC_RECV_INDEX] = 0
+        if plan.reject:
+            d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = 1, 1
+            d[DESC_NUM_SEND_PARTS] = d[DESC_NUM_RECV_PARTS] = 0
+            return _Launch(d, False, 0, 0)
+        sgeo = [part_geometry(a) for a in send_parts]
+        rgeo = [part_geometry(a) for a in recv_parts]
+        if W == 1 and not plan.send_units.any() and not plan.device_counts:
+            return _Launch(None, False, 0, 0)
+        if [g[2] for g in sgeo] != list(plan.part_widths) or [g[2] for g in rgeo] != list(plan.part_widths) or \
+                (plan.byte_stream and rgeo[0][1] != rgeo[0][2]):
+            raise AssertionError(f"{plan.op}: internal: parts differ from the plan ({sgeo} vs {rgeo} vs {plan})")
+        copy_send = plan.byte_stream and sgeo[0][1] != sgeo[0][2]
+        if plan.byte_stream:  # 1-byte rows; channel boundaries 16-byte aligned
+            sgeo = rgeo = [(0, 1, 1)]
+        d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = plan.unit_bytes, plan.align
+        for base, geo in ((DESC_SEND_PARTS, sgeo), (DESC_RECV_PARTS, rgeo)):
+            off = 0
+            for i, (_, stride, width) in enumerate(geo):
+                d[base + 4 * i: base + 4 * i + 4] = (0, stride, width, off)  # base address: per call
+                off += width
+        d[DESC_NUM_SEND_PARTS], d[DESC_NUM_RECV_PARTS] = len(sgeo), len(rgeo)
+        peers = d[DESC_PEERS: DESC_PEERS + 4 * W].reshape(4, W)
+        peers[0], peers[1], peers[2], peers[3] = plan.send_first, plan.send_units, plan.recv_first, plan.recv_units
+        return _Launch(d, copy_send, len(send_parts), len(recv_parts))
+
+    # ---- notify ---------------------------------------------------------------------------------------------
+    def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify", *, op_code: int = 0, status: int = 0,
+               sig: int = 0, wait: bool = True) -> np.ndarray:
+        """Count exchange (``cuda_src/ring_exchange.cu`` ``symbuf_notify``): ``send_meta`` int64 ``[W, M]``;
+        returns int64 ``[W, 3 + M]`` whose row ``s`` is rank ``s``'s ``[op, status, signature, values...]``.
+        Waits (the host needs the counts) unless ``wait`` is False (a rejection told to the peers), then returns
+        None. ``epoch`` is the host engine's; the kernel keeps its own in device memory."""
+        W, M = send_meta.shape
+        self.check(op)  # a failure of an earlier, unawaited call surfaces first
+        self._meta_in.array[: W * M] = send_meta.reshape(-1)  # read by the kernel from pinned memory
+        self.notify_device(self._meta_in.ptr, M, op, op_code=op_code, status=status, sig=sig)
+        if not wait:
+            return None
+        return self.notify_result(op, M)
+
+    def notify_result(self, op: str, M: int) -> np.ndarray:
+        """Wait for the last count exchange and return its host-mapped result, int64 ``[W, 3 + M]``.
+
+        The one host wait of an eager call (DeepEP's ``notify_dispatch`` idea): the host spins on the kernel's
+        host-mapped done word (its launch ticket, stored last with a system-scope release) instead of
+        synchronising the stream; after ``timeout_s`` (a kernel queued before it never ends) or when the error
+        record is set, the stream is synchronised and the recorded error raised."""
+        done, st, want = self._notify_done.array, self._status.array, self._ticket
+        deadline = None
+        spins = 0
+        while done[0] != want and not st[P.STATUS_FLAG]:
+            spins += 1
+            if spins & 1023 == 0:
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout_s
+                elif time.monotonic() > deadline:
+                    break
+        if done[0] != want or st[P.STATUS_FLAG]:
+            self.check(op, _compat.cupy.cuda.get_current_stream())
+        W = self.world_size
+        width = P.NOTIFY_HDR_WORDS - 1 + M
+        return self._meta.array[: W * width].reshape(W, width).copy()
+
+    def sent_meta(self, M: int) -> np.ndarray:
+        """int64 ``[W, M]``: what the last count exchange with ``echo`` sent (read after :meth:`notify_result`)."""
+        return self._meta_in.array[: self.world_size * M].reshape(self.world_size, M).copy()
+
+    def notify_device(self, send_meta_ptr: int, M: int, op: str, *, op_code: int, status: int, sig: int,
+                      local_reject: int = 0, echo: bool = False, sums: int = 0, table: int = 0, scale: int = 1,
+                      capacity: int = -1, device_checks: bool = False) -> None:
+        """Queue the count exchange kernel on the current stream and return at once (graph-capturable: nothing
+        is read on the host). ``send_meta_ptr``: device (or host-mapped) int64 ``[W, M]``; ``local_reject``,
+        ``sums``, ``table``: device addresses or 0 (see the kernel's comment); ``echo``: copy the sent values
+        into host-mapped memory (:meth:`sent_meta`)."""
+        W = self.world_size
+        stream = _compat.cupy.cuda.get_current_stream()
+        threads = max(32, min(1024, (max(W, M) + 31) // 32 * 32))
+        a = self._notify_args
+        a[0] = send_meta_ptr
+        a[2], a[4], a[5], a[6] = M, op_code, status, sig
+        a[19] = self._next_launch(op, stream)
+        a[20], a[21], a[22], a[23] = local_reject, self._meta_in.ptr if echo else 0, sums, table
+        a[24], a[25], a[26] = scale, capacity, 1 if device_checks else 0
+        # the done word only for calls whose result the host waits for: a captured (device-checked) call replayed
+        # later must never overwrite the ticket an eager call's host is spinning on
+        self._ticket += 1
+        a[27], a[28] = (0, 0) if device_checks else (self._notify_done.ptr, self._ticket)
+        self._l_notify(1, threads, a, stream=stream)

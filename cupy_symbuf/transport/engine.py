@@ -1,0 +1,503 @@
+"""The internal interface every collective uses (``communicator.py`` for alltoall(v), ``moe.py`` for dispatch and
+combine): agreed plans, the count exchange, row exchanges, and the rules that keep ranks in step.
+
+A collective runs inside :meth:`Engine.call`. Until its first communication step it may reject its arguments;
+a rejection (any exception) is then told to the peers under the same call (a rejected count exchange, or rejected
+call headers in every ring), so every rank raises and no ring falls out of step: the rejecting rank its own
+error, the peers :class:`~cupy_symbuf.SymBufferRejectedError`. Any exception inside a transport step marks the
+communicator broken (its ring counters may be out of step).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+
+from ..common import backend as _compat
+from ..wire import protocol as P
+from ..wire.plan import PlanCache, check_bytes, kernel_geometry, part_width
+from ..common.errors import SymBufferError, SymBufferRejectedError, mismatch_error
+
+__all__ = ["Engine", "row_signature"]
+
+
+def row_signature(a) -> str:
+    """What the rows of ``a`` must agree on across ranks: dtype and row shape (everything after axis 0). The dtype
+    by its byte-order string and its name or fields: ``dtype.str`` alone is ``'<V1'`` for every ml_dtypes fp8 type
+    and ``'|V8'`` for any 8-byte structured dtype."""
+    dt = np.dtype(a.dtype)
+    return f"{dt.str}:{dt}{tuple(a.shape[1:])}"
+
+
+def _addr(a) -> int:
+    """Device address of a CuPy array, an address given as an int, or 0 for None."""
+    if a is None:
+        return 0
+    return a if isinstance(a, int) else a.data.ptr
+
+
+class _CallState:
+    """``started``: a communication step ran; ``pending``: the peers are still inside the call (a step that is not
+    the call's last one completed, e.g. the count exchange before the row exchange)."""
+
+    __slots__ = ("started", "pending")
+
+    def __init__(self):
+        self.started = False
+        self.pending = False
+
+
+class Engine:
+    """The transport of one communicator behind the collectives.
+
+    Attributes ``rank``, ``world_size``, ``backend``, ``xp``, ``config``, ``layout``, ``transport``, ``plans``
+    (:class:`~cupy_symbuf.wire.plan.PlanCache`). ``owner`` is the :class:`~cupy_symbuf.Communicator` (its
+    ``_check_open`` and ``_broken`` are the lifecycle's).
+    """
+
+    def __init__(self, owner, transport, layout, config, *, rank: int, world_size: int, backend: str):
+        self.owner = owner
+        self.transport = transport
+        self.layout, self.config = layout, config
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.xp = _compat.array_module(backend)
+        self.plans = PlanCache(layout, rank, host=backend == "host")
+        self._epoch = 0
+        self._state: Optional[_CallState] = None
+        self._rows_plans = {}
+        #: temporaries of calls captured into CUDA graphs (keep_for_graph), released with the communicator
+        self.graph_keep = []
+        # always-on counters (stats()): calls per plan since the last fold (a dict update per call), folded into
+        # per-operation byte totals per peer when it grows or stats() is asked for
+        self._calls: dict = {}
+        self._totals: dict = {}
+        # load counters per (role, channel, peer) and the adaptive home map (Config(adaptive=True); adaptive.py)
+        from .adaptive import ChannelLoad
+        self.load = ChannelLoad(world_size, rank, layout.num_channels, adaptive=config.adaptive,
+                                interval=config.adaptive_interval)
+        #: the GPU's work-sharing kernel counts the loads itself (device counters, device-count calls included)
+        self._device_load = backend == "cuda" and config.adaptive and world_size > 1
+
+    # ---- lifecycle hooks ------------------------------------------------------------------------------------
+    def check_open(self) -> None:
+        self.owner._check_open()
+
+    def _run(self, fn, *args, last: bool = True, **kwargs):
+        """Run one transport step (``last``: the call's last one); an exception of any type inside it marks the
+        communicator broken and tells the peers (:meth:`fail`)."""
+        state = self._state
+        if state is not None:
+            state.started = True
+        try:
+            out = fn(*args, **kwargs)
+        except SymBufferRejectedError:
+            raise  # a peer rejected a queued call (synchronize): the rings are in step, the communicator usable
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        if state is not None:
+            state.pending = not last
+        return out
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the communicator broken after ``exc`` (once), and unless the transport already told every rank
+        (its timeouts, mismatches and aborts set the abort word), set the abort word so that the peers' waits
+        leave at once with an error naming this rank instead of waiting out ``timeout_s``."""
+        if getattr(self.owner, "_broken", None):
+            return
+        self.owner._broken = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, SymBufferError):
+            try:
+                self.transport.set_abort(P.ERR_LOCAL)
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
+
+    def fatal(self, exc: BaseException) -> BaseException:
+        """An error this rank found between a call's steps that its peers cannot see (e.g. more rows than the
+        output capacity): mark the communicator broken and set the abort word so the peers leave at once;
+        returns ``exc`` to raise."""
+        if not getattr(self.owner, "_broken", None):
+            self.owner._broken = f"{type(exc).__name__}: {exc}"
+            try:
+                self.transport.set_abort(P.ERR_LOCAL)
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
+        return exc
+
+    # ---- one collective call -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def call(self, op: str, *, notify: bool):
+        """Context of one collective ``op`` (``notify``: its first step is a count exchange). An exception raised
+        before the first step is a rejection: the peers are told (they raise
+        :class:`~cupy_symbuf.SymBufferRejectedError`), then it propagates unchanged."""
+        self.check_open()
+        state = _CallState()
+        outer, self._state = self._state, state
+        try:
+            yield state
+        except BaseException as exc:  # KeyboardInterrupt too: a rank must never fall a call behind silently
+            if getattr(self.owner, "_broken", None) or isinstance(exc, SymBufferRejectedError) or \
+                    getattr(exc, "symbuf_agreed", False):
+                raise  # already failed, or an error every rank raises alike at the same step (still in step)
+            self._state = None
+            if not state.started:
+                self._tell_rejected(op, notify)  # the peers raise SymBufferRejectedError; usable
+            elif state.pending:  # between steps, the peers are inside the call: fatal, and they are told
+                self.fail(exc)
+            # after the last step (e.g. the combine reduction running out of memory): a local error, in step
+            raise
+        finally:
+            self._state = outer
+
+    def reject(self, op: str, notify: bool) -> None:
+        """A collective whose arguments this rank rejected before its first step (the caller re-raises its own
+        error after this): the peers are told, unless the communicator is already broken."""
+        if not getattr(self.owner, "_broken", None):
+            self._tell_rejected(op, notify)
+
+    def _tell_rejected(self, op: str, notify: bool) -> None:
+        """Take part in the call just far enough to tell every peer this rank rejected it."""
+        if self.world_size == 1:
+            return
+        if notify:
+            self._epoch += 1
+            self._run(self.transport.notify, np.zeros((self.world_size, 1), np.int64), self._epoch, op,
+                      op_code=P.op_code(op), status=P.HDR_REJECTED, sig=0, wait=self.backend != "cuda")
+        else:
+            self._run(self.transport.exchange_rows, self.plans.reject(op), [], None, [], op)
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+    def notify(self, op: str, send_meta: np.ndarray, sig_text: str = "", *, sig_what: str = "") -> np.ndarray:
+        """Count exchange through the symmetric buffer (every rank calls it, also with nothing to send).
+
+        ``send_meta`` int64 ``[world_size, M]`` (``1 <= M <= config.max_notify_ints``): row ``p`` goes to rank
+        ``p``. Returns int64 ``[world_size, M]``: row ``s`` is what rank ``s`` put in its row ``self.rank``.
+        Every rank sees every rank's operation, status and signature, so all raise alike: a rank that rejected
+        the call -> :class:`~cupy_symbuf.SymBufferRejectedError` (communicator usable); another operation ->
+        :class:`~cupy_symbuf.SymBufferMismatchError` (broken); another ``sig_text`` (dtype / row shape) ->
+        ``ValueError`` (usable: nothing moved).
+        """
+        send_meta = np.ascontiguousarray(send_meta, dtype=np.int64)
+        W = self.world_size
+        if send_meta.ndim != 2 or send_meta.shape[0] != W:
+            raise AssertionError(f"{op}: internal: send_meta must be [world_size={W}, M], got {send_meta.shape}")
+        if not 1 <= send_meta.shape[1] <= self.config.max_notify_ints:
+            raise ValueError(f"{op}: {send_meta.shape[1]} values per rank exceed Config.max_notify_ints="
+                             f"{self.config.max_notify_ints} (or are 0)")
+        # the number of values per rank is signed too: a peer reading more words than this rank wrote would read a
+        # stale slot (e.g. dispatch with another num_experts)
+        code, sig = P.op_code(op), P.signature(op, sig_text, send_meta.shape[1])
+        self._check_not_capturing(op)
+        self._epoch += 1
+        out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig,
+                        last=False)
+        return self._check_notify(op, out, code, sig, sig_text, sig_what)
+
+    def notify_device(self, op: str, meta, num_values: int, sig_text: str, *, table, sums, local_reject=None,
+                      scale: int = 1, capacity: int = -1, worst: bool = False, sig_what: str = "",
+                      self_error=None):
+        """The count exchange of a device-count call (GPU; array arguments may be device addresses as ints): the
+        values ``meta`` (device int64 ``[W, num_values]``,
+        made by a kernel: the host never sees them) go to the peers; the kernel writes the counts tables
+        ``table`` (device int64 ``[2 * CT_WORDS]``: this call's and the reverse call's) and ``sums`` (device int64
+        ``[num_values]``: each value summed over the sources). ``worst``: nothing is read on the host (the call
+        can be captured in a CUDA graph); the kernel checks status, op and signature itself and a rejection or
+        a signature difference is reported by ``synchronize``; rows received beyond ``capacity`` are fatal.
+        Otherwise the host waits once, checks as :meth:`notify` and returns ``(recv_values, sent_values)``, int64
+        ``[W, num_values]`` each. ``self_error()``: the exception this rank raises when ``local_reject`` (a device
+        word) made it reject the call (the peers raise :class:`~cupy_symbuf.SymBufferRejectedError`)."""
+        code, sig = P.op_code(op), P.signature(op, sig_text, num_values)
+        if not worst:
+            self._check_not_capturing(op)
+        self._epoch += 1
+        tr = self.transport
+        self._run(tr.notify_device, _addr(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
+                  local_reject=_addr(local_reject), echo=not worst, sums=_addr(sums), table=_addr(table),
+                  scale=scale, capacity=capacity, device_checks=worst, last=False)
+        if worst:
+            return None
+        out = self._run(tr.notify_result, op, num_values, last=False)
+        if self_error is not None and out[self.rank, 1] == P.HDR_REJECTED:
+            err = self_error()
+            err.symbuf_agreed = True  # the peers raise SymBufferRejectedError from the same count exchange
+            raise err
+        recv = self._check_notify(op, out, code, sig, sig_text, sig_what)
+        return recv, tr.sent_meta(num_values)
+
+    def keep_for_graph(self, *objs) -> None:
+        """While the current stream is being captured into a CUDA graph, keep ``objs`` (temporaries a captured kernel
+        reads or writes: int64 copies, contiguous copies, rows returned for the reduction) alive until
+        :meth:`Communicator.close`, so that replays never touch memory the pool gave to someone else. Outside a
+        capture: nothing (one ``cudaStreamIsCapturing``)."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            self.graph_keep.extend(o for o in objs if o is not None)
+
+    def _check_not_capturing(self, op: str) -> None:
+        """An eager count exchange reads the counts on the host: it cannot run inside a CUDA graph capture. Every
+        rank capturing the same program raises alike before any step (nothing queued, the communicator usable)."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            err = RuntimeError(f"{op}: this call reads its receive counts on the host and cannot be captured in a CUDA "
+                               f"graph; capture the worst-case form instead (dispatch(..., num_worst_tokens=N), "
+                               f"alltoallv(..., recv_capacity=N)) or a cached dispatch / combine with a handle")
+            err.symbuf_agreed = True
+            raise err
+
+    def push_targets(self, outs) -> Optional[tuple]:
+        """MODE_PUSH (GPU MoE dispatch into symmetric outputs, ``dispatch(out=...)``): which of the C-contiguous
+        receive arrays ``outs`` (one per row part, at their full capacity: never cut to this call's rows, which
+        only this rank knows) the peers can write into themselves: ``(ids, rows, sig)`` with ``ids`` the symmetric
+        allocation id of each part (-1: through the ring), ``rows`` the rows the pushed parts hold (a peer's stream
+        past them is a fatal capacity error in the kernel) and ``sig`` the text every rank's row signature gets
+        (allocation, byte offset and row bytes of each pushed part: the ranks must lay their outputs out alike, and
+        a difference is a signature mismatch on every rank, never a write elsewhere); or None: rings only (host
+        backend, ``Config.mode="ring"``, one rank, or no part is a registered symmetric array)."""
+        if self.backend != "cuda" or self.config.mode == "ring" or self.world_size == 1:
+            return None
+        ids, where, rows = [], [], []
+        for i, a in enumerate(outs):
+            sym = self.owner._heap.find(a)
+            if sym is not None and sym[0].registered:
+                ids.append(sym[0].id)
+                rows.append(int(a.shape[0]))
+                where.append(f"{i}:{sym[0].id}:{sym[1]}:{a.nbytes // max(1, a.shape[0])}")
+            else:
+                ids.append(-1)
+        if not where:
+            return None
+        return ids, min(rows), "|push=" + ";".join(where)
+
+    def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table, *,
+                             row_stream: bool = True, direct=None, push=None) -> None:
+        """Row exchange of a device-count call (GPU): like :meth:`exchange_rows`, the units to and from each peer
+        read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`): rows
+        (``row_stream``) or bytes (one part without index: a byte stream, the table scaled by the row bytes).
+        ``direct``: :meth:`direct_source` (a byte stream only). ``push``: ``(ids, rows)`` of :meth:`push_targets`
+        (its ``sig`` already in ``sig_text``): the peers write those receive parts straight into ``recv_parts``."""
+        plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
+                                 row_stream)
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
+                             direct if not row_stream else None, counts=int(table), push=push)
+        self._count(plan)
+        if rejected:
+            self._raise_rejected(op, rejected)
+
+    def _check_notify(self, op, out, code, sig, sig_text, sig_what):
+        ops, status, sigs = out[:, 0], out[:, 1], out[:, 2]
+        if (status == P.HDR_REJECTED).any():
+            who = int(np.flatnonzero(status == P.HDR_REJECTED)[0])
+            raise SymBufferRejectedError(
+                f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
+                f"nothing was exchanged and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=op)
+        if (ops != code).any():
+            who = int(np.flatnonzero(ops != code)[0])
+            err = mismatch_error(op, self.rank, who, -1, P.FIELD_OP, code, int(ops[who]))
+            self.owner._broken = str(err)
+            raise err
+        if (sigs != sig).any():
+            who = int(np.flatnonzero(sigs != sig)[0])
+            what = (sig_what() if callable(sig_what) else sig_what) or f"every rank must send rows of the same dtype and row shape; this rank has {sig_text}"
+            err = ValueError(f"{op}: {what}, but rank {who} does not (no data was sent)")
+            err.symbuf_agreed = True  # every rank raises it from the same count exchange: the call ends in step
+            raise err
+        return out[:, P.NOTIFY_HDR_WORDS - 1:]
+
+    @staticmethod
+    def check_size(op: str, name: str, counts, x) -> None:
+        """The size check of a plan, made on this rank's own counts before a count exchange (so that a failure is
+        a rejection told to the peers, not a rank falling out of the call after it)."""
+        check_bytes(op, name, counts, part_width(x))
+
+    def rows_plan(self, op: str, x, counts: np.ndarray, direct: bool = False):
+        """The plan of an equal-blocks call (``alltoall``: one row of ``x`` to and from every rank), cached by
+        shape, dtype and mode: the per-call path does no planning at all."""
+        key = (op, x.shape, x.dtype, direct)
+        plan = self._rows_plans.get(key)
+        if plan is None:
+            plan = self.plans.get(op, row_signature(x), [part_width(x)], False, counts, counts, direct)
+            if len(self._rows_plans) >= 64:
+                self._rows_plans.clear()
+            self._rows_plans[key] = plan
+        return plan
+
+    def direct_source(self, op: str, send_parts, send_index):
+        """How this rank's peers can copy this call's rows straight out of its sendbuf, or None (the rings).
+
+        One send part in row order (a byte stream), ``Config.mode`` other than ``"ring"``:
+        ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` when the part lies in a symmetric array
+        (``Communicator.empty``; GPU: one of the first ``SYM_TABLE_ROWS`` live ones); else, host engine only,
+        ``(MODE_CMA, pid, address)`` for a C-contiguous plain array of at least ``CMA_MIN_BYTES`` per peer (any
+        size with ``Config.mode="direct"``) when every rank can read every other's memory by cross-memory attach
+        (probed at construction). Either way one copy per byte, and the call returns (GPU: its kernel ends) once
+        every peer has copied. ``Config.mode="direct"`` makes a call that cannot go direct a ``ValueError`` (a
+        rejection; the peers are told) instead of a fallback to the rings."""
+        for a in send_parts:
+            self.owner._heap.check_live(op, "sendbuf", a)
+        mode = self.config.mode
+        if mode == "ring":
+            return None
+        found = None
+        if send_index is None and len(send_parts) == 1:
+            x = send_parts[0]
+            sym = self.owner._heap.find(x)
+            if sym is not None and (self.backend == "host" or sym[0].registered):
+                found = (P.MODE_DIRECT,) + sym
+            elif self.backend == "host" and self.transport.cma_pids is not None and x.flags.c_contiguous and \
+                    (mode == "direct" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
+                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], x.__array_interface__["data"][0])
+        # copy_engine: the peers pull an alltoall of CE_MIN_BYTES per peer from where this rank's rows would lie
+        # in their symmetric array, so a plain sendbuf of that size is refused (told to them) instead
+        must = mode == "direct" or (mode == "copy_engine" and op == "alltoall" and self.backend == "cuda" and
+                                    self.world_size > 1 and
+                                    sum(a.nbytes for a in send_parts) // self.world_size >= P.CE_MIN_BYTES)
+        if found is None and must and sum(a.nbytes for a in send_parts) > 0:
+            why = ("its rows are gathered through an index" if send_index is not None or len(send_parts) != 1
+                   else "sendbuf is not a C-contiguous symmetric array of this communicator (Communicator.empty)" +
+                   (", and cross-memory attach is not available between these ranks" if self.backend == "host" else
+                    f" among the first {P.SYM_TABLE_ROWS} live ones (the GPU path reads plain arrays only through "
+                    f"the rings)"))
+            raise ValueError(f"{op}: Config.mode={mode!r} but this call cannot move its rows directly: {why}")
+        return found
+
+    def run(self, plan, send_parts, send_index, recv_parts, direct=None, relaxed: bool = False) -> None:
+        """Run ``plan`` on the transport (the hot path of a validated call); raises
+        :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (see :meth:`exchange_rows`).
+        ``direct``: :meth:`direct_source` (``plan.direct`` must say the same); ``relaxed``: see
+        :func:`check_sync`."""
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op,
+                             *(() if direct is None else (direct,)), **self._relaxed(relaxed, direct))
+        self._count(plan)
+        if rejected:
+            self._raise_rejected(plan.op, rejected)
+
+    # ---- counters ---------------------------------------------------------------------------------------------
+    def _count(self, plan) -> None:
+        n = self._calls.get(plan)
+        self._calls[plan] = 1 if n is None else n + 1
+        if n is None and len(self._calls) > 256:
+            self._fold()
+        self.load.calls_total += 1
+        if self.load.adaptive:
+            self._adapt()
+
+    def _adapt(self) -> None:
+        """Config(adaptive=True), after every ring exchange: every ``adaptive_interval`` eager calls, re-balance
+        the home map from the loads since the last re-balance and hand it to the transport (the GPU's from its
+        device counters, read asynchronously: the map follows the loads of about one interval before). A call
+        being captured into a CUDA graph is not counted (the graph keeps the map of its capture)."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            return
+        if not self.load.due():
+            return
+        if self._device_load:
+            totals = self.transport.load_snapshot()
+            if totals is None:  # the first snapshot is still on its way: try again next interval
+                self.load.calls = 0
+                return
+        else:
+            self._fold()
+            totals = self.load.totals
+        if self.load.rebalance(totals):
+            self.transport.set_home(self.load)
+
+    def channel_stats(self, reset: bool = False) -> dict:
+        """See :meth:`Communicator.channel_stats`."""
+        if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
+            raise RuntimeError("channel_stats: not while a CUDA graph is being captured (it waits for the queued "
+                               "kernels); call it outside the capture")
+        self._fold()
+        if self._device_load:
+            totals = self.transport.load_totals()
+        else:
+            totals = self.load.totals
+        out = self.load.stats(totals, work_sharing=self._device_load and kernel_geometry(self.world_size).ring_warps > 1,
+                              detailed=self.load.adaptive)
+        if reset:
+            if self._device_load:
+                self.transport.load_reset()
+            self.load.reset()
+        return out
+
+    def _fold(self) -> None:
+        W = self.world_size
+        detailed = self.load.adaptive and not self._device_load  # the GPU's work-sharing kernel counts itself
+        for plan, n in self._calls.items():
+            self.load.add_plan(plan, n, detailed=detailed)
+        for plan, n in self._calls.items():
+            t = self._totals.get(plan.op)
+            if t is None:
+                t = self._totals[plan.op] = {"calls": 0, "bytes_sent": np.zeros(W, np.int64),
+                                             "bytes_received": np.zeros(W, np.int64), "calls_device_counts": 0}
+            t["calls"] += n
+            if plan.device_counts:
+                t["calls_device_counts"] += n  # the units are in a device table the host never reads
+            elif not plan.reject:
+                unit = 1 if plan.byte_stream else plan.row_bytes
+                t["bytes_sent"] += n * unit * plan.send_units
+                t["bytes_received"] += n * unit * plan.recv_units
+        self._calls.clear()
+
+    def stats(self, reset: bool = False) -> dict:
+        """See :meth:`Communicator.stats`."""
+        self._fold()
+        out = {op: {"calls": t["calls"], "bytes_sent": t["bytes_sent"].tolist(),
+                    "bytes_received": t["bytes_received"].tolist(), "calls_device_counts": t["calls_device_counts"]}
+               for op, t in sorted(self._totals.items())}
+        if reset:
+            self._totals.clear()
+        return out
+
+    def _raise_rejected(self, op: str, rejected) -> None:
+        who = int(rejected[0])
+        raise SymBufferRejectedError(
+            f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
+            f"the rows from rank {who} were not delivered; the communicator stays usable", rank=self.rank,
+            rejecting_rank=who, op=op)
+
+    def _relaxed(self, relaxed: bool, direct) -> dict:
+        """The transport keyword of ``sync="relaxed"``: only the host engine defers anything (its direct-mode
+        senders' wait for the peers' heads); on the GPU a relaxed call runs as a strong one (a stronger guarantee
+        than asked)."""
+        return {"relaxed": True} if relaxed and direct is not None and self.backend == "host" else {}
+
+    def exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
+                      recv_counts: np.ndarray, sig_text: str, direct=None, relaxed: bool = False) -> None:
+        """Row exchange (both backends): a sent row is the concatenation of row ``send_index[r]`` (or ``r``) of
+        every array of ``send_parts`` (``[n, ...]``, rows contiguous, any row stride), rows grouped by destination;
+        received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``. ``sig_text``:
+        what the peers' rows must agree on (dtype and row shape), checked by every receiver in the call header.
+        Raises :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (the host path, or
+        ``Config.blocking``; queued GPU calls report it from :meth:`Communicator.synchronize`). ``direct``:
+        :meth:`direct_source` of the send parts (this rank then sends in direct mode).
+        """
+        for a in list(send_parts) + list(recv_parts):
+            if not (a.flags.c_contiguous or (a.ndim == 2 and (a.shape[1] <= 1 or a.strides[1] == a.dtype.itemsize))):
+                raise AssertionError(f"{op}: internal: part of shape {a.shape} strides {a.strides} has no "
+                                     f"contiguous rows")
+        plan = self.plans.get(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
+                              send_counts, recv_counts, direct is not None)
+        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
+                             *(() if direct is None else (direct,)), **self._relaxed(relaxed, direct))
+        self._count(plan)
+        if rejected:
+            self._raise_rejected(op, rejected)
+
+
+SYNC_MODES = ("strong", "relaxed")
+
+
+def check_sync(op: str, sync) -> bool:
+    """Validate a collective's ``sync`` argument; True for ``"relaxed"``.
+
+    ``"strong"`` (default): the call returns with every peer done with this call's buffers: the caller may
+    overwrite ``sendbuf`` at once. ``"relaxed"``: the call returns once this rank has received every row and sent
+    every header, possibly while peers still copy rows straight out of its ``sendbuf`` (direct / cross-memory
+    attach modes; the rings hold their own copy); the caller must not modify ``sendbuf`` until its next collective
+    on this communicator returns (which first waits for those copies) or :meth:`Communicator.synchronize`. Saves
+    the trailing wait for the slowest peer's copy (NCCL / MPI ``Isend``-style buffer ownership). On the GPU path
+    and through the rings a relaxed call behaves as a strong one. ``ValueError`` for another value."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"{op}: argument 'sync' must be one of {SYNC_MODES}, got {sync!r}")
+    return sync == "relaxed"
+
+

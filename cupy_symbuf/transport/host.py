@@ -1,0 +1,629 @@
+"""Host twin of the GPU kernels: the same ring protocol and wire format over the MPI shared-memory window, with
+NumPy copies.
+
+A row exchange interprets the agreed :class:`~cupy_symbuf.wire.plan.ExchangePlan`, as the GPU kernel interprets the
+descriptor made from the same plan: per peer a stream in the same wire format (a byte stream cut on 16-byte
+boundaries for one part in row order, else packed rows gathered from the parts through the token index and
+scattered into the receive parts), cut into the same channel shares and into ring chunks by the same rule
+(``layout.chunk_rows``, as many chunks as the GPU's copy warps for pipelining, but none smaller than
+``_protocol.HOST_CHUNK_LEAST_BYTES``, where a chunk's fixed Python cost would dominate), each
+(channel, peer) stream preceded by its call header (``_protocol``), which the receiver checks before it consumes
+a byte. A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
+
+Direct mode (``plan.direct``: the send part is a symmetric array, ``Communicator.empty``): the sender's headers
+say ``MODE_DIRECT`` and carry where its stream to that receiver lies in its symmetric allocation; no payload
+follows. The receiver copies its channel's share straight out of the sender's array (one copy per byte, like
+MPI's cross-memory attach), then releases ``head`` past the header; the sender's call ends once every peer's
+``head`` has (so its array is not changed while a peer still reads it). The mode is the sender's: a receiver
+follows what each header says.
+
+One progress loop per rank drives every (channel, peer) send stream and receive stream without blocking on any
+one of them (the GPU gives each its own warp group; here a stream that cannot move is skipped), so no peer can
+block another. Ordering: payload copy, ``Win.Sync()`` (memory barrier), then the ``tail`` store; the receiver
+reads ``tail``, ``Win.Sync()``, copies out, ``Win.Sync()``, then stores ``head``. Waiting yields the CPU (CI runs
+4 ranks on 2 cores).
+"""
+from __future__ import annotations
+
+import errno
+import math
+import os
+import time
+
+import numpy as np
+
+from . import agree as _agree
+from . import cma as _cma
+from . import trace as _trace
+from ..common.log import logger
+from ..wire import protocol as P
+from ..common.errors import SymBufferError, SymBufferMismatchError, SymBufferTimeoutError, aborted_error, mismatch_error
+from ..wire.channel_layout import ChannelLayout
+
+#: CUPY_SYMBUF_DEBUG=1: check every slot offset against its region and the ring invariants (read once).
+DEBUG = os.environ.get("CUPY_SYMBUF_DEBUG", "") not in ("", "0")
+
+__all__ = ["HostTransport"]
+
+
+def _bytes2d(a: np.ndarray) -> np.ndarray:
+    """``a`` (rows, i.e. all axes after the first, contiguous in memory) as ``uint8 [rows, row_width_bytes]``; a
+    view (writes go to ``a``)."""
+    return a.reshape(a.shape[0], math.prod(a.shape[1:])).view(np.uint8)
+
+
+class _Side:
+    """One side (send or receive) of a row exchange: where stream unit ``u`` of peer ``p``'s stream lives.
+
+    ``fill``/``drain`` copy units ``[u, u + n)`` of a peer stream between the parts and a packed ring slot;
+    ``units`` / ``first`` are the plan's per-peer units and first units (``ExchangePlan``).
+    """
+
+    __slots__ = ("byte_stream", "units", "first", "flat", "parts", "index", "row_bytes")
+
+    def __init__(self, parts, index, units, first, byte_stream: bool, row_bytes: int):
+        self.byte_stream = byte_stream
+        self.units = units
+        self.first = first
+        self.index = index
+        self.row_bytes = row_bytes
+        self.flat = self.parts = None
+        if byte_stream:
+            a = parts[0]
+            self.flat = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1).view(np.uint8)
+        else:
+            self.parts = []
+            off = 0
+            for a in parts:
+                b = _bytes2d(a)
+                self.parts.append((b, off, off + b.shape[1]))
+                off += b.shape[1]
+
+    def _tokens(self, p: int, u: int, n: int):
+        r = int(self.first[p]) + u
+        return self.index[r: r + n] if self.index is not None else slice(r, r + n)
+
+    def fill(self, slot: np.ndarray, p: int, u: int, n: int) -> None:
+        if self.byte_stream:
+            r = int(self.first[p]) + u
+            slot[:n] = self.flat[r: r + n]
+            return
+        rows = slot[: n * self.row_bytes].reshape(n, self.row_bytes)
+        tok = self._tokens(p, u, n)
+        for b, lo, hi in self.parts:
+            rows[:, lo:hi] = b[tok]
+
+    def drain(self, slot: np.ndarray, p: int, u: int, n: int) -> None:
+        r = int(self.first[p]) + u
+        if self.byte_stream:
+            self.flat[r: r + n] = slot[:n]
+            return
+        rows = slot[: n * self.row_bytes].reshape(n, self.row_bytes)
+        for b, lo, hi in self.parts:
+            b[r: r + n] = rows[:, lo:hi]
+
+    def copy_to(self, other: "_Side", me: int, n: int) -> None:
+        """This rank's own ``n`` units, straight from the send parts into the receive parts (no ring, no scratch
+        when both sides have the same part widths; else through one packed buffer)."""
+        s0, r0 = int(self.first[me]), int(other.first[me])
+        if self.byte_stream:
+            other.flat[r0: r0 + n] = self.flat[s0: s0 + n]
+            return
+        if [hi - lo for _, lo, hi in self.parts] == [hi - lo for _, lo, hi in other.parts]:
+            tok = self._tokens(me, 0, n)
+            for (src, _, _), (dst, _, _) in zip(self.parts, other.parts):
+                if isinstance(tok, slice):
+                    dst[r0: r0 + n] = src[tok]
+                else:
+                    np.take(src, tok, axis=0, out=dst[r0: r0 + n])
+            return
+        scratch = np.empty(n * self.row_bytes, dtype=np.uint8)
+        self.fill(scratch, me, 0, n)
+        other.drain(scratch, me, 0, n)
+
+
+class _Static:
+    """What one (channel, peer) stream of a plan needs on every call, computed once per plan (``engine_data``):
+    its share ``[lo, hi)`` and chunking, its state line, the counter lines it reads and writes, its ring, and
+    the sender's header template."""
+
+    __slots__ = ("c", "p", "lo", "hi", "per_chunk", "nchunks", "state", "counter", "remote", "ring", "ring_off",
+                 "header")
+
+    def __init__(self, c, p, lo, hi, per_chunk, nchunks, state, counter, remote, ring, ring_off, header):
+        self.c, self.p, self.lo, self.hi, self.per_chunk, self.nchunks = c, p, lo, hi, per_chunk, nchunks
+        self.state, self.counter, self.remote, self.ring, self.ring_off = state, counter, remote, ring, ring_off
+        self.header = header
+
+
+class HostTransport:
+    """Runs row exchanges and the notify step over a host :class:`~cupy_symbuf.SymBuffer`."""
+
+    def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
+        self.buf = buf
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.rank = buf.rank
+        self.world_size = buf.world_size
+        self.views = [buf.host_view(r) for r in range(self.world_size)]
+        #: the communicator's symmetric arrays (:class:`~cupy_symbuf.symmetric.SymmetricHeap`), for direct mode
+        self.heap = None
+        #: every rank's pid when every rank can read every other's memory by cross-memory attach (:meth:`probe_cma`)
+        self.cma_pids = None
+        #: the channel telemetry (:class:`~cupy_symbuf.transport.trace.Recorder`) with ``Config(trace=True)``, else None
+        self.trace = None
+        L = layout
+        self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
+        #: Config(adaptive=True): the home map's workers per peer (send, recv), the order the progress loop serves
+        #: the streams in (most workers first; adaptive.py), or None: channel then peer order
+        self.visit = None
+        #: relaxed calls (``sync="relaxed"``) in direct mode return before the peers handed their header slots
+        #: back: (head line, counter awaited, channel, peer, the send parts) per stream, awaited by the next
+        #: collective (settle); the parts are kept alive until then (a contiguous copy or packed rows the library
+        #: made for the call would otherwise be freed while a peer still reads them by cross-memory attach)
+        self._pending = []
+
+    def set_home(self, load) -> None:
+        """Adaptive channels: serve the streams in the order of ``load``'s home map (:class:`~cupy_symbuf.adaptive.
+        ChannelLoad`; the peers with more workers first), the host twin of the GPU's warp homes."""
+        from .adaptive import workers_per_peer
+        self.visit = tuple(workers_per_peer(load.home[r], self.world_size, self.rank) for r in (0, 1))
+
+    def settle(self, op: str) -> None:
+        """Wait until every peer has copied the rows of this rank's earlier ``sync="relaxed"`` calls out of its
+        sendbufs (their heads reached those calls' header slots): the guarantee a relaxed call defers to the next
+        collective or ``synchronize()``. Bounded by ``timeout_s`` (then the abort word is set on every rank and
+        :class:`SymBufferTimeoutError` names the rank, peer, channel, head and the counter awaited); polls the
+        abort word."""
+        if not self._pending:
+            return
+        start = time.monotonic()
+        idle = 0
+        while True:
+            left = [w for w in self._pending if int(w[0][0]) < w[1]]
+            if len(left) < len(self._pending):
+                start, idle = time.monotonic(), 0  # bounded from the last progress, as the exchange loop is
+            self._pending = left
+            if not left:
+                break
+            self.check_abort(op)
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                line, want, c, p, _ = self._pending[0]
+                self.set_abort(P.ERR_TIMEOUT, p, c)
+                raise SymBufferTimeoutError(rank=self.rank, peer=p, channel=c, role="send", head=int(line[0]),
+                                            tail=want, timeout_s=self.timeout_s, op=op)
+            idle += 1
+            _yield(idle, waited)
+        self.buf.sync()  # the peers' reads of our memory happened before their head stores we saw
+
+    def _u64(self, rank: int, offset: int, n: int = 1) -> np.ndarray:
+        return self.views[rank][offset: offset + 8 * n].view(np.uint64)
+
+    def _i64(self, rank: int, offset: int, n: int = 1) -> np.ndarray:
+        return self.views[rank][offset: offset + 8 * n].view(np.int64)
+
+    # ---- abort word ------------------------------------------------------------------------------------------
+    def set_abort(self, reason: int, peer: int = -1, channel: int = -1, detail: int = 0) -> None:
+        """Write this rank's abort into every rank's abort line (fields first, then the flag): every wait of
+        every rank leaves with :class:`SymBufferAbortedError` naming this rank. The first abort seen wins."""
+        if self._abort[self.rank][P.ABORT_FLAG]:
+            return
+        for line in self._abort:
+            line[P.ABORT_RANK], line[P.ABORT_REASON] = self.rank, reason
+            line[P.ABORT_PEER], line[P.ABORT_CHANNEL], line[P.ABORT_DETAIL] = peer, channel, detail
+        self.buf.sync()
+        for line in self._abort:
+            line[P.ABORT_FLAG] = 1
+        self.buf.sync()
+
+    def check_abort(self, op: str) -> None:
+        """Raise :class:`SymBufferAbortedError` when the abort word of this rank is set."""
+        line = self._abort[self.rank]
+        if line[P.ABORT_FLAG]:
+            self.buf.sync()
+            raise aborted_error(op, self.rank, line)
+
+    def probe_cma(self, comm, timeout_s: float) -> bool:
+        """Collective, at construction: can every rank read every other rank's memory by cross-memory attach
+        (``process_vm_readv``)? Each rank publishes a probe word, every rank reads every peer's; when all succeed
+        ``cma_pids`` is set and plain sendbufs may go ``MODE_CMA``. Bounded (``_agree.exchange_all``).
+        ``CUPY_SYMBUF_CMA=0`` on any rank turns it off for the communicator (every rank then uses the rings for
+        plain sendbufs)."""
+        if self.world_size == 1:
+            return False
+        token = np.array([0x53594D42CA, os.getpid(), self.rank], dtype=np.int64)
+        allowed = _cma.supported() and os.environ.get("CUPY_SYMBUF_CMA", "1").strip().lower() not in (
+            "0", "false", "no", "off")
+        mine = (os.getpid(), token.__array_interface__["data"][0]) if allowed else None
+        everyone = _agree.exchange_all(comm, mine, timeout_s, "cross-memory attach probe")
+        ok = all(e is not None for e in everyone)
+        if ok:
+            got = np.zeros(3, np.int64)
+            for r, (pid, addr) in enumerate(everyone):
+                if r == self.rank:
+                    continue
+                try:
+                    _cma.read_into(pid, addr, got.view(np.uint8))
+                except OSError:
+                    ok = False
+                    break
+                if got.tolist() != [0x53594D42CA, pid, r]:
+                    ok = False
+                    break
+        results = _agree.exchange_all(comm, ok, timeout_s, "cross-memory attach probe (results)")
+        del token  # alive until every rank has read it (the second exchange)
+        if all(results):
+            self.cma_pids = [pid for pid, _ in everyone]
+        return self.cma_pids is not None
+
+    # ---- row exchange ---------------------------------------------------------------------------------------
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None,
+                      relaxed: bool = False) -> list:
+        """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`): every (channel, peer) stream sends
+        its call header and its chunks and receives the peer's; returns the ranks whose header said they rejected
+        the call (their rows are not delivered; the rings stay in step). ``send_parts``: arrays ``[n, ...]`` with
+        contiguous rows; ``send_index``: int64 ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
+        ``direct`` (``plan.direct``): ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` of a send part in a
+        symmetric array, or ``(MODE_CMA, pid, address)`` of a plain one (cross-memory attach); each peer then
+        copies its rows straight out of it and this call returns once every peer has, or (``relaxed``) once every
+        header is out and every row received: the peers' copies are then awaited by the next call (:meth:`settle`).
+
+        Raises :class:`SymBufferMismatchError` (a peer's header differs: rank, peer, channel, field, both values),
+        :class:`SymBufferTimeoutError` or :class:`SymBufferAbortedError`; the first two set the abort word on every
+        rank first.
+        """
+        me, W = self.rank, self.world_size
+        self.check_abort(op)
+        self.settle(op)  # earlier relaxed calls: their sendbufs are the caller's again once this returns
+        send = recv = None
+        if not plan.reject:
+            send = _Side(send_parts, send_index, plan.send_units, plan.send_first, plan.byte_stream, plan.row_bytes)
+            recv = _Side(recv_parts, None, plan.recv_units, plan.recv_first, plan.byte_stream, plan.row_bytes)
+        n_self = int(plan.send_units[me]) if not plan.reject else 0
+        if W == 1:
+            if n_self:
+                t0 = time.monotonic()
+                send.copy_to(recv, me, n_self)
+                if self.trace is not None:
+                    self.trace.begin(plan.op_code)
+                    self.trace.add(_trace.SELF, t0, -1, -1, n_self * plan.unit_bytes, 0, 0)
+            return []
+        statics = plan.engine_data
+        if statics is None:
+            statics = plan.engine_data = self._statics(plan)
+            logger.debug("%s: new plan: %s", op, plan)
+        is_direct = plan.direct
+        tr = self.trace
+        if tr is not None:
+            tr.begin(plan.op_code)
+        unit = plan.unit_bytes
+        idle_t0 = None
+        pulled = False
+        sends = [_Stream(st, True) for st in statics[0]]
+        recvs = [_Stream(st, False) for st in statics[1]]
+        if self.visit is not None:  # adaptive: the hot peers' streams first in every pass (stable: then channels)
+            sw, rw = self.visit
+            sends.sort(key=lambda x: -sw[x.p])
+            recvs.sort(key=lambda r: -rw[r.p])
+        if is_direct:
+            mode, where, base = direct
+            for x in sends:
+                x.header = x.header.copy()
+                x.header[P.HDR_MODE] = mode
+                x.header[P.HDR_DIRECT_ALLOC] = where.id if mode == P.MODE_DIRECT else where
+                x.header[P.HDR_DIRECT_OFFSET] = base + int(plan.send_first[x.p])
+                x.pos = x.end  # no payload chunks: the peer copies them out of the symmetric array
+        rejected = set()
+        L = self.layout
+        chunk, num_slots = L.chunk_bytes, L.num_slots
+        sync = self.buf.sync
+        last_progress = time.monotonic()
+        idle = 0
+        while sends or recvs:
+            progressed = False
+            for x in list(sends):
+                head = int(x.counter[0])
+                sync()
+                if DEBUG:
+                    self._check_ring(op, x, head, x.pos_counter, "send")
+                moved = 0
+                while (x.header is not None or x.pos < x.end) and x.pos_counter - head < num_slots:
+                    off = x.ring_off + (x.pos_counter % num_slots) * chunk
+                    slot = x.ring[off: off + chunk]
+                    if x.header is not None:  # the call header goes first, in its own slot
+                        hdr = slot[: 8 * P.HDR_WORDS].view(np.int64)
+                        hdr[:] = x.header
+                        hdr[P.HDR_SEQ] = x.seq
+                        x.header = None
+                    else:
+                        n = min(x.per_chunk, x.end - x.pos)
+                        t0 = time.monotonic() if tr is not None else 0.0
+                        send.fill(slot, x.p, x.pos, n)
+                        x.pos += n
+                        if tr is not None:
+                            tr.add(_trace.SEND, t0, x.c, x.p, n * unit, head, x.pos_counter + 1)
+                    x.pos_counter += 1
+                    moved += 1
+                if moved:
+                    sync()  # payload before tail
+                    x.remote[0] = x.pos_counter
+                    progressed = True
+                # done once all is written; in direct mode once the peer has consumed the header too (it copied
+                # its rows out of our symmetric array)
+                if x.header is None and x.pos >= x.end and (not is_direct or relaxed or head >= x.pos_counter):
+                    if is_direct and head < x.pos_counter:  # relaxed: the next call waits for this head
+                        self._pending.append((x.counter, x.pos_counter, x.c, x.p, send_parts))
+                    x.state[P.STATE_COUNTER], x.state[P.STATE_SEQ] = x.pos_counter, x.seq
+                    sends.remove(x)
+                    progressed = True
+            for r in list(recvs):
+                tail = int(r.counter[0])
+                if tail <= r.pos_counter:
+                    continue
+                sync()  # tail before payload
+                if DEBUG:
+                    self._check_ring(op, r, r.pos_counter, tail, "recv")
+                while r.pos_counter < tail and r.pending():
+                    off = r.ring_off + (r.pos_counter % num_slots) * chunk
+                    slot = r.ring[off: off + chunk]
+                    if not r.checked:
+                        hdr = slot[: 8 * P.HDR_WORDS].view(np.int64).tolist()
+                        self._check_header(op, plan, r, hdr)
+                        r.checked = True
+                        if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
+                            rejected.add(r.p)
+                            r.end = r.pos       # nothing follows
+                        elif plan.reject:
+                            r.drain = int(hdr[P.HDR_NCHUNKS])  # skip the peer's payload without copying
+                        elif hdr[P.HDR_MODE] != P.MODE_RING:  # the sender's mode: copy out of its array
+                            t0 = time.monotonic() if tr is not None else 0.0
+                            n = r.end - r.pos
+                            self._pull(op, plan, r, hdr, recv)
+                            pulled = True
+                            if tr is not None:
+                                tr.add(_trace.PULL, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
+                    elif r.drain:
+                        r.drain -= 1
+                    else:
+                        n = min(r.per_chunk, r.end - r.pos)
+                        t0 = time.monotonic() if tr is not None else 0.0
+                        recv.drain(slot, r.p, r.pos, n)
+                        r.pos += n
+                        if tr is not None:
+                            tr.add(_trace.RECV, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
+                    r.pos_counter += 1
+                sync()  # reads of the slots (and of the peer's symmetric array) before head
+                r.remote[0] = r.pos_counter
+                progressed = True
+                if not r.pending():
+                    r.state[P.STATE_COUNTER], r.state[P.STATE_SEQ] = r.pos_counter, r.seq
+                    recvs.remove(r)
+            if n_self:  # to ourselves, straight from the send rows to the receive rows (as on the GPU); after the
+                # first headers and chunks are out, so the peers copy while this rank does
+                t0 = time.monotonic() if tr is not None else 0.0
+                send.copy_to(recv, me, n_self)
+                if tr is not None:
+                    tr.add(_trace.SELF, t0, -1, -1, n_self * unit, 0, 0)
+                n_self = 0
+                progressed = True
+            if progressed:
+                if idle_t0 is not None:  # tracing: the idle spell that just ended
+                    tr.add(_trace.IDLE, idle_t0, -1, -1, 0, idle_sends, idle_recvs)
+                    idle_t0 = None
+                last_progress = time.monotonic()
+                idle = 0
+                continue
+            idle += 1
+            if tr is not None and idle_t0 is None:
+                idle_t0, idle_sends, idle_recvs = time.monotonic(), len(sends), len(recvs)
+            self.check_abort(op)
+            if time.monotonic() - last_progress > self.timeout_s:
+                if recvs:
+                    r = recvs[0]
+                    self.set_abort(P.ERR_TIMEOUT, r.p, r.c)
+                    raise SymBufferTimeoutError(rank=me, peer=r.p, channel=r.c, role="recv", head=r.pos_counter,
+                                                tail=int(r.counter[0]), timeout_s=self.timeout_s, op=op)
+                x = sends[0]
+                self.set_abort(P.ERR_TIMEOUT, x.p, x.c)
+                raise SymBufferTimeoutError(rank=me, peer=x.p, channel=x.c, role="send", head=int(x.counter[0]),
+                                            tail=x.pos_counter, timeout_s=self.timeout_s, op=op)
+            _yield(idle, time.monotonic() - last_progress)
+        if idle_t0 is not None:
+            tr.add(_trace.IDLE, idle_t0, -1, -1, 0, idle_sends, idle_recvs)
+        if pulled:
+            # Rows copied straight out of a peer's memory are right only if that peer was still inside the call
+            # while we read: a peer whose call failed sets the abort word before its program can touch its
+            # sendbuf again, so a fence and one look at the abort word after the last copy tell a clean read from
+            # a torn one (raised, never returned).
+            sync()
+            self.check_abort(op)
+        return sorted(rejected)
+
+    def _pull(self, op: str, plan, r: "_Stream", hdr: np.ndarray, recv: _Side) -> None:
+        """Direct modes: copy this channel's share ``[pos, end)`` of peer ``r.p``'s stream straight out of the
+        peer's symmetric array (allocation and offset from its header, checked to lie inside the allocation) or,
+        ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the pid checked against the peer's)."""
+        n = r.end - r.pos
+        dst = int(plan.recv_first[r.p]) + r.pos
+        if hdr[P.HDR_MODE] == P.MODE_CMA:
+            pid, addr = int(hdr[P.HDR_DIRECT_ALLOC]), int(hdr[P.HDR_DIRECT_OFFSET])
+            try:
+                if pid != self.cma_pids[r.p]:
+                    raise OSError(0, f"the header names pid {pid}, rank {r.p} is pid {self.cma_pids[r.p]}")
+                if n:
+                    _cma.read_into(pid, addr + r.pos, recv.flat[dst: dst + n])
+            except OSError as exc:
+                gone = exc.errno == errno.ESRCH
+                self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+                why = (f"rank {r.p}'s process (pid {pid}) is gone: it exited or was killed in the middle of the "
+                       f"call" if gone else f"{exc}")
+                raise SymBufferError(
+                    f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
+                    f"{r.c}, {n} bytes at {addr + r.pos:#x}): {why}. The communicator is unusable (the other ranks "
+                    f"raise SymBufferAbortedError).") from None
+            r.pos = r.end
+            return
+        alloc = self.heap.by_id(int(hdr[P.HDR_DIRECT_ALLOC])) if self.heap is not None else None
+        off = int(hdr[P.HDR_DIRECT_OFFSET])
+        units = int(plan.recv_units[r.p])
+        if alloc is None or off < 0 or off + units > alloc.nbytes:
+            self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+            where = "no live symmetric allocation" if alloc is None else f"{alloc.nbytes} bytes"
+            raise SymBufferMismatchError(
+                f"{op}: rank {r.p}'s call header (channel {r.c}) points at {units} bytes at offset {off} of its "
+                f"symmetric allocation {int(hdr[P.HDR_DIRECT_ALLOC])} ({where} here): the ranks' symmetric "
+                f"allocations differ (every rank must make the same Communicator.empty calls in the same order)",
+                rank=self.rank, peer=r.p, channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_OFFSET],
+                expected=units, got=off)
+        if n:
+            recv.flat[dst: dst + n] = alloc.peer_bytes(r.p)[off + r.pos: off + r.pos + n]
+        r.pos = r.end
+
+    def _statics(self, plan) -> tuple:
+        """``(sends, recvs)``: the :class:`_Static` of every (channel, peer) stream of ``plan`` on this rank."""
+        L, me = self.layout, self.rank
+        out = ([], [])
+        for sender, units_of in ((True, plan.send_units), (False, plan.recv_units)):
+            for c in range(L.num_channels):
+                for p in range(self.world_size):
+                    if p == me:
+                        continue
+                    lo, hi = plan.channel_range(units_of[p], c) if not plan.reject else (0, 0)
+                    per, nch = plan.rows_per_chunk(lo, hi), plan.num_chunks(lo, hi)
+                    if sender:
+                        st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.send_tail_offset(c, p), 2),
+                                     self._u64(me, L.head_offset(c, p)), self._u64(p, L.tail_offset(c, me)),
+                                     self.views[p], L.ring_offset(c, me), plan.header(0, p, c))
+                    else:
+                        st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.recv_head_offset(c, p), 2),
+                                     self._u64(me, L.tail_offset(c, p)), self._u64(p, L.head_offset(c, me)),
+                                     self.views[me], L.ring_offset(c, p), None)
+                    out[0 if sender else 1].append(st)
+        return out
+
+    def _check_header(self, op: str, plan, r: "_Stream", hdr: list) -> None:
+        """The receiver's check of a peer's call header (its words as Python ints), before any payload (same
+        order as the kernel)."""
+        if hdr[P.HDR_MAGIC] == P.HDR_MAGIC_VALUE and hdr[P.HDR_SEQ] == r.seq and hdr[P.HDR_OP] == plan.op_code:
+            if hdr[P.HDR_STATUS] != P.HDR_OK or plan.reject:
+                return
+            mode = hdr[P.HDR_MODE]
+            if hdr[P.HDR_SIG] == plan.sig and hdr[P.HDR_UNITS] == plan.recv_units[r.p] and (
+                    (mode == P.MODE_RING and hdr[P.HDR_NCHUNKS] == r.nchunks) or (hdr[P.HDR_NCHUNKS] == 0 and (
+                        mode == P.MODE_DIRECT or (mode == P.MODE_CMA and self.cma_pids)))):
+                return  # the common case: all agree
+        checks = [(P.FIELD_MAGIC, P.HDR_MAGIC_VALUE, int(hdr[P.HDR_MAGIC])),
+                  (P.FIELD_SEQ, r.seq, int(hdr[P.HDR_SEQ])),
+                  (P.FIELD_OP, plan.op_code, int(hdr[P.HDR_OP]))]
+        if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject:
+            mode = int(hdr[P.HDR_MODE])
+            known = (P.MODE_RING, P.MODE_DIRECT) + ((P.MODE_CMA,) if self.cma_pids else ())
+            checks += [(P.FIELD_MODE, mode if mode in known else P.MODE_RING, mode),
+                       (P.FIELD_SIG, plan.sig, int(hdr[P.HDR_SIG])),
+                       (P.FIELD_UNITS, int(plan.recv_units[r.p]), int(hdr[P.HDR_UNITS]))]
+        for field, expected, got in checks:
+            if expected != got:
+                self.set_abort(P.ERR_MISMATCH, r.p, r.c, field)
+                raise mismatch_error(op, self.rank, r.p, r.c, field, expected, got, plan)
+        direct = hdr[P.HDR_MODE] != P.MODE_RING
+        mine, theirs = 0 if direct else plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
+        if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject and mine != theirs:
+            # same units, other chunking: the engines cut differently (the kernel reports the same)
+            self.set_abort(P.ERR_INVARIANT, r.p, r.c, P.FIELD_RING)
+            raise SymBufferMismatchError(
+                f"{op}: rank {self.rank} and rank {r.p} cut channel {r.c} into different chunks ({mine} vs "
+                f"{theirs}): the ranks run different engines or builds", rank=self.rank, peer=r.p, channel=r.c,
+                op=op, field=P.FIELD_NAMES[P.FIELD_RING], expected=mine, got=theirs)
+
+    def _check_ring(self, op: str, st: "_Stream", head: int, tail: int, role: str) -> None:
+        """CUPY_SYMBUF_DEBUG: ring invariants ``head <= tail <= head + capacity`` and the slot inside its region."""
+        L = self.layout
+        ok = head <= tail <= head + L.num_slots
+        region_end = L.region_offset(st.c, st.p if role == "recv" else self.rank) + L.region_bytes
+        slot_end = st.ring_off + (st.pos_counter % L.num_slots + 1) * L.chunk_bytes
+        if not ok or slot_end > region_end:
+            field = P.FIELD_RING if not ok else P.FIELD_OFFSET
+            self.set_abort(P.ERR_INVARIANT, st.p, st.c, field)
+            raise SymBufferMismatchError(
+                f"{op}: CUPY_SYMBUF_DEBUG: {P.FIELD_NAMES[field]} on rank {self.rank}, peer {st.p}, channel {st.c} "
+                f"({role}: head={head} tail={tail} capacity={L.num_slots}, slot end {slot_end} region end "
+                f"{region_end})", rank=self.rank, peer=st.p, channel=st.c, op=op, field=P.FIELD_NAMES[field],
+                expected=head, got=tail)
+
+    # ---- notify ---------------------------------------------------------------------------------------------
+    def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify", *, op_code: int = 0, status: int = 0,
+               sig: int = 0, wait: bool = True) -> np.ndarray:
+        """Count exchange: ``send_meta`` int64 ``[world_size, M]``; returns int64 ``[world_size, 3 + M]`` whose row
+        ``s`` is rank ``s``'s ``[op, status, signature, values for this rank...]``. Slots double-buffered by
+        ``epoch % 2``; every wait is bounded and polls the abort word. (``wait``: the GPU engine's; the host
+        engine always completes the exchange.)"""
+        self.settle(op)
+        L = self.layout
+        me = self.rank
+        W, M = send_meta.shape
+        parity = epoch % 2
+        H = P.NOTIFY_HDR_WORDS
+        off = L.notify_slot_offset(parity, me)
+        for p in range(W):
+            slot = self.views[p][off: off + 8 * (H + M)].view(np.int64)
+            slot[P.NOTIFY_OP], slot[P.NOTIFY_STATUS], slot[P.NOTIFY_SIG] = op_code, status, sig
+            slot[H:] = send_meta[p]
+        self.buf.sync()
+        for p in range(W):
+            self.views[p][off: off + 8].view(np.int64)[P.NOTIFY_EPOCH] = epoch
+        out = np.empty((W, H - 1 + M), dtype=np.int64)
+        start = time.monotonic()
+        idle = 0
+        for s in range(W):
+            off = L.notify_slot_offset(parity, s)
+            slot = self.views[me][off: off + 8 * (H + M)].view(np.int64)
+            while int(slot[P.NOTIFY_EPOCH]) < epoch:
+                idle += 1
+                self.check_abort(op)
+                if time.monotonic() - start > self.timeout_s:
+                    self.set_abort(P.ERR_TIMEOUT, s, -1)
+                    raise SymBufferTimeoutError(rank=me, peer=s, channel=-1, role="notify", head=epoch,
+                                                tail=int(slot[P.NOTIFY_EPOCH]), timeout_s=self.timeout_s, op=op)
+                _yield(idle, time.monotonic() - start)
+                self.buf.sync()
+            self.buf.sync()
+            out[s] = slot[1:]
+        return out
+
+
+class _Stream:
+    """One (channel, peer) side of a call on the host: the call header slot, then payload chunks (none in direct
+    mode). Made per call from the plan's :class:`_Static`."""
+
+    __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "nchunks", "state", "counter", "remote",
+                 "ring", "ring_off", "header", "checked", "drain")
+
+    def __init__(self, st: _Static, sender: bool):
+        self.c, self.p, self.per_chunk, self.nchunks, self.state = st.c, st.p, st.per_chunk, st.nchunks, st.state
+        self.counter, self.remote, self.ring, self.ring_off = st.counter, st.remote, st.ring, st.ring_off
+        self.pos_counter, self.seq = int(st.state[P.STATE_COUNTER]), int(st.state[P.STATE_SEQ]) + 1
+        self.pos, self.end = st.lo, st.hi
+        self.header = st.header if sender else None   # sender: the header still to send (None once sent)
+        self.checked = None if sender else False      # receiver: the peer's header checked
+        self.drain = 0             # receiver of a rejecting rank: peer chunks still to skip
+
+    def pending(self) -> bool:
+        """Receiver: the header or chunks still to consume."""
+        return not self.checked or self.pos < self.end or self.drain > 0
+
+
+def _yield(idle: int, waited_s: float) -> None:
+    """Give the core away while waiting: ``sched_yield`` for the first ``SPIN_S`` seconds of a wait (a peer a chunk
+    or a copy behind answers within that; a yield hands the core to any other runnable rank, so oversubscribed CI,
+    4 ranks on 2 cores, still progresses), then sleeps growing to 1 ms. On the 2-core machine this, sleeping after
+    64 polls, and never sleeping measured the same within its run-to-run noise (docs/perf-notes.md v10); a time
+    bound keeps a peer that is one large copy behind from finding this rank asleep."""
+    if waited_s < SPIN_S:
+        os.sched_yield()
+    else:
+        time.sleep(min(1e-3, 1e-6 * idle))
+
+
+#: Seconds a host wait spins (with sched_yield) before it sleeps.
+SPIN_S = 0.005

@@ -1,0 +1,175 @@
+"""Lifetime of communicators and buffers: the job always ends, nothing is freed twice, nothing leaks silently.
+
+* Every open :class:`~cupy_symbuf.Communicator` and standalone :class:`~cupy_symbuf.SymBuffer` is registered (weakly)
+  with the pid that made it. At interpreter exit (``atexit``; mpi4py finalizes MPI after Python's handlers) the ones
+  still open are closed, newest first, bounded by their ``timeout_s``; objects of another pid (the parent's, after
+  ``os.fork()``) are never touched.
+* ``abort_on_failure`` (``Config``; default from ``CUPY_SYMBUF_ABORT_ON_FAILURE``, on): a failed communicator
+  (timeout, mismatch, abort) that is closed or still registered at exit, or a ``SymBufferError`` that reaches the
+  top level (``sys.excepthook``), prints the error with the rank to stderr and calls ``MPI.COMM_WORLD.Abort(1)``,
+  so that the job ends instead of hanging in a window free or ``MPI_Finalize``.
+* Any other exception that reaches the top level of a script (not an interactive session) first sets the abort
+  word of this rank's open communicators (``ERR_UNCAUGHT``): the peers' collectives leave at once naming this rank,
+  and they reach ``close()`` while this rank's exit-time close still waits for them.
+* :func:`live_mpi_objects` counts the MPI communicators and windows this package holds (tests check it for leaks).
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import sys
+import threading
+import weakref
+
+__all__ = ["register", "unregister", "abort_job", "env_abort_default", "live_mpi_objects"]
+
+_lock = threading.Lock()
+_registry: "dict[int, weakref.ref]" = {}   # creation number -> object (Communicator or standalone SymBuffer)
+_counter = itertools.count()
+_installed = False
+_live = {"comm": 0, "win": 0}
+#: Seconds abort_job waits after printing, before MPI_Abort: ranks failing at the same moment (a mismatch raises
+#: on every rank involved) get to print their own errors before the job is torn down.
+GRACE_S = 1.0
+
+
+def env_abort_default() -> bool:
+    """``CUPY_SYMBUF_ABORT_ON_FAILURE``: unset, empty or anything but "0"/"false"/"no"/"off" means on."""
+    value = os.environ.get("CUPY_SYMBUF_ABORT_ON_FAILURE", "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def live_mpi_objects() -> dict:
+    """``{"comm": n, "win": m}``: MPI communicators (Dup/Split_type) and windows made here and not yet freed."""
+    return dict(_live)
+
+
+def count(kind: str, delta: int) -> None:
+    with _lock:
+        _live[kind] += delta
+
+
+def register(obj) -> int:
+    """Remember ``obj`` (closed at exit if still open); returns its token for :func:`unregister`."""
+    global _installed
+    with _lock:
+        if not _installed:
+            atexit.register(_at_exit)
+            _install_excepthook()
+            _installed = True
+        token = next(_counter)
+        _registry[token] = weakref.ref(obj)
+        return token
+
+
+def unregister(token) -> None:
+    with _lock:
+        _registry.pop(token, None)
+
+
+def _mpi_abort(code: int) -> None:  # tests replace this
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(code)
+
+
+def _world_rank() -> int:
+    try:
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.Get_rank()
+    except Exception:  # pragma: no cover
+        return -1
+
+
+def say(rank, *lines: str) -> None:
+    """Write ``lines`` to stderr, each as ``cupy_symbuf: rank R: ...``, flushed; never raises (used while an error
+    propagates or the job is about to be torn down)."""
+    try:
+        sys.stderr.write("".join(f"cupy_symbuf: rank {rank}: {line}\n" for line in lines))
+        sys.stderr.flush()
+    except Exception:  # pragma: no cover
+        pass
+
+
+def abort_job(message: str, rank: int = None) -> None:
+    """Print ``message`` to stderr with the rank, then ``MPI.COMM_WORLD.Abort(1)`` (ends every rank of the job)."""
+    rank = _world_rank() if rank is None else rank
+    say(rank, message, "calling MPI.COMM_WORLD.Abort(1) so the job ends (Config.abort_on_failure; "
+                       "CUPY_SYMBUF_ABORT_ON_FAILURE=0 turns this off)")
+    if GRACE_S > 0:
+        import time
+        time.sleep(GRACE_S)
+    _mpi_abort(1)
+
+
+def _open_objects() -> list:
+    """Registered objects still alive and made by this process, newest first."""
+    pid = os.getpid()
+    with _lock:
+        items = sorted(_registry.items(), reverse=True)
+    out = []
+    for _, ref in items:
+        obj = ref()
+        if obj is not None and getattr(obj, "_pid", None) == pid and not obj._closed:
+            out.append(obj)
+    return out
+
+
+def _at_exit() -> None:
+    for obj in _open_objects():
+        broken = getattr(obj, "_broken", None)
+        policy = getattr(getattr(obj, "config", None), "abort_on_failure", env_abort_default())
+        if broken and policy:
+            abort_job(f"{type(obj).__name__} failed and was never closed: {broken}", getattr(obj, "rank", None))
+            return
+        try:
+            obj.close()  # bounded; aborts by itself for a failed communicator with the policy on
+        except Exception as exc:
+            if policy:
+                abort_job(f"closing {type(obj).__name__} at exit failed: {exc}", getattr(obj, "rank", None))
+                return
+            try:
+                sys.stderr.write(f"cupy_symbuf: rank {getattr(obj, 'rank', '?')}: closing {obj!r} at exit failed "
+                                 f"(left allocated): {exc}\n")
+            except Exception:  # pragma: no cover
+                pass
+
+
+def _abort_open(exc_type) -> None:
+    """This rank's program ends with an uncaught exception: its open communicators will never take part in another
+    collective, so set their abort words (``_protocol.ERR_UNCAUGHT``): a peer waiting in (or entering) a collective
+    leaves at once with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank instead of waiting out
+    ``timeout_s``, and reaches ``close()`` while this rank's exit-time close still waits for it."""
+    from ..wire import protocol as _protocol
+    if hasattr(sys, "ps1") or sys.flags.interactive:  # an interactive session goes on after the traceback
+        return
+    for obj in _open_objects():
+        set_abort = getattr(getattr(obj, "_transport", None), "set_abort", None)
+        if set_abort is None or getattr(obj, "_broken", None):
+            continue
+        try:
+            set_abort(_protocol.ERR_UNCAUGHT)
+            obj._broken = f"aborted by this rank (rank {obj.rank}): uncaught {exc_type.__name__}"
+        except Exception:  # pragma: no cover - never mask the original error
+            pass
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        from ..common.errors import SymBufferError
+        if not isinstance(exc, SymBufferError):
+            _abort_open(exc_type)
+            return
+        policy = getattr(exc, "abort_on_failure", None)
+        failed = [o for o in _open_objects() if getattr(o, "_broken", None)]
+        if failed:
+            policy = any(getattr(o.config, "abort_on_failure", True) for o in failed if hasattr(o, "config"))
+        if policy is None:
+            policy = env_abort_default()
+        if policy:
+            abort_job(f"uncaught {exc_type.__name__}: {exc}")
+
+    sys.excepthook = hook

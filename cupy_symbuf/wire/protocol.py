@@ -1,0 +1,260 @@
+"""The one source of the wire protocol's constants, shared by the host engine (``transport/host.py``), the GPU launch code
+(``transport/cuda.py``) and the kernels (``cuda_src/``): :func:`cuda_header` turns them into the C++ header that
+``_kernels`` puts in front of every CUDA source at NVRTC time, so nothing is copied by hand.
+
+Ring protocol, per call and per (channel c, sender s, receiver d), counters in ring slots (only growing,
+slot = counter % num_slots), ``first`` = the counter the previous call left:
+
+* counter ``first`` is the **call header** (``HDR_*`` int64 words at the start of the slot), written by the sender
+  before any payload: magic, the per-(channel, peer) call sequence number, operation, row signature, the units the
+  sender sends to d in the whole call, the payload chunks that follow on this channel, and a status (``HDR_OK`` or
+  ``HDR_REJECTED``: the sender's rank rejected the call; no payload follows). Every call sends it, also with
+  nothing to move on that channel, so a receiver always learns what its peer is doing before it consumes a byte.
+* counters ``first + 1 ... first + nchunks`` carry payload chunks.
+* the receiver checks the header against its own call (magic, seq, op, signature, units) before any payload is
+  consumed. A difference is fatal: an error record with ``ERR_MISMATCH`` and the field (``FIELD_*``), the
+  expected and the received value, and the abort word set on every rank, so every rank involved raises. A
+  ``HDR_REJECTED`` header is not an error of the ring: the receiver consumes the header, skips nothing (no payload
+  follows) and records the rejection (``STATUS_REJECTED_BY``); a rejecting rank's receiver drains what its peers
+  send (``nchunks`` of their headers) without copying, so the rings stay in step and the communicator usable.
+
+Per-(channel, peer) state lines (local to a rank, written only by its own sender or receiver group):
+``STATE_COUNTER`` = ring counter at the end of the last call, ``STATE_SEQ`` = calls made on this stream.
+
+Abort word: one line per rank's buffer (``ChannelLayout.abort_offset``), ``ABORT_*`` words. Whoever aborts (a
+timeout, a header mismatch, :meth:`Communicator.abort`) writes rank, reason and detail into every rank's line and
+then sets ``ABORT_FLAG`` (release); every wait (kernels and host loops) polls its own line and leaves with
+``ERR_ABORTED`` naming the aborting rank.
+
+Error record (GPU: a host-mapped int64 array per communicator; host engine: Python exceptions with the same
+fields): ``STATUS_*`` words; ``STATUS_FLAG`` is set last with a system-scope release.
+"""
+from __future__ import annotations
+
+import zlib
+
+__all__ = ["cuda_header", "op_code", "op_name", "signature"]
+
+#: Bytes per metadata line: every counter alone on a 128-byte line (two GPU L2 sectors; no false sharing).
+LINE_BYTES = 128
+#: (channel, peer) region: four counter lines, then the ring.
+TAIL_OFFSET = 0 * LINE_BYTES        # recv side: chunks the peer published into our ring; written by the peer
+HEAD_OFFSET = 1 * LINE_BYTES        # send side: chunks of ours the peer consumed; written by the peer
+SEND_STATE_OFFSET = 2 * LINE_BYTES  # our sender's state towards the peer (local)
+RECV_STATE_OFFSET = 3 * LINE_BYTES  # our receiver's state from the peer (local)
+RING_OFFSET = 4 * LINE_BYTES
+#: Words of a state line.
+STATE_COUNTER = 0
+STATE_SEQ = 1
+#: GPU direct mode, the receiver's state line (RECV_STATE_OFFSET) of (channel, peer) when this rank's own sendbuf
+#: also goes direct (its sender group then has no payload to copy and helps receive): the receiver's leader
+#: stores STATE_HELP_SRC = where the peer's stream lies (0: not direct, nothing to help with), then releases
+#: STATE_HELP_SEQ = the call's sequence number; up to MAX_HELPERS copy warps of the sender group copy the last
+#: slices of the share and each releases STATE_HELP_DONE + k = the sequence number; the receiver hands the header
+#: slot back (head) only after all of them.
+STATE_HELP_SRC, STATE_HELP_SEQ, STATE_HELP_DONE = 2, 3, 4
+MAX_HELPERS = 12
+
+#: Call header words (int64) at the start of the header slot.
+HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RANK, HDR_CHANNEL = range(9)
+#: Direct modes: HDR_MODE says how the rows travel. MODE_RING: payload chunks follow in the ring.
+#: MODE_DIRECT: none follow; the receiver copies the stream straight out of the sender's symmetric array, then
+#: releases ``head`` past the header; the sender returns once every peer did. HDR_DIRECT_ALLOC / HDR_DIRECT_OFFSET:
+#: which symmetric allocation (``Communicator.empty``; ids agreed, allocation is collective) and the byte offset
+#: in it where the stream to this receiver starts. MODE_CMA: the same with a plain array, read by cross-memory
+#: attach (``process_vm_readv``): HDR_DIRECT_ALLOC is the sender's pid, HDR_DIRECT_OFFSET the stream's address
+#: there (host engine only). The GPU kernels send MODE_RING or MODE_DIRECT (a byte stream out of a symmetric array:
+#: the receiver's kernel finds the sender's block of allocation HDR_DIRECT_ALLOC in its symmetric table,
+#: ``DESC_SYM_TABLE``) and receive both.
+HDR_MODE, HDR_DIRECT_ALLOC, HDR_DIRECT_OFFSET = 9, 10, 11
+MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
+#: MODE_PUSH (GPU, MoE dispatch into symmetric outputs, ``dispatch(out=...)``): the receive parts named by
+#: DESC_PUSH_ALLOC lie in symmetric allocations, at the same offsets on every rank (the row signature says where,
+#: so a difference is a signature mismatch). The sender releases its header at once and waits for the receiver's
+#: ``head = first + 1``, before which the receiver stores, in the sender's head line, word HEAD_PUSH_ROW = the row
+#: of its outputs where this sender's stream starts (-1: it rejects the call; push nothing). The sender's copy
+#: warps then write those parts of every row straight into the receiver's outputs (one copy) and the other parts
+#: into the ring as usual; the chunks' tails announce both. The receiver copies only the ring parts. The wait for
+#: head also orders the pushes after the receiver's previous use of its outputs (its kernel runs in stream order).
+MODE_PUSH = 3
+HEAD_PUSH_ROW = 1
+#: A plain sendbuf goes MODE_CMA from this many bytes per peer (on average) up: below it the rings measured as fast
+#: or faster on the 2-core machine (64 KiB: 26 vs 31 us; 256 KiB - 1 MiB equal; 4 MiB: 414 vs 288 us; 16 MiB:
+#: 2889 vs 2157 us; docs/perf-notes.md v10).
+CMA_MIN_BYTES = 256 * 1024
+HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
+#: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
+PROTOCOL_VERSION = 11
+HDR_MAGIC_VALUE = (0x53594D42 << 32) | PROTOCOL_VERSION
+HDR_OK = 0
+HDR_REJECTED = 1
+
+#: Operation codes carried by call headers and notify slots.
+OPS = {"alltoall": 1, "alltoallv": 2, "dispatch": 3, "combine": 4, "notify": 5}
+_OP_NAMES = {v: k for k, v in OPS.items()}
+
+#: Notify (count exchange) slot: these header words, then the values.
+NOTIFY_EPOCH, NOTIFY_OP, NOTIFY_STATUS, NOTIFY_SIG = range(4)
+NOTIFY_HDR_WORDS = 4
+
+#: Abort line words.
+ABORT_FLAG, ABORT_RANK, ABORT_REASON, ABORT_PEER, ABORT_CHANNEL, ABORT_DETAIL = range(6)
+#: Why a rank aborted (ABORT_REASON; also the error kinds of the record).
+ERR_NONE, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED, ERR_INVARIANT, ERR_USER, ERR_LOCAL, ERR_UNCAUGHT = range(8)
+ERR_NAMES = {ERR_TIMEOUT: "timeout", ERR_MISMATCH: "call header mismatch", ERR_ABORTED: "abort",
+             ERR_INVARIANT: "ring invariant violated", ERR_USER: "Communicator.abort()",
+             ERR_LOCAL: "an exception on that rank inside a collective",
+             ERR_UNCAUGHT: "an uncaught exception on that rank (its program is ending)"}
+
+#: Roles of a wait.
+ROLE_SEND, ROLE_RECV, ROLE_NOTIFY = range(3)
+ROLE_NAMES = {ROLE_SEND: "send", ROLE_RECV: "recv", ROLE_NOTIFY: "notify"}
+
+#: Header fields a mismatch names (the error record's STATUS_FIELD).
+FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING, FIELD_CAPACITY, \
+    FIELD_MODE = range(1, 10)
+FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIELD_SEQ: "call sequence number",
+               FIELD_OP: "operation", FIELD_SIG: "row signature (dtype / row shape / parts)",
+               FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
+               FIELD_RING: "ring counters (head <= tail <= head + capacity)",
+               FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)",
+               FIELD_MODE: "transfer mode (through the rings, from a symmetric array, by cross-memory attach, or "
+                           "pushed into symmetric outputs)"}
+
+#: GPU error record (int64 words, host-mapped).
+STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
+    STATUS_KIND, STATUS_FIELD, STATUS_ABORT_RANK, STATUS_REJECTED_BY, STATUS_REJECTED_SEQ, \
+    STATUS_REJECTED_WHY = range(14)
+STATUS_WORDS = 16
+#: STATUS_REJECTED_WHY: a rank rejected its arguments (its own checks, e.g. topk_idx out of range on the device),
+#: or (device-count calls) the ranks' row signatures differ; either way nothing moved and the rings are in step.
+REJECT_ARGS, REJECT_SIG = range(2)
+
+#: Launch descriptor of the ring kernel (int64 words, passed by value as its first parameter).
+MAX_PARTS = 4
+MAX_PEERS = 32
+DESC_RANK, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS, \
+    DESC_CHUNK_BYTES, DESC_TIMEOUT_NS, DESC_ROW_BYTES, DESC_ROW_ALIGN, DESC_SEND_INDEX, DESC_RECV_INDEX, \
+    DESC_NUM_SEND_PARTS, DESC_NUM_RECV_PARTS, DESC_RING_WARPS, DESC_SELF_WARPS, DESC_OP, DESC_SIG, DESC_FLAGS, \
+    DESC_ABORT_OFFSET, DESC_COUNTS, DESC_DIRECT_ALLOC, DESC_DIRECT_OFFSET, DESC_SYM_TABLE = range(24)
+DESC_SEND_PARTS = 24                       # MAX_PARTS x {base, stride, width, offset in row}
+DESC_RECV_PARTS = DESC_SEND_PARTS + 4 * MAX_PARTS
+DESC_PEERS = DESC_RECV_PARTS + 4 * MAX_PARTS   # [4][world_size]: send offset, send units, recv offset, recv units
+DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS      # launch number, written into the error record
+#: MODE_PUSH: per receive part, the id of the symmetric allocation it lies in (-1: through the ring), and the rows
+#: the receive parts hold (a sender's stream past them is a fatal FIELD_CAPACITY error, checked by the receiver).
+DESC_PUSH_ALLOC = DESC_SEQ + 1
+DESC_PUSH_ROWS = DESC_PUSH_ALLOC + MAX_PARTS
+#: Channel telemetry on the GPU (``Config(trace=True)``; kernels built with SYMBUF_TRACE=1): DESC_TRACE = device
+#: address of the trace buffer (0: none), DESC_TRACE_CAP = its capacity in records. Buffer: word 0 = events so far
+#: (an atomic counter; records past the capacity are counted, not kept), then from word TRACE_HDR_WORDS on
+#: TRACE_WORDS int64 words per record: t0 and t1 (%globaltimer ns: before the event's wait, after its copy), launch
+#: number (DESC_SEQ), op | kind << 8 | channel << 16 | (peer + 1) << 32, bytes, head, tail.
+DESC_TRACE = DESC_PUSH_ROWS + 1
+DESC_TRACE_CAP = DESC_TRACE + 1
+#: Adaptive channels (``Config(adaptive=True)``; kernels built with SYMBUF_ADAPTIVE=1): DESC_HOME = the home map,
+#: HOME_WORDS int64 words holding one byte per warp of a block, sender block first (warps 0..31: bytes of words
+#: DESC_HOME .. +3), then the receiver block's: the peer whose ring stream that warp takes chunks of first (0xFF:
+#: its own group's, or for the self group's warp i the (i % (world_size - 1))-th peer after this rank);
+#: ``adaptive.home_map`` computes it.
+#: DESC_LOAD = device address of the load counters (0: none): int64 [2 (send, recv)][num_channels][world_size]
+#: [LOAD_WORDS]: bytes of the stream's channel share, ring chunks, chunks copied by a warp of another group
+#: (work sharing), accumulated by each ring group's leader at the end of every call.
+DESC_HOME = DESC_TRACE_CAP + 1
+HOME_WORDS = 8
+DESC_LOAD = DESC_HOME + HOME_WORDS
+LOAD_WORDS = 3
+LOAD_BYTES, LOAD_CHUNKS, LOAD_STOLEN = range(3)
+#: Work sharing's done marks: one per ring counter modulo this window, per peer of a block. A chunk is copied only
+#: once the ring has room for it (sender) or holds it (receiver), at most ``num_slots`` counters past the first
+#: one not yet published, so the window must hold ``num_slots`` (``Config(adaptive=True)`` needs ``num_slots <=
+#: ADAPT_WINDOW``).
+ADAPT_WINDOW = 32
+HOME_OWN = 0xFF
+DESC_WORDS = DESC_LOAD + 1
+TRACE_HDR_WORDS = 16
+TRACE_WORDS = 8
+#: Trace event kinds (``_trace``): a chunk written into a peer's ring (or pushed into its outputs), a chunk copied
+#: out of our ring, a direct-mode copy out of a peer's memory, a rank's own rows, a spell with nothing to move (host).
+TRACE_SEND, TRACE_RECV, TRACE_PULL, TRACE_SELF, TRACE_IDLE = range(5)
+#: Device counts table (int64 words; DESC_COUNTS holds its device address, 0 = the units are DESC_PEERS's): written
+#: by ``symbuf_notify`` in device-count mode, read by the ring kernel at launch, so a call whose counts never reach
+#: the host (worst-case mode, CUDA graphs) still moves exactly the agreed rows. CT_SKIP != 0: the call moves
+#: nothing on this rank (a rank rejected it, the signatures differ, or its output capacity is exceeded).
+#: CT_RECV_TOTAL: rows received. CT_PEERS: [4][world_size] as DESC_PEERS.
+CT_SKIP, CT_RECV_TOTAL = 0, 1
+CT_PEERS = 8
+CT_WORDS = CT_PEERS + 4 * MAX_PEERS
+#: Direct mode on the GPU: DESC_DIRECT_ALLOC = the id of the symmetric allocation this rank's sendbuf lies in (-1:
+#: ring mode), DESC_DIRECT_OFFSET = the sendbuf's byte offset in it (per call). DESC_SYM_TABLE = device address of
+#: this rank's symmetric table: SYM_TABLE_ROWS rows of SYM_TABLE_STRIDE int64 words, [id + 1 (0: free row),
+#: bytes of the allocation per rank, address of rank r's block of it in this process, r = 0 .. world_size - 1];
+#: written by the host when an allocation is made or freed (no kernel is queued then that reads the row). A
+#: receiver takes a header's stream only when it lies inside the block (else a fatal FIELD_MODE mismatch).
+SYM_TABLE_ROWS = 64
+SYM_TABLE_STRIDE = 2 + MAX_PEERS
+#: DESC_FLAGS bits.
+FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
+#: Copy-engine alltoall (``Config.mode="copy_engine"``): every rank's sendbuf is the same symmetric allocation at
+#: the same offset. The ring kernel exchanges and checks the MODE_DIRECT headers only (a receiver expects the peer's
+#: stream at DESC_DIRECT_ALLOC / DESC_DIRECT_OFFSET + its own rows' offset; anything else is a fatal FIELD_MODE
+#: mismatch) and copies nothing off-rank; the host then queues one cudaMemcpyAsync per peer (the copy engines pull
+#: the rows), and ``symbuf_ce_finish`` hands every header slot back (head) and waits for the peers' heads, so no
+#: stream reuses a sendbuf a peer's copy engine still reads.
+FLAG_CE = 2
+#: MODE_PUSH (above): some receive parts of this dispatch are symmetric; peers push them, this rank pushes to peers.
+FLAG_PUSH = 4
+#: A copy-engine alltoall moves at least this many bytes per peer; smaller ones run the direct kernel copy.
+#: Measured on one H200 under MPS (docs/perf-notes.md v11, ``bench --mode copy_engine`` beside ``--mode auto``):
+#: 8 MiB per peer loses (2 ranks x 16 MiB: 62 us against the kernel's 38; 4 ranks x 16 MiB, 4 MiB per peer: 82
+#: against 66), 16 MiB per peer and more win (8 ranks x 128 MiB: 582 against 608 us; 4 ranks: 292 against 327;
+#: 2 ranks: 149 against 159): the kernel boundaries and the two cross-rank hand-offs cost ~40 us a call.
+CE_MIN_BYTES = 16 << 20
+
+#: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
+#: a warp; keeps byte streams 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
+CHUNK_GRAIN_BYTES = 512
+CHUNK_LEAST_BYTES = 4096
+#: The host engine's smallest chunk: below this a chunk's fixed cost (a Python step, a fence, a tail store) outweighs
+#: what pipelining smaller pieces gains (measured on the 2-core CI machine, docs/perf-notes.md v10).
+HOST_CHUNK_LEAST_BYTES = 32768
+#: Byte streams are cut between channels on this alignment (bytes).
+BYTE_STREAM_ALIGN = 16
+
+
+def op_code(op: str) -> int:
+    """Code of operation ``op`` (``OPS``); ``ValueError`` for an unknown name."""
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown operation {op!r}; known: {sorted(OPS)}") from None
+
+
+def op_name(code: int) -> str:
+    return _OP_NAMES.get(int(code), f"op#{int(code)}")
+
+
+def signature(*fields) -> int:
+    """A 31-bit signature of what both ends of a stream must agree on (wire format, row bytes, parts, dtype,
+    row shape): CRC-32 of their text, so it is the same on every rank and every run."""
+    return zlib.crc32("|".join(str(f) for f in fields).encode()) & 0x7FFFFFFF
+
+
+def _constants() -> list:
+    names = [n for n in globals() if n.isupper() and isinstance(globals()[n], int) and not n.startswith("_")]
+    return [(n, globals()[n]) for n in names]
+
+
+def cuda_header() -> str:
+    """C++ text defining every constant above for the kernels (``constexpr``), plus the op codes as
+    ``OP_<NAME>``. ``_kernels`` prepends it to each source; kernels include no hand copy."""
+    lines = ["// Generated from cupy_symbuf/_protocol.py at NVRTC time: do not edit; change the Python.",
+             "#ifndef SYMBUF_PROTOCOL_GENERATED", "#define SYMBUF_PROTOCOL_GENERATED"]
+    for name, value in _constants():
+        ctype = "unsigned long long" if value >= 2 ** 31 else "int"
+        suffix = "ull" if ctype != "int" else ""
+        lines.append(f"constexpr {ctype} {name} = {value}{suffix};")
+    for name, value in OPS.items():
+        lines.append(f"constexpr int OP_{name.upper()} = {value};")
+    lines.append("#endif")
+    return "\n".join(lines) + "\n"
