@@ -70,7 +70,7 @@ from ..common import backend as _compat
 from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..collectives import quant as _quant
-from ..common.checks import as_array
+from ..common.checks import as_array, check_int
 from ..common.errors import SymBufferError, SymBufferTimeoutError, mismatch_error
 from ..transport.symbuffer import SymBuffer
 
@@ -145,16 +145,6 @@ def _layout(W: int, N: int, H: int, itemsize: int, K: int) -> dict:
 
 def _kind_of(dtype) -> Optional[str]:
     return _dt.float_kind(dtype, raw_uint16=_dt.BFLOAT16)
-
-
-def _check_int(op: str, name: str, v, lo: int, hi: Optional[int] = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{op}: {name} must be an int, got {type(v).__name__}")
-    v = int(v)
-    if v < lo or (hi is not None and v > hi):
-        rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{op}: {name} must be {rule}, got {v}")
-    return v
 
 
 class LowLatencyHandle:
@@ -241,10 +231,11 @@ class LowLatencyBuffer:
         W = comm.world_size
         err = None
         try:
-            N = _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, 4096)
-            H = _check_int(op, "hidden", hidden, 1)
-            E = _check_int(op, "num_experts", num_experts, 1)
-            K = _check_int(op, "max_topk", max_topk, 1, 32)
+            N = check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1,
+                          maximum=4096)
+            H = check_int(op, "hidden", hidden, minimum=1)
+            E = check_int(op, "num_experts", num_experts, minimum=1)
+            K = check_int(op, "max_topk", max_topk, minimum=1, maximum=32)
             kind = _kind_of(dtype)
             if kind not in _KINDS:
                 raise TypeError(f"{op}: dtype must be bfloat16, float16 or float32, got {dtype!r}")
@@ -259,7 +250,7 @@ class LowLatencyBuffer:
                 raise ValueError(f"{op}: num_experts * ceil(N / 32) too large for the receive masks ({smem} bytes "
                                  f"of shared memory > 49152): lower num_max_dispatch_tokens_per_rank or num_experts")
             if num_blocks is not None:
-                num_blocks = _check_int(op, "num_blocks", num_blocks, 1, 1024)
+                num_blocks = check_int(op, "num_blocks", num_blocks, minimum=1, maximum=1024)
         except (TypeError, ValueError) as exc:
             err = exc
         mpi = comm.buffer.comm
