@@ -303,7 +303,7 @@ def test_moe_call_rejected_on_one_rank_only(comm2, comm, backend, case):
             idx = idx.copy()
             idx[0, 0] = E  # out of range
         call = lambda: c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, E)  # noqa: E731
-        own = "topk_idx values must be -1"
+        own = "argument 'topk_idx' must hold -1"
     elif case == "cached_dispatch":
         xs = x[:-1] if bad else x  # one token short of the handle's
         call = lambda: c.dispatch(to_backend(xs, backend), handle=h)  # noqa: E731

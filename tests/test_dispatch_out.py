@@ -140,7 +140,7 @@ def test_out_fp8_tuple(moe_comm):
 def _bad(c, name, x, idx, w, n_exp, hidden):
     xp = c.xp
     if name == "dtype":
-        return dict(out=xp.empty((100, hidden), np.float64)), TypeError, "out must have dtype"
+        return dict(out=xp.empty((100, hidden), np.float64)), TypeError, "argument 'out' must have dtype"
     if name == "hidden":
         return dict(out=xp.empty((100, hidden + 1), np.float32)), ValueError, "hidden"
     if name == "strided":
