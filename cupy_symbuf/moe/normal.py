@@ -47,7 +47,8 @@ Errors
 Every argument is validated before the first collective step, so a rejected call (made on every rank, as the
 collective contract requires) leaves the communicator usable. ``TypeError``: wrong array module for the backend,
 wrong dtype, a handle that is not a :class:`DispatchHandle`. ``ValueError``: shapes, ranges, divisibility, a
-handle from another communicator. Messages name the operation, the argument and the rule.
+handle from another communicator. Messages name the operation, the argument and the rule (the checks are
+:mod:`cupy_symbuf.moe.checks` and :mod:`cupy_symbuf.common.checks`).
 """
 from __future__ import annotations
 
