@@ -3,7 +3,9 @@ real runs of ``python -m cupy_symbuf.bench --backend host`` at 2 ranks, the gpu 
 (skip notes, the copy row, the low-latency and energy tables). Pure Python, no MPI traffic."""
 import importlib.util
 import os
+import pathlib
 import shutil
+import tempfile
 
 import pytest
 
@@ -47,7 +49,13 @@ def test_parse_moe_alltoallv_control():
     assert control["alltoall 64 KiB, host time to issue one call"] == {"us": 68.7}
 
 
-def test_compare_medians_ratio_and_flags(tmp_path, capsys):
+def test_compare_medians_ratio_and_flags(capsys):
+    # its own folder per rank (pytest's tmp_path would have every rank of an mpiexec run clean one shared base)
+    with tempfile.TemporaryDirectory() as d:
+        _check_summary(pathlib.Path(d), capsys)
+
+
+def _check_summary(tmp_path, capsys):
     with open(os.path.join(SAMPLES, "gpu_dispatch.log")) as f:
         text = f.read()
     for run in (1, 2, 3):
