@@ -73,14 +73,15 @@ test-mpi: install
 	  CUPY_SYMBUF_REQUIRE_NVRTC=1 timeout $(RUN_LIMIT) $(MPIEXEC) -n $$n $(PYTEST) tests || fail=1; \
 	done; exit $$fail
 
-# On a GPU machine (Open MPI's mpirun, CuPy installed, run from the source tree): see .ci/gpu_suite.sh.
+# On a GPU machine (Open MPI's mpirun, CuPy installed, run from the source tree): the whole suite at 1 rank, one
+# rank per GPU (2+ GPUs), and 2, 4 and 8 ranks on GPU 0 under MPS; other stages: see .ci/device.sh.
 test-gpu:
-	bash .ci/gpu_suite.sh
+	DEVICE_BUDGET_S=0 bash .ci/device.sh gpu-all
 
 bench: install
 	timeout $(RUN_LIMIT) $(MPIEXEC) -n $(NP) $(PY) -m cupy_symbuf.bench
 
-# Soak (issue 9): mixed alltoall / alltoallv / MoE dispatch-combine iterations with sampled bitwise checks, host
+# Soak: mixed alltoall / alltoallv / MoE dispatch-combine iterations with sampled bitwise checks, host
 # path. The full 10,000-iteration run on GPUs: mpirun -n 2 python3 examples/soak.py --backend cuda.
 SOAK_ITERS ?= 2000
 soak: install

@@ -1,8 +1,8 @@
 // The device side of cupy_symbuf/layout.py (ChannelLayout): the region arithmetic, handed in as scalars by
 // ChannelLayout.kernel_args() or the launch descriptor, the launch descriptor's type, the row streams and the
 // group barrier. Every protocol constant (offsets TAIL_OFFSET ... RING_OFFSET, DESC_*, MAX_PARTS, MAX_PEERS, ...)
-// comes from the header cupy_symbuf/_protocol.py generates and cupy_symbuf/_kernels.py puts in front of every
-// source: nothing here copies one by hand. The ring protocol itself is in protocol.cuh.
+// comes from the header cupy_symbuf/wire/protocol.py generates and cupy_symbuf/transport/kernels.py puts in front
+// of every source: nothing here copies one by hand. The ring protocol itself is in protocol.cuh.
 #pragma once
 #include "primitives.cuh"
 
@@ -27,15 +27,15 @@ struct Layout {
 };
 
 // Rows [lo, hi) of an n-row stream carried by `channel`, boundaries rounded down to multiples of `align` rows
-// (same formula as layout.channel_row_range; byte streams use 1-byte rows and align = 16).
+// (same formula as wire/channel_layout.py channel_row_range; byte streams use 1-byte rows and align = 16).
 __device__ __forceinline__ void channel_range(i64 n, int channel, int num_channels, i64 align, i64& lo, i64& hi) {
   lo = (n * channel / num_channels) / align * align;
   hi = (channel == num_channels - 1) ? n : (n * (channel + 1) / num_channels) / align * align;
 }
 
 // ---- launch descriptor of symbuf_ring_exchange -------------------------------------------------------------
-// DESC_WORDS int64 words (_protocol: DESC_*) passed by value as the kernel's first parameter (inside the 4 KiB
-// parameter space), written by cupy_symbuf/_cuda.py and copied into shared memory by every block at launch.
+// DESC_WORDS int64 words (wire/protocol.py: DESC_*) passed by value as the kernel's first parameter (inside the 4 KiB
+// parameter space), written by cupy_symbuf/transport/cuda.py and copied into shared memory by every block at launch.
 // A "row stream" is the rows one rank sends to (or receives from) one peer. A row is the concatenation of up to
 // MAX_PARTS parts; part i of row r is `width` bytes at base + token(r) * stride, where token(r) is
 // index[r] (a device int64 array) or r itself when there is no index. Byte streams are rows of 1 byte.

@@ -1,5 +1,5 @@
 // Low-latency MoE dispatch / combine (DeepEP low_latency_dispatch / low_latency_combine semantics, decode sizes),
-// one kernel each, no host synchronisation, graph-capturable. cupy_symbuf/low_latency.py is the reference text
+// one kernel each, no host synchronisation, graph-capturable. cupy_symbuf/moe/low_latency.py is the reference text
 // (layout, arithmetic, the NumPy twin); this file is its GPU form.
 //
 // Symmetric buffer of a LowLatencyBuffer (its own SymBuffer), per rank:
@@ -24,7 +24,7 @@
 #include "quant.cuh"
 
 // Kernel arguments: every word i64, passed by value; the order is LL_DISPATCH_FIELDS / LL_COMBINE_FIELDS of
-// cupy_symbuf/low_latency.py (tests compare the parameter size).
+// cupy_symbuf/moe/low_latency.py (tests compare the parameter size).
 struct LLDispatchArgs {
   i64 x, x_stride, topk, n, k, ll_bases, half0, half_bytes, flags_off, meta_off, rows_off, row_bytes, N, H, L, W,
       rank, use_fp8, ue8m0, kind, sig, recv_x, recv_scales, recv_count, src_info, layout_range, inv, recv_ntok,

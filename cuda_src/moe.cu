@@ -1,5 +1,5 @@
 // MoE combine, the receive-side reduction (DeepEP `Buffer.combine` semantics, deep_ep/buffer.py): after the
-// channel rings have brought every rank's rows back (cupy_symbuf/moe.py), out[t] = sum over ranks r in ascending
+// channel rings have brought every rank's rows back (cupy_symbuf/moe/normal.py), out[t] = sum over ranks r in ascending
 // order of back[pos[t, r]] (pos = -1: token t was not sent to r), accumulated in float32 from 0 and rounded once
 // to the element type, so the result is bitwise the NumPy reference's. One template, one entry point per
 // element type; elements are raw bits (no cuda_bf16.h / cuda_fp16.h needed).

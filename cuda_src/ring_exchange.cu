@@ -9,7 +9,7 @@
 // index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte stream (1-byte rows).
 // Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
 //
-// Ring protocol v8 per (channel c, sender s, receiver d) (protocol.cuh: who writes which word), counters in
+// The ring protocol per (channel c, sender s, receiver d) (protocol.cuh: who writes which word), counters in
 // slots, only growing, slot = counter % num_slots; first = the counter the previous call left (state line):
 //   call header: counter `first`, every call, for every ring group, also when the channel's share is empty. s's
 //             publisher waits for space for it (backpressure as for chunks), writes the HDR_* words into d's ring
@@ -102,7 +102,7 @@ __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* don
 // full round); at least CHUNK_LEAST_BYTES of rows (one unrolled warp pass), a multiple of CHUNK_GRAIN_BYTES of rows
 // (one vector pass; keeps byte streams 16-byte aligned), at most one slot. Sender and receiver compute it from the
 // same n (the rows the one sends the other receives) and the same num_copy (same kernel variant on every rank), so
-// they cut the stream alike. Same formula as cupy_symbuf/layout.py chunk_rows (the host path uses it with one
+// they cut the stream alike. Same formula as cupy_symbuf/wire/channel_layout.py chunk_rows (the host path uses it with one
 // copy worker).
 __host__ __device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chunk_bytes, int num_copy) {
   const i64 max_rows = chunk_bytes / row_bytes;

@@ -1,4 +1,4 @@
-"""Ranks agree, or every rank fails loudly (issue 9): a call rejected on one rank only, counts / dtype / operation
+"""Ranks agree, or every rank fails loudly: a call rejected on one rank only, counts / dtype / operation
 that differ between ranks. Every case checks real values against NumPy: a call either returns the reference rows
 or raises, never wrong data; after a rejection the communicator keeps working.
 

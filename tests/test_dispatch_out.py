@@ -1,4 +1,4 @@
-"""MoE dispatch into caller-owned outputs (``dispatch(out=...)``, issue 11), and on the GPU the direct mode that
+"""MoE dispatch into caller-owned outputs (``dispatch(out=...)``), and on the GPU the direct mode that
 comes with a symmetric ``out`` (MODE_PUSH: the peers write their rows straight into it). Every output is compared
 with a NumPy reference built from every rank's inputs (``allgather``); ``out`` is poisoned before each call and
 the calls are repeated with fresh data.

@@ -1,4 +1,4 @@
-"""Low-latency MoE dispatch / combine (issue 10 item 5; DeepEP low_latency_dispatch / low_latency_combine) against
+"""Low-latency MoE dispatch / combine (DeepEP low_latency_dispatch / low_latency_combine) against
 an independent NumPy reference, on every backend here, under ``mpiexec -n 1/2/4``.
 
 Every rank generates every rank's inputs from seeds (so each computes locally what it must receive), outputs are

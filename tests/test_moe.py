@@ -1,4 +1,4 @@
-"""MoE dispatch / combine (issue 3, DeepEP normal-mode intranode semantics) against an independent NumPy reference.
+"""MoE dispatch / combine (DeepEP normal-mode intranode semantics) against an independent NumPy reference.
 
 One suite for every world size and backend::
 

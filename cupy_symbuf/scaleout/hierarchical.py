@@ -242,7 +242,7 @@ class HierarchicalCommunicator:
     -----
     Tested on the host backend (1, 2, 4 ranks, every split) and on the cuda backend as 2 x 2 virtual nodes on one
     H200 under MPS (``tests/test_hierarchical.py``, 91 passed per rank, MPI between the virtual nodes). The
-    ``inter_node="nccl"`` step has not run on GPUs (NCCL needs one GPU per rank: issue 15).
+    ``inter_node="nccl"`` step has not run on GPUs (NCCL needs one GPU per rank).
 
     Failure: a call whose bounded agreement fails (a peer that does not call within ``Config.timeout_s``, ranks
     calling different collectives: :class:`~cupy_symbuf.SymBufferTimeoutError` / ``SymBufferError``), or whose

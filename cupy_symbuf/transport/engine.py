@@ -1,4 +1,4 @@
-"""The internal interface every collective uses (``communicator.py`` for alltoall(v), ``moe.py`` for dispatch and
+"""The internal interface every collective uses (``communicator.py`` for alltoall(v), ``moe/normal.py`` for dispatch and
 combine): agreed plans, the count exchange, row exchanges, and the rules that keep ranks in step.
 
 A collective runs inside :meth:`Engine.call`. Until its first communication step it may reject its arguments;

@@ -248,7 +248,7 @@ def _constants() -> list:
 def cuda_header() -> str:
     """C++ text defining every constant above for the kernels (``constexpr``), plus the op codes as
     ``OP_<NAME>``. ``_kernels`` prepends it to each source; kernels include no hand copy."""
-    lines = ["// Generated from cupy_symbuf/_protocol.py at NVRTC time: do not edit; change the Python.",
+    lines = ["// Generated from cupy_symbuf/wire/protocol.py at NVRTC time: do not edit; change the Python.",
              "#ifndef SYMBUF_PROTOCOL_GENERATED", "#define SYMBUF_PROTOCOL_GENERATED"]
     for name, value in _constants():
         ctype = "unsigned long long" if value >= 2 ** 31 else "int"
