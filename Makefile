@@ -10,7 +10,7 @@ PYTEST := $(PY) -m pytest -q --color=no -p no:cacheprovider --timeout=300
 RUN_LIMIT ?= 1200
 NP ?= 4
 
-.PHONY: install demo test test-unit test-mpi test-gpu bench clean soak sanitize
+.PHONY: install demo lint test test-unit test-mpi test-gpu bench clean soak sanitize
 
 install: $(VENV)/.installed
 
@@ -23,7 +23,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	timeout $(RUN_LIMIT) $(MPIEXEC) -n $(NP) $(PY) examples/alltoall.py
 
-test: install test-unit test-mpi
+test: install lint test-unit test-mpi
+
+# The layering contracts of .importlinter (a layer imports only the layers below it, never a public face, never
+# another package's private module); tests/test_layers.py checks the private names import-linter cannot see.
+lint: install
+	$(VENV)/bin/lint-imports
 
 test-unit: install
 	CUPY_SYMBUF_REQUIRE_NVRTC=1 timeout $(RUN_LIMIT) $(PYTEST) tests
