@@ -59,6 +59,8 @@ test: install
 	echo "tests: $$p passed, $$f failed"; \
 	exit $$fail
 
+# The layering contracts of .importlinter (a layer imports only the layers below it, never a public face, never
+# another package's private module); tests/test_layers.py checks the private names import-linter cannot see.
 lint: install
 	$(VENV)/bin/lint-imports
 

@@ -16,7 +16,8 @@ from .common.checks import as_array, check_counts, check_out
 from .common.config import Config
 from .common.errors import SymBufferClosedError, SymBufferError
 from .wire.channel_layout import ChannelLayout
-from .transport.symbuffer import SymBuffer, _gpu_identity, resolve_backend
+from .transport.bootstrap import MpiBootstrap
+from .transport.symbuffer import SymBuffer, gpu_identity, resolve_backend
 
 __all__ = ["Communicator"]
 
@@ -67,7 +68,8 @@ class Communicator:
     ----------
     rank, world_size, backend, config, layout (:class:`~cupy_symbuf.layout.ChannelLayout`), buffer (SymBuffer),
     xp (``numpy`` or ``cupy``), topology (:class:`~cupy_symbuf.Topology`), transport (``"ipc"`` / ``"staged"`` /
-    ``"shared_memory"``: where the buffer lives, ``Config.transport``), transport_reason.
+    ``"shared_memory"``: where the buffer lives, ``Config.transport``), transport_reason, planned_transport (the
+    transport computed before the buffer existed, which keyed the tuning table), tuning_source.
 
     Notes
     -----
@@ -110,6 +112,7 @@ class Communicator:
             raise TypeError(f"Communicator: config must be a cupy_symbuf.Config, got {type(config).__name__}")
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"Communicator: comm must be an mpi4py intra-communicator, got {comm!r}")
+        boot = MpiBootstrap(comm)  # every exchange of construction goes through it
         timeout = config.timeout_s
         what = "Communicator construction"
         try:
@@ -118,7 +121,7 @@ class Communicator:
             try:
                 backend = resolve_backend(backend)
                 if backend == "cuda":
-                    ident = _gpu_identity(_compat.cupy.cuda.Device().id)
+                    ident = gpu_identity(_compat.cupy.cuda.Device().id)
                     gpu = ident["uuid"] + "/" + ident["pci_bus_id"]
                     sm_count = ident["sm_count"] or sm_count
                     gpu_name = ident.get("name", "")
@@ -126,31 +129,31 @@ class Communicator:
                 place = local_record(backend, nvml=False)  # for self.topology: host, GPU, peer access (no NVML)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"
-            step = _agree.exchange_all(comm, (backend, gpu, err, place), timeout, what)
+            step = boot.allgather((backend, gpu, err, place), timeout, what)
             _agree.raise_if_any_failed([s[2] for s in step], "Communicator")
             _agree.check_agreement([{"backend": s[0]} for s in step], "Communicator")
             ranks_per_gpu = [s[1] for s in step].count(gpu) if backend == "cuda" else 1
             self._places = [dict(s[3], shm=0) for s in step]  # one node: SymBuffer checks it below
             # 2. Everything that shapes the wire, compared before anything is allocated.
-            world_size = comm.Get_size()
+            world_size = boot.size
             err, fp = None, None
             self.tuning_source = None
             try:
-                self._planned_transport = planned_transport(config.transport, backend, self._places)
+                self.planned_transport = planned_transport(config.transport, backend, self._places)
                 config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu,
-                                     self._planned_transport)
+                                     self.planned_transport)
                 self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
                                               world_size=world_size)
                 self.layout = ChannelLayout.from_config(self.config, world_size)
                 fp = _agree.fingerprint(self.config, self.layout, backend)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
-            step = _agree.exchange_all(comm, (fp, err), timeout, what + " (fingerprint)")
+            step = boot.allgather((fp, err), timeout, what + " (fingerprint)")
             _agree.raise_if_any_failed([e for _, e in step], "Communicator")
             _agree.check_agreement([f for f, _ in step], "Communicator")
             self.world_size = world_size
             # 3. The buffer (its size checked against free memory on every rank first).
-            self.buffer = SymBuffer(comm, self.layout.total_bytes, backend=backend, timeout_s=timeout,
+            self.buffer = SymBuffer(boot, self.layout.total_bytes, backend=backend, timeout_s=timeout,
                                     transport=self.config.transport, _managed=True)
         except SymBufferError as exc:  # a construction timeout: the excepthook applies this config's policy
             exc.abort_on_failure = config.abort_on_failure
@@ -171,7 +174,7 @@ class Communicator:
                 from .transport.host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
             from .transport.symmetric import SymmetricHeap
-            self._heap = SymmetricHeap(self)
+            self._heap = SymmetricHeap(self.buffer, self._transport, self.config.timeout_s, self._check_open)
             self._transport.heap = self._heap
             if self.config.adaptive and self.backend == "cuda" and self.world_size > 1:
                 self._transport.enable_adaptive()  # the work-sharing build of the ring kernel, its load counters
@@ -182,7 +185,7 @@ class Communicator:
                     from .transport.trace import Recorder
                     self._transport.trace = Recorder()
             if self.backend == "host":  # can every rank read every other's memory (plain sendbufs go direct)?
-                if not self._transport.probe_cma(self.buffer.comm, self.config.timeout_s) and self.world_size > 1:
+                if not self._transport.probe_cma(self.buffer.bootstrap, self.config.timeout_s) and self.world_size > 1:
                     _logger.info("cross-memory attach (process_vm_readv) is not available between these ranks: "
                                  "plain sendbufs go through the rings")
         except BaseException:
@@ -190,13 +193,13 @@ class Communicator:
             raise
         self._pid = os.getpid()
         self._closed = False
-        self._token = _lifecycle.register(self)
+        self._token = _lifecycle.register(self, state=self._lifecycle_state, abort=self._abort_uncaught)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
-            if self.tuning_source and self.transport != self._planned_transport and self.rank == 0:
+            if self.tuning_source and self.transport != self.planned_transport and self.rank == 0:
                 _logger.warning("Communicator: the layout came from the tuning table's %s entry (%s), but the buffer "
                                 "fell back to the %s transport; pass num_sms / chunk_bytes / num_slots to choose "
-                                "another", self._planned_transport, self.tuning_source, self.transport)
+                                "another", self.planned_transport, self.tuning_source, self.transport)
         _logger.debug("Communicator: backend=%s world_size=%d %s%s", self.backend, self.world_size, self.config,
                       f" (layout from the tuning table {self.tuning_source})" if self.tuning_source else "")
 
@@ -249,8 +252,7 @@ class Communicator:
         was_broken = self._broken
         err = None
         try:
-            if self.backend == "cuda":
-                err = self._transport.close()  # waits for queued kernels; a recorded, unreported error or None
+            err = self._transport.close()  # GPU: waits for queued kernels; a recorded, unreported error or None
         except Exception as exc:
             err = exc
         if err is not None and not self._broken:
@@ -274,6 +276,12 @@ class Communicator:
         if rejected is not None and not was_broken:  # a peer rejected a queued call; no synchronize() said so
             raise rejected
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or construction failed); a closed communicator raises
+        :class:`~cupy_symbuf.SymBufferClosedError` from every collective."""
+        return getattr(self, "_closed", True)
+
     def abort(self, reason: str = "") -> None:
         """Abort this communicator on every rank, like ``ncclCommAbort`` (local: returns at once, no communication).
 
@@ -285,9 +293,7 @@ class Communicator:
         from .wire import protocol as _protocol
         if getattr(self, "_closed", True):
             return
-        set_abort = getattr(self._transport, "set_abort", None)
-        if set_abort is not None:
-            set_abort(_protocol.ERR_USER)
+        self._transport.set_abort(_protocol.ERR_USER)
         msg = f"aborted by this rank (rank {self.rank})" + (f": {reason}" if reason else "")
         self._broken = msg if not self._broken else f"{self._broken}; then {msg}"
 
@@ -323,11 +329,10 @@ class Communicator:
             left out of its counts); the communicator stays usable.
         """
         self._check_open()
+        # GPU: the queued launches; host: the peers' copies out of the sendbufs of earlier sync="relaxed" calls
+        self._run(self._transport.synchronize, "synchronize")
         if self.backend == "cuda":
-            self._run(self._transport.synchronize)
             self._transport.check_layout_error("synchronize")  # a local argument error: the communicator stays usable
-        else:  # the peers' copies out of the sendbufs of earlier sync="relaxed" calls
-            self._run(self._transport.settle, "synchronize")
 
     def __enter__(self) -> "Communicator":
         return self
@@ -526,15 +531,42 @@ class Communicator:
 
     # ---- transport ------------------------------------------------------------------------------------------
     @property
-    def _engine(self):
-        """The internal interface of the collectives (:class:`cupy_symbuf.transport.engine.Engine`), made on first use."""
+    def engine(self):
+        """The seam between this communicator and the layers above ``transport/`` (collectives, MoE, low-latency
+        mode, scale-out, the benchmark): its :class:`~cupy_symbuf.transport.engine.Engine`, made on first use.
+        Public within the package (no stability promise to users): ``engine.call`` / ``reject`` / ``check_open``
+        keep the ranks in step, ``engine.transport`` is the
+        :class:`~cupy_symbuf.transport.base.Transport` its steps run on, ``engine.heap`` the symmetric arrays."""
         eng = self.__dict__.get("_engine_obj")
         if eng is None:
             from .transport.engine import Engine
-            eng = Engine(self, self._transport, self.layout, self.config, rank=self.rank,
-                         world_size=self.world_size, backend=self.backend)
+            eng = Engine(self._transport, self.layout, self.config, rank=self.rank, world_size=self.world_size,
+                         backend=self.backend, heap=self._heap, check_open=self._check_open,
+                         failure=self._failure, on_broken=self._set_broken)
             self.__dict__["_engine_obj"] = eng
         return eng
+
+    _engine = engine  # the facade's own shorthand (layers above use ``engine``)
+
+    def _failure(self):
+        return self._broken
+
+    def _set_broken(self, msg: str) -> None:
+        self._broken = msg
+
+    def _lifecycle_state(self) -> tuple:
+        """For :mod:`~cupy_symbuf.transport.lifecycle`: ``(pid that made it, open, why it failed or None, abort on
+        failure)``."""
+        return self._pid, not self._closed, self._broken, self.config.abort_on_failure
+
+    def _abort_uncaught(self, exc_type) -> None:
+        """For :mod:`~cupy_symbuf.transport.lifecycle`: this rank's program ends with an uncaught ``exc_type``:
+        set the abort word (the peers leave their waits naming this rank) and mark this communicator broken."""
+        from .wire import protocol as _protocol
+        if self._broken:
+            return
+        self._transport.set_abort(_protocol.ERR_UNCAUGHT)
+        self._broken = f"aborted by this rank (rank {self.rank}): uncaught {exc_type.__name__}"
 
     def _run(self, fn, *args, **kwargs):
         return self._engine._run(fn, *args, **kwargs)

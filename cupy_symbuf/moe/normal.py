@@ -225,7 +225,7 @@ def _check_out(op: str, comm, out, xv, scales, inputs=()) -> Optional[list]:
                              f"{a.strides}")
         if not getattr(a.flags, "writeable", True):  # CuPy arrays have no such flag (always writeable)
             raise ValueError(f"{op}: argument '{name}' must be writeable (the received rows are written into it)")
-        comm.owner._heap.check_live(op, name, a)
+        comm.check_live(op, name, a)
         for other, what in [(xv, "x"), (scales, "the scales of x"), *inputs] + [(b, "out[0]") for b in arrays]:
             if other is not None and a.size and other.size and comm.xp.may_share_memory(a, other):
                 raise ValueError(f"{op}: argument '{name}' must not share memory with {what} (it is written while "

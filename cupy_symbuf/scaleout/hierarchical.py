@@ -654,7 +654,7 @@ class HierarchicalCommunicator:
                 o += w
             sendbuf = (packed if self._nccl is not None else self._to_host_staged(packed, "send")).reshape(-1)
             if self.backend == "cuda":
-                self.node_comm._transport.check(op)  # a failure a queued node kernel recorded
+                self.node_comm.engine.transport.check(op)  # a failure a queued node kernel recorded
         except Exception as exc:  # noqa: BLE001 - told to the rail peers first
             err = exc
         ready = self._exchange(self._rail, None if err is None else f"{type(err).__name__}: {err}", op + " (rail)")
@@ -986,8 +986,8 @@ class HierarchicalCommunicator:
         if not self._broken:
             self._broken = f"{type(exc).__name__}: {exc}"
         nc = getattr(self, "node_comm", None)
-        if nc is not None and not getattr(nc, "_broken", None):
-            nc._broken = f"HierarchicalCommunicator: {self._broken}"
+        if nc is not None:
+            nc.engine.mark_broken(f"HierarchicalCommunicator: {self._broken}")
 
     def _exchange(self, comm, obj, what: str) -> list:
         """``_agree.exchange_all`` bounded by the node communicator's ``timeout_s``; its failure marks this

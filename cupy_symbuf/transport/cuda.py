@@ -13,6 +13,7 @@ import numpy as np
 
 from ..common import backend as _compat
 from . import kernels as _kernels
+from .base import DeviceTransport, implements
 from ..wire import protocol as P
 from ..wire.plan import kernel_geometry, ring_kernel_defines, warp_groups  # noqa: F401 (re-exported)
 from ..wire.protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_BYTES, DESC_COUNTS, DESC_FLAGS, DESC_NUM_CHANNELS,
@@ -110,9 +111,10 @@ class _Launch:
 _OPS_KEPT = 256
 
 
+@implements(DeviceTransport)
 class CudaTransport:
     """Runs row exchanges (one ring-kernel launch per call) and the notify step over a cuda
-    :class:`~cupy_symbuf.SymBuffer`."""
+    :class:`~cupy_symbuf.SymBuffer` (a :class:`~cupy_symbuf.transport.base.DeviceTransport`)."""
 
     def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
         self.buf = buf
@@ -228,6 +230,12 @@ class CudaTransport:
         smem = self.bulk_smem
         self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
                                                               params, 0)
+
+    @property
+    def ring_kernel(self):
+        """The ring kernel this transport launches (a ``cupy.RawKernel`` function: ``num_regs``,
+        ``local_size_bytes``, ... for reports)."""
+        return self._k_ring
 
     def _variant(self) -> tuple:
         """The ring kernel's build for this world size and the local options (telemetry, work sharing)."""
