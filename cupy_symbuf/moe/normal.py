@@ -58,6 +58,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from . import gpu as _moe_cuda
+from ..collectives import wire_dtype as _wire
 from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..common.checks import as_array, check_out
@@ -614,7 +615,6 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
 def _wire_fp8(op, comm, x, wire_dtype):
     """``dispatch(wire_dtype="fp8")``: the ``(codes, scales)`` tuple that travels and the function that turns the
     received pair back into ``x``'s dtype."""
-    from ..collectives import quant
     if not isinstance(wire_dtype, str) or wire_dtype != "fp8":  # (an array would compare elementwise)
         raise ValueError(f"{op}: wire_dtype must be None or 'fp8', got {wire_dtype!r}")
     if isinstance(x, tuple):
@@ -624,10 +624,10 @@ def _wire_fp8(op, comm, x, wire_dtype):
     if xv.shape[1] % FP8_BLOCK:
         raise ValueError(f"{op}: wire_dtype='fp8' needs hidden divisible by {FP8_BLOCK}, got hidden={xv.shape[1]}")
     dtype = xv.dtype
-    q, scales = quant.quantize_fp8_from(xv, kind)  # GPU: one kernel reading x itself
+    q, scales = _wire.quantize(xv, kind, "fp8")  # GPU: one kernel reading x itself
 
     def back(recv_q, recv_scales):
-        return quant.dequantize_fp8_to(recv_q, recv_scales, kind, dtype)
+        return _wire.dequantize(recv_q, recv_scales, kind, dtype, "fp8")
     return (q, scales), back
 
 
