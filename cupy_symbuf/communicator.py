@@ -9,10 +9,10 @@ import numpy as np
 from mpi4py import MPI
 
 from .common import backend as _compat
+from .collectives.alltoall import alltoall as _alltoall, alltoallv as _alltoallv
 from .moe import normal as _moe
 from .transport.streams import run_collective as _run_collective
-from .transport.engine import check_sync, row_signature
-from .common.checks import as_array, check_counts, check_out
+from .common.checks import as_array
 from .common.config import Config
 from .common.errors import SymBufferClosedError, SymBufferError
 from .wire.channel_layout import ChannelLayout
@@ -162,8 +162,6 @@ class Communicator:
         self.backend = self.buffer.backend
         self.xp = _compat.array_module(self.backend)
         self._epoch = 0
-        self._ones = np.ones(self.world_size, dtype=np.int64)  # alltoall's counts (read only)
-        self._ones.flags.writeable = False
         try:
             if self.backend == "cuda":
                 from .transport.cuda import CudaTransport
@@ -635,25 +633,7 @@ class Communicator:
         if stream is not None or async_op is not False:
             return _run_collective(self, "alltoall", False, self.alltoall, (sendbuf,), {"out": out, "sync": sync},
                                    stream=stream, async_op=async_op)
-        op = "alltoall"
-        eng = self._engine
-        self._check_open()
-        try:  # argument checks; a rejection is told to the peers (the lean form of Engine.call)
-            x = as_array(op, "sendbuf", sendbuf, self.backend)
-            if x.shape[0] != self.world_size:
-                raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), "
-                                 f"got shape {tuple(x.shape)}")
-            relaxed = check_sync(op, sync)
-            direct = eng.direct_source(op, [x], None)
-            plan = eng.rows_plan(op, x, self._ones, direct is not None)
-            self._heap.check_live(op, "out", out)
-            recv = self.xp.empty(x.shape, dtype=x.dtype) if out is None else \
-                check_out(op, out, self.backend, x.shape, x.dtype, inputs=(x,))
-        except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
-            eng.reject(op, notify=False)
-            raise
-        eng.run(plan, [x], None, [recv], direct, relaxed)
-        return recv
+        return _alltoall(self._engine, sendbuf, out, sync)
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, out=None, stream=None,
                   async_op=False, wire_dtype=None, sync="strong"):
@@ -735,171 +715,7 @@ class Communicator:
             return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
                                    {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out,
                                     "wire_dtype": wire_dtype, "sync": sync}, stream=stream, async_op=async_op)
-        op = "alltoallv"
-        eng = self._engine
-        if wire_dtype is not None:
-            return self._alltoallv_wire(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype,
-                                        sync)
-        if recv_capacity is not None or (self.backend == "cuda" and _compat.is_cupy_array(send_counts)):
-            with eng.call(op, notify=True):
-                return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out,
-                                                check_sync(op, sync))
-        with eng.call(op, notify=recv_counts is None):
-            relaxed = check_sync(op, sync)
-            if out is not None and recv_counts is None:
-                raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
-                                 f"known before the count exchange)")
-            x = as_array(op, "sendbuf", sendbuf, self.backend)
-            send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
-            sig = row_signature(x)
-            eng.check_size(op, "send_counts", send_counts, x)  # before the count exchange: a rejection
-            direct = eng.direct_source(op, [x], None)
-            if recv_counts is None:
-                # what the peers send (each checked its own counts); their sum is checked exactly here too
-                what = self.__dict__.pop("_sig_what", None) or (
-                    f"every rank must send rows of the same dtype and row shape, with the same wire_dtype; this rank "
-                    f"has {sig}" + (" (no wire_dtype)" if op == "alltoallv" else ""))
-                recv_counts = check_counts(op, "recv_counts (from the count exchange)",
-                                           eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0].copy(),
-                                           self.world_size)
-            else:
-                recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
-                if recv_counts[self.rank] != send_counts[self.rank]:
-                    raise ValueError(f"{op}: recv_counts[{self.rank}] ({recv_counts[self.rank]}) must equal "
-                                     f"send_counts[{self.rank}] ({send_counts[self.rank]}): the rows this rank sends "
-                                     f"to itself")
-            shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
-            self._heap.check_live(op, "out", out)
-            recv = self.xp.empty(shape, dtype=x.dtype) if out is None else \
-                check_out(op, out, self.backend, shape, x.dtype, inputs=(x,))
-            eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct, relaxed)
-        return recv, recv_counts
-
-    #: wire_dtype -> (packed dtype, quantiser, dequantiser); the packed rows of fp8 (uint8) and int8 (int8) differ
-    #: in dtype, so ranks mixing them fail the row-signature check instead of decoding each other's codes
-    _WIRE = {"fp8": (np.uint8, "quantize_fp8", "dequantize_fp8"), "int8": (np.int8, "quantize_int8", "dequantize_int8")}
-
-    def _alltoallv_wire(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype,
-                        sync="strong"):
-        """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
-        from .common import dtypes as _dt
-        from .collectives import quant
-        self._check_open()
-        notify = recv_counts is None or recv_capacity is not None
-        try:
-            if not isinstance(wire_dtype, str) or wire_dtype not in self._WIRE:  # (a list is unhashable)
-                raise ValueError(f"{op}: wire_dtype must be None, 'fp8' or 'int8', got {wire_dtype!r}")
-            if out is not None:
-                raise ValueError(f"{op}: out= is not supported with wire_dtype (the rows arrive packed)")
-            x = as_array(op, "sendbuf", sendbuf, self.backend)
-            kind = _dt.float_kind(x.dtype)
-            if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32) or x.ndim < 2:
-                raise TypeError(f"{op}: wire_dtype={wire_dtype!r} needs float32 / float16 / bfloat16 rows (at least "
-                                f"2-D; bfloat16 as the ml_dtypes dtype on the host: CuPy has none, so on the GPU "
-                                f"pass float16 or float32), got dtype {x.dtype} shape {tuple(x.shape)}")
-            n, row_shape = int(x.shape[0]), tuple(x.shape[1:])
-            per_row = int(np.prod(row_shape))
-            if per_row % quant.QUANT_BLOCK:
-                raise ValueError(f"{op}: wire_dtype={wire_dtype!r} needs rows of a multiple of {quant.QUANT_BLOCK} "
-                                 f"elements, got {per_row} (row shape {row_shape})")
-            xp = self.xp
-            packed_dtype, qname, dqname = self._WIRE[wire_dtype]
-            rows = xp.ascontiguousarray(x).reshape(n, per_row)
-            q, scales = quant.quantize_fp8_from(rows, kind) if wire_dtype == "fp8" else \
-                getattr(quant, qname)(_dt.to_float32(xp, rows, kind))
-            width = per_row + 4 * (per_row // quant.QUANT_BLOCK)
-            # the source dtype travels in the packed row shape ([n, code, width / code]), so it is checked too
-            code = {_dt.FLOAT32: 1, _dt.FLOAT16: 2, _dt.BFLOAT16: 4}[kind]
-            packed = xp.concatenate([q.view(packed_dtype),
-                                     scales.view(packed_dtype).reshape(n, width - per_row)], axis=1)
-            packed = packed.reshape(n, code, width // code)
-        except BaseException:
-            eng.reject(op, notify=notify)
-            raise
-        # a rank that differs in wire_dtype / dtype / row shape: say it in the caller's terms, not the packed rows'
-        self._sig_what = (f"every rank must send rows of the same dtype and row shape, with the same wire_dtype; this "
-                          f"rank sends {x.dtype} rows of shape {row_shape} as wire_dtype={wire_dtype!r}")
-        try:
-            recv, got = self.alltoallv(packed, send_counts, recv_counts=recv_counts, recv_capacity=recv_capacity,
-                                       sync=sync)
-        finally:
-            self.__dict__.pop("_sig_what", None)
-        m = int(recv.shape[0])
-        recv = recv.reshape(m, width)
-        rq = recv[:, :per_row]
-        rs = xp.ascontiguousarray(recv[:, per_row:]).view(np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):  # capacity mode: rows past the count hold anything
-            if wire_dtype == "fp8":
-                back = quant.dequantize_fp8_to(rq, rs, kind, x.dtype)
-            else:
-                back = _dt.from_float32(xp, getattr(quant, dqname)(rq, rs), kind, x.dtype)
-            return back.reshape((m,) + row_shape), got
-
-    def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None,
-                            relaxed=False):
-        """alltoallv in capacity mode (see :meth:`alltoallv`): GPU: counts checked and exchanged on the device,
-        the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
-        from the host protocol, padded to the capacity."""
-        from .wire import protocol as P
-        from .wire.plan import part_width
-        if recv_counts is not None:
-            raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
-                             f"counts on the device)")
-        if recv_capacity is None:
-            raise ValueError(f"{op}: send_counts on the device needs recv_capacity= (the output rows; the host never "
-                             f"reads the counts)")
-        if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)):
-            raise TypeError(f"{op}: recv_capacity must be an int >= 0, got {type(recv_capacity).__name__}")
-        if recv_capacity < 0:
-            raise ValueError(f"{op}: recv_capacity must be an int >= 0, got {recv_capacity!r}")
-        cap = int(recv_capacity)
-        x = as_array(op, "sendbuf", sendbuf, self.backend)
-        W = self.world_size
-        sig = row_signature(x)
-        if self.backend == "host":
-            send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
-            eng.check_size(op, "send_counts", send_counts, x)
-            direct = eng.direct_source(op, [x], None)
-            # the output before the count exchange: a capacity too large to allocate is a rejection told to the
-            # peers (communicator usable), not a failure between the steps
-            self._heap.check_live(op, "out", out)
-            recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
-                check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))
-            got = check_counts(op, "recv_counts (from the count exchange)",
-                               eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), W)
-            n = int(got.sum())
-            if n > cap:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
-                from .common.errors import SymBufferMismatchError
-                raise eng.fatal(SymBufferMismatchError(
-                    f"{op}: rank {self.rank} receives {n} rows, more than recv_capacity={cap}", rank=self.rank,
-                    op=op, field="capacity", expected=cap, got=n))
-            eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig, direct, relaxed)
-            return recv, got
-        cp = self.xp
-        counts = send_counts if _compat.is_cupy_array(send_counts) else cp.asarray(np.asarray(send_counts))
-        if counts.ndim != 1 or counts.shape[0] != W or counts.dtype.kind not in "iu":
-            raise ValueError(f"{op}: send_counts must be integers of shape [world_size={W}], got dtype "
-                             f"{counts.dtype} shape {tuple(counts.shape)}")
-        counts = cp.ascontiguousarray(counts, dtype=np.int64)
-        CT = P.CT_WORDS
-        block = cp.empty(2 * CT + 1 + 2 + W, np.int64)  # tables, row sum, bad, meta
-        bad, meta = block[2 * CT + 1:2 * CT + 3], block[2 * CT + 3:]
-        from .transport import kernels as _kernels
-        _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
-            1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
-        rb = part_width(x)
-        direct = eng.direct_source(op, [x], None)
-        self._heap.check_live(op, "out", out)
-        recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
-            check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))  # before the notify
-        scale = rb or 1  # rows of 0 bytes: the table counts rows (nothing moves), so the counts still come back
-        eng.keep_for_graph(counts, block)  # an int64 copy of the counts and the tables, read by every replay
-        eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
-                          local_reject=bad, scale=scale, capacity=cap, worst=True)
-        if rb:
-            eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False, direct=direct)
-        got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // scale
-        return recv, got
+        return _alltoallv(self._engine, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync)
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     # ``stream``/``async_op`` (keyword-only) as in alltoall's docstring (Streams); other keywords pass to cupy_symbuf.moe.

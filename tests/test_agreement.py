@@ -349,18 +349,18 @@ def test_interrupt_during_argument_checks_is_told_to_peers(comm2, comm, backend,
     the rejection (SymBufferRejectedError), and the next calls are correct on every rank (review finding: the
     rank fell a call behind and every rank got the wrong call's rows)."""
     c = comm2
-    import cupy_symbuf.communicator as cm
-    real = cm.as_array
+    import cupy_symbuf.collectives.alltoall as a2a
+    real = a2a.as_array
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt("simulated Ctrl-C during the argument checks")
 
     x = to_backend(np.ones((comm.size, 3), np.int64), backend)
     if comm.rank == 0:
-        monkeypatch.setattr(cm, "as_array", interrupted)
+        monkeypatch.setattr(a2a, "as_array", interrupted)
         with pytest.raises(KeyboardInterrupt):
             c.alltoall(x)
-        monkeypatch.setattr(cm, "as_array", real)
+        monkeypatch.setattr(a2a, "as_array", real)
     else:
         with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected"):
             c.alltoall(x)

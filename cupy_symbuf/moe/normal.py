@@ -63,6 +63,7 @@ from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_device_experts
                      check_num_experts, check_topk_idx, check_weights, check_x, combine_kind, row_bytes,
                      topk_value_error)
 from .routing import align_counts, token_layout
+from ..collectives import wire_dtype as _wire
 from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..common.checks import check_array, check_int, check_out
@@ -435,7 +436,6 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
 def _wire_fp8(op, comm, x, wire_dtype):
     """``dispatch(wire_dtype="fp8")``: the ``(codes, scales)`` tuple that travels and the function that turns the
     received pair back into ``x``'s dtype."""
-    from ..collectives import quant
     if not isinstance(wire_dtype, str) or wire_dtype != "fp8":  # (an array would compare elementwise)
         raise ValueError(f"{op}: wire_dtype must be None or 'fp8', got {wire_dtype!r}")
     if isinstance(x, tuple):
@@ -445,10 +445,10 @@ def _wire_fp8(op, comm, x, wire_dtype):
     if xv.shape[1] % FP8_BLOCK:
         raise ValueError(f"{op}: wire_dtype='fp8' needs hidden divisible by {FP8_BLOCK}, got hidden={xv.shape[1]}")
     dtype = xv.dtype
-    q, scales = quant.quantize_fp8_from(xv, kind)  # GPU: one kernel reading x itself
+    q, scales = _wire.quantize(xv, kind, "fp8")  # GPU: one kernel reading x itself
 
     def back(recv_q, recv_scales):
-        return quant.dequantize_fp8_to(recv_q, recv_scales, kind, dtype)
+        return _wire.dequantize(recv_q, recv_scales, kind, dtype, "fp8")
     return (q, scales), back
 
 

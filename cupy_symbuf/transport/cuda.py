@@ -690,3 +690,16 @@ class CudaTransport:
         self._ticket += 1
         a[27], a[28] = (0, 0) if device_checks else (self._notify_done.ptr, self._ticket)
         self._l_notify(1, threads, a, stream=stream)
+
+    #: the launcher of ``symbuf_counts_meta`` (capacity mode), made on first use
+    _l_counts_meta = None
+
+    def counts_meta(self, counts_ptr: int, num_rows: int, meta_ptr: int, bad_ptr: int) -> None:
+        """Queue ``symbuf_counts_meta`` (``cuda_src/ring_exchange.cu``) on the current stream: the device int64 counts
+        ``[W]`` at ``counts_ptr`` copied to ``meta_ptr``, and ``bad_ptr`` ``[2]`` set to (1 when a count is
+        negative or they do not sum to ``num_rows``, else 0; the first negative count's rank or -1)."""
+        fn = self._l_counts_meta
+        if fn is None:
+            fn = self._l_counts_meta = _kernels.get_launcher(RING_SOURCE, "symbuf_counts_meta",
+                                                             ("u64", "i32", "i64", "u64", "u64"))
+        fn(1, 32, (counts_ptr, self.world_size, num_rows, meta_ptr, bad_ptr))

@@ -515,6 +515,14 @@ class Engine:
         if rejected:
             self._raise_rejected(op, rejected)
 
+    def counts_meta(self, counts, num_rows: int, meta, bad) -> None:
+        """Capacity mode's count check on the device (GPU; arrays or device addresses): queue the check of
+        ``counts`` (int64 ``[W]``, rows to each rank) against ``num_rows`` on the current stream, writing them as
+        the count exchange's values ``meta`` (int64 ``[W]``) and ``bad`` (int64 ``[2]``: 1 when a count is
+        negative or the sum differs, then the first negative count's rank or -1), the ``local_reject`` word of
+        :meth:`notify_device`. Local, no communication step: a rejection after it is still told to the peers."""
+        self.transport.counts_meta(_addr(counts), num_rows, _addr(meta), _addr(bad))
+
 
 SYNC_MODES = ("strong", "relaxed")
 
