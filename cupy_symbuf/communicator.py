@@ -853,8 +853,9 @@ class Communicator:
         block = cp.empty(2 * CT + 1 + 2 + W, np.int64)  # tables, row sum, bad, meta
         bad, meta = block[2 * CT + 1:2 * CT + 3], block[2 * CT + 3:]
         from .transport import kernels as _kernels
-        _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
-            1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
+        launch = _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta")
+        launch.fill(counts=counts.data.ptr, world_size=W, rows=int(x.shape[0]), meta=meta.data.ptr, bad=bad.data.ptr)
+        launch(1, 32)
         rb = part_width(x)
         direct = eng.direct_source(op, [x], None)
         self._heap.check_live(op, "out", out)

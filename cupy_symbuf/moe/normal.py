@@ -60,20 +60,20 @@ import numpy as np
 from . import gpu as _moe_cuda
 from ..wire import protocol as P
 from ..common import dtypes as _dt
+from ..common.config import Config
 from ..common.checks import as_array, check_out
 from ..common.errors import SymBufferMismatchError
 from ..wire.channel_layout import check_row_fits
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
 
-#: Elements of ``x`` per fp8 scale: ``scales`` is ``[num_tokens, hidden // FP8_BLOCK]`` (DeepEP's 1x128 blocks).
-FP8_BLOCK = 128
+#: Elements of ``x`` per fp8 scale: ``scales`` is ``[num_tokens, hidden // FP8_BLOCK]`` (DeepEP's 1x128 blocks; the
+#: wire quantiser's block, ``wire/protocol.py`` ``QUANT_BLOCK``).
+FP8_BLOCK = P.QUANT_BLOCK
 
 #: Extra int64 columns of the dispatch count exchange besides the per-expert counts:
 #: ``[num_tokens_to_rank, per-local-expert counts...]`` (the row layout travels as the notify signature).
 _NOTIFY_EXTRA = 1
-
-_DEFAULT_MAX_NOTIFY_INTS = 1024
 
 
 # ------------------------------------------------------------------------------------------------ handle
@@ -259,7 +259,7 @@ def _check_num_experts(op: str, comm, num_experts) -> int:
         raise ValueError(f"{op}: num_experts must be a multiple of world_size ({w}) so that expert e lives on rank "
                          f"e // (num_experts // world_size), got num_experts={n}")
     cfg = getattr(comm, "config", None)
-    max_ints = getattr(cfg, "max_notify_ints", None) or _DEFAULT_MAX_NOTIFY_INTS
+    max_ints = getattr(cfg, "max_notify_ints", None) or Config.max_notify_ints  # the default without a config
     if n // w + _NOTIFY_EXTRA > max_ints:
         raise ValueError(f"{op}: num_experts // world_size + {_NOTIFY_EXTRA} must be <= Config.max_notify_ints "
                          f"({max_ints}) (the count exchange sends one int64 per local expert of each peer), "
