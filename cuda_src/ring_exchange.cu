@@ -568,10 +568,11 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
   return verdict;
 }
 
-// The descriptor is the kernel's parameter, passed by value: the driver copies it at launch, so the host may
-// rewrite its own copy for the next call while this one is still queued (calls return without waiting).
+// The descriptor (RingArgs, cupy_symbuf/wire/kernel_args.py: DESC_WORDS words) is the kernel's one parameter,
+// passed by value: the driver copies it at launch, so the host may rewrite its own copy for the next call while
+// this one is still queued (calls return without waiting).
 extern "C" __global__ void __launch_bounds__(SYMBUF_MAX_THREADS)
-symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ peer_bases, i64* status) {
+symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   __shared__ i64 s_desc[DESC_WORDS];
   __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[MAX_PEERS];
@@ -596,10 +597,12 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 #else
   u64* const s_marks = nullptr;
 #endif
+  const u64* __restrict__ peer_bases = reinterpret_cast<const u64*>(desc.words[DESC_PEER_BASES]);
   for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc.words[i];  // constant bank
   if (threadIdx.x == 0)
-    s_ctx = make_wait_ctx(status, peer_bases, static_cast<int>(desc.words[DESC_RANK]),
-                          static_cast<int>(desc.words[DESC_WORLD_SIZE]), static_cast<int>(blockIdx.x >> 1),
+    s_ctx = make_wait_ctx(reinterpret_cast<i64*>(desc.words[DESC_STATUS]), peer_bases,
+                          static_cast<int>(desc.words[DESC_RANK]), static_cast<int>(desc.words[DESC_WORLD_SIZE]),
+                          static_cast<int>(blockIdx.x >> 1),
                           desc.words[DESC_ABORT_OFFSET], static_cast<u64>(desc.words[DESC_TIMEOUT_NS]),
                           static_cast<u64>(desc.words[DESC_SEQ]));
   bulk_init();  // SYMBUF_BULK on sm_90: each warp's stages of the dynamic shared memory and their mbarriers
@@ -983,49 +986,46 @@ __device__ __forceinline__ void skip_tables(i64* table, int world_size) {
 static_assert(NOTIFY_EPOCH == 0 && NOTIFY_STATUS == NOTIFY_OP + 1 && NOTIFY_SIG == NOTIFY_OP + 2 &&
                   NOTIFY_HDR_WORDS == NOTIFY_SIG + 1,
               "symbuf_notify copies the slot words from NOTIFY_OP on as one run");
-extern "C" __global__ void __launch_bounds__(1024)
-symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, int num_values, i64* epoch_word,
-              i64 op, i64 call_status, i64 sig, const u64* __restrict__ peer_bases, int rank, int world_size,
-              i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
-              i64 notify_offset, i64 notify_slot_bytes, i64 abort_offset, u64 timeout_ns, i64* status, u64 seq,
-              const i64* local_reject, i64* send_echo, i64* sums, i64* table, i64 scale, i64 capacity,
-              int device_checks, u64* done, u64 ticket) {
-  const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
+extern "C" __global__ void __launch_bounds__(1024) symbuf_notify(const __grid_constant__ NotifyArgs a) {
+  const Layout L{a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, a.notify_offset, a.notify_slot_bytes};
   __shared__ WaitCtx s_ctx;
   __shared__ int s_abort;
   __shared__ i64 s_send0[MAX_PEERS], s_op[MAX_PEERS], s_status[MAX_PEERS], s_sig[MAX_PEERS], s_recv0[MAX_PEERS];
   if (threadIdx.x == 0) {
-    s_ctx = make_wait_ctx(status, peer_bases, rank, world_size, -1, abort_offset, timeout_ns, seq);
+    s_ctx = make_wait_ctx(a.status, a.peer_bases, a.rank, a.world_size, -1, a.abort_offset, a.timeout_ns, a.seq);
     s_abort = 0;
   }
-  const i64 epoch = *epoch_word + 1;  // every thread reads it before thread 0 advances it (after a barrier)
-  if (local_reject != nullptr && *local_reject != 0) call_status = HDR_REJECTED;
+  const i64 epoch = *a.epoch_word + 1;  // every thread reads it before thread 0 advances it (after a barrier)
+  const i64 call_status =
+      (a.local_reject != nullptr && *a.local_reject != 0) ? static_cast<i64>(HDR_REJECTED) : a.call_status;
   const i64 parity = epoch & 1;
-  const i64 total = static_cast<i64>(world_size) * num_values;
+  const i64 total = static_cast<i64>(a.world_size) * a.num_values;
   for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
-    const int p = static_cast<int>(i / num_values);
-    const i64 m = i % num_values;
-    i64* slot = reinterpret_cast<i64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
-    const i64 v = send_meta[i];
+    const int p = static_cast<int>(i / a.num_values);
+    const i64 m = i % a.num_values;
+    i64* slot = reinterpret_cast<i64*>(reinterpret_cast<u8*>(a.peer_bases[p]) +
+                                       L.notify_slot(parity, a.rank, a.world_size));
+    const i64 v = a.send_meta[i];
     slot[NOTIFY_HDR_WORDS + m] = v;
     if (m == 0) s_send0[p] = v;
-    if (send_echo != nullptr) send_echo[i] = v;
+    if (a.send_echo != nullptr) a.send_echo[i] = v;
   }
   __syncthreads();
-  if (threadIdx.x < world_size) {
+  if (threadIdx.x < a.world_size) {
     const int p = threadIdx.x;
-    u64* slot = reinterpret_cast<u64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
+    u64* slot = reinterpret_cast<u64*>(reinterpret_cast<u8*>(a.peer_bases[p]) +
+                                       L.notify_slot(parity, a.rank, a.world_size));
     i64* words = reinterpret_cast<i64*>(slot);
-    words[NOTIFY_OP] = op;
+    words[NOTIFY_OP] = a.op;
     words[NOTIFY_STATUS] = call_status;
-    words[NOTIFY_SIG] = sig;
+    words[NOTIFY_SIG] = a.sig;
     st_release_sys_global(slot + NOTIFY_EPOCH, static_cast<u64>(epoch));
   }
   __syncthreads();
-  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
-  if (threadIdx.x < world_size) {
+  u8* my_base = reinterpret_cast<u8*>(a.peer_bases[a.rank]);
+  if (threadIdx.x < a.world_size) {
     const int s = threadIdx.x;
-    const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, world_size));
+    const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, a.world_size));
     SpinBudget spin(&s_ctx);
     u64 seen = ld_acquire_sys_global(slot + NOTIFY_EPOCH);
     while (seen < static_cast<u64>(epoch)) {
@@ -1037,93 +1037,93 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) *epoch_word = epoch;
+  if (threadIdx.x == 0) *a.epoch_word = epoch;
   if (s_abort) {
-    if (table != nullptr && threadIdx.x == 0) skip_tables(table, world_size);
-    if (done != nullptr && threadIdx.x == 0) st_release_sys_global(done, ticket);  // the record says why
+    if (a.table != nullptr && threadIdx.x == 0) skip_tables(a.table, a.world_size);
+    if (a.done != nullptr && threadIdx.x == 0) st_release_sys_global(a.done, a.ticket);  // the record says why
     return;
   }
-  const i64 row = NOTIFY_HDR_WORDS - 1 + num_values;  // recv_meta[s, :] = [op, status, sig, values...]
-  const i64 total_in = static_cast<i64>(world_size) * row;
+  const i64 row = NOTIFY_HDR_WORDS - 1 + a.num_values;  // recv_meta[s, :] = [op, status, sig, values...]
+  const i64 total_in = static_cast<i64>(a.world_size) * row;
   for (i64 i = threadIdx.x; i < total_in; i += blockDim.x) {
     const int s = static_cast<int>(i / row);
     const i64 j = i % row;
-    const u8* slot = my_base + L.notify_slot(parity, s, world_size);
+    const u8* slot = my_base + L.notify_slot(parity, s, a.world_size);
     const i64 v = static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_OP + j));
-    recv_meta[i] = v;
+    a.recv_meta[i] = v;
     if (j == 0) s_op[s] = v;
     else if (j == 1) s_status[s] = v;
     else if (j == 2) s_sig[s] = v;
     else if (j == 3) s_recv0[s] = v;
   }
-  if (sums != nullptr) {
-    for (int j = threadIdx.x; j < num_values; j += blockDim.x) {
+  if (a.sums != nullptr) {
+    for (int j = threadIdx.x; j < a.num_values; j += blockDim.x) {
       i64 acc = 0;
-      for (int s = 0; s < world_size; ++s) {
-        const u8* slot = my_base + L.notify_slot(parity, s, world_size);
+      for (int s = 0; s < a.world_size; ++s) {
+        const u8* slot = my_base + L.notify_slot(parity, s, a.world_size);
         acc += static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_HDR_WORDS + j));
       }
-      sums[j] = acc;
+      a.sums[j] = acc;
     }
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (table != nullptr) {
+  if (a.table != nullptr) {
   i64 skip = 0;
-  if (device_checks) {
-    for (int s = 0; s < world_size; ++s) {
+  if (a.device_checks) {
+    for (int s = 0; s < a.world_size; ++s) {
       if (s_status[s] == HDR_REJECTED) {
         skip = 1;
-        if (atomicCAS(reinterpret_cast<unsigned long long*>(status + STATUS_REJECTED_BY), 0ull,
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(a.status + STATUS_REJECTED_BY), 0ull,
                       static_cast<unsigned long long>(s + 1)) == 0ull) {
-          status[STATUS_REJECTED_SEQ] = static_cast<i64>(seq);
-          status[STATUS_REJECTED_WHY] = REJECT_ARGS;
+          a.status[STATUS_REJECTED_SEQ] = static_cast<i64>(a.seq);
+          a.status[STATUS_REJECTED_WHY] = REJECT_ARGS;
         }
-      } else if (s_op[s] != op) {
+      } else if (s_op[s] != a.op) {
         skip = 1;
-        fail(s_ctx, ROLE_NOTIFY, s, op, s_op[s], ERR_MISMATCH, FIELD_OP);
-      } else if (s_sig[s] != sig) {
+        fail(s_ctx, ROLE_NOTIFY, s, a.op, s_op[s], ERR_MISMATCH, FIELD_OP);
+      } else if (s_sig[s] != a.sig) {
         skip = 1;
-        if (atomicCAS(reinterpret_cast<unsigned long long*>(status + STATUS_REJECTED_BY), 0ull,
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(a.status + STATUS_REJECTED_BY), 0ull,
                       static_cast<unsigned long long>(s + 1)) == 0ull) {
-          status[STATUS_REJECTED_SEQ] = static_cast<i64>(seq);
-          status[STATUS_REJECTED_WHY] = REJECT_SIG;
+          a.status[STATUS_REJECTED_SEQ] = static_cast<i64>(a.seq);
+          a.status[STATUS_REJECTED_WHY] = REJECT_SIG;
         }
       }
     }
   }
-  i64* fwd = table;
-  i64* rev = table + CT_WORDS;
-  const int W = world_size;
+  i64* fwd = a.table;
+  i64* rev = a.table + CT_WORDS;
+  const int W = a.world_size;
   i64 send_first = 0, recv_first = 0, recv_rows = 0;
   for (int p = 0; p < W; ++p) {
-    const i64 su = s_send0[p] * scale, ru = s_recv0[p] * scale;
+    const i64 su = s_send0[p] * a.scale, ru = s_recv0[p] * a.scale;
     fwd[CT_PEERS + p] = send_first;
     fwd[CT_PEERS + W + p] = su;
     fwd[CT_PEERS + 2 * W + p] = recv_first;
     fwd[CT_PEERS + 3 * W + p] = ru;
     rev[CT_PEERS + p] = recv_first;  // the reverse call (combine) moves no rows to itself: its reduction reads
-    rev[CT_PEERS + W + p] = p == rank ? 0 : ru;  // this rank's rows straight from the combine's input
+    rev[CT_PEERS + W + p] = p == a.rank ? 0 : ru;  // this rank's rows straight from the combine's input
     rev[CT_PEERS + 2 * W + p] = send_first;
-    rev[CT_PEERS + 3 * W + p] = p == rank ? 0 : su;
+    rev[CT_PEERS + 3 * W + p] = p == a.rank ? 0 : su;
     send_first += su;
     recv_first += ru;
     recv_rows += s_recv0[p];
   }
-  if (!skip && capacity >= 0 && recv_rows > capacity) {
+  if (!skip && a.capacity >= 0 && recv_rows > a.capacity) {
     skip = 1;
-    fail(s_ctx, ROLE_NOTIFY, -1, capacity, recv_rows, ERR_MISMATCH, FIELD_CAPACITY);
+    fail(s_ctx, ROLE_NOTIFY, -1, a.capacity, recv_rows, ERR_MISMATCH, FIELD_CAPACITY);
   }
   fwd[CT_SKIP] = rev[CT_SKIP] = 0;
   fwd[CT_RECV_TOTAL] = recv_rows;
   i64 send_rows = 0;
   for (int p = 0; p < W; ++p) send_rows += s_send0[p];
   rev[CT_RECV_TOTAL] = send_rows;
-  if (skip) skip_tables(table, W);
+  if (skip) skip_tables(a.table, W);
   }
   // done (host-mapped): the host spins on it instead of synchronising the stream (eager calls): the release
   // covers this thread's stores and, through the __syncthreads above, the block's (recv_meta, send_echo, sums)
-  if (done != nullptr) st_release_sys_global(done, ticket);
+  if (a.done != nullptr) st_release_sys_global(a.done, a.ticket);
 }
 
 // FLAG_CE, after the host's copy-engine copies (stream order: they are complete): for every (channel, peer), hand
@@ -1131,14 +1131,15 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
 // the call's end, into the peer's buffer; st.release.sys), then wait until the peer did the same for ours (head in
 // our buffer >= our sender's state counter: its copy engine has finished reading our sendbuf), bounded, polling
 // the abort word. One thread per (channel, peer) pair, any block size.
-extern "C" __global__ void symbuf_ce_finish(const u64* __restrict__ peer_bases, int rank, int world_size,
-                                            int num_channels, i64 region_bytes, i64 channel_bytes, i64 abort_offset,
-                                            u64 timeout_ns, i64* status, u64 seq) {
-  const Layout L{region_bytes, channel_bytes, 0, 0, 0, 0};
+extern "C" __global__ void symbuf_ce_finish(const __grid_constant__ CeFinishArgs a) {
+  const Layout L{a.region_bytes, a.channel_bytes, 0, 0, 0, 0};
+  const u64* __restrict__ peer_bases = a.peer_bases;
+  const int rank = a.rank, world_size = a.world_size;
   __shared__ WaitCtx s_ctx;
-  if (threadIdx.x == 0) s_ctx = make_wait_ctx(status, peer_bases, rank, world_size, 0, abort_offset, timeout_ns, seq);
+  if (threadIdx.x == 0)
+    s_ctx = make_wait_ctx(a.status, peer_bases, rank, world_size, 0, a.abort_offset, a.timeout_ns, a.seq);
   __syncthreads();
-  for (int i = threadIdx.x; i < num_channels * world_size; i += blockDim.x) {
+  for (int i = threadIdx.x; i < a.num_channels * world_size; i += blockDim.x) {
     const int channel = i / world_size, peer = i % world_size;
     if (peer == rank) continue;
     const u8* local_region = reinterpret_cast<const u8*>(peer_bases[rank]) + L.region(channel, peer);
@@ -1162,16 +1163,15 @@ extern "C" __global__ void symbuf_ce_finish(const u64* __restrict__ peer_bases, 
 // count exchange's values meta [world_size, 1], and bad[0] = 1 when one is negative or they do not sum to `rows`
 // (the rows of sendbuf): the count exchange then rejects the call on every rank (local_reject) before any byte
 // moves. bad[1] = the first negative destination, or -1 (a wrong sum). One warp.
-extern "C" __global__ void symbuf_counts_meta(const i64* __restrict__ counts, int world_size, i64 rows, i64* meta,
-                                              i64* bad) {
+extern "C" __global__ void symbuf_counts_meta(const __grid_constant__ CountsMetaArgs a) {
   if (threadIdx.x != 0) return;
   i64 sum = 0, first_negative = -1;
-  for (int p = 0; p < world_size; ++p) {
-    const i64 c = counts[p];
+  for (int p = 0; p < a.world_size; ++p) {
+    const i64 c = a.counts[p];
     if (c < 0 && first_negative < 0) first_negative = p;
     sum += c;
-    meta[p] = c;
+    a.meta[p] = c;
   }
-  bad[0] = (first_negative >= 0 || sum != rows) ? 1 : 0;
-  bad[1] = first_negative;
+  a.bad[0] = (first_negative >= 0 || sum != a.rows) ? 1 : 0;
+  a.bad[1] = first_negative;
 }

@@ -38,7 +38,8 @@ ALLOWED = {
 
 
 def _private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__")
+    # ``_sunder_`` names (ctypes' ``_fields_``, enum's ``_value_``) are those libraries' public API
+    return name.startswith("_") and not name.startswith("__") and not name.endswith("_")
 
 
 def layer_of(rel: str) -> str:

@@ -67,6 +67,7 @@ import numpy as np
 
 from ..transport import agree as _agree
 from ..common import backend as _compat
+from ..wire import kernel_args as _kernel_args
 from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..collectives import quant as _quant
@@ -78,34 +79,25 @@ __all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISP
            "LL_SOURCE"]
 
 LL_SOURCE = "low_latency.cu"
-#: Kernel argument words (int64, by value), in the order of ``struct LLDispatchArgs`` / ``LLCombineArgs``.
-LL_DISPATCH_FIELDS = ("x", "x_stride", "topk", "n", "k", "ll_bases", "half0", "half_bytes", "flags_off", "meta_off",
-                      "rows_off", "row_bytes", "N", "H", "L", "W", "rank", "use_fp8", "ue8m0", "kind", "sig",
-                      "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "inv", "recv_ntok",
-                      "status", "comm_bases", "abort_offset", "timeout_ns", "launch_seq", "ctrl", "grid",
-                      "prof")
-LL_COMBINE_FIELDS = ("x", "topk", "weights", "n", "k", "inv", "recv_ntok", "ll_bases", "half0", "half_bytes",
-                     "wflags_off", "weights_off", "pflags_off", "prows_off", "row_bytes", "N", "H", "L", "W", "rank",
-                     "kind", "sig", "out", "status", "comm_bases", "abort_offset", "timeout_ns", "launch_seq",
-                     "ctrl", "grid", "prof")
+#: The kernels' argument structs (``wire/kernel_args.py``: ``LLDispatchArgs`` / ``LLCombineArgs``, int64 words by
+#: value) and their field names in order.
+_STRUCTS = ("LLDispatchArgs", "LLCombineArgs")
+LL_DISPATCH_FIELDS = _kernel_args.fields(_STRUCTS[0])
+LL_COMBINE_FIELDS = _kernel_args.fields(_STRUCTS[1])
 _THREADS = 512
 _LINE = P.LINE_BYTES
-_KINDS = {_dt.BFLOAT16: 0, _dt.FLOAT16: 1, _dt.FLOAT32: 2}
+_KINDS = {_dt.BFLOAT16: P.LL_KIND_BF16, _dt.FLOAT16: P.LL_KIND_F16, _dt.FLOAT32: P.LL_KIND_F32}
 _ITEMSIZE = {_dt.BFLOAT16: 2, _dt.FLOAT16: 2, _dt.FLOAT32: 4}
 #: ctrl words (u64) of each kind's ctrl line on the host path: the sequence number (calls completed). (The
-#: kernels count the blocks that left in word 2 instead: seq = that count / grid + 1.)
+#: kernels count the blocks that left in word LL_CTRL_EXIT instead: seq = that count / grid + 1.)
 _CTRL_SEQ = 0
 _OPS = ("low_latency_dispatch", "low_latency_combine")
 _OPS_KEPT = 256
-#: the words of a parameter block rewritten per call (the input addresses, the launch number)
-_D_X, _D_TOPK, _D_SEQ = (LL_DISPATCH_FIELDS.index(f) for f in ("x", "topk", "launch_seq"))
-_C_X, _C_TOPK, _C_W, _C_INV, _C_NTOK, _C_SEQ = (LL_COMBINE_FIELDS.index(f) for f in (
-    "x", "topk", "weights", "inv", "recv_ntok", "launch_seq"))
 
 
 class _Entry:
-    """Prebuilt kernel parameter blocks (int64 words) of one call shape, one per output set, and the outputs the
-    calls return."""
+    """Prebuilt kernel arguments (``ctypes`` structs of ``wire/kernel_args.py``) of one call shape, one per output
+    set, and the outputs the calls return."""
 
     __slots__ = ("which", "fn", "smem", "args", "ptrs", "params", "outs", "n", "K", "use_fp8")
 
@@ -115,8 +107,8 @@ class _Entry:
         self.n = self.K = 0
         self.use_fp8 = False
 
-    def add(self, a: np.ndarray) -> None:
-        ptrs = (ctypes.c_void_p * 1)(a.ctypes.data)
+    def add(self, a: ctypes.Structure) -> None:
+        ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self.args.append(a)
         self.ptrs.append(ptrs)
         self.params.append(ctypes.addressof(ptrs))
@@ -366,8 +358,8 @@ class LowLatencyBuffer:
         tr = self.comm._transport
         self._shim = _ErrShim(self.timeout_s, tr.read_abort_line)
         self._decode = CudaTransport._error
-        self._args = [np.zeros(len(LL_DISPATCH_FIELDS), np.int64), np.zeros(len(LL_COMBINE_FIELDS), np.int64)]
-        self._idx = [{f: i for i, f in enumerate(LL_DISPATCH_FIELDS)}, {f: i for i, f in enumerate(LL_COMBINE_FIELDS)}]
+        self._args = [_kernel_args.host_struct(name)() for name in _STRUCTS]
+        self._idx = [frozenset(LL_DISPATCH_FIELDS), frozenset(LL_COMBINE_FIELDS)]
         W, N = self.world_size, self.N
         common = {"ll_bases": self.buffer.peer_ptrs_device.data.ptr, "N": N, "H": self.H, "L": self.L, "W": W,
                   "rank": self.rank, "kind": _KINDS[self.kind], "status": self._status.ptr,
@@ -379,9 +371,9 @@ class LowLatencyBuffer:
         self._put(1, self._args[1], half0=self.c0, half_bytes=self.c_half, wflags_off=self.c_wflags,
                   weights_off=self.c_weights, pflags_off=self.c_pflags, prows_off=self.c_prows,
                   ctrl=self._ctrl_ptr + _LINE, **common)
-        # Hot path (see _issue): the kernel parameter block of every (call kind, argument shapes, output set) is
+        # Hot path (see _issue): the kernel argument struct of every (call kind, argument shapes, output set) is
         # built once (_Entry); a call rewrites only its input addresses and launch number, then cuLaunchKernel
-        # (the driver copies the block at launch, so it may be rewritten while the launch is queued).
+        # (the driver copies the struct at launch, so it may be rewritten while the launch is queued).
         self._fns = [int(k.kernel.ptr) for k in self._k]
         self._launch_kernel = driver.launchKernel
         self._get_stream = cp.cuda.get_current_stream
@@ -397,11 +389,12 @@ class LowLatencyBuffer:
         self._launch_ops = [None] * _OPS_KEPT
         cp.cuda.runtime.deviceSynchronize()
 
-    def _put(self, which: int, a: np.ndarray, **kw) -> None:
-        idx = self._idx[which]
+    def _put(self, which: int, a: ctypes.Structure, **kw) -> None:
+        """Write the fields of ``kw`` that struct ``which`` has (the others are the other kind's)."""
+        names = self._idx[which]
         for k, v in kw.items():
-            if k in idx:
-                a[idx[k]] = int(v)
+            if k in names:
+                setattr(a, k, int(v))
 
     def _entry(self, which: int, key: tuple, **kw) -> "_Entry":
         """The prebuilt parameter blocks of one call shape (both output sets), made on first use."""
@@ -409,7 +402,7 @@ class LowLatencyBuffer:
         if ent is None:
             ent = _Entry(which, self._fns[which], self._smem[which])
             for p in (0, 1):
-                a = self._args[which].copy()
+                a = type(self._args[which]).from_buffer_copy(self._args[which])
                 self._put(which, a, prof=self._prof, **kw)
                 self._put(which, a, **self._set_words(which, p, kw))
                 ent.add(a)
@@ -433,37 +426,36 @@ class LowLatencyBuffer:
                 and given.shape == checked.shape and given.data.ptr == checked.data.ptr)
 
     def _set_profile(self, ptr: int) -> None:
-        """Point every parameter block's ``prof`` word at a device array ``u64 [grid][8]`` (0: off)."""
+        """Point every argument struct's ``prof`` word at a device array ``u64 [grid][LL_PROF_STAMPS]`` (0: off)."""
         self._prof = int(ptr)
         for which in (0, 1):
-            i = self._idx[which]["prof"]
-            self._args[which][i] = self._prof
+            self._args[which].prof = self._prof
             for ent in self._entries[which].values():
                 for a in ent.args:
-                    a[i] = self._prof
+                    a.prof = self._prof
 
     def _issue_dispatch(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int) -> None:
         a = ent.args[p]
-        a[_D_X] = x_ptr
-        a[_D_TOPK] = topk_ptr
-        self._issue(ent, p, a, _D_SEQ, _OPS[0])
+        a.x = x_ptr
+        a.topk = topk_ptr
+        self._issue(ent, p, a, _OPS[0])
 
     def _issue_combine(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, w_ptr: int, inv_ptr: int,
                        ntok_ptr: int) -> None:
         a = ent.args[p]
-        a[_C_X] = x_ptr
-        a[_C_TOPK] = topk_ptr
-        a[_C_W] = w_ptr
-        a[_C_INV] = inv_ptr
-        a[_C_NTOK] = ntok_ptr
-        self._issue(ent, p, a, _C_SEQ, _OPS[1])
+        a.x = x_ptr
+        a.topk = topk_ptr
+        a.weights = w_ptr
+        a.inv = inv_ptr
+        a.recv_ntok = ntok_ptr
+        self._issue(ent, p, a, _OPS[1])
 
-    def _issue(self, ent: "_Entry", p: int, a: np.ndarray, seq_word: int, op: str) -> None:
-        """Number the launch (for the error record) and launch ``ent``'s parameter block ``p`` on the current
-        stream."""
+    def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str) -> None:
+        """Number the launch (for the error record) and launch ``ent``'s argument struct ``p`` (``a``) on the
+        current stream."""
         n = self._launches + 1
         self._launches = n
-        a[seq_word] = n
+        a.launch_seq = n
         self._launch_ops[n % _OPS_KEPT] = op
         stream = self._get_stream()
         self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
@@ -717,14 +709,14 @@ class LowLatencyBuffer:
         return self._views[r][off: off + 8 * n].view(np.uint64)
 
     def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: int) -> None:
-        """Bounded wait for ``line[0] == seq`` (the communicator's abort word polled); then the signature."""
+        """Bounded wait for ``line[LL_LINE_SEQ] == seq`` (the communicator's abort word polled); then the signature."""
         tr = self.comm._transport
         sync = self.buffer.sync
         start = time.monotonic()
         spins = 0
         while True:
             sync()
-            v = int(line[0])
+            v = int(line[P.LL_LINE_SEQ])
             if v == seq:
                 break
             if v > seq:
@@ -737,7 +729,7 @@ class LowLatencyBuffer:
                                             timeout_s=self.timeout_s, op=op)
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)
-        got = int(line.view(np.int64)[2])
+        got = int(line.view(np.int64)[P.LL_LINE_SIG])
         if got != sig:
             tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SIG)
             raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SIG, sig, got)
@@ -747,10 +739,10 @@ class LowLatencyBuffer:
         self.buffer.sync()
         for d in range(self.world_size):
             line = self._u64(d, off + self.rank * _LINE, 3).view(np.int64)
-            line[1], line[2] = n, sig
+            line[P.LL_LINE_N], line[P.LL_LINE_SIG] = n, sig
         self.buffer.sync()
         for d in range(self.world_size):
-            self._u64(d, off + self.rank * _LINE)[0] = seq
+            self._u64(d, off + self.rank * _LINE)[P.LL_LINE_SEQ] = seq
         self.buffer.sync()
 
     def _host_dispatch(self, op, x, topk, n, K, use_fp8, ue8m0, sig, s) -> None:
@@ -779,7 +771,7 @@ class LowLatencyBuffer:
         for src in range(W):
             line = self._u64(me, half + self.d_flags + src * _LINE, 3)
             self._host_wait(op, line, seq, src, sig)
-            ns = int(line.view(np.int64)[1])
+            ns = int(line.view(np.int64)[P.LL_LINE_N])
             if not 0 <= ns <= N:
                 self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, N, ns)
@@ -841,7 +833,7 @@ class LowLatencyBuffer:
         for src in range(W):
             line = self._u64(me, half + self.c_wflags + src * _LINE, 3)
             self._host_wait(op, line, seq, src, sig)
-            ns = int(line.view(np.int64)[1])
+            ns = int(line.view(np.int64)[P.LL_LINE_N])
             if ns != int(ntok[src]):
                 self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
@@ -892,7 +884,7 @@ def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -
     cross-rank numbers mix clocks)."""
     cp = _compat.cupy
     out = {}
-    bufs = cp.zeros((iters, ll.grid, 8), np.uint64)
+    bufs = cp.zeros((iters, ll.grid, P.LL_PROF_STAMPS), np.uint64)
     for name, call in (("dispatch", d_call), ("combine", c_call)):
         fresh_handle()
         bufs[...] = 0
@@ -905,7 +897,7 @@ def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -
             ll._set_profile(0)
             stream.synchronize()
             ll.synchronize()
-        st = bufs.get().astype(np.int64)                       # [iters, grid, 8] ns
+        st = bufs.get().astype(np.int64)                       # [iters, grid, LL_PROF_STAMPS] ns
         starts = st[:, :, 0].min(axis=1)                        # per call: earliest block start of this rank
         ends = st[:, :, 1:5].max(axis=1)                        # per call: latest block at each phase end
         allv = mpi.allgather((starts, ends))
