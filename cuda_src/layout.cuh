@@ -49,7 +49,7 @@ struct Part {
 };
 
 // One side of one peer's row stream, with its parts in shared memory. Ring chunks hold whole packed rows (at most
-// chunk_bytes / row_bytes of them, chunk_rows in ring_exchange.cu); a byte stream has 1-byte rows and one dense part.
+// chunk_bytes / row_bytes of them, chunk_rows in ring_prims.cuh); a byte stream has 1-byte rows and one dense part.
 struct RowStream {
   const Part* parts;
   int num_parts;
