@@ -1,4 +1,4 @@
-// The device side of cupy_symbuf/layout.py (ChannelLayout): the region arithmetic, handed in as scalars by
+// The device side of cupy_symbuf/wire/channel_layout.py (ChannelLayout): the region arithmetic, handed in as scalars by
 // ChannelLayout.kernel_args() or the launch descriptor, the launch descriptor's type, the row streams and the
 // group barrier. Every protocol constant (offsets TAIL_OFFSET ... RING_OFFSET, DESC_*, MAX_PARTS, MAX_PEERS, ...)
 // comes from the header cupy_symbuf/wire/protocol.py generates and cupy_symbuf/transport/kernels.py puts in front
@@ -46,7 +46,7 @@ struct Part {
 };
 
 // One side of one peer's row stream, with its parts in shared memory. Ring chunks hold whole packed rows (at most
-// chunk_bytes / row_bytes of them, chunk_rows in ring_exchange.cu); a byte stream has 1-byte rows and one dense part.
+// chunk_bytes / row_bytes of them, chunk_rows in ring_prims.cuh); a byte stream has 1-byte rows and one dense part.
 struct RowStream {
   const Part* parts;
   int num_parts;

@@ -19,9 +19,14 @@ VARIANTS = [(), ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",), (
             ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=1024"), ("-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=1024"), ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024"),
-            ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_TRACE=1", "-DSYMBUF_DEBUG=1", "-DSYMBUF_MAX_THREADS=1024")]
+            ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_TRACE=1", "-DSYMBUF_DEBUG=1", "-DSYMBUF_MAX_THREADS=1024"),
+            ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_UNROLL=4", "-DSYMBUF_PUBLISH_BATCH=4", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024")]
 VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024",
-               "trace-512", "trace-1024", "adaptive-512", "adaptive-1024", "adaptive-trace-debug-1024"]
+               "trace-512", "trace-1024", "adaptive-512", "adaptive-1024", "adaptive-trace-debug-1024",
+               "adaptive-trace-512", "unroll4-batch4-512", "no-header-fold-512", "no-header-fold-adaptive-1024"]
 
 
 def _nvrtc_or_skip():
@@ -208,7 +213,7 @@ def test_sources_found():
     names = {p.name for p in _cuda_files()}
     assert RING in _kernels.list_sources()
     assert "alltoall.cu" not in names
-    assert {"primitives.cuh", "layout.cuh", "protocol.cuh"} <= names
+    assert {"primitives.cuh", "layout.cuh", "protocol.cuh", "ring_prims.cuh"} <= names
 
 
 def test_descriptor_fits_parameter_space():
@@ -243,8 +248,8 @@ def test_no_hand_copied_protocol_constants():
                                r"_[A-Z0-9_]+|(?:TAIL|HEAD|SEND_STATE|RECV_STATE|RING)_OFFSET|LINE_BYTES)\b", code))
     missing = sorted(used - generated)
     assert not missing, f"cuda_src uses protocol names the generator does not emit: {missing}"
-    ring = _code((_kernels.cuda_src_dir() / RING).read_text())
-    body = re.search(r"i64 chunk_rows\(.*?\n}\n", ring, re.S).group(0)
+    prims = _code((_kernels.cuda_src_dir() / "ring_prims.cuh").read_text())
+    body = re.search(r"i64 chunk_rows\(.*?\n}\n", prims, re.S).group(0)
     assert "512" not in body and "4096" not in body
 
 
