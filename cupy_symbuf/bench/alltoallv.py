@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .units import fmt_bytes as _fmt
+
 __all__ = ["run", "pattern_counts", "ROW_BYTES"]
 
 ROW_BYTES = 64
@@ -63,7 +65,6 @@ def _percentiles(timer, fn, iters, warmup, comm, sync):
 
 
 def run(c, comm, timer, args, sizes) -> list:
-    from .driver import _fmt
     W, me, xp = c.world_size, c.rank, c.xp
     patterns = (args.patterns or "uniform,zipf,hot").split(",")
     refs = set(r for r in str(getattr(args, "references", "")).split(",") if r)

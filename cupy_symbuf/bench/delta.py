@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .units import fmt_bytes as _fmt
+
 from ..collectives.delta import DeltaExchange
 
 __all__ = ["run"]
@@ -20,7 +22,6 @@ HIDDEN = 1024
 
 
 def run(c, comm, timer, args, sizes) -> list:
-    from .driver import _fmt
     W, me, xp = c.world_size, c.rank, c.xp
     results = []
     if me == 0:

@@ -54,24 +54,7 @@ from ..common import backend as _compat
 from ..communicator import Communicator
 from ..common.config import Config
 from ..utils import select_device
-
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"16M"`` -> 16 MiB in bytes."""
-    text = text.strip().upper().rstrip("IB")
-    if text and text[-1] in _UNITS:
-        return int(float(text[:-1]) * _UNITS[text[-1]])
-    return int(text)
-
-
-def _fmt(nbytes: int) -> str:
-    for unit in ("G", "M", "K"):
-        if nbytes >= _UNITS[unit] and nbytes % _UNITS[unit] == 0:
-            return f"{nbytes // _UNITS[unit]} {unit}iB"
-    return f"{nbytes} B"
-
+from .units import fmt_bytes as _fmt, parse_size  # noqa: F401 (parse_size: the public cupy_symbuf.bench.parse_size)
 
 class _Timer:
     def __init__(self, backend: str):

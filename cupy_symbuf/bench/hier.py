@@ -22,13 +22,14 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from .units import fmt_bytes as _fmt
+
 from ..scaleout.hierarchical import HierarchicalCommunicator
 
 __all__ = ["run"]
 
 
 def run(c, comm, timer, args, sizes) -> list:
-    from .driver import _fmt
     W, me = c.world_size, c.rank
     k = args.node_size or W
     results = []

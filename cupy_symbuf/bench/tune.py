@@ -22,6 +22,7 @@ from mpi4py import MPI
 from ..transport import tuning
 from ..communicator import Communicator
 from ..common.config import Config
+from .units import fmt_bytes as _fmt, parse_size
 
 __all__ = ["run", "candidates"]
 
@@ -41,7 +42,6 @@ def candidates(backend: str, ranks_per_gpu: int = 1, sm_count: int = 132, transp
 
 
 def run(comm, timer, args, backend: str, xp) -> int:
-    from .driver import _fmt, parse_size
     me, W = comm.Get_rank(), comm.Get_size()
     sizes = [parse_size(s) for s in (args.sizes if args.sizes_given else "64K,1M,16M").split(",")]
     forced = {} if getattr(args, "transport", None) is None else {"transport": args.transport}
