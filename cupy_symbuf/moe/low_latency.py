@@ -37,7 +37,9 @@ Design (decided and measured: ``docs/perf-notes.md``, "low-latency mode")
   channel -1: for combine's weights flag a sequence number, for dispatch's and the partials' flags a count of the
   peer's blocks, which add 1 each to every destination's line when their stores are done, so no block waits for
   another before publishing), a peer's other call kind / dtype / top-k (the per-call signature in every flag line)
-  :class:`~cupy_symbuf.SymBufferMismatchError`, and :meth:`Communicator.abort` stops the waits.
+  :class:`~cupy_symbuf.SymBufferMismatchError`, and :meth:`Communicator.abort` stops the waits. The kernels write
+  the communicator's one error record and are numbered by its launch ledger (``transport/status.py``), so a
+  failure is decoded and named exactly as a ring kernel's.
 * Host cost per call (GPU): the first call of each shape (shapes, dtypes, fp8 options) is validated in full and
   builds the kernel's parameter blocks (one per output set); later calls with CuPy arrays of that shape,
   C-contiguous on this GPU, check only those attributes, write the input addresses and the launch number into the
@@ -51,10 +53,24 @@ stays valid until the call after the next one of the same kind; copy it to keep 
 ``combine`` until two more dispatches have been made.
 
 Rules: every rank makes the same calls in the same order with the same ``hidden``, dtype, top-k and fp8 options
-(checked in the flag lines); ``num_tokens`` may differ (0 too). Arguments are validated before anything moves;
-a call rejected on one rank only is **not** told to the peers (they time out naming it): validate alike. On the
-GPU, ``topk_idx`` entries outside ``[-1, num_experts)`` are ignored like -1 (a check would need a host read); the
-host path raises ``ValueError`` for them. Experts are placed contiguously (expert ``e`` on rank
+(checked in the flag lines); ``num_tokens`` may differ (0 too). Arguments are validated before anything moves.
+Calls follow the communicator's call protocol:
+
+* A call rejected on one rank (its arguments fail the checks, or any exception, ``KeyboardInterrupt`` too, before
+  anything moved) is told to the peers: the rejecting rank still takes part in the call with flag lines marked
+  rejected and no payload, then raises its own error; no rank consumes anything of that call, and the buffer stays
+  usable on every rank. The peers raise :class:`~cupy_symbuf.SymBufferRejectedError` naming the rejecting rank: on
+  the host path from the call itself; on the GPU (queued, like any collective) from :meth:`synchronize` (or at
+  once with ``Config(blocking=True)``), the call's outputs then being empty (dispatch: zero ``recv_count``,
+  ``layout_range`` and token counts; combine: zero rows). A GPU caller that goes on to ``combine`` before
+  synchronising runs ahead of the rejecting rank (which never got a handle): the ranks fall out of step and the
+  next flag lines disagree (a fatal mismatch or timeout): synchronise after a dispatch before trusting it.
+* Any exception inside a call once it started moving data (``KeyboardInterrupt`` too) makes this buffer and its
+  communicator unusable and sets the communicator's abort word: the peers' waits leave within microseconds (GPU)
+  or a millisecond (host) with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank.
+
+On the GPU, ``topk_idx`` entries outside ``[-1, num_experts)`` are ignored like -1 (a check would need a host
+read); the host path raises ``ValueError`` for them. Experts are placed contiguously (expert ``e`` on rank
 ``e // num_local_experts``), as in :mod:`cupy_symbuf.moe`.
 """
 from __future__ import annotations
@@ -71,7 +87,7 @@ from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..collectives import quant as _quant
 from ..common.checks import as_array
-from ..common.errors import SymBufferError, SymBufferTimeoutError, mismatch_error
+from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTimeoutError, mismatch_error
 from ..transport.symbuffer import SymBuffer
 
 __all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISPATCH_FIELDS", "LL_COMBINE_FIELDS",
@@ -96,7 +112,8 @@ _ITEMSIZE = {_dt.BFLOAT16: 2, _dt.FLOAT16: 2, _dt.FLOAT32: 4}
 #: kernels count the blocks that left in word 2 instead: seq = that count / grid + 1.)
 _CTRL_SEQ = 0
 _OPS = ("low_latency_dispatch", "low_latency_combine")
-_OPS_KEPT = 256
+#: the n of a rejected call: in its kernel arguments and in the flag lines it publishes
+_REJECTED = P.LL_REJECTED
 #: the words of a parameter block rewritten per call (the input addresses, the launch number)
 _D_X, _D_TOPK, _D_SEQ = (LL_DISPATCH_FIELDS.index(f) for f in ("x", "topk", "launch_seq"))
 _C_X, _C_TOPK, _C_W, _C_INV, _C_NTOK, _C_SEQ = (LL_COMBINE_FIELDS.index(f) for f in (
@@ -191,15 +208,6 @@ class LowLatencyHandle:
         return (f"LowLatencyHandle(call={self.call}, num_tokens={self.num_tokens}, num_topk={self.num_topk}, "
                 f"hidden={self.hidden}, use_fp8={self.use_fp8}, num_max_dispatch_tokens_per_rank="
                 f"{self.num_max_dispatch_tokens_per_rank}, num_experts={self.num_experts})")
-
-
-class _ErrShim:
-    """What ``CudaTransport._error`` reads: the timeout and the communicator's abort line (same decoding and
-    messages as the ring kernels)."""
-
-    def __init__(self, timeout_s, read_abort_line):
-        self.timeout_s = timeout_s
-        self.read_abort_line = read_abort_line
 
 
 class LowLatencyBuffer:
@@ -335,7 +343,6 @@ class LowLatencyBuffer:
         self._closed = True
         if self.backend == "cuda":
             _compat.cupy.cuda.runtime.deviceSynchronize()
-            self._status.free()
         self.buffer.close()
 
     def __enter__(self) -> "LowLatencyBuffer":
@@ -352,29 +359,56 @@ class LowLatencyBuffer:
         self.comm._check_open()
 
     def _failed(self, exc: BaseException) -> None:
+        """``exc`` (any exception, KeyboardInterrupt too) ended a call after it started moving data: this buffer
+        and the communicator are unusable, and unless the transport raised it (its timeouts, mismatches and
+        aborts told every rank already) the abort word is set, so the peers' waits leave at once with
+        :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank instead of waiting out ``timeout_s``."""
+        if self._broken:
+            return
         self._broken = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, SymBufferError):
+            try:
+                self.comm._transport.set_abort(P.ERR_LOCAL)
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
         if not getattr(self.comm, "_broken", None):
             self.comm._broken = f"low-latency mode: {self._broken}"
+
+    def _tell_rejected(self, which: int) -> None:
+        """This rank rejected its call of kind ``which`` (0 dispatch, 1 combine) before anything moved (any
+        exception, KeyboardInterrupt too): take part in the call just far enough that every peer learns it (they
+        raise :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank) and every rank stays at the same
+        call. The caller re-raises its own error. Nothing to tell on one rank or on a closed / failed buffer; a
+        failure while telling is raised instead (the buffer is then unusable)."""
+        if self._closed or self._broken or getattr(self.comm, "_broken", None) or self.world_size == 1:
+            return
+        try:
+            if self.backend == "cuda":
+                self._issue_rejected(which)
+            else:
+                self._host_rejected(which)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
 
     # ---- GPU ---------------------------------------------------------------------------------------------------
     def _init_cuda(self, num_blocks, smem) -> None:
         from cupy_backends.cuda.api import driver
 
         from ..transport import kernels as _kernels
-        from ..transport.cuda import CudaTransport, _Pinned
         cp = _compat.cupy
         sm = int(self.buffer.gpu_identities[self.rank].get("sm_count") or 132)
         self.grid = num_blocks or max(1, min(128, sm // max(1, self.buffer.ranks_per_gpu)))
         grids = _agree.exchange_all(self.buffer.comm, self.grid, self.timeout_s, "LowLatencyBuffer grid")
         self.grid = min(grids)  # every rank the same grid (counters compare against seq * grid)
-        self._status = _Pinned(P.STATUS_WORDS)
+        #: the communicator's error record and launch ledger (transport/status.py): the kernels write the record,
+        #: their launches are numbered among the communicator's, and one decoder raises what they recorded
+        self._status = self.comm._transport.status
+        self._number_launch = self._status.ledger.next  # (bound once: the hot path's one call into the ledger)
         self._ctrl_ptr = self.buffer.local_ptr
         self._k = [_kernels.get_function(LL_SOURCE, "symbuf_ll_dispatch"),
                    _kernels.get_function(LL_SOURCE, "symbuf_ll_combine")]
         self._smem = [smem, 0]
-        tr = self.comm._transport
-        self._shim = _ErrShim(self.timeout_s, tr.read_abort_line)
-        self._decode = CudaTransport._error
         self._args = [np.zeros(len(LL_DISPATCH_FIELDS), np.int64), np.zeros(len(LL_COMBINE_FIELDS), np.int64)]
         self._idx = [{f: i for i, f in enumerate(LL_DISPATCH_FIELDS)}, {f: i for i, f in enumerate(LL_COMBINE_FIELDS)}]
         W, N = self.world_size, self.N
@@ -398,12 +432,11 @@ class LowLatencyBuffer:
         self._fastkeys = [{}, {}]    # the caller's argument key (shapes, dtypes, flags) -> _Entry
         self._fast = cp.ndarray      # fast path only for CuPy arrays (a DLPack import is a new CuPy array anyway)
         self._dev = int(cp.cuda.Device().id)
-        self._st = self._status.array
+        self._st = self._status.words
         self._hsets = [(s["recv_count"], s["src_info"], s["layout_range"], s["recv_ntok"], s["inv"]) for s in self._sets]
         self._hptrs = [(s["inv"].data.ptr, s["recv_ntok"].data.ptr) for s in self._sets]
         self._prof = 0
-        self._launches = 0
-        self._launch_ops = [None] * _OPS_KEPT
+        self._rejected_entries = [None, None]  # the parameter block of a rejected call, per kind (_issue_rejected)
         cp.cuda.runtime.deviceSynchronize()
 
     def _put(self, which: int, a: np.ndarray, **kw) -> None:
@@ -447,7 +480,8 @@ class LowLatencyBuffer:
         for which in (0, 1):
             i = self._idx[which]["prof"]
             self._args[which][i] = self._prof
-            for ent in self._entries[which].values():
+            rejected = self._rejected_entries[which]
+            for ent in list(self._entries[which].values()) + ([rejected] if rejected is not None else []):
                 for a in ent.args:
                     a[i] = self._prof
 
@@ -467,40 +501,62 @@ class LowLatencyBuffer:
         a[_C_NTOK] = ntok_ptr
         self._issue(ent, p, a, _C_SEQ, _OPS[1])
 
+    def _issue_rejected(self, which: int) -> None:
+        """Launch the kernel of kind ``which`` as a call this rank rejected (``n = LL_REJECTED``, no inputs): it
+        publishes this rank's flag lines marked rejected, waits for every peer's, and writes no output."""
+        ent = self._rejected_entries[which]
+        if ent is None:
+            ent = _Entry(which, self._fns[which], self._smem[which])
+            a = self._args[which].copy()
+            self._put(which, a, prof=self._prof, n=_REJECTED, k=1, sig=0)
+            if which == 0:
+                self._put(which, a, **self._set_words(0, 0, {}))
+            else:  # valid addresses, never read by a rejected launch
+                self._put(which, a, out=self._combine_out[0].data.ptr, inv=self._sets[0]["inv"].data.ptr,
+                          recv_ntok=self._sets[0]["recv_ntok"].data.ptr)
+            ent.add(a)
+            self._rejected_entries[which] = ent
+        self._issue(ent, 0, ent.args[0], _C_SEQ if which else _D_SEQ, _OPS[which])
+
     def _issue(self, ent: "_Entry", p: int, a: np.ndarray, seq_word: int, op: str) -> None:
         """Number the launch (for the error record) and launch ``ent``'s parameter block ``p`` on the current
         stream."""
-        n = self._launches + 1
-        self._launches = n
-        a[seq_word] = n
-        self._launch_ops[n % _OPS_KEPT] = op
+        a[seq_word] = self._number_launch(op)
         stream = self._get_stream()
         self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
-        if self.comm.config.blocking:
+        if self.comm.config.blocking:  # Config(blocking=True): wait, and raise this call's failure or rejection
             self._check_record(op, stream)
+            rejected = self._status.take_rejected()
+            if rejected is not None:
+                raise self._status.rejected_error(op, *rejected)
 
     def _check_record(self, op: str, stream=None) -> None:
-        """Raise the error a low-latency kernel recorded (decoded as the ring kernels' records are)."""
-        if stream is not None:
-            stream.synchronize()
-        st = self._status.array
-        if not st[P.STATUS_FLAG]:
-            return
-        _compat.cupy.cuda.runtime.deviceSynchronize()
-        info = [int(v) for v in st]
-        seq = info[P.STATUS_SEQ]
-        failed = (self._launch_ops[seq % _OPS_KEPT] if 0 < seq and self._launches - seq < _OPS_KEPT else None) \
-            or "a low-latency call"
-        where = op if failed == op and stream is not None else f"{failed} (queued earlier; found by {op})"
-        exc = self._decode(self._shim, where, info, None)
-        self._failed(exc)
-        raise exc
+        """Raise the error a kernel of the communicator recorded (:meth:`DeviceStatus.check
+        <cupy_symbuf.transport.status.DeviceStatus.check>`, with ``stream``: after waiting for it); this buffer
+        and the communicator are then unusable."""
+        try:
+            self._status.check(op, stream)
+        except SymBufferError as exc:
+            self._failed(exc)
+            raise
 
     def synchronize(self) -> None:
-        """Wait for this rank's queued low-latency kernels (the current stream) and raise what they recorded."""
+        """Wait for this rank's queued low-latency kernels (the current stream) and raise what they recorded.
+
+        Raises
+        ------
+        SymBufferRejectedError
+            A peer rejected a queued call (named with its rank; once): that call delivered nothing (dispatch:
+            zero ``recv_count``; combine: zero rows) and the buffer stays usable.
+        SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            A kernel failed (the buffer and the communicator are unusable).
+        """
         self._check_usable()
         if self.backend == "cuda":
             self._check_record("synchronize", _compat.cupy.cuda.get_current_stream())
+            rejected = self._status.take_rejected()
+            if rejected is not None:
+                raise self._status.rejected_error("synchronize", *rejected)
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def _check_x(self, op: str, name: str, x, shape) -> Any:
@@ -564,6 +620,16 @@ class LowLatencyBuffer:
 
         Queued on the current stream on the GPU (no host synchronisation). The outputs stay valid until the
         dispatch after the next one.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments (naming the argument and the rule); the peers are told (see the module docstring).
+        SymBufferRejectedError
+            A peer rejected this call (host path; on the GPU from :meth:`synchronize`): nothing was delivered, the
+            buffer stays usable.
+        SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            The call failed (the buffer and its communicator are unusable).
         """
         fast = self._fast
         if fast is not None and type(x) is fast and type(topk_idx) is fast:
@@ -576,34 +642,43 @@ class LowLatencyBuffer:
                 self.comm._check_open()
                 call = self._dispatch_calls
                 p = call & 1
-                self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr)
+                try:
+                    self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr)
+                except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero counts in set p)
+                    self._dispatch_calls = call + 1
+                    raise
+                except BaseException as exc:
+                    self._failed(exc)
+                    raise
                 self._dispatch_calls = call + 1
                 h = self._hsets[p]
                 return ent.outs[p], h[0], LowLatencyHandle(self, call, ent.n, ent.K, self.H, ent.use_fp8, h[1],
                                                            h[2], h[3], h[4], self.N, self.num_experts)
         op = _OPS[0]
         self._check_usable()
+        if self.backend == "cuda":
+            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         x_in, topk_in = x, topk_idx
-        x = self._check_x(op, "x", x, (None, self.H))
-        n = int(x.shape[0])
-        if n > self.N:
-            raise ValueError(f"{op}: x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({self.N})")
-        topk = self._check_topk(op, topk_idx, n)
-        K = int(topk.shape[1])
-        ue8m0 = bool(round_scale or use_ue8m0)
-        use_fp8 = bool(use_fp8)
-        if ue8m0 and not use_fp8:
-            raise ValueError(f"{op}: round_scale / use_ue8m0 need use_fp8=True")
-        if use_fp8 and self.H % _quant.QUANT_BLOCK:
-            raise ValueError(f"{op}: use_fp8 needs hidden % {_quant.QUANT_BLOCK} == 0, got hidden = {self.H}")
-        sig = self._sig(op, K, use_fp8, ue8m0)
         call = self._dispatch_calls
         s = self._sets[call & 1]
-        if use_fp8:
-            self._fp8_set(s)
-        try:
+        ent = None
+        try:  # until the call's first step, any exception is a rejection that the peers are told
+            x = self._check_x(op, "x", x, (None, self.H))
+            n = int(x.shape[0])
+            if n > self.N:
+                raise ValueError(f"{op}: x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({self.N})")
+            topk = self._check_topk(op, topk_idx, n)
+            K = int(topk.shape[1])
+            ue8m0 = bool(round_scale or use_ue8m0)
+            use_fp8 = bool(use_fp8)
+            if ue8m0 and not use_fp8:
+                raise ValueError(f"{op}: round_scale / use_ue8m0 need use_fp8=True")
+            if use_fp8 and self.H % _quant.QUANT_BLOCK:
+                raise ValueError(f"{op}: use_fp8 needs hidden % {_quant.QUANT_BLOCK} == 0, got hidden = {self.H}")
+            sig = self._sig(op, K, use_fp8, ue8m0)
+            if use_fp8:
+                self._fp8_set(s)
             if self.backend == "cuda":
-                self._check_record(op)
                 if use_fp8:
                     self._fp8_set(self._sets[1 - (call & 1)])  # both sets before the blocks are built
                 ent = self._entry(0, (n, K, use_fp8, ue8m0, x.dtype), x_stride=self.H * self.itemsize, n=n, k=K,
@@ -611,15 +686,23 @@ class LowLatencyBuffer:
                 if not ent.outs:
                     ent.n, ent.K, ent.use_fp8 = n, K, use_fp8
                     ent.outs = [self._dispatch_out(self._sets[q], use_fp8, x.dtype) for q in (0, 1)]
+        except BaseException:
+            self._tell_rejected(0)
+            raise
+        try:
+            if self.backend == "cuda":
                 self._issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr)
                 if self._same(x_in, x) and self._same(topk_in, topk):
                     self._fastkeys[0][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, use_fp8, round_scale,
                                        use_ue8m0)] = ent
             else:
                 self._host_dispatch(op, x, topk, n, K, use_fp8, ue8m0, sig, s)
-        except (SymBufferError, KeyboardInterrupt) as exc:
-            if not self._broken:
-                self._failed(exc)
+        except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
+            if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero counts in output set call & 1
+                self._dispatch_calls = call + 1
+            raise
+        except BaseException as exc:
+            self._failed(exc)
             raise
         self._dispatch_calls += 1
         handle = LowLatencyHandle(self, call, n, K, self.H, use_fp8, s["src_info"], s["layout_range"],
@@ -658,6 +741,13 @@ class LowLatencyBuffer:
         Returns
         -------
         combined_x : ``[num_tokens, hidden]`` of ``x``'s dtype; valid until the combine after the next one.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments (a stale or foreign ``handle`` too); the peers are told (see the module docstring).
+        SymBufferRejectedError, SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            As :meth:`dispatch`.
         """
         fast = self._fast
         if (fast is not None and type(x) is fast and type(topk_idx) is fast and type(topk_weights) is fast
@@ -673,48 +763,68 @@ class LowLatencyBuffer:
                 call = self._combine_calls
                 p = call & 1
                 hp = self._hptrs[handle.call & 1]
-                self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr, hp[0], hp[1])
+                try:
+                    self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr, hp[0], hp[1])
+                except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero rows in set p)
+                    self._combine_calls = call + 1
+                    raise
+                except BaseException as exc:
+                    self._failed(exc)
+                    raise
                 self._combine_calls = call + 1
                 return ent.outs[p]
         op = _OPS[1]
         self._check_usable()
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"{op}: handle must be a LowLatencyHandle from dispatch, got {type(handle).__name__}")
-        if handle.owner is not self:
-            raise ValueError(f"{op}: handle belongs to another LowLatencyBuffer")
-        if handle.call + 2 < self._dispatch_calls:
-            raise ValueError(f"{op}: handle is stale: it is from dispatch call {handle.call}, and {self._dispatch_calls}"
-                             f" dispatches have been made (a handle lasts until two more dispatches)")
-        x_in, topk_in, w_in = x, topk_idx, topk_weights
-        x = self._check_x(op, "x", x, (self.L, self.world_size * self.N, self.H))
-        n, K = handle.num_tokens, handle.num_topk
-        topk = self._check_topk(op, topk_idx, n)
-        if topk.shape[1] != K:
-            raise ValueError(f"{op}: topk_idx must have num_topk = {K} (as in dispatch), got {topk.shape[1]}")
-        w = as_array(op, "topk_weights", topk_weights, self.backend)
-        if w.dtype != np.float32:
-            raise TypeError(f"{op}: topk_weights must be float32, got {w.dtype}")
-        if tuple(w.shape) != (n, K):
-            raise ValueError(f"{op}: topk_weights must have shape ({n}, {K}) like topk_idx, got {tuple(w.shape)}")
-        sig = self._sig(op, K, False, False)
-        out = self._combine_out[self._combine_calls & 1]
-        try:
+        if self.backend == "cuda":
+            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+        call = self._combine_calls
+        out = self._combine_out[call & 1]
+        ent = None
+        try:  # until the call's first step, any exception is a rejection that the peers are told
+            if not isinstance(handle, LowLatencyHandle):
+                raise TypeError(f"{op}: handle must be a LowLatencyHandle from dispatch, got {type(handle).__name__}")
+            if handle.owner is not self:
+                raise ValueError(f"{op}: handle belongs to another LowLatencyBuffer")
+            if handle.call + 2 < self._dispatch_calls:
+                raise ValueError(f"{op}: handle is stale: it is from dispatch call {handle.call}, and "
+                                 f"{self._dispatch_calls} dispatches have been made (a handle lasts until two more "
+                                 f"dispatches)")
+            x_in, topk_in, w_in = x, topk_idx, topk_weights
+            x = self._check_x(op, "x", x, (self.L, self.world_size * self.N, self.H))
+            n, K = handle.num_tokens, handle.num_topk
+            topk = self._check_topk(op, topk_idx, n)
+            if topk.shape[1] != K:
+                raise ValueError(f"{op}: topk_idx must have num_topk = {K} (as in dispatch), got {topk.shape[1]}")
+            w = as_array(op, "topk_weights", topk_weights, self.backend)
+            if w.dtype != np.float32:
+                raise TypeError(f"{op}: topk_weights must be float32, got {w.dtype}")
+            if tuple(w.shape) != (n, K):
+                raise ValueError(f"{op}: topk_weights must have shape ({n}, {K}) like topk_idx, got "
+                                 f"{tuple(w.shape)}")
+            sig = self._sig(op, K, False, False)
             if self.backend == "cuda":
-                self._check_record(op)
                 ent = self._entry(1, (n, K, x.dtype), n=n, k=K, sig=sig)
                 if not ent.outs:
                     ent.n, ent.K = n, K
                     ent.outs = [o[:n].view(x.dtype) for o in self._combine_out]
-                self._issue_combine(ent, self._combine_calls & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
+        except BaseException:
+            self._tell_rejected(1)
+            raise
+        try:
+            if self.backend == "cuda":
+                self._issue_combine(ent, call & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
                                     handle.inv.data.ptr, handle.recv_tokens_per_rank.data.ptr)
                 if self._same(x_in, x) and self._same(topk_in, topk) and self._same(w_in, w):
                     self._fastkeys[1][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, w_in.shape,
                                        w_in.dtype)] = ent
             else:
                 self._host_combine(op, x, topk, w, n, K, handle, sig, out)
-        except (SymBufferError, KeyboardInterrupt) as exc:
-            if not self._broken:
-                self._failed(exc)
+        except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
+            if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero rows in output set call & 1
+                self._combine_calls = call + 1
+            raise
+        except BaseException as exc:
+            self._failed(exc)
             raise
         self._combine_calls += 1
         return out[:n].view(x.dtype)
@@ -725,8 +835,10 @@ class LowLatencyBuffer:
     def _u64(self, r: int, off: int, n: int = 1) -> np.ndarray:
         return self._views[r][off: off + 8 * n].view(np.uint64)
 
-    def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: int) -> None:
-        """Bounded wait for ``line[0] == seq`` (the communicator's abort word polled); then the signature."""
+    def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: Optional[int]) -> int:
+        """Bounded wait for ``line[0] == seq`` (the communicator's abort word polled); returns the line's n word
+        (``_REJECTED``: ``peer`` rejected the call). A line not marked rejected must carry ``sig`` (None: not
+        checked)."""
         tr = self.comm._transport
         sync = self.buffer.sync
         start = time.monotonic()
@@ -746,10 +858,33 @@ class LowLatencyBuffer:
                                             timeout_s=self.timeout_s, op=op)
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)
-        got = int(line.view(np.int64)[2])
-        if got != sig:
+        words = line.view(np.int64)
+        ns, got = int(words[1]), int(words[2])
+        if ns != _REJECTED and sig is not None and got != sig:
             tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SIG)
             raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SIG, sig, got)
+        return ns
+
+    def _rejected_by(self, op: str, who: int) -> SymBufferRejectedError:
+        """What a rank raises when rank ``who`` rejected the call (host path: every rank is past the call)."""
+        return SymBufferRejectedError(
+            f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
+            f"nothing was delivered and the LowLatencyBuffer stays usable", rank=self.rank, rejecting_rank=who,
+            op=op)
+
+    def _host_rejected(self, which: int) -> None:
+        """The host twin of a rejected launch: this rank's flag lines of the call marked rejected (no payload),
+        then every source's line awaited (so the halves stay free as for any call), the sequence advanced."""
+        op, me = _OPS[which], self.rank
+        self.comm._transport.check_abort(op)
+        ctrl = self._u64(me, which * _LINE, 3)
+        seq = int(ctrl[_CTRL_SEQ]) + 1
+        flags = self.d0 + (seq & 1) * self.d_half + self.d_flags if which == 0 else \
+            self.c0 + (seq & 1) * self.c_half + self.c_wflags
+        self._publish(flags, seq, _REJECTED, 0)
+        for src in range(self.world_size):
+            self._host_wait(op, self._u64(me, flags + src * _LINE, 3), seq, src, None)
+        ctrl[_CTRL_SEQ] = seq
 
     def _publish(self, off: int, seq: int, n: int, sig: int) -> None:
         """Flag line ``rank`` at ``off`` of every rank: [seq, n, sig], the seq word last (after a memory barrier)."""
@@ -785,14 +920,19 @@ class LowLatencyBuffer:
             rows[sel, : payload.shape[1]] = payload[sel]
         self._publish(half + self.d_flags, seq, n, sig)
         ntok = np.zeros(W, np.int64)
+        rejecting = []
         for src in range(W):
-            line = self._u64(me, half + self.d_flags + src * _LINE, 3)
-            self._host_wait(op, line, seq, src, sig)
-            ns = int(line.view(np.int64)[1])
-            if not 0 <= ns <= N:
+            ns = self._host_wait(op, self._u64(me, half + self.d_flags + src * _LINE, 3), seq, src, sig)
+            if ns == _REJECTED:
+                rejecting.append(src)
+            elif not 0 <= ns <= N:
                 self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, N, ns)
-            ntok[src] = ns
+            else:
+                ntok[src] = ns
+        if rejecting:  # every rank saw the same lines: each is past the call, nothing is consumed
+            ctrl[_CTRL_SEQ] = seq
+            raise self._rejected_by(op, rejecting[0])
         self.buffer.sync()
         v = self._views[me]
         metas = v[half + self.d_meta: half + self.d_meta + W * N * K * 4].view(np.int32).reshape(W, N, K)
@@ -847,13 +987,17 @@ class LowLatencyBuffer:
             self._views[d][o: o + n * K * 4].view(np.float32)[:] = np.ascontiguousarray(w).reshape(-1)
         self._publish(half + self.c_wflags, seq, n, sig)
         ntok = handle.recv_tokens_per_rank
+        rejecting = []
         for src in range(W):
-            line = self._u64(me, half + self.c_wflags + src * _LINE, 3)
-            self._host_wait(op, line, seq, src, sig)
-            ns = int(line.view(np.int64)[1])
-            if ns != int(ntok[src]):
+            ns = self._host_wait(op, self._u64(me, half + self.c_wflags + src * _LINE, 3), seq, src, sig)
+            if ns == _REJECTED:
+                rejecting.append(src)
+            elif ns != int(ntok[src]):
                 self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
+        if rejecting:  # decided alike on every rank before any partial is sent
+            ctrl[_CTRL_SEQ] = seq
+            raise self._rejected_by(op, rejecting[0])
         self.buffer.sync()
         v = self._views[me]
         wts = v[half + self.c_weights: half + self.c_weights + W * N * K * 4].view(np.float32).reshape(W, N, K)
