@@ -516,17 +516,18 @@ class LowLatencyBuffer:
                           recv_ntok=self._sets[0]["recv_ntok"].data.ptr)
             ent.add(a)
             self._rejected_entries[which] = ent
-        self._issue(ent, 0, ent.args[0], _C_SEQ if which else _D_SEQ, _OPS[which])
+        self._issue(ent, 0, ent.args[0], _C_SEQ if which else _D_SEQ, _OPS[which], rejecting=True)
 
-    def _issue(self, ent: "_Entry", p: int, a: np.ndarray, seq_word: int, op: str) -> None:
+    def _issue(self, ent: "_Entry", p: int, a: np.ndarray, seq_word: int, op: str, rejecting: bool = False) -> None:
         """Number the launch (for the error record) and launch ``ent``'s parameter block ``p`` on the current
-        stream."""
+        stream. With ``Config(blocking=True)`` wait for it and raise its failure, or (unless this rank is
+        ``rejecting`` the call: it raises its own error) a peer's rejection."""
         a[seq_word] = self._number_launch(op)
         stream = self._get_stream()
         self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
-        if self.comm.config.blocking:  # Config(blocking=True): wait, and raise this call's failure or rejection
+        if self.comm.config.blocking:
             self._check_record(op, stream)
-            rejected = self._status.take_rejected()
+            rejected = None if rejecting else self._status.take_rejected()
             if rejected is not None:
                 raise self._status.rejected_error(op, *rejected)
 
