@@ -1,5 +1,5 @@
 // Low-latency MoE dispatch / combine (DeepEP low_latency_dispatch / low_latency_combine semantics, decode sizes),
-// one kernel each, no host synchronisation, graph-capturable. cupy_symbuf/low_latency.py is the reference text
+// one kernel each, no host synchronisation, graph-capturable. cupy_symbuf/moe/low_latency.py is the reference text
 // (layout, arithmetic, the NumPy twin); this file is its GPU form.
 //
 // Symmetric buffer of a LowLatencyBuffer (its own SymBuffer), per rank:
@@ -32,28 +32,13 @@
 #include "protocol.cuh"
 #include "quant.cuh"
 
-// Kernel arguments: every word i64, passed by value; the order is LL_DISPATCH_FIELDS / LL_COMBINE_FIELDS of
-// cupy_symbuf/low_latency.py (tests compare the parameter size).
-struct LLDispatchArgs {
-  i64 x, x_stride, topk, n, k, ll_bases, half0, half_bytes, flags_off, meta_off, rows_off, row_bytes, N, H, L, W,
-      rank, use_fp8, ue8m0, kind, sig, recv_x, recv_scales, recv_count, src_info, layout_range, inv, recv_ntok,
-      status, comm_bases, abort_offset, timeout_ns, launch_seq, ctrl, grid, prof;
-};
-struct LLCombineArgs {
-  i64 x, topk, weights, n, k, inv, recv_ntok, ll_bases, half0, half_bytes, wflags_off, weights_off, pflags_off,
-      prows_off, row_bytes, N, H, L, W, rank, kind, sig, out, status, comm_bases, abort_offset, timeout_ns,
-      launch_seq, ctrl, grid, prof;
-};
+// Kernel arguments: LLDispatchArgs / LLCombineArgs (cupy_symbuf/wire/kernel_args.py, generated), every field an
+// i64 word, passed by value.
 // prof: 0, or a device array u64 [grid][LL_PROF_STAMPS]: thread 0 of each block stores %globaltimer at the phase
 // boundaries (dispatch: start, sent, flags seen, layout built, end; combine: start, weights seen, partials sent,
 // partials seen, end). bench_low_latency(profile=True) reads it.
-#define LL_PROF_STAMPS 8
-
-#define LL_CTRL_EXIT 2
-#define LL_LINE_SEQ 0  // dispatch / partials lines: the block count; weights lines: the sequence number
-#define LL_LINE_N 1
-#define LL_LINE_SIG 2
-#define LL_SEG_ELEMS 1024  // elements of x per work item of a warp (8 fp8 blocks)
+// LL_CTRL_EXIT, LL_LINE_SEQ / LL_LINE_N / LL_LINE_SIG, LL_SEG_ELEMS, LL_KIND_*: the generated header
+// (cupy_symbuf/wire/protocol.py).
 
 template <class T>
 __device__ __forceinline__ T* at(i64 base, i64 off) { return reinterpret_cast<T*>(base + off); }
@@ -75,17 +60,17 @@ __device__ __forceinline__ u32 f16_store(float f) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(b) : "f"(f));
   return b;
 }
-// kind: 0 bfloat16, 1 float16, 2 float32. Elements of a 16-byte vector: 8, 8, 4.
+// kind: LL_KIND_BF16, LL_KIND_F16, LL_KIND_F32. Elements of a 16-byte vector: 8, 8, 4.
 template <int KIND>
 struct Elem {
-  static constexpr int kPerVec = KIND == 2 ? 4 : 8;
+  static constexpr int kPerVec = KIND == LL_KIND_F32 ? 4 : 8;
   __device__ static void unpack(const int4& v, float* f) {
     const u32 w[4] = {static_cast<u32>(v.x), static_cast<u32>(v.y), static_cast<u32>(v.z), static_cast<u32>(v.w)};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if constexpr (KIND == 2) {
+      if constexpr (KIND == LL_KIND_F32) {
         f[i] = __uint_as_float(w[i]);
-      } else if constexpr (KIND == 0) {
+      } else if constexpr (KIND == LL_KIND_BF16) {
         f[2 * i] = bf16_load(w[i] & 0xffffu), f[2 * i + 1] = bf16_load(w[i] >> 16);
       } else {
         f[2 * i] = f16_load(w[i] & 0xffffu), f[2 * i + 1] = f16_load(w[i] >> 16);
@@ -96,8 +81,8 @@ struct Elem {
     u32 w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if constexpr (KIND == 2) w[i] = __float_as_uint(f[i]);
-      else if constexpr (KIND == 0) w[i] = bf16_store(f[2 * i]) | (bf16_store(f[2 * i + 1]) << 16);
+      if constexpr (KIND == LL_KIND_F32) w[i] = __float_as_uint(f[i]);
+      else if constexpr (KIND == LL_KIND_BF16) w[i] = bf16_store(f[2 * i]) | (bf16_store(f[2 * i + 1]) << 16);
       else w[i] = f16_store(f[2 * i]) | (f16_store(f[2 * i + 1]) << 16);
     }
     return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]), static_cast<int>(w[3]));
@@ -107,14 +92,15 @@ struct Elem {
 // Four elements starting at element i of a row (for the quantiser).
 template <int KIND>
 __device__ __forceinline__ void load4(const u8* row, i64 i, float v[4]) {
-  if constexpr (KIND == 2) {
+  if constexpr (KIND == LL_KIND_F32) {
     const int4 q = ld_nc_global(reinterpret_cast<const int4*>(row + 4 * i));
     v[0] = __int_as_float(q.x), v[1] = __int_as_float(q.y), v[2] = __int_as_float(q.z), v[3] = __int_as_float(q.w);
   } else {
     const u32* p = reinterpret_cast<const u32*>(row + 2 * i);
     const u32 a = ld_nc_global(p), b = ld_nc_global(p + 1);
-    if constexpr (KIND == 0) v[0] = bf16_load(a & 0xffffu), v[1] = bf16_load(a >> 16), v[2] = bf16_load(b & 0xffffu),
-                             v[3] = bf16_load(b >> 16);
+    if constexpr (KIND == LL_KIND_BF16)
+      v[0] = bf16_load(a & 0xffffu), v[1] = bf16_load(a >> 16), v[2] = bf16_load(b & 0xffffu),
+      v[3] = bf16_load(b >> 16);
     else v[0] = f16_load(a & 0xffffu), v[1] = f16_load(a >> 16), v[2] = f16_load(b & 0xffffu), v[3] = f16_load(b >> 16);
   }
 }
@@ -262,7 +248,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   const u64 seq = l.seq;
   const i64 half = l.half, gwarp = l.gwarp, total_warps = l.total_warps;
   __shared__ int s_ntok[MAX_PEERS];
-  const i64 elem = KIND == 2 ? 4 : 2;
+  const i64 elem = KIND == LL_KIND_F32 ? 4 : 2;
   const i64 segs = (H + LL_SEG_ELEMS - 1) / LL_SEG_ELEMS;
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
 
@@ -273,7 +259,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     const i64 lo = g * LL_SEG_ELEMS, hi = lo + LL_SEG_ELEMS < H ? lo + LL_SEG_ELEMS : H;
     const u8* src = reinterpret_cast<const u8*>(a.x) + t * a.x_stride;
     // the segment's loads first (they do not depend on topk_idx): one memory latency per item, not two
-    constexpr int kVec = LL_SEG_ELEMS * (KIND == 2 ? 4 : 2) / 16 / 32;  // 16-byte vectors per lane
+    constexpr int kVec = LL_SEG_ELEMS * (KIND == LL_KIND_F32 ? 4 : 2) / 16 / 32;  // 16-byte vectors per lane
     int4 v[kVec];
     const i64 nvec = (hi - lo) * elem / 16;
     if (!a.use_fp8) {
@@ -455,11 +441,11 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   if (threadIdx.x == 0) block_exit(l.ctrl);
 }
 
-extern "C" __global__ void __launch_bounds__(512) symbuf_ll_dispatch(const LLDispatchArgs a) {
+extern "C" __global__ void __launch_bounds__(512) symbuf_ll_dispatch(const __grid_constant__ LLDispatchArgs a) {
   extern __shared__ u32 smem[];
-  if (a.kind == 0) dispatch_body<0>(a, smem);
-  else if (a.kind == 1) dispatch_body<1>(a, smem);
-  else dispatch_body<2>(a, smem);
+  if (a.kind == LL_KIND_BF16) dispatch_body<LL_KIND_BF16>(a, smem);
+  else if (a.kind == LL_KIND_F16) dispatch_body<LL_KIND_F16>(a, smem);
+  else dispatch_body<LL_KIND_F32>(a, smem);
 }
 
 // ---- combine ---------------------------------------------------------------------------------------------------------
@@ -481,7 +467,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
   const u64* ll_bases = l.ll_bases;
   const u64 seq = l.seq;
   const i64 half = l.half, gwarp = l.gwarp, total_warps = l.total_warps;
-  const i64 elem = KIND == 2 ? 4 : 2;
+  const i64 elem = KIND == LL_KIND_F32 ? 4 : 2;
   constexpr i64 kSeg = LL_SEG_ELEMS;
   const i64 segs = (H + kSeg - 1) / kSeg;
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
@@ -671,8 +657,8 @@ __device__ void combine_body(const LLCombineArgs& a) {
   if (threadIdx.x == 0) block_exit(l.ctrl);
 }
 
-extern "C" __global__ void __launch_bounds__(512) symbuf_ll_combine(const LLCombineArgs a) {
-  if (a.kind == 0) combine_body<0>(a);
-  else if (a.kind == 1) combine_body<1>(a);
-  else combine_body<2>(a);
+extern "C" __global__ void __launch_bounds__(512) symbuf_ll_combine(const __grid_constant__ LLCombineArgs a) {
+  if (a.kind == LL_KIND_BF16) combine_body<LL_KIND_BF16>(a);
+  else if (a.kind == LL_KIND_F16) combine_body<LL_KIND_F16>(a);
+  else combine_body<LL_KIND_F32>(a);
 }

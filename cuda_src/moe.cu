@@ -1,5 +1,5 @@
 // MoE combine, the receive-side reduction (DeepEP `Buffer.combine` semantics, deep_ep/buffer.py): after the
-// channel rings have brought every rank's rows back (cupy_symbuf/moe.py), out[t] = sum over ranks r in ascending
+// channel rings have brought every rank's rows back (cupy_symbuf/moe/normal.py), out[t] = sum over ranks r in ascending
 // order of back[pos[t, r]] (pos = -1: token t was not sent to r), accumulated in float32 from 0 and rounded once
 // to the element type, so the result is bitwise the NumPy reference's. One template, one entry point per
 // element type; elements are raw bits (no cuda_bf16.h / cuda_fp16.h needed).
@@ -109,21 +109,22 @@ __device__ __forceinline__ void combine_reduce_vec(const ReduceRows<uint4> src, 
   }
 }
 
-// hidden: elements per row; vec != 0: the 16-byte form. self_rows (or null), self_stride (elements), table (the
-// dispatch's counts table, read only with self_rows), rank: see ReduceRows.
+// CombineReduceArgs (cupy_symbuf/wire/kernel_args.py): back, pos, out (rows of E::bits), num_tokens, hidden
+// (elements per row), world_size, vec != 0: the 16-byte form; self_rows (or null), self_stride (elements), table
+// (the dispatch's counts table, read only with self_rows), rank: see ReduceRows.
 #define SYMBUF_COMBINE_REDUCE(NAME, E)                                                                            \
-  extern "C" __global__ void NAME(const E::bits* back, const i64* pos, E::bits* out, i64 num_tokens, i64 hidden, \
-                                  int world_size, int vec, const E::bits* self_rows, i64 self_stride,            \
-                                  const i64* table, int rank) {                                                  \
-    if (vec) {                                                                                                    \
-      constexpr i64 per = 16 / sizeof(E::bits);                                                                   \
-      combine_reduce_vec<E>(reduce_rows(reinterpret_cast<const uint4*>(back), hidden / per,                      \
-                                        reinterpret_cast<const uint4*>(self_rows), self_stride / per, table,     \
-                                        rank, world_size),                                                        \
-                            pos, reinterpret_cast<uint4*>(out), num_tokens, hidden / per, world_size);            \
+  extern "C" __global__ void NAME(const __grid_constant__ CombineReduceArgs a) {                                 \
+    typedef E::bits B;                                                                                            \
+    if (a.vec) {                                                                                                  \
+      constexpr i64 per = 16 / sizeof(B);                                                                         \
+      combine_reduce_vec<E>(reduce_rows(static_cast<const uint4*>(a.back), a.hidden / per,                       \
+                                        static_cast<const uint4*>(a.self_rows), a.self_stride / per, a.table,    \
+                                        a.rank, a.world_size),                                                    \
+                            a.pos, static_cast<uint4*>(a.out), a.num_tokens, a.hidden / per, a.world_size);       \
     } else {                                                                                                      \
-      combine_reduce<E>(reduce_rows(back, hidden, self_rows, self_stride, table, rank, world_size), pos, out,    \
-                        num_tokens, hidden, world_size);                                                          \
+      combine_reduce<E>(reduce_rows(static_cast<const B*>(a.back), a.hidden, static_cast<const B*>(a.self_rows), \
+                                    a.self_stride, a.table, a.rank, a.world_size),                               \
+                        a.pos, static_cast<B*>(a.out), a.num_tokens, a.hidden, a.world_size);                     \
     }                                                                                                             \
   }
 SYMBUF_COMBINE_REDUCE(symbuf_combine_reduce_bf16, Bf16)
@@ -158,10 +159,18 @@ __device__ __forceinline__ u32 layout_mask(const i64* __restrict__ idx, i64 t, i
   return m;
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
-symbuf_moe_layout(const i64* __restrict__ idx, i64 num_tokens, int num_topk, int num_experts, int world_size,
-                  int* per_rank, int* per_expert, u8* in_rank, i64* meta, i64* bad, i64* bad_sticky, i64* pos,
-                  i64* send_idx) {
+extern "C" __global__ void __launch_bounds__(1024) symbuf_moe_layout(const __grid_constant__ MoeLayoutArgs a) {
+  const i64* __restrict__ idx = a.idx;
+  const i64 num_tokens = a.num_tokens;
+  const int num_topk = a.num_topk, num_experts = a.num_experts, world_size = a.world_size;
+  int* const per_rank = a.per_rank;
+  int* const per_expert = a.per_expert;
+  u8* const in_rank = a.in_rank;
+  i64* const meta = a.meta;
+  i64* const bad = a.bad;
+  i64* const bad_sticky = a.bad_sticky;
+  i64* const pos = a.pos;
+  i64* const send_idx = a.send_idx;
   extern __shared__ int s_exp[];
   __shared__ int s_warp[32][MAX_PEERS];
   __shared__ i64 s_total[MAX_PEERS], s_first[MAX_PEERS], s_run[MAX_PEERS], s_tile[MAX_PEERS];
@@ -252,22 +261,23 @@ symbuf_moe_layout(const i64* __restrict__ idx, i64 num_tokens, int num_topk, int
 // weight where the slot is local, else 0. Rows at or past the real count (table[CT_RECV_TOTAL], when table is not
 // null: worst-case mode, whatever the memory held) get -1 / 0. Threads < epr also write counts_out[j] = the
 // received (token, slot) pairs of local expert j (sums[1 + j], from the count exchange) rounded up to `align`.
-extern "C" __global__ void symbuf_moe_recv_fixup(i64* gidx, float* w, i64 rows, int num_topk, i64 first_expert,
-                                                 int epr, const i64* table, const i64* sums, i64* counts_out,
-                                                 i64 align) {
-  const i64 valid = table != nullptr ? table[CT_RECV_TOTAL] : rows;
-  const i64 n = rows * num_topk;
+extern "C" __global__ void symbuf_moe_recv_fixup(const __grid_constant__ MoeFixupArgs a) {
+  i64* const gidx = a.gidx;
+  float* const w = a.w;
+  const i64* const table = a.table;
+  const i64 valid = table != nullptr ? table[CT_RECV_TOTAL] : a.rows;
+  const i64 n = a.rows * a.num_topk;
   for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<i64>(gridDim.x) * blockDim.x) {
-    const bool live = i / num_topk < valid;
-    const i64 local = gidx[i] - first_expert;
-    const bool mine = live && gidx[i] >= 0 && local >= 0 && local < epr;
+    const bool live = i / a.num_topk < valid;
+    const i64 local = gidx[i] - a.first_expert;
+    const bool mine = live && gidx[i] >= 0 && local >= 0 && local < a.epr;
     gidx[i] = mine ? local : -1;
     if (w != nullptr) w[i] = mine ? w[i] : 0.0f;
   }
-  if (counts_out != nullptr && blockIdx.x == 0) {
+  if (a.counts_out != nullptr && blockIdx.x == 0) {
     const bool skip = table != nullptr && table[CT_SKIP] != 0;
-    for (int j = threadIdx.x; j < epr; j += blockDim.x)
-      counts_out[j] = skip ? 0 : (sums[1 + j] + align - 1) / align * align;
+    for (int j = threadIdx.x; j < a.epr; j += blockDim.x)
+      a.counts_out[j] = skip ? 0 : (a.sums[1 + j] + a.align - 1) / a.align * a.align;
   }
 }

@@ -1,6 +1,7 @@
 // Memory primitives, named after the PTX they emit (the DeepEP / NCCL habit).
 // Layer 1 of cuda_src/: primitives here, the memory map in layout.cuh, the ring protocol (call header, bounded
-// waits, abort word, error record) in protocol.cuh, one .cu per kernel family.
+// waits, abort word, error record) in protocol.cuh, the ring's roles (send / receive chunk, direct pull, push, own
+// rows, the call-header step) in ring_prims.cuh, then one .cu per kernel family.
 #pragma once
 
 typedef unsigned long long u64;

@@ -1,4 +1,4 @@
-// The ring protocol (v10, cupy_symbuf/_protocol.py describes it and holds every constant: HDR_*, STATE_*, ABORT_*,
+// The ring protocol (cupy_symbuf/wire/protocol.py describes it and holds every constant: HDR_*, STATE_*, ABORT_*,
 // STATUS_*, ERR_*, FIELD_*, ROLE_*), in the manner of NCCL's primitives: who writes which word, and the helpers
 // every ring kernel uses for it: bounded waits that also poll the abort word, the call header, the abort word, the
 // error record.

@@ -1,18 +1,16 @@
 // The wire paths' fp8 block quantiser and dequantiser as one kernel per element type (alltoallv / dispatch with
 // wire_dtype="fp8", DeltaExchange): the device functions of quant.cuh, whose NumPy twin bit for bit is
-// cupy_symbuf/quant.py (quantize_fp8 / dequantize_fp8), replacing about a dozen CuPy elementwise kernels and their
-// temporaries per call. Rows are whole 128-element blocks (hidden % 128 == 0), so a C-contiguous float32
+// cupy_symbuf/collectives/quant.py (quantize_fp8 / dequantize_fp8), replacing about a dozen CuPy elementwise
+// kernels and their temporaries per call. Rows are whole 128-element blocks (hidden % 128 == 0), so a C-contiguous float32
 // [rows, hidden] array is num_blocks = rows * hidden / 128 consecutive blocks: one warp per block, 4 elements per
 // lane (block b is elements [128 b, 128 b + 128); its codes are bytes [128 b, 128 b + 128) of q, its scale
 // scales[b]). Grid-stride over the blocks; every lane of a warp runs the same iterations (the shuffles in
 // warp_amax4 need the whole warp).
 #include "quant.cuh"
 
-// The element types the caller's rows may have (quant.py's _KIND_CODE): the quantiser reads them and the
+// The element types the caller's rows may have (quant.py's _GPU_KIND): the quantiser reads them and the
 // dequantiser writes them directly, so the float16 / bfloat16 wire paths need no float32 temporary.
-#define QUANT_F32 0
-#define QUANT_F16 1
-#define QUANT_BF16 2
+enum ElemKind : int { kElemF32, kElemF16, kElemBf16 };
 
 // float16 bits -> float32, exact.
 __device__ __forceinline__ float f16_to_f32(unsigned short h) {
@@ -39,7 +37,7 @@ __device__ __forceinline__ u32 f32_to_bf16(float f) {
 // Elements 4 * lane .. 4 * lane + 3 of 128-element block b, widened to float32 (exactly).
 template <int KIND>
 __device__ __forceinline__ void load4(const void* __restrict__ x, long long b, int lane, float v[4]) {
-  if (KIND == QUANT_F32) {
+  if (KIND == kElemF32) {
     const float4 f = reinterpret_cast<const float4*>(static_cast<const float*>(x) + b * QUANT_BLOCK)[lane];
     v[0] = f.x; v[1] = f.y; v[2] = f.z; v[3] = f.w;
   } else {
@@ -47,19 +45,19 @@ __device__ __forceinline__ void load4(const void* __restrict__ x, long long b, i
     const u32 bits[4] = {w.x & 0xFFFFu, w.x >> 16, w.y & 0xFFFFu, w.y >> 16};
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      v[i] = KIND == QUANT_F16 ? f16_to_f32(static_cast<unsigned short>(bits[i])) : __uint_as_float(bits[i] << 16);
+      v[i] = KIND == kElemF16 ? f16_to_f32(static_cast<unsigned short>(bits[i])) : __uint_as_float(bits[i] << 16);
   }
 }
 
 // The same four elements stored in the caller's type (narrowed with round to nearest even).
 template <int KIND>
 __device__ __forceinline__ void store4(void* __restrict__ out, long long b, int lane, const float v[4]) {
-  if (KIND == QUANT_F32) {
+  if (KIND == kElemF32) {
     reinterpret_cast<float4*>(static_cast<float*>(out) + b * QUANT_BLOCK)[lane] = make_float4(v[0], v[1], v[2], v[3]);
   } else {
     u32 h[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = KIND == QUANT_F16 ? static_cast<u32>(f32_to_f16(v[i])) : f32_to_bf16(v[i]);
+    for (int i = 0; i < 4; ++i) h[i] = KIND == kElemF16 ? static_cast<u32>(f32_to_f16(v[i])) : f32_to_bf16(v[i]);
     reinterpret_cast<uint2*>(static_cast<unsigned short*>(out) + b * QUANT_BLOCK)[lane] =
         make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
   }
@@ -109,18 +107,15 @@ __device__ __forceinline__ void dequant_fp8(const u32* __restrict__ q, const flo
   }
 }
 
-// One entry point per element type (names: quant.py's _GPU_KERNELS).
+// One entry point per element type (names: quant.py's _GPU_KIND); arguments: QuantArgs / DequantArgs
+// (cupy_symbuf/wire/kernel_args.py).
 #define SYMBUF_QUANT_ENTRY(SUFFIX, KIND)                                                                      \
-  extern "C" __global__ void symbuf_quant_fp8##SUFFIX(const void* __restrict__ x, long long num_blocks,      \
-                                                      int ue8m0, u32* __restrict__ q,                         \
-                                                      float* __restrict__ scales) {                           \
-    quant_fp8<KIND>(x, num_blocks, ue8m0, q, scales);                                                         \
+  extern "C" __global__ void symbuf_quant_fp8##SUFFIX(const __grid_constant__ QuantArgs a) {                 \
+    quant_fp8<KIND>(a.x, a.num_blocks, a.ue8m0, a.q, a.scales);                                               \
   }                                                                                                           \
-  extern "C" __global__ void symbuf_dequant_fp8##SUFFIX(const u32* __restrict__ q,                           \
-                                                        const float* __restrict__ scales,                     \
-                                                        long long num_blocks, void* __restrict__ out) {       \
-    dequant_fp8<KIND>(q, scales, num_blocks, out);                                                            \
+  extern "C" __global__ void symbuf_dequant_fp8##SUFFIX(const __grid_constant__ DequantArgs a) {             \
+    dequant_fp8<KIND>(a.q, a.scales, a.num_blocks, a.out);                                                    \
   }
-SYMBUF_QUANT_ENTRY(, QUANT_F32)
-SYMBUF_QUANT_ENTRY(_f16, QUANT_F16)
-SYMBUF_QUANT_ENTRY(_bf16, QUANT_BF16)
+SYMBUF_QUANT_ENTRY(, kElemF32)
+SYMBUF_QUANT_ENTRY(_f16, kElemF16)
+SYMBUF_QUANT_ENTRY(_bf16, kElemBf16)

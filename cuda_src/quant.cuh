@@ -1,6 +1,6 @@
 // The one fp8 quantiser of cupy_symbuf (low-latency dispatch today; any low-precision path later). Its NumPy twin,
-// bit for bit, is cupy_symbuf/quant.py (quantize_fp8 / dequantize_fp8); tests/test_low_latency.py checks both
-// against ml_dtypes.float8_e4m3fn.
+// bit for bit, is cupy_symbuf/collectives/quant.py (quantize_fp8 / dequantize_fp8); tests/test_low_latency.py
+// checks both against ml_dtypes.float8_e4m3fn.
 //
 // Per block of QUANT_BLOCK = 128 consecutive elements of a row:
 //   amax  = max(max |x|, 1e-4)                      (float32; the floor keeps an all-zero block finite)
@@ -13,12 +13,9 @@
 // Dequantised x' = float(q) * scale. Error bound (finite x): |x - x'| <= |x| * 2^-4 + scale * 2^-10 (half an e4m3
 // ulp: 3 mantissa bits in the normal range, spacing 2^-9 in the subnormal range), plus float32 rounding of inv
 // and of the product (relative 2^-23 each). With ue8m0, inv is exact.
+// QUANT_BLOCK, QUANT_FP8_MAX, QUANT_AMAX_FLOOR: the generated header (cupy_symbuf/wire/protocol.py).
 #pragma once
 #include "primitives.cuh"
-
-#define QUANT_BLOCK 128
-#define QUANT_FP8_MAX 448.0f
-#define QUANT_AMAX_FLOOR 1e-4f
 
 __device__ __forceinline__ float quant_scale(float amax, bool ue8m0) {
   amax = fmaxf(amax, QUANT_AMAX_FLOOR);

@@ -9,54 +9,24 @@
 // index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte stream (1-byte rows).
 // Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
 //
-// Ring protocol v8 per (channel c, sender s, receiver d) (protocol.cuh: who writes which word), counters in
-// slots, only growing, slot = counter % num_slots; first = the counter the previous call left (state line):
-//   call header: counter `first`, every call, for every ring group, also when the channel's share is empty. s's
-//             publisher waits for space for it (backpressure as for chunks), writes the HDR_* words into d's ring
-//             and releases tail = first + 1 at once; d's publisher waits for it, checks magic, seq, op, then (both
-//             sides not rejecting) signature and units of the whole stream, before any payload is consumed.
-//             A difference is fatal (ERR_MISMATCH, abort word set on every rank); a rejected call moves headers
-//             only (FLAG_REJECT: the rejecting rank sends HDR_REJECTED headers and drains what its peers send).
-//   sender (v6): warp 0 of each group publishes, the others copy, each owning every (ring_warps - 1)-th
-//             payload chunk k (counter first + 1 + k): lane 0 waits while tail - head == num_slots (backpressure;
-//             head read with ld.acquire.sys from our own buffer, where d's receiver writes it); the warp copies the
-//             chunk's rows into d's ring; __syncwarp; lane 0 marks the chunk done in shared memory
-//             (st.release.cta). The publisher acquires the marks in chunk order (ld.acquire.cta) and publishes each
-//             run of finished chunks with one st.release.sys of tail into d's buffer.
-//   receiver: the mirror image: warp 0 checks the call header and then publishes head, the other warps wait for
-//             its verdict (a shared word, release/acquire at cta scope), then each owns every (ring_warps - 1)-th
-//             chunk: lane 0 polls tail with ld.acquire.sys until it covers the chunk, the warp copies it out (.cg
-//             loads), lane 0 marks it done (st.release.cta); the publisher releases head over each run of done
-//             chunks with one st.release.sys into s's buffer.
-// Memory ordering (unchanged by the header): a copy warp's payload stores (sender) or loads (receiver) of a slot
-// are ordered before its lane 0's st.release.cta of the done mark by __syncwarp (bar.warp.sync: the lanes' accesses
-// happen before lane 0's release, at cta scope); the publisher's ld.acquire.cta of that mark synchronises with it,
-// and its st.release.sys of tail / head is cumulative: every access that happened before it (the acquired warps'
-// included) is visible, at system scope, to whoever acquires the counter. So d sees the payload before the tail
-// that announces it, s overwrites a slot only after d's reads of it, and copy warps never issue a system fence.
-// The header is stored by the publisher itself before its own release of tail = first + 1 (program order).
-// A rank's rows to itself skip the ring: the sender block's and the receiver block's self groups each copy half
-// of the channel's rows straight from the send parts to the receive parts (nothing under FLAG_REJECT).
+// The protocol of one (channel, sender, receiver) ring, its memory ordering, and the primitives each role uses
+// are in ring_prims.cuh. The kernel's paths, per warp group (lane 0 of warp 0 is the leader and publisher):
+//   own rows     (peer == rank) copy_own_rows: half of the channel's rows each in the sender and the receiver
+//                block, straight from the send parts to the receive parts (nothing under FLAG_REJECT or FLAG_CE).
+//   ring         leader: call_header_step, then publish_runs; copy warps: their chunks, wait_chunk /
+//                move_chunk / post_chunk each (a receiver's after await_verdict).
+//   push         (MODE_PUSH sender) the same, the copy warps await the receiver's answer and push_chunk.
+//   direct pull  (MODE_DIRECT) sender: the header alone, then wait for the hand-back; receiver: its copy warps
+//                pull_direct_share (and our sender group's helpers help_pull_direct), the leader direct_done.
+//   copy engine  (FLAG_CE) headers only; the host's copy engine moves the rows, symbuf_ce_finish hands back.
+//   reject       (FLAG_REJECT) headers only: HDR_REJECTED out, drain_rejected in.
 // Every wait is bounded by DESC_TIMEOUT_NS and polls this rank's abort word (protocol.cuh, SpinBudget); the first
 // failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
 #define SYMBUF_BULK_KERNEL 1  // the ring kernel may copy with cp.async.bulk (SYMBUF_BULK, primitives.cuh)
-#include "protocol.cuh"
+#include "ring_prims.cuh"
 
-// The sender's publisher releases tail once at least this many chunks are ready (or the stream is complete, or
-// nothing new became ready for a while): fewer system-scope releases, each covering more payload.
-#ifndef SYMBUF_PUBLISH_BATCH
-#define SYMBUF_PUBLISH_BATCH 1
-#endif
-
-// 1: the call header's slot is announced together with the first run of payload chunks (one system-scope release
-// fewer per group and call, on both sides; a header alone is released at once when no payload follows or no chunk
-// got ready for a while). 0: the header is released on its own at once (tail = first + 1, head = first + 1).
-#ifndef SYMBUF_HEADER_FOLD
-#define SYMBUF_HEADER_FOLD 1
-#endif
-
-// 1: channel telemetry (Config(trace=True), _protocol DESC_TRACE): lane 0 of each copy warp appends a record per
-// chunk / direct slice / own-rows share. A build of its own, so a communicator without trace pays nothing.
+// 1: channel telemetry (Config(trace=True), wire/protocol.py DESC_TRACE): lane 0 of each copy warp appends a record
+// per chunk / direct slice / own-rows share. A build of its own, so a communicator without trace pays nothing.
 #ifndef SYMBUF_TRACE
 #define SYMBUF_TRACE 0
 #endif
@@ -65,83 +35,6 @@
 #ifndef SYMBUF_MAX_THREADS
 #define SYMBUF_MAX_THREADS 1024
 #endif
-
-// The publisher of one warp group (lane 0 of its warp 0): acquires the copy warps' done marks in counter order
-// (ld.acquire.cta; `first` = the first payload counter; copy warp i owns every num_copy-th chunk and stores
-// chunk + 1 into done[i] after its last access to it) and releases the counter into the peer's buffer with ONE
-// st.release.sys per run of finished chunks: tail for a sender, head for a receiver. A run is published once it
-// holds `batch` chunks, reaches `end`, or nothing new got ready for a while. The release is cumulative: it covers
-// every access of each warp acquired from. `published0` (<= first) is the counter already released: first - 1 when
-// the call header's slot (counter first - 1, written by this lane or checked by it) is still to be announced with
-// the first run (SYMBUF_HEADER_FOLD), so that run counts only payload chunks towards `batch`.
-// Work sharing (SYMBUF_ADAPTIVE) passes per-counter marks instead: done[(counter - base) % mod] with base = 0 and
-// mod = ADAPT_WINDOW (any warp of the block may copy any chunk; see share_chunks).
-__device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* done, int mod, u64 base, u64 first,
-                                             u64 end, u64 published0, u64 batch, volatile int* abort_flag,
-                                             const WaitCtx* ctx, int role, int peer) {
-  u64 published = published0, ready = first;
-  u32 idle = 0;
-  SpinBudget spin(ctx);
-  while (published < end && !*abort_flag) {
-    const u64 before = ready;
-    while (ready < end && ld_acquire_cta(&done[(ready - base) % static_cast<u64>(mod)]) > ready) ++ready;
-    idle = ready == before ? idle + 1 : 0;
-    const u64 unreleased = published > first ? published : first;  // payload chunks not yet released
-    if (ready > published && (ready - unreleased >= batch || ready == end || idle > 32)) {
-      st_release_sys_global(remote_counter, ready);  // publish_tail / publish_head (protocol.cuh)
-      published = ready;
-      spin = SpinBudget(ctx);
-    } else if (!spin.ok(role, peer, published, ready)) {
-      *abort_flag = 1;
-    }
-  }
-}
-
-// Rows per chunk of an n-row stream on one channel: num_copy chunks per round, in as few rounds as whole slots
-// allow (a short stream is spread over every copy warp instead of one warp copying one slot; a long one ends on a
-// full round); at least CHUNK_LEAST_BYTES of rows (one unrolled warp pass), a multiple of CHUNK_GRAIN_BYTES of rows
-// (one vector pass; keeps byte streams 16-byte aligned), at most one slot. Sender and receiver compute it from the
-// same n (the rows the one sends the other receives) and the same num_copy (same kernel variant on every rank), so
-// they cut the stream alike. Same formula as cupy_symbuf/layout.py chunk_rows (the host path uses it with one
-// copy worker).
-__host__ __device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chunk_bytes, int num_copy) {
-  const i64 max_rows = chunk_bytes / row_bytes;
-  if (n <= 0) return max_rows;  // no chunks
-  const i64 grain = min(max_rows, (CHUNK_GRAIN_BYTES + row_bytes - 1) / row_bytes);
-  const i64 least = min(max_rows, (CHUNK_LEAST_BYTES + row_bytes - 1) / row_bytes);
-  const i64 rounds = (n + num_copy * max_rows - 1) / (num_copy * max_rows);
-  const i64 per = (n + num_copy * rounds - 1) / (num_copy * rounds);
-  return min(max_rows, max(least, (per + grain - 1) / grain * grain));
-}
-
-// MODE_DIRECT, receiver: once every copy warp has copied its slice out of the sender's block (done[i] == c0 + 1,
-// acquired at cta scope; num_copy = 0: the calling warp copied alone), hand the header slot back: head = c0 with
-// st.release.sys, cumulative over those loads, so the sender (which waits for it before its kernel ends) never
-// lets its stream overwrite rows still being read. Then this rank's abort word: a sender whose wait for us failed
-// has left (and its stream may reuse the rows), so what we copied is not trusted: ERR_ABORTED.
-// With helpers (num_help > 0: this rank's sender group copies the last slices, STATE_HELP_*), also wait until each
-// released STATE_HELP_DONE + k = seq in our state line (bounded: they wait for nothing once they have the address).
-__device__ __noinline__ void direct_done(u64* head_line, const u64* done, int num_copy, u64 c0, const WaitCtx* ctx,
-                                         int peer, volatile int* abort_flag, const u64* state, int num_help, u64 seq) {
-  for (int i = 0; i < num_copy; ++i)
-    while (ld_acquire_cta(&done[i]) < c0 + 1) {  // copy warps never wait: bounded by their copy
-    }
-  for (int k = 0; k < num_help; ++k) {
-    SpinBudget spin(ctx);
-    while (ld_acquire_sys_global(state + STATE_HELP_DONE + k) != seq) {
-      if (*abort_flag || !spin.ok(ROLE_RECV, peer, c0, seq)) {
-        *abort_flag = 1;
-        return;
-      }
-    }
-  }
-  publish_head(head_line, c0);
-  fence_acq_rel_sys();  // the payload loads above (weak .cg loads of the warps acquired) before the abort poll
-  if (poll_abort(*ctx)) {
-    report_aborted(*ctx, ROLE_RECV, peer, static_cast<i64>(c0), static_cast<i64>(c0));
-    *abort_flag = 1;
-  }
-}
 
 #if SYMBUF_TRACE
 // One trace record (layout: _protocol DESC_TRACE) of an event that began at t0 (ns) and ends now.
@@ -168,28 +61,65 @@ __device__ __noinline__ void trace_event(const i64* desc, int kind, u64 t0, int 
 #define SYMBUF_TRACE_EVENT(...)
 #endif
 
-// Bytes of slice k of `total` of an n-byte direct copy (direct_slice's cut).
-__device__ __forceinline__ i64 direct_slice_bytes(i64 n, int k, int total) {
-  const i64 a = n * k / total / 16 * 16;
-  const i64 b = k == total - 1 ? n : n * (k + 1) / total / 16 * 16;
-  return b > a ? b - a : 0;
+// ---- direct pull (MODE_DIRECT), the copy warps' paths --------------------------------------------------------------
+// A receiver's copy warp once the verdict is kGateDirect: slice copy_id of num_copy + num_help of the channel's
+// share [lo, hi) of the stream, straight out of the sender's block (*src_word: where the stream starts there, mapped
+// here, written by the leader before its release of the verdict; the last num_help slices are the helpers'), then
+// the hand-off: its done mark for the leader's direct_done, or (a group of one warp) direct_done itself.
+__device__ __forceinline__ void pull_direct_share(const RowStream& recv, const u64* src_word, i64 lo, i64 hi,
+                                                  int copy_id, int num_copy, int num_help, bool solo, u64* done,
+                                                  u64* remote_counter, u64 c0, const u64* state, u64 call_seq,
+                                                  const WaitCtx* ctx, int peer, volatile int* abort_flag, int lane,
+                                                  const i64* desc, int channel) {
+  const u8* src = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, lane == 0 ? *src_word : 0ull, 0));
+  __syncwarp();  // lane 0's acquire of the verdict precedes every lane's loads (the shuffle is no barrier)
+  SYMBUF_TRACE_T0(t_pull);
+  const i64 bytes = copy_slice<true>(recv.at(0, lo), src + lo, hi - lo, copy_id, num_copy + num_help, lane);
+  if (lane == 0) SYMBUF_TRACE_EVENT(desc, TRACE_PULL, t_pull, channel, peer, bytes, c0, c0);
+  (void)bytes, (void)desc, (void)channel;
+  __syncwarp();  // every lane's loads precede lane 0's hand-off
+  if (lane == 0) {
+    if (solo) direct_done(remote_counter, nullptr, 0, c0, ctx, peer, abort_flag, state, 0, call_seq);
+    else st_release_cta(&done[copy_id], c0 + 1);
+  }
+  __syncwarp();
 }
 
-// One warp's slice k of `total` of an n-byte direct copy (16-byte aligned cuts; the last slice takes the rest).
-__device__ __forceinline__ void direct_slice(u8* dst, const u8* src, i64 n, int k, int total, int lane) {
-  const i64 a = n * k / total / 16 * 16;
-  const i64 b = k == total - 1 ? n : n * (k + 1) / total / 16 * 16;
-  if (b > a) copy_bytes<true>(dst + a, src + a, b - a, lane);
+// MODE_DIRECT both ways, a helper (copy warp copy_id < num_help of our sender group: our own rows go direct, so it
+// has no chunks to send): wait for our receiver group's leader to say where the peer's stream lies (rstate: our
+// receiver's state line; STATE_HELP_SEQ == this call, ld.acquire.sys, bounded), copy slice num_copy + copy_id of the
+// receiver's share (of the *recv_units units it receives from this peer, read after the wait; the receiver group's
+// cut), then release STATE_HELP_DONE + copy_id = call_seq (cumulative over the warp's loads) for its direct_done.
+__device__ __forceinline__ void help_pull_direct(const RowStream& recv, u64* rstate, const i64* recv_units,
+                                                 int channel, int num_channels, i64 align, int copy_id, int num_copy,
+                                                 int num_help, u64 c0, u64 call_seq, const WaitCtx* ctx, int peer,
+                                                 volatile int* abort_flag, int lane, const i64* desc) {
+  u64 src = 0;
+  if (lane == 0) {
+    SpinBudget spin(ctx);
+    while (ld_acquire_sys_global(rstate + STATE_HELP_SEQ) != call_seq) {
+      if (*abort_flag || !spin.ok(ROLE_SEND, peer, call_seq, 0)) {
+        *abort_flag = 1;
+        break;
+      }
+    }
+    if (!*abort_flag) src = ld_volatile_global(reinterpret_cast<const i64*>(rstate + STATE_HELP_SRC));
+  }
+  src = __shfl_sync(0xffffffffu, src, 0);
+  __syncwarp();  // lane 0's acquire of STATE_HELP_SEQ precedes every lane's loads
+  if (src != 0) {
+    i64 rlo = 0, rhi = 0;
+    channel_range(*recv_units, channel, num_channels, align, rlo, rhi);
+    SYMBUF_TRACE_T0(t_help);
+    const i64 bytes = copy_slice<true>(recv.at(0, rlo), reinterpret_cast<const u8*>(src) + rlo, rhi - rlo,
+                                       num_copy + copy_id, num_copy + num_help, lane);
+    if (lane == 0) SYMBUF_TRACE_EVENT(desc, TRACE_PULL, t_help, channel, peer, bytes, c0, c0);
+    (void)bytes, (void)desc, (void)c0;
+    __syncwarp();
+    if (lane == 0) st_release_sys_global(rstate + STATE_HELP_DONE + copy_id, call_seq);
+  }
+  __syncwarp();
 }
-
-static_assert(STATE_HELP_DONE + MAX_HELPERS <= LINE_BYTES / 8, "the helpers' words fit the receiver's state line");
-
-// Verdict of a receiver group's publisher on the call header, for its copy warps (a shared word per group).
-constexpr u64 kGateWait = 0;   // not checked yet
-constexpr u64 kGateCopy = 1;   // header verified: copy the payload
-constexpr u64 kGateSkip = 2;   // no payload to copy (the peer rejected, or this rank rejects and drains)
-constexpr u64 kGateAbort = 3;  // mismatch, failed wait or abort: leave
-constexpr u64 kGateDirect = 4; // header verified, MODE_DIRECT: copy the share straight out of the sender's block
 
 // ---- work sharing (SYMBUF_ADAPTIVE=1: Config(adaptive=True)) ----------------------------------------------------------
 // The static kernel gives each (channel, peer) ring stream its own warp group, so under skewed routing the hot
@@ -306,33 +236,20 @@ __device__ __noinline__ int share_chunks(const ShareCtx& S, int q, int own_peer,
     if (k >= w.todo) return kShareDone;
     const u64 t = w.c0 + static_cast<u64>(k);
     SYMBUF_TRACE_T0(t_chunk);
-    u8* slot = w.ring + static_cast<i64>(t % static_cast<u64>(S.num_slots)) * S.chunk_bytes;
+    u8* slot = ring_slot(w.ring, t, S.num_slots, S.chunk_bytes);
     if (lane == 0) {
-      if (S.is_sender) wait_for_space(S.ctx, q, w.local_counter, t, S.num_slots, seen, abort_flag);
-      else wait_for_data(S.ctx, q, w.local_counter, t + 1, w.c0, t, S.num_slots, seen, abort_flag);
+      wait_chunk(S.ctx, q, S.is_sender, w.local_counter, t, w.c0, S.num_slots, seen, abort_flag);
 #if SYMBUF_DEBUG
-      const i64 bytes = min(w.rows_per_chunk, w.hi - w.lo - k * w.rows_per_chunk) * S.row_bytes;
-      u8* region = w.ring - RING_OFFSET;
-      if (!*abort_flag && !slot_in_region(region, slot, bytes, S.region_bytes, S.chunk_bytes)) {
-        fail(*S.ctx, S.is_sender ? ROLE_SEND : ROLE_RECV, q, slot - region, slot - region + bytes, ERR_INVARIANT,
-             FIELD_OFFSET);
-        *abort_flag = 1;
-      }
+      check_chunk_slot(*S.ctx, S.is_sender ? ROLE_SEND : ROLE_RECV, q, w.ring - RING_OFFSET, slot,
+                       min(w.rows_per_chunk, w.hi - w.lo - k * w.rows_per_chunk) * S.row_bytes, S.region_bytes,
+                       S.chunk_bytes, abort_flag);
 #endif
     }
     __syncwarp();  // lane 0's acquire precedes every lane's accesses to the slot
     if (__shfl_sync(0xffffffffu, *abort_flag, 0)) return kShareDone;
     const i64 r = w.lo + k * w.rows_per_chunk;
     const i64 n = min(w.rows_per_chunk, w.hi - r);
-    if (!S.is_sender) {
-      recv.copy_rows<false>(slot, r, n, lane, w.push);
-    } else if (w.push) {
-      const i64 row0 = static_cast<i64>(S.src[q]);
-      if (row0 >= 0) push_rows(send, recv, slot, r, n, row0, w.push, S.push_delta + q * MAX_PARTS, lane);
-      else send.copy_rows<true>(slot, r, n, lane, w.push);
-    } else {
-      send.copy_rows<true>(slot, r, n, lane);
-    }
+    move_chunk(S.is_sender, send, recv, slot, r, n, w.push, &S.src[q], S.push_delta + q * MAX_PARTS, lane);
     __syncwarp();  // every lane's accesses to the slot precede lane 0's mark
     if (lane == 0) {
       if (q != own_peer) atomicAdd(&S.stolen[q], 1u);  // before the mark: the leader reads it after the last one
@@ -371,207 +288,12 @@ __device__ __forceinline__ void share_all(const ShareCtx& S, int start, int own_
   }
 }
 
-// What the leader's call-header step needs; built by the leader only and handed by reference to a function that
-// is not inlined, so that the header's registers do not weigh on the copy loops (64 per thread at 1024 threads).
-struct HeaderStep {
-  const WaitCtx* ctx;
-  u8* ring_region;            // the (channel, peer) region whose ring the group accesses (the peer's for a sender)
-  u64* remote_counter;        // sender: tail in the peer's buffer; receiver: head in the peer's buffer
-  const u64* local_counter;   // sender: head in our buffer; receiver: tail in our buffer
-  volatile int* abort_flag;   // the group's
-  u64* gate;                  // the group's verdict word (kGate*)
-  u64* direct_src;            // receiver, MODE_DIRECT: where the sender's stream to us starts (its block, mapped)
-  const i64* sym_table;       // this rank's symmetric table (DESC_SYM_TABLE), or nullptr
-  i64 ce_alloc, ce_offset;    // FLAG_CE: where the peer's stream must lie (else ce_alloc < 0)
-  CallHeader mine;            // sender: the header to send; receiver: what it expects
-  // MODE_PUSH (push_mask != 0: receive parts in symmetric allocations push_alloc[i]): receiver: its first row of
-  // the peer's stream and the rows its outputs hold; sender: where the receiver's answer goes (push_delta[i] =
-  // the receiver's block minus ours for each pushed part; *direct_src = the receiver's first row, or -1)
-  u32 push_mask;
-  const i64* push_alloc;
-  i64* push_delta;
-  i64 push_row0, push_rows;
-  u64 first, num_slots;       // first: the header's counter
-  i64 chunk_bytes, region_bytes, row_bytes;
-  int peer, role;
-  bool is_sender, reject;
-};
 
-// MODE_PUSH, the sender's leader after its header: wait for the receiver's head = first + 1 (t = first +
-// num_slots: free once head > first), take its answer (HEAD_PUSH_ROW of our head line, ordered by that acquire)
-// into *direct_src, and the receiver's block of every pushed part's allocation from our symmetric table into
-// push_delta. False (abort set) on a failed wait or an allocation not in the table (fatal FIELD_MODE).
-__device__ __noinline__ bool push_answer(const HeaderStep& g, u64& head) {
-  const WaitCtx& c = *g.ctx;
-  if (!wait_for_space(&c, g.peer, g.local_counter, g.first + g.num_slots, g.num_slots, head, g.abort_flag))
-    return false;
-  (void)ld_acquire_sys_global(g.local_counter);  // head >= first + 1 now: this acquire orders the answer's load
-  *g.direct_src = static_cast<u64>(ld_volatile_global(reinterpret_cast<const i64*>(g.local_counter) + HEAD_PUSH_ROW));
-  for (int i = 0; i < MAX_PARTS; ++i) {
-    if (!((g.push_mask >> i) & 1u)) continue;
-    i64 delta = 0;
-    bool found = false;
-    for (int k = 0; k < SYM_TABLE_ROWS && g.sym_table != nullptr; ++k) {
-      const i64* row = g.sym_table + static_cast<i64>(k) * SYM_TABLE_STRIDE;
-      if (row[0] == g.push_alloc[i] + 1) {
-        delta = row[2 + g.peer] - row[2 + c.rank];
-        found = row[2 + g.peer] != 0;
-        break;
-      }
-    }
-    if (!found) {
-      fail(c, ROLE_SEND, g.peer, MODE_PUSH, g.push_alloc[i], ERR_MISMATCH, FIELD_MODE);
-      *g.abort_flag = 1;
-      return false;
-    }
-    g.push_delta[i] = delta;
-  }
-  return true;
-}
-
-// The call header, by the leader (lane 0 of warp 0) of a ring group, every call. Sender: waits for space for the
-// header slot, writes the header, releases tail = first + 1 at once. Receiver: waits for tail >= first + 1, checks
-// the header (check_call_header), then: agreement -> head = first + 1, verdict kGateCopy; the peer rejected ->
-// the rejection recorded, head = first + 1, kGateSkip; this rank rejects -> the header and the header's nchunks
-// payload chunks drained (head released over them, nothing read), kGateSkip; a difference -> ERR_MISMATCH, the
-// abort word set on every rank, kGateAbort (nothing consumed). Publishes the verdict to the copy warps
-// (st.release.cta; kGateSkip before the drain so they need not wait for it) and returns it; `end` becomes the
-// counter after the call's last slot when the drain changes it.
-__device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
-  const WaitCtx& c = *g.ctx;
-  const u64 c0 = g.first + 1;
-  u8* slot = g.ring_region + RING_OFFSET + static_cast<i64>(g.first % g.num_slots) * g.chunk_bytes;
-  u64 verdict = kGateAbort;
-  volatile int* abort_flag = g.abort_flag;
-  if (!g.reject && g.row_bytes > g.chunk_bytes) {  // a row that fits no slot (the host checks it: never here)
-    fail(c, g.role, g.peer, g.chunk_bytes, g.row_bytes, ERR_INVARIANT, FIELD_OFFSET);
-    *abort_flag = 1;
-  }
-#if SYMBUF_DEBUG
-  if (!*abort_flag && !slot_in_region(g.ring_region, slot, HDR_WORDS * 8, g.region_bytes, g.chunk_bytes)) {
-    fail(c, g.role, g.peer, slot - g.ring_region, slot - g.ring_region + HDR_WORDS * 8, ERR_INVARIANT,
-         FIELD_OFFSET);
-    *abort_flag = 1;
-  }
-#endif
-  if (*abort_flag) {
-    // leave: kGateAbort
-  } else if (g.is_sender) {  // wait for space for the header slot, write it, announce it at once
-    u64 head = 0;
-    if (wait_for_space(&c, g.peer, g.local_counter, g.first, g.num_slots, head, abort_flag)) {
-      write_call_header(slot, g.mine);
-      // release: the header's stores are visible before the tail (folded: the first run's release covers them;
-      // MODE_PUSH: never folded, the receiver answers the header before any chunk is written)
-      if (!SYMBUF_HEADER_FOLD || g.mine.nchunks <= 0 || g.push_mask) publish_tail(g.remote_counter, c0);
-      verdict = kGateCopy;
-      if (g.push_mask && !push_answer(g, head)) verdict = kGateAbort;
-      // MODE_DIRECT: the receiver copies out of our sendbuf and then hands the header slot back (head = first +
-      // 1): wait for that, so that nothing after this kernel in stream order overwrites the rows it still reads
-      // (the acquire orders its reads before whatever follows). t = first + num_slots: free once head > first.
-      // FLAG_CE: not here: the peer's copy engine reads after its kernel; symbuf_ce_finish waits instead
-      if (g.mine.mode == MODE_DIRECT && g.ce_alloc < 0 &&
-          !wait_for_space(&c, g.peer, g.local_counter, g.first + g.num_slots, g.num_slots, head, abort_flag))
-        verdict = kGateAbort;
-    }
-  } else {  // wait for the header, check it, consume it
-    u64 tail = 0;
-    if (wait_for_data(&c, g.peer, g.local_counter, c0, g.first, g.first, g.num_slots, tail, abort_flag)) {
-      const CallHeader got = read_call_header(slot);  // after the acquire of tail >= first + 1
-      const bool peer_rejects = got.status == HDR_REJECTED;
-      i64 expected = 0, received = 0;
-      const int field = check_call_header(got, g.mine, !peer_rejects && !g.reject, expected, received);
-      if (field) {  // fatal: nothing of this call is consumed; every rank leaves
-        fail(c, ROLE_RECV, g.peer, expected, received, ERR_MISMATCH, field);
-        *abort_flag = 1;
-      } else if (peer_rejects || g.reject) {
-        // The peer rejected: record it (not fatal), consume its header (no payload follows). This rank rejects:
-        // drain the header and the got.nchunks payload chunks the peer sends, copying nothing, so the rings stay
-        // in step. Either way the copy warps have nothing to do.
-        // (a rank that rejects raised its own error already: its peers' rejections are not news to it)
-        if (peer_rejects && !g.reject) record_rejection(c, g.peer);
-        verdict = kGateSkip;
-        st_release_cta(g.gate, verdict);
-        end = c0 + (peer_rejects || got.nchunks <= 0 ? 0ull : static_cast<u64>(got.nchunks));
-        if (got.mode == MODE_PUSH)  // push nothing into our outputs (before the head release that answers)
-          st_volatile_global(reinterpret_cast<i64*>(g.remote_counter) + HEAD_PUSH_ROW, -1);
-        u64 head = g.first;
-        while (head < end) {  // head released over what arrived (the slots are never read)
-          if (!wait_for_data(&c, g.peer, g.local_counter, head + 1, head, head, g.num_slots, tail, abort_flag)) break;
-          head = min(tail, end);
-          publish_head(g.remote_counter, head);
-        }
-        return verdict;
-      } else if (g.ce_alloc >= 0) {  // FLAG_CE: the host's copy engine will read where it assumed the rows lie
-        if (got.mode != MODE_DIRECT || got.nchunks != 0 || got.direct_alloc != g.ce_alloc ||
-            got.direct_offset != g.ce_offset) {
-          fail(c, ROLE_RECV, g.peer, g.ce_offset, got.mode == MODE_DIRECT ? got.direct_offset : -1, ERR_MISMATCH,
-               FIELD_MODE);
-          *abort_flag = 1;
-        } else {
-          end = c0;  // nothing to copy here; symbuf_ce_finish releases head after the copy
-          verdict = kGateSkip;
-        }
-      } else if (got.mode == MODE_DIRECT) {
-        // The rows lie in the sender's symmetric allocation got.direct_alloc: find its block in our table (the
-        // allocations are collective and the same on every rank). Only byte streams go direct (the signature,
-        // checked above, says both ends move bytes). Not found, or a malformed header: fatal, on every rank.
-        u64 src = 0;
-        // The stream [direct_offset, direct_offset + units) must lie inside the block (row: id + 1, bytes, bases).
-        if (g.sym_table != nullptr && got.nchunks == 0 && g.row_bytes == 1 && got.direct_alloc >= 0 &&
-            got.direct_offset >= 0 && got.units >= 0) {
-          for (int i = 0; i < SYM_TABLE_ROWS; ++i) {
-            const i64* row = g.sym_table + static_cast<i64>(i) * SYM_TABLE_STRIDE;
-            if (row[0] == got.direct_alloc + 1) {
-              if (got.direct_offset <= row[1] && got.units <= row[1] - got.direct_offset)
-                src = static_cast<u64>(row[2 + g.peer]) + static_cast<u64>(got.direct_offset);
-              break;
-            }
-          }
-        }
-        if (src == 0) {
-          fail(c, ROLE_RECV, g.peer, MODE_DIRECT, got.direct_alloc, ERR_MISMATCH, FIELD_MODE);
-          *abort_flag = 1;
-        } else {
-          *g.direct_src = src;  // before the verdict's release: the copy warps acquire it
-          end = c0;             // no payload chunks: the header slot is the call's only counter
-          verdict = kGateDirect;
-        }
-      } else if (got.mode == MODE_PUSH || g.push_mask) {
-        // MODE_PUSH (the signature, checked above, says both ends lay the outputs out alike): the stream must fit
-        // our outputs; answer with our first row of it, then hand the header slot back at once (never folded:
-        // the sender writes nothing before it)
-        if (got.mode != MODE_PUSH || !g.push_mask || got.nchunks != g.mine.nchunks) {
-          fail(c, ROLE_RECV, g.peer, g.push_mask ? MODE_PUSH : MODE_RING, got.mode, ERR_MISMATCH, FIELD_MODE);
-          *abort_flag = 1;
-        } else if (g.push_row0 < 0 || got.units < 0 || g.push_row0 + got.units > g.push_rows) {
-          fail(c, ROLE_RECV, g.peer, g.push_rows, g.push_row0 + got.units, ERR_MISMATCH, FIELD_CAPACITY);
-          *abort_flag = 1;
-        } else {
-          st_volatile_global(reinterpret_cast<i64*>(g.remote_counter) + HEAD_PUSH_ROW, g.push_row0);
-          publish_head(g.remote_counter, c0);  // release: the answer is visible first
-          verdict = kGateCopy;
-        }
-      } else if (got.mode != MODE_RING) {
-        fail(c, ROLE_RECV, g.peer, MODE_RING, got.mode, ERR_MISMATCH, FIELD_MODE);
-        *abort_flag = 1;
-      } else if (got.nchunks != g.mine.nchunks) {  // same units, other chunking: the kernels differ
-        fail(c, ROLE_RECV, g.peer, g.mine.nchunks, got.nchunks, ERR_INVARIANT, FIELD_RING);
-        *abort_flag = 1;
-      } else {
-        // the header slot goes back to the sender at once, or (folded) with the first run of consumed chunks
-        if (!SYMBUF_HEADER_FOLD || g.mine.nchunks <= 0) publish_head(g.remote_counter, c0);
-        verdict = kGateCopy;
-      }
-    }
-  }
-  st_release_cta(g.gate, verdict);
-  return verdict;
-}
-
-// The descriptor is the kernel's parameter, passed by value: the driver copies it at launch, so the host may
-// rewrite its own copy for the next call while this one is still queued (calls return without waiting).
+// The descriptor (RingArgs, cupy_symbuf/wire/kernel_args.py: DESC_WORDS words) is the kernel's one parameter,
+// passed by value: the driver copies it at launch, so the host may rewrite its own copy for the next call while
+// this one is still queued (calls return without waiting).
 extern "C" __global__ void __launch_bounds__(SYMBUF_MAX_THREADS)
-symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ peer_bases, i64* status) {
+symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   __shared__ i64 s_desc[DESC_WORDS];
   __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[MAX_PEERS];
@@ -596,10 +318,12 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
 #else
   u64* const s_marks = nullptr;
 #endif
+  const u64* __restrict__ peer_bases = reinterpret_cast<const u64*>(desc.words[DESC_PEER_BASES]);
   for (int i = threadIdx.x; i < DESC_WORDS; i += blockDim.x) s_desc[i] = desc.words[i];  // constant bank
   if (threadIdx.x == 0)
-    s_ctx = make_wait_ctx(status, peer_bases, static_cast<int>(desc.words[DESC_RANK]),
-                          static_cast<int>(desc.words[DESC_WORLD_SIZE]), static_cast<int>(blockIdx.x >> 1),
+    s_ctx = make_wait_ctx(reinterpret_cast<i64*>(desc.words[DESC_STATUS]), peer_bases,
+                          static_cast<int>(desc.words[DESC_RANK]), static_cast<int>(desc.words[DESC_WORLD_SIZE]),
+                          static_cast<int>(blockIdx.x >> 1),
                           desc.words[DESC_ABORT_OFFSET], static_cast<u64>(desc.words[DESC_TIMEOUT_NS]),
                           static_cast<u64>(desc.words[DESC_SEQ]));
   bulk_init();  // SYMBUF_BULK on sm_90: each warp's stages of the dynamic shared memory and their mbarriers
@@ -713,22 +437,9 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
     if (hi <= lo) return;  // an empty share, or FLAG_REJECT: nothing to copy, no header
 #endif
     const i64 mid = lo + (hi - lo) / 2 / align * align;
-    const i64 a = is_sender ? lo : mid, b = is_sender ? mid : hi;
     SYMBUF_TRACE_T0(t_self);
-    i64 self_bytes = 0;
-    if (send.dense() && recv.dense()) {  // one span of bytes, cut into 16-byte aligned slices, one per warp
-      const i64 n = (b - a) * row_bytes;
-      const i64 lo_b = n * warp_in_group / group_warps / 16 * 16;
-      const i64 hi_b = warp_in_group == group_warps - 1 ? n : n * (warp_in_group + 1) / group_warps / 16 * 16;
-      copy_bytes<false>(recv.at(0, a) + lo_b, send.at(0, a) + lo_b, hi_b - lo_b, lane);
-      self_bytes = hi_b - lo_b;
-    } else {  // one warp per row
-      for (i64 r = a + warp_in_group; r < b; r += group_warps) {
-        for (int i = 0; i < send.num_parts; ++i)
-          copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
-        self_bytes += row_bytes;
-      }
-    }
+    const i64 self_bytes = copy_own_rows(send, recv, is_sender ? lo : mid, is_sender ? mid : hi, row_bytes,
+                                         warp_in_group, group_warps, lane);
     if (lane == 0 && self_bytes > 0) SYMBUF_TRACE_EVENT(s_desc, TRACE_SELF, t_self, channel, -1, self_bytes, 0, 0);
     (void)self_bytes;
 #if SYMBUF_ADAPTIVE
@@ -757,7 +468,7 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
   u64* remote_counter = reinterpret_cast<u64*>(remote_region + (is_sender ? TAIL_OFFSET : HEAD_OFFSET));
   const u64* local_counter = reinterpret_cast<const u64*>(local_region + (is_sender ? HEAD_OFFSET : TAIL_OFFSET));
   // Our side's state line: [STATE_COUNTER] the counter the previous call left, [STATE_SEQ] calls made on this
-  // stream; written by the leader at the end of a call that did not abort.
+  // stream; written by the leader at the end of a call that did not abort (end_call).
   u64* state = reinterpret_cast<u64*>(local_region + (is_sender ? SEND_STATE_OFFSET : RECV_STATE_OFFSET));
   const bool solo = group_warps == 1;
   const int num_copy = solo ? 1 : group_warps - 1;
@@ -821,119 +532,55 @@ symbuf_ring_exchange(const __grid_constant__ Desc desc, const u64* __restrict__ 
       direct_done(remote_counter, done, num_copy, c0, &s_ctx, peer, abort_flag, state, num_help, call_seq);
     __syncwarp();
   } else {
-    // A receiver's copy warps touch no payload slot before the publisher verified the call header (its
+    // A receiver's copy warps touch no payload slot before the leader verified the call header (its
     // st.release.cta of the verdict, acquired here). A sender's copy warps need no verdict: their slots are
     // counters >= first + 1, which the receiver reads only after the header; a failed header wait shows in
     // *abort_flag below. MODE_PUSH: a sender's copy warps wait for it too (the receiver's answer: where to write).
     u64 go = kGateCopy;
-    if (!is_sender || push_mask) {
-      if (lane == 0) {  // bounded: the publisher sets it on every path, after its own bounded waits
-        do go = ld_acquire_cta(&s_gate[peer]);
-        while (go == kGateWait);
-      }
-      go = __shfl_sync(0xffffffffu, go, 0);
-    }
-    if (go == kGateDirect) {  // our share [lo, hi) of the stream, straight out of the sender's block: one slice
-      // per copy warp (16-byte aligned cuts; the last num_help slices are the helpers'), then the hand-off: done
-      // mark, or (one warp) head itself
-      const u8* src = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, lane == 0 ? s_src[peer] : 0ull, 0));
-      __syncwarp();  // lane 0's acquire of the verdict precedes every lane's loads (the shuffle is no barrier)
-      SYMBUF_TRACE_T0(t_pull);
-      direct_slice(recv.at(0, lo), src + lo, hi - lo, copy_id, num_copy + num_help, lane);
-      if (lane == 0)
-        SYMBUF_TRACE_EVENT(s_desc, TRACE_PULL, t_pull, channel, peer,
-                           direct_slice_bytes(hi - lo, copy_id, num_copy + num_help), c0, c0);
-      __syncwarp();  // every lane's loads precede lane 0's hand-off
-      if (lane == 0) {
-        if (solo) direct_done(remote_counter, nullptr, 0, c0, &s_ctx, peer, abort_flag, state, 0, call_seq);
-        else st_release_cta(&done[copy_id], c0 + 1);
-      }
-      __syncwarp();
-    }
-    if (direct_send && copy_id < num_help) {  // a helper: our own rows go direct, so we have none to copy
-      // wait for our receiver's leader to say where the peer's stream lies (STATE_HELP_SEQ == this call), copy
-      // slice num_copy + copy_id of the share, release STATE_HELP_DONE + copy_id (cumulative over the loads)
-      u64* rstate = reinterpret_cast<u64*>(local_region + RECV_STATE_OFFSET);
-      u64 src = 0;
-      if (lane == 0) {
-        SpinBudget spin(&s_ctx);
-        while (ld_acquire_sys_global(rstate + STATE_HELP_SEQ) != call_seq) {
-          if (*abort_flag || !spin.ok(ROLE_SEND, peer, call_seq, 0)) {
-            *abort_flag = 1;
-            break;
-          }
-        }
-        if (!*abort_flag) src = ld_volatile_global(reinterpret_cast<const i64*>(rstate + STATE_HELP_SRC));
-      }
-      src = __shfl_sync(0xffffffffu, src, 0);
-      __syncwarp();  // lane 0's acquire of STATE_HELP_SEQ precedes every lane's loads
-      if (src != 0) {
-        // the receive side's row stream from this peer: the same cut as the receiver group's
-        const i64 rn = peers[3 * world_size + peer];
-        i64 rlo = 0, rhi = 0;
-        channel_range(rn, channel, num_channels, align, rlo, rhi);
-        SYMBUF_TRACE_T0(t_help);
-        direct_slice(recv.at(0, rlo), reinterpret_cast<const u8*>(src) + rlo, rhi - rlo, num_copy + copy_id,
-                     num_copy + num_help, lane);
-        if (lane == 0)
-          SYMBUF_TRACE_EVENT(s_desc, TRACE_PULL, t_help, channel, peer,
-                             direct_slice_bytes(rhi - rlo, num_copy + copy_id, num_copy + num_help), c0, c0);
-        __syncwarp();
-        if (lane == 0) st_release_sys_global(rstate + STATE_HELP_DONE + copy_id, call_seq);
-      }
-      __syncwarp();
-    }
+    if (!is_sender || push_mask) go = await_verdict(&s_gate[peer], lane, go);
+    if (go == kGateDirect)  // our share of the stream, straight out of the sender's block
+      pull_direct_share(recv, &s_src[peer], lo, hi, copy_id, num_copy, num_help, solo, done, remote_counter, c0,
+                        state, call_seq, &s_ctx, peer, abort_flag, lane, s_desc, channel);
+    if (direct_send && copy_id < num_help)  // a helper: our own rows go direct, so we have none to copy
+      help_pull_direct(recv, reinterpret_cast<u64*>(local_region + RECV_STATE_OFFSET), &peers[3 * world_size + peer],
+                       channel, num_channels, align, copy_id, num_copy, num_help, c0, call_seq, &s_ctx, peer,
+                       abort_flag, lane, s_desc);
 #if SYMBUF_ADAPTIVE
     // work sharing: the dedicated warp (copy warp 0) starts with its own stream, the others with their home
     if (share) share_all(share_ctx, copy_id == 0 || !home_ok ? peer : home, peer, lane, copy_id == 0);
 #endif
+    // ring (and push): this warp's chunks k = copy_id, copy_id + num_copy, ...
     const i64 todo = go == kGateCopy && !share ? nchunks : 0;
     u64 seen = is_sender ? 0 : c0;  // sender: the last head read; receiver: the last tail read
     for (i64 k = copy_id; k < todo; k += num_copy) {
       const u64 t = c0 + static_cast<u64>(k);  // ring counter of this chunk
       SYMBUF_TRACE_T0(t_chunk);
-      if (lane == 0) {  // sender: wait while the ring is full (backpressure); receiver: wait until tail covers t
-        if (is_sender) wait_for_space(&s_ctx, peer, local_counter, t, num_slots, seen, abort_flag);
-        else wait_for_data(&s_ctx, peer, local_counter, t + 1, c0, t, num_slots, seen, abort_flag);
+      if (lane == 0) {
+        wait_chunk(&s_ctx, peer, is_sender, local_counter, t, c0, num_slots, seen, abort_flag);
 #if SYMBUF_DEBUG
-        const u8* at = ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes;
-        const i64 bytes = min(rows_per_chunk, hi - lo - k * rows_per_chunk) * row_bytes;
-        if (!*abort_flag && !slot_in_region(ring_region, at, bytes, L.region_bytes, chunk_bytes)) {
-          fail(s_ctx, role, peer, at - ring_region, at - ring_region + bytes, ERR_INVARIANT, FIELD_OFFSET);
-          *abort_flag = 1;
-        }
+        check_chunk_slot(s_ctx, role, peer, ring_region, ring_slot(ring, t, num_slots, chunk_bytes),
+                         min(rows_per_chunk, hi - lo - k * rows_per_chunk) * row_bytes, L.region_bytes, chunk_bytes,
+                         abort_flag);
 #endif
       }
       __syncwarp();  // lane 0's acquire precedes every lane's accesses to the slot
       if (__shfl_sync(0xffffffffu, *abort_flag, 0)) break;  // lane 0's view: the whole warp leaves together
       const i64 r = lo + k * rows_per_chunk;
-      u8* slot = ring + static_cast<i64>(t % static_cast<u64>(num_slots)) * chunk_bytes;
-      if (!is_sender) {
-        recv.copy_rows<false>(slot, r, min(rows_per_chunk, hi - r), lane, push_mask);
-      } else if (push_mask) {  // the receiver's answer (its first row of our stream; -1: push nothing)
-        const i64 row0 = static_cast<i64>(s_src[peer]);
-        if (row0 >= 0)
-          push_rows(send, recv, slot, r, min(rows_per_chunk, hi - r), row0, push_mask, s_push_delta + peer * MAX_PARTS,
-                    lane);
-        else
-          send.copy_rows<true>(slot, r, min(rows_per_chunk, hi - r), lane, push_mask);
-      } else {
-        send.copy_rows<true>(slot, r, min(rows_per_chunk, hi - r), lane);
-      }
+      const i64 n = min(rows_per_chunk, hi - r);
+      move_chunk(is_sender, send, recv, ring_slot(ring, t, num_slots, chunk_bytes), r, n, push_mask, &s_src[peer],
+                 s_push_delta + peer * MAX_PARTS, lane);
       __syncwarp();  // every lane's accesses to the slot precede lane 0's hand-off below
       if (lane == 0) {
-        if (solo) st_release_sys_global(remote_counter, t + 1);  // publish_tail / publish_head
-        else st_release_cta(&done[copy_id], t + 1);
-        SYMBUF_TRACE_EVENT(s_desc, is_sender ? TRACE_SEND : TRACE_RECV, t_chunk, channel, peer,
-                           min(rows_per_chunk, hi - r) * row_bytes, is_sender ? seen : t, is_sender ? t + 1 : seen);
+        post_chunk(solo, remote_counter, &done[copy_id], t);
+        SYMBUF_TRACE_EVENT(s_desc, is_sender ? TRACE_SEND : TRACE_RECV, t_chunk, channel, peer, n * row_bytes,
+                           is_sender ? seen : t, is_sender ? t + 1 : seen);
       }
       __syncwarp();
     }
   }
   group_sync(bar_id, nthreads);
   if (leader && !*abort_flag) {
-    state[STATE_COUNTER] = end;
-    state[STATE_SEQ] = call_seq;
+    end_call(state, end, call_seq);
 #if SYMBUF_ADAPTIVE
     // load counters (DESC_LOAD): this (role, channel, peer) entry is written by this leader alone, kernels in
     // stream order; s_stolen[peer] is final: every chunk's mark (released after its count) was acquired above
@@ -983,49 +630,46 @@ __device__ __forceinline__ void skip_tables(i64* table, int world_size) {
 static_assert(NOTIFY_EPOCH == 0 && NOTIFY_STATUS == NOTIFY_OP + 1 && NOTIFY_SIG == NOTIFY_OP + 2 &&
                   NOTIFY_HDR_WORDS == NOTIFY_SIG + 1,
               "symbuf_notify copies the slot words from NOTIFY_OP on as one run");
-extern "C" __global__ void __launch_bounds__(1024)
-symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, int num_values, i64* epoch_word,
-              i64 op, i64 call_status, i64 sig, const u64* __restrict__ peer_bases, int rank, int world_size,
-              i64 region_bytes, i64 channel_bytes, i64 num_slots, i64 chunk_bytes,
-              i64 notify_offset, i64 notify_slot_bytes, i64 abort_offset, u64 timeout_ns, i64* status, u64 seq,
-              const i64* local_reject, i64* send_echo, i64* sums, i64* table, i64 scale, i64 capacity,
-              int device_checks, u64* done, u64 ticket) {
-  const Layout L{region_bytes, channel_bytes, num_slots, chunk_bytes, notify_offset, notify_slot_bytes};
+extern "C" __global__ void __launch_bounds__(1024) symbuf_notify(const __grid_constant__ NotifyArgs a) {
+  const Layout L{a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, a.notify_offset, a.notify_slot_bytes};
   __shared__ WaitCtx s_ctx;
   __shared__ int s_abort;
   __shared__ i64 s_send0[MAX_PEERS], s_op[MAX_PEERS], s_status[MAX_PEERS], s_sig[MAX_PEERS], s_recv0[MAX_PEERS];
   if (threadIdx.x == 0) {
-    s_ctx = make_wait_ctx(status, peer_bases, rank, world_size, -1, abort_offset, timeout_ns, seq);
+    s_ctx = make_wait_ctx(a.status, a.peer_bases, a.rank, a.world_size, -1, a.abort_offset, a.timeout_ns, a.seq);
     s_abort = 0;
   }
-  const i64 epoch = *epoch_word + 1;  // every thread reads it before thread 0 advances it (after a barrier)
-  if (local_reject != nullptr && *local_reject != 0) call_status = HDR_REJECTED;
+  const i64 epoch = *a.epoch_word + 1;  // every thread reads it before thread 0 advances it (after a barrier)
+  const i64 call_status =
+      (a.local_reject != nullptr && *a.local_reject != 0) ? static_cast<i64>(HDR_REJECTED) : a.call_status;
   const i64 parity = epoch & 1;
-  const i64 total = static_cast<i64>(world_size) * num_values;
+  const i64 total = static_cast<i64>(a.world_size) * a.num_values;
   for (i64 i = threadIdx.x; i < total; i += blockDim.x) {
-    const int p = static_cast<int>(i / num_values);
-    const i64 m = i % num_values;
-    i64* slot = reinterpret_cast<i64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
-    const i64 v = send_meta[i];
+    const int p = static_cast<int>(i / a.num_values);
+    const i64 m = i % a.num_values;
+    i64* slot = reinterpret_cast<i64*>(reinterpret_cast<u8*>(a.peer_bases[p]) +
+                                       L.notify_slot(parity, a.rank, a.world_size));
+    const i64 v = a.send_meta[i];
     slot[NOTIFY_HDR_WORDS + m] = v;
     if (m == 0) s_send0[p] = v;
-    if (send_echo != nullptr) send_echo[i] = v;
+    if (a.send_echo != nullptr) a.send_echo[i] = v;
   }
   __syncthreads();
-  if (threadIdx.x < world_size) {
+  if (threadIdx.x < a.world_size) {
     const int p = threadIdx.x;
-    u64* slot = reinterpret_cast<u64*>(reinterpret_cast<u8*>(peer_bases[p]) + L.notify_slot(parity, rank, world_size));
+    u64* slot = reinterpret_cast<u64*>(reinterpret_cast<u8*>(a.peer_bases[p]) +
+                                       L.notify_slot(parity, a.rank, a.world_size));
     i64* words = reinterpret_cast<i64*>(slot);
-    words[NOTIFY_OP] = op;
+    words[NOTIFY_OP] = a.op;
     words[NOTIFY_STATUS] = call_status;
-    words[NOTIFY_SIG] = sig;
+    words[NOTIFY_SIG] = a.sig;
     st_release_sys_global(slot + NOTIFY_EPOCH, static_cast<u64>(epoch));
   }
   __syncthreads();
-  u8* my_base = reinterpret_cast<u8*>(peer_bases[rank]);
-  if (threadIdx.x < world_size) {
+  u8* my_base = reinterpret_cast<u8*>(a.peer_bases[a.rank]);
+  if (threadIdx.x < a.world_size) {
     const int s = threadIdx.x;
-    const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, world_size));
+    const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, a.world_size));
     SpinBudget spin(&s_ctx);
     u64 seen = ld_acquire_sys_global(slot + NOTIFY_EPOCH);
     while (seen < static_cast<u64>(epoch)) {
@@ -1037,93 +681,93 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) *epoch_word = epoch;
+  if (threadIdx.x == 0) *a.epoch_word = epoch;
   if (s_abort) {
-    if (table != nullptr && threadIdx.x == 0) skip_tables(table, world_size);
-    if (done != nullptr && threadIdx.x == 0) st_release_sys_global(done, ticket);  // the record says why
+    if (a.table != nullptr && threadIdx.x == 0) skip_tables(a.table, a.world_size);
+    if (a.done != nullptr && threadIdx.x == 0) st_release_sys_global(a.done, a.ticket);  // the record says why
     return;
   }
-  const i64 row = NOTIFY_HDR_WORDS - 1 + num_values;  // recv_meta[s, :] = [op, status, sig, values...]
-  const i64 total_in = static_cast<i64>(world_size) * row;
+  const i64 row = NOTIFY_HDR_WORDS - 1 + a.num_values;  // recv_meta[s, :] = [op, status, sig, values...]
+  const i64 total_in = static_cast<i64>(a.world_size) * row;
   for (i64 i = threadIdx.x; i < total_in; i += blockDim.x) {
     const int s = static_cast<int>(i / row);
     const i64 j = i % row;
-    const u8* slot = my_base + L.notify_slot(parity, s, world_size);
+    const u8* slot = my_base + L.notify_slot(parity, s, a.world_size);
     const i64 v = static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_OP + j));
-    recv_meta[i] = v;
+    a.recv_meta[i] = v;
     if (j == 0) s_op[s] = v;
     else if (j == 1) s_status[s] = v;
     else if (j == 2) s_sig[s] = v;
     else if (j == 3) s_recv0[s] = v;
   }
-  if (sums != nullptr) {
-    for (int j = threadIdx.x; j < num_values; j += blockDim.x) {
+  if (a.sums != nullptr) {
+    for (int j = threadIdx.x; j < a.num_values; j += blockDim.x) {
       i64 acc = 0;
-      for (int s = 0; s < world_size; ++s) {
-        const u8* slot = my_base + L.notify_slot(parity, s, world_size);
+      for (int s = 0; s < a.world_size; ++s) {
+        const u8* slot = my_base + L.notify_slot(parity, s, a.world_size);
         acc += static_cast<i64>(ld_acquire_sys_global(reinterpret_cast<const u64*>(slot) + NOTIFY_HDR_WORDS + j));
       }
-      sums[j] = acc;
+      a.sums[j] = acc;
     }
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
-  if (table != nullptr) {
+  if (a.table != nullptr) {
   i64 skip = 0;
-  if (device_checks) {
-    for (int s = 0; s < world_size; ++s) {
+  if (a.device_checks) {
+    for (int s = 0; s < a.world_size; ++s) {
       if (s_status[s] == HDR_REJECTED) {
         skip = 1;
-        if (atomicCAS(reinterpret_cast<unsigned long long*>(status + STATUS_REJECTED_BY), 0ull,
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(a.status + STATUS_REJECTED_BY), 0ull,
                       static_cast<unsigned long long>(s + 1)) == 0ull) {
-          status[STATUS_REJECTED_SEQ] = static_cast<i64>(seq);
-          status[STATUS_REJECTED_WHY] = REJECT_ARGS;
+          a.status[STATUS_REJECTED_SEQ] = static_cast<i64>(a.seq);
+          a.status[STATUS_REJECTED_WHY] = REJECT_ARGS;
         }
-      } else if (s_op[s] != op) {
+      } else if (s_op[s] != a.op) {
         skip = 1;
-        fail(s_ctx, ROLE_NOTIFY, s, op, s_op[s], ERR_MISMATCH, FIELD_OP);
-      } else if (s_sig[s] != sig) {
+        fail(s_ctx, ROLE_NOTIFY, s, a.op, s_op[s], ERR_MISMATCH, FIELD_OP);
+      } else if (s_sig[s] != a.sig) {
         skip = 1;
-        if (atomicCAS(reinterpret_cast<unsigned long long*>(status + STATUS_REJECTED_BY), 0ull,
+        if (atomicCAS(reinterpret_cast<unsigned long long*>(a.status + STATUS_REJECTED_BY), 0ull,
                       static_cast<unsigned long long>(s + 1)) == 0ull) {
-          status[STATUS_REJECTED_SEQ] = static_cast<i64>(seq);
-          status[STATUS_REJECTED_WHY] = REJECT_SIG;
+          a.status[STATUS_REJECTED_SEQ] = static_cast<i64>(a.seq);
+          a.status[STATUS_REJECTED_WHY] = REJECT_SIG;
         }
       }
     }
   }
-  i64* fwd = table;
-  i64* rev = table + CT_WORDS;
-  const int W = world_size;
+  i64* fwd = a.table;
+  i64* rev = a.table + CT_WORDS;
+  const int W = a.world_size;
   i64 send_first = 0, recv_first = 0, recv_rows = 0;
   for (int p = 0; p < W; ++p) {
-    const i64 su = s_send0[p] * scale, ru = s_recv0[p] * scale;
+    const i64 su = s_send0[p] * a.scale, ru = s_recv0[p] * a.scale;
     fwd[CT_PEERS + p] = send_first;
     fwd[CT_PEERS + W + p] = su;
     fwd[CT_PEERS + 2 * W + p] = recv_first;
     fwd[CT_PEERS + 3 * W + p] = ru;
     rev[CT_PEERS + p] = recv_first;  // the reverse call (combine) moves no rows to itself: its reduction reads
-    rev[CT_PEERS + W + p] = p == rank ? 0 : ru;  // this rank's rows straight from the combine's input
+    rev[CT_PEERS + W + p] = p == a.rank ? 0 : ru;  // this rank's rows straight from the combine's input
     rev[CT_PEERS + 2 * W + p] = send_first;
-    rev[CT_PEERS + 3 * W + p] = p == rank ? 0 : su;
+    rev[CT_PEERS + 3 * W + p] = p == a.rank ? 0 : su;
     send_first += su;
     recv_first += ru;
     recv_rows += s_recv0[p];
   }
-  if (!skip && capacity >= 0 && recv_rows > capacity) {
+  if (!skip && a.capacity >= 0 && recv_rows > a.capacity) {
     skip = 1;
-    fail(s_ctx, ROLE_NOTIFY, -1, capacity, recv_rows, ERR_MISMATCH, FIELD_CAPACITY);
+    fail(s_ctx, ROLE_NOTIFY, -1, a.capacity, recv_rows, ERR_MISMATCH, FIELD_CAPACITY);
   }
   fwd[CT_SKIP] = rev[CT_SKIP] = 0;
   fwd[CT_RECV_TOTAL] = recv_rows;
   i64 send_rows = 0;
   for (int p = 0; p < W; ++p) send_rows += s_send0[p];
   rev[CT_RECV_TOTAL] = send_rows;
-  if (skip) skip_tables(table, W);
+  if (skip) skip_tables(a.table, W);
   }
   // done (host-mapped): the host spins on it instead of synchronising the stream (eager calls): the release
   // covers this thread's stores and, through the __syncthreads above, the block's (recv_meta, send_echo, sums)
-  if (done != nullptr) st_release_sys_global(done, ticket);
+  if (a.done != nullptr) st_release_sys_global(a.done, a.ticket);
 }
 
 // FLAG_CE, after the host's copy-engine copies (stream order: they are complete): for every (channel, peer), hand
@@ -1131,14 +775,15 @@ symbuf_notify(const i64* __restrict__ send_meta, i64* __restrict__ recv_meta, in
 // the call's end, into the peer's buffer; st.release.sys), then wait until the peer did the same for ours (head in
 // our buffer >= our sender's state counter: its copy engine has finished reading our sendbuf), bounded, polling
 // the abort word. One thread per (channel, peer) pair, any block size.
-extern "C" __global__ void symbuf_ce_finish(const u64* __restrict__ peer_bases, int rank, int world_size,
-                                            int num_channels, i64 region_bytes, i64 channel_bytes, i64 abort_offset,
-                                            u64 timeout_ns, i64* status, u64 seq) {
-  const Layout L{region_bytes, channel_bytes, 0, 0, 0, 0};
+extern "C" __global__ void symbuf_ce_finish(const __grid_constant__ CeFinishArgs a) {
+  const Layout L{a.region_bytes, a.channel_bytes, 0, 0, 0, 0};
+  const u64* __restrict__ peer_bases = a.peer_bases;
+  const int rank = a.rank, world_size = a.world_size;
   __shared__ WaitCtx s_ctx;
-  if (threadIdx.x == 0) s_ctx = make_wait_ctx(status, peer_bases, rank, world_size, 0, abort_offset, timeout_ns, seq);
+  if (threadIdx.x == 0)
+    s_ctx = make_wait_ctx(a.status, peer_bases, rank, world_size, 0, a.abort_offset, a.timeout_ns, a.seq);
   __syncthreads();
-  for (int i = threadIdx.x; i < num_channels * world_size; i += blockDim.x) {
+  for (int i = threadIdx.x; i < a.num_channels * world_size; i += blockDim.x) {
     const int channel = i / world_size, peer = i % world_size;
     if (peer == rank) continue;
     const u8* local_region = reinterpret_cast<const u8*>(peer_bases[rank]) + L.region(channel, peer);
@@ -1162,16 +807,15 @@ extern "C" __global__ void symbuf_ce_finish(const u64* __restrict__ peer_bases, 
 // count exchange's values meta [world_size, 1], and bad[0] = 1 when one is negative or they do not sum to `rows`
 // (the rows of sendbuf): the count exchange then rejects the call on every rank (local_reject) before any byte
 // moves. bad[1] = the first negative destination, or -1 (a wrong sum). One warp.
-extern "C" __global__ void symbuf_counts_meta(const i64* __restrict__ counts, int world_size, i64 rows, i64* meta,
-                                              i64* bad) {
+extern "C" __global__ void symbuf_counts_meta(const __grid_constant__ CountsMetaArgs a) {
   if (threadIdx.x != 0) return;
   i64 sum = 0, first_negative = -1;
-  for (int p = 0; p < world_size; ++p) {
-    const i64 c = counts[p];
+  for (int p = 0; p < a.world_size; ++p) {
+    const i64 c = a.counts[p];
     if (c < 0 && first_negative < 0) first_negative = p;
     sum += c;
-    meta[p] = c;
+    a.meta[p] = c;
   }
-  bad[0] = (first_negative >= 0 || sum != rows) ? 1 : 0;
-  bad[1] = first_negative;
+  a.bad[0] = (first_negative >= 0 || sum != a.rows) ? 1 : 0;
+  a.bad[1] = first_negative;
 }

@@ -18,7 +18,7 @@ from .scaleout.hierarchical import HierarchicalCommunicator
 from .transport.topology import Topology
 from .diagnostics.info import info
 
-__version__ = "0.1.0"
+from .common.version import __version__
 __all__ = ["SymBuffer", "Communicator", "CollectiveEvent", "Config", "ChannelLayout", "layout", "SymBufferError",
            "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError", "SymBufferAbortedError",
            "SymBufferRejectedError", "DeltaExchange", "HierarchicalCommunicator", "Topology", "info",

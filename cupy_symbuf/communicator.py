@@ -9,14 +9,15 @@ import numpy as np
 from mpi4py import MPI
 
 from .common import backend as _compat
+from .collectives.alltoall import alltoall as _alltoall, alltoallv as _alltoallv
 from .moe import normal as _moe
 from .transport.streams import run_collective as _run_collective
-from .transport.engine import check_sync, row_signature
-from .common.checks import as_array, check_counts, check_out
+from .common.checks import as_array
 from .common.config import Config
 from .common.errors import SymBufferClosedError, SymBufferError
 from .wire.channel_layout import ChannelLayout
-from .transport.symbuffer import SymBuffer, _gpu_identity, resolve_backend
+from .transport.bootstrap import MpiBootstrap
+from .transport.symbuffer import SymBuffer, gpu_identity, resolve_backend
 
 __all__ = ["Communicator"]
 
@@ -67,7 +68,8 @@ class Communicator:
     ----------
     rank, world_size, backend, config, layout (:class:`~cupy_symbuf.layout.ChannelLayout`), buffer (SymBuffer),
     xp (``numpy`` or ``cupy``), topology (:class:`~cupy_symbuf.Topology`), transport (``"ipc"`` / ``"staged"`` /
-    ``"shared_memory"``: where the buffer lives, ``Config.transport``), transport_reason.
+    ``"shared_memory"``: where the buffer lives, ``Config.transport``), transport_reason, planned_transport (the
+    transport computed before the buffer existed, which keyed the tuning table), tuning_source.
 
     Notes
     -----
@@ -110,6 +112,7 @@ class Communicator:
             raise TypeError(f"Communicator: config must be a cupy_symbuf.Config, got {type(config).__name__}")
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"Communicator: comm must be an mpi4py intra-communicator, got {comm!r}")
+        boot = MpiBootstrap(comm)  # every exchange of construction goes through it
         timeout = config.timeout_s
         what = "Communicator construction"
         try:
@@ -118,7 +121,7 @@ class Communicator:
             try:
                 backend = resolve_backend(backend)
                 if backend == "cuda":
-                    ident = _gpu_identity(_compat.cupy.cuda.Device().id)
+                    ident = gpu_identity(_compat.cupy.cuda.Device().id)
                     gpu = ident["uuid"] + "/" + ident["pci_bus_id"]
                     sm_count = ident["sm_count"] or sm_count
                     gpu_name = ident.get("name", "")
@@ -126,31 +129,31 @@ class Communicator:
                 place = local_record(backend, nvml=False)  # for self.topology: host, GPU, peer access (no NVML)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"
-            step = _agree.exchange_all(comm, (backend, gpu, err, place), timeout, what)
+            step = boot.allgather((backend, gpu, err, place), timeout, what)
             _agree.raise_if_any_failed([s[2] for s in step], "Communicator")
             _agree.check_agreement([{"backend": s[0]} for s in step], "Communicator")
             ranks_per_gpu = [s[1] for s in step].count(gpu) if backend == "cuda" else 1
             self._places = [dict(s[3], shm=0) for s in step]  # one node: SymBuffer checks it below
             # 2. Everything that shapes the wire, compared before anything is allocated.
-            world_size = comm.Get_size()
+            world_size = boot.size
             err, fp = None, None
             self.tuning_source = None
             try:
-                self._planned_transport = planned_transport(config.transport, backend, self._places)
+                self.planned_transport = planned_transport(config.transport, backend, self._places)
                 config = self._tuned(config, backend, world_size, gpu_name, ranks_per_gpu,
-                                     self._planned_transport)
+                                     self.planned_transport)
                 self.config = config.resolved(backend, ranks_per_gpu=ranks_per_gpu, gpu_sm_count=sm_count,
                                               world_size=world_size)
                 self.layout = ChannelLayout.from_config(self.config, world_size)
                 fp = _agree.fingerprint(self.config, self.layout, backend)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
-            step = _agree.exchange_all(comm, (fp, err), timeout, what + " (fingerprint)")
+            step = boot.allgather((fp, err), timeout, what + " (fingerprint)")
             _agree.raise_if_any_failed([e for _, e in step], "Communicator")
             _agree.check_agreement([f for f, _ in step], "Communicator")
             self.world_size = world_size
             # 3. The buffer (its size checked against free memory on every rank first).
-            self.buffer = SymBuffer(comm, self.layout.total_bytes, backend=backend, timeout_s=timeout,
+            self.buffer = SymBuffer(boot, self.layout.total_bytes, backend=backend, timeout_s=timeout,
                                     transport=self.config.transport, _managed=True)
         except SymBufferError as exc:  # a construction timeout: the excepthook applies this config's policy
             exc.abort_on_failure = config.abort_on_failure
@@ -159,8 +162,6 @@ class Communicator:
         self.backend = self.buffer.backend
         self.xp = _compat.array_module(self.backend)
         self._epoch = 0
-        self._ones = np.ones(self.world_size, dtype=np.int64)  # alltoall's counts (read only)
-        self._ones.flags.writeable = False
         try:
             if self.backend == "cuda":
                 from .transport.cuda import CudaTransport
@@ -171,7 +172,7 @@ class Communicator:
                 from .transport.host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
             from .transport.symmetric import SymmetricHeap
-            self._heap = SymmetricHeap(self)
+            self._heap = SymmetricHeap(self.buffer, self._transport, self.config.timeout_s, self._check_open)
             self._transport.heap = self._heap
             if self.config.adaptive and self.backend == "cuda" and self.world_size > 1:
                 self._transport.enable_adaptive()  # the work-sharing build of the ring kernel, its load counters
@@ -182,7 +183,7 @@ class Communicator:
                     from .transport.trace import Recorder
                     self._transport.trace = Recorder()
             if self.backend == "host":  # can every rank read every other's memory (plain sendbufs go direct)?
-                if not self._transport.probe_cma(self.buffer.comm, self.config.timeout_s) and self.world_size > 1:
+                if not self._transport.probe_cma(self.buffer.bootstrap, self.config.timeout_s) and self.world_size > 1:
                     _logger.info("cross-memory attach (process_vm_readv) is not available between these ranks: "
                                  "plain sendbufs go through the rings")
         except BaseException:
@@ -190,13 +191,13 @@ class Communicator:
             raise
         self._pid = os.getpid()
         self._closed = False
-        self._token = _lifecycle.register(self)
+        self._token = _lifecycle.register(self, state=self._lifecycle_state, abort=self._abort_uncaught)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
-            if self.tuning_source and self.transport != self._planned_transport and self.rank == 0:
+            if self.tuning_source and self.transport != self.planned_transport and self.rank == 0:
                 _logger.warning("Communicator: the layout came from the tuning table's %s entry (%s), but the buffer "
                                 "fell back to the %s transport; pass num_sms / chunk_bytes / num_slots to choose "
-                                "another", self._planned_transport, self.tuning_source, self.transport)
+                                "another", self.planned_transport, self.tuning_source, self.transport)
         _logger.debug("Communicator: backend=%s world_size=%d %s%s", self.backend, self.world_size, self.config,
                       f" (layout from the tuning table {self.tuning_source})" if self.tuning_source else "")
 
@@ -249,8 +250,7 @@ class Communicator:
         was_broken = self._broken
         err = None
         try:
-            if self.backend == "cuda":
-                err = self._transport.close()  # waits for queued kernels; a recorded, unreported error or None
+            err = self._transport.close()  # GPU: waits for queued kernels; a recorded, unreported error or None
         except Exception as exc:
             err = exc
         if err is not None and not self._broken:
@@ -274,6 +274,12 @@ class Communicator:
         if rejected is not None and not was_broken:  # a peer rejected a queued call; no synchronize() said so
             raise rejected
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran (or construction failed); a closed communicator raises
+        :class:`~cupy_symbuf.SymBufferClosedError` from every collective."""
+        return getattr(self, "_closed", True)
+
     def abort(self, reason: str = "") -> None:
         """Abort this communicator on every rank, like ``ncclCommAbort`` (local: returns at once, no communication).
 
@@ -285,9 +291,7 @@ class Communicator:
         from .wire import protocol as _protocol
         if getattr(self, "_closed", True):
             return
-        set_abort = getattr(self._transport, "set_abort", None)
-        if set_abort is not None:
-            set_abort(_protocol.ERR_USER)
+        self._transport.set_abort(_protocol.ERR_USER)
         msg = f"aborted by this rank (rank {self.rank})" + (f": {reason}" if reason else "")
         self._broken = msg if not self._broken else f"{self._broken}; then {msg}"
 
@@ -323,11 +327,10 @@ class Communicator:
             left out of its counts); the communicator stays usable.
         """
         self._check_open()
+        # GPU: the queued launches; host: the peers' copies out of the sendbufs of earlier sync="relaxed" calls
+        self._run(self._transport.synchronize, "synchronize")
         if self.backend == "cuda":
-            self._run(self._transport.synchronize)
             self._transport.check_layout_error("synchronize")  # a local argument error: the communicator stays usable
-        else:  # the peers' copies out of the sendbufs of earlier sync="relaxed" calls
-            self._run(self._transport.settle, "synchronize")
 
     def __enter__(self) -> "Communicator":
         return self
@@ -526,15 +529,42 @@ class Communicator:
 
     # ---- transport ------------------------------------------------------------------------------------------
     @property
-    def _engine(self):
-        """The internal interface of the collectives (:class:`cupy_symbuf.transport.engine.Engine`), made on first use."""
+    def engine(self):
+        """The seam between this communicator and the layers above ``transport/`` (collectives, MoE, low-latency
+        mode, scale-out, the benchmark): its :class:`~cupy_symbuf.transport.engine.Engine`, made on first use.
+        Public within the package (no stability promise to users): ``engine.call`` / ``reject`` / ``check_open``
+        keep the ranks in step, ``engine.transport`` is the
+        :class:`~cupy_symbuf.transport.base.Transport` its steps run on, ``engine.heap`` the symmetric arrays."""
         eng = self.__dict__.get("_engine_obj")
         if eng is None:
             from .transport.engine import Engine
-            eng = Engine(self, self._transport, self.layout, self.config, rank=self.rank,
-                         world_size=self.world_size, backend=self.backend)
+            eng = Engine(self._transport, self.layout, self.config, rank=self.rank, world_size=self.world_size,
+                         backend=self.backend, heap=self._heap, check_open=self._check_open,
+                         failure=self._failure, on_broken=self._set_broken)
             self.__dict__["_engine_obj"] = eng
         return eng
+
+    _engine = engine  # the facade's own shorthand (layers above use ``engine``)
+
+    def _failure(self):
+        return self._broken
+
+    def _set_broken(self, msg: str) -> None:
+        self._broken = msg
+
+    def _lifecycle_state(self) -> tuple:
+        """For :mod:`~cupy_symbuf.transport.lifecycle`: ``(pid that made it, open, why it failed or None, abort on
+        failure)``."""
+        return self._pid, not self._closed, self._broken, self.config.abort_on_failure
+
+    def _abort_uncaught(self, exc_type) -> None:
+        """For :mod:`~cupy_symbuf.transport.lifecycle`: this rank's program ends with an uncaught ``exc_type``:
+        set the abort word (the peers leave their waits naming this rank) and mark this communicator broken."""
+        from .wire import protocol as _protocol
+        if self._broken:
+            return
+        self._transport.set_abort(_protocol.ERR_UNCAUGHT)
+        self._broken = f"aborted by this rank (rank {self.rank}): uncaught {exc_type.__name__}"
 
     def _run(self, fn, *args, **kwargs):
         return self._engine._run(fn, *args, **kwargs)
@@ -603,25 +633,7 @@ class Communicator:
         if stream is not None or async_op is not False:
             return _run_collective(self, "alltoall", False, self.alltoall, (sendbuf,), {"out": out, "sync": sync},
                                    stream=stream, async_op=async_op)
-        op = "alltoall"
-        eng = self._engine
-        self._check_open()
-        try:  # argument checks; a rejection is told to the peers (the lean form of Engine.call)
-            x = as_array(op, "sendbuf", sendbuf, self.backend)
-            if x.shape[0] != self.world_size:
-                raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({self.world_size}), "
-                                 f"got shape {tuple(x.shape)}")
-            relaxed = check_sync(op, sync)
-            direct = eng.direct_source(op, [x], None)
-            plan = eng.rows_plan(op, x, self._ones, direct is not None)
-            self._heap.check_live(op, "out", out)
-            recv = self.xp.empty(x.shape, dtype=x.dtype) if out is None else \
-                check_out(op, out, self.backend, x.shape, x.dtype, inputs=(x,))
-        except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
-            eng.reject(op, notify=False)
-            raise
-        eng.run(plan, [x], None, [recv], direct, relaxed)
-        return recv
+        return _alltoall(self._engine, sendbuf, out, sync)
 
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, out=None, stream=None,
                   async_op=False, wire_dtype=None, sync="strong"):
@@ -703,171 +715,7 @@ class Communicator:
             return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
                                    {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out,
                                     "wire_dtype": wire_dtype, "sync": sync}, stream=stream, async_op=async_op)
-        op = "alltoallv"
-        eng = self._engine
-        if wire_dtype is not None:
-            return self._alltoallv_wire(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype,
-                                        sync)
-        if recv_capacity is not None or (self.backend == "cuda" and _compat.is_cupy_array(send_counts)):
-            with eng.call(op, notify=True):
-                return self._alltoallv_capacity(op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out,
-                                                check_sync(op, sync))
-        with eng.call(op, notify=recv_counts is None):
-            relaxed = check_sync(op, sync)
-            if out is not None and recv_counts is None:
-                raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
-                                 f"known before the count exchange)")
-            x = as_array(op, "sendbuf", sendbuf, self.backend)
-            send_counts = check_counts(op, "send_counts", send_counts, self.world_size, total=int(x.shape[0]))
-            sig = row_signature(x)
-            eng.check_size(op, "send_counts", send_counts, x)  # before the count exchange: a rejection
-            direct = eng.direct_source(op, [x], None)
-            if recv_counts is None:
-                # what the peers send (each checked its own counts); their sum is checked exactly here too
-                what = self.__dict__.pop("_sig_what", None) or (
-                    f"every rank must send rows of the same dtype and row shape, with the same wire_dtype; this rank "
-                    f"has {sig}" + (" (no wire_dtype)" if op == "alltoallv" else ""))
-                recv_counts = check_counts(op, "recv_counts (from the count exchange)",
-                                           eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0].copy(),
-                                           self.world_size)
-            else:
-                recv_counts = check_counts(op, "recv_counts", recv_counts, self.world_size)
-                if recv_counts[self.rank] != send_counts[self.rank]:
-                    raise ValueError(f"{op}: recv_counts[{self.rank}] ({recv_counts[self.rank]}) must equal "
-                                     f"send_counts[{self.rank}] ({send_counts[self.rank]}): the rows this rank sends "
-                                     f"to itself")
-            shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
-            self._heap.check_live(op, "out", out)
-            recv = self.xp.empty(shape, dtype=x.dtype) if out is None else \
-                check_out(op, out, self.backend, shape, x.dtype, inputs=(x,))
-            eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct, relaxed)
-        return recv, recv_counts
-
-    #: wire_dtype -> (packed dtype, quantiser, dequantiser); the packed rows of fp8 (uint8) and int8 (int8) differ
-    #: in dtype, so ranks mixing them fail the row-signature check instead of decoding each other's codes
-    _WIRE = {"fp8": (np.uint8, "quantize_fp8", "dequantize_fp8"), "int8": (np.int8, "quantize_int8", "dequantize_int8")}
-
-    def _alltoallv_wire(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype,
-                        sync="strong"):
-        """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
-        from .common import dtypes as _dt
-        from .collectives import quant
-        self._check_open()
-        notify = recv_counts is None or recv_capacity is not None
-        try:
-            if not isinstance(wire_dtype, str) or wire_dtype not in self._WIRE:  # (a list is unhashable)
-                raise ValueError(f"{op}: wire_dtype must be None, 'fp8' or 'int8', got {wire_dtype!r}")
-            if out is not None:
-                raise ValueError(f"{op}: out= is not supported with wire_dtype (the rows arrive packed)")
-            x = as_array(op, "sendbuf", sendbuf, self.backend)
-            kind = _dt.float_kind(x.dtype)
-            if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32) or x.ndim < 2:
-                raise TypeError(f"{op}: wire_dtype={wire_dtype!r} needs float32 / float16 / bfloat16 rows (at least "
-                                f"2-D; bfloat16 as the ml_dtypes dtype on the host: CuPy has none, so on the GPU "
-                                f"pass float16 or float32), got dtype {x.dtype} shape {tuple(x.shape)}")
-            n, row_shape = int(x.shape[0]), tuple(x.shape[1:])
-            per_row = int(np.prod(row_shape))
-            if per_row % quant.QUANT_BLOCK:
-                raise ValueError(f"{op}: wire_dtype={wire_dtype!r} needs rows of a multiple of {quant.QUANT_BLOCK} "
-                                 f"elements, got {per_row} (row shape {row_shape})")
-            xp = self.xp
-            packed_dtype, qname, dqname = self._WIRE[wire_dtype]
-            rows = xp.ascontiguousarray(x).reshape(n, per_row)
-            q, scales = quant.quantize_fp8_from(rows, kind) if wire_dtype == "fp8" else \
-                getattr(quant, qname)(_dt.to_float32(xp, rows, kind))
-            width = per_row + 4 * (per_row // quant.QUANT_BLOCK)
-            # the source dtype travels in the packed row shape ([n, code, width / code]), so it is checked too
-            code = {_dt.FLOAT32: 1, _dt.FLOAT16: 2, _dt.BFLOAT16: 4}[kind]
-            packed = xp.concatenate([q.view(packed_dtype),
-                                     scales.view(packed_dtype).reshape(n, width - per_row)], axis=1)
-            packed = packed.reshape(n, code, width // code)
-        except BaseException:
-            eng.reject(op, notify=notify)
-            raise
-        # a rank that differs in wire_dtype / dtype / row shape: say it in the caller's terms, not the packed rows'
-        self._sig_what = (f"every rank must send rows of the same dtype and row shape, with the same wire_dtype; this "
-                          f"rank sends {x.dtype} rows of shape {row_shape} as wire_dtype={wire_dtype!r}")
-        try:
-            recv, got = self.alltoallv(packed, send_counts, recv_counts=recv_counts, recv_capacity=recv_capacity,
-                                       sync=sync)
-        finally:
-            self.__dict__.pop("_sig_what", None)
-        m = int(recv.shape[0])
-        recv = recv.reshape(m, width)
-        rq = recv[:, :per_row]
-        rs = xp.ascontiguousarray(recv[:, per_row:]).view(np.float32)
-        with np.errstate(over="ignore", invalid="ignore"):  # capacity mode: rows past the count hold anything
-            if wire_dtype == "fp8":
-                back = quant.dequantize_fp8_to(rq, rs, kind, x.dtype)
-            else:
-                back = _dt.from_float32(xp, getattr(quant, dqname)(rq, rs), kind, x.dtype)
-            return back.reshape((m,) + row_shape), got
-
-    def _alltoallv_capacity(self, op, eng, sendbuf, send_counts, recv_counts, recv_capacity, out=None,
-                            relaxed=False):
-        """alltoallv in capacity mode (see :meth:`alltoallv`): GPU: counts checked and exchanged on the device,
-        the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
-        from the host protocol, padded to the capacity."""
-        from .wire import protocol as P
-        from .wire.plan import part_width
-        if recv_counts is not None:
-            raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
-                             f"counts on the device)")
-        if recv_capacity is None:
-            raise ValueError(f"{op}: send_counts on the device needs recv_capacity= (the output rows; the host never "
-                             f"reads the counts)")
-        if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)):
-            raise TypeError(f"{op}: recv_capacity must be an int >= 0, got {type(recv_capacity).__name__}")
-        if recv_capacity < 0:
-            raise ValueError(f"{op}: recv_capacity must be an int >= 0, got {recv_capacity!r}")
-        cap = int(recv_capacity)
-        x = as_array(op, "sendbuf", sendbuf, self.backend)
-        W = self.world_size
-        sig = row_signature(x)
-        if self.backend == "host":
-            send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
-            eng.check_size(op, "send_counts", send_counts, x)
-            direct = eng.direct_source(op, [x], None)
-            # the output before the count exchange: a capacity too large to allocate is a rejection told to the
-            # peers (communicator usable), not a failure between the steps
-            self._heap.check_live(op, "out", out)
-            recv = np.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
-                check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))
-            got = check_counts(op, "recv_counts (from the count exchange)",
-                               eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), W)
-            n = int(got.sum())
-            if n > cap:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
-                from .common.errors import SymBufferMismatchError
-                raise eng.fatal(SymBufferMismatchError(
-                    f"{op}: rank {self.rank} receives {n} rows, more than recv_capacity={cap}", rank=self.rank,
-                    op=op, field="capacity", expected=cap, got=n))
-            eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig, direct, relaxed)
-            return recv, got
-        cp = self.xp
-        counts = send_counts if _compat.is_cupy_array(send_counts) else cp.asarray(np.asarray(send_counts))
-        if counts.ndim != 1 or counts.shape[0] != W or counts.dtype.kind not in "iu":
-            raise ValueError(f"{op}: send_counts must be integers of shape [world_size={W}], got dtype "
-                             f"{counts.dtype} shape {tuple(counts.shape)}")
-        counts = cp.ascontiguousarray(counts, dtype=np.int64)
-        CT = P.CT_WORDS
-        block = cp.empty(2 * CT + 1 + 2 + W, np.int64)  # tables, row sum, bad, meta
-        bad, meta = block[2 * CT + 1:2 * CT + 3], block[2 * CT + 3:]
-        from .transport import kernels as _kernels
-        _kernels.get_launcher("ring_exchange.cu", "symbuf_counts_meta", ("u64", "i32", "i64", "u64", "u64"))(
-            1, 32, (counts.data.ptr, W, int(x.shape[0]), meta.data.ptr, bad.data.ptr))
-        rb = part_width(x)
-        direct = eng.direct_source(op, [x], None)
-        self._heap.check_live(op, "out", out)
-        recv = cp.empty((cap,) + tuple(x.shape[1:]), dtype=x.dtype) if out is None else \
-            check_out(op, out, self.backend, (cap,) + tuple(x.shape[1:]), x.dtype, inputs=(x,))  # before the notify
-        scale = rb or 1  # rows of 0 bytes: the table counts rows (nothing moves), so the counts still come back
-        eng.keep_for_graph(counts, block)  # an int64 copy of the counts and the tables, read by every replay
-        eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
-                          local_reject=bad, scale=scale, capacity=cap, worst=True)
-        if rb:
-            eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False, direct=direct)
-        got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // scale
-        return recv, got
+        return _alltoallv(self._engine, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync)
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     # ``stream``/``async_op`` (keyword-only) as in alltoall's docstring (Streams); other keywords pass to cupy_symbuf.moe.

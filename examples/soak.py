@@ -1,4 +1,4 @@
-"""Soak test (issue 9): many iterations of mixed collectives with sampled bitwise checks against NumPy.
+"""Soak test: many iterations of mixed collectives with sampled bitwise checks against NumPy.
 
 Run::
 

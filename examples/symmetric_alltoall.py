@@ -1,10 +1,10 @@
-"""alltoall out of symmetric arrays (direct mode on the host backend), checked against NumPy.
+"""alltoall out of symmetric arrays (direct mode), checked against NumPy.
 
-    mpiexec -n 4 python examples/symmetric_alltoall.py [--mib 16] [--backend host]
+    mpiexec -n 4 python examples/symmetric_alltoall.py [--mib 16] [--backend auto|cuda|host]
 
 Every rank fills a symmetric array (``Communicator.empty``) with random bytes; on the host each receiver copies its
 block straight out of the sender's array (one copy per byte). The result is checked against an allgather
-reference, and the time per call is printed next to ``MPI.Alltoall`` of the same NumPy arrays.
+reference, and the time per call is printed next to ``MPI.Alltoall`` of the same arrays (host copies on a GPU).
 """
 import argparse
 import time
@@ -18,7 +18,8 @@ import cupy_symbuf as cs
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mib", type=float, default=16, help="input MiB per rank (default 16)")
-    ap.add_argument("--backend", default="host", choices=("host", "cuda", "auto"))
+    ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"),
+                    help="auto (default): the GPU when one is visible, else the host")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
     comm = MPI.COMM_WORLD

@@ -1,4 +1,4 @@
-"""Adaptive channel assignment (issue 13, ``Config(adaptive=True)``): skewed traffic (one hot rank, Zipf routing)
+"""Adaptive channel assignment (``Config(adaptive=True)``): skewed traffic (one hot rank, Zipf routing)
 gives bitwise the results of a NumPy reference with work sharing and re-balanced home maps, at any re-balance
 interval and with ranks that differ in the option; the load counters of ``channel_stats`` add up to the bytes the
 calls moved (independent count from the send counts); the home map gives the hot peer the warps and never moves a

@@ -1,4 +1,4 @@
-"""Ranks agree, or every rank fails loudly (issue 9): a call rejected on one rank only, counts / dtype / operation
+"""Ranks agree, or every rank fails loudly: a call rejected on one rank only, counts / dtype / operation
 that differ between ranks. Every case checks real values against NumPy: a call either returns the reference rows
 or raises, never wrong data; after a rejection the communicator keeps working.
 
@@ -303,7 +303,7 @@ def test_moe_call_rejected_on_one_rank_only(comm2, comm, backend, case):
             idx = idx.copy()
             idx[0, 0] = E  # out of range
         call = lambda: c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, E)  # noqa: E731
-        own = "topk_idx values must be -1"
+        own = "argument 'topk_idx' must hold -1"
     elif case == "cached_dispatch":
         xs = x[:-1] if bad else x  # one token short of the handle's
         call = lambda: c.dispatch(to_backend(xs, backend), handle=h)  # noqa: E731
@@ -349,18 +349,18 @@ def test_interrupt_during_argument_checks_is_told_to_peers(comm2, comm, backend,
     the rejection (SymBufferRejectedError), and the next calls are correct on every rank (review finding: the
     rank fell a call behind and every rank got the wrong call's rows)."""
     c = comm2
-    import cupy_symbuf.communicator as cm
-    real = cm.as_array
+    import cupy_symbuf.collectives.alltoall as a2a
+    real = a2a.as_array
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt("simulated Ctrl-C during the argument checks")
 
     x = to_backend(np.ones((comm.size, 3), np.int64), backend)
     if comm.rank == 0:
-        monkeypatch.setattr(cm, "as_array", interrupted)
+        monkeypatch.setattr(a2a, "as_array", interrupted)
         with pytest.raises(KeyboardInterrupt):
             c.alltoall(x)
-        monkeypatch.setattr(cm, "as_array", real)
+        monkeypatch.setattr(a2a, "as_array", real)
     else:
         with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected"):
             c.alltoall(x)

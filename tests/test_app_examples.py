@@ -1,4 +1,4 @@
-"""The application examples of issue 12 as whole MPI jobs: ``examples/embedding.py``, ``examples/fft_transpose.py``
+"""The application examples as whole MPI jobs: ``examples/embedding.py``, ``examples/fft_transpose.py``
 and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N`` (as ``tests/test_faults.py`` runs the
 soak), checked on exit status 0 and on the check line the example prints after comparing its result with its own
 NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for the FFT and the MoE layer), and

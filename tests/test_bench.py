@@ -137,7 +137,7 @@ def test_hierarchical_bench_rows():
         assert all(r["loop_us"] > 0 and r["node_size"] == k for r in rows)
 
 
-# ---- energy (NVML), the CUDA-aware MPI row, the low-latency rows (issue 12) ------------------------------------
+# ---- energy (NVML), the CUDA-aware MPI row, the low-latency rows ------------------------------------------------
 
 def test_bench_new_flags_parse():
     p = bench._parser()

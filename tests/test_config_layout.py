@@ -170,7 +170,7 @@ def test_chunk_rows_spreads_short_streams_and_keeps_alignment():
 
 
 def test_chunk_rows_same_in_kernel_source():
-    """The kernel's chunk_rows (cuda_src/ring_exchange.cu, __host__ __device__, with the generated protocol header
+    """The kernel's chunk_rows (cuda_src/ring_prims.cuh, __host__ __device__, with the generated protocol header
     for CHUNK_GRAIN_BYTES / CHUNK_LEAST_BYTES) compiled by the host C++ compiler gives
     what layout.chunk_rows gives, over a grid of stream lengths, row sizes, slot sizes and copy warps: sender
     (GPU) and the Python mirror that documents and tests the formula must not drift apart."""
@@ -185,7 +185,7 @@ def test_chunk_rows_same_in_kernel_source():
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler")
-    text = (_kernels.cuda_src_dir() / "ring_exchange.cu").read_text()
+    text = (_kernels.cuda_src_dir() / "ring_prims.cuh").read_text()
     body = re.search(r"__host__ __device__ __forceinline__ i64 chunk_rows\(.*?\n}\n", text, re.S).group(0)
     cases = [(n, unit, chunk, nc) for n in (0, 1, 5, 15, 16, 511, 4096, 43690, 733003, 5592405, 44739242)
              for unit in (1, 2, 14, 4096, 14432) for chunk in (1024, 65536) for nc in (1, 3, 7, 10, 15)

@@ -1,4 +1,4 @@
-"""MoE dispatch into caller-owned outputs (``dispatch(out=...)``, issue 11), and on the GPU the direct mode that
+"""MoE dispatch into caller-owned outputs (``dispatch(out=...)``), and on the GPU the direct mode that
 comes with a symmetric ``out`` (MODE_PUSH: the peers write their rows straight into it). Every output is compared
 with a NumPy reference built from every rank's inputs (``allgather``); ``out`` is poisoned before each call and
 the calls are repeated with fresh data.
@@ -140,7 +140,7 @@ def test_out_fp8_tuple(moe_comm):
 def _bad(c, name, x, idx, w, n_exp, hidden):
     xp = c.xp
     if name == "dtype":
-        return dict(out=xp.empty((100, hidden), np.float64)), TypeError, "out must have dtype"
+        return dict(out=xp.empty((100, hidden), np.float64)), TypeError, "argument 'out' must have dtype"
     if name == "hidden":
         return dict(out=xp.empty((100, hidden + 1), np.float32)), ValueError, "hidden"
     if name == "strided":

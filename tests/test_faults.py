@@ -1,4 +1,4 @@
-"""Fault tests (issue 9): each case of ``tests/faults/fault_cases.py`` runs as its own MPI job in a subprocess, so
+"""Fault tests: each case of ``tests/faults/fault_cases.py`` runs as its own MPI job in a subprocess, so
 this pytest process stays alive whatever the job does (as CuPy's distributed tests do)::
 
     mpiexec -n N python tests/faults/fault_cases.py <case> --marker <unique>     (CUPY_SYMBUF_TIMEOUT_S=3)
@@ -32,7 +32,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "faults", "fault_cases.py")
 TIMEOUT_S = float(os.environ.get("FAULT_TIMEOUT_S", "3"))
-END_BOUND_S = TIMEOUT_S + 5          # issue 9: the whole job ends within timeout_s + 5 s of the fault
+END_BOUND_S = TIMEOUT_S + 5          # the whole job ends within timeout_s + 5 s of the fault
 LIMIT_S = TIMEOUT_S + 15             # we kill the job after this (startup included); a hang then fails the test
 BACKEND = os.environ.get("CUPY_SYMBUF_FAULT_BACKEND", "host")
 

@@ -1,6 +1,7 @@
 """Every kernel in cuda_src/ compiles with NVRTC for sm_90 (compute_90 PTX) with no GPU, without warnings, in every
-variant; the protocol constants come only from the generated header (cupy_symbuf.wire.protocol); build_id follows
-what is compiled."""
+variant; every kernel takes one argument struct generated from cupy_symbuf.wire.kernel_args, laid out as its host
+packer; the constants shared by Python and CUDA come only from the generated header (cupy_symbuf.wire.protocol), and
+Python holds no second copy of them; build_id follows what is compiled."""
 import os
 import re
 
@@ -8,6 +9,7 @@ import pytest
 
 from cupy_symbuf.transport import kernels as _kernels
 
+from cupy_symbuf.wire import kernel_args as _kernel_args
 from cupy_symbuf.wire import protocol as _protocol
 
 REQUIRED = os.environ.get("CUPY_SYMBUF_REQUIRE_NVRTC") == "1"
@@ -17,9 +19,14 @@ VARIANTS = [(), ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",), (
             ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=1024"), ("-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=1024"), ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024"),
-            ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_TRACE=1", "-DSYMBUF_DEBUG=1", "-DSYMBUF_MAX_THREADS=1024")]
+            ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_TRACE=1", "-DSYMBUF_DEBUG=1", "-DSYMBUF_MAX_THREADS=1024"),
+            ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_UNROLL=4", "-DSYMBUF_PUBLISH_BATCH=4", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024")]
 VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024",
-               "trace-512", "trace-1024", "adaptive-512", "adaptive-1024", "adaptive-trace-debug-1024"]
+               "trace-512", "trace-1024", "adaptive-512", "adaptive-1024", "adaptive-trace-debug-1024",
+               "adaptive-trace-512", "unroll4-batch4-512", "no-header-fold-512", "no-header-fold-adaptive-1024"]
 
 
 def _nvrtc_or_skip():
@@ -106,38 +113,112 @@ def test_ring_protocol_uses_release_acquire(defines):
     assert "atom.global.cas.b64" in ptx or "atom.cas.b64" in ptx  # error record claim, rejection record
 
 
-def _entry_params(ptx: str, name: str) -> int:
-    m = re.search(r"\.entry %s\((.*?)\)" % name, ptx, re.S)
-    assert m, name
-    return len(re.findall(r"\.param\b", m.group(1)))
-
-
-def test_kernel_argument_lists():
-    """The argument lists transport/cuda.py launches with: the ring kernel (desc by value, peer bases, error record) and the
-    notify kernel (send_meta, recv_meta, num_values, epoch word, op, call_status, sig, peer_bases, rank,
-    world_size, 6 layout scalars, abort_offset, timeout_ns, status, seq, local_reject, send_echo, sums, table,
-    scale, capacity, device_checks, done, ticket); the MoE layout (13) and receive fix-up (10) kernels of moe.cu."""
+def test_every_kernel_takes_one_generated_struct():
+    """Every kernel entry of every source takes one parameter, its struct of wire/kernel_args.py (KERNELS) passed by
+    value, of exactly the host packer's size; every kernel KERNELS names exists."""
     _nvrtc_or_skip()
-    ptx = _kernels.compile_ptx(RING, "compute_90")
-    assert _entry_params(ptx, "symbuf_ring_exchange") == 3
-    assert re.search(r"\.entry symbuf_ring_exchange\(\s*\.param \.align 8 \.b8 \w+\[%d\]" % (8 * _protocol.DESC_WORDS),
-                     ptx), "the descriptor is DESC_WORDS int64 passed by value"
-    assert _entry_params(ptx, "symbuf_notify") == 29
-    moe = _kernels.compile_ptx("moe.cu", "compute_90")
-    assert _entry_params(moe, "symbuf_moe_layout") == 13
-    assert _entry_params(moe, "symbuf_moe_recv_fixup") == 10
-    assert "symbuf_alltoallv" not in ptx
+    seen = set()
+    for source in _kernels.list_sources():
+        ptx = _kernels.compile_ptx(source, "compute_90")
+        for name, params in re.findall(r"\.entry (\w+)\((.*?)\)", ptx, re.S):
+            assert name in _kernel_args.KERNELS, f"{source}: kernel {name} has no argument struct in KERNELS"
+            size = _kernel_args.struct_size(_kernel_args.KERNELS[name])
+            assert re.fullmatch(r"\s*\.param \.align 8 \.b8 \w+\[%d\]\s*" % size, params), \
+                f"{source}: {name} takes {' '.join(params.split())}, not one {_kernel_args.KERNELS[name]} ({size} B)"
+            seen.add(name)
+    assert seen == set(_kernel_args.KERNELS), sorted(set(_kernel_args.KERNELS) - seen)
+    assert "symbuf_alltoallv" not in seen
+
+
+#: (size, alignment) of the C types a field may have, as the C ABI lays them out (x86-64 and aarch64 alike)
+_C_SCALARS = {"i32": (4, 4), "u32": (4, 4), "i64": (8, 8), "u64": (8, 8), "f32": (4, 4)}
+
+
+def _natural_layout(spec) -> tuple:
+    """Offsets and size of a struct of ``spec`` laid out as C does (each field at the next multiple of its
+    alignment; the size a multiple of the widest), computed here without ctypes."""
+    off, widest, offsets = 0, 1, {}
+    for field, ctype in spec:
+        m = re.fullmatch(r"(\w+)\[(\w+)\]", ctype)
+        if ctype.endswith("*"):
+            size = align = 8
+        elif m:
+            n = int(m.group(2)) if m.group(2).isdigit() else getattr(_protocol, m.group(2))
+            size, align = _C_SCALARS[m.group(1)][0] * n, _C_SCALARS[m.group(1)][1]
+        else:
+            size, align = _C_SCALARS[ctype]
+        off = -(-off // align) * align
+        offsets[field] = off
+        off += size
+        widest = max(widest, align)
+    return offsets, -(-off // widest) * widest
+
+
+@pytest.mark.parametrize("name", sorted(_kernel_args.STRUCTS))
+def test_host_packer_matches_the_generated_struct(name):
+    """The host packer (ctypes) puts every field at the offset C gives it, and the generated header asserts the
+    fields' sizes and alignments and the struct's size the packer has (so NVRTC's offsets are the same)."""
+    offsets, size = _natural_layout(_kernel_args.STRUCTS[name])
+    assert _kernel_args.field_offsets(name) == offsets
+    assert _kernel_args.struct_size(name) == size
+    header = _kernel_args.cuda_header()
+    assert f"static_assert(sizeof({name}) == {size}," in header
+    for field in _kernel_args.fields(name):
+        assert re.search(r"static_assert\(sizeof\(%s::%s\) == \d+ && alignof" % (name, field), header)
+    assert header in _kernels.source_text("quant.cu")
+    spec = _kernel_args.STRUCTS[name]
+    if any("[" in t for _, t in spec):
+        with pytest.raises(ValueError, match="array"):
+            _kernel_args.host_format(name)
+        return
+    # the whole-struct filler writes every field where the ctypes fields read it back
+    target = _kernel_args.host_struct(name)()
+    values = {f: (i + 0.5 if t == "f32" else (1 << 40) + i if t.endswith("*") or "64" in t else i + 1)
+              for i, (f, t) in enumerate(spec)}
+    _kernel_args.filler(name, target)(**values)
+    assert {f: getattr(target, f) for f in values} == values
+    first = next(iter(values))
+    with pytest.raises(TypeError, match=first):
+        _kernel_args.filler(name, target)(**{f: v for f, v in values.items() if f != first})
+
+
+def test_struct_layout_disagreement_does_not_compile(monkeypatch):
+    """A host packer whose field differs from the C struct's (here a 4-byte host field for a C long long) makes
+    every source fail to compile, naming the field."""
+    _nvrtc_or_skip()
+    import ctypes
+    real = _kernel_args._parse
+
+    def wrong(field, ctype):
+        decl, t = real(field, ctype)
+        return (decl, ctypes.c_int32) if field == "num_blocks" else (decl, t)
+
+    monkeypatch.setattr(_kernel_args, "_parse", wrong)
+    _kernel_args.host_struct.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="QuantArgs.num_blocks"):
+            _kernels.compile_ptx("quant.cu", "compute_90")
+    finally:
+        monkeypatch.undo()
+        _kernel_args.host_struct.cache_clear()
+
+
+def test_kernel_args_spec_rejects_unknown_types():
+    for bad in ("i128", "float*", "i64[NO_SUCH_CONSTANT]", "i64[0]"):
+        with pytest.raises(ValueError, match="kernel_args: field 'f'"):
+            _kernel_args._parse("f", bad)
 
 
 def test_sources_found():
     names = {p.name for p in _cuda_files()}
     assert RING in _kernels.list_sources()
     assert "alltoall.cu" not in names
-    assert {"primitives.cuh", "layout.cuh", "protocol.cuh"} <= names
+    assert {"primitives.cuh", "layout.cuh", "protocol.cuh", "ring_prims.cuh"} <= names
 
 
 def test_descriptor_fits_parameter_space():
-    assert 8 * _protocol.DESC_WORDS <= 4096 - 16  # the descriptor and the two pointers, by value
+    assert 8 * _protocol.DESC_WORDS == _kernel_args.struct_size("RingArgs")
+    assert 8 * _protocol.DESC_WORDS <= 4096  # the descriptor, by value: the ring kernel's one parameter
     assert _protocol.DESC_SEND_PARTS > _protocol.DESC_ABORT_OFFSET
 
 
@@ -146,7 +227,8 @@ def test_no_hand_copied_protocol_constants():
     is (re)defined, and every protocol-looking name the sources use is one the generator emits."""
     generated = _generated_names()
     assert {"DESC_RANK", "DESC_WORDS", "HDR_MAGIC_VALUE", "TAIL_OFFSET", "STATE_SEQ", "FLAG_REJECT", "MAX_PEERS",
-            "CHUNK_GRAIN_BYTES", "OP_ALLTOALL"} <= generated
+            "CHUNK_GRAIN_BYTES", "OP_ALLTOALL", "QUANT_BLOCK", "QUANT_FP8_MAX", "QUANT_AMAX_FLOOR", "LL_CTRL_EXIT",
+            "LL_LINE_SIG", "LL_SEG_ELEMS", "LL_PROF_STAMPS", "LL_KIND_F32"} <= generated
     used = set()
     for path in _cuda_files():
         code = _code(path.read_text())
@@ -155,17 +237,67 @@ def test_no_hand_copied_protocol_constants():
                     "SYMBUF_ROLE_"):
             assert old not in code, f"{path.name}: hand copy {old}"
         assert not re.search(r"\bDESC_\w+\s*=[^=]", code), f"{path.name}: DESC_* defined by hand"
+        for name in _kernel_args.STRUCTS:  # the argument structs come from wire/kernel_args.py
+            assert not re.search(r"\bstruct\s+%s\s*{" % name, code), f"{path.name}: struct {name} by hand"
         for name in generated:
             assert not re.search(r"#define\s+%s\b" % name, code), f"{path.name}: #define {name}"
             assert not re.search(r"\b(?:enum\b[^;]*?|constexpr\b[^;=]*?|,\s*)\b%s\s*=[^=]" % name, code), \
                 f"{path.name}: defines {name}"
-        used |= set(re.findall(r"(?<![\w])((?:DESC|HDR|STATUS|ABORT|ERR|FIELD|ROLE|OP|STATE|NOTIFY|FLAG|CHUNK|MAX)"
+        used |= set(re.findall(r"(?<![\w])((?:DESC|HDR|STATUS|ABORT|ERR|FIELD|ROLE|OP|STATE|NOTIFY|FLAG|CHUNK|MAX|"
+                               r"QUANT|LL)"
                                r"_[A-Z0-9_]+|(?:TAIL|HEAD|SEND_STATE|RECV_STATE|RING)_OFFSET|LINE_BYTES)\b", code))
     missing = sorted(used - generated)
     assert not missing, f"cuda_src uses protocol names the generator does not emit: {missing}"
-    ring = _code((_kernels.cuda_src_dir() / RING).read_text())
-    body = re.search(r"i64 chunk_rows\(.*?\n}\n", ring, re.S).group(0)
+    prims = _code((_kernels.cuda_src_dir() / "ring_prims.cuh").read_text())
+    body = re.search(r"i64 chunk_rows\(.*?\n}\n", prims, re.S).group(0)
     assert "512" not in body and "4096" not in body
+
+
+#: Python names that hold a constant of the generated header under another name (public API kept)
+_PY_ALIASES = {"FP8_BLOCK": "QUANT_BLOCK", "FP8_MAX": "QUANT_FP8_MAX", "AMAX_FLOOR": "QUANT_AMAX_FLOOR"}
+
+
+def _literal_number(node) -> bool:
+    """A number written in the source: 128, -1.5, np.float32(448.0)."""
+    import ast
+    if isinstance(node, ast.UnaryOp):
+        node = node.operand
+    if isinstance(node, ast.Call) and len(node.args) == 1:
+        node = node.args[0]
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float)
+
+
+def test_no_hand_copied_constants_in_python():
+    """Outside wire/ (where the generated header's constants are defined), no module of the package assigns a
+    number literal to a name of the generated header (or to a public alias of one: FP8_BLOCK, FP8_MAX,
+    AMAX_FLOOR): each is read from wire/protocol.py. The aliases equal their source; the MoE count exchange's
+    default bound is Config's."""
+    import ast
+    from pathlib import Path
+
+    import cupy_symbuf
+    from cupy_symbuf.collectives import quant
+    from cupy_symbuf.moe import normal
+    watched = _generated_names() | set(_PY_ALIASES)
+    root = Path(cupy_symbuf.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        if path.parent.name == "wire":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = {t.id for t in targets if isinstance(t, ast.Name)}
+                hit = names & watched
+                assert not (hit and _literal_number(node.value)), \
+                    f"{path.relative_to(root)}:{node.lineno}: {sorted(hit)} copied by hand; read wire/protocol.py"
+    assert normal.FP8_BLOCK == quant.QUANT_BLOCK == _protocol.QUANT_BLOCK
+    assert quant.FP8_MAX == _protocol.float32(_protocol.QUANT_FP8_MAX)
+    assert quant.AMAX_FLOOR == _protocol.float32(_protocol.QUANT_AMAX_FLOOR)
+    assert not hasattr(normal, "_DEFAULT_MAX_NOTIFY_INTS")
+    header = _protocol.cuda_header()
+    for name in ("QUANT_FP8_MAX", "QUANT_AMAX_FLOOR"):  # floats: the float32 value, exactly
+        value = float.fromhex(re.search(r"constexpr float %s = (\S+)f;" % name, header).group(1))
+        assert value == _protocol.float32(getattr(_protocol, name))
 
 
 def test_source_text_is_header_then_file():

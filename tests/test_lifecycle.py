@@ -1,4 +1,4 @@
-"""Lifecycle (issue 9): construction agreement, bounds and memory checks, bounded construction and close, abort(),
+"""Lifecycle: construction agreement, bounds and memory checks, bounded construction and close, abort(),
 ResourceWarning on leaks, atexit, re-creation, fork. Runs on 1 rank and under mpiexec; multi-rank cases skip on 1."""
 import gc
 import os

@@ -1,4 +1,4 @@
-"""Low-latency MoE dispatch / combine (issue 10 item 5; DeepEP low_latency_dispatch / low_latency_combine) against
+"""Low-latency MoE dispatch / combine (DeepEP low_latency_dispatch / low_latency_combine) against
 an independent NumPy reference, on every backend here, under ``mpiexec -n 1/2/4``.
 
 Every rank generates every rank's inputs from seeds (so each computes locally what it must receive), outputs are
@@ -276,6 +276,27 @@ def test_validation(comm, ll):
         ll.synchronize()
 
 
+def test_wrong_dtype_says_how_to_pass_dtype(comm, ll):
+    """Rows of another dtype than the buffer's (float32 into a bfloat16 buffer, DeepEP's default): the TypeError
+    names both dtypes and how to make a buffer of the rows' dtype (``dtype=``), for dispatch's x and combine's."""
+    N, H, E = ll.N, ll.H, ll.num_experts
+    x, i, w = inputs("full", 61, RANK, N, H, E, 4, "bfloat16")
+    X, I, Wt = dev(comm, x), dev(comm, i), dev(comm, w)
+    with pytest.raises(TypeError) as ei:
+        ll.dispatch(dev(comm, x.astype(np.float32)), I)
+    msg = str(ei.value)
+    assert "LowLatencyBuffer(..., dtype='float32')" in msg and "pass bfloat16 rows" in msg, msg
+    assert "x must have this buffer's dtype (bfloat16" in msg and "got float32" in msg, msg
+    with pytest.raises(TypeError, match=r"dtype=\.\.\..*bfloat16, float16 or float32") as ei:
+        ll.dispatch(dev(comm, x.astype(np.int32)), I)
+    recv, _, h = ll.dispatch(X, I)
+    with pytest.raises(TypeError, match=r"low_latency_combine: x .*dtype='float32'"):
+        ll.combine(recv.astype(np.float32), I, Wt, h)
+    ll.combine(recv, I, Wt, h)  # still usable
+    if comm.backend == "cuda":
+        ll.synchronize()
+
+
 def test_parameters_agree_across_ranks(comm):
     if W == 1:
         pytest.skip("needs 2 ranks")
@@ -486,7 +507,7 @@ def test_one_status_path(comm):
     if comm.backend != "cuda":
         pytest.skip("GPU error record")
     with LowLatencyBuffer(comm, 8, 256, 4 * W, max_topk=4) as b:
-        st = comm._transport.status
+        st = comm.engine.transport.status
         assert b._status is st
         before = st.ledger.seq
         run_case(comm, b, "full", 130)

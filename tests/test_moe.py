@@ -1,4 +1,4 @@
-"""MoE dispatch / combine (issue 3, DeepEP normal-mode intranode semantics) against an independent NumPy reference.
+"""MoE dispatch / combine (DeepEP normal-mode intranode semantics) against an independent NumPy reference.
 
 One suite for every world size and backend::
 
@@ -677,51 +677,55 @@ def _bad_cases():
     V, T = ValueError, TypeError
     return {
         "expert_index_too_big": (disp(lambda c, a, n, i, x, w: set_idx("E", (3, 1))(c, a, n, i, x, w)), V,
-                                 r"dispatch: topk_idx .*num_experts"),
-        "expert_index_below_minus_one": (disp(lambda *a: set_idx(-2, (5, 0))(*a)), V, r"dispatch: topk_idx"),
-        "num_experts_zero": (disp(lambda *a: {"n": 0}), V, r"dispatch: num_experts"),
+                                 r"dispatch: argument 'topk_idx' .*num_experts"),
+        "expert_index_below_minus_one": (disp(lambda *a: set_idx(-2, (5, 0))(*a)), V, r"dispatch: argument 'topk_idx'"),
+        "num_experts_zero": (disp(lambda *a: {"n": 0}), V, r"dispatch: argument 'num_experts'"),
         "num_experts_not_multiple": (disp(lambda c, a, n, *r: {"n": n + 1}), V,
-                                     r"dispatch: num_experts must be a multiple of world_size"),
-        "layout_num_experts_not_multiple": (layout_not_multiple, V, r"get_dispatch_layout: num_experts"),
-        "num_experts_missing": (disp(lambda *a: {"n": None}), V, r"dispatch: num_experts"),
-        "topk_idx_missing": (disp(lambda *a: {"idx": None}), V, r"dispatch: topk_idx"),
+                                     r"dispatch: argument 'num_experts' must be a multiple of world_size"),
+        "layout_num_experts_not_multiple": (layout_not_multiple, V, r"get_dispatch_layout: argument 'num_experts'"),
+        "num_experts_missing": (disp(lambda *a: {"n": None}), V, r"dispatch: argument 'num_experts'"),
+        "topk_idx_missing": (disp(lambda *a: {"idx": None}), V, r"dispatch: argument 'topk_idx'"),
         "topk_idx_rows_vs_x": (disp(lambda c, a, n, i, x, w: {"idx": to_dev(c, i[:-1]), "w": to_dev(c, w[:-1])}),
-                               V, r"dispatch: topk_idx .*num_tokens"),
-        "topk_idx_1d": (disp(lambda c, a, n, i, x, w: {"idx": to_dev(c, i[:, 0].copy())}), V, r"dispatch: topk_idx"),
+                               V, r"dispatch: argument 'topk_idx' .*num_tokens"),
+        "topk_idx_1d": (disp(lambda c, a, n, i, x, w: {"idx": to_dev(c, i[:, 0].copy())}), V,
+                        r"dispatch: argument 'topk_idx'"),
         "topk_idx_float": (disp(lambda c, a, n, i, x, w: {"idx": to_dev(c, i.astype(np.float32))}), T,
-                           r"dispatch: topk_idx must be int64"),
+                           r"dispatch: argument 'topk_idx' must be int64"),
         "topk_weights_cols": (disp(lambda c, a, n, i, x, w: {"w": to_dev(c, np.ones((16, 3), np.float32))}), V,
-                              r"dispatch: topk_weights .*num_topk"),
+                              r"dispatch: argument 'topk_weights' .*num_topk"),
         "topk_weights_rows": (disp(lambda c, a, n, i, x, w: {"w": to_dev(c, np.ones((17, 2), np.float32))}), V,
-                              r"dispatch: topk_weights .*num_tokens"),
+                              r"dispatch: argument 'topk_weights' .*num_tokens"),
         "topk_weights_float64": (disp(lambda c, a, n, i, x, w: {"w": to_dev(c, w.astype(np.float64))}), T,
-                                 r"dispatch: topk_weights must be float32"),
-        "x_float64": (disp(lambda c, a, n, i, x, w: {"x": to_dev(c, x.astype(np.float64))}), T, r"dispatch: x must"),
-        "x_3d": (disp(lambda c, a, n, i, x, w: {"x": to_dev(c, x.reshape(16, 4, 8))}), V, r"dispatch: x must be 2-D"),
+                                 r"dispatch: argument 'topk_weights' must be float32"),
+        "x_float64": (disp(lambda c, a, n, i, x, w: {"x": to_dev(c, x.astype(np.float64))}), T,
+                      r"dispatch: argument 'x' must"),
+        "x_3d": (disp(lambda c, a, n, i, x, w: {"x": to_dev(c, x.reshape(16, 4, 8))}), V,
+                 r"dispatch: argument 'x' must be 2-D"),
         "x_wrong_module": (disp(lambda c, a, n, i, x, w: {"x": _wrong_module(c, a["x"])}), T,
                            r"dispatch: argument 'x' (must be a (NumPy|CuPy) array|is a CuPy array)"),
         "topk_idx_wrong_module": (disp(lambda c, a, n, i, x, w: {"idx": _wrong_module(c, a["idx"])}), T,
                                   r"dispatch: argument 'topk_idx' (must be a (NumPy|CuPy) array|is a CuPy array)"),
         "expert_alignment_zero": (disp(lambda *a: {"kw": {"expert_alignment": 0}}), V,
-                                  r"dispatch: expert_alignment must be >= 1"),
+                                  r"dispatch: argument 'expert_alignment' must be in \[1, 1073741824\]"),
         # a new-user attack: 2**70 passed the check and failed with a bare OverflowError after the rows moved
         "expert_alignment_huge": (disp(lambda *a: {"kw": {"expert_alignment": 2 ** 70}}), V,
-                                  r"dispatch: expert_alignment must be <= 1073741824"),
+                                  r"dispatch: argument 'expert_alignment' must be in \[1, 1073741824\]"),
         "fp8_hidden_not_multiple_of_128": (fp8(96, 0), V, r"divisible by 128"),
-        "fp8_scales_shape": (fp8(256, 3), V, r"dispatch: x\[1\] \(scales\) must have shape"),
-        "fp8_scales_dtype": (fp8(256, 2, np.float16), T, r"dispatch: x\[1\] \(scales\) must be float32"),
-        "cached_with_topk_idx": (cached(idx=True), V, r"dispatch: with handle .*topk_idx"),
-        "cached_other_num_experts": (cached(n=1000 * W), V, r"dispatch: num_experts"),
-        "cached_rows": (cached(x="rows"), V, r"dispatch: x must have shape"),
-        "combine_not_a_handle": (other_type_handle, T, r"combine: handle must be a DispatchHandle"),
+        "fp8_scales_shape": (fp8(256, 3), V, r"dispatch: argument 'x\[1\]' must have shape"),
+        "fp8_scales_dtype": (fp8(256, 2, np.float16), T, r"dispatch: argument 'x\[1\]' \(scales\) must be float32"),
+        "cached_with_topk_idx": (cached(idx=True), V,
+                                 r"dispatch: arguments 'topk_idx' and 'topk_weights' must be None with handle"),
+        "cached_other_num_experts": (cached(n=1000 * W), V, r"dispatch: argument 'num_experts'"),
+        "cached_rows": (cached(x="rows"), V, r"dispatch: argument 'x' must have shape"),
+        "combine_not_a_handle": (other_type_handle, T, r"combine: argument 'handle' must be a DispatchHandle"),
         "combine_hidden": (comb(lambda c, a: {"x": c.xp.concatenate([a["x"], a["x"][:, :1]], axis=1)}), V,
-                           r"combine: x .*hidden"),
+                           r"combine: argument 'x' .*hidden"),
         "combine_rows": (comb(lambda c, a: {"x": c.xp.ones((a["x"].shape[0] + 1, a["x"].shape[1]), a["x"].dtype)}), V,
-                         r"combine: x .*num_recv_tokens"),
-        "combine_weights_shape": (comb(lambda c, a: {"w": a["w"][:, :1]}), V, r"combine: topk_weights"),
+                         r"combine: argument 'x' .*num_recv_tokens"),
+        "combine_weights_shape": (comb(lambda c, a: {"w": a["w"][:, :1]}), V, r"combine: argument 'topk_weights'"),
         "combine_uint16_without_dtype": (comb(lambda c, a: {"x": c.xp.zeros(a["x"].shape, np.uint16)}), T,
-                                         r"combine: x must be .*dtype='bfloat16'"),
-        "combine_dtype_mismatch": (comb(lambda c, a: {"kw": {"dtype": np.float16}}), T, r"combine: dtype"),
+                                         r"combine: argument 'x' must be .*dtype='bfloat16'"),
+        "combine_dtype_mismatch": (comb(lambda c, a: {"kw": {"dtype": np.float16}}), T, r"combine: argument 'dtype'"),
         "combine_x_wrong_module": (comb(lambda c, a: {"x": _wrong_module(c, a["x"])}), T,
                                    r"combine: argument 'x' (must be a (NumPy|CuPy) array|is a CuPy array)"),
         "hidden_differs_across_ranks": (hidden_differs, V, r"dispatch: ranks disagree on the dispatched row size"),
@@ -757,9 +761,9 @@ def test_handle_from_other_communicator(moe_comm):
         recv_x, _, _, _, h = comm.dispatch(to_dev(comm, x), to_dev(comm, idx), to_dev(comm, w), n_exp)
 
         def check():
-            with pytest.raises(ValueError, match=r"combine: handle comes from another communicator"):
+            with pytest.raises(ValueError, match=r"combine: argument 'handle' must come from this communicator"):
                 comm.combine(recv_x, h_other)
-            with pytest.raises(ValueError, match=r"dispatch: handle comes from another communicator"):
+            with pytest.raises(ValueError, match=r"dispatch: argument 'handle' must come from this communicator"):
                 comm.dispatch(to_dev(comm, x), handle=h_other)
             assert h.belongs_to(comm) and not h.belongs_to(other)
 

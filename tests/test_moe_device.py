@@ -1,4 +1,4 @@
-"""MoE control on the device (issue 10): worst-case mode (``num_worst_tokens``), device-count handles, uneven
+"""MoE control on the device: worst-case mode (``num_worst_tokens``), device-count handles, uneven
 token counts, two live handles with a lagging rank, CUDA graphs of two batch sizes replayed alternately, the
 layout kernel's deferred range check. Every output is compared with a NumPy reference built from every rank's
 inputs (``allgather``); outputs sit on dirty memory (GPU: the pool hands back blocks filled with garbage).

@@ -1,4 +1,4 @@
-"""Issue 14: the staged transport (``Config.transport``): the symmetric buffer of the cuda backend in host memory
+"""The staged transport (``Config.transport``): the symmetric buffer of the cuda backend in host memory
 when some pair of GPUs has no peer access, an IPC handle does not open, or it is asked for.
 
 Host part (runs everywhere, 1 / 2 / 4 ranks): :func:`cupy_symbuf.transport.symbuffer.choose_transport` against Topologies
@@ -6,7 +6,7 @@ built from fake records; ``Config.transport`` and ``CUPY_SYMBUF_TRANSPORT``; and
 construction (choice, agreement, IPC fallback, registration of the real MPI shared-memory window, close) with CuPy
 replaced by a fake CUDA runtime that records every call: the window is real, only the CUDA calls are faked.
 
-GPU part (skipped without a GPU; ``.ci/device_staged.sh`` runs it under ``mpirun -n 2``): a cuda Communicator
+GPU part (skipped without a GPU; ``.ci/device.sh staged`` runs it under ``mpirun -n 2``): a cuda Communicator
 with ``Config(transport="staged")`` against NumPy for alltoall, alltoallv, symmetric sendbufs, MoE dispatch /
 combine, and the automatic fallback when an IPC handle fails to open.
 """
@@ -59,7 +59,7 @@ def _records(gpus, peer, hosts=None):
 
 
 def test_planned_transport_keys_the_tuning_table():
-    """Issue 14, a layout per link class: the tuning table's key carries the transport the topology chooses before
+    """A layout per link class: the tuning table's key carries the transport the topology chooses before
     the buffer exists (``planned_transport``, SymBuffer's rule), so an entry measured over CUDA IPC never sets the
     layout of a staged communicator; IPC keys are what they were (the packaged entries still apply)."""
     from cupy_symbuf.transport import tuning

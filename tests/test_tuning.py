@@ -121,7 +121,7 @@ def test_entry_shape_is_checked(comm, table_path):
 
 
 def test_entry_of_the_staged_transport_applies_to_it_alone(comm, table_path):
-    """cuda keys carry the transport (issue 14: a layout per link class): the staged entry sets a staged
+    """cuda keys carry the transport (a layout per link class): the staged entry sets a staged
     communicator's layout, the IPC entry an IPC one's, and an explicit layout field still wins over both."""
     ipc = tuning.table_key("cuda", 2, "Fake GPU", 1)
     staged = tuning.table_key("cuda", 2, "Fake GPU", 1, "staged")

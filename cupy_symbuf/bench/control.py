@@ -1,4 +1,4 @@
-"""``python -m cupy_symbuf.bench --control``: the control-path table of issue 10 (MoE layout, dispatch / combine
+"""``python -m cupy_symbuf.bench --control``: the control-path table (MoE layout, dispatch / combine
 with and without a handle, 128-token decode batches eager and replayed in CUDA graphs, the low-latency mode,
 alltoall host issue time and the 1 MiB loop), every row with the same method: loop timing (calls back to back
 after one barrier, CUDA events around them, seconds per call, max over ranks), plus host time per issue where the

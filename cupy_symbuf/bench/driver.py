@@ -278,7 +278,7 @@ def _ce_pull(c, x, expected, comm):
     W, me = c.world_size, c.rank
     xs = c.array(x)
     out = cp.empty_like(x)
-    alloc, off = c._heap.find(xs)
+    alloc, off = c.engine.find_symmetric(xs)
     n = x.nbytes // W
     srcs = [p + off + me * n for p in alloc.buffer.peer_ptrs]
     dst = int(out.data.ptr)
@@ -528,7 +528,8 @@ def main(argv=None) -> int:
                   f"chunk={c.config.chunk_bytes} slots={c.config.num_slots} transport={c.transport}"
                   + (f" ({c.transport_reason})" if c.transport == "staged" else ""))
             if c.backend == "cuda":
-                k = c._transport._k_ring
+                tr = c.engine.transport
+                k = tr.ring_kernel
                 try:  # the SMs the ring kernel takes (one block per SM: sender and receiver per channel)
                     sms = int(c.xp.cuda.Device().attributes["MultiProcessorCount"])
                     blocks = 2 * c.layout.num_channels
@@ -536,9 +537,9 @@ def main(argv=None) -> int:
                           f"one GPU (MPS) share them")
                 except Exception as exc:  # pragma: no cover - a report line, never a failure
                     print(f"# SMs used: {2 * c.layout.num_channels} blocks (SM count unknown: {exc})")
-                bulk = c._transport.bulk_smem
+                bulk = tr.bulk_smem
                 print(f"# ring kernel: {k.num_regs} registers/thread, {k.local_size_bytes} B local memory/thread "
-                      f"(spills), {c._transport.threads} threads/block"
+                      f"(spills), {tr.threads} threads/block"
                       + (f", bulk copies (cp.async.bulk) through {bulk // 1024} KiB of shared memory" if bulk else ""))
             if not args.control and args.op in ("alltoall", "dispatch"):
                 print(f"# energy: NVML energy counter, {meter.scope}; idle {meter.idle_w:.1f} W (sampled over "
@@ -650,7 +651,7 @@ def main(argv=None) -> int:
                 profile_stats = (issue_us, pstats.Stats(prof)) if me == 0 else None
             if args.breakdown and c.backend == "cuda":
                 cp = _compat.cupy
-                tr = c._transport
+                tr = c.engine.transport
                 tr.kernel_events = (cp.cuda.Event(), cp.cuda.Event())
                 samples = []
                 for _ in range(args.iters):

@@ -68,7 +68,7 @@ def ll_tokens(args) -> list:
 
 
 def run(c, comm, timer, args) -> list:
-    """Print and return the low-latency rows (JSON dicts like ``_bench_moe``'s, ``op`` ``ll-dispatch`` /
+    """Print and return the low-latency rows (JSON dicts like ``bench/moe.py``'s, ``op`` ``ll-dispatch`` /
     ``ll-combine``) for every :func:`ll_tokens` count; none, with the reason printed on rank 0, where the
     low-latency mode cannot run with these parameters."""
     counts = ll_tokens(args)

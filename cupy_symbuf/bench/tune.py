@@ -49,11 +49,11 @@ def run(comm, timer, args, backend: str, xp) -> int:
     ranks_per_gpu = probe.buffer.ranks_per_gpu
     # the key a later Communicator looks up: the transport planned before its buffer exists (an IPC handle that then
     # fails to open makes the buffer staged, but the lookup was the IPC key's)
-    transport = probe._planned_transport
+    transport = probe.planned_transport
     name, sm_count = "", 132
     if probe.backend == "cuda":
-        from ..transport.symbuffer import _gpu_identity
-        ident = _gpu_identity(probe.buffer.device_id)
+        from ..transport.symbuffer import gpu_identity
+        ident = gpu_identity(probe.buffer.device_id)
         name, sm_count = ident.get("name", ""), ident["sm_count"] or 132
     key = tuning.table_key(probe.backend, W, name, ranks_per_gpu, transport)
     probe.close()

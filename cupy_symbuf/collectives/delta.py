@@ -60,7 +60,6 @@ class DeltaExchange:
     """
 
     def __init__(self, comm, rows: int, hidden: int, *, block: int = 128, refresh: int = 100):
-        from ..transport import agree as _agree
         err = None
         for name, v in (("rows", rows), ("hidden", hidden), ("block", block), ("refresh", refresh)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -68,7 +67,7 @@ class DeltaExchange:
         if err is None and hidden % block:
             err = f"DeltaExchange: hidden ({hidden}) must be a multiple of block ({block})"
         mine = (int(rows), int(hidden), int(block), int(refresh)) if err is None else None
-        everyone = _agree.exchange_all(comm.buffer.comm, (mine, err), comm.config.timeout_s, "DeltaExchange")
+        everyone = comm.buffer.bootstrap.allgather((mine, err), comm.config.timeout_s, "DeltaExchange")
         bad = [(r, e) for r, (_, e) in enumerate(everyone) if e]
         if bad:
             raise ValueError(bad[0][1] if bad[0][0] == comm.rank else f"DeltaExchange: rank {bad[0][0]} rejected "
@@ -96,7 +95,7 @@ class DeltaExchange:
         :class:`~cupy_symbuf.SymBufferRejectedError`, and no rank's copies change). On the GPU each step waits for
         its all-to-all (``synchronize``) before its copies change, so a rejection is seen there too."""
         c, xp = self.comm, self.comm.xp
-        c._check_open()
+        c.engine.check_open()
         W = c.world_size
         shape = (W, self.rows, self.hidden)
         try:  # whatever x is, a rejection is told to the peers (a rank leaving alone puts every later step out of step)
@@ -106,7 +105,7 @@ class DeltaExchange:
             got = f"{type(x).__module__}.{type(x).__name__}, not convertible to an array ({type(exc).__name__}: {exc})"
         if got is not None:
             bad = ValueError(f"DeltaExchange.step: argument 'x' must be float32 of shape {shape}, got {got}")
-            c._engine.reject("alltoall", notify=False)
+            c.engine.reject("alltoall", notify=False)
             raise bad
         full = self.steps % self.refresh == 0
         off_rank = (W - 1) * self.rows * self.hidden

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..wire import protocol as _protocol
+
 __all__ = ["QUANT_BLOCK", "FP8_MAX", "AMAX_FLOOR", "quantize_fp8", "dequantize_fp8", "quantize_fp8_from",
            "dequantize_fp8_to", "fp8_e4m3_to_float32",
            "float32_to_fp8_e4m3", "block_scales", "error_bound", "quantize_int8", "dequantize_int8",
@@ -34,9 +36,12 @@ def _xp(a):
     from ..common import backend as _compat
     return _compat.cupy if _compat.is_cupy_array(a) else np
 
-QUANT_BLOCK = 128
-FP8_MAX = np.float32(448.0)
-AMAX_FLOOR = np.float32(1e-4)
+
+#: Elements per scale, the largest finite e4m3 value and the amax floor: the wire's constants
+#: (``wire/protocol.py`` ``QUANT_*``, generated into the kernels' header).
+QUANT_BLOCK = _protocol.QUANT_BLOCK
+FP8_MAX = np.float32(_protocol.QUANT_FP8_MAX)
+AMAX_FLOOR = np.float32(_protocol.QUANT_AMAX_FLOOR)
 
 
 def float32_to_fp8_e4m3(v: np.ndarray) -> np.ndarray:
@@ -115,12 +120,15 @@ _GPU_KIND = {"float32": ("", 16), "float16": ("_f16", 8), "bfloat16": ("_bf16", 
 _NATURAL = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
-def _gpu_launch(name: str, num_blocks: int, args) -> None:
-    """Run kernel ``name`` of ``cuda_src/quant.cu`` over ``num_blocks`` 128-element blocks on the current stream."""
+def _gpu_launch(name: str, num_blocks: int, **fields) -> None:
+    """Run kernel ``name`` of ``cuda_src/quant.cu`` over ``num_blocks`` 128-element blocks on the current stream;
+    ``fields``: the rest of its argument struct (``QuantArgs`` / ``DequantArgs``, ``wire/kernel_args.py``)."""
     from ..transport import kernels as _kernels
     warps = _GPU_THREADS // 32
     grid = max(1, min(_GPU_MAX_BLOCKS, -(-num_blocks // warps)))
-    _kernels.get_function("quant.cu", name)((grid,), (_GPU_THREADS,), args)
+    launch = _kernels.get_launcher("quant.cu", name)
+    launch.fill(num_blocks=num_blocks, **fields)
+    launch(grid, _GPU_THREADS)
 
 
 def quantize_fp8(xf, ue8m0: bool = False):
@@ -167,7 +175,8 @@ def _gpu_quant(x, kind: str, ue8m0: bool):
     scale = xp.empty(x.shape[:-1] + (x.shape[-1] // QUANT_BLOCK,), np.float32)
     nb = x.size // QUANT_BLOCK
     if nb:
-        _gpu_launch("symbuf_quant_fp8" + suffix, nb, (x, np.int64(nb), np.int32(1 if ue8m0 else 0), q, scale))
+        _gpu_launch("symbuf_quant_fp8" + suffix, nb, x=x.data.ptr, ue8m0=1 if ue8m0 else 0, q=q.data.ptr,
+                    scales=scale.data.ptr)
     return q, scale
 
 
@@ -189,7 +198,8 @@ def _gpu_dequant(q, scales, kind: str):
     out = xp.empty(codes.shape, _NATURAL[kind])  # a fresh allocation: aligned for the kernel's vector stores
     nb = codes.size // QUANT_BLOCK
     if nb:
-        _gpu_launch("symbuf_dequant_fp8" + _GPU_KIND[kind][0], nb, (codes, s, np.int64(nb), out))
+        _gpu_launch("symbuf_dequant_fp8" + _GPU_KIND[kind][0], nb, q=codes.data.ptr, scales=s.data.ptr,
+                    out=out.data.ptr)
     return out
 
 

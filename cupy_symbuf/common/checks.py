@@ -1,17 +1,45 @@
-"""One validation helper for every array argument: array module, device, dtype, shape, counts.
+"""The package's argument checks: integers, arrays (array module, device, dtype, shape, contiguity), counts, outputs.
 
 Every check runs before any collective step, so a rejected call raises on the caller's rank, touches no ring, and
-leaves the communicator usable. Messages name the operation, the argument and the rule.
+leaves the communicator usable. One message style: ``"<op>: argument '<name>' must <rule>, got <value>"`` (the
+operation, the argument, the rule, what was passed). ``TypeError`` for a wrong type, array module, device or dtype;
+``ValueError`` for a wrong value, range, shape or layout.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import backend as _compat
 
-__all__ = ["as_array", "check_counts"]
+__all__ = ["type_name", "check_int", "as_array", "check_array", "check_counts", "check_out"]
+
+
+def type_name(obj) -> str:
+    """``"<module>.<qualname>"`` of ``obj``'s type (e.g. ``"builtins.float"``, ``"numpy.ndarray"``), for messages."""
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def check_int(op: str, name: str, value, *, minimum: Optional[int] = None, maximum: Optional[int] = None,
+              what: str = "") -> int:
+    """Return ``value`` as a Python int after checking it is an integer (Python or NumPy, not a bool) in
+    ``[minimum, maximum]`` (both inclusive; None: unbounded on that side).
+
+    ``what`` names the kind of value in the range message (e.g. ``"a rank"``: "must be a rank in [0, 3]").
+    Raises ``TypeError`` (not an integer) or ``ValueError`` (out of range), naming ``op`` and ``name``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: argument '{name}' must be an int, got {type_name(value)}")
+    v = int(value)
+    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+        if minimum is not None and maximum is not None:
+            rule = f"in [{minimum}, {maximum}]"
+        else:
+            rule = f">= {minimum}" if minimum is not None else f"<= {maximum}"
+        raise ValueError(f"{op}: argument '{name}' must be {what + ' ' if what else ''}{rule}, got {v}")
+    return v
 
 
 def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Optional[int] = None,
@@ -64,6 +92,43 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
     if contiguous:  # after the ndim checks: ascontiguousarray turns a 0-d array into 1-d
         x = cp.ascontiguousarray(x) if backend == "cuda" else np.ascontiguousarray(x)
     return x
+
+
+def check_array(op: str, name: str, a, backend: str, *,
+                dims: Optional[Tuple[Tuple[str, Optional[int]], ...]] = None, dtypes: Optional[Sequence] = None,
+                c_contiguous: bool = False):
+    """Return ``a`` as an array of the backend (:func:`as_array`: NumPy on the host, CuPy on this GPU, DLPack
+    tensors imported zero-copy; strides kept, never copied) after checking its shape, dtype and layout.
+
+    ``dims``: one ``(label, size)`` per axis, ``size`` None when any size is allowed, e.g.
+    ``(("num_tokens", 128), ("num_topk", None))``; ``dtypes``: the allowed dtypes (the first is the preferred one
+    in the message); ``c_contiguous``: the array must be C-contiguous (it is written or read in place as whole rows).
+    Raises ``TypeError`` (array module, device, dtype) or ``ValueError`` (number of axes, sizes, layout), naming
+    ``op`` and ``name``.
+    """
+    a = as_array(op, name, a, backend, min_ndim=0, contiguous=False)
+    if dims is not None:
+        shape = a.shape
+        if not (len(shape) == len(dims) and all(size is None or shape[i] == size
+                                                for i, (_, size) in enumerate(dims))):
+            _raise_dims(op, name, shape, dims)
+    if dtypes is not None and a.dtype not in dtypes:
+        allowed = " or ".join(str(np.dtype(d)) for d in dtypes)
+        raise TypeError(f"{op}: argument '{name}' must be {allowed}, got dtype {a.dtype}")
+    if c_contiguous and not a.flags.c_contiguous:
+        raise ValueError(f"{op}: argument '{name}' must be C-contiguous (whole rows are read or written in place), "
+                         f"got strides {a.strides}")
+    return a
+
+
+def _raise_dims(op: str, name: str, shape, dims) -> None:
+    spec = "[" + ", ".join(label for label, _ in dims) + "]"
+    if len(shape) != len(dims):
+        raise ValueError(f"{op}: argument '{name}' must be {len(dims)}-D {spec}, got shape {tuple(shape)}")
+    for axis, (label, size) in enumerate(dims):
+        if size is not None and shape[axis] != size:
+            raise ValueError(f"{op}: argument '{name}' must have shape {spec} with {label} = {size}, got shape "
+                             f"{tuple(shape)} (axis {axis} is {shape[axis]})")
 
 
 def check_counts(op: str, name: str, counts, world_size: int, total: Optional[int] = None) -> np.ndarray:

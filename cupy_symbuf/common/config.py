@@ -59,9 +59,11 @@ def _env_transport() -> str:
     return value
 
 
-def _env_abort_default() -> bool:
-    from ..transport.lifecycle import env_abort_default
-    return env_abort_default()
+def env_abort_default() -> bool:
+    """``CUPY_SYMBUF_ABORT_ON_FAILURE``: unset, empty or anything but "0"/"false"/"no"/"off" means on (the default
+    of ``Config.abort_on_failure``, and the policy of failures that belong to no communicator)."""
+    value = os.environ.get("CUPY_SYMBUF_ABORT_ON_FAILURE", "").strip().lower()
+    return value not in ("0", "false", "no", "off")
 
 
 def _is_int(value) -> bool:
@@ -184,7 +186,7 @@ class Config:
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("CUPY_SYMBUF_TIMEOUT_S", 30.0))
     max_notify_ints: int = 1024
     blocking: bool = False
-    abort_on_failure: bool = dataclasses.field(default_factory=_env_abort_default)
+    abort_on_failure: bool = dataclasses.field(default_factory=env_abort_default)
     mode: str = "auto"
     trace: bool = False
     adaptive: bool = False

@@ -404,7 +404,7 @@ class Buffer:
         ``async_op``), and either make the current stream wait or return the event. Returns
         ``(result, EventOverlap)``."""
         comm = self.communicator
-        comm._check_open()
+        comm.engine.check_open()
         try:
             async_finish = check_flag(op, "async_finish", async_finish)
             allocate_on_comm_stream = check_flag(op, "allocate_on_comm_stream", allocate_on_comm_stream)

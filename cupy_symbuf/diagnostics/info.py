@@ -35,12 +35,12 @@ def _gpus() -> dict:
     if not out["available"]:
         return out
     cp = _compat.cupy
-    from ..transport.symbuffer import _gpu_identity
+    from ..transport.symbuffer import gpu_identity
     rt = cp.cuda.runtime
     n = rt.getDeviceCount()
     devices = []
     for d in range(n):
-        ident = _gpu_identity(d)
+        ident = gpu_identity(d)
         with cp.cuda.Device(d):
             free, total = rt.memGetInfo()
         devices.append(dict(ident, ordinal=d, memory_total_bytes=int(total), memory_free_bytes=int(free)))
@@ -91,7 +91,7 @@ def info() -> dict:
     piece: it says what is missing instead."""
     from mpi4py import MPI
 
-    from .. import __version__
+    from ..common.version import __version__
     from ..transport import cma as _cma
     from ..wire import protocol as _protocol
     from ..transport import tuning
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
         with Communicator(comm, config, backend=args.backend) as c:
             report["communicator"] = {"backend": c.backend, "world_size": c.world_size,
                                       "transport": c.transport, "transport_reason": c.transport_reason,
-                                      "cross_memory_attach_between_ranks": getattr(c._transport, "cma_pids", None)
+                                      "cross_memory_attach_between_ranks": getattr(c.engine.transport, "cma_pids", None)
                                       is not None, "describe": c.describe()}
     if comm.Get_rank() == 0:
         if args.json:

@@ -95,12 +95,12 @@ class _rejecting:
         self.comm, self.op, self.notify = comm, op, notify
 
     def __enter__(self):
-        self.comm._check_open()
+        self.comm.engine.check_open()
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:
-            self.comm._engine.reject(self.op, notify=self.notify)
+            self.comm.engine.reject(self.op, notify=self.notify)
         return False
 
 

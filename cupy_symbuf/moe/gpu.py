@@ -34,11 +34,6 @@ CT = P.CT_WORDS
 MAX_EXPERTS = 8192
 
 
-_LAYOUT_TYPES = ("u64", "i64", "i32", "i32", "i32") + ("u64",) * 8
-_FIXUP_TYPES = ("u64", "u64", "i64", "i32", "i64", "i32", "u64", "u64", "u64", "i64")
-_REDUCE_TYPES = ("u64", "u64", "u64", "i64", "i64", "i32", "i32", "u64", "i64", "u64", "i32")
-
-
 def _ptr(a) -> int:
     """Device address of an array, an address given as an int, or 0 for None."""
     if a is None:
@@ -46,13 +41,13 @@ def _ptr(a) -> int:
     return a if isinstance(a, int) else a.data.ptr
 
 
-def _launcher(eng, name: str, types: tuple):
-    """The engine's cached :class:`~cupy_symbuf.transport.kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU is fixed:
-    no device lookup per call)."""
+def _launcher(eng, name: str):
+    """The engine's cached :class:`~cupy_symbuf.transport.kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU
+    is fixed: no device lookup per call; its argument struct: ``wire/kernel_args.py`` ``KERNELS[name]``)."""
     cache = eng.__dict__.setdefault("_moe_launchers", {})
     fn = cache.get(name)
     if fn is None:
-        fn = cache[name] = _kernels.get_launcher(SOURCE, name, types)
+        fn = cache[name] = _kernels.get_launcher(SOURCE, name)
     return fn
 
 
@@ -68,9 +63,11 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     W = eng.world_size
     threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
     sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
-    _launcher(eng, LAYOUT_KERNEL, _LAYOUT_TYPES)(
-        1, threads, (idx.data.ptr, n, k, num_experts, W, _ptr(per_rank), _ptr(per_expert), _ptr(in_rank),
-                     _ptr(meta), _ptr(bad), sticky_ptr, _ptr(pos), _ptr(send_idx)), shared_mem=4 * num_experts)
+    launch = _launcher(eng, LAYOUT_KERNEL)
+    launch.fill(idx=idx.data.ptr, num_tokens=n, num_topk=k, num_experts=num_experts, world_size=W,
+                per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), in_rank=_ptr(in_rank), meta=_ptr(meta),
+                bad=_ptr(bad), bad_sticky=sticky_ptr, pos=_ptr(pos), send_idx=_ptr(send_idx))
+    launch(1, threads, shared_mem=4 * num_experts)
 
 
 def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_rows=None, table_ptr: int = 0,
@@ -88,10 +85,11 @@ def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_ro
     vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 and self_ptr % 16 == 0 and \
         (self_stride * item) % 16 == 0  # 16 bytes per load
     lanes = row // 16 if vec else hidden
-    _kernels.get_launcher(SOURCE, kernel, _REDUCE_TYPES)(
-        min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)),
-        (back.data.ptr, pos.data.ptr, out.data.ptr, num_tokens, hidden, pos.shape[1], 1 if vec else 0, self_ptr,
-         self_stride, table_ptr, rank))
+    launch = _kernels.get_launcher(SOURCE, kernel)
+    launch.fill(back=back.data.ptr, pos=pos.data.ptr, out=out.data.ptr, num_tokens=num_tokens, hidden=hidden,
+                world_size=pos.shape[1], vec=1 if vec else 0, self_rows=self_ptr, self_stride=self_stride,
+                table=table_ptr, rank=rank)
+    launch(min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)))
 
 
 def get_dispatch_layout(eng, op: str, idx, num_experts: int):
@@ -173,6 +171,8 @@ def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out
     if n == 0 and counts_out is None:
         return
     grid = max(1, min(1024, (n + 255) // 256))
-    _launcher(eng, FIXUP_KERNEL, _FIXUP_TYPES)(
-        grid, 256, (gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, gidx.shape[1], eng.rank * epr, epr,
-                    table_ptr, _ptr(sums), _ptr(counts_out), align))
+    launch = _launcher(eng, FIXUP_KERNEL)
+    launch.fill(gidx=gidx.data.ptr if n else 0, w=_ptr(w) if n else 0, rows=rows, num_topk=gidx.shape[1],
+                first_expert=eng.rank * epr, epr=epr, table=table_ptr, sums=_ptr(sums), counts_out=_ptr(counts_out),
+                align=align)
+    launch(grid, 256)

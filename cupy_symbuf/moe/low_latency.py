@@ -41,7 +41,7 @@ Design (decided and measured: ``docs/perf-notes.md``, "low-latency mode")
   the communicator's one error record and are numbered by its launch ledger (``transport/status.py``), so a
   failure is decoded and named exactly as a ring kernel's.
 * Host cost per call (GPU): the first call of each shape (shapes, dtypes, fp8 options) is validated in full and
-  builds the kernel's parameter blocks (one per output set); later calls with CuPy arrays of that shape,
+  builds the kernel's argument structs (one per output set); later calls with CuPy arrays of that shape,
   C-contiguous on this GPU, check only those attributes, write the input addresses and the launch number into the
   block and call ``cuLaunchKernel`` (no allocation; the outputs and their views are the preallocated ones). Other
   inputs (PyTorch tensors, non-contiguous or int32 ``topk_idx``) take the validating path every call.
@@ -83,10 +83,11 @@ import numpy as np
 
 from ..transport import agree as _agree
 from ..common import backend as _compat
+from ..wire import kernel_args as _kernel_args
 from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..collectives import quant as _quant
-from ..common.checks import as_array
+from ..common.checks import as_array, check_int
 from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTimeoutError, mismatch_error
 from ..transport.symbuffer import SymBuffer
 
@@ -94,35 +95,26 @@ __all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISP
            "LL_SOURCE"]
 
 LL_SOURCE = "low_latency.cu"
-#: Kernel argument words (int64, by value), in the order of ``struct LLDispatchArgs`` / ``LLCombineArgs``.
-LL_DISPATCH_FIELDS = ("x", "x_stride", "topk", "n", "k", "ll_bases", "half0", "half_bytes", "flags_off", "meta_off",
-                      "rows_off", "row_bytes", "N", "H", "L", "W", "rank", "use_fp8", "ue8m0", "kind", "sig",
-                      "recv_x", "recv_scales", "recv_count", "src_info", "layout_range", "inv", "recv_ntok",
-                      "status", "comm_bases", "abort_offset", "timeout_ns", "launch_seq", "ctrl", "grid",
-                      "prof")
-LL_COMBINE_FIELDS = ("x", "topk", "weights", "n", "k", "inv", "recv_ntok", "ll_bases", "half0", "half_bytes",
-                     "wflags_off", "weights_off", "pflags_off", "prows_off", "row_bytes", "N", "H", "L", "W", "rank",
-                     "kind", "sig", "out", "status", "comm_bases", "abort_offset", "timeout_ns", "launch_seq",
-                     "ctrl", "grid", "prof")
+#: The kernels' argument structs (``wire/kernel_args.py``: ``LLDispatchArgs`` / ``LLCombineArgs``, int64 words by
+#: value) and their field names in order.
+_STRUCTS = ("LLDispatchArgs", "LLCombineArgs")
+LL_DISPATCH_FIELDS = _kernel_args.fields(_STRUCTS[0])
+LL_COMBINE_FIELDS = _kernel_args.fields(_STRUCTS[1])
 _THREADS = 512
 _LINE = P.LINE_BYTES
-_KINDS = {_dt.BFLOAT16: 0, _dt.FLOAT16: 1, _dt.FLOAT32: 2}
+_KINDS = {_dt.BFLOAT16: P.LL_KIND_BF16, _dt.FLOAT16: P.LL_KIND_F16, _dt.FLOAT32: P.LL_KIND_F32}
 _ITEMSIZE = {_dt.BFLOAT16: 2, _dt.FLOAT16: 2, _dt.FLOAT32: 4}
 #: ctrl words (u64) of each kind's ctrl line on the host path: the sequence number (calls completed). (The
-#: kernels count the blocks that left in word 2 instead: seq = that count / grid + 1.)
+#: kernels count the blocks that left in word LL_CTRL_EXIT instead: seq = that count / grid + 1.)
 _CTRL_SEQ = 0
 _OPS = ("low_latency_dispatch", "low_latency_combine")
 #: the n of a rejected call: in its kernel arguments and in the flag lines it publishes
 _REJECTED = P.LL_REJECTED
-#: the words of a parameter block rewritten per call (the input addresses, the launch number)
-_D_X, _D_TOPK, _D_SEQ = (LL_DISPATCH_FIELDS.index(f) for f in ("x", "topk", "launch_seq"))
-_C_X, _C_TOPK, _C_W, _C_INV, _C_NTOK, _C_SEQ = (LL_COMBINE_FIELDS.index(f) for f in (
-    "x", "topk", "weights", "inv", "recv_ntok", "launch_seq"))
 
 
 class _Entry:
-    """Prebuilt kernel parameter blocks (int64 words) of one call shape, one per output set, and the outputs the
-    calls return."""
+    """Prebuilt kernel arguments (``ctypes`` structs of ``wire/kernel_args.py``) of one call shape, one per output
+    set, and the outputs the calls return."""
 
     __slots__ = ("which", "fn", "smem", "args", "ptrs", "params", "outs", "n", "K", "use_fp8")
 
@@ -132,8 +124,8 @@ class _Entry:
         self.n = self.K = 0
         self.use_fp8 = False
 
-    def add(self, a: np.ndarray) -> None:
-        ptrs = (ctypes.c_void_p * 1)(a.ctypes.data)
+    def add(self, a: ctypes.Structure) -> None:
+        ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self.args.append(a)
         self.ptrs.append(ptrs)
         self.params.append(ctypes.addressof(ptrs))
@@ -162,16 +154,6 @@ def _layout(W: int, N: int, H: int, itemsize: int, K: int) -> dict:
 
 def _kind_of(dtype) -> Optional[str]:
     return _dt.float_kind(dtype, raw_uint16=_dt.BFLOAT16)
-
-
-def _check_int(op: str, name: str, v, lo: int, hi: Optional[int] = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{op}: {name} must be an int, got {type(v).__name__}")
-    v = int(v)
-    if v < lo or (hi is not None and v > hi):
-        rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{op}: {name} must be {rule}, got {v}")
-    return v
 
 
 class LowLatencyHandle:
@@ -242,17 +224,18 @@ class LowLatencyBuffer:
                  dtype="bfloat16", max_topk: int = 16, num_blocks: Optional[int] = None):
         op = "LowLatencyBuffer"
         self._closed = True
-        from ..communicator import Communicator
-        if not isinstance(comm, Communicator):
+        engine = getattr(comm, "engine", None)  # the communicator's seam (transport/engine.py Engine)
+        if engine is None or not callable(getattr(engine, "check_open", None)):
             raise TypeError(f"{op}: comm must be a cupy_symbuf.Communicator, got {type(comm).__name__}")
-        comm._check_open()
+        engine.check_open()
         W = comm.world_size
         err = None
         try:
-            N = _check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1, 4096)
-            H = _check_int(op, "hidden", hidden, 1)
-            E = _check_int(op, "num_experts", num_experts, 1)
-            K = _check_int(op, "max_topk", max_topk, 1, 32)
+            N = check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1,
+                          maximum=4096)
+            H = check_int(op, "hidden", hidden, minimum=1)
+            E = check_int(op, "num_experts", num_experts, minimum=1)
+            K = check_int(op, "max_topk", max_topk, minimum=1, maximum=32)
             kind = _kind_of(dtype)
             if kind not in _KINDS:
                 raise TypeError(f"{op}: dtype must be bfloat16, float16 or float32, got {dtype!r}")
@@ -267,7 +250,7 @@ class LowLatencyBuffer:
                 raise ValueError(f"{op}: num_experts * ceil(N / 32) too large for the receive masks ({smem} bytes "
                                  f"of shared memory > 49152): lower num_max_dispatch_tokens_per_rank or num_experts")
             if num_blocks is not None:
-                num_blocks = _check_int(op, "num_blocks", num_blocks, 1, 1024)
+                num_blocks = check_int(op, "num_blocks", num_blocks, minimum=1, maximum=1024)
         except (TypeError, ValueError) as exc:
             err = exc
         mpi = comm.buffer.comm
@@ -281,6 +264,9 @@ class LowLatencyBuffer:
               "num_blocks": num_blocks}
         _agree.check_agreement(_agree.exchange_all(mpi, fp, timeout, f"{op} construction (parameters)"), op)
         self.comm = comm
+        #: the communicator's engine: its lifecycle (check_open, broken, mark_broken) and its transport (abort word,
+        #: error record and launch ledger)
+        self._engine = engine
         self.rank, self.world_size, self.backend = comm.rank, W, comm.backend
         self.xp = comm.xp
         self.num_max_dispatch_tokens_per_rank = self.N = N
@@ -356,7 +342,7 @@ class LowLatencyBuffer:
             raise SymBufferError("LowLatencyBuffer is closed")
         if self._broken:
             raise SymBufferError(f"LowLatencyBuffer is unusable after an earlier failure: {self._broken}")
-        self.comm._check_open()
+        self._engine.check_open()
 
     def _failed(self, exc: BaseException) -> None:
         """``exc`` (any exception, KeyboardInterrupt too) ended a call after it started moving data: this buffer
@@ -368,11 +354,10 @@ class LowLatencyBuffer:
         self._broken = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, SymBufferError):
             try:
-                self.comm._transport.set_abort(P.ERR_LOCAL)
+                self._engine.transport.set_abort(P.ERR_LOCAL)
             except Exception:  # pragma: no cover - the original error matters more
                 pass
-        if not getattr(self.comm, "_broken", None):
-            self.comm._broken = f"low-latency mode: {self._broken}"
+        self._engine.mark_broken(f"low-latency mode: {self._broken}")
 
     def _tell_rejected(self, which: int) -> None:
         """This rank rejected its call of kind ``which`` (0 dispatch, 1 combine) before anything moved (any
@@ -380,7 +365,7 @@ class LowLatencyBuffer:
         raise :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank) and every rank stays at the same
         call. The caller re-raises its own error. Nothing to tell on one rank or on a closed / failed buffer; a
         failure while telling is raised instead (the buffer is then unusable)."""
-        if self._closed or self._broken or getattr(self.comm, "_broken", None) or self.world_size == 1:
+        if self._closed or self._broken or self._engine.broken or self.world_size == 1:
             return
         try:
             if self.backend == "cuda":
@@ -403,14 +388,14 @@ class LowLatencyBuffer:
         self.grid = min(grids)  # every rank the same grid (counters compare against seq * grid)
         #: the communicator's error record and launch ledger (transport/status.py): the kernels write the record,
         #: their launches are numbered among the communicator's, and one decoder raises what they recorded
-        self._status = self.comm._transport.status
+        self._status = self._engine.transport.status
         self._number_launch = self._status.ledger.next  # (bound once: the hot path's one call into the ledger)
         self._ctrl_ptr = self.buffer.local_ptr
         self._k = [_kernels.get_function(LL_SOURCE, "symbuf_ll_dispatch"),
                    _kernels.get_function(LL_SOURCE, "symbuf_ll_combine")]
         self._smem = [smem, 0]
-        self._args = [np.zeros(len(LL_DISPATCH_FIELDS), np.int64), np.zeros(len(LL_COMBINE_FIELDS), np.int64)]
-        self._idx = [{f: i for i, f in enumerate(LL_DISPATCH_FIELDS)}, {f: i for i, f in enumerate(LL_COMBINE_FIELDS)}]
+        self._args = [_kernel_args.host_struct(name)() for name in _STRUCTS]
+        self._idx = [frozenset(LL_DISPATCH_FIELDS), frozenset(LL_COMBINE_FIELDS)]
         W, N = self.world_size, self.N
         common = {"ll_bases": self.buffer.peer_ptrs_device.data.ptr, "N": N, "H": self.H, "L": self.L, "W": W,
                   "rank": self.rank, "kind": _KINDS[self.kind], "status": self._status.ptr,
@@ -422,9 +407,9 @@ class LowLatencyBuffer:
         self._put(1, self._args[1], half0=self.c0, half_bytes=self.c_half, wflags_off=self.c_wflags,
                   weights_off=self.c_weights, pflags_off=self.c_pflags, prows_off=self.c_prows,
                   ctrl=self._ctrl_ptr + _LINE, **common)
-        # Hot path (see _issue): the kernel parameter block of every (call kind, argument shapes, output set) is
+        # Hot path (see _issue): the kernel argument struct of every (call kind, argument shapes, output set) is
         # built once (_Entry); a call rewrites only its input addresses and launch number, then cuLaunchKernel
-        # (the driver copies the block at launch, so it may be rewritten while the launch is queued).
+        # (the driver copies the struct at launch, so it may be rewritten while the launch is queued).
         self._fns = [int(k.kernel.ptr) for k in self._k]
         self._launch_kernel = driver.launchKernel
         self._get_stream = cp.cuda.get_current_stream
@@ -436,22 +421,23 @@ class LowLatencyBuffer:
         self._hsets = [(s["recv_count"], s["src_info"], s["layout_range"], s["recv_ntok"], s["inv"]) for s in self._sets]
         self._hptrs = [(s["inv"].data.ptr, s["recv_ntok"].data.ptr) for s in self._sets]
         self._prof = 0
-        self._rejected_entries = [None, None]  # the parameter block of a rejected call, per kind (_issue_rejected)
+        self._rejected_entries = [None, None]  # the argument struct of a rejected call, per kind (_issue_rejected)
         cp.cuda.runtime.deviceSynchronize()
 
-    def _put(self, which: int, a: np.ndarray, **kw) -> None:
-        idx = self._idx[which]
+    def _put(self, which: int, a: ctypes.Structure, **kw) -> None:
+        """Write the fields of ``kw`` that struct ``which`` has (the others are the other kind's)."""
+        names = self._idx[which]
         for k, v in kw.items():
-            if k in idx:
-                a[idx[k]] = int(v)
+            if k in names:
+                setattr(a, k, int(v))
 
     def _entry(self, which: int, key: tuple, **kw) -> "_Entry":
-        """The prebuilt parameter blocks of one call shape (both output sets), made on first use."""
+        """The prebuilt argument structs of one call shape (both output sets), made on first use."""
         ent = self._entries[which].get(key)
         if ent is None:
             ent = _Entry(which, self._fns[which], self._smem[which])
             for p in (0, 1):
-                a = self._args[which].copy()
+                a = type(self._args[which]).from_buffer_copy(self._args[which])
                 self._put(which, a, prof=self._prof, **kw)
                 self._put(which, a, **self._set_words(which, p, kw))
                 ent.add(a)
@@ -475,31 +461,30 @@ class LowLatencyBuffer:
                 and given.shape == checked.shape and given.data.ptr == checked.data.ptr)
 
     def _set_profile(self, ptr: int) -> None:
-        """Point every parameter block's ``prof`` word at a device array ``u64 [grid][8]`` (0: off)."""
+        """Point every argument struct's ``prof`` word at a device array ``u64 [grid][LL_PROF_STAMPS]`` (0: off)."""
         self._prof = int(ptr)
         for which in (0, 1):
-            i = self._idx[which]["prof"]
-            self._args[which][i] = self._prof
+            self._args[which].prof = self._prof
             rejected = self._rejected_entries[which]
             for ent in list(self._entries[which].values()) + ([rejected] if rejected is not None else []):
                 for a in ent.args:
-                    a[i] = self._prof
+                    a.prof = self._prof
 
     def _issue_dispatch(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int) -> None:
         a = ent.args[p]
-        a[_D_X] = x_ptr
-        a[_D_TOPK] = topk_ptr
-        self._issue(ent, p, a, _D_SEQ, _OPS[0])
+        a.x = x_ptr
+        a.topk = topk_ptr
+        self._issue(ent, p, a, _OPS[0])
 
     def _issue_combine(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, w_ptr: int, inv_ptr: int,
                        ntok_ptr: int) -> None:
         a = ent.args[p]
-        a[_C_X] = x_ptr
-        a[_C_TOPK] = topk_ptr
-        a[_C_W] = w_ptr
-        a[_C_INV] = inv_ptr
-        a[_C_NTOK] = ntok_ptr
-        self._issue(ent, p, a, _C_SEQ, _OPS[1])
+        a.x = x_ptr
+        a.topk = topk_ptr
+        a.weights = w_ptr
+        a.inv = inv_ptr
+        a.recv_ntok = ntok_ptr
+        self._issue(ent, p, a, _OPS[1])
 
     def _issue_rejected(self, which: int) -> None:
         """Launch the kernel of kind ``which`` as a call this rank rejected (``n = LL_REJECTED``, no inputs): it
@@ -507,7 +492,7 @@ class LowLatencyBuffer:
         ent = self._rejected_entries[which]
         if ent is None:
             ent = _Entry(which, self._fns[which], self._smem[which])
-            a = self._args[which].copy()
+            a = type(self._args[which]).from_buffer_copy(self._args[which])
             self._put(which, a, prof=self._prof, n=_REJECTED, k=1, sig=0)
             if which == 0:
                 self._put(which, a, **self._set_words(0, 0, {}))
@@ -516,13 +501,13 @@ class LowLatencyBuffer:
                           recv_ntok=self._sets[0]["recv_ntok"].data.ptr)
             ent.add(a)
             self._rejected_entries[which] = ent
-        self._issue(ent, 0, ent.args[0], _C_SEQ if which else _D_SEQ, _OPS[which], rejecting=True)
+        self._issue(ent, 0, ent.args[0], _OPS[which], rejecting=True)
 
-    def _issue(self, ent: "_Entry", p: int, a: np.ndarray, seq_word: int, op: str, rejecting: bool = False) -> None:
-        """Number the launch (for the error record) and launch ``ent``'s parameter block ``p`` on the current
-        stream. With ``Config(blocking=True)`` wait for it and raise its failure, or (unless this rank is
+    def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str, rejecting: bool = False) -> None:
+        """Number the launch (for the error record) and launch ``ent``'s argument struct ``p`` (``a``) on the
+        current stream. With ``Config(blocking=True)`` wait for it and raise its failure, or (unless this rank is
         ``rejecting`` the call: it raises its own error) a peer's rejection."""
-        a[seq_word] = self._number_launch(op)
+        a.launch_seq = self._number_launch(op)
         stream = self._get_stream()
         self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
         if self.comm.config.blocking:
@@ -564,8 +549,12 @@ class LowLatencyBuffer:
         a = as_array(op, name, x, self.backend)
         kind = _kind_of(a.dtype)
         if kind != self.kind:
-            raise TypeError(f"{op}: {name} must have this buffer's dtype ({self.kind}"
-                            f"{'; raw uint16 bits accepted' if self.kind == _dt.BFLOAT16 else ''}), got {a.dtype}")
+            raw = "; raw uint16 bits accepted" if self.kind == _dt.BFLOAT16 else ""
+            how = f"create the buffer with LowLatencyBuffer(..., dtype={kind!r}) or pass {self.kind} rows" \
+                if kind in _KINDS else \
+                f"pass {self.kind} rows (LowLatencyBuffer(..., dtype=...) takes bfloat16, float16 or float32)"
+            raise TypeError(f"{op}: {name} must have this buffer's dtype ({self.kind}{raw}), got {a.dtype}: the "
+                            f"buffer's dtype is fixed when it is made; {how}")
         if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
             spec = tuple("n" if w is None else w for w in shape)
             raise ValueError(f"{op}: {name} must have shape {spec}, got {tuple(a.shape)}")
@@ -640,7 +629,7 @@ class LowLatencyBuffer:
             if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
                     and x._c_contiguous and topk_idx._c_contiguous and x.data.device_id == self._dev
                     and topk_idx.data.device_id == self._dev):
-                self.comm._check_open()
+                self._engine.check_open()
                 call = self._dispatch_calls
                 p = call & 1
                 try:
@@ -760,7 +749,7 @@ class LowLatencyBuffer:
                     and ent.n == handle.num_tokens and ent.K == handle.num_topk and x._c_contiguous
                     and topk_idx._c_contiguous and topk_weights._c_contiguous and x.data.device_id == self._dev
                     and topk_idx.data.device_id == self._dev and topk_weights.data.device_id == self._dev):
-                self.comm._check_open()
+                self._engine.check_open()
                 call = self._combine_calls
                 p = call & 1
                 hp = self._hptrs[handle.call & 1]
@@ -837,16 +826,16 @@ class LowLatencyBuffer:
         return self._views[r][off: off + 8 * n].view(np.uint64)
 
     def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: Optional[int]) -> int:
-        """Bounded wait for ``line[0] == seq`` (the communicator's abort word polled); returns the line's n word
+        """Bounded wait for ``line[LL_LINE_SEQ] == seq`` (the communicator's abort word polled); returns the line's n word
         (``_REJECTED``: ``peer`` rejected the call). A line not marked rejected must carry ``sig`` (None: not
         checked)."""
-        tr = self.comm._transport
+        tr = self._engine.transport
         sync = self.buffer.sync
         start = time.monotonic()
         spins = 0
         while True:
             sync()
-            v = int(line[0])
+            v = int(line[P.LL_LINE_SEQ])
             if v == seq:
                 break
             if v > seq:
@@ -860,7 +849,7 @@ class LowLatencyBuffer:
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)
         words = line.view(np.int64)
-        ns, got = int(words[1]), int(words[2])
+        ns, got = int(words[P.LL_LINE_N]), int(words[P.LL_LINE_SIG])
         if ns != _REJECTED and sig is not None and got != sig:
             tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SIG)
             raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SIG, sig, got)
@@ -877,7 +866,7 @@ class LowLatencyBuffer:
         """The host twin of a rejected launch: this rank's flag lines of the call marked rejected (no payload),
         then every source's line awaited (so the halves stay free as for any call), the sequence advanced."""
         op, me = _OPS[which], self.rank
-        self.comm._transport.check_abort(op)
+        self._engine.transport.check_abort(op)
         ctrl = self._u64(me, which * _LINE, 3)
         seq = int(ctrl[_CTRL_SEQ]) + 1
         flags = self.d0 + (seq & 1) * self.d_half + self.d_flags if which == 0 else \
@@ -892,15 +881,15 @@ class LowLatencyBuffer:
         self.buffer.sync()
         for d in range(self.world_size):
             line = self._u64(d, off + self.rank * _LINE, 3).view(np.int64)
-            line[1], line[2] = n, sig
+            line[P.LL_LINE_N], line[P.LL_LINE_SIG] = n, sig
         self.buffer.sync()
         for d in range(self.world_size):
-            self._u64(d, off + self.rank * _LINE)[0] = seq
+            self._u64(d, off + self.rank * _LINE)[P.LL_LINE_SEQ] = seq
         self.buffer.sync()
 
     def _host_dispatch(self, op, x, topk, n, K, use_fp8, ue8m0, sig, s) -> None:
         W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
-        self.comm._transport.check_abort(op)
+        self._engine.transport.check_abort(op)
         ctrl = self._u64(me, 0, 3)
         seq = int(ctrl[_CTRL_SEQ]) + 1
         half = self.d0 + (seq & 1) * self.d_half
@@ -927,7 +916,7 @@ class LowLatencyBuffer:
             if ns == _REJECTED:
                 rejecting.append(src)
             elif not 0 <= ns <= N:
-                self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
+                self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, N, ns)
             else:
                 ntok[src] = ns
@@ -978,7 +967,7 @@ class LowLatencyBuffer:
 
     def _host_combine(self, op, x, topk, w, n, K, handle, sig, out) -> None:
         W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
-        self.comm._transport.check_abort(op)
+        self._engine.transport.check_abort(op)
         ctrl = self._u64(me, _LINE, 3)
         seq = int(ctrl[_CTRL_SEQ]) + 1
         half = self.c0 + (seq & 1) * self.c_half
@@ -994,7 +983,7 @@ class LowLatencyBuffer:
             if ns == _REJECTED:
                 rejecting.append(src)
             elif ns != int(ntok[src]):
-                self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
+                self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
         if rejecting:  # decided alike on every rank before any partial is sent
             ctrl[_CTRL_SEQ] = seq
@@ -1046,7 +1035,7 @@ def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -
     cross-rank numbers mix clocks)."""
     cp = _compat.cupy
     out = {}
-    bufs = cp.zeros((iters, ll.grid, 8), np.uint64)
+    bufs = cp.zeros((iters, ll.grid, P.LL_PROF_STAMPS), np.uint64)
     for name, call in (("dispatch", d_call), ("combine", c_call)):
         fresh_handle()
         bufs[...] = 0
@@ -1059,7 +1048,7 @@ def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -
             ll._set_profile(0)
             stream.synchronize()
             ll.synchronize()
-        st = bufs.get().astype(np.int64)                       # [iters, grid, 8] ns
+        st = bufs.get().astype(np.int64)                       # [iters, grid, LL_PROF_STAMPS] ns
         starts = st[:, :, 0].min(axis=1)                        # per call: earliest block start of this rank
         ends = st[:, :, 1:5].max(axis=1)                        # per call: latest block at each phase end
         allv = mpi.allgather((starts, ends))

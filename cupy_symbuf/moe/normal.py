@@ -47,33 +47,30 @@ Errors
 Every argument is validated before the first collective step, so a rejected call (made on every rank, as the
 collective contract requires) leaves the communicator usable. ``TypeError``: wrong array module for the backend,
 wrong dtype, a handle that is not a :class:`DispatchHandle`. ``ValueError``: shapes, ranges, divisibility, a
-handle from another communicator. Messages name the operation, the argument and the rule.
+handle from another communicator. Messages name the operation, the argument and the rule (the checks are
+:mod:`cupy_symbuf.moe.checks` and :mod:`cupy_symbuf.common.checks`).
 """
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
 from . import gpu as _moe_cuda
+from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_device_experts, check_expert_alignment, check_handle,
+                     check_num_experts, check_topk_idx, check_weights, check_x, combine_kind, row_bytes,
+                     topk_value_error)
+from .routing import align_counts, token_layout
+from ..collectives import wire_dtype as _wire
 from ..wire import protocol as P
 from ..common import dtypes as _dt
-from ..common.checks import as_array, check_out
+from ..common.checks import check_array, check_int, check_out
 from ..common.errors import SymBufferMismatchError
 from ..wire.channel_layout import check_row_fits
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
-
-#: Elements of ``x`` per fp8 scale: ``scales`` is ``[num_tokens, hidden // FP8_BLOCK]`` (DeepEP's 1x128 blocks).
-FP8_BLOCK = 128
-
-#: Extra int64 columns of the dispatch count exchange besides the per-expert counts:
-#: ``[num_tokens_to_rank, per-local-expert counts...]`` (the row layout travels as the notify signature).
-_NOTIFY_EXTRA = 1
-
-_DEFAULT_MAX_NOTIFY_INTS = 1024
 
 
 # ------------------------------------------------------------------------------------------------ handle
@@ -190,7 +187,7 @@ class DispatchHandle:
             raw = self.routing.sums[1:1 + self.num_local_experts]
             skip = self.routing.table[P.CT_SKIP] != 0
             return (raw + (a - 1)) // a * a * (~skip)
-        return _align_counts(self.num_recv_tokens_per_expert_raw, a)
+        return align_counts(self.num_recv_tokens_per_expert_raw, a)
 
     def belongs_to(self, comm) -> bool:
         """True when ``comm`` is the communicator that made this handle (or its internal engine)."""
@@ -198,137 +195,8 @@ class DispatchHandle:
         return owner is comm or owner is getattr(comm, "__dict__", {}).get("_engine_obj")
 
 
-def _align_counts(raw, alignment: int) -> List[int]:
-    if alignment == 1:
-        return list(raw)
-    return ((np.asarray(raw, np.int64) + (alignment - 1)) // alignment * alignment).tolist()
-
-
 # ------------------------------------------------------------------------------------------------ validation
-
-
-def _type_name(a) -> str:
-    t = type(a)
-    return f"{t.__module__}.{t.__qualname__}"
-
-
-def _check_array(op: str, name: str, a, comm, *, dims: Optional[Tuple[Tuple[str, Optional[int]], ...]] = None):
-    """Array module and device through the project's one helper (:func:`cupy_symbuf.common.checks.as_array`: NumPy on
-    the host, CuPy on the communicator's GPU, DLPack tensors such as PyTorch's imported zero-copy; strides kept),
-    then rank and sizes. Returns the array.
-
-    ``dims``: one ``(label, size)`` per axis, ``size`` ``None`` when any size is allowed, e.g.
-    ``(("num_tokens", 128), ("num_topk", None))``. Raises ``TypeError`` / ``ValueError`` naming ``op`` and ``name``.
-    """
-    a = as_array(op, name, a, comm.backend, min_ndim=0, contiguous=False)
-    if dims is None:
-        return a
-    shape = a.shape
-    if len(shape) == len(dims) and all(size is None or shape[i] == size for i, (_, size) in enumerate(dims)):
-        return a  # the hot path builds no message
-    spec = "[" + ", ".join(label for label, _ in dims) + "]"
-    if a.ndim != len(dims):
-        raise ValueError(f"{op}: {name} must be {len(dims)}-D {spec}, got shape {tuple(a.shape)}")
-    for axis, (label, size) in enumerate(dims):
-        if size is not None and a.shape[axis] != size:
-            raise ValueError(f"{op}: {name} must have shape {spec} with {label} = {size}, got shape "
-                             f"{tuple(a.shape)} (axis {axis} is {a.shape[axis]})")
-    return a  # pragma: no cover - unreachable
-
-
-def _check_int(op: str, name: str, v, *, minimum: int, maximum: Optional[int] = None) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"{op}: {name} must be an int, got {_type_name(v)}")
-    if v < minimum:
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {v}")
-    if maximum is not None and v > maximum:
-        raise ValueError(f"{op}: {name} must be <= {maximum}, got {v}")
-    return int(v)
-
-
-#: expert_alignment's bound: the aligned per-expert counts are int32 (DeepEP's num_recv_tokens_per_expert_list)
-MAX_EXPERT_ALIGNMENT = 1 << 30
-
-
-def _check_num_experts(op: str, comm, num_experts) -> int:
-    if num_experts is None:
-        raise ValueError(f"{op}: num_experts is required (without a handle)")
-    n = _check_int(op, "num_experts", num_experts, minimum=1)
-    w = comm.world_size
-    if n % w:
-        raise ValueError(f"{op}: num_experts must be a multiple of world_size ({w}) so that expert e lives on rank "
-                         f"e // (num_experts // world_size), got num_experts={n}")
-    cfg = getattr(comm, "config", None)
-    max_ints = getattr(cfg, "max_notify_ints", None) or _DEFAULT_MAX_NOTIFY_INTS
-    if n // w + _NOTIFY_EXTRA > max_ints:
-        raise ValueError(f"{op}: num_experts // world_size + {_NOTIFY_EXTRA} must be <= Config.max_notify_ints "
-                         f"({max_ints}) (the count exchange sends one int64 per local expert of each peer), "
-                         f"got num_experts={n}, world_size={w}")
-    return n
-
-
-def _check_topk_idx(op: str, comm, topk_idx, num_experts: int, num_tokens: Optional[int] = None, *,
-                    check_range: bool = True):
-    """Validate ``topk_idx`` and return it as int64 (a copy only when it was int32). ``check_range`` False: the
-    values are checked by the device layout kernel instead (no host synchronisation)."""
-    topk_idx = _check_array(op, "topk_idx", topk_idx, comm,
-                            dims=(("num_tokens (rows of x)", num_tokens), ("num_topk", None)))
-    if topk_idx.dtype not in (np.int64, np.int32):
-        raise TypeError(f"{op}: topk_idx must be int64 (or int32), got dtype {topk_idx.dtype}")
-    if topk_idx.shape[1] < 1:
-        raise ValueError(f"{op}: topk_idx must have num_topk >= 1 columns, got shape {tuple(topk_idx.shape)}")
-    idx = topk_idx.astype(np.int64, copy=False)
-    if idx.size and check_range:
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < -1 or hi >= num_experts:
-            bad = (idx < -1) | (idx >= num_experts)
-            flat = int(comm.xp.argmax(bad.ravel()))
-            t, k = divmod(flat, idx.shape[1])
-            raise ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={num_experts}), "
-                             f"got {int(idx[t, k])} at [{t}, {k}]")
-    return idx
-
-
-def _check_device_experts(op: str, num_experts: int) -> None:
-    if num_experts > _moe_cuda.MAX_EXPERTS:
-        raise ValueError(f"{op}: num_experts must be <= {_moe_cuda.MAX_EXPERTS} on the GPU path (the layout kernel "
-                         f"keeps one counter per expert in shared memory), got {num_experts}")
-
-
-def _check_handle(op: str, comm, handle) -> "DispatchHandle":
-    if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"{op}: handle must be a DispatchHandle returned by dispatch, got {_type_name(handle)}")
-    if not handle.belongs_to(comm):
-        raise ValueError(f"{op}: handle comes from another communicator; a handle is valid only on the "
-                         f"communicator whose dispatch returned it")
-    return handle
-
-
-def _check_x(op: str, comm, x, num_tokens: Optional[int], hidden: Optional[int]):
-    """Validate dispatch's ``x`` (array or fp8 tuple). Returns ``(x, scales_or_None, kind)``."""
-    if isinstance(x, tuple):
-        if len(x) != 2:
-            raise ValueError(f"{op}: x as a tuple must be (x_fp8, scales), got a tuple of {len(x)}")
-        x8, scales = x
-        x8 = _check_array(op, "x[0] (x_fp8)", x8, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
-        if _dt.float_kind(x8.dtype, raw_uint8=_dt.FLOAT8_E4M3) != _dt.FLOAT8_E4M3:
-            raise TypeError(f"{op}: x[0] (x_fp8) must be float8_e4m3fn (or its raw uint8 bits), got dtype "
-                            f"{x8.dtype}")
-        n, h = x8.shape
-        if h % FP8_BLOCK:
-            raise ValueError(f"{op}: x[0] (x_fp8) needs hidden divisible by {FP8_BLOCK} (one float32 scale per "
-                             f"1x{FP8_BLOCK} block), got hidden={h}")
-        scales = _check_array(op, "x[1] (scales)", scales, comm,
-                              dims=(("num_tokens", n), (f"hidden // {FP8_BLOCK}", h // FP8_BLOCK)))
-        if scales.dtype != np.float32:
-            raise TypeError(f"{op}: x[1] (scales) must be float32, got dtype {scales.dtype}")
-        return x8, scales, _dt.FLOAT8_E4M3
-    x = _check_array(op, "x", x, comm, dims=(("num_tokens", num_tokens), ("hidden", hidden)))
-    kind = _dt.float_kind(x.dtype, raw_uint16=_dt.BFLOAT16)
-    if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32):
-        raise TypeError(f"{op}: x must be bfloat16 (or its raw uint16 bits), float16 or float32, or a tuple "
-                        f"(x_fp8, scales); got dtype {x.dtype}")
-    return x, None, kind
+# (the MoE checks shared with the hierarchical dispatch are moe.checks; these read this module's buffers)
 
 
 def _check_out(op: str, comm, out, xv, scales, inputs=()) -> Optional[list]:
@@ -341,67 +209,39 @@ def _check_out(op: str, comm, out, xv, scales, inputs=()) -> Optional[list]:
         return None
     fp8 = scales is not None
     if fp8 != isinstance(out, tuple) or (fp8 and len(out) != 2):
-        raise TypeError(f"{op}: out must be " + ("a tuple (out_x, out_scales) for an fp8 tuple x" if fp8 else
+        raise TypeError(f"{op}: argument 'out' must be " + ("a tuple (out_x, out_scales) for an fp8 tuple x" if fp8 else
                                                  "an array (a tuple only for an fp8 tuple x)") +
                         f", got {type(out).__name__}")
     wanted = [(xv, "out[0]" if fp8 else "out")] + ([(scales, "out[1]")] if fp8 else [])
     arrays = []
     for (ref, name), a in zip(wanted, out if fp8 else (out,)):
-        a = _check_array(op, name, a, comm, dims=(("capacity", None), ("hidden" if ref is xv else
-                                                                          f"hidden // {FP8_BLOCK}", ref.shape[1])))
+        a = check_array(op, name, a, comm.backend,
+                        dims=(("capacity", None), ("hidden" if ref is xv else f"hidden // {FP8_BLOCK}", ref.shape[1])))
         raw = np.dtype(_UINT_OF_SIZE[ref.dtype.itemsize])
         if a.dtype != ref.dtype and a.dtype != raw:
-            raise TypeError(f"{op}: {name} must have dtype {ref.dtype} (the received rows'), or {raw} (their raw "
-                            f"bits), got {a.dtype}")
+            raise TypeError(f"{op}: argument '{name}' must have dtype {ref.dtype} (the received rows'), or {raw} "
+                            f"(their raw bits), got {a.dtype}")
         if not a.flags.c_contiguous:
-            raise ValueError(f"{op}: {name} must be C-contiguous (rows are written in place), got strides "
+            raise ValueError(f"{op}: argument '{name}' must be C-contiguous (rows are written in place), got strides "
                              f"{a.strides}")
         if not getattr(a.flags, "writeable", True):  # CuPy arrays have no such flag (always writeable)
-            raise ValueError(f"{op}: {name} must be writeable (the received rows are written into it)")
-        comm.owner._heap.check_live(op, name, a)
+            raise ValueError(f"{op}: argument '{name}' must be writeable (the received rows are written into it)")
+        comm.check_live(op, name, a)
         for other, what in [(xv, "x"), (scales, "the scales of x"), *inputs] + [(b, "out[0]") for b in arrays]:
             if other is not None and a.size and other.size and comm.xp.may_share_memory(a, other):
-                raise ValueError(f"{op}: {name} must not share memory with {what} (it is written while the "
-                                 f"inputs are still being read)")
+                raise ValueError(f"{op}: argument '{name}' must not share memory with {what} (it is written while "
+                                 f"the inputs are still being read)")
         arrays.append(a if a.dtype == ref.dtype else a.view(ref.dtype))
     if arrays[1:] and arrays[1].shape[0] != arrays[0].shape[0]:
-        raise ValueError(f"{op}: out[0] and out[1] must have the same rows (capacity), got {arrays[0].shape[0]} "
-                         f"and {arrays[1].shape[0]}")
+        raise ValueError(f"{op}: arguments 'out[0]' and 'out[1]' must have the same rows (capacity), got "
+                         f"{arrays[0].shape[0]} and {arrays[1].shape[0]}")
     return arrays
 
 
 def _check_capacity(op: str, outs, rows: int, what: str) -> None:
     if outs is not None and outs[0].shape[0] < rows:
-        raise ValueError(f"{op}: out holds {outs[0].shape[0]} rows, fewer than the {rows} this rank receives "
-                         f"({what})")
-
-
-def _check_weights(op: str, comm, w, num_rows: int, num_topk: int, rows_label: str):
-    if w is None:
-        return None
-    w = _check_array(op, "topk_weights", w, comm,
-                     dims=((rows_label, num_rows), ("num_topk (of topk_idx)", num_topk)))
-    if w.dtype != np.float32:
-        raise TypeError(f"{op}: topk_weights must be float32, got dtype {w.dtype}")
-    return w
-
-
-def _combine_kind(op: str, x, dtype) -> str:
-    if dtype is None:
-        kind = _dt.float_kind(x.dtype)
-        if kind == _dt.FLOAT8_E4M3 or kind is None:
-            extra = " (for raw bfloat16 bits pass dtype='bfloat16')" if x.dtype == np.uint16 else ""
-            raise TypeError(f"{op}: x must be bfloat16, float16 or float32{extra}, got dtype {x.dtype}")
-        return kind
-    want = _dt.float_kind(dtype)
-    if want not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32):
-        raise TypeError(f"{op}: dtype must be 'bfloat16', float16 or float32, got {dtype!r}")
-    if want == _dt.BFLOAT16:
-        if x.dtype != np.uint16 and not _dt.is_bfloat16(x.dtype):
-            raise TypeError(f"{op}: dtype='bfloat16' needs x as bfloat16 or raw uint16 bits, got dtype {x.dtype}")
-    elif np.dtype(x.dtype) != np.dtype(want):
-        raise TypeError(f"{op}: dtype={dtype!r} does not match x.dtype {x.dtype}")
-    return want
+        raise ValueError(f"{op}: argument 'out' must hold the {rows} rows this rank receives ({what}), got "
+                         f"{outs[0].shape[0]} rows, fewer than that")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -412,24 +252,6 @@ def _to_host(comm, a) -> np.ndarray:
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _layout(xp, idx, num_experts: int, world_size: int):
-    """Layout of int64 ``idx [T, K]`` (already validated): see :func:`get_dispatch_layout`."""
-    num_tokens, _ = idx.shape
-    epr = num_experts // world_size
-    valid = idx >= 0
-    dest = xp.where(valid, idx // epr, world_size)           # invalid -> spare column world_size
-    hit = xp.zeros((num_tokens, world_size + 1), dtype=bool)
-    if idx.size:
-        hit[xp.arange(num_tokens)[:, None], dest] = True
-    is_token_in_rank = xp.ascontiguousarray(hit[:, :world_size])
-    num_tokens_per_rank = is_token_in_rank.sum(axis=0).astype(np.int32)
-    if idx.size:
-        num_tokens_per_expert = xp.bincount((idx + 1).ravel(), minlength=num_experts + 1)[1:].astype(np.int32)
-    else:
-        num_tokens_per_expert = xp.zeros(num_experts, dtype=np.int32)
-    return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
 
 # ------------------------------------------------------------------------------------------------ API
@@ -474,13 +296,13 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     """
     op = "get_dispatch_layout"
     comm.check_open()
-    n_exp = _check_num_experts(op, comm, num_experts)
+    n_exp = check_num_experts(op, comm, num_experts)
     cuda = comm.backend == "cuda"
-    idx = _check_topk_idx(op, comm, topk_idx, n_exp, check_range=not cuda)
+    idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=not cuda)
     if cuda:
-        _check_device_experts(op, n_exp)
+        check_device_experts(op, n_exp, _moe_cuda.MAX_EXPERTS)
         return _moe_cuda.get_dispatch_layout(comm, op, idx, n_exp)
-    return _layout(comm.xp, idx, n_exp, comm.world_size)
+    return token_layout(comm.xp, idx, n_exp, comm.world_size)
 
 
 def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
@@ -614,40 +436,35 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
 def _wire_fp8(op, comm, x, wire_dtype):
     """``dispatch(wire_dtype="fp8")``: the ``(codes, scales)`` tuple that travels and the function that turns the
     received pair back into ``x``'s dtype."""
-    from ..collectives import quant
     if not isinstance(wire_dtype, str) or wire_dtype != "fp8":  # (an array would compare elementwise)
         raise ValueError(f"{op}: wire_dtype must be None or 'fp8', got {wire_dtype!r}")
     if isinstance(x, tuple):
         raise ValueError(f"{op}: wire_dtype='fp8' quantises x itself; pass x as one array, not an (x_fp8, scales) "
                          f"tuple")
-    xv, _, kind = _check_x(op, comm, x, None, None)
+    xv, _, kind = check_x(op, comm, x, None, None)
     if xv.shape[1] % FP8_BLOCK:
         raise ValueError(f"{op}: wire_dtype='fp8' needs hidden divisible by {FP8_BLOCK}, got hidden={xv.shape[1]}")
     dtype = xv.dtype
-    q, scales = quant.quantize_fp8_from(xv, kind)  # GPU: one kernel reading x itself
+    q, scales = _wire.quantize(xv, kind, "fp8")  # GPU: one kernel reading x itself
 
     def back(recv_q, recv_scales):
-        return quant.dequantize_fp8_to(recv_q, recv_scales, kind, dtype)
+        return _wire.dequantize(recv_q, recv_scales, kind, dtype, "fp8")
     return (q, scales), back
 
 
 def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
               out=None):
     xp = comm.xp
-    align = _check_int(op, "expert_alignment", expert_alignment, minimum=1, maximum=MAX_EXPERT_ALIGNMENT)
-    worst = _check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
+    align = check_expert_alignment(op, expert_alignment)
+    worst = check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
 
     if handle is not None:
-        h = _check_handle(op, comm, handle)
-        if topk_idx is not None or topk_weights is not None:
-            raise ValueError(f"{op}: with handle (cached layout), topk_idx and topk_weights must be None; the "
-                             f"routing is the handle's")
-        if num_experts is not None and num_experts != h.num_experts:
-            raise ValueError(f"{op}: num_experts={num_experts} differs from the handle's ({h.num_experts})")
+        h = check_handle(op, handle, DispatchHandle, comm, "dispatch")
+        check_cached(op, h, topk_idx, topk_weights, num_experts)
         if worst and worst != h.num_worst_tokens:
-            raise ValueError(f"{op}: with handle, num_worst_tokens must be 0 or the handle's "
-                             f"({h.num_worst_tokens}), got {worst}")
-        xv, scales, kind = _check_x(op, comm, x, h.num_tokens, None)
+            raise ValueError(f"{op}: argument 'num_worst_tokens' must be 0 or the handle's ({h.num_worst_tokens}) "
+                             f"with handle, got {worst}")
+        xv, scales, kind = check_x(op, comm, x, h.num_tokens, None)
         outs = _check_out(op, comm, out, xv, scales)
         _check_capacity(op, outs, h.num_worst_tokens or h.num_recv_tokens,
                         "num_worst_tokens" if h.num_worst_tokens else "the handle's count")
@@ -667,33 +484,33 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
             counts = xp.asarray(np.asarray(counts, np.int64))
         return out_x, None, None, counts, h
 
-    n_exp = _check_num_experts(op, comm, num_experts)
+    n_exp = check_num_experts(op, comm, num_experts)
     if topk_idx is None:
-        raise ValueError(f"{op}: topk_idx is required without a handle")
-    xv, scales, kind = _check_x(op, comm, x, None, None)
+        raise ValueError(f"{op}: argument 'topk_idx' is required without a handle")
+    xv, scales, kind = check_x(op, comm, x, None, None)
     num_tokens = xv.shape[0]
     cuda = comm.backend == "cuda"
-    idx = _check_topk_idx(op, comm, topk_idx, n_exp, num_tokens, check_range=not cuda)
-    weights = _check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
+    idx = check_topk_idx(op, comm, topk_idx, n_exp, num_tokens, check_range=not cuda)
+    weights = check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
     outs = _check_out(op, comm, out, xv, scales, [(idx, "topk_idx"), (weights, "topk_weights")])
     if worst:
         _check_capacity(op, outs, worst, "num_worst_tokens")
     if cuda:
-        _check_device_experts(op, n_exp)
+        check_device_experts(op, n_exp, _moe_cuda.MAX_EXPERTS)
         return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs)
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank
     epr = n_exp // w_size
-    per_rank, per_expert, in_rank = _layout(xp, idx, n_exp, w_size)
+    per_rank, per_expert, in_rank = token_layout(xp, idx, n_exp, w_size)
     _, send_token_idx = xp.nonzero(xp.ascontiguousarray(in_rank.T))      # grouped by dest, ascending tokens
     # contiguous: CuPy's nonzero returns strided column views of one [N, 2] array
     send_token_idx = xp.ascontiguousarray(send_token_idx, dtype=np.int64)
     send_counts = _to_host(comm, per_rank).astype(np.int64)
-    row_bytes = _row_bytes(xv, scales, idx.shape[1], weights is not None)
+    rb = row_bytes(xv, scales, idx.shape[1], weights is not None)
     # before the count exchange, so that a row too large for a slot is a rejection told to the peers
-    check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
-    meta = np.zeros((w_size, epr + _NOTIFY_EXTRA), dtype=np.int64)
+    check_row_fits(op, rb, comm.config.chunk_bytes, byte_stream=False)
+    meta = np.zeros((w_size, epr + NOTIFY_EXTRA), dtype=np.int64)
     meta[:, 0] = send_counts
     meta[:, 1:1 + epr] = _to_host(comm, per_expert).astype(np.int64).reshape(w_size, epr)
     # every rank checks every rank's row layout (dtype, hidden, scales, top-k, weights) in the count exchange
@@ -701,7 +518,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
            f"weights={weights is not None}|num_experts={n_exp}")
     recv_meta = comm.notify(op, meta, sig, sig_what=(
         f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + top-k) or on "
-        f"num_experts: rank {rank} has {row_bytes} bytes ({sig}); all ranks must pass the same hidden, dtype, "
+        f"num_experts: rank {rank} has {rb} bytes ({sig}); all ranks must pass the same hidden, dtype, "
         f"num_topk, choice of topk_weights and num_experts"))
     recv_counts = recv_meta[:, 0].copy()
     raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
@@ -774,8 +591,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     epr = n_exp // w_size
     num_tokens, num_topk = idx.shape
     M = 1 + epr
-    row_bytes = _row_bytes(xv, scales, num_topk, weights is not None)
-    check_row_fits(op, row_bytes, comm.config.chunk_bytes, byte_stream=False)
+    rb = row_bytes(xv, scales, num_topk, weights is not None)
+    check_row_fits(op, rb, comm.config.chunk_bytes, byte_stream=False)
     sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
     push = comm.push_targets(user_outs) if user_outs is not None else None
     if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
@@ -789,8 +606,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     def bad_error():
         flat = int(rt.bad[1].get())
         t, k = divmod(flat, num_topk)
-        return ValueError(f"{op}: topk_idx values must be -1 (no expert) or in [0, num_experts={n_exp}), got "
-                          f"{int(idx[t, k].get())} at [{t}, {k}] (found by the layout kernel; nothing was sent)")
+        return ValueError(topk_value_error(op, n_exp, int(idx[t, k].get()), t, k,
+                                           " (found by the layout kernel; nothing was sent)"))
 
     # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
     # failure between the steps); temporaries a captured call reads stay alive as long as the communicator
@@ -801,7 +618,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                              worst=bool(worst), self_error=bad_error,
                              sig_what=lambda: (
                                  f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
-                                 f"+ top-k), on num_experts or on where out lies: rank {rank} has {row_bytes} bytes "
+                                 f"+ top-k), on num_experts or on where out lies: rank {rank} has {rb} bytes "
                                  f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
                                  f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
                                  f"the same offset on every rank"))
@@ -833,17 +650,6 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     out_x = (recv_x, recv_scales) if scales is not None else recv_x
     counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
     return out_x, recv_gidx, recv_w, counts, h
-
-
-def _row_bytes(xv, scales, num_topk: int, with_weights: bool) -> int:
-    rb = xv.shape[1] * xv.dtype.itemsize
-    if scales is not None:
-        rb += scales.shape[1] * 4
-    if num_topk:
-        rb += num_topk * 8
-    if with_weights:
-        rb += num_topk * 4
-    return int(rb)
 
 
 def _rows_contiguous(xp, a):
@@ -1042,11 +848,11 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
 
 def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
     xp = comm.xp
-    h = _check_handle(op, comm, handle)
+    h = check_handle(op, handle, DispatchHandle, comm, "dispatch")
     n_recv = h.num_recv_tokens
-    x = _check_array(op, "x", x, comm, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
-    kind = _combine_kind(op, x, dtype)
-    weights = _check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
+    x = check_array(op, "x", x, comm.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
+    kind = combine_kind(op, x, dtype)
+    weights = check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
     if out is not None:
         out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
@@ -43,7 +42,9 @@ from mpi4py import MPI
 from ..transport import agree as _agree
 from ..common import backend as _compat
 from ..common import dtypes as _dt
-from ..moe import normal as _moe
+from ..common.checks import check_array
+from ..moe import checks as _moe_checks
+from ..moe.routing import align_counts, token_layout
 from ..common.errors import SymBufferRejectedError
 from ..wire.channel_layout import check_row_fits
 
@@ -178,7 +179,7 @@ class HierarchicalDispatchHandle:
         """Received tokens per local expert (list of int), each rounded up to ``expert_alignment`` (default: the
         handle's)."""
         a = self.expert_alignment if expert_alignment is None else expert_alignment
-        return _moe._align_counts(self.num_recv_tokens_per_expert_raw, a)
+        return align_counts(self.num_recv_tokens_per_expert_raw, a)
 
     def belongs_to(self, comm) -> bool:
         """True when ``comm`` is the :class:`HierarchicalCommunicator` that made this handle."""
@@ -241,7 +242,7 @@ class HierarchicalCommunicator:
     -----
     Tested on the host backend (1, 2, 4 ranks, every split) and on the cuda backend as 2 x 2 virtual nodes on one
     H200 under MPS (``tests/test_hierarchical.py``, 91 passed per rank, MPI between the virtual nodes). The
-    ``inter_node="nccl"`` step has not run on GPUs (NCCL needs one GPU per rank: issue 15).
+    ``inter_node="nccl"`` step has not run on GPUs (NCCL needs one GPU per rank).
 
     Failure: a call whose bounded agreement fails (a peer that does not call within ``Config.timeout_s``, ranks
     calling different collectives: :class:`~cupy_symbuf.SymBufferTimeoutError` / ``SymBufferError``), or whose
@@ -594,20 +595,16 @@ class HierarchicalCommunicator:
         return y
 
     # ---- MoE: DeepEP's internode dispatch / combine -------------------------------------------------------
-    def _checker(self):
-        """What :mod:`cupy_symbuf.moe`'s argument checks read of a communicator: the world's size, the backend
-        and the node communicator's Config (``max_notify_ints``: the node dispatch's count exchange)."""
-        return SimpleNamespace(backend=self.backend, xp=self._xp, world_size=self.world_size,
-                               config=self.node_comm.config)
+    def _group(self) -> _moe_checks.GroupInfo:
+        """What the MoE argument checks (:mod:`cupy_symbuf.moe.checks`) read of this communicator: all nodes'
+        ranks, the backend, and the node communicator's Config (``max_notify_ints``: the node dispatch's count
+        exchange carries the per-expert counts)."""
+        return _moe_checks.GroupInfo(backend=self.backend, xp=self._xp, world_size=self.world_size,
+                                     config=self.node_comm.config)
 
     def _check_handle(self, op: str, handle) -> HierarchicalDispatchHandle:
-        if not isinstance(handle, HierarchicalDispatchHandle):
-            raise TypeError(f"{op}: handle must be a HierarchicalDispatchHandle returned by "
-                            f"HierarchicalCommunicator.dispatch, got {_moe._type_name(handle)}")
-        if not handle.belongs_to(self):
-            raise ValueError(f"{op}: handle comes from another communicator; a handle is valid only on the "
-                             f"communicator whose dispatch returned it")
-        return handle
+        return _moe_checks.check_handle(op, handle, HierarchicalDispatchHandle, self,
+                                        "HierarchicalCommunicator.dispatch")
 
     def _agree(self, op: str, sig: Optional[dict], err: Optional[BaseException], rule: str, counts=None) -> list:
         """The bounded agreement before a call moves anything: every rank's row layout ``sig`` (a dict) or its
@@ -657,7 +654,7 @@ class HierarchicalCommunicator:
                 o += w
             sendbuf = (packed if self._nccl is not None else self._to_host_staged(packed, "send")).reshape(-1)
             if self.backend == "cuda":
-                self.node_comm._transport.check(op)  # a failure a queued node kernel recorded
+                self.node_comm.engine.transport.check(op)  # a failure a queued node kernel recorded
         except Exception as exc:  # noqa: BLE001 - told to the rail peers first
             err = exc
         ready = self._exchange(self._rail, None if err is None else f"{type(err).__name__}: {err}", op + " (rail)")
@@ -768,32 +765,27 @@ class HierarchicalCommunicator:
         """
         self._check_open()
         op = "HierarchicalCommunicator.dispatch"
-        chk = self._checker()
+        grp = self._group()
         err, sig = None, None
         try:
-            align = _moe._check_int(op, "expert_alignment", expert_alignment, minimum=1,
-                                    maximum=_moe.MAX_EXPERT_ALIGNMENT)
+            align = _moe_checks.check_expert_alignment(op, expert_alignment)
             if handle is not None:
                 h = self._check_handle(op, handle)
-                if topk_idx is not None or topk_weights is not None:
-                    raise ValueError(f"{op}: with handle (cached layout), topk_idx and topk_weights must be None; "
-                                     f"the routing is the handle's")
-                if num_experts is not None and num_experts != h.num_experts:
-                    raise ValueError(f"{op}: num_experts={num_experts} differs from the handle's ({h.num_experts})")
-                xv, scales, kind = _moe._check_x(op, chk, x, h.num_tokens, None)
-                rb = _moe._row_bytes(xv, scales, 0, False)
+                _moe_checks.check_cached(op, h, topk_idx, topk_weights, num_experts)
+                xv, scales, kind = _moe_checks.check_x(op, grp, x, h.num_tokens, None)
+                rb = _moe_checks.row_bytes(xv, scales, 0, False)
                 check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_stream=False)
                 sig = {"cached": True, "dtype": kind, "hidden": int(xv.shape[1]), "scales": scales is not None,
                        "handle (the dispatch it came from)": h.seq}
             else:
-                n_exp = _moe._check_num_experts(op, chk, num_experts)
+                n_exp = _moe_checks.check_num_experts(op, grp, num_experts)
                 if topk_idx is None:
-                    raise ValueError(f"{op}: topk_idx is required without a handle")
-                xv, scales, kind = _moe._check_x(op, chk, x, None, None)
-                idx = _moe._check_topk_idx(op, chk, topk_idx, n_exp, xv.shape[0])
-                weights = _moe._check_weights(op, chk, topk_weights, xv.shape[0], idx.shape[1],
-                                              "num_tokens (rows of x)")
-                rb = _moe._row_bytes(xv, scales, idx.shape[1], weights is not None)
+                    raise ValueError(f"{op}: argument 'topk_idx' is required without a handle")
+                xv, scales, kind = _moe_checks.check_x(op, grp, x, None, None)
+                idx = _moe_checks.check_topk_idx(op, grp, topk_idx, n_exp, xv.shape[0])
+                weights = _moe_checks.check_weights(op, grp, topk_weights, xv.shape[0], idx.shape[1],
+                                                    "num_tokens (rows of x)")
+                rb = _moe_checks.row_bytes(xv, scales, idx.shape[1], weights is not None)
                 check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_stream=False)
                 sig = {"cached": False, "dtype": kind, "hidden": int(xv.shape[1]), "scales": scales is not None,
                        "num_topk": int(idx.shape[1]), "topk_weights": weights is not None, "num_experts": n_exp}
@@ -814,7 +806,7 @@ class HierarchicalCommunicator:
         (the last two NumPy int64)."""
         xp = self._xp
         T = idx.shape[0]
-        _, _, in_rank = _moe._layout(xp, idx, n_exp, self.world_size)
+        _, _, in_rank = token_layout(xp, idx, n_exp, self.world_size)
         in_node = in_rank.reshape(T, self.num_nodes, self.node_size).any(axis=2) if T else \
             xp.zeros((T, self.num_nodes), bool)
         return (in_rank, in_node, self._to_host(in_rank.sum(axis=0)).astype(np.int64),
@@ -930,14 +922,14 @@ class HierarchicalCommunicator:
         """
         self._check_open()
         op = "HierarchicalCommunicator.combine"
-        chk = self._checker()
+        grp = self._group()
         err, sig = None, None
         try:
             h = self._check_handle(op, handle)
             n_recv = h.num_recv_tokens
-            x = _moe._check_array(op, "x", x, chk, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
-            kind = _moe._combine_kind(op, x, dtype)
-            weights = _moe._check_weights(op, chk, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
+            x = check_array(op, "x", x, self.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
+            kind = _moe_checks.combine_kind(op, x, dtype)
+            weights = _moe_checks.check_weights(op, grp, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
             rb = h.hidden * x.dtype.itemsize + (h.num_topk * 4 if weights is not None else 0)
             check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_stream=False)
             sig = {"dtype": kind, "topk_weights": weights is not None,
@@ -994,8 +986,8 @@ class HierarchicalCommunicator:
         if not self._broken:
             self._broken = f"{type(exc).__name__}: {exc}"
         nc = getattr(self, "node_comm", None)
-        if nc is not None and not getattr(nc, "_broken", None):
-            nc._broken = f"HierarchicalCommunicator: {self._broken}"
+        if nc is not None:
+            nc.engine.mark_broken(f"HierarchicalCommunicator: {self._broken}")
 
     def _exchange(self, comm, obj, what: str) -> list:
         """``_agree.exchange_all`` bounded by the node communicator's ``timeout_s``; its failure marks this

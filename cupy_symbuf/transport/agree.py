@@ -1,173 +1,50 @@
-"""Bounded agreement between ranks: the collectives of construction and ``close()`` that must never hang.
+"""Agreement between ranks at construction and ``close()``: the exchanges that must never hang, and the wire
+fingerprint every rank compares before anything is allocated.
 
-:func:`exchange_all` (an allgather of one picklable object per rank) and :func:`barrier` are built from
-nonblocking point-to-point messages on a dedicated tag, polled with short sleeps, so that a rank whose peers never
-arrive (they failed, exited, or never call) gets a :class:`CollectiveTimeoutError` naming them after ``timeout_s``
-instead of blocking in ``MPI_Allgather``/``MPI_Barrier`` forever.
+:func:`exchange_all` (an allgather of one picklable object per rank), :func:`barrier` and
+:func:`discard_leftovers` run on a :class:`~cupy_symbuf.transport.bootstrap.Bootstrap` (an mpi4py communicator is
+taken as its :class:`~cupy_symbuf.transport.bootstrap.MpiBootstrap`): bounded by ``timeout_s``, a peer that never
+arrives gives a :class:`CollectiveTimeoutError` naming it.
 
 :func:`fingerprint` lists everything that shapes the wire (resolved ``Config``, layout, backend, kernel variant and
 warp split, compile-time defines, package and protocol version); :func:`check_agreement` compares every rank's
 fingerprint and raises ``ValueError`` naming the field, the values and the ranks, alike on every rank.
-
-Messages of an exchange that timed out may stay queued (their peer arrives later). A later exchange skips the
-leftover "confirm"/"withdrawn" messages and raises on a leftover of another step, but a leftover "here" of the same
-step can still be taken for a fresh one (then that exchange fails with "withdrawn"): after a construction or close
-timeout, build no further communicator on that ``comm``; the job is meant to end (``Config.abort_on_failure``).
 """
 from __future__ import annotations
 
 import os
-import time
-from typing import Any, List
+from typing import Any
 
-from mpi4py import MPI
-
-from ..common.errors import SymBufferTimeoutError
+from .bootstrap import TAG, CollectiveTimeoutError, as_bootstrap  # noqa: F401 (TAG: the exchanges' tag)
 
 __all__ = ["CollectiveTimeoutError", "exchange_all", "barrier", "discard_leftovers", "fingerprint", "check_agreement",
            "raise_if_any_failed", "LOCAL_POLICY_FIELDS"]
 
-#: Point-to-point tag of every bounded exchange (a user's traffic on the same communicator and tag during
-#: construction would be mistaken for ours; after construction the exchanges run on the SymBuffer's own Dup).
-TAG = 0x5359  # 'SY'
 #: Config fields that are local policy: ranks may differ on them without changing the wire.
 LOCAL_POLICY_FIELDS = ("timeout_s", "blocking", "abort_on_failure", "mode", "trace", "adaptive", "adaptive_interval")
 
-# Send requests of timed-out exchanges, kept so that their pickled buffers stay alive until MPI is done with them.
-_ORPHANS: list = []
 
-
-class CollectiveTimeoutError(SymBufferTimeoutError):
-    """A bounded construction or close step (``role`` "construction" or "close") waited ``timeout_s`` for ranks that
-    never arrived (or that gave up waiting themselves: ``withdrawn``); ``missing`` lists them (``peer`` is the
-    first), ``what`` names the step."""
-
-    def __init__(self, *, rank: int, missing: List[int], what: str, role: str, timeout_s: float,
-                 withdrawn: bool = False):
-        # SymBufferTimeoutError's attributes, without its ring-specific message
-        self.rank, self.peer, self.channel, self.role = rank, (missing[0] if missing else -1), -1, role
-        self.head, self.tail, self.timeout_s, self.op = -1, -1, timeout_s, what
-        self.missing = list(missing)
-        self.what = what
-        self.withdrawn = withdrawn
-        names = ", ".join(str(r) for r in missing)
-        ranks = f"rank{'s' if len(missing) > 1 else ''} {names}"
-        if withdrawn:
-            text = (f"{what}: on rank {rank}: {ranks} gave up waiting (timeout_s expired there) before every rank "
-                    f"arrived; this rank must not go on alone")
-        else:
-            text = (f"{what}: timeout after {timeout_s:g} s on rank {rank}: {ranks} never arrived (failed, exited, "
-                    f"or not calling {what} on this communicator)")
-        RuntimeError.__init__(self, text)
-
-
-def _sleep(spins: int) -> None:
-    # yield at once (CI runs 4 ranks on 2 cores), then back off to 5 ms
-    time.sleep(0 if spins < 20 else min(0.005, 1e-5 * spins))
-
-
-_HERE, _CONFIRM, _WITHDRAWN = "here", "confirm", "withdrawn"
-
-
-def exchange_all(comm: MPI.Comm, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
+def exchange_all(group, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
                  on_slow=None) -> list:
-    """Every rank's ``obj`` (a list indexed by rank), like ``comm.allgather(obj)`` but bounded by ``timeout_s``.
-
-    Two rounds of point-to-point messages: "here" (with ``obj``), then "confirm" once a rank has heard from
-    everyone. A rank whose wait expires sends "withdrawn" to every peer and raises :class:`CollectiveTimeoutError`
-    naming the ranks it did not hear from; a peer that arrives late then finds "withdrawn" in the second round and
-    raises too, instead of going on alone into a blocking step (a window free, a Split) that the withdrawn rank
-    never joins. (Only a rank dying between the two rounds of the others can still leave one waiting.)
-
-    Raises :class:`~cupy_symbuf.SymBufferError` when a peer's message belongs to another step (``what`` differs: a
-    stale message of an earlier exchange that timed out, or ranks calling different steps).
-    ``on_slow``: ``(seconds, fn)``: ``fn(missing_ranks)`` is called once when the wait takes longer than that.
-    """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    out: list = [None] * size
-    out[rank] = obj
-    if size == 1:
-        return out
-    peers = [r for r in range(size) if r != rank]
-    t0 = time.monotonic()
-    state = {"deadline": t0 + timeout_s, "t0": t0, "on_slow": on_slow}
-    sends: list = []
-    try:
-        for kind, payload in ((_HERE, obj), (_CONFIRM, None)):
-            sends += [comm.isend((kind, what, payload), dest=r, tag=TAG) for r in peers]
-            got = _gather(comm, kind, what, peers, state, role, timeout_s)
-            if kind == _HERE:
-                for r, v in got.items():
-                    out[r] = v
-        return out
-    except CollectiveTimeoutError:
-        # also after a peer's withdrawal: peers already in the second round must not wait for our confirm
-        sends += [comm.isend((_WITHDRAWN, what, None), dest=r, tag=TAG) for r in peers]
-        raise
-    finally:
-        pending = [req for req in sends if not req.test()[0]]
-        _ORPHANS.extend(pending)  # small messages complete eagerly; these keep their buffers alive if not
+    """Every rank's ``obj`` (a list indexed by rank), like an allgather but bounded by ``timeout_s``: the
+    :meth:`~cupy_symbuf.transport.bootstrap.Bootstrap.allgather` of ``group`` (a Bootstrap or an mpi4py
+    communicator). Raises :class:`CollectiveTimeoutError` naming the ranks that never arrived, and
+    :class:`~cupy_symbuf.SymBufferError` when a peer's message belongs to another step (``what`` differs).
+    ``on_slow``: ``(seconds, fn)``: ``fn(missing_ranks)`` is called once when the wait takes longer than that."""
+    return as_bootstrap(group).allgather(obj, timeout_s, what, role=role, on_slow=on_slow)
 
 
-def _gather(comm, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> dict:
-    """One message of ``kind`` from every rank of ``peers``, by the deadline in ``state``."""
-    from ..common.errors import SymBufferError
-    rank = comm.Get_rank()
-    waiting = list(peers)
-    got: dict = {}
-    spins = 0
-    while waiting:
-        progressed = False
-        for r in list(waiting):
-            msg = comm.improbe(source=r, tag=TAG)
-            if msg is None:
-                continue
-            their_kind, their_what, their_obj = msg.recv()
-            if their_what != what:
-                raise SymBufferError(f"{what}: rank {rank} received rank {r}'s message for {their_what!r}: the "
-                                     f"ranks are not calling the same step (or a message of an earlier step that "
-                                     f"timed out arrived late)")
-            if kind == _HERE and their_kind != _HERE:
-                continue  # a rank's first message of an exchange is "here": this one is left from a failed one
-            if their_kind == _WITHDRAWN:
-                raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
-                                             withdrawn=True)
-            if their_kind != kind:
-                raise SymBufferError(f"{what}: rank {rank} expected a {kind!r} message from rank {r}, got "
-                                     f"{their_kind!r} (ranks out of step)")
-            got[r] = their_obj
-            waiting.remove(r)
-            progressed = True
-        if not waiting:
-            break
-        now = time.monotonic()
-        if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
-            state["on_slow"][1](sorted(waiting))
-            state["on_slow"] = None
-        if now > state["deadline"]:
-            raise CollectiveTimeoutError(rank=rank, missing=sorted(waiting), what=what, role=role,
-                                         timeout_s=timeout_s)
-        spins = 0 if progressed else spins + 1
-        _sleep(spins)
-    return got
+def barrier(group, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
+    """A barrier of ``group`` (a Bootstrap or an mpi4py communicator) bounded by ``timeout_s``
+    (:class:`CollectiveTimeoutError` names the missing ranks)."""
+    as_bootstrap(group).barrier(timeout_s, what, role=role, on_slow=on_slow)
 
 
-def barrier(comm: MPI.Comm, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
-    """``comm.Barrier()`` bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
-    exchange_all(comm, None, timeout_s, what, role=role, on_slow=on_slow)
-
-
-def discard_leftovers(comm: MPI.Comm) -> int:
-    """Receive and drop every message of ours already queued on ``comm`` (leftovers of exchanges that timed out);
+def discard_leftovers(group) -> int:
+    """Receive and drop every message of ours already queued on ``group`` (leftovers of exchanges that timed out);
     returns how many. Call it on every rank, after a barrier, before freeing a communicator that saw a timeout:
     MPI may hand a freed communicator's unreceived messages to a later one."""
-    n = 0
-    while True:
-        msg = comm.improbe(source=MPI.ANY_SOURCE, tag=TAG)
-        if msg is None:
-            return n
-        msg.recv()
-        n += 1
+    return as_bootstrap(group).discard_leftovers()
 
 
 def raise_if_any_failed(verdicts: list, where: str, exc_type=ValueError) -> None:
@@ -184,7 +61,7 @@ def fingerprint(config, layout, backend: str) -> dict:
     """Everything that shapes the wire, as ``{field: value}`` (plain, comparable values), in a fixed order."""
     import dataclasses
 
-    from .. import __version__
+    from ..common.version import __version__
     from . import kernels as _kernels
     from ..wire import plan as _plan
     from ..wire import protocol as _protocol

@@ -13,6 +13,8 @@ import numpy as np
 
 from ..common import backend as _compat
 from . import kernels as _kernels
+from .base import DeviceTransport, implements
+from ..wire import kernel_args as _kernel_args
 from ..wire import protocol as P
 from ..wire.plan import kernel_geometry, ring_kernel_defines, warp_groups  # noqa: F401 (re-exported)
 from ..wire.protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_BYTES, DESC_COUNTS, DESC_FLAGS, DESC_NUM_CHANNELS,
@@ -92,9 +94,10 @@ class _Launch:
         self.recv_words = [DESC_RECV_PARTS + 4 * i for i in range(num_recv)]
 
 
+@implements(DeviceTransport)
 class CudaTransport:
     """Runs row exchanges (one ring-kernel launch per call) and the notify step over a cuda
-    :class:`~cupy_symbuf.SymBuffer`."""
+    :class:`~cupy_symbuf.SymBuffer` (a :class:`~cupy_symbuf.transport.base.DeviceTransport`)."""
 
     def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
         self.buf = buf
@@ -126,6 +129,7 @@ class CudaTransport:
         d[DESC_NUM_SLOTS], d[DESC_CHUNK_BYTES], d[DESC_TIMEOUT_NS] = layout.num_slots, layout.chunk_bytes, \
             int(self.timeout_ns)
         d[DESC_ABORT_OFFSET] = layout.abort_offset
+        d[P.DESC_PEER_BASES], d[P.DESC_STATUS] = int(buf.peer_ptrs_device.data.ptr), self.status.ptr
         #: the symmetric table (_protocol.SYM_TABLE_*): where every rank's block of each live symmetric allocation
         #: is mapped in this process; the ring kernel's receivers look up a direct-mode sender's block in it
         self.sym_table = _compat.cupy.zeros(P.SYM_TABLE_ROWS * P.SYM_TABLE_STRIDE, np.int64)
@@ -137,42 +141,42 @@ class CudaTransport:
         self.push_calls = 0
         #: (start, stop) CUDA events recorded around each ring-kernel launch when set (``bench --breakdown``)
         self.kernel_events = None
-        self._layout_args = tuple(np.int64(v) for v in layout.kernel_args())
         # Compile (or fetch from cache) now so the first collective is not charged for NVRTC.
         geo = kernel_geometry(self.world_size)
         self._k_ring = _kernels.get_function(RING_SOURCE, RING_KERNEL, ring_kernel_defines(self.world_size))
         self._k_notify = _kernels.get_function(RING_SOURCE, NOTIFY_KERNEL)
-        # the count exchange through a prebuilt parameter block (_kernels.Launcher): the static arguments once
-        self._l_notify = _kernels.Launcher(self._k_notify, ("u64", "u64", "i32", "u64", "i64", "i64", "i64", "u64",
-                                                            "i32", "i32") + ("i64",) * 7 + ("u64",) * 3 +
-                                           ("u64",) * 4 + ("i64", "i64", "i32", "u64", "u64"))
-        self._notify_args = [0, self._meta.ptr, 0, int(self._epoch.data.ptr), 0, 0, 0,
-                             int(buf.peer_ptrs_device.data.ptr), self.rank, self.world_size,
-                             *[int(v) for v in layout.kernel_args()], int(layout.abort_offset),
-                             int(self.timeout_ns), self.status.ptr, 0, 0, 0, 0, 0, 1, -1, 0,
-                             self._notify_done.ptr, 0]
+        # the count exchange through its argument struct (NotifyArgs, _kernels.Launcher): the static fields once
+        self._l_notify = _kernels.Launcher(self._k_notify, "NotifyArgs")
+        a = self._l_notify.args
+        a.recv_meta, a.epoch_word, a.peer_bases = self._meta.ptr, int(self._epoch.data.ptr), \
+            int(buf.peer_ptrs_device.data.ptr)
+        a.rank, a.world_size, a.abort_offset, a.timeout_ns = self.rank, self.world_size, layout.abort_offset, \
+            int(self.timeout_ns)
+        (a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, a.notify_offset,
+         a.notify_slot_bytes) = layout.kernel_args()
+        a.status = self.status.ptr
         self._ticket = 0  # of the last count exchange whose result the host waits for (notify_result)
         #: Config.mode == "copy_engine": alltoalls of symmetric arrays of at least CE_MIN_BYTES per peer are pulled
         #: by the copy engines (FLAG_CE; every rank's sendbuf the same allocation and offset, checked by the kernel)
         self.copy_engine = False
         #: calls moved by the copy engines (tests, stats)
         self.ce_calls = 0
-        self._l_ce = _kernels.Launcher(_kernels.get_function(RING_SOURCE, CE_KERNEL),
-                                       ("u64", "i32", "i32", "i32", "i64", "i64", "i64", "u64", "u64", "u64"))
-        self._ce_args = [int(buf.peer_ptrs_device.data.ptr), self.rank, self.world_size, layout.num_channels,
-                         layout.region_bytes, layout.channel_bytes, int(layout.abort_offset), int(self.timeout_ns),
-                         self.status.ptr, 0]
+        self._l_ce = _kernels.Launcher(_kernels.get_function(RING_SOURCE, CE_KERNEL), "CeFinishArgs")
+        a = self._l_ce.args
+        a.peer_bases, a.rank, a.world_size, a.num_channels = int(buf.peer_ptrs_device.data.ptr), self.rank, \
+            self.world_size, layout.num_channels
+        a.region_bytes, a.channel_bytes, a.abort_offset, a.timeout_ns, a.status = layout.region_bytes, \
+            layout.channel_bytes, layout.abort_offset, int(self.timeout_ns), self.status.ptr
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
         self.ring_warps, self.self_warps, self.threads = geo.ring_warps, geo.self_warps, geo.threads
         d[DESC_RING_WARPS], d[DESC_SELF_WARPS] = self.ring_warps, self.self_warps
-        # The ring kernel is launched through the driver API (cuLaunchKernel) with a parameter block built once:
-        # the descriptor array, the device array of peer bases and the error record. A few us per call instead of
-        # CuPy's argument marshalling, and the only way to pass a struct by value.
-        self._ptr_args = (ctypes.c_uint64 * 2)(buf.peer_ptrs_device.data.ptr, self.status.ptr)
-        base = ctypes.addressof(self._ptr_args)
-        self._arg_ptrs = (ctypes.c_void_p * 3)(self._desc.ctypes.data, base, base + 8)
+        # The ring kernel is launched through the driver API (cuLaunchKernel) with its one parameter, the
+        # descriptor (RingArgs: DESC_WORDS words, the plan's own block, set per call). A few us per call instead of
+        # CuPy's argument marshalling.
+        assert 8 * DESC_WORDS == _kernel_args.struct_size("RingArgs")
+        self._arg_ptrs = (ctypes.c_void_p * 1)(self._desc.ctypes.data)
         self._bind_ring(ring_kernel_defines(self.world_size))
         #: Config(trace=True): the kernels' channel telemetry (_trace.DeviceRecorder, see enable_trace), else None
         self.trace = None
@@ -206,6 +210,12 @@ class CudaTransport:
         smem = self.bulk_smem
         self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
                                                               params, 0)
+
+    @property
+    def ring_kernel(self):
+        """The ring kernel this transport launches (a ``cupy.RawKernel`` function: ``num_regs``,
+        ``local_size_bytes``, ... for reports)."""
+        return self._k_ring
 
     def _variant(self) -> tuple:
         """The ring kernel's build for this world size and the local options (telemetry, work sharing)."""
@@ -496,9 +506,8 @@ class CudaTransport:
         for j in range(self.world_size):  # this rank's own rows too (the kernel left them to the copy engine)
             rt.memcpyAsync(dst + int(plan.recv_first[j]), alloc.buffer.peer_ptrs[j] + src_off,
                            int(plan.recv_units[j]), _MEMCPY_DEFAULT, stream.ptr)
-        a = self._ce_args
-        a[-1] = seq
-        self._l_ce(1, 256, a, stream=stream)
+        self._l_ce.args.seq = seq
+        self._l_ce(1, 256, stream=stream)
         self.ce_calls += 1
 
     def _describe(self, plan, send_parts, recv_parts) -> _Launch:
@@ -584,14 +593,26 @@ class CudaTransport:
         W = self.world_size
         stream = _compat.cupy.cuda.get_current_stream()
         threads = max(32, min(1024, (max(W, M) + 31) // 32 * 32))
-        a = self._notify_args
-        a[0] = send_meta_ptr
-        a[2], a[4], a[5], a[6] = M, op_code, status, sig
-        a[19] = self._next_launch(op, stream)
-        a[20], a[21], a[22], a[23] = local_reject, self._meta_in.ptr if echo else 0, sums, table
-        a[24], a[25], a[26] = scale, capacity, 1 if device_checks else 0
+        a = self._l_notify.args
+        a.send_meta, a.num_values, a.op, a.call_status, a.sig = send_meta_ptr, M, op_code, status, sig
+        a.seq = self._next_launch(op, stream)
+        a.local_reject, a.send_echo, a.sums, a.table = local_reject, self._meta_in.ptr if echo else 0, sums, table
+        a.scale, a.capacity, a.device_checks = scale, capacity, 1 if device_checks else 0
         # the done word only for calls whose result the host waits for: a captured (device-checked) call replayed
         # later must never overwrite the ticket an eager call's host is spinning on
         self._ticket += 1
-        a[27], a[28] = (0, 0) if device_checks else (self._notify_done.ptr, self._ticket)
-        self._l_notify(1, threads, a, stream=stream)
+        a.done, a.ticket = (0, 0) if device_checks else (self._notify_done.ptr, self._ticket)
+        self._l_notify(1, threads, stream=stream)
+
+    #: the launcher of ``symbuf_counts_meta`` (capacity mode), made on first use
+    _l_counts_meta = None
+
+    def counts_meta(self, counts_ptr: int, num_rows: int, meta_ptr: int, bad_ptr: int) -> None:
+        """Queue ``symbuf_counts_meta`` (``cuda_src/ring_exchange.cu``) on the current stream: the device int64 counts
+        ``[W]`` at ``counts_ptr`` copied to ``meta_ptr``, and ``bad_ptr`` ``[2]`` set to (1 when a count is
+        negative or they do not sum to ``num_rows``, else 0; the first negative count's rank or -1)."""
+        fn = self._l_counts_meta
+        if fn is None:
+            fn = self._l_counts_meta = _kernels.get_launcher(RING_SOURCE, "symbuf_counts_meta")
+        fn.fill(counts=counts_ptr, world_size=self.world_size, rows=num_rows, meta=meta_ptr, bad=bad_ptr)
+        fn(1, 32)

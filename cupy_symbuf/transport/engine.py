@@ -1,4 +1,4 @@
-"""The internal interface every collective uses (``communicator.py`` for alltoall(v), ``moe.py`` for dispatch and
+"""The internal interface every collective uses (``communicator.py`` for alltoall(v), ``moe/normal.py`` for dispatch and
 combine): agreed plans, the count exchange, row exchanges, and the rules that keep ranks in step.
 
 A collective runs inside :meth:`Engine.call`. Until its first communication step it may reject its arguments;
@@ -49,16 +49,24 @@ class _CallState:
 
 
 class Engine:
-    """The transport of one communicator behind the collectives.
+    """The transport of one communicator behind the collectives: the seam every layer above ``transport/`` uses
+    (``Communicator.engine``).
 
-    Attributes ``rank``, ``world_size``, ``backend``, ``xp``, ``config``, ``layout``, ``transport``, ``plans``
-    (:class:`~cupy_symbuf.wire.plan.PlanCache`). ``owner`` is the :class:`~cupy_symbuf.Communicator` (its
-    ``_check_open`` and ``_broken`` are the lifecycle's).
+    Attributes ``rank``, ``world_size``, ``backend``, ``xp``, ``config``, ``layout``, ``plans``
+    (:class:`~cupy_symbuf.wire.plan.PlanCache`), ``transport`` (the
+    :class:`~cupy_symbuf.transport.base.Transport` the steps run on) and ``heap`` (the communicator's
+    :class:`~cupy_symbuf.transport.symmetric.SymmetricHeap`).
+
+    The engine reaches its communicator's lifecycle only through the callbacks it is given: ``check_open()``
+    raises unless the communicator may be used, ``failure()`` returns why it is broken (None while it is not) and
+    ``on_broken(msg)`` marks it broken.
     """
 
-    def __init__(self, owner, transport, layout, config, *, rank: int, world_size: int, backend: str):
-        self.owner = owner
+    def __init__(self, transport, layout, config, *, rank: int, world_size: int, backend: str, heap,
+                 check_open, failure, on_broken):
         self.transport = transport
+        self.heap = heap
+        self._check_open, self._failure, self._on_broken = check_open, failure, on_broken
         self.layout, self.config = layout, config
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.xp = _compat.array_module(backend)
@@ -81,7 +89,22 @@ class Engine:
 
     # ---- lifecycle hooks ------------------------------------------------------------------------------------
     def check_open(self) -> None:
-        self.owner._check_open()
+        """Raise unless the communicator may be used (closed, broken, or made by another process)."""
+        self._check_open()
+
+    @property
+    def broken(self):
+        """Why the communicator is unusable (a message), or None."""
+        return self._failure()
+
+    def find_symmetric(self, a):
+        """``(SymmetricAllocation, byte offset)`` when ``a`` is C-contiguous and lies wholly inside one of the
+        communicator's live symmetric arrays, else None."""
+        return self.heap.find(a)
+
+    def check_live(self, op: str, name: str, a) -> None:
+        """``ValueError`` naming ``name`` when ``a`` is a view of a symmetric array the communicator has freed."""
+        self.heap.check_live(op, name, a)
 
     def _run(self, fn, *args, last: bool = True, **kwargs):
         """Run one transport step (``last``: the call's last one); an exception of any type inside it marks the
@@ -100,13 +123,19 @@ class Engine:
             state.pending = not last
         return out
 
+    def mark_broken(self, why: str) -> None:
+        """Mark the communicator unusable (once) with the message ``why``, telling no peer: for an owner above
+        (the hierarchical communicator) whose own failure leaves this communicator's ranks out of step."""
+        if not self._failure():
+            self._on_broken(why)
+
     def fail(self, exc: BaseException) -> None:
         """Mark the communicator broken after ``exc`` (once), and unless the transport already told every rank
         (its timeouts, mismatches and aborts set the abort word), set the abort word so that the peers' waits
         leave at once with an error naming this rank instead of waiting out ``timeout_s``."""
-        if getattr(self.owner, "_broken", None):
+        if self._failure():
             return
-        self.owner._broken = f"{type(exc).__name__}: {exc}"
+        self._on_broken(f"{type(exc).__name__}: {exc}")
         if not isinstance(exc, SymBufferError):
             try:
                 self.transport.set_abort(P.ERR_LOCAL)
@@ -117,8 +146,8 @@ class Engine:
         """An error this rank found between a call's steps that its peers cannot see (e.g. more rows than the
         output capacity): mark the communicator broken and set the abort word so the peers leave at once;
         returns ``exc`` to raise."""
-        if not getattr(self.owner, "_broken", None):
-            self.owner._broken = f"{type(exc).__name__}: {exc}"
+        if not self._failure():
+            self._on_broken(f"{type(exc).__name__}: {exc}")
             try:
                 self.transport.set_abort(P.ERR_LOCAL)
             except Exception:  # pragma: no cover - the original error matters more
@@ -137,7 +166,7 @@ class Engine:
         try:
             yield state
         except BaseException as exc:  # KeyboardInterrupt too: a rank must never fall a call behind silently
-            if getattr(self.owner, "_broken", None) or isinstance(exc, SymBufferRejectedError) or \
+            if self._failure() or isinstance(exc, SymBufferRejectedError) or \
                     getattr(exc, "symbuf_agreed", False):
                 raise  # already failed, or an error every rank raises alike at the same step (still in step)
             self._state = None
@@ -152,9 +181,13 @@ class Engine:
 
     def reject(self, op: str, notify: bool) -> None:
         """A collective whose arguments this rank rejected before its first step (the caller re-raises its own
-        error after this): the peers are told, unless the communicator is already broken."""
-        if not getattr(self.owner, "_broken", None):
-            self._tell_rejected(op, notify)
+        error after this): the peers are told, unless the communicator is already closed or broken (or belongs to
+        another process)."""
+        try:
+            self._check_open()
+        except SymBufferError:
+            return
+        self._tell_rejected(op, notify)
 
     def _tell_rejected(self, op: str, notify: bool) -> None:
         """Take part in the call just far enough to tell every peer this rank rejected it."""
@@ -256,7 +289,7 @@ class Engine:
             return None
         ids, where, rows = [], [], []
         for i, a in enumerate(outs):
-            sym = self.owner._heap.find(a)
+            sym = self.heap.find(a)
             if sym is not None and sym[0].registered:
                 ids.append(sym[0].id)
                 rows.append(int(a.shape[0]))
@@ -292,7 +325,7 @@ class Engine:
         if (ops != code).any():
             who = int(np.flatnonzero(ops != code)[0])
             err = mismatch_error(op, self.rank, who, -1, P.FIELD_OP, code, int(ops[who]))
-            self.owner._broken = str(err)
+            self._on_broken(str(err))
             raise err
         if (sigs != sig).any():
             who = int(np.flatnonzero(sigs != sig)[0])
@@ -332,14 +365,14 @@ class Engine:
         every peer has copied. ``Config.mode="direct"`` makes a call that cannot go direct a ``ValueError`` (a
         rejection; the peers are told) instead of a fallback to the rings."""
         for a in send_parts:
-            self.owner._heap.check_live(op, "sendbuf", a)
+            self.heap.check_live(op, "sendbuf", a)
         mode = self.config.mode
         if mode == "ring":
             return None
         found = None
         if send_index is None and len(send_parts) == 1:
             x = send_parts[0]
-            sym = self.owner._heap.find(x)
+            sym = self.heap.find(x)
             if sym is not None and (self.backend == "host" or sym[0].registered):
                 found = (P.MODE_DIRECT,) + sym
             elif self.backend == "host" and self.transport.cma_pids is not None and x.flags.c_contiguous and \
@@ -481,6 +514,14 @@ class Engine:
         self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)
+
+    def counts_meta(self, counts, num_rows: int, meta, bad) -> None:
+        """Capacity mode's count check on the device (GPU; arrays or device addresses): queue the check of
+        ``counts`` (int64 ``[W]``, rows to each rank) against ``num_rows`` on the current stream, writing them as
+        the count exchange's values ``meta`` (int64 ``[W]``) and ``bad`` (int64 ``[2]``: 1 when a count is
+        negative or the sum differs, then the first negative count's rank or -1), the ``local_reject`` word of
+        :meth:`notify_device`. Local, no communication step: a rejection after it is still told to the peers."""
+        self.transport.counts_meta(_addr(counts), num_rows, _addr(meta), _addr(bad))
 
 
 SYNC_MODES = ("strong", "relaxed")

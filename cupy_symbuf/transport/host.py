@@ -32,8 +32,8 @@ import time
 
 import numpy as np
 
-from . import agree as _agree
 from . import cma as _cma
+from .base import Transport, implements
 from . import trace as _trace
 from ..common.log import logger
 from ..wire import protocol as P
@@ -136,8 +136,10 @@ class _Static:
         self.header = header
 
 
+@implements(Transport)
 class HostTransport:
-    """Runs row exchanges and the notify step over a host :class:`~cupy_symbuf.SymBuffer`."""
+    """Runs row exchanges and the notify step over a host :class:`~cupy_symbuf.SymBuffer` (a
+    :class:`~cupy_symbuf.transport.base.Transport`)."""
 
     def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
         self.buf = buf
@@ -197,6 +199,14 @@ class HostTransport:
             _yield(idle, waited)
         self.buf.sync()  # the peers' reads of our memory happened before their head stores we saw
 
+    def synchronize(self, op: str = "synchronize") -> None:
+        """:meth:`settle` (a host call completes before it returns: only relaxed calls leave anything owed)."""
+        self.settle(op)
+
+    def close(self) -> None:
+        """Nothing of its own to release (the symmetric buffer is the communicator's); never a recorded error."""
+        return None
+
     def _u64(self, rank: int, offset: int, n: int = 1) -> np.ndarray:
         return self.views[rank][offset: offset + 8 * n].view(np.uint64)
 
@@ -224,10 +234,11 @@ class HostTransport:
             self.buf.sync()
             raise aborted_error(op, self.rank, line)
 
-    def probe_cma(self, comm, timeout_s: float) -> bool:
+    def probe_cma(self, bootstrap, timeout_s: float) -> bool:
         """Collective, at construction: can every rank read every other rank's memory by cross-memory attach
         (``process_vm_readv``)? Each rank publishes a probe word, every rank reads every peer's; when all succeed
-        ``cma_pids`` is set and plain sendbufs may go ``MODE_CMA``. Bounded (``_agree.exchange_all``).
+        ``cma_pids`` is set and plain sendbufs may go ``MODE_CMA``. Bounded (the allgather of ``bootstrap``,
+        a :class:`~cupy_symbuf.transport.bootstrap.Bootstrap`).
         ``CUPY_SYMBUF_CMA=0`` on any rank turns it off for the communicator (every rank then uses the rings for
         plain sendbufs)."""
         if self.world_size == 1:
@@ -236,7 +247,7 @@ class HostTransport:
         allowed = _cma.supported() and os.environ.get("CUPY_SYMBUF_CMA", "1").strip().lower() not in (
             "0", "false", "no", "off")
         mine = (os.getpid(), token.__array_interface__["data"][0]) if allowed else None
-        everyone = _agree.exchange_all(comm, mine, timeout_s, "cross-memory attach probe")
+        everyone = bootstrap.allgather(mine, timeout_s, "cross-memory attach probe")
         ok = all(e is not None for e in everyone)
         if ok:
             got = np.zeros(3, np.int64)
@@ -251,7 +262,7 @@ class HostTransport:
                 if got.tolist() != [0x53594D42CA, pid, r]:
                     ok = False
                     break
-        results = _agree.exchange_all(comm, ok, timeout_s, "cross-memory attach probe (results)")
+        results = bootstrap.allgather(ok, timeout_s, "cross-memory attach probe (results)")
         del token  # alive until every rank has read it (the second exchange)
         if all(results):
             self.cma_pids = [pid for pid, _ in everyone]

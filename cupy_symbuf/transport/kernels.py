@@ -4,8 +4,9 @@
 and caches the module. ``compile_ptx(source)`` calls NVRTC directly for a given virtual architecture with no GPU,
 which is how CI checks that every kernel compiles (CuPy's RawModule would ask the GPU for its architecture).
 
-Every source is compiled as ``_protocol.cuda_header()`` (the protocol constants, generated: no hand copy in
-``cuda_src/``) followed by the file's text; ``build_id`` hashes exactly that text, every ``cuda_src/*.cuh`` it may
+Every source is compiled as ``wire/protocol.py``'s ``cuda_header()`` (the constants shared with Python) and
+``wire/kernel_args.py``'s (every kernel's argument struct), generated: no hand copy in ``cuda_src/``, followed by
+the file's text; ``build_id`` hashes exactly that text, every ``cuda_src/*.cuh`` it may
 include and the option list, for the construction fingerprint (ranks must run the same kernels).
 """
 from __future__ import annotations
@@ -18,10 +19,11 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..common import backend as _compat
+from ..wire import kernel_args as _kernel_args
 from ..wire import protocol as _protocol
 
 __all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "get_launcher", "Launcher", "compile_ptx",
-           "build_id", "source_text"]
+           "build_id", "source_text", "generated_header"]
 
 _OPTIONS = ("-std=c++17",)
 
@@ -74,11 +76,18 @@ def _read(source: str) -> str:
 
 
 def source_text(source: str) -> str:
-    """The exact text NVRTC compiles for ``cuda_src/<source>``: the generated protocol header, then the file (a
-    ``#line`` directive keeps NVRTC's line numbers those of the file; the header's unused constants do not warn)."""
+    """The exact text NVRTC compiles for ``cuda_src/<source>``: the generated headers (the protocol constants, then
+    the kernel argument structs), then the file (a ``#line`` directive keeps NVRTC's line numbers those of the file;
+    the headers' unused constants do not warn)."""
+    return generated_header() + f'#line 1 "{source}"\n' + _read(source)
+
+
+def generated_header() -> str:
+    """What :func:`source_text` puts in front of every source: ``wire/protocol.py``'s constants and
+    ``wire/kernel_args.py``'s argument structs."""
     # 177: a constant of the generated header that this source does not use (most of them, in every source)
-    return "#pragma nv_diag_suppress 177\n" + _protocol.cuda_header() + "#pragma nv_diag_default 177\n" \
-        + f'#line 1 "{source}"\n' + _read(source)
+    return "#pragma nv_diag_suppress 177\n" + _protocol.cuda_header() + _kernel_args.cuda_header() + \
+        "#pragma nv_diag_default 177\n"
 
 
 def build_id(source: str, defines: Iterable[str] = ()) -> str:
@@ -122,43 +131,43 @@ def get_function(source: str, name: str, defines: tuple = ()):
 
 
 class Launcher:
-    """One kernel launched through the driver API (``cuLaunchKernel``) with a ctypes parameter block built once: a
-    call writes its arguments into the block and launches on a stream (a few us, where CuPy's argument marshalling
-    of a RawKernel call takes 10-40 us for 10-30 arguments). The driver copies the parameters at launch (and into
-    the node when a stream is being captured), so the block may be rewritten at once.
+    """One kernel launched through the driver API (``cuLaunchKernel``) with its one argument, the struct
+    ``args_struct`` of :mod:`cupy_symbuf.wire.kernel_args`, kept in :attr:`args` (a ``ctypes.Structure`` built
+    once): a call writes the fields that change (attributes of :attr:`args`, or all of them with :attr:`fill`) and
+    launches on a stream (a few us, where CuPy's argument marshalling of a RawKernel call takes 10-40 us for 10-30
+    arguments). The driver copies the struct at launch (and into the node when a stream is being captured), so it
+    may be rewritten at once."""
 
-    ``types``: per kernel parameter ``"u64"`` (pointers too), ``"i64"`` or ``"i32"``, in order."""
-
-    _CTYPES = {"u64": ctypes.c_uint64, "i64": ctypes.c_int64, "i32": ctypes.c_int32}
-
-    def __init__(self, function, types):
+    def __init__(self, function, args_struct: str):
         from cupy_backends.cuda.api import driver
         self._launch = driver.launchKernel
         self.function = function
         self._fn = int(function.kernel.ptr)
-        self._vals = [self._CTYPES[t]() for t in types]
-        self._ptrs = (ctypes.c_void_p * len(types))(*[ctypes.addressof(v) for v in self._vals])
+        #: the kernel's argument (fields by name; pointers as int addresses), kept between calls
+        self.args = _kernel_args.host_struct(args_struct)()
+        self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(self.args))
         self._params = ctypes.addressof(self._ptrs)
+        #: ``fill(**every_field)``: write all of :attr:`args` at once (``kernel_args.filler``; not for the
+        #: descriptor's word array)
+        self.fill = None if args_struct == "RingArgs" else _kernel_args.filler(args_struct, self.args)
 
-    def __call__(self, grid: int, block: int, args, *, shared_mem: int = 0, stream=None) -> None:
-        """Launch with ``args`` (ints, one per parameter) on ``stream`` (default: the current CuPy stream)."""
-        if len(args) != len(self._vals):
-            raise AssertionError(f"internal: {len(args)} arguments for {len(self._vals)} parameters")
-        for v, a in zip(self._vals, args):
-            v.value = a
+    def __call__(self, grid: int, block: int, *, shared_mem: int = 0, stream=None) -> None:
+        """Launch with :attr:`args` as they are on ``stream`` (default: the current CuPy stream)."""
         if stream is None:
             stream = _compat.cupy.cuda.get_current_stream()
         self._launch(self._fn, grid, 1, 1, block, 1, 1, shared_mem, stream.ptr, self._params, 0)
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher(source: str, name: str, device_id: int, types: tuple, defines: tuple) -> Launcher:
-    return Launcher(get_module(source, device_id, defines).get_function(name), types)
+def _launcher(source: str, name: str, device_id: int, defines: tuple) -> Launcher:
+    return Launcher(get_module(source, device_id, defines).get_function(name), _kernel_args.KERNELS[name])
 
 
-def get_launcher(source: str, name: str, types: tuple, defines: tuple = ()) -> Launcher:
-    """The cached :class:`Launcher` of kernel ``name`` of ``cuda_src/<source>`` on the current CuPy device."""
-    return _launcher(source, name, _compat.cupy.cuda.Device().id, tuple(types), tuple(defines))
+def get_launcher(source: str, name: str, defines: tuple = ()) -> Launcher:
+    """The cached :class:`Launcher` of kernel ``name`` of ``cuda_src/<source>`` on the current CuPy device (its
+    argument struct: ``kernel_args.KERNELS[name]``). Shared by every caller of that kernel on the device: a call
+    writes every field (:attr:`Launcher.fill`) before it launches."""
+    return _launcher(source, name, _compat.cupy.cuda.Device().id, tuple(defines))
 
 
 def _default_include_dirs() -> list:

@@ -22,22 +22,20 @@ import sys
 import threading
 import weakref
 
+from ..common.config import env_abort_default
+
 __all__ = ["register", "unregister", "abort_job", "env_abort_default", "live_mpi_objects"]
 
 _lock = threading.Lock()
-_registry: "dict[int, weakref.ref]" = {}   # creation number -> object (Communicator or standalone SymBuffer)
+#: creation number -> (object, its state callback, its abort callback), all held weakly (Communicator or standalone
+#: SymBuffer; see register)
+_registry: "dict[int, tuple]" = {}
 _counter = itertools.count()
 _installed = False
 _live = {"comm": 0, "win": 0}
 #: Seconds abort_job waits after printing, before MPI_Abort: ranks failing at the same moment (a mismatch raises
 #: on every rank involved) get to print their own errors before the job is torn down.
 GRACE_S = 1.0
-
-
-def env_abort_default() -> bool:
-    """``CUPY_SYMBUF_ABORT_ON_FAILURE``: unset, empty or anything but "0"/"false"/"no"/"off" means on."""
-    value = os.environ.get("CUPY_SYMBUF_ABORT_ON_FAILURE", "").strip().lower()
-    return value not in ("0", "false", "no", "off")
 
 
 def live_mpi_objects() -> dict:
@@ -50,8 +48,13 @@ def count(kind: str, delta: int) -> None:
         _live[kind] += delta
 
 
-def register(obj) -> int:
-    """Remember ``obj`` (closed at exit if still open); returns its token for :func:`unregister`."""
+def register(obj, *, state, abort=None) -> int:
+    """Remember ``obj`` (closed at exit if still open, by ``obj.close()``); returns its token for :func:`unregister`.
+
+    The registry reads ``obj`` only through the bound methods it hands over (held weakly, like ``obj``):
+    ``state()`` returns ``(pid that made it, open, why it failed or None, abort_on_failure or None for the
+    environment's default)``; ``abort(exc_type)`` (optional) is called when this rank's program ends with an
+    uncaught exception: it sets the object's abort word so that its peers stop waiting for this rank."""
     global _installed
     with _lock:
         if not _installed:
@@ -59,7 +62,8 @@ def register(obj) -> int:
             _install_excepthook()
             _installed = True
         token = next(_counter)
-        _registry[token] = weakref.ref(obj)
+        _registry[token] = (weakref.ref(obj), weakref.WeakMethod(state),
+                            None if abort is None else weakref.WeakMethod(abort))
         return token
 
 
@@ -69,14 +73,14 @@ def unregister(token) -> None:
 
 
 def _mpi_abort(code: int) -> None:  # tests replace this
-    from mpi4py import MPI
-    MPI.COMM_WORLD.Abort(code)
+    from .bootstrap import world
+    world().abort(code)
 
 
 def _world_rank() -> int:
     try:
-        from mpi4py import MPI
-        return MPI.COMM_WORLD.Get_rank()
+        from .bootstrap import world
+        return world().rank
     except Exception:  # pragma: no cover
         return -1
 
@@ -102,23 +106,31 @@ def abort_job(message: str, rank: int = None) -> None:
     _mpi_abort(1)
 
 
-def _open_objects() -> list:
-    """Registered objects still alive and made by this process, newest first."""
+def _open_entries() -> list:
+    """``(object, failure, policy, abort callback)`` of the registered objects still alive, open and made by this
+    process, newest first (``failure``: why it failed, or None; ``policy``: its ``abort_on_failure``)."""
     pid = os.getpid()
     with _lock:
         items = sorted(_registry.items(), reverse=True)
     out = []
-    for _, ref in items:
-        obj = ref()
-        if obj is not None and getattr(obj, "_pid", None) == pid and not obj._closed:
-            out.append(obj)
+    for _, (ref, state_ref, abort_ref) in items:
+        obj, state = ref(), state_ref()
+        if obj is None or state is None:
+            continue
+        made_by, is_open, failure, policy = state()
+        if made_by == pid and is_open:
+            out.append((obj, failure, env_abort_default() if policy is None else policy,
+                        None if abort_ref is None else abort_ref()))
     return out
 
 
+def _open_objects() -> list:
+    """Registered objects still alive, open and made by this process, newest first."""
+    return [e[0] for e in _open_entries()]
+
+
 def _at_exit() -> None:
-    for obj in _open_objects():
-        broken = getattr(obj, "_broken", None)
-        policy = getattr(getattr(obj, "config", None), "abort_on_failure", env_abort_default())
+    for obj, broken, policy, _ in _open_entries():
         if broken and policy:
             abort_job(f"{type(obj).__name__} failed and was never closed: {broken}", getattr(obj, "rank", None))
             return
@@ -140,16 +152,13 @@ def _abort_open(exc_type) -> None:
     collective, so set their abort words (``_protocol.ERR_UNCAUGHT``): a peer waiting in (or entering) a collective
     leaves at once with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank instead of waiting out
     ``timeout_s``, and reaches ``close()`` while this rank's exit-time close still waits for it."""
-    from ..wire import protocol as _protocol
     if hasattr(sys, "ps1") or sys.flags.interactive:  # an interactive session goes on after the traceback
         return
-    for obj in _open_objects():
-        set_abort = getattr(getattr(obj, "_transport", None), "set_abort", None)
-        if set_abort is None or getattr(obj, "_broken", None):
+    for _, broken, _, abort in _open_entries():
+        if abort is None or broken:
             continue
         try:
-            set_abort(_protocol.ERR_UNCAUGHT)
-            obj._broken = f"aborted by this rank (rank {obj.rank}): uncaught {exc_type.__name__}"
+            abort(exc_type)
         except Exception:  # pragma: no cover - never mask the original error
             pass
 
@@ -164,9 +173,9 @@ def _install_excepthook() -> None:
             _abort_open(exc_type)
             return
         policy = getattr(exc, "abort_on_failure", None)
-        failed = [o for o in _open_objects() if getattr(o, "_broken", None)]
+        failed = [e for e in _open_entries() if e[1]]
         if failed:
-            policy = any(getattr(o.config, "abort_on_failure", True) for o in failed if hasattr(o, "config"))
+            policy = any(p for _, _, p, _ in failed)
         if policy is None:
             policy = env_abort_default()
         if policy:

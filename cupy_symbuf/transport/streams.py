@@ -87,8 +87,8 @@ def check_flag(op: str, name: str, value) -> bool:
 def reject_call(comm, op: str, notify: Optional[bool]) -> None:
     """Tell the peers this rank rejected ``op`` before its first step (``notify``: its first step is a count
     exchange; None: ``op`` does not communicate, nothing to tell). The caller re-raises its own error."""
-    if notify is not None and not comm._closed:
-        comm._engine.reject(op, notify)
+    if notify is not None:
+        comm.engine.reject(op, notify)  # nothing to tell once the communicator is closed or broken
 
 
 class CollectiveEvent:
@@ -194,7 +194,7 @@ class CollectiveEvent:
             self._event.synchronize()
         self._keep = ()
         comm = self._comm
-        if comm is not None and not getattr(comm, "_closed", True):
+        if comm is not None and not comm.closed:
             comm.synchronize()
         return self._result
 
@@ -220,7 +220,7 @@ def run_collective(comm, op: str, notify: Optional[bool], fn, args=(), kwargs=No
     ``stream``/``async_op`` is a ``TypeError`` on this rank, :class:`~cupy_symbuf.SymBufferRejectedError` on the
     peers, and the communicator stays usable.
     """
-    comm._check_open()
+    comm.engine.check_open()
     try:
         s = resolve_stream(op, stream, comm.backend)
         async_op = check_flag(op, "async_op", async_op)

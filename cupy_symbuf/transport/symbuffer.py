@@ -29,6 +29,7 @@ from mpi4py import MPI
 from . import agree as _agree
 from ..common import backend as _compat
 from . import lifecycle as _lifecycle
+from .bootstrap import Bootstrap, MpiBootstrap
 from ..common.log import logger
 from ..common.config import TRANSPORTS
 from ..common.errors import SymBufferClosedError, SymBufferError
@@ -130,7 +131,7 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def _gpu_identity(device_id: int) -> dict:
+def gpu_identity(device_id: int) -> dict:
     """UUID and PCI bus id of a CUDA device (stable across processes, unlike the ordinal)."""
     cp = _compat.cupy
     props = cp.cuda.runtime.getDeviceProperties(device_id)
@@ -246,8 +247,10 @@ class SymBuffer:
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Comm
-        Intra-communicator whose ranks all live on one node (``MPI.COMM_TYPE_SHARED``); collective.
+    comm : mpi4py.MPI.Comm or Bootstrap
+        Intra-communicator whose ranks all live on one node (``MPI.COMM_TYPE_SHARED``); collective. Construction
+        and ``close()`` exchange only through it (as a :class:`~cupy_symbuf.transport.bootstrap.Bootstrap`); the
+        host backend's and the staged transport's memory is an MPI shared-memory window on it.
     nbytes : int
         Bytes per rank (>= 0), identical on every rank.
     backend : {"auto", "cuda", "host"}
@@ -279,6 +282,11 @@ class SymBuffer:
     Attributes
     ----------
     rank, world_size, backend, nbytes
+    bootstrap : Bootstrap
+        This buffer's own duplicate of ``comm`` (:class:`~cupy_symbuf.transport.bootstrap.Bootstrap`): every later
+        agreement step of its owner (symmetric allocations, probes, close) runs on it.
+    comm : mpi4py.MPI.Comm
+        The mpi4py communicator under ``bootstrap`` (the window's).
     transport : str
         ``"ipc"`` or ``"staged"`` (cuda), ``"shared_memory"`` (host): what construction chose, the same on every
         rank.
@@ -301,10 +309,16 @@ class SymBuffer:
 
     _closed = True  # until construction completes (also seen by __del__ of a half-built object)
     _pid = -1
+    bootstrap = None
+    comm = None
 
     def __init__(self, comm: MPI.Comm, nbytes: int, *, backend: str = "auto", timeout_s: Optional[float] = None,
                  transport: str = "auto", _managed: bool = False):
-        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        if isinstance(comm, MPI.Comm) and comm != MPI.COMM_NULL:
+            boot = MpiBootstrap(comm)
+        elif isinstance(comm, Bootstrap) and not isinstance(comm, MPI.Comm):
+            boot = comm
+        else:
             raise TypeError(f"SymBuffer: comm must be an mpi4py intra-communicator, got {comm!r}")
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or int(nbytes) < 0:
             raise ValueError(f"SymBuffer: nbytes must be an int >= 0, got {nbytes!r}")
@@ -320,12 +334,11 @@ class SymBuffer:
         self.backend = resolve_backend(backend)
         # Agree on size and backend (one rank on cuda and another on host would deadlock later), bounded: a peer
         # that never constructs gives a timeout naming it. On the host the memory verdict travels with them.
-        me = comm.Get_rank()
+        me = boot.rank
         verdict = None
         if self.backend == "host":
-            verdict = _memory_verdict(nbytes, comm.Get_size(), "host")
-        sizes = _agree.exchange_all(comm, (nbytes, self.backend, verdict, transport), self.timeout_s,
-                                    "SymBuffer construction")
+            verdict = _memory_verdict(nbytes, boot.size, "host")
+        sizes = boot.allgather((nbytes, self.backend, verdict, transport), self.timeout_s, "SymBuffer construction")
         for r, (n, b, _, t) in enumerate(sizes):
             if n != nbytes:
                 raise ValueError(f"SymBuffer: nbytes must be the same on every rank: rank {me} asked "
@@ -338,17 +351,18 @@ class SymBuffer:
                                  f"{transport!r} but rank {r} for {t!r}")
         _agree.raise_if_any_failed([v for _, _, v, _ in sizes], "SymBuffer")
         # every rank is here: the blocking collectives below complete
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        node_size = node.Get_size()
-        node.Free()
-        if node_size != comm.Get_size():
+        node = boot.split_node()
+        node_size = node.size
+        node.free()
+        if node_size != boot.size:
             raise NotImplementedError(
-                f"SymBuffer: comm spans more than one node ({comm.Get_size()} ranks, {node_size} on this node); "
+                f"SymBuffer: comm spans more than one node ({boot.size} ranks, {node_size} on this node); "
                 f"only single-node communicators are supported for now (multi-node scale-out comes later)")
-        self.comm = comm.Dup()
+        self.bootstrap = boot.dup()
+        self.comm = getattr(self.bootstrap, "comm", None)
         _lifecycle.count("comm", 1)
-        self.rank = self.comm.Get_rank()
-        self.world_size = self.comm.Get_size()
+        self.rank = self.bootstrap.rank
+        self.world_size = self.bootstrap.size
         self.nbytes = nbytes
         self._win: Optional[MPI.Win] = None
         self._host_views: list = []
@@ -370,17 +384,29 @@ class SymBuffer:
             raise
         self._pid = os.getpid()
         self._closed = False
-        self._token = None if _managed else _lifecycle.register(self)
+        self._token = None if _managed else _lifecycle.register(self, state=self._lifecycle_state)
+
+    def _lifecycle_state(self) -> tuple:
+        """For :mod:`~cupy_symbuf.transport.lifecycle`: ``(pid that made it, open, failure, abort policy)``."""
+        return self._pid, not self._closed, None, None
 
     def _free_comm(self) -> None:
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
+        if self.bootstrap is not None:
+            self.bootstrap.free()
+            self.bootstrap = self.comm = None
             _lifecycle.count("comm", -1)
+
+    def _window_comm(self):
+        """The mpi4py communicator the shared-memory window is allocated on (the host backend's and the staged
+        transport's memory)."""
+        if self.comm is None:
+            raise NotImplementedError(f"SymBuffer: the {self.backend} backend's memory is an MPI shared-memory "
+                                      f"window; this bootstrap ({self.bootstrap!r}) has no mpi4py communicator")
+        return self.comm
 
     # ---- host ---------------------------------------------------------------------------------------------
     def _init_host(self) -> None:
-        win = MPI.Win.Allocate_shared(self.nbytes, 1, comm=self.comm)
+        win = MPI.Win.Allocate_shared(self.nbytes, 1, comm=self._window_comm())
         _lifecycle.count("win", 1)
         win.Lock_all(MPI.MODE_NOCHECK)  # passive-target epoch, so Win.Sync() is a memory barrier
         self._win = win
@@ -390,7 +416,7 @@ class SymBuffer:
             self._host_views.append(view[: self.nbytes])
         self._host_views[self.rank][:] = 0
         win.Sync()
-        _agree.barrier(self.comm, self.timeout_s, "SymBuffer construction (zeroed)", role="construction")
+        self.bootstrap.barrier(self.timeout_s, "SymBuffer construction (zeroed)", role="construction")
 
     def sync(self) -> None:
         """Memory barrier over the window (host backend; ``MPI_Win_sync``). No-op on cuda."""
@@ -411,13 +437,13 @@ class SymBuffer:
     def _init_cuda(self, requested: str) -> None:
         cp = _compat.cupy
         self.device_id = cp.cuda.Device().id
-        ident = _gpu_identity(self.device_id)
+        ident = gpu_identity(self.device_id)
         ident["hostname"] = socket.gethostname()
         place = None
         if requested != "staged" and self.world_size > 1:  # peer access towards every GPU this process sees
             from .topology import local_record
             place = local_record("cuda", self.device_id, nvml=False)
-        got = _agree.exchange_all(self.comm, (ident, place), self.timeout_s, "SymBuffer construction (GPUs)")
+        got = self.bootstrap.allgather((ident, place), self.timeout_s, "SymBuffer construction (GPUs)")
         self.gpu_identities = [i for i, _ in got]
         topo = None
         if place is not None:
@@ -439,7 +465,7 @@ class SymBuffer:
         self.transport, self.transport_reason = transport, reason
         self.peer_ptrs_device = cp.array(np.array(self.peer_ptrs, dtype=np.uint64))
         cp.cuda.runtime.deviceSynchronize()
-        everyone = _agree.exchange_all(self.comm, transport, self.timeout_s, "SymBuffer construction (mapped)")
+        everyone = self.bootstrap.allgather(transport, self.timeout_s, "SymBuffer construction (mapped)")
         if any(t != transport for t in everyone):  # pragma: no cover - the choice is deterministic
             raise SymBufferError(f"SymBuffer: the ranks chose different transports {everyone}")
         if requested == "auto" and transport == "staged":
@@ -456,8 +482,8 @@ class SymBuffer:
         key = (ident["uuid"], ident["pci_bus_id"], ident["hostname"])
         sharing = sum(1 for i in self.gpu_identities if (i["uuid"], i["pci_bus_id"], i["hostname"]) == key)
         _agree.raise_if_any_failed(
-            _agree.exchange_all(self.comm, _memory_verdict(self.nbytes, sharing, "cuda"), self.timeout_s,
-                                "SymBuffer construction (memory)"), "SymBuffer")
+            self.bootstrap.allgather(_memory_verdict(self.nbytes, sharing, "cuda"), self.timeout_s,
+                                     "SymBuffer construction (memory)"), "SymBuffer")
         ptr = 0
         handle = b""
         err = None
@@ -469,7 +495,7 @@ class SymBuffer:
             except Exception as exc:  # tell the peers instead of leaving them waiting
                 err = f"cudaMalloc/IPC handle of {self.nbytes} bytes failed: {exc}"
         self._local_ptr = ptr
-        infos = _agree.exchange_all(self.comm, (handle, err), self.timeout_s, "SymBuffer construction (IPC)")
+        infos = self.bootstrap.allgather((handle, err), self.timeout_s, "SymBuffer construction (IPC)")
         try:
             _agree.raise_if_any_failed([e for _, e in infos], "SymBuffer", RuntimeError)
         except RuntimeError:
@@ -491,7 +517,7 @@ class SymBuffer:
                 break
             self._opened.append(p)
             ptrs.append(p)
-        failures = _agree.exchange_all(self.comm, failure, self.timeout_s, "SymBuffer construction (IPC opened)")
+        failures = self.bootstrap.allgather(failure, self.timeout_s, "SymBuffer construction (IPC opened)")
         first = next((f for f in failures if f is not None), None)
         if first is None:
             self.peer_ptrs = ptrs
@@ -499,7 +525,7 @@ class SymBuffer:
         for p in self._opened:  # undo on every rank: mappings first, then (nobody maps it any more) the buffer
             rt.ipcCloseMemHandle(p)
         self._opened = []
-        _agree.barrier(self.comm, self.timeout_s, "SymBuffer construction (IPC undone)", role="construction")
+        self.bootstrap.barrier(self.timeout_s, "SymBuffer construction (IPC undone)", role="construction")
         if ptr:
             rt.free(ptr)
         self._local_ptr = 0
@@ -511,14 +537,14 @@ class SymBuffer:
         the parts' device addresses."""
         rt = _compat.cupy.cuda.runtime
         _agree.raise_if_any_failed(
-            _agree.exchange_all(self.comm, _memory_verdict(self.nbytes, self.world_size, "host"), self.timeout_s,
-                                "SymBuffer construction (host memory)"), "SymBuffer")
+            self.bootstrap.allgather(_memory_verdict(self.nbytes, self.world_size, "host"), self.timeout_s,
+                                     "SymBuffer construction (host memory)"), "SymBuffer")
         seg = -(-self.nbytes // _PAGE) * _PAGE  # whole pages: no two ranks' parts share one (a page registers once)
         # One page more per rank, and each part starts on the first page boundary inside its allocation: MPI puts
         # a window's parts after its own headers (Open MPI 4.1: 8 bytes past a 16-byte boundary), which would leave
         # every ring slot, symmetric array and the low-latency kernels' 16-byte accesses misaligned. The skip is the
         # same in every process (shared mappings start on page boundaries).
-        win = MPI.Win.Allocate_shared(seg + _PAGE if seg else 0, 1, comm=self.comm)
+        win = MPI.Win.Allocate_shared(seg + _PAGE if seg else 0, 1, comm=self._window_comm())
         _lifecycle.count("win", 1)
         win.Lock_all(MPI.MODE_NOCHECK)
         self._win = win
@@ -546,7 +572,7 @@ class SymBuffer:
             except Exception as exc:  # noqa: BLE001 - told to every rank below
                 err = (f"cudaHostRegister / device pointer of the shared-memory window ({self.world_size} x {seg} "
                        f"bytes) failed: {type(exc).__name__}: {exc}")
-        errs = _agree.exchange_all(self.comm, err, self.timeout_s, "SymBuffer construction (host registered)")
+        errs = self.bootstrap.allgather(err, self.timeout_s, "SymBuffer construction (host registered)")
         try:
             _agree.raise_if_any_failed(errs, "SymBuffer", RuntimeError)
         except RuntimeError:
@@ -672,20 +698,20 @@ class SymBuffer:
                 # nobody may still write into a buffer we are about to free (raises when a peer never comes: the
                 # buffer is then left allocated, our mappings of the peers are still closed below)
                 try:
-                    _agree.barrier(self.comm, self.timeout_s, what, on_slow=slow)
+                    self.bootstrap.barrier(self.timeout_s, what, on_slow=slow)
                 finally:
                     for p in self._opened:
                         rt.ipcCloseMemHandle(p)
                     self._opened = []
                     self.peer_ptrs_device = None
-            _agree.barrier(self.comm, self.timeout_s, what + " (unmapped)")
+            self.bootstrap.barrier(self.timeout_s, what + " (unmapped)")
             if self.transport == "staged":
                 self._free_staged()  # the window's memory is not cudaMalloc'ed: unregister, free the window
             elif self._local_ptr:
                 rt.free(self._local_ptr)
             self._local_ptr = 0
         else:
-            _agree.barrier(self.comm, self.timeout_s, what, on_slow=slow)  # raises: window, comm left allocated
+            self.bootstrap.barrier(self.timeout_s, what, on_slow=slow)  # raises: window, comm left allocated
             self._host_views = []
             self._win.Unlock_all()
             self._win.Free()  # collective, but every rank is here now

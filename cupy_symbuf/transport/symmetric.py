@@ -24,7 +24,6 @@ from typing import Optional
 
 import numpy as np
 
-from . import agree as _agree
 from ..common import backend as _compat
 from ..common.log import logger
 from .symbuffer import SymBuffer
@@ -85,9 +84,9 @@ def _root(a):
     return a.data.mem
 
 
-def _transport_of(owner) -> str:
-    """The communicator's transport as a SymBuffer request: a symmetric array lives where its rings do."""
-    t = getattr(owner, "transport", None)
+def _transport_of(buffer) -> str:
+    """The rings' transport as a SymBuffer request: a symmetric array lives where its rings do."""
+    t = getattr(buffer, "transport", None)
     return t if t in ("ipc", "staged") else "auto"
 
 
@@ -102,10 +101,25 @@ class SymmetricHeap:
 
     ``find(a)`` tells whether an array lies inside one of them (the collectives ask it per call: a short scan of
     the live allocations, newest first).
+
+    Parameters
+    ----------
+    buffer : SymBuffer
+        The communicator's rings: its ``bootstrap`` runs every allocation's agreement step, its backend and
+        transport are the allocations'.
+    transport : Transport
+        The communicator's engine; on the GPU each allocation is entered in its symmetric table
+        (``sym_register`` / ``sym_unregister``).
+    timeout_s : float
+        Bound of every agreement step.
+    check_open : callable
+        Raises unless the communicator may be used (called first by :meth:`empty` and :meth:`free`).
     """
 
-    def __init__(self, owner):
-        self.owner = owner
+    def __init__(self, buffer: SymBuffer, transport, timeout_s: float, check_open):
+        self.buffer, self.transport, self.timeout_s = buffer, transport, timeout_s
+        self.check_open = check_open
+        self.backend, self.rank = buffer.backend, buffer.rank
         self._next_id = 0
         self.allocations: list = []
         #: what owned the memory of freed allocations (weakly): an array left over from one is refused by the
@@ -118,8 +132,7 @@ class SymmetricHeap:
         error the caller already found in its arguments (``Communicator.array``): it takes part in the agreement
         step and raises it, so the peers raise too instead of waiting."""
         op = f"Communicator.{what}"
-        owner = self.owner
-        owner._check_open()
+        self.check_open()
         mine = None
         if err is None:
             try:
@@ -134,10 +147,9 @@ class SymmetricHeap:
                 mine = (shape, dtype.str, str(dtype), self._next_id)
             except (TypeError, ValueError) as exc:
                 err = exc
-        comm = owner.buffer.comm
-        timeout = owner.config.timeout_s
-        everyone = _agree.exchange_all(comm, (mine, None if err is None else f"{type(err).__name__}: {err}"),
-                                       timeout, _STEP)
+        boot = self.buffer.bootstrap
+        timeout = self.timeout_s
+        everyone = boot.allgather((mine, None if err is None else f"{type(err).__name__}: {err}"), timeout, _STEP)
         if err is not None:
             raise err
         bad = [(r, e) for r, (_, e) in enumerate(everyone) if e is not None]
@@ -147,11 +159,11 @@ class SymmetricHeap:
             if theirs != mine:
                 raise ValueError(
                     f"{op}: every rank must allocate the same shape and dtype in the same order: rank "
-                    f"{owner.rank} asks for allocation {mine[3]} of shape {mine[0]} dtype {mine[2]}, rank {r} for "
+                    f"{self.rank} asks for allocation {mine[3]} of shape {mine[0]} dtype {mine[2]}, rank {r} for "
                     f"allocation {theirs[3]} of shape {theirs[0]} dtype {theirs[2]}; nothing was allocated")
         try:
-            buf = SymBuffer(comm, -(-max(nbytes, 1) // BLOCK_ALIGN) * BLOCK_ALIGN, backend=owner.backend,
-                            timeout_s=timeout, transport=_transport_of(owner), _managed=True)
+            buf = SymBuffer(boot, -(-max(nbytes, 1) // BLOCK_ALIGN) * BLOCK_ALIGN, backend=self.backend,
+                            timeout_s=timeout, transport=_transport_of(self.buffer), _managed=True)
         except Exception as exc:  # on every rank alike (SymBuffer agrees first); e.g. out of memory, or windows
             many = len(self.allocations) >= 256  # each is an MPI window and communicator of its own
             msg = (f"{op}: symmetric allocation {self._next_id} of {nbytes} B per rank failed "
@@ -165,17 +177,17 @@ class SymmetricHeap:
             raise wrapped from exc
         try:
             # a byte view of the block, cut to the array (so a zero-size array is still a view of its allocation)
-            if owner.backend == "host":
-                raw = buf.host_view(owner.rank)
+            if self.backend == "host":
+                raw = buf.host_view(self.rank)
             else:
-                raw = buf.peer_view(owner.rank, np.uint8, (buf.nbytes,))
+                raw = buf.peer_view(self.rank, np.uint8, (buf.nbytes,))
             array = raw[:nbytes].view(dtype).reshape(shape)
         except BaseException:
             buf.close()
             raise
         alloc = SymmetricAllocation(self._next_id, shape, dtype, nbytes, buf, array)
-        if owner.backend == "cuda":  # the kernels find its peers' blocks in the symmetric table (direct mode)
-            alloc.registered = owner._transport.sym_register(alloc)
+        if self.backend == "cuda":  # the kernels find its peers' blocks in the symmetric table (direct mode)
+            alloc.registered = self.transport.sym_register(alloc)
         logger.debug("%s: symmetric allocation %d, shape %s dtype %s, %d B per rank", op, alloc.id, shape, dtype,
                      nbytes)
         self._next_id += 1
@@ -185,22 +197,21 @@ class SymmetricHeap:
     def free(self, a) -> None:
         """Free the allocation ``a`` belongs to (collective: every rank frees the same allocation)."""
         op = "Communicator.free"
-        owner = self.owner
-        owner._check_open()
+        self.check_open()
         alloc = self._owning(a)
         mine = alloc.id if alloc is not None else None
-        everyone = _agree.exchange_all(owner.buffer.comm, mine, owner.config.timeout_s, op)
+        everyone = self.buffer.bootstrap.allgather(mine, self.timeout_s, op)
         if mine is None:
             raise ValueError(f"{op}: argument 'a' is not a live symmetric array of this communicator "
                              f"(Communicator.empty / zeros / array); nothing was freed")
         if any(x != mine for x in everyone):
-            raise ValueError(f"{op}: every rank must free the same allocation: rank {owner.rank} frees "
+            raise ValueError(f"{op}: every rank must free the same allocation: rank {self.rank} frees "
                              f"allocation {mine}, the ranks free {everyone}; nothing was freed")
-        if owner.backend == "cuda":
+        if self.backend == "cuda":
             _compat.cupy.cuda.runtime.deviceSynchronize()  # queued collectives may still read or write it
         self.allocations.remove(alloc)
-        if owner.backend == "cuda":
-            owner._transport.sym_unregister(alloc)
+        if self.backend == "cuda":
+            self.transport.sym_unregister(alloc)
         self._freed = {k: r for k, r in self._freed.items() if r() is not None}  # drop the collected ones
         try:
             self._freed[id(alloc.root)] = weakref.ref(alloc.root)
@@ -265,7 +276,7 @@ class SymmetricHeap:
         if not self.allocations:
             return "  symmetric arrays: none"
         lines = [f"  symmetric arrays: {len(self.allocations)}, {self.total_bytes} B per rank "
-                 f"({self.total_bytes / 2**20:.2f} MiB), each its own {self.owner.backend} allocation on every rank:"]
+                 f"({self.total_bytes / 2**20:.2f} MiB), each its own {self.backend} allocation on every rank:"]
         for a in self.allocations:
             lines.append(f"    id {a.id}: shape {a.shape} dtype {a.dtype} = {a.nbytes} B")
         return "\n".join(lines)

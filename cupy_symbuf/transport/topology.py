@@ -29,6 +29,8 @@ import dataclasses
 import socket
 from typing import Any, Dict, List, Optional
 
+from ..common.checks import check_int
+
 __all__ = ["Topology", "Link", "discover", "local_record", "with_local_nvml", "LINK_KINDS",
            "NVLINK_GBPS_PER_LINK"]
 
@@ -333,16 +335,6 @@ def discover(comm, backend: str = "host", timeout_s: float = 30.0, *, device: Op
 
 # ---- the topology ---------------------------------------------------------------------------------------------
 
-def _check_int(where: str, name: str, value, upper: int, what: str) -> int:
-    import numpy as np
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: argument '{name}' must be an int ({what} in [0, {upper})), got "
-                        f"{type(value).__name__}")
-    if not 0 <= int(value) < upper:
-        raise ValueError(f"{where}: argument '{name}' must be {what} in [0, {upper}), got {int(value)}")
-    return int(value)
-
-
 def _require(where: str, obj: dict, prefix: str, keys) -> None:
     """``ValueError`` naming the first of ``keys`` missing from ``obj`` (as ``'<prefix><key>'``)."""
     for key in keys:
@@ -474,7 +466,7 @@ class Topology:
         return len(self._members)
 
     def _r(self, where: str, name: str, rank) -> int:
-        return _check_int(f"Topology.{where}", name, rank, self.world_size, "a rank")
+        return check_int(f"Topology.{where}", name, rank, minimum=0, maximum=self.world_size - 1, what="a rank")
 
     def node_of(self, rank: int) -> int:
         """Node index of ``rank`` (``ValueError``/``TypeError`` naming ``rank`` when not a rank)."""
@@ -491,7 +483,8 @@ class Topology:
     def ranks_on_node(self, node: int) -> List[int]:
         """The ranks of ``node`` in rank order (``ValueError``/``TypeError`` naming ``node`` when out of
         ``[0, num_nodes)``)."""
-        return list(self._members[_check_int("Topology.ranks_on_node", "node", node, self.num_nodes, "a node")])
+        return list(self._members[check_int("Topology.ranks_on_node", "node", node, minimum=0,
+                                            maximum=self.num_nodes - 1, what="a node")])
 
     def gpu_of(self, rank: int) -> Optional[dict]:
         """(cuda) ``{"ordinal", "uuid", "pci_bus_id", "name"}`` of ``rank``'s GPU, or None (host backend, or no GPU

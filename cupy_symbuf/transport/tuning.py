@@ -14,7 +14,7 @@ measured together).
 
 A key names what the measurement depends on: ``"host/AMD EPYC/cores=2/world=2"`` (CPU model and core count),
 ``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2"``. On the GPU the key carries the link class the layout was measured
-over (issue 14, "a chunk size per link class"): ranks sharing one GPU under MPS (``ranks_per_gpu`` equal to the
+over ("a chunk size per link class"): ranks sharing one GPU under MPS (``ranks_per_gpu`` equal to the
 world size) or one GPU each (peers over NVLink or PCIe through CUDA IPC), and the transport. A key for the staged
 transport, where every byte and every flag crosses PCIe, ends in ``"/transport=staged"``:
 ``"cuda/NVIDIA H200/ranks_per_gpu=2/world=2/transport=staged"``. So an entry measured over IPC never sets the

@@ -210,7 +210,7 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1,
     worker instead of one worker copying one slot, and a long one ends on a full round. A chunk is at least
     ``least_bytes`` of units (GPU: 4 KiB, one unrolled warp pass; host: ``HOST_CHUNK_LEAST_BYTES``), a multiple of 512 bytes of units (one vector pass of a warp; keeps byte
     streams 16-byte aligned), and at most one slot (``chunk_bytes // unit_bytes`` units). Sender and receiver derive
-    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/ring_exchange.cu``. An empty
+    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/ring_prims.cuh``. An empty
     stream (``rows <= 0``) has no chunks; the slot size is returned.
     """
     max_rows = chunk_bytes // unit_bytes

@@ -31,9 +31,10 @@ fields): ``STATUS_*`` words; ``STATUS_FLAG`` is set last with a system-scope rel
 """
 from __future__ import annotations
 
+import struct as _struct
 import zlib
 
-__all__ = ["cuda_header", "op_code", "op_name", "signature"]
+__all__ = ["cuda_header", "op_code", "op_name", "signature", "float32"]
 
 #: Bytes per metadata line: every counter alone on a 128-byte line (two GPU L2 sectors; no false sharing).
 LINE_BYTES = 128
@@ -134,7 +135,8 @@ REJECT_ARGS, REJECT_SIG = range(2)
 #: consume nothing of the call and record the rejection).
 LL_REJECTED = -1
 
-#: Launch descriptor of the ring kernel (int64 words, passed by value as its first parameter).
+#: Launch descriptor of the ring kernel (int64 words, passed by value as its one parameter: ``wire/kernel_args.py``
+#: ``RingArgs``).
 MAX_PARTS = 4
 MAX_PEERS = 32
 DESC_RANK, DESC_WORLD_SIZE, DESC_NUM_CHANNELS, DESC_REGION_BYTES, DESC_CHANNEL_BYTES, DESC_NUM_SLOTS, \
@@ -175,7 +177,11 @@ LOAD_BYTES, LOAD_CHUNKS, LOAD_STOLEN = range(3)
 #: ADAPT_WINDOW``).
 ADAPT_WINDOW = 32
 HOME_OWN = 0xFF
-DESC_WORDS = DESC_LOAD + 1
+#: DESC_PEER_BASES = device address of every rank's buffer base (u64 [world_size]); DESC_STATUS = the host-mapped
+#: error record (``STATUS_*``): the descriptor is the kernel's one argument (``wire/kernel_args.py`` ``RingArgs``).
+DESC_PEER_BASES = DESC_LOAD + 1
+DESC_STATUS = DESC_PEER_BASES + 1
+DESC_WORDS = DESC_STATUS + 1
 TRACE_HDR_WORDS = 16
 TRACE_WORDS = 8
 #: Trace event kinds (``_trace``): a chunk written into a peer's ring (or pushed into its outputs), a chunk copied
@@ -225,6 +231,28 @@ HOST_CHUNK_LEAST_BYTES = 32768
 #: Byte streams are cut between channels on this alignment (bytes).
 BYTE_STREAM_ALIGN = 16
 
+#: The fp8 (e4m3) block quantiser of the wire (``collectives/quant.py`` and ``cuda_src/quant.cuh``, bit for bit):
+#: one float32 scale per QUANT_BLOCK consecutive elements of a row (DeepEP's 1x128 blocks; MoE ``x_fp8`` scales and
+#: ``wire_dtype="fp8"`` rows alike), scale = max(amax, QUANT_AMAX_FLOOR) / QUANT_FP8_MAX (float32; the largest
+#: finite e4m3 value).
+QUANT_BLOCK = 128
+QUANT_FP8_MAX = 448.0
+QUANT_AMAX_FLOOR = 1e-4
+
+#: Low-latency mode's symmetric buffer (``moe/low_latency.py`` describes it; ``cuda_src/low_latency.cu``). Each
+#: kind's ctrl line (u64 words, local only): word LL_CTRL_EXIT counts the kernel blocks that left, over all launches
+#: (a launch's sequence number is that count / grid + 1). Flag lines (dispatch, weights, partials): word LL_LINE_SEQ
+#: = blocks done (dispatch, partials) or the sequence number (weights), LL_LINE_N = the source's token count,
+#: LL_LINE_SIG = the call's row signature.
+LL_CTRL_EXIT = 2
+LL_LINE_SEQ, LL_LINE_N, LL_LINE_SIG = range(3)
+#: Element types of ``x`` (the kernels' ``kind`` argument).
+LL_KIND_BF16, LL_KIND_F16, LL_KIND_F32 = range(3)
+#: Elements of x per work item of a warp (8 fp8 blocks).
+LL_SEG_ELEMS = 1024
+#: ``bench_low_latency(profile=True)``: %globaltimer stamps per kernel block (u64 [grid][LL_PROF_STAMPS]).
+LL_PROF_STAMPS = 8
+
 
 def op_code(op: str) -> int:
     """Code of operation ``op`` (``OPS``); ``ValueError`` for an unknown name."""
@@ -245,16 +273,25 @@ def signature(*fields) -> int:
 
 
 def _constants() -> list:
-    names = [n for n in globals() if n.isupper() and isinstance(globals()[n], int) and not n.startswith("_")]
-    return [(n, globals()[n]) for n in names]
+    """``(name, value)`` of every public upper-case int or float constant above, in order."""
+    g = globals()
+    return [(n, g[n]) for n in g if n.isupper() and not n.startswith("_") and type(g[n]) in (int, float)]
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (round to nearest even), as a Python float (exact)."""
+    return _struct.unpack("<f", _struct.pack("<f", value))[0]
 
 
 def cuda_header() -> str:
-    """C++ text defining every constant above for the kernels (``constexpr``), plus the op codes as
-    ``OP_<NAME>``. ``_kernels`` prepends it to each source; kernels include no hand copy."""
-    lines = ["// Generated from cupy_symbuf/_protocol.py at NVRTC time: do not edit; change the Python.",
+    """C++ text defining every constant above for the kernels (``constexpr``; floats as float32), plus the op
+    codes as ``OP_<NAME>``. ``transport/kernels.py`` prepends it to each source; kernels include no hand copy."""
+    lines = ["// Generated from cupy_symbuf/wire/protocol.py at NVRTC time: do not edit; change the Python.",
              "#ifndef SYMBUF_PROTOCOL_GENERATED", "#define SYMBUF_PROTOCOL_GENERATED"]
     for name, value in _constants():
+        if isinstance(value, float):  # float32, as an exact hexadecimal literal (no second rounding)
+            lines.append(f"constexpr float {name} = {float32(value).hex()}f;  // {value!r}")
+            continue
         ctype = "unsigned long long" if value >= 2 ** 31 else "int"
         suffix = "ull" if ctype != "int" else ""
         lines.append(f"constexpr {ctype} {name} = {value}{suffix};")

@@ -1,4 +1,4 @@
-"""Fault cases for cupy_symbuf, one per run, launched under mpiexec by ``tests/test_faults.py`` (issue 9)::
+"""Fault cases for cupy_symbuf, one per run, launched under mpiexec by ``tests/test_faults.py``::
 
     CUPY_SYMBUF_TIMEOUT_S=3 mpiexec -n 2 python tests/faults/fault_cases.py <case> --marker <unique-tag>
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the GPU path (issue 9, `make sanitize`; run on the GPU machine from the source tree, with
+# compute-sanitizer over the GPU path (`make sanitize`, `.ci/device.sh sanitize`; run on the GPU machine from the source tree, with
 # Open MPI's mpirun): memcheck, racecheck, synccheck and initcheck over a small soak run (alltoall, alltoallv with
 # and without recv_counts, get_dispatch_layout / dispatch / combine / cached dispatch, checked bitwise every
 # iteration) at 1 rank and at 2 ranks, CuPy's memory pool off (CUPY_SYMBUF_SOAK_NO_POOL=1) so that an out-of-bounds
-# write is visible; then the misuse of issue 9 item 3 (recv_counts[rank] != send_counts[rank]) under memcheck, which
+# write is visible; then the misuse of recv_counts (recv_counts[rank] != send_counts[rank]) under memcheck, which
 # must be a clean ValueError. Logs: ${OUT:-/tmp}/sanitize_<tool>_n<ranks>.log; prints each run's SUMMARY lines.
 # Knobs: TOOLS="memcheck racecheck synccheck initcheck", RANKS="1 2", SAN_ITERS=20, SAN_ROWS=64, STAGE_LIMIT=600,
 #        LEAKS=1 (0: memcheck without --leak-check, out-of-bounds and misaligned accesses only),
@@ -49,7 +49,7 @@ for tool in $TOOLS; do
     fi
   done
 done
-if [ "${MISUSE:-1}" = 1 ]; then   # issue 9 item 3: must be a ValueError on every rank, no write out of bounds
+if [ "${MISUSE:-1}" = 1 ]; then   # recv_counts misuse: must be a ValueError on every rank, no write out of bounds
   export CUPY_SYMBUF_FAULT_BACKEND=cuda CUPY_SYMBUF_ABORT_ON_FAILURE=0
   run misuse_memcheck_n1 0 $SAN --tool memcheck python3 tests/faults/fault_cases.py recv_self_off
   run misuse_memcheck_n2 0 $MPIRUN -x CUPY_SYMBUF_FAULT_BACKEND -x CUPY_SYMBUF_ABORT_ON_FAILURE -n 2 \

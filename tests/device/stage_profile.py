@@ -1,6 +1,10 @@
-"""Where the time goes (one device call, fifth session): the fp8 wire dispatch's stages (2 ranks) or the
-hierarchical path's (4 ranks as 2 x 2), by wrapping the stages with a device sync and a wall clock.
-Usage: mpirun -n 2 python3 .ci/device_profile.py fp8 | mpirun -n 4 python3 .ci/device_profile.py hier"""
+"""Where the time goes on the GPU: the fp8 wire dispatch's stages (2 ranks) or the hierarchical path's (4 ranks as
+2 x 2 virtual nodes), by wrapping the stages with a device sync and a wall clock (``.ci/device.sh profile``).
+
+    mpirun -n 2 python3 tests/device/stage_profile.py fp8 | mpirun -n 4 python3 tests/device/stage_profile.py hier
+
+The hierarchical stages are private methods of ``HierarchicalCommunicator``; a name that no longer exists is
+reported and left out, so the script keeps running while that class changes."""
 import sys
 import time
 from collections import defaultdict
@@ -10,7 +14,8 @@ from mpi4py import MPI
 
 import cupy as cp
 import cupy_symbuf as cs
-from cupy_symbuf import quant, hierarchical
+from cupy_symbuf import quant
+from cupy_symbuf.scaleout import hierarchical
 
 world = MPI.COMM_WORLD
 me, W = world.Get_rank(), world.Get_size()
@@ -19,8 +24,12 @@ cnt = defaultdict(int)
 
 
 def wrap(obj, name, label=None):
-    f = getattr(obj, name)
     label = label or name
+    f = getattr(obj, name, None)
+    if f is None:
+        if me == 0:
+            print(f"# {label}: no such attribute here, not timed")
+        return
 
     def g(*a, **k):
         cp.cuda.get_current_stream().synchronize()

@@ -1,10 +1,12 @@
-"""Channel telemetry on the GPU (issue 12), one device call: N ranks under MPS with Config(trace=True) run a
+"""Channel telemetry on the GPU (``.ci/device.sh trace``): N ranks under MPS with Config(trace=True) run a
 deliberately skewed alltoallv (every rank sends rank 0 ten times the rows) and a MoE dispatch / combine whose routing
 favours rank 0's experts, each checked against NumPy; every rank saves its trace, rank 0 runs the diagnostics CLI
 (PNGs + report into $TRACE_DIR/diag, default /tmp/symbuf_trace) and prints the report. Then the cost of tracing: alltoall loop time with trace off and
 on, same sizes, same process.
 
-    mpirun -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 .ci/gpu_trace.py
+    mpirun -n 4 -x CUDA_VISIBLE_DEVICES=0 python3 tests/device/channel_trace.py
+
+With CUPY_SYMBUF_TRACE_ADAPTIVE=1 the communicators use the work-sharing ring kernel (Config(adaptive=True)).
 """
 import os
 import time
@@ -24,7 +26,7 @@ out_dir = os.environ.get("TRACE_DIR", "/tmp/symbuf_trace")
 os.makedirs(out_dir, exist_ok=True)
 rng = np.random.default_rng([me, 11])
 bad = 0
-ADAPTIVE = os.environ.get("CUPY_SYMBUF_TRACE_ADAPTIVE", "0") == "1"  # issue 13: the work-sharing build traced
+ADAPTIVE = os.environ.get("CUPY_SYMBUF_TRACE_ADAPTIVE", "0") == "1"  # the work-sharing build traced
 with cs.Communicator(world, cs.Config(trace=True, adaptive=ADAPTIVE, adaptive_interval=2)) as c:
     for it in range(6):
         counts = rng.integers(2000, 4000, W)
@@ -49,7 +51,8 @@ with cs.Communicator(world, cs.Config(trace=True, adaptive=ADAPTIVE, adaptive_in
     c.synchronize()
     rec = c.trace()
     path = c.save_trace(os.path.join(out_dir, "trace_rank{rank}.npz"))
-    print(f"rank {me}: {len(rec)} events ({c._transport.trace.dropped} dropped), kinds "
+    transport = c.engine.transport if hasattr(c, "engine") else c._transport
+    print(f"rank {me}: {len(rec)} events ({transport.trace.dropped} dropped), kinds "
           f"{np.bincount(rec['kind'], minlength=4).tolist()}, wrong results {bad}", flush=True)
 world.Barrier()
 if me == 0:

@@ -1,5 +1,5 @@
-"""EP8 symmetric memory, checked by building it (issue 11): run under MPS with 8 ranks on one GPU,
-``mpirun -n 8 python3 .ci/ep8_memory.py``. Each rank builds the default Communicator (the normal-mode ring buffer)
+"""EP8 symmetric memory, checked by building it (``.ci/device.sh ep8``): run under MPS with 8 ranks on one GPU,
+``mpirun -n 8 python3 tests/device/ep8_memory.py``. Each rank builds the default Communicator (the normal-mode ring buffer)
 and a LowLatencyBuffer for 128 tokens x 7168 bf16, 256 experts, top-8, and rank 0 prints the formula
 (``ChannelLayout.total_bytes``, ``LowLatencyBuffer.symmetric_bytes``) beside what the GPU's free memory lost
 (all 8 ranks share the GPU, so the loss / 8 is per rank; it includes CUDA's allocation granularity and each

@@ -1,0 +1,207 @@
+"""``alltoall`` and ``alltoallv`` as functions over the engine (:class:`~cupy_symbuf.transport.engine.Engine`), the
+way :mod:`cupy_symbuf.moe` runs dispatch and combine; :class:`~cupy_symbuf.Communicator` delegates to them and
+carries their documentation (``Communicator.alltoall`` / ``Communicator.alltoallv``).
+
+The alltoallv paths:
+
+* **count exchange** (no ``recv_counts``): the counts go through the symmetric buffer first, then the rows;
+* **known counts** (``recv_counts``): the rows only, the counts checked in every peer's call header;
+* **capacity** (``recv_capacity``, or device ``send_counts`` on the GPU): an output of ``recv_capacity`` rows;
+  on the GPU the counts are checked and exchanged on the device and never read on the host (graph-capturable);
+* **quantised wire** (``wire_dtype``): the rows packed by :mod:`cupy_symbuf.collectives.wire_dtype`, moved by one
+  of the paths above, and dequantised on arrival.
+
+Every function checks its arguments on the calling rank before the first communication step; a rejection is told
+to the peers (:meth:`Engine.call` / :meth:`Engine.reject`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..common import backend as _compat
+from ..common import dtypes as _dt
+from ..common.checks import as_array, check_counts, check_out
+from ..common.errors import SymBufferMismatchError
+from ..transport.engine import check_sync, row_signature
+from ..wire import protocol as P
+from ..wire.plan import part_width
+from . import quant
+from . import wire_dtype as _wire
+
+__all__ = ["alltoall", "alltoallv"]
+
+#: world_size -> int64 ones ``[world_size]`` (read only): alltoall's counts, one row to and from every rank
+_ONES: dict = {}
+
+
+def _ones(world_size: int) -> np.ndarray:
+    ones = _ONES[world_size] = np.ones(world_size, dtype=np.int64)
+    ones.flags.writeable = False
+    return ones
+
+
+def _checked_out(eng, op: str, out, shape: tuple, x):
+    """The caller's ``out=`` for rows of ``x``'s dtype, ``shape``: not a freed symmetric array, then
+    :func:`~cupy_symbuf.common.checks.check_out` (``ValueError`` / ``TypeError`` naming ``out``)."""
+    eng.check_live(op, "out", out)
+    return check_out(op, out, eng.backend, shape, x.dtype, inputs=(x,))
+
+
+def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
+    """See :meth:`Communicator.alltoall` (``eng``: its engine; ``stream`` / ``async_op`` are the Communicator's)."""
+    op = "alltoall"
+    eng.check_open()
+    try:  # argument checks; a rejection is told to the peers (the lean form of Engine.call)
+        x = as_array(op, "sendbuf", sendbuf, eng.backend)
+        W = eng.world_size
+        if x.shape[0] != W:
+            raise ValueError(f"{op}: argument 'sendbuf' must have shape[0] == world_size ({W}), "
+                             f"got shape {tuple(x.shape)}")
+        relaxed = False if sync == "strong" else check_sync(op, sync)  # (the default without a call)
+        direct = eng.direct_source(op, [x], None)
+        ones = _ONES.get(W)
+        plan = eng.rows_plan(op, x, _ones(W) if ones is None else ones, direct is not None)
+        if out is None:
+            recv = eng.xp.empty(x.shape, dtype=x.dtype)
+        else:  # (_checked_out, inline: the no-allocation form of the hot path)
+            eng.check_live(op, "out", out)
+            recv = check_out(op, out, eng.backend, x.shape, x.dtype, inputs=(x,))
+    except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
+        eng.reject(op, notify=False)
+        raise
+    eng.run(plan, [x], None, [recv], direct, relaxed)
+    return recv
+
+
+def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, out=None, wire_dtype=None,
+              sync: str = "strong", *, sig_what: str = ""):
+    """See :meth:`Communicator.alltoallv` (``eng``: its engine; ``stream`` / ``async_op`` are the Communicator's).
+    Returns ``(recvbuf, recv_counts)``. ``sig_what``: what the count exchange says when the ranks' row signatures
+    differ (the quantised wire says it in the caller's terms, not the packed rows')."""
+    op = "alltoallv"
+    if wire_dtype is not None:
+        return _alltoallv_wire(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync)
+    if recv_capacity is not None or (eng.backend == "cuda" and _compat.is_cupy_array(send_counts)):
+        with eng.call(op, notify=True):
+            return _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out,
+                                       check_sync(op, sync))
+    with eng.call(op, notify=recv_counts is None):
+        relaxed = False if sync == "strong" else check_sync(op, sync)
+        if out is not None and recv_counts is None:
+            raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
+                             f"known before the count exchange)")
+        W = eng.world_size
+        x = as_array(op, "sendbuf", sendbuf, eng.backend)
+        send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
+        sig = row_signature(x)
+        eng.check_size(op, "send_counts", send_counts, x)  # before the count exchange: a rejection
+        direct = eng.direct_source(op, [x], None)
+        if recv_counts is None:
+            # what the peers send (each checked its own counts); their sum is checked exactly here too. The
+            # signature message is made only when the ranks differ.
+            what = sig_what or (lambda: f"every rank must send rows of the same dtype and row shape, with the same "
+                                        f"wire_dtype; this rank has {sig} (no wire_dtype)")
+            recv_counts = check_counts(op, "recv_counts (from the count exchange)",
+                                       eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0].copy(), W)
+        else:
+            recv_counts = check_counts(op, "recv_counts", recv_counts, W)
+            rank = eng.rank
+            if recv_counts[rank] != send_counts[rank]:
+                raise ValueError(f"{op}: recv_counts[{rank}] ({recv_counts[rank]}) must equal "
+                                 f"send_counts[{rank}] ({send_counts[rank]}): the rows this rank sends "
+                                 f"to itself")
+        shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
+        recv = eng.xp.empty(shape, dtype=x.dtype) if out is None else _checked_out(eng, op, out, shape, x)
+        eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct, relaxed)
+    return recv, recv_counts
+
+
+def _alltoallv_wire(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync):
+    """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
+    eng.check_open()
+    notify = recv_counts is None or recv_capacity is not None
+    try:
+        if not isinstance(wire_dtype, str) or wire_dtype not in _wire.WIRE_DTYPES:  # (a list is unhashable)
+            raise ValueError(f"{op}: wire_dtype must be None, 'fp8' or 'int8', got {wire_dtype!r}")
+        if out is not None:
+            raise ValueError(f"{op}: out= is not supported with wire_dtype (the rows arrive packed)")
+        x = as_array(op, "sendbuf", sendbuf, eng.backend)
+        kind = _dt.float_kind(x.dtype)
+        if kind not in (_dt.BFLOAT16, _dt.FLOAT16, _dt.FLOAT32) or x.ndim < 2:
+            raise TypeError(f"{op}: wire_dtype={wire_dtype!r} needs float32 / float16 / bfloat16 rows (at least "
+                            f"2-D; bfloat16 as the ml_dtypes dtype on the host: CuPy has none, so on the GPU "
+                            f"pass float16 or float32), got dtype {x.dtype} shape {tuple(x.shape)}")
+        n, row_shape = int(x.shape[0]), tuple(x.shape[1:])
+        per_row = int(np.prod(row_shape))
+        if per_row % quant.QUANT_BLOCK:
+            raise ValueError(f"{op}: wire_dtype={wire_dtype!r} needs rows of a multiple of {quant.QUANT_BLOCK} "
+                             f"elements, got {per_row} (row shape {row_shape})")
+        packed = _wire.pack_rows(eng.xp.ascontiguousarray(x).reshape(n, per_row), kind, wire_dtype)
+    except BaseException:
+        eng.reject(op, notify=notify)
+        raise
+    # a rank that differs in wire_dtype / dtype / row shape: say it in the caller's terms, not the packed rows'
+    what = (f"every rank must send rows of the same dtype and row shape, with the same wire_dtype; this rank sends "
+            f"{x.dtype} rows of shape {row_shape} as wire_dtype={wire_dtype!r}")
+    recv, got = alltoallv(eng, packed, send_counts, recv_counts, recv_capacity, sync=sync, sig_what=what)
+    back = _wire.unpack_rows(recv, per_row, kind, x.dtype, wire_dtype)
+    return back.reshape((int(recv.shape[0]),) + row_shape), got
+
+
+def _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out=None, relaxed=False):
+    """alltoallv in capacity mode (see :meth:`Communicator.alltoallv`): GPU: counts checked and exchanged on the
+    device, the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
+    from the host protocol, padded to the capacity."""
+    if recv_counts is not None:
+        raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
+                         f"counts on the device)")
+    if recv_capacity is None:
+        raise ValueError(f"{op}: send_counts on the device needs recv_capacity= (the output rows; the host never "
+                         f"reads the counts)")
+    if isinstance(recv_capacity, bool) or not isinstance(recv_capacity, (int, np.integer)):
+        raise TypeError(f"{op}: recv_capacity must be an int >= 0, got {type(recv_capacity).__name__}")
+    if recv_capacity < 0:
+        raise ValueError(f"{op}: recv_capacity must be an int >= 0, got {recv_capacity!r}")
+    cap = int(recv_capacity)
+    x = as_array(op, "sendbuf", sendbuf, eng.backend)
+    W = eng.world_size
+    sig = row_signature(x)
+    out_shape = (cap,) + tuple(x.shape[1:])
+    if eng.backend == "host":
+        send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
+        eng.check_size(op, "send_counts", send_counts, x)
+        direct = eng.direct_source(op, [x], None)
+        # the output before the count exchange: a capacity too large to allocate is a rejection told to the
+        # peers (communicator usable), not a failure between the steps
+        recv = np.empty(out_shape, dtype=x.dtype) if out is None else _checked_out(eng, op, out, out_shape, x)
+        got = check_counts(op, "recv_counts (from the count exchange)",
+                           eng.notify(op, send_counts[:, None], sig)[:, 0].copy(), W)
+        n = int(got.sum())
+        if n > cap:  # between the steps: fatal, the peers are told (Engine.call sets the abort word)
+            raise eng.fatal(SymBufferMismatchError(
+                f"{op}: rank {eng.rank} receives {n} rows, more than recv_capacity={cap}", rank=eng.rank,
+                op=op, field="capacity", expected=cap, got=n))
+        eng.exchange_rows(op, [x], None, send_counts, [recv[:n]], got, sig, direct, relaxed)
+        return recv, got
+    cp = eng.xp
+    counts = send_counts if _compat.is_cupy_array(send_counts) else cp.asarray(np.asarray(send_counts))
+    if counts.ndim != 1 or counts.shape[0] != W or counts.dtype.kind not in "iu":
+        raise ValueError(f"{op}: send_counts must be integers of shape [world_size={W}], got dtype "
+                         f"{counts.dtype} shape {tuple(counts.shape)}")
+    counts = cp.ascontiguousarray(counts, dtype=np.int64)
+    CT = P.CT_WORDS
+    block = cp.empty(2 * CT + 1 + 2 + W, np.int64)  # tables, row sum, bad, meta
+    bad, meta = block[2 * CT + 1:2 * CT + 3], block[2 * CT + 3:]
+    eng.counts_meta(counts, int(x.shape[0]), meta, bad)
+    rb = part_width(x)
+    direct = eng.direct_source(op, [x], None)
+    recv = cp.empty(out_shape, dtype=x.dtype) if out is None else \
+        _checked_out(eng, op, out, out_shape, x)  # before the notify
+    scale = rb or 1  # rows of 0 bytes: the table counts rows (nothing moves), so the counts still come back
+    eng.keep_for_graph(counts, block)  # an int64 copy of the counts and the tables, read by every replay
+    eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
+                      local_reject=bad, scale=scale, capacity=cap, worst=True)
+    if rb:
+        eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False, direct=direct)
+    got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // scale
+    return recv, got
