@@ -20,6 +20,15 @@
 // last-block round trip). Receivers poll with ld.acquire.sys inside a SpinBudget (bounded, abort word polled).
 // Double buffering: a kernel waits for every peer's flag of its own call, so when call i+2 starts on a rank, every
 // peer has finished call i and no longer reads that half.
+// Rejection (the shared call protocol: a rank whose host rejected its arguments still takes part in the call): the
+// rejecting rank launches the kernel with n = LL_REJECTED (no inputs). It sends no payload and publishes its flag
+// lines as usual (every block counts itself), with n = LL_REJECTED, and still waits for every source's line (the
+// double-buffering argument above holds for every call). Every rank sees the same lines, so every rank decides alike:
+// a line marked LL_REJECTED (its signature is not checked) makes the call consume nothing; a rank that did not
+// reject records the lowest rejecting rank (STATUS_REJECTED_BY: SymBufferRejectedError from synchronize()) and
+// leaves empty outputs (dispatch: zero counts; combine: zero rows). Combine decides after the weights lines, before
+// any partial is sent; every block of every rank still counts itself in the partials lines, so those counts stay
+// at full_count(seq) for the next call on the half.
 #include "protocol.cuh"
 #include "quant.cuh"
 
@@ -97,10 +106,10 @@ __device__ __forceinline__ void load4(const u8* row, i64 i, float v[4]) {
 }
 
 // ---- flags and counters ----------------------------------------------------------------------------------------------
-// Wait until flag line `line` holds `seq` (a sequence number or a block count); false when the wait failed (timeout,
-// abort: recorded). A line ahead of seq, or a signature other than `sig`, is a protocol mismatch (recorded, abort
-// word set).
-__device__ __noinline__ bool wait_flag(const WaitCtx* c, int peer, const u64* line, u64 seq, i64 sig, bool check_sig) {
+// Wait until flag line `line` holds `seq` (a sequence number or a block count), then read its n word into *ns; a
+// line whose n is not LL_REJECTED must carry the signature `sig`. False when the wait failed (timeout, abort:
+// recorded) or on a protocol mismatch (a line ahead of seq, another signature: recorded, abort word set).
+__device__ __noinline__ bool wait_line(const WaitCtx* c, int peer, const u64* line, u64 seq, i64 sig, i64* ns) {
   SpinBudget spin(c);
   while (true) {
     const u64 v = ld_acquire_sys_global(line + LL_LINE_SEQ);
@@ -111,12 +120,12 @@ __device__ __noinline__ bool wait_flag(const WaitCtx* c, int peer, const u64* li
     }
     if (!spin.ok(ROLE_RECV, peer, seq, v)) return false;
   }
-  if (check_sig) {
-    const i64 got = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_SIG);
-    if (got != sig) {
-      fail(*c, ROLE_RECV, peer, sig, got, ERR_MISMATCH, FIELD_SIG);
-      return false;
-    }
+  *ns = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_N);
+  if (*ns == LL_REJECTED) return true;
+  const i64 got = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_SIG);
+  if (got != sig) {
+    fail(*c, ROLE_RECV, peer, sig, got, ERR_MISMATCH, FIELD_SIG);
+    return false;
   }
   return true;
 }
@@ -159,6 +168,68 @@ __device__ __forceinline__ void prof_stamp(i64 prof, int k) {
 // Rank of expert id e (or -1 when e is -1 or out of range: ignored like -1).
 __device__ __forceinline__ int expert_rank(i64 e, i64 L, i64 W) { return (e < 0 || e >= L * W) ? -1 : int(e / L); }
 
+// ---- the common set-up of both kernels ------------------------------------------------------------------------------
+// Per block, in shared memory: the wait context, this launch's sequence number, and the verdict of the flag waits
+// (fail: a wait failed, recorded: leave without counting the block; rejected: the lowest rank whose line said
+// LL_REJECTED, or MAX_PEERS for none).
+struct LLBlockState {
+  WaitCtx ctx;
+  u64 seq;
+  int fail;
+  int rejected;
+};
+// What every thread derives from the arguments: the block state, the launch's sequence number and the half it
+// selects, the warp coordinates of the grid-stride loops.
+struct LLLaunch {
+  LLBlockState* sh;
+  const u64* ll_bases;
+  u64* ctrl;
+  u64 seq;
+  i64 half;
+  int W, me, lane;
+  i64 gwarp, total_warps;
+};
+
+// Args: LLDispatchArgs or LLCombineArgs (the fields of the same names). Every thread calls it once, first.
+template <class Args>
+__device__ __forceinline__ LLLaunch ll_prologue(const Args& a) {
+  __shared__ LLBlockState sh;
+  const int W = static_cast<int>(a.W), me = static_cast<int>(a.rank);
+  u64* ctrl = reinterpret_cast<u64*>(a.ctrl);
+  if (threadIdx.x == 0) {
+    sh.seq = read_seq(ctrl, a.grid);
+    sh.ctx = make_wait_ctx(reinterpret_cast<i64*>(a.status), reinterpret_cast<const u64*>(a.comm_bases), me, W, -1,
+                           a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
+    sh.fail = 0;
+    sh.rejected = MAX_PEERS;
+  }
+  __syncthreads();
+  LLLaunch l;
+  l.sh = &sh;
+  l.ll_bases = reinterpret_cast<const u64*>(a.ll_bases);
+  l.ctrl = ctrl;
+  l.seq = sh.seq;
+  l.half = a.half0 + static_cast<i64>(l.seq & 1) * a.half_bytes;
+  l.W = W, l.me = me, l.lane = threadIdx.x & 31;
+  const i64 warps = static_cast<i64>(blockDim.x >> 5);
+  l.gwarp = blockIdx.x * warps + (threadIdx.x >> 5);
+  l.total_warps = a.grid * warps;
+  return l;
+}
+
+// Source `s`'s flag line said n = ns: a rejection is noted (the lowest rank wins).
+__device__ __forceinline__ void note_line(LLBlockState* sh, int s, i64 ns) {
+  if (ns == LL_REJECTED) atomicMin(&sh->rejected, s);
+}
+
+// A rank rejected this call (sh->rejected < MAX_PEERS, after the __syncthreads that follows the waits): a rank that
+// did not reject itself (n >= 0) records it (block 0); the caller then leaves empty outputs and counts the block.
+__device__ __forceinline__ bool call_rejected(const LLLaunch& l, i64 n) {
+  if (l.sh->rejected >= MAX_PEERS) return false;
+  if (n >= 0 && blockIdx.x == 0 && threadIdx.x == 0) record_rejection(l.sh->ctx, l.sh->rejected);
+  return true;
+}
+
 // ---- dispatch --------------------------------------------------------------------------------------------------------
 // Send: work item (token t, segment g of LL_SEG_ELEMS elements), one warp each: the destinations of t are the
 // ranks of its experts; the segment is read once and stored into every destination's row t of source `rank`
@@ -169,26 +240,14 @@ __device__ __forceinline__ int expert_rank(i64 e, i64 L, i64 W) { return (e < 0 
 // copies that segment of staging row (s, t) to recv_x[e][pos]; every j naming e gets inv[s][t][j] = e * W * N + pos.
 template <int KIND>
 __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
-  const int W = static_cast<int>(a.W), me = static_cast<int>(a.rank), K = static_cast<int>(a.k);
+  const LLLaunch l = ll_prologue(a);
+  LLBlockState* sh = l.sh;
+  const int W = l.W, me = l.me, lane = l.lane, K = static_cast<int>(a.k);
   const i64 N = a.N, H = a.H, L = a.L, n = a.n, R = a.row_bytes;
-  const u64* ll_bases = reinterpret_cast<const u64*>(a.ll_bases);
-  u64* ctrl = reinterpret_cast<u64*>(a.ctrl);
-  __shared__ WaitCtx s_ctx;
-  __shared__ u64 s_seq;
-  __shared__ int s_fail;
+  const u64* ll_bases = l.ll_bases;
+  const u64 seq = l.seq;
+  const i64 half = l.half, gwarp = l.gwarp, total_warps = l.total_warps;
   __shared__ int s_ntok[MAX_PEERS];
-  if (threadIdx.x == 0) {
-    s_seq = read_seq(ctrl, a.grid);
-    s_ctx = make_wait_ctx(reinterpret_cast<i64*>(a.status), reinterpret_cast<const u64*>(a.comm_bases), me, W, -1,
-                          a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
-    s_fail = 0;
-  }
-  __syncthreads();
-  const u64 seq = s_seq;
-  const i64 half = a.half0 + static_cast<i64>(seq & 1) * a.half_bytes;
-  const int lane = threadIdx.x & 31;
-  const i64 warps = static_cast<i64>(blockDim.x >> 5), gwarp = blockIdx.x * warps + (threadIdx.x >> 5),
-            total_warps = a.grid * warps;
   const i64 elem = KIND == LL_KIND_F32 ? 4 : 2;
   const i64 segs = (H + LL_SEG_ELEMS - 1) / LL_SEG_ELEMS;
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
@@ -258,22 +317,31 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   if (threadIdx.x < W) {
     const int s = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.flags_off + static_cast<i64>(s) * LINE_BYTES);
-    if (!wait_flag(&s_ctx, s, line, full_count(seq, a.grid), a.sig, true)) s_fail = 1;
-    else {
-      const i64 ns = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_N);
-      if (ns < 0 || ns > N) {
-        fail(s_ctx, ROLE_RECV, s, N, ns, ERR_MISMATCH, FIELD_UNITS);
-        s_fail = 1;
-      }
-      s_ntok[s] = static_cast<int>(ns);
+    i64 ns = 0;
+    if (!wait_line(&sh->ctx, s, line, full_count(seq, a.grid), a.sig, &ns)) sh->fail = 1;
+    else if (ns != LL_REJECTED && (ns < 0 || ns > N)) {
+      fail(sh->ctx, ROLE_RECV, s, N, ns, ERR_MISMATCH, FIELD_UNITS);
+      sh->fail = 1;
     }
+    note_line(sh, s, ns);
+    s_ntok[s] = static_cast<int>(ns);
   }
   const i64 NW = (N + 31) / 32;
   u32* mask = smem;                                         // [L][W][NW]
   int* base = reinterpret_cast<int*>(smem + L * W * NW);    // [L][W]
   for (i64 i = threadIdx.x; i < L * W * NW; i += blockDim.x) mask[i] = 0;
   __syncthreads();
-  if (s_fail) return;
+  if (sh->fail) return;
+  if (call_rejected(l, n)) {  // nothing consumed; a rank that did not reject returns zero counts
+    if (n >= 0 && blockIdx.x == 0) {
+      for (i64 i = threadIdx.x; i < L * W; i += blockDim.x) reinterpret_cast<i64*>(a.layout_range)[i] = 0;
+      for (i64 i = threadIdx.x; i < L; i += blockDim.x) reinterpret_cast<int*>(a.recv_count)[i] = 0;
+      if (threadIdx.x < W) reinterpret_cast<int*>(a.recv_ntok)[threadIdx.x] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) block_exit(l.ctrl);
+    return;
+  }
   prof_stamp(a.prof, 2);
   const int* meta = at<int>(ll_bases[me], half + a.meta_off);
   constexpr int kBatch = 4;  // meta loads in flight per thread
@@ -370,7 +438,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   }
   __syncthreads();
   prof_stamp(a.prof, 4);
-  if (threadIdx.x == 0) block_exit(ctrl);
+  if (threadIdx.x == 0) block_exit(l.ctrl);
 }
 
 extern "C" __global__ void __launch_bounds__(512) symbuf_ll_dispatch(const __grid_constant__ LLDispatchArgs a) {
@@ -392,25 +460,13 @@ extern "C" __global__ void __launch_bounds__(512) symbuf_ll_dispatch(const __gri
 template <int KIND>
 __device__ void combine_body(const LLCombineArgs& a) {
   using E = Elem<KIND>;
-  const int W = static_cast<int>(a.W), me = static_cast<int>(a.rank), K = static_cast<int>(a.k);
+  const LLLaunch l = ll_prologue(a);
+  LLBlockState* sh = l.sh;
+  const int W = l.W, me = l.me, lane = l.lane, K = static_cast<int>(a.k);
   const i64 N = a.N, H = a.H, L = a.L, n = a.n, RC = a.row_bytes;
-  const u64* ll_bases = reinterpret_cast<const u64*>(a.ll_bases);
-  u64* ctrl = reinterpret_cast<u64*>(a.ctrl);
-  __shared__ WaitCtx s_ctx;
-  __shared__ u64 s_seq;
-  __shared__ int s_fail;
-  if (threadIdx.x == 0) {
-    s_seq = read_seq(ctrl, a.grid);
-    s_ctx = make_wait_ctx(reinterpret_cast<i64*>(a.status), reinterpret_cast<const u64*>(a.comm_bases), me, W, -1,
-                          a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
-    s_fail = 0;
-  }
-  __syncthreads();
-  const u64 seq = s_seq;
-  const i64 half = a.half0 + static_cast<i64>(seq & 1) * a.half_bytes;
-  const int lane = threadIdx.x & 31;
-  const i64 warps = static_cast<i64>(blockDim.x >> 5), gwarp = blockIdx.x * warps + (threadIdx.x >> 5),
-            total_warps = a.grid * warps;
+  const u64* ll_bases = l.ll_bases;
+  const u64 seq = l.seq;
+  const i64 half = l.half, gwarp = l.gwarp, total_warps = l.total_warps;
   const i64 elem = KIND == LL_KIND_F32 ? 4 : 2;
   constexpr i64 kSeg = LL_SEG_ELEMS;
   const i64 segs = (H + kSeg - 1) / kSeg;
@@ -440,7 +496,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
   // While the weights travel: the warp's first item's rows (inv and x are this rank's, valid before any flag)
   // are looked up and their segments prefetched into L2.
   int row_first = -1;
-  if (gwarp < W * N * segs) {
+  if (n >= 0 && gwarp < W * N * segs) {  // (a rejecting rank has no handle: inv and recv_ntok are not read)
     const i64 st = gwarp / segs, g = gwarp % segs, s = st / N, t = st % N;
     if (t < ntok[s]) {
       row_first = lane < K ? inv[st * K + lane] : -1;
@@ -459,18 +515,33 @@ __device__ void combine_body(const LLCombineArgs& a) {
   if (threadIdx.x < W) {
     const int s = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.wflags_off + static_cast<i64>(s) * LINE_BYTES);
-    if (!wait_flag(&s_ctx, s, line, seq, a.sig, true)) s_fail = 1;
-    else {
-      const i64 ns = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_N);
+    i64 ns = 0;
+    if (!wait_line(&sh->ctx, s, line, seq, a.sig, &ns)) sh->fail = 1;
+    else if (ns != LL_REJECTED && n >= 0) {
       const i64 want = reinterpret_cast<const int*>(a.recv_ntok)[s];
       if (ns != want) {  // the handle is not of the dispatch this combine answers
-        fail(s_ctx, ROLE_RECV, s, want, ns, ERR_MISMATCH, FIELD_UNITS);
-        s_fail = 1;
+        fail(sh->ctx, ROLE_RECV, s, want, ns, ERR_MISMATCH, FIELD_UNITS);
+        sh->fail = 1;
       }
     }
+    note_line(sh, s, ns);
   }
   __syncthreads();
-  if (s_fail) return;
+  if (sh->fail) return;
+  if (call_rejected(l, n)) {  // no partial is sent; a rank that did not reject returns zero rows
+    if (n >= 0) {
+      int4* out4 = reinterpret_cast<int4*>(a.out);
+      for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n * H * elem / 16;
+           i += a.grid * static_cast<i64>(blockDim.x))
+        out4[i] = make_int4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      block_sent(ll_bases, half + a.pflags_off, me, W, 0, a.sig);  // the partials counts stay at full_count(seq)
+      block_exit(l.ctrl);
+    }
+    return;
+  }
   prof_stamp(a.prof, 1);
   const u32* wts = at<u32>(ll_bases[me], half + a.weights_off);
   constexpr int kVec = kSeg / E::kPerVec / 32;  // 16-byte vectors per lane per segment
@@ -530,10 +601,11 @@ __device__ void combine_body(const LLCombineArgs& a) {
   if (threadIdx.x < W) {
     const int d = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.pflags_off + static_cast<i64>(d) * LINE_BYTES);
-    if (!wait_flag(&s_ctx, d, line, full_count(seq, a.grid), a.sig, true)) s_fail = 1;
+    i64 nd = 0;
+    if (!wait_line(&sh->ctx, d, line, full_count(seq, a.grid), a.sig, &nd)) sh->fail = 1;
   }
   __syncthreads();
-  if (s_fail) return;
+  if (sh->fail) return;
   prof_stamp(a.prof, 3);
   for (i64 item = gwarp; item < n * segs; item += total_warps) {
     const i64 t = item / segs, g = item % segs;
@@ -582,7 +654,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
   }
   __syncthreads();
   prof_stamp(a.prof, 4);
-  if (threadIdx.x == 0) block_exit(ctrl);
+  if (threadIdx.x == 0) block_exit(l.ctrl);
 }
 
 extern "C" __global__ void __launch_bounds__(512) symbuf_ll_combine(const __grid_constant__ LLCombineArgs a) {

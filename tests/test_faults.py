@@ -121,7 +121,9 @@ class Case:
     xfail: str = ""                          # reason, while the feature is missing
     xfail_default: str = ""                  # reason for the default mode only
     xfail_handled: str = ""                  # reason for the handled mode only
-    max_after_abort_s: Optional[float] = None
+    max_after_abort_s: Optional[float] = None  # the peers' records during `left_during` end within this many
+    fault_line: str = "Communicator.abort"      # seconds of rank 1's "FAULT t=... rank 1: <fault_line>"
+    left_during: str = "alltoall"
 
     @property
     def script(self) -> str:
@@ -219,6 +221,18 @@ CASES = [
     Case("abort", 2, **_both("nonzero", "zero",
                              records=(((0,), (ABORTED,), r"\brank 1\b", r"^alltoall$"),)),
          max_after_abort_s=1.5),
+    # low-latency mode on the same call protocol: a dispatch rejected on rank 1 only is told to the peers, the
+    # next calls are right; a KeyboardInterrupt inside rank 1's dispatch releases the peers within 1 s
+    Case("ll_reject", 2, **_both("zero", "zero",
+                                 records=(((1,), ("ValueError",), r"num_max_dispatch_tokens_per_rank",
+                                           r"^low_latency_dispatch$"),
+                                          ((0,), (REJECTED,), r"low_latency_dispatch.*rank 1",
+                                           r"^low_latency_dispatch$")))),
+    Case("ll_interrupt", 2, **_both("nonzero", "zero",
+                                    records=(((0,), (ABORTED,), r"low_latency_dispatch.*\brank 1\b",
+                                              r"^low_latency_dispatch$"),)),
+         max_after_abort_s=1.0, fault_line="KeyboardInterrupt inside low_latency_dispatch",
+         left_during="low_latency_dispatch"),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}
 
@@ -286,11 +300,13 @@ def test_fault(name, mode):
     for rx in exp.output:
         assert re.search(rx, run.out), f"output lacks /{rx}/\n{why}"
     if case.max_after_abort_s is not None:
-        aborted = [float(t) for t in re.findall(r"FAULT t=([0-9.]+) rank 1: Communicator.abort", run.out)]
-        left = [x["t"] for x in recs if x["rank"] != 1 and x["during"] == "alltoall"]
-        assert aborted and left, f"no abort / leave times\n{why}"
+        aborted = [float(t) for t in re.findall(r"FAULT t=([0-9.]+) rank 1: " + re.escape(case.fault_line),
+                                                run.out)]
+        left = [x["t"] for x in recs if x["rank"] != 1 and x["during"] == case.left_during]
+        assert aborted and left, f"no fault / leave times\n{why}"
         assert max(left) - aborted[0] <= case.max_after_abort_s, \
-            f"peers left {max(left) - aborted[0]:.2f} s after abort() (bound {case.max_after_abort_s} s)\n{why}"
+            f"peers left {max(left) - aborted[0]:.2f} s after the fault ({case.fault_line}; bound " \
+            f"{case.max_after_abort_s} s)\n{why}"
 
 
 # ---- the short soak (examples/soak.py) --------------------------------------------------------------------------

@@ -27,14 +27,7 @@ LAYERS = ("wire", "common", "transport", "collectives", "moe", "scaleout", "comp
 
 #: (file relative to cupy_symbuf/, private name) pairs still allowed while other work removes them. Every entry
 #: says what removes it.
-ALLOWED = {
-    # removed when the low-latency mode runs on the shared call protocol (its own status path and its reach into
-    # the communicator's transport go with it)
-    ("moe/low_latency.py", "_check_open"),
-    ("moe/low_latency.py", "_transport"),
-    ("moe/low_latency.py", "_Pinned"),
-    ("moe/low_latency.py", "_error"),
-}
+ALLOWED: set = set()
 
 
 def _private(name: str) -> bool:

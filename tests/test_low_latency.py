@@ -21,7 +21,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 from conftest import _gpu_for_rank, available_backends  # noqa: E402
 from cupy_symbuf import (Communicator, Config, LowLatencyBuffer, SymBufferAbortedError,  # noqa: E402
-                         SymBufferMismatchError, SymBufferTimeoutError, quant)
+                         SymBufferError, SymBufferMismatchError, SymBufferRejectedError, SymBufferTimeoutError, quant)
 from cupy_symbuf.common import dtypes as dt  # noqa: E402
 from cupy_symbuf.moe.low_latency import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, bench_low_latency  # noqa: E402
 
@@ -276,6 +276,27 @@ def test_validation(comm, ll):
         ll.synchronize()
 
 
+def test_wrong_dtype_says_how_to_pass_dtype(comm, ll):
+    """Rows of another dtype than the buffer's (float32 into a bfloat16 buffer, DeepEP's default): the TypeError
+    names both dtypes and how to make a buffer of the rows' dtype (``dtype=``), for dispatch's x and combine's."""
+    N, H, E = ll.N, ll.H, ll.num_experts
+    x, i, w = inputs("full", 61, RANK, N, H, E, 4, "bfloat16")
+    X, I, Wt = dev(comm, x), dev(comm, i), dev(comm, w)
+    with pytest.raises(TypeError) as ei:
+        ll.dispatch(dev(comm, x.astype(np.float32)), I)
+    msg = str(ei.value)
+    assert "LowLatencyBuffer(..., dtype='float32')" in msg and "pass bfloat16 rows" in msg, msg
+    assert "x must have this buffer's dtype (bfloat16" in msg and "got float32" in msg, msg
+    with pytest.raises(TypeError, match=r"dtype=\.\.\..*bfloat16, float16 or float32") as ei:
+        ll.dispatch(dev(comm, x.astype(np.int32)), I)
+    recv, _, h = ll.dispatch(X, I)
+    with pytest.raises(TypeError, match=r"low_latency_combine: x .*dtype='float32'"):
+        ll.combine(recv.astype(np.float32), I, Wt, h)
+    ll.combine(recv, I, Wt, h)  # still usable
+    if comm.backend == "cuda":
+        ll.synchronize()
+
+
 def test_parameters_agree_across_ranks(comm):
     if W == 1:
         pytest.skip("needs 2 ranks")
@@ -324,6 +345,173 @@ def test_peer_that_never_calls_times_out(comm):
         WORLD.Barrier()
         b.close()
         c.close()
+
+
+# ---- the shared call protocol: rejections and aborts --------------------------------------------------------------
+
+def _close_all(b, c):
+    WORLD.Barrier()
+    for obj in (b, c):
+        try:
+            obj.close()
+        except SymBufferError:
+            pass
+
+
+def _reject_dispatch(c, ll, bad: int, it: int, how: str = "too_many") -> None:
+    """Rank ``bad`` rejects a dispatch (``how``: one token more than N, or a KeyboardInterrupt during its checks);
+    it raises its own error, every other rank SymBufferRejectedError naming it (GPU: from synchronize, the
+    call's counts then zero). Collective."""
+    N, H, E = ll.N, ll.H, ll.num_experts
+    x, i, _ = inputs("full", it, RANK, N, H, E, 4, "bfloat16")
+    if RANK == bad:
+        if how == "too_many":
+            x, i = np.zeros((N + 1, H), np.uint16), np.zeros((N + 1, 4), np.int64)
+            with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank") as ei:
+                ll.dispatch(dev(c, x), dev(c, i))
+            assert not isinstance(ei.value, SymBufferRejectedError)
+        else:
+            def interrupted(*a, **k):
+                raise KeyboardInterrupt("simulated Ctrl-C during the argument checks")
+            ll._check_topk = interrupted
+            try:
+                with pytest.raises(KeyboardInterrupt):  # (one token fewer: a new shape, never the GPU hot path)
+                    ll.dispatch(dev(c, x[:-1]), dev(c, i[:-1]))
+            finally:
+                del ll._check_topk
+        return
+    with pytest.raises(SymBufferRejectedError, match=f"low_latency_dispatch.*rank {bad} rejected") as ei:
+        ll.dispatch(dev(c, x), dev(c, i))
+        if c.backend == "cuda":
+            ll.synchronize()
+    assert ei.value.rejecting_rank == bad and ei.value.rank == RANK
+    if c.backend == "cuda":  # the call took an output set (returned, or raised with Config(blocking=True))
+        cnt = ll._sets[(ll._dispatch_calls - 1) & 1]["recv_count"]
+        assert not host(cnt).any(), "a rejected dispatch leaves zero counts"
+
+
+def _reject_combine(c, ll, bad: int, it: int) -> None:
+    """After a valid dispatch, rank ``bad`` passes float64 weights to combine (TypeError); the others raise
+    SymBufferRejectedError naming it (GPU: from synchronize, the call's rows then zero)."""
+    N, H, E, L = ll.N, ll.H, ll.num_experts, ll.L
+    x, i, w = inputs("full", it, RANK, N, H, E, 4, "bfloat16")
+    _, _, h = ll.dispatch(dev(c, x), dev(c, i))
+    y = dev(c, expert_outputs(it, RANK, L, W * N, H, "bfloat16"))
+    if RANK == bad:
+        with pytest.raises(TypeError, match="float32"):
+            ll.combine(y, dev(c, i), dev(c, w.astype(np.float64)), h)
+        return
+    with pytest.raises(SymBufferRejectedError, match=f"low_latency_combine.*rank {bad} rejected") as ei:
+        ll.combine(y, dev(c, i), dev(c, w), h)
+        if c.backend == "cuda":
+            ll.synchronize()
+    assert ei.value.rejecting_rank == bad
+    if c.backend == "cuda":
+        out = ll._combine_out[(ll._combine_calls - 1) & 1][: x.shape[0]]
+        assert not host(out).any(), "a rejected combine leaves zero rows"
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
+@pytest.mark.parametrize("how", ["too_many", "interrupt"])
+def test_call_rejected_on_one_rank_is_told_to_the_peers(comm, how, blocking):
+    """A dispatch rejected on one rank only (one token too many, or Ctrl-C during its checks): every rank raises
+    (the peers SymBufferRejectedError naming it), no rank returns rows of another call, and the next three calls
+    are right on every rank (outputs poisoned first, compared with the NumPy reference)."""
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    if blocking and comm.backend != "cuda":
+        pytest.skip("Config(blocking=True) changes only the GPU path")
+    c = Communicator(WORLD, Config(timeout_s=10.0, abort_on_failure=False, blocking=blocking), backend=comm.backend)
+    b = LowLatencyBuffer(c, 16, 256, 4 * W, max_topk=8)
+    try:
+        run_case(c, b, "full", 100)
+        _reject_dispatch(c, b, W - 1, 101, how)
+        for k, case in enumerate(("full", "uneven", "minus_one")):
+            run_case(c, b, case, 102 + k)
+    finally:
+        _close_all(b, c)
+
+
+def test_rejections_on_each_rank_in_turn(comm):
+    """Every rank in turn rejects a dispatch, then a combine; the valid calls between them stay right."""
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    c = Communicator(WORLD, Config(timeout_s=10.0, abort_on_failure=False), backend=comm.backend)
+    b = LowLatencyBuffer(c, 16, 256, 4 * W, max_topk=8)
+    try:
+        for bad in range(W):
+            _reject_dispatch(c, b, bad, 110 + 4 * bad)
+            run_case(c, b, "uneven", 111 + 4 * bad)
+            _reject_combine(c, b, bad, 112 + 4 * bad)
+            run_case(c, b, "full", 113 + 4 * bad, use_fp8=bool(bad % 2))
+    finally:
+        _close_all(b, c)
+
+
+@pytest.mark.parametrize("kind,exc_type", [("dispatch", KeyboardInterrupt), ("dispatch", RuntimeError),
+                                           ("combine", KeyboardInterrupt)])
+def test_exception_inside_a_call_aborts_the_peers(comm, kind, exc_type):
+    """An exception (Ctrl-C too) on rank 0 inside a low-latency call, where it starts moving data, 0.3 s after the
+    peers entered theirs: they leave with SymBufferAbortedError naming rank 0 within 1 s of it (timeout_s is 30),
+    and every rank's buffer and communicator are unusable."""
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    import time
+    c = Communicator(WORLD, Config(timeout_s=30.0, abort_on_failure=False), backend=comm.backend)
+    b = LowLatencyBuffer(c, 16, 256, 4 * W, max_topk=8)
+    try:
+        run_case(c, b, "full", 120)
+        N, H, E, L = b.N, b.H, b.num_experts, b.L
+        x, i, w = inputs("full", 121, RANK, N, H, E, 4, "bfloat16")
+        y = dev(c, expert_outputs(121, RANK, L, W * N, H, "bfloat16"))
+        h = b.dispatch(dev(c, x), dev(c, i))[2] if kind == "combine" else None
+        if c.backend == "cuda":
+            b.synchronize()
+
+        def call():
+            if kind == "dispatch":
+                b.dispatch(dev(c, x), dev(c, i))
+            else:
+                b.combine(y, dev(c, i), dev(c, w), h)
+            if c.backend == "cuda":
+                b.synchronize()
+
+        t_fault = 0.0
+        WORLD.Barrier()
+        if RANK == 0:
+            def injected(*a, **k):
+                raise exc_type("injected inside a low-latency call")
+            step = ("_issue_" if c.backend == "cuda" else "_host_") + kind
+            setattr(b, step, injected)
+            time.sleep(0.3)
+            t_fault = time.time()
+            with pytest.raises(exc_type):
+                call()
+        else:
+            with pytest.raises(SymBufferAbortedError) as ei:
+                call()
+            t_left = time.time()
+        t_fault = WORLD.allreduce(t_fault, op=MPI.MAX)
+        if RANK != 0:
+            assert ei.value.aborting_rank == 0 and "rank 0" in str(ei.value), ei.value
+            assert t_left - t_fault < 1.0, f"the peer left {t_left - t_fault:.2f} s after the fault"
+        with pytest.raises(SymBufferError, match="unusable"):
+            b.dispatch(dev(c, x), dev(c, i))
+    finally:
+        _close_all(b, c)
+
+
+def test_one_status_path(comm):
+    """GPU: the low-latency kernels write the communicator's error record and are numbered by its launch ledger
+    (transport/status.py), the ring kernels' own."""
+    if comm.backend != "cuda":
+        pytest.skip("GPU error record")
+    with LowLatencyBuffer(comm, 8, 256, 4 * W, max_topk=4) as b:
+        st = comm.engine.transport.status
+        assert b._status is st
+        before = st.ledger.seq
+        run_case(comm, b, "full", 130)
+        assert st.ledger.seq == before + 2 and st.ledger.op(before + 1) == "low_latency_dispatch"
 
 
 def test_quantiser_matches_ml_dtypes():

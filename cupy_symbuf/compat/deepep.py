@@ -679,8 +679,9 @@ class Buffer:
         event : EventOverlap; hook : callable or None.
 
         The outputs are the LowLatencyBuffer's double buffer: valid until the dispatch after the next one.
-        Errors: those of :meth:`LowLatencyBuffer.dispatch` (validation ``TypeError``/``ValueError`` are **not**
-        told to the peers: validate alike on every rank).
+        Errors: those of :meth:`LowLatencyBuffer.dispatch` (its argument errors are told to the peers, which
+        raise ``SymBufferRejectedError``); the shim's own checks before it (``x`` not 2-D, the flags) are not:
+        validate those alike on every rank.
         """
         op = "Buffer.low_latency_dispatch"
         conv = _Tensors(_is_torch(x))

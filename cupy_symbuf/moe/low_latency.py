@@ -37,9 +37,11 @@ Design (decided and measured: ``docs/perf-notes.md``, "low-latency mode")
   channel -1: for combine's weights flag a sequence number, for dispatch's and the partials' flags a count of the
   peer's blocks, which add 1 each to every destination's line when their stores are done, so no block waits for
   another before publishing), a peer's other call kind / dtype / top-k (the per-call signature in every flag line)
-  :class:`~cupy_symbuf.SymBufferMismatchError`, and :meth:`Communicator.abort` stops the waits.
+  :class:`~cupy_symbuf.SymBufferMismatchError`, and :meth:`Communicator.abort` stops the waits. The kernels write
+  the communicator's one error record and are numbered by its launch ledger (``transport/status.py``), so a
+  failure is decoded and named exactly as a ring kernel's.
 * Host cost per call (GPU): the first call of each shape (shapes, dtypes, fp8 options) is validated in full and
-  builds the kernel's parameter blocks (one per output set); later calls with CuPy arrays of that shape,
+  builds the kernel's argument structs (one per output set); later calls with CuPy arrays of that shape,
   C-contiguous on this GPU, check only those attributes, write the input addresses and the launch number into the
   block and call ``cuLaunchKernel`` (no allocation; the outputs and their views are the preallocated ones). Other
   inputs (PyTorch tensors, non-contiguous or int32 ``topk_idx``) take the validating path every call.
@@ -51,10 +53,24 @@ stays valid until the call after the next one of the same kind; copy it to keep 
 ``combine`` until two more dispatches have been made.
 
 Rules: every rank makes the same calls in the same order with the same ``hidden``, dtype, top-k and fp8 options
-(checked in the flag lines); ``num_tokens`` may differ (0 too). Arguments are validated before anything moves;
-a call rejected on one rank only is **not** told to the peers (they time out naming it): validate alike. On the
-GPU, ``topk_idx`` entries outside ``[-1, num_experts)`` are ignored like -1 (a check would need a host read); the
-host path raises ``ValueError`` for them. Experts are placed contiguously (expert ``e`` on rank
+(checked in the flag lines); ``num_tokens`` may differ (0 too). Arguments are validated before anything moves.
+Calls follow the communicator's call protocol:
+
+* A call rejected on one rank (its arguments fail the checks, or any exception, ``KeyboardInterrupt`` too, before
+  anything moved) is told to the peers: the rejecting rank still takes part in the call with flag lines marked
+  rejected and no payload, then raises its own error; no rank consumes anything of that call, and the buffer stays
+  usable on every rank. The peers raise :class:`~cupy_symbuf.SymBufferRejectedError` naming the rejecting rank: on
+  the host path from the call itself; on the GPU (queued, like any collective) from :meth:`synchronize` (or at
+  once with ``Config(blocking=True)``), the call's outputs then being empty (dispatch: zero ``recv_count``,
+  ``layout_range`` and token counts; combine: zero rows). A GPU caller that goes on to ``combine`` before
+  synchronising runs ahead of the rejecting rank (which never got a handle): the ranks fall out of step and the
+  next flag lines disagree (a fatal mismatch or timeout): synchronise after a dispatch before trusting it.
+* Any exception inside a call once it started moving data (``KeyboardInterrupt`` too) makes this buffer and its
+  communicator unusable and sets the communicator's abort word: the peers' waits leave within microseconds (GPU)
+  or a millisecond (host) with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank.
+
+On the GPU, ``topk_idx`` entries outside ``[-1, num_experts)`` are ignored like -1 (a check would need a host
+read); the host path raises ``ValueError`` for them. Experts are placed contiguously (expert ``e`` on rank
 ``e // num_local_experts``), as in :mod:`cupy_symbuf.moe`.
 """
 from __future__ import annotations
@@ -72,7 +88,7 @@ from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..collectives import quant as _quant
 from ..common.checks import as_array, check_int
-from ..common.errors import SymBufferError, SymBufferTimeoutError, mismatch_error
+from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTimeoutError, mismatch_error
 from ..transport.symbuffer import SymBuffer
 
 __all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISPATCH_FIELDS", "LL_COMBINE_FIELDS",
@@ -92,7 +108,8 @@ _ITEMSIZE = {_dt.BFLOAT16: 2, _dt.FLOAT16: 2, _dt.FLOAT32: 4}
 #: kernels count the blocks that left in word LL_CTRL_EXIT instead: seq = that count / grid + 1.)
 _CTRL_SEQ = 0
 _OPS = ("low_latency_dispatch", "low_latency_combine")
-_OPS_KEPT = 256
+#: the n of a rejected call: in its kernel arguments and in the flag lines it publishes
+_REJECTED = P.LL_REJECTED
 
 
 class _Entry:
@@ -175,15 +192,6 @@ class LowLatencyHandle:
                 f"{self.num_max_dispatch_tokens_per_rank}, num_experts={self.num_experts})")
 
 
-class _ErrShim:
-    """What ``CudaTransport._error`` reads: the timeout and the communicator's abort line (same decoding and
-    messages as the ring kernels)."""
-
-    def __init__(self, timeout_s, read_abort_line):
-        self.timeout_s = timeout_s
-        self.read_abort_line = read_abort_line
-
-
 class LowLatencyBuffer:
     """Low-latency MoE dispatch / combine over its own symmetric buffer (see the module docstring).
 
@@ -216,10 +224,10 @@ class LowLatencyBuffer:
                  dtype="bfloat16", max_topk: int = 16, num_blocks: Optional[int] = None):
         op = "LowLatencyBuffer"
         self._closed = True
-        from ..communicator import Communicator
-        if not isinstance(comm, Communicator):
+        engine = getattr(comm, "engine", None)  # the communicator's seam (transport/engine.py Engine)
+        if engine is None or not callable(getattr(engine, "check_open", None)):
             raise TypeError(f"{op}: comm must be a cupy_symbuf.Communicator, got {type(comm).__name__}")
-        comm._check_open()
+        engine.check_open()
         W = comm.world_size
         err = None
         try:
@@ -256,6 +264,9 @@ class LowLatencyBuffer:
               "num_blocks": num_blocks}
         _agree.check_agreement(_agree.exchange_all(mpi, fp, timeout, f"{op} construction (parameters)"), op)
         self.comm = comm
+        #: the communicator's engine: its lifecycle (check_open, broken, mark_broken) and its transport (abort word,
+        #: error record and launch ledger)
+        self._engine = engine
         self.rank, self.world_size, self.backend = comm.rank, W, comm.backend
         self.xp = comm.xp
         self.num_max_dispatch_tokens_per_rank = self.N = N
@@ -318,7 +329,6 @@ class LowLatencyBuffer:
         self._closed = True
         if self.backend == "cuda":
             _compat.cupy.cuda.runtime.deviceSynchronize()
-            self._status.free()
         self.buffer.close()
 
     def __enter__(self) -> "LowLatencyBuffer":
@@ -332,32 +342,58 @@ class LowLatencyBuffer:
             raise SymBufferError("LowLatencyBuffer is closed")
         if self._broken:
             raise SymBufferError(f"LowLatencyBuffer is unusable after an earlier failure: {self._broken}")
-        self.comm._check_open()
+        self._engine.check_open()
 
     def _failed(self, exc: BaseException) -> None:
+        """``exc`` (any exception, KeyboardInterrupt too) ended a call after it started moving data: this buffer
+        and the communicator are unusable, and unless the transport raised it (its timeouts, mismatches and
+        aborts told every rank already) the abort word is set, so the peers' waits leave at once with
+        :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank instead of waiting out ``timeout_s``."""
+        if self._broken:
+            return
         self._broken = f"{type(exc).__name__}: {exc}"
-        if not getattr(self.comm, "_broken", None):
-            self.comm._broken = f"low-latency mode: {self._broken}"
+        if not isinstance(exc, SymBufferError):
+            try:
+                self._engine.transport.set_abort(P.ERR_LOCAL)
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
+        self._engine.mark_broken(f"low-latency mode: {self._broken}")
+
+    def _tell_rejected(self, which: int) -> None:
+        """This rank rejected its call of kind ``which`` (0 dispatch, 1 combine) before anything moved (any
+        exception, KeyboardInterrupt too): take part in the call just far enough that every peer learns it (they
+        raise :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank) and every rank stays at the same
+        call. The caller re-raises its own error. Nothing to tell on one rank or on a closed / failed buffer; a
+        failure while telling is raised instead (the buffer is then unusable)."""
+        if self._closed or self._broken or self._engine.broken or self.world_size == 1:
+            return
+        try:
+            if self.backend == "cuda":
+                self._issue_rejected(which)
+            else:
+                self._host_rejected(which)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
 
     # ---- GPU ---------------------------------------------------------------------------------------------------
     def _init_cuda(self, num_blocks, smem) -> None:
         from cupy_backends.cuda.api import driver
 
         from ..transport import kernels as _kernels
-        from ..transport.cuda import CudaTransport, _Pinned
         cp = _compat.cupy
         sm = int(self.buffer.gpu_identities[self.rank].get("sm_count") or 132)
         self.grid = num_blocks or max(1, min(128, sm // max(1, self.buffer.ranks_per_gpu)))
         grids = _agree.exchange_all(self.buffer.comm, self.grid, self.timeout_s, "LowLatencyBuffer grid")
         self.grid = min(grids)  # every rank the same grid (counters compare against seq * grid)
-        self._status = _Pinned(P.STATUS_WORDS)
+        #: the communicator's error record and launch ledger (transport/status.py): the kernels write the record,
+        #: their launches are numbered among the communicator's, and one decoder raises what they recorded
+        self._status = self._engine.transport.status
+        self._number_launch = self._status.ledger.next  # (bound once: the hot path's one call into the ledger)
         self._ctrl_ptr = self.buffer.local_ptr
         self._k = [_kernels.get_function(LL_SOURCE, "symbuf_ll_dispatch"),
                    _kernels.get_function(LL_SOURCE, "symbuf_ll_combine")]
         self._smem = [smem, 0]
-        tr = self.comm._transport
-        self._shim = _ErrShim(self.timeout_s, tr.read_abort_line)
-        self._decode = CudaTransport._error
         self._args = [_kernel_args.host_struct(name)() for name in _STRUCTS]
         self._idx = [frozenset(LL_DISPATCH_FIELDS), frozenset(LL_COMBINE_FIELDS)]
         W, N = self.world_size, self.N
@@ -381,12 +417,11 @@ class LowLatencyBuffer:
         self._fastkeys = [{}, {}]    # the caller's argument key (shapes, dtypes, flags) -> _Entry
         self._fast = cp.ndarray      # fast path only for CuPy arrays (a DLPack import is a new CuPy array anyway)
         self._dev = int(cp.cuda.Device().id)
-        self._st = self._status.array
+        self._st = self._status.words
         self._hsets = [(s["recv_count"], s["src_info"], s["layout_range"], s["recv_ntok"], s["inv"]) for s in self._sets]
         self._hptrs = [(s["inv"].data.ptr, s["recv_ntok"].data.ptr) for s in self._sets]
         self._prof = 0
-        self._launches = 0
-        self._launch_ops = [None] * _OPS_KEPT
+        self._rejected_entries = [None, None]  # the argument struct of a rejected call, per kind (_issue_rejected)
         cp.cuda.runtime.deviceSynchronize()
 
     def _put(self, which: int, a: ctypes.Structure, **kw) -> None:
@@ -397,7 +432,7 @@ class LowLatencyBuffer:
                 setattr(a, k, int(v))
 
     def _entry(self, which: int, key: tuple, **kw) -> "_Entry":
-        """The prebuilt parameter blocks of one call shape (both output sets), made on first use."""
+        """The prebuilt argument structs of one call shape (both output sets), made on first use."""
         ent = self._entries[which].get(key)
         if ent is None:
             ent = _Entry(which, self._fns[which], self._smem[which])
@@ -430,7 +465,8 @@ class LowLatencyBuffer:
         self._prof = int(ptr)
         for which in (0, 1):
             self._args[which].prof = self._prof
-            for ent in self._entries[which].values():
+            rejected = self._rejected_entries[which]
+            for ent in list(self._entries[which].values()) + ([rejected] if rejected is not None else []):
                 for a in ent.args:
                     a.prof = self._prof
 
@@ -450,48 +486,75 @@ class LowLatencyBuffer:
         a.recv_ntok = ntok_ptr
         self._issue(ent, p, a, _OPS[1])
 
-    def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str) -> None:
+    def _issue_rejected(self, which: int) -> None:
+        """Launch the kernel of kind ``which`` as a call this rank rejected (``n = LL_REJECTED``, no inputs): it
+        publishes this rank's flag lines marked rejected, waits for every peer's, and writes no output."""
+        ent = self._rejected_entries[which]
+        if ent is None:
+            ent = _Entry(which, self._fns[which], self._smem[which])
+            a = type(self._args[which]).from_buffer_copy(self._args[which])
+            self._put(which, a, prof=self._prof, n=_REJECTED, k=1, sig=0)
+            if which == 0:
+                self._put(which, a, **self._set_words(0, 0, {}))
+            else:  # valid addresses, never read by a rejected launch
+                self._put(which, a, out=self._combine_out[0].data.ptr, inv=self._sets[0]["inv"].data.ptr,
+                          recv_ntok=self._sets[0]["recv_ntok"].data.ptr)
+            ent.add(a)
+            self._rejected_entries[which] = ent
+        self._issue(ent, 0, ent.args[0], _OPS[which], rejecting=True)
+
+    def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str, rejecting: bool = False) -> None:
         """Number the launch (for the error record) and launch ``ent``'s argument struct ``p`` (``a``) on the
-        current stream."""
-        n = self._launches + 1
-        self._launches = n
-        a.launch_seq = n
-        self._launch_ops[n % _OPS_KEPT] = op
+        current stream. With ``Config(blocking=True)`` wait for it and raise its failure, or (unless this rank is
+        ``rejecting`` the call: it raises its own error) a peer's rejection."""
+        a.launch_seq = self._number_launch(op)
         stream = self._get_stream()
         self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
         if self.comm.config.blocking:
             self._check_record(op, stream)
+            rejected = None if rejecting else self._status.take_rejected()
+            if rejected is not None:
+                raise self._status.rejected_error(op, *rejected)
 
     def _check_record(self, op: str, stream=None) -> None:
-        """Raise the error a low-latency kernel recorded (decoded as the ring kernels' records are)."""
-        if stream is not None:
-            stream.synchronize()
-        st = self._status.array
-        if not st[P.STATUS_FLAG]:
-            return
-        _compat.cupy.cuda.runtime.deviceSynchronize()
-        info = [int(v) for v in st]
-        seq = info[P.STATUS_SEQ]
-        failed = (self._launch_ops[seq % _OPS_KEPT] if 0 < seq and self._launches - seq < _OPS_KEPT else None) \
-            or "a low-latency call"
-        where = op if failed == op and stream is not None else f"{failed} (queued earlier; found by {op})"
-        exc = self._decode(self._shim, where, info, None)
-        self._failed(exc)
-        raise exc
+        """Raise the error a kernel of the communicator recorded (:meth:`DeviceStatus.check
+        <cupy_symbuf.transport.status.DeviceStatus.check>`, with ``stream``: after waiting for it); this buffer
+        and the communicator are then unusable."""
+        try:
+            self._status.check(op, stream)
+        except SymBufferError as exc:
+            self._failed(exc)
+            raise
 
     def synchronize(self) -> None:
-        """Wait for this rank's queued low-latency kernels (the current stream) and raise what they recorded."""
+        """Wait for this rank's queued low-latency kernels (the current stream) and raise what they recorded.
+
+        Raises
+        ------
+        SymBufferRejectedError
+            A peer rejected a queued call (named with its rank; once): that call delivered nothing (dispatch:
+            zero ``recv_count``; combine: zero rows) and the buffer stays usable.
+        SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            A kernel failed (the buffer and the communicator are unusable).
+        """
         self._check_usable()
         if self.backend == "cuda":
             self._check_record("synchronize", _compat.cupy.cuda.get_current_stream())
+            rejected = self._status.take_rejected()
+            if rejected is not None:
+                raise self._status.rejected_error("synchronize", *rejected)
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def _check_x(self, op: str, name: str, x, shape) -> Any:
         a = as_array(op, name, x, self.backend)
         kind = _kind_of(a.dtype)
         if kind != self.kind:
-            raise TypeError(f"{op}: {name} must have this buffer's dtype ({self.kind}"
-                            f"{'; raw uint16 bits accepted' if self.kind == _dt.BFLOAT16 else ''}), got {a.dtype}")
+            raw = "; raw uint16 bits accepted" if self.kind == _dt.BFLOAT16 else ""
+            how = f"create the buffer with LowLatencyBuffer(..., dtype={kind!r}) or pass {self.kind} rows" \
+                if kind in _KINDS else \
+                f"pass {self.kind} rows (LowLatencyBuffer(..., dtype=...) takes bfloat16, float16 or float32)"
+            raise TypeError(f"{op}: {name} must have this buffer's dtype ({self.kind}{raw}), got {a.dtype}: the "
+                            f"buffer's dtype is fixed when it is made; {how}")
         if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
             spec = tuple("n" if w is None else w for w in shape)
             raise ValueError(f"{op}: {name} must have shape {spec}, got {tuple(a.shape)}")
@@ -547,6 +610,16 @@ class LowLatencyBuffer:
 
         Queued on the current stream on the GPU (no host synchronisation). The outputs stay valid until the
         dispatch after the next one.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments (naming the argument and the rule); the peers are told (see the module docstring).
+        SymBufferRejectedError
+            A peer rejected this call (host path; on the GPU from :meth:`synchronize`): nothing was delivered, the
+            buffer stays usable.
+        SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            The call failed (the buffer and its communicator are unusable).
         """
         fast = self._fast
         if fast is not None and type(x) is fast and type(topk_idx) is fast:
@@ -556,37 +629,46 @@ class LowLatencyBuffer:
             if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
                     and x._c_contiguous and topk_idx._c_contiguous and x.data.device_id == self._dev
                     and topk_idx.data.device_id == self._dev):
-                self.comm._check_open()
+                self._engine.check_open()
                 call = self._dispatch_calls
                 p = call & 1
-                self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr)
+                try:
+                    self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr)
+                except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero counts in set p)
+                    self._dispatch_calls = call + 1
+                    raise
+                except BaseException as exc:
+                    self._failed(exc)
+                    raise
                 self._dispatch_calls = call + 1
                 h = self._hsets[p]
                 return ent.outs[p], h[0], LowLatencyHandle(self, call, ent.n, ent.K, self.H, ent.use_fp8, h[1],
                                                            h[2], h[3], h[4], self.N, self.num_experts)
         op = _OPS[0]
         self._check_usable()
+        if self.backend == "cuda":
+            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         x_in, topk_in = x, topk_idx
-        x = self._check_x(op, "x", x, (None, self.H))
-        n = int(x.shape[0])
-        if n > self.N:
-            raise ValueError(f"{op}: x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({self.N})")
-        topk = self._check_topk(op, topk_idx, n)
-        K = int(topk.shape[1])
-        ue8m0 = bool(round_scale or use_ue8m0)
-        use_fp8 = bool(use_fp8)
-        if ue8m0 and not use_fp8:
-            raise ValueError(f"{op}: round_scale / use_ue8m0 need use_fp8=True")
-        if use_fp8 and self.H % _quant.QUANT_BLOCK:
-            raise ValueError(f"{op}: use_fp8 needs hidden % {_quant.QUANT_BLOCK} == 0, got hidden = {self.H}")
-        sig = self._sig(op, K, use_fp8, ue8m0)
         call = self._dispatch_calls
         s = self._sets[call & 1]
-        if use_fp8:
-            self._fp8_set(s)
-        try:
+        ent = None
+        try:  # until the call's first step, any exception is a rejection that the peers are told
+            x = self._check_x(op, "x", x, (None, self.H))
+            n = int(x.shape[0])
+            if n > self.N:
+                raise ValueError(f"{op}: x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({self.N})")
+            topk = self._check_topk(op, topk_idx, n)
+            K = int(topk.shape[1])
+            ue8m0 = bool(round_scale or use_ue8m0)
+            use_fp8 = bool(use_fp8)
+            if ue8m0 and not use_fp8:
+                raise ValueError(f"{op}: round_scale / use_ue8m0 need use_fp8=True")
+            if use_fp8 and self.H % _quant.QUANT_BLOCK:
+                raise ValueError(f"{op}: use_fp8 needs hidden % {_quant.QUANT_BLOCK} == 0, got hidden = {self.H}")
+            sig = self._sig(op, K, use_fp8, ue8m0)
+            if use_fp8:
+                self._fp8_set(s)
             if self.backend == "cuda":
-                self._check_record(op)
                 if use_fp8:
                     self._fp8_set(self._sets[1 - (call & 1)])  # both sets before the blocks are built
                 ent = self._entry(0, (n, K, use_fp8, ue8m0, x.dtype), x_stride=self.H * self.itemsize, n=n, k=K,
@@ -594,15 +676,23 @@ class LowLatencyBuffer:
                 if not ent.outs:
                     ent.n, ent.K, ent.use_fp8 = n, K, use_fp8
                     ent.outs = [self._dispatch_out(self._sets[q], use_fp8, x.dtype) for q in (0, 1)]
+        except BaseException:
+            self._tell_rejected(0)
+            raise
+        try:
+            if self.backend == "cuda":
                 self._issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr)
                 if self._same(x_in, x) and self._same(topk_in, topk):
                     self._fastkeys[0][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, use_fp8, round_scale,
                                        use_ue8m0)] = ent
             else:
                 self._host_dispatch(op, x, topk, n, K, use_fp8, ue8m0, sig, s)
-        except (SymBufferError, KeyboardInterrupt) as exc:
-            if not self._broken:
-                self._failed(exc)
+        except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
+            if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero counts in output set call & 1
+                self._dispatch_calls = call + 1
+            raise
+        except BaseException as exc:
+            self._failed(exc)
             raise
         self._dispatch_calls += 1
         handle = LowLatencyHandle(self, call, n, K, self.H, use_fp8, s["src_info"], s["layout_range"],
@@ -641,6 +731,13 @@ class LowLatencyBuffer:
         Returns
         -------
         combined_x : ``[num_tokens, hidden]`` of ``x``'s dtype; valid until the combine after the next one.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad arguments (a stale or foreign ``handle`` too); the peers are told (see the module docstring).
+        SymBufferRejectedError, SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            As :meth:`dispatch`.
         """
         fast = self._fast
         if (fast is not None and type(x) is fast and type(topk_idx) is fast and type(topk_weights) is fast
@@ -652,52 +749,72 @@ class LowLatencyBuffer:
                     and ent.n == handle.num_tokens and ent.K == handle.num_topk and x._c_contiguous
                     and topk_idx._c_contiguous and topk_weights._c_contiguous and x.data.device_id == self._dev
                     and topk_idx.data.device_id == self._dev and topk_weights.data.device_id == self._dev):
-                self.comm._check_open()
+                self._engine.check_open()
                 call = self._combine_calls
                 p = call & 1
                 hp = self._hptrs[handle.call & 1]
-                self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr, hp[0], hp[1])
+                try:
+                    self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr, hp[0], hp[1])
+                except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero rows in set p)
+                    self._combine_calls = call + 1
+                    raise
+                except BaseException as exc:
+                    self._failed(exc)
+                    raise
                 self._combine_calls = call + 1
                 return ent.outs[p]
         op = _OPS[1]
         self._check_usable()
-        if not isinstance(handle, LowLatencyHandle):
-            raise TypeError(f"{op}: handle must be a LowLatencyHandle from dispatch, got {type(handle).__name__}")
-        if handle.owner is not self:
-            raise ValueError(f"{op}: handle belongs to another LowLatencyBuffer")
-        if handle.call + 2 < self._dispatch_calls:
-            raise ValueError(f"{op}: handle is stale: it is from dispatch call {handle.call}, and {self._dispatch_calls}"
-                             f" dispatches have been made (a handle lasts until two more dispatches)")
-        x_in, topk_in, w_in = x, topk_idx, topk_weights
-        x = self._check_x(op, "x", x, (self.L, self.world_size * self.N, self.H))
-        n, K = handle.num_tokens, handle.num_topk
-        topk = self._check_topk(op, topk_idx, n)
-        if topk.shape[1] != K:
-            raise ValueError(f"{op}: topk_idx must have num_topk = {K} (as in dispatch), got {topk.shape[1]}")
-        w = as_array(op, "topk_weights", topk_weights, self.backend)
-        if w.dtype != np.float32:
-            raise TypeError(f"{op}: topk_weights must be float32, got {w.dtype}")
-        if tuple(w.shape) != (n, K):
-            raise ValueError(f"{op}: topk_weights must have shape ({n}, {K}) like topk_idx, got {tuple(w.shape)}")
-        sig = self._sig(op, K, False, False)
-        out = self._combine_out[self._combine_calls & 1]
-        try:
+        if self.backend == "cuda":
+            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+        call = self._combine_calls
+        out = self._combine_out[call & 1]
+        ent = None
+        try:  # until the call's first step, any exception is a rejection that the peers are told
+            if not isinstance(handle, LowLatencyHandle):
+                raise TypeError(f"{op}: handle must be a LowLatencyHandle from dispatch, got {type(handle).__name__}")
+            if handle.owner is not self:
+                raise ValueError(f"{op}: handle belongs to another LowLatencyBuffer")
+            if handle.call + 2 < self._dispatch_calls:
+                raise ValueError(f"{op}: handle is stale: it is from dispatch call {handle.call}, and "
+                                 f"{self._dispatch_calls} dispatches have been made (a handle lasts until two more "
+                                 f"dispatches)")
+            x_in, topk_in, w_in = x, topk_idx, topk_weights
+            x = self._check_x(op, "x", x, (self.L, self.world_size * self.N, self.H))
+            n, K = handle.num_tokens, handle.num_topk
+            topk = self._check_topk(op, topk_idx, n)
+            if topk.shape[1] != K:
+                raise ValueError(f"{op}: topk_idx must have num_topk = {K} (as in dispatch), got {topk.shape[1]}")
+            w = as_array(op, "topk_weights", topk_weights, self.backend)
+            if w.dtype != np.float32:
+                raise TypeError(f"{op}: topk_weights must be float32, got {w.dtype}")
+            if tuple(w.shape) != (n, K):
+                raise ValueError(f"{op}: topk_weights must have shape ({n}, {K}) like topk_idx, got "
+                                 f"{tuple(w.shape)}")
+            sig = self._sig(op, K, False, False)
             if self.backend == "cuda":
-                self._check_record(op)
                 ent = self._entry(1, (n, K, x.dtype), n=n, k=K, sig=sig)
                 if not ent.outs:
                     ent.n, ent.K = n, K
                     ent.outs = [o[:n].view(x.dtype) for o in self._combine_out]
-                self._issue_combine(ent, self._combine_calls & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
+        except BaseException:
+            self._tell_rejected(1)
+            raise
+        try:
+            if self.backend == "cuda":
+                self._issue_combine(ent, call & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
                                     handle.inv.data.ptr, handle.recv_tokens_per_rank.data.ptr)
                 if self._same(x_in, x) and self._same(topk_in, topk) and self._same(w_in, w):
                     self._fastkeys[1][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, w_in.shape,
                                        w_in.dtype)] = ent
             else:
                 self._host_combine(op, x, topk, w, n, K, handle, sig, out)
-        except (SymBufferError, KeyboardInterrupt) as exc:
-            if not self._broken:
-                self._failed(exc)
+        except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
+            if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero rows in output set call & 1
+                self._combine_calls = call + 1
+            raise
+        except BaseException as exc:
+            self._failed(exc)
             raise
         self._combine_calls += 1
         return out[:n].view(x.dtype)
@@ -708,9 +825,11 @@ class LowLatencyBuffer:
     def _u64(self, r: int, off: int, n: int = 1) -> np.ndarray:
         return self._views[r][off: off + 8 * n].view(np.uint64)
 
-    def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: int) -> None:
-        """Bounded wait for ``line[LL_LINE_SEQ] == seq`` (the communicator's abort word polled); then the signature."""
-        tr = self.comm._transport
+    def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: Optional[int]) -> int:
+        """Bounded wait for ``line[LL_LINE_SEQ] == seq`` (the communicator's abort word polled); returns the line's n word
+        (``_REJECTED``: ``peer`` rejected the call). A line not marked rejected must carry ``sig`` (None: not
+        checked)."""
+        tr = self._engine.transport
         sync = self.buffer.sync
         start = time.monotonic()
         spins = 0
@@ -729,10 +848,33 @@ class LowLatencyBuffer:
                                             timeout_s=self.timeout_s, op=op)
             spins += 1
             time.sleep(0 if spins < 100 else 1e-4)
-        got = int(line.view(np.int64)[P.LL_LINE_SIG])
-        if got != sig:
+        words = line.view(np.int64)
+        ns, got = int(words[P.LL_LINE_N]), int(words[P.LL_LINE_SIG])
+        if ns != _REJECTED and sig is not None and got != sig:
             tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SIG)
             raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SIG, sig, got)
+        return ns
+
+    def _rejected_by(self, op: str, who: int) -> SymBufferRejectedError:
+        """What a rank raises when rank ``who`` rejected the call (host path: every rank is past the call)."""
+        return SymBufferRejectedError(
+            f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
+            f"nothing was delivered and the LowLatencyBuffer stays usable", rank=self.rank, rejecting_rank=who,
+            op=op)
+
+    def _host_rejected(self, which: int) -> None:
+        """The host twin of a rejected launch: this rank's flag lines of the call marked rejected (no payload),
+        then every source's line awaited (so the halves stay free as for any call), the sequence advanced."""
+        op, me = _OPS[which], self.rank
+        self._engine.transport.check_abort(op)
+        ctrl = self._u64(me, which * _LINE, 3)
+        seq = int(ctrl[_CTRL_SEQ]) + 1
+        flags = self.d0 + (seq & 1) * self.d_half + self.d_flags if which == 0 else \
+            self.c0 + (seq & 1) * self.c_half + self.c_wflags
+        self._publish(flags, seq, _REJECTED, 0)
+        for src in range(self.world_size):
+            self._host_wait(op, self._u64(me, flags + src * _LINE, 3), seq, src, None)
+        ctrl[_CTRL_SEQ] = seq
 
     def _publish(self, off: int, seq: int, n: int, sig: int) -> None:
         """Flag line ``rank`` at ``off`` of every rank: [seq, n, sig], the seq word last (after a memory barrier)."""
@@ -747,7 +889,7 @@ class LowLatencyBuffer:
 
     def _host_dispatch(self, op, x, topk, n, K, use_fp8, ue8m0, sig, s) -> None:
         W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
-        self.comm._transport.check_abort(op)
+        self._engine.transport.check_abort(op)
         ctrl = self._u64(me, 0, 3)
         seq = int(ctrl[_CTRL_SEQ]) + 1
         half = self.d0 + (seq & 1) * self.d_half
@@ -768,14 +910,19 @@ class LowLatencyBuffer:
             rows[sel, : payload.shape[1]] = payload[sel]
         self._publish(half + self.d_flags, seq, n, sig)
         ntok = np.zeros(W, np.int64)
+        rejecting = []
         for src in range(W):
-            line = self._u64(me, half + self.d_flags + src * _LINE, 3)
-            self._host_wait(op, line, seq, src, sig)
-            ns = int(line.view(np.int64)[P.LL_LINE_N])
-            if not 0 <= ns <= N:
-                self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
+            ns = self._host_wait(op, self._u64(me, half + self.d_flags + src * _LINE, 3), seq, src, sig)
+            if ns == _REJECTED:
+                rejecting.append(src)
+            elif not 0 <= ns <= N:
+                self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, N, ns)
-            ntok[src] = ns
+            else:
+                ntok[src] = ns
+        if rejecting:  # every rank saw the same lines: each is past the call, nothing is consumed
+            ctrl[_CTRL_SEQ] = seq
+            raise self._rejected_by(op, rejecting[0])
         self.buffer.sync()
         v = self._views[me]
         metas = v[half + self.d_meta: half + self.d_meta + W * N * K * 4].view(np.int32).reshape(W, N, K)
@@ -820,7 +967,7 @@ class LowLatencyBuffer:
 
     def _host_combine(self, op, x, topk, w, n, K, handle, sig, out) -> None:
         W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
-        self.comm._transport.check_abort(op)
+        self._engine.transport.check_abort(op)
         ctrl = self._u64(me, _LINE, 3)
         seq = int(ctrl[_CTRL_SEQ]) + 1
         half = self.c0 + (seq & 1) * self.c_half
@@ -830,13 +977,17 @@ class LowLatencyBuffer:
             self._views[d][o: o + n * K * 4].view(np.float32)[:] = np.ascontiguousarray(w).reshape(-1)
         self._publish(half + self.c_wflags, seq, n, sig)
         ntok = handle.recv_tokens_per_rank
+        rejecting = []
         for src in range(W):
-            line = self._u64(me, half + self.c_wflags + src * _LINE, 3)
-            self._host_wait(op, line, seq, src, sig)
-            ns = int(line.view(np.int64)[P.LL_LINE_N])
-            if ns != int(ntok[src]):
-                self.comm._transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
+            ns = self._host_wait(op, self._u64(me, half + self.c_wflags + src * _LINE, 3), seq, src, sig)
+            if ns == _REJECTED:
+                rejecting.append(src)
+            elif ns != int(ntok[src]):
+                self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
+        if rejecting:  # decided alike on every rank before any partial is sent
+            ctrl[_CTRL_SEQ] = seq
+            raise self._rejected_by(op, rejecting[0])
         self.buffer.sync()
         v = self._views[me]
         wts = v[half + self.c_weights: half + self.c_weights + W * N * K * 4].view(np.float32).reshape(W, N, K)

@@ -69,7 +69,10 @@ class Transport(Protocol):
 
 @runtime_checkable
 class DeviceTransport(Transport, Protocol):
-    """What the GPU engine adds: device-count calls, the symmetric table, device load counters, queued errors."""
+    """What the GPU engine adds: device-count calls, the symmetric table, device load counters, queued errors.
+
+    Attribute ``status``: the :class:`~cupy_symbuf.transport.status.DeviceStatus` (the one error record and launch
+    ledger) that every kernel of the communicator writes and is numbered by, the low-latency kernels too."""
 
     def notify_device(self, send_meta_ptr: int, M: int, op: str, *, op_code: int, status: int, sig: int,
                       local_reject: int = 0, echo: bool = False, sums: int = 0, table: int = 0, scale: int = 1,

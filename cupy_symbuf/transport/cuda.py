@@ -24,8 +24,9 @@ from ..wire.protocol import (DESC_ABORT_OFFSET, DESC_CHANNEL_BYTES, DESC_CHUNK_B
                         DESC_TIMEOUT_NS, DESC_WORDS, DESC_WORLD_SIZE, MAX_PARTS, MAX_PEERS, DESC_DIRECT_ALLOC,
                         DESC_DIRECT_OFFSET, DESC_SYM_TABLE)
 from ..common.errors import (SymBufferAbortedError, SymBufferMismatchError, SymBufferRejectedError, SymBufferTimeoutError,
-                     aborted_error, mismatch_error)
+                     aborted_error)
 from ..wire.channel_layout import ChannelLayout
+from .status import DeviceStatus, Pinned
 
 __all__ = ["CudaTransport", "warp_groups", "RING_SOURCE", "RING_KERNEL", "NOTIFY_KERNEL"]
 
@@ -43,22 +44,6 @@ assert MAX_PARTS == 4 and MAX_PEERS == 32
 #: cudaMemcpyDefault: the direction from the addresses (UVA), for copies whose end may be device memory (ipc) or
 #: registered host memory (the staged transport)
 _MEMCPY_DEFAULT = 4
-
-
-class _Pinned:
-    """Host-mapped pinned int64 array, written by kernels and read by the host without a copy (UVA)."""
-
-    def __init__(self, count: int):
-        rt = _compat.cupy.cuda.runtime
-        self.nbytes = 8 * count
-        self.ptr = rt.hostAlloc(self.nbytes, rt.hostAllocMapped)
-        self.array = np.ctypeslib.as_array((ctypes.c_int64 * count).from_address(self.ptr))
-        self.array[:] = 0
-
-    def free(self) -> None:
-        if self.ptr:
-            _compat.cupy.cuda.runtime.freeHost(self.ptr)
-            self.ptr = 0
 
 
 def part_geometry(a) -> tuple:
@@ -109,9 +94,6 @@ class _Launch:
         self.recv_words = [DESC_RECV_PARTS + 4 * i for i in range(num_recv)]
 
 
-_OPS_KEPT = 256
-
-
 @implements(DeviceTransport)
 class CudaTransport:
     """Runs row exchanges (one ring-kernel launch per call) and the notify step over a cuda
@@ -124,16 +106,17 @@ class CudaTransport:
         self.rank = buf.rank
         self.world_size = buf.world_size
         self.timeout_ns = np.uint64(int(timeout_s * 1e9))
-        self._status = _Pinned(P.STATUS_WORDS)
+        #: the error record and launch ledger of every kernel of this communicator (the low-latency kernels too)
+        self.status = DeviceStatus(self.rank, timeout_s, self.read_abort_line)
         #: [count, first flat index] of topk_idx values out of range seen by a queued get_dispatch_layout kernel
         #: (host-mapped; written only when it holds none), raised by synchronize (or at once with blocking)
-        self.layout_error = _Pinned(2)
+        self.layout_error = Pinned(2)
         self.layout_error_what = ""
         width = P.NOTIFY_HDR_WORDS - 1 + layout.max_notify_ints
-        self._meta = _Pinned(self.world_size * width)
-        self._meta_in = _Pinned(self.world_size * layout.max_notify_ints)
+        self._meta = Pinned(self.world_size * width)
+        self._meta_in = Pinned(self.world_size * layout.max_notify_ints)
         #: the count exchange kernel stores its launch ticket here last (host-mapped): the host spins on it
-        self._notify_done = _Pinned(1)
+        self._notify_done = Pinned(1)
         #: the count exchange's epoch, kept on the device and advanced by the kernel (CUDA-graph replays count)
         self._epoch = _compat.cupy.zeros(1, np.int64)
         # The descriptor's static words; each plan gets a copy completed by _describe. It is the kernel's first
@@ -146,7 +129,7 @@ class CudaTransport:
         d[DESC_NUM_SLOTS], d[DESC_CHUNK_BYTES], d[DESC_TIMEOUT_NS] = layout.num_slots, layout.chunk_bytes, \
             int(self.timeout_ns)
         d[DESC_ABORT_OFFSET] = layout.abort_offset
-        d[P.DESC_PEER_BASES], d[P.DESC_STATUS] = int(buf.peer_ptrs_device.data.ptr), self._status.ptr
+        d[P.DESC_PEER_BASES], d[P.DESC_STATUS] = int(buf.peer_ptrs_device.data.ptr), self.status.ptr
         #: the symmetric table (_protocol.SYM_TABLE_*): where every rank's block of each live symmetric allocation
         #: is mapped in this process; the ring kernel's receivers look up a direct-mode sender's block in it
         self.sym_table = _compat.cupy.zeros(P.SYM_TABLE_ROWS * P.SYM_TABLE_STRIDE, np.int64)
@@ -171,7 +154,7 @@ class CudaTransport:
             int(self.timeout_ns)
         (a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, a.notify_offset,
          a.notify_slot_bytes) = layout.kernel_args()
-        a.status = self._status.ptr
+        a.status = self.status.ptr
         self._ticket = 0  # of the last count exchange whose result the host waits for (notify_result)
         #: Config.mode == "copy_engine": alltoalls of symmetric arrays of at least CE_MIN_BYTES per peer are pulled
         #: by the copy engines (FLAG_CE; every rank's sendbuf the same allocation and offset, checked by the kernel)
@@ -183,7 +166,7 @@ class CudaTransport:
         a.peer_bases, a.rank, a.world_size, a.num_channels = int(buf.peer_ptrs_device.data.ptr), self.rank, \
             self.world_size, layout.num_channels
         a.region_bytes, a.channel_bytes, a.abort_offset, a.timeout_ns, a.status = layout.region_bytes, \
-            layout.channel_bytes, layout.abort_offset, int(self.timeout_ns), self._status.ptr
+            layout.channel_bytes, layout.abort_offset, int(self.timeout_ns), self.status.ptr
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
@@ -203,12 +186,7 @@ class CudaTransport:
         #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
         #: next call or by ``synchronize()``; True: every call waits for its kernel and raises its own timeout.
         self.blocking = False
-        self._seq = 0                  # launches so far; a failing wait writes its launch's number into the record
-        self._ops = [""] * _OPS_KEPT   # op name of launch seq, at seq % _OPS_KEPT
-        self._op_plans = [None] * _OPS_KEPT  # and its plan (error messages in rows)
         self._last_stream = None       # stream of the last launch (collectives are ordered across streams)
-        self._reported = False
-        self.rejected_why = P.REJECT_ARGS
         #: copies made for calls captured into CUDA graphs (their replays read them), released by close()
         self.graph_keep = []
         #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
@@ -251,7 +229,7 @@ class CudaTransport:
         cp = _compat.cupy
         C, W = self.layout.num_channels, self.world_size
         self.load = cp.zeros((2, C, W, P.LOAD_WORDS), np.int64)
-        self._load_host = _Pinned(self.load.size)  # the asynchronous snapshot (load_snapshot)
+        self._load_host = Pinned(self.load.size)  # the asynchronous snapshot (load_snapshot)
         self._load_event = None
         self._desc[P.DESC_LOAD] = int(self.load.data.ptr)
         self._home = np.full(P.HOME_WORDS, -1, np.int64)  # every byte HOME_OWN
@@ -312,7 +290,7 @@ class CudaTransport:
         None)."""
         _compat.cupy.cuda.runtime.deviceSynchronize()  # queued kernels still write the error record
         err = None
-        if not self._reported:
+        if not self.status.reported:
             try:
                 self.check("close")
             except (SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError) as exc:
@@ -320,11 +298,12 @@ class CudaTransport:
         rejected = self.take_rejected()  # a peer's rejection of a queued call that no synchronize() reported
         if rejected is not None:
             who, seq = rejected
+            failed = self.status.op_name(seq)
             self.pending_rejection = SymBufferRejectedError(
-                f"close: rank {who} rejected a queued collective ({self._op_name(seq)}) and no synchronize() "
+                f"close: rank {who} rejected a queued collective ({failed}) and no synchronize() "
                 f"reported it: that call's rows from rank {who} were not delivered", rank=self.rank,
-                rejecting_rank=who, op=self._op_name(seq))
-        self._status.free()
+                rejecting_rank=who, op=failed)
+        self.status.free()
         self.graph_keep = []
         self._notify_done.free()
         self.layout_error.free()
@@ -335,20 +314,17 @@ class CudaTransport:
         return err
 
     def _next_launch(self, op: str, stream, plan=None) -> int:
-        """Number this launch (for the error record) and order it after the previous launch when that one went
-        to another stream: every kernel starts from the ring counters the previous one left."""
+        """Number this launch (the ledger, for the error record) and order it after the previous launch when that
+        one went to another stream: every kernel starts from the ring counters the previous one left."""
         last = self._last_stream
         if last is not None and last.ptr != stream.ptr and not stream.is_capturing():
             ev = _compat.cupy.cuda.Event(disable_timing=True)
             ev.record(last)
             stream.wait_event(ev)
         self._last_stream = stream
-        self._seq += 1
-        self._ops[self._seq % _OPS_KEPT] = op
-        self._op_plans[self._seq % _OPS_KEPT] = plan
-        return self._seq
+        return self.status.ledger.next(op, plan)
 
-    # ---- errors ---------------------------------------------------------------------------------------------
+    # ---- errors (decoded by self.status: transport/status.py) ------------------------------------------------
     def synchronize(self, op: str = "synchronize") -> None:
         """Wait for the last launch (and the current stream), then raise a recorded error, or the rejection of a
         queued call by a peer (:class:`SymBufferRejectedError`, once)."""
@@ -357,24 +333,7 @@ class CudaTransport:
         self.check(op, _compat.cupy.cuda.get_current_stream())
         rejected = self.take_rejected()
         if rejected is not None:
-            who, seq = rejected
-            failed = self._op_name(seq)
-            if self.rejected_why == P.REJECT_SIG:
-                raise SymBufferRejectedError(
-                    f"{failed} (queued earlier; found by {op}): ranks disagree on the row layout (dtype, hidden, "
-                    f"top-k, weights or num_experts): rank {who}'s differs from this rank's; nothing was exchanged "
-                    f"and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
-            if who == self.rank:
-                what = "send_counts negative or not summing to the rows of sendbuf" if failed == "alltoallv" else \
-                    "a topk_idx value outside [-1, num_experts)"
-                raise SymBufferRejectedError(
-                    f"{failed} (queued earlier; found by {op}): this rank rejected its own arguments on the device "
-                    f"({what}); nothing was exchanged and the communicator stays usable", rank=self.rank,
-                    rejecting_rank=who, op=failed)
-            raise SymBufferRejectedError(
-                f"{failed} (queued earlier; found by {op}): rank {who} rejected the call (its own arguments failed "
-                f"its checks; see rank {who}'s error); the rows from rank {who} were not delivered; the "
-                f"communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+            raise self.status.rejected_error(op, *rejected)
 
     def check_layout_error(self, op: str) -> None:
         """Raise ``ValueError`` (once) when a get_dispatch_layout kernel found topk_idx values out of range (read
@@ -388,62 +347,16 @@ class CudaTransport:
                              f"num_experts: {self.layout_error_what}); "
                              f"those slots were left out of the returned counts")
 
-    def _op_name(self, seq: int) -> str:
-        return self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else "a queued collective"
-
     def take_rejected(self):
         """``(rejecting rank, launch seq)`` recorded by a kernel that received a rejected call header, or None;
-        clears it."""
-        st = self._status.array
-        who = int(st[P.STATUS_REJECTED_BY])
-        if not who:
-            return None
-        seq = int(st[P.STATUS_REJECTED_SEQ])
-        self.rejected_why = int(st[P.STATUS_REJECTED_WHY])
-        st[P.STATUS_REJECTED_BY] = st[P.STATUS_REJECTED_SEQ] = st[P.STATUS_REJECTED_WHY] = 0
-        return who - 1, seq
+        clears it (:meth:`DeviceStatus.take_rejected`)."""
+        return self.status.take_rejected()
 
     def check(self, op: str, stream=None) -> None:
-        """Raise the error a kernel recorded, if any; with ``stream``, wait for it first.
-
-        Without ``stream`` this reads the host-mapped error record without waiting: a failure shows as soon as a
-        wait has recorded it. The record stays set (a failed communicator refuses further calls; queued kernels
-        that still wait see it on the device and give up at once). The error names the operation whose kernel
-        failed, and ``op`` (the call that found it) when that was a later one.
-        """
-        if stream is not None:
-            stream.synchronize()
-        st = self._status.array
-        if not st[P.STATUS_FLAG]:
-            return
-        if stream is None:  # order our reads of the fields after the flag (and let the failing kernels end)
-            _compat.cupy.cuda.runtime.deviceSynchronize()
-        info = [int(v) for v in st]
-        seq = info[P.STATUS_SEQ]
-        failed = self._ops[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else ""
-        # after our own launch (stream given, same launch) the failure is this call's; else an earlier call's
-        where = op if stream is not None and seq == self._seq and failed == op else \
-            f"{failed or 'an earlier collective'} (queued earlier; found by {op})"
-        self._reported = True
-        plan = self._op_plans[seq % _OPS_KEPT] if 0 <= self._seq - seq < _OPS_KEPT else None
-        raise self._error(where, info, plan)
-
-    def _error(self, where: str, info: list, plan=None):
-        kind, field = info[P.STATUS_KIND], info[P.STATUS_FIELD]
-        rank, peer, channel = info[P.STATUS_RANK], info[P.STATUS_PEER], info[P.STATUS_CHANNEL]
-        head, tail = info[P.STATUS_HEAD], info[P.STATUS_TAIL]
-        role = P.ROLE_NAMES.get(info[P.STATUS_ROLE], str(info[P.STATUS_ROLE]))
-        if kind == P.ERR_MISMATCH:
-            return mismatch_error(where, rank, peer, channel, field, head, tail, plan)
-        if kind == P.ERR_ABORTED:
-            return aborted_error(where, rank, self.read_abort_line())
-        if kind == P.ERR_INVARIANT:
-            return SymBufferMismatchError(
-                f"{where}: CUPY_SYMBUF_DEBUG: {P.FIELD_NAMES.get(field, field)} on rank {rank}, peer {peer}, "
-                f"channel {channel} ({role}: head={head} tail={tail})", rank=rank, peer=peer, channel=channel,
-                op=where, field=P.FIELD_NAMES.get(field, str(field)), expected=head, got=tail)
-        return SymBufferTimeoutError(rank=rank, peer=peer, channel=channel, role=role, head=head, tail=tail,
-                                     timeout_s=self.timeout_s, op=where)
+        """Raise the error a kernel recorded, if any; with ``stream``, wait for it first
+        (:meth:`DeviceStatus.check`: the record stays set, so a failed communicator refuses further calls and
+        queued kernels that still wait see it on the device and give up at once)."""
+        self.status.check(op, stream)
 
     # ---- abort word -----------------------------------------------------------------------------------------
     def read_abort_line(self) -> np.ndarray:
@@ -650,7 +563,7 @@ class CudaTransport:
         host-mapped done word (its launch ticket, stored last with a system-scope release) instead of
         synchronising the stream; after ``timeout_s`` (a kernel queued before it never ends) or when the error
         record is set, the stream is synchronised and the recorded error raised."""
-        done, st, want = self._notify_done.array, self._status.array, self._ticket
+        done, st, want = self._notify_done.array, self.status.words, self._ticket
         deadline = None
         spins = 0
         while done[0] != want and not st[P.STATUS_FLAG]:

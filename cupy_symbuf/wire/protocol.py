@@ -130,6 +130,10 @@ STATUS_WORDS = 16
 #: STATUS_REJECTED_WHY: a rank rejected its arguments (its own checks, e.g. topk_idx out of range on the device),
 #: or (device-count calls) the ranks' row signatures differ; either way nothing moved and the rings are in step.
 REJECT_ARGS, REJECT_SIG = range(2)
+#: Low-latency mode (``moe/low_latency.py``, ``cuda_src/low_latency.cu``): the token count ``n`` of a call its rank
+#: rejected, in that rank's kernel arguments and in the flag lines it publishes (no payload follows; the peers
+#: consume nothing of the call and record the rejection).
+LL_REJECTED = -1
 
 #: Launch descriptor of the ring kernel (int64 words, passed by value as its one parameter: ``wire/kernel_args.py``
 #: ``RingArgs``).

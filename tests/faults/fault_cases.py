@@ -532,6 +532,104 @@ def case_abort():
     finish()
 
 
+# ---- low-latency mode ----------------------------------------------------------------------------------------------
+LL_N, LL_H = 4, 64          # tokens per rank at most, hidden (float32 rows)
+
+
+def ll_buffer(c):
+    return cs.LowLatencyBuffer(c, LL_N, LL_H, 2 * W, dtype="float32", max_topk=1)
+
+
+def ll_inputs(src: int, call: int):
+    """Rank ``src``'s (x float32 [n, H], topk_idx int64 [n, 1]) of the ``call``-th low-latency dispatch: token t
+    goes to expert (src + t + call) % E; every value names (source, call, token, column)."""
+    n = 1 + (src + call) % LL_N
+    x = src * 1e5 + call * 1e3 + np.arange(n)[:, None] * 100 + np.arange(LL_H)[None, :]
+    idx = ((src + np.arange(n) + call) % (2 * W)).astype(np.int64)[:, None]
+    return x.astype(np.float32), idx
+
+
+def valid_ll(c, ll, call: int, label: str) -> bool:
+    """A low-latency dispatch, then a combine of the received rows with weight 1 (gives x back exactly); both
+    compared with local references (recv_count, recv_x rows in (source, token) order, combined_x)."""
+    x, idx = ll_inputs(R, call)
+    exc, out = attempt(c, label, lambda: ll.dispatch(dev(x), dev(idx)), expect_error=False)
+    if exc is not None:
+        return False
+    recv, cnt, handle = out
+    L = ll.num_local_experts
+    want_cnt, want_rows = [], []
+    for el in range(L):
+        rows = [ll_inputs(s, call)[0][t] for s in range(W)
+                for t in range(ll_inputs(s, call)[1].shape[0]) if ll_inputs(s, call)[1][t, 0] == R * L + el]
+        want_cnt.append(len(rows))
+        want_rows.append(np.array(rows, np.float32).reshape(-1, LL_H))
+    check(label + " recv_count", cnt, np.array(want_cnt, np.int32))
+    got = host(recv)
+    for el in range(L):
+        check(f"{label} recv_x[{el}]", got[el, : want_cnt[el]], want_rows[el])
+    w = np.ones(idx.shape, np.float32)
+    exc, y = attempt(c, label + " combine", lambda: ll.combine(recv, dev(idx), dev(w), handle), expect_error=False)
+    if exc is None:
+        check(label + " combine", y, x)
+    return exc is None
+
+
+def case_ll_reject():
+    """Rank 1 dispatches one token more than num_max_dispatch_tokens_per_rank (a ValueError on it); the others
+    must raise SymBufferRejectedError naming rank 1 (host: from the dispatch; GPU: from synchronize), and the next
+    three low-latency calls must be right on every rank."""
+    c = make_comm()
+    ll = ll_buffer(c)
+    valid_ll(c, ll, 0, "warm-up low-latency")
+    bad = R == FAULT_RANK
+    fault("low_latency_dispatch with too many tokens" if bad else
+          f"rank {FAULT_RANK}'s low_latency_dispatch has too many tokens")
+    x, idx = ll_inputs(R, 1)
+    if bad:
+        x, idx = np.zeros((LL_N + 1, LL_H), np.float32), np.zeros((LL_N + 1, 1), np.int64)
+    exc, _ = attempt(c, "low_latency_dispatch", lambda: ll.dispatch(dev(x), dev(idx)), expect_error=True)
+    if exc is not None and not isinstance(exc, ValueError):
+        say(f"NOT A REJECTION {tag('low_latency_dispatch')}: {type(exc).__name__}")
+    for call in (2, 3, 4):
+        valid_ll(c, ll, call, f"valid low-latency {call} after rejection")
+    attempt(None, "close", ll.close, expect_error=False)
+    close(c)
+    finish()
+
+
+def case_ll_interrupt():
+    """Rank 1 gets a KeyboardInterrupt inside a low-latency dispatch, where the call starts moving rows, 0.5 s after
+    the others entered theirs: they leave with SymBufferAbortedError naming rank 1 within 1 s (not timeout_s)."""
+    c = make_comm()
+    ll = ll_buffer(c)
+    valid_ll(c, ll, 0, "warm-up low-latency")
+    x, idx = ll_inputs(R, 1)
+    WORLD.Barrier()
+    if R == FAULT_RANK:
+        time.sleep(0.5)
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt(f"injected Ctrl-C on rank {R} inside low_latency_dispatch")
+        # the step after the checks: the kernel launch (GPU) or the host twin's stores and waits
+        setattr(ll, "_issue_dispatch" if BACKEND == "cuda" else "_host_dispatch", interrupted)
+        fault("KeyboardInterrupt inside low_latency_dispatch")
+        try:
+            ll.dispatch(dev(x), dev(idx))
+            say(f"NO ERROR {tag('low_latency_dispatch')}: the injected interrupt did not propagate")
+            _state["no_error"] = True
+        except KeyboardInterrupt as exc:
+            say(f"CAUGHT KeyboardInterrupt {one_line(exc)} {tag('low_latency_dispatch interrupted', exc)}")
+        time.sleep(1.0)  # by default this rank's next call ends the job: the peers print first
+    else:
+        fault(f"rank {FAULT_RANK} is interrupted while this rank is in low_latency_dispatch")
+        attempt(c, "low_latency_dispatch", lambda: ll.dispatch(dev(x), dev(idx)), expect_error=True)
+    after_failure(c)
+    attempt(None, "close", ll.close, expect_error=False)
+    close(c)
+    finish()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("case", choices=sorted(n[5:] for n in globals() if n.startswith("case_")))
