@@ -25,9 +25,10 @@ HIDDEN = 24
 POISON = np.float32(np.nan)
 
 
-def _comm(backend, comm):
-    # blocking: the GPU raises a kernel's mismatch from the call itself (else from the next synchronize)
-    return cs.Communicator(comm, cs.Config(blocking=backend == "cuda", **CFG), backend=backend)
+def _comm(backend, comm, blocking=True):
+    # blocking: the GPU raises a kernel's mismatch from the call itself (else from the next synchronize); a CUDA
+    # graph capture needs it off (a blocking call waits for its kernel)
+    return cs.Communicator(comm, cs.Config(blocking=blocking and backend == "cuda", **CFG), backend=backend)
 
 
 def _close(c):
@@ -201,7 +202,7 @@ def test_cuda_graph_replays_with_its_captured_handle(backend, comm):
     if backend != "cuda":
         pytest.skip("CUDA graphs need the GPU")
     import cupy
-    c = _comm(backend, comm)
+    c = _comm(backend, comm, blocking=False)
     try:
         W = comm.size
         x, idx, E, perm = _inputs(comm, 5, num_tokens=16)
@@ -222,7 +223,7 @@ def test_cuda_graph_replays_with_its_captured_handle(backend, comm):
             d_x.set(xr)
             d_idx.set(ir)
             comb[0].fill(np.nan)
-            stream.synchronize()
+            cupy.cuda.Device().synchronize()  # the inputs and the poisoned output are in place before the replay
             graph.launch(stream)
             stream.synchronize()
             c.synchronize()
@@ -233,7 +234,7 @@ def test_cuda_graph_replays_with_its_captured_handle(backend, comm):
         if W > 1:
             other = c.dispatch(d_x, d_idx, None, E, num_worst_tokens=worst)
             h = h_g if comm.rank == 0 else other[4]
-            err = _every_rank_raises(comm, lambda: c.combine(out[0], h))
+            err = _every_rank_raises(comm, lambda: (c.combine(out[0], h), c.synchronize()))
             _check_mismatch_text(comm, err, "combine")
     finally:
         _close(c)

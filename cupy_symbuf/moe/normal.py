@@ -121,8 +121,9 @@ class DispatchHandle:
     expert_alignment : int
         The alignment the dispatch that made the handle used.
     dispatch_id : int
-        Which dispatch of its communicator made it: the number of its count exchange (1, 2, ...; increasing, and the
-        same on every rank, since every rank takes part in every count exchange). :func:`combine` and a cached
+        Which dispatch of its communicator made it: the number of its count exchange (increasing, not consecutive:
+        every count exchange counts, e.g. an ``alltoallv`` without ``recv_counts``; the same on every rank, since
+        every rank takes part in each). :func:`combine` and a cached
         :func:`dispatch` fold it into the signature of their call headers, which every receiver checks: ranks
         passing handles of different dispatches fail the call on every rank
         (:class:`~cupy_symbuf.SymBufferMismatchError` on the ranks that receive a header with another id,
@@ -324,8 +325,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     ``num_tokens_per_rank``/``is_token_in_rank``/``num_tokens_per_expert`` arguments is computed here from
     ``topk_idx`` and ``num_experts`` (see :func:`get_dispatch_layout`). Every rank must call it, also with zero
     tokens; all ranks must pass the same ``num_experts``, ``hidden``, dtype and choice of ``topk_weights``
-    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves; a cached
-    dispatch with ``handle`` has no count exchange, so there it is the caller's duty).
+    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves). A cached
+    dispatch with ``handle`` has no count exchange: there every rank must pass a handle of the same dispatch and
+    the same dtype, checked in the call headers (a difference is a fatal
+    :class:`~cupy_symbuf.SymBufferMismatchError`, see :attr:`DispatchHandle.dispatch_id`).
 
     Parameters
     ----------
@@ -343,7 +346,8 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``handle`` it may be omitted or must equal the handle's.
     handle : DispatchHandle, optional (keyword-only)
         From an earlier ``dispatch`` on this communicator with the same routing: skips the layout and the count
-        exchange and sends only ``x`` (any dtype above; ``num_tokens`` must equal the handle's).
+        exchange and sends only ``x`` (any dtype above; ``num_tokens`` must equal the handle's). Every rank must
+        pass a handle of the same dispatch (``handle.dispatch_id`` equal on every rank).
     expert_alignment : int >= 1 (keyword-only)
         Round each entry of ``num_recv_tokens_per_expert`` up to a multiple of this.
     num_worst_tokens : int >= 0 (keyword-only)
@@ -426,6 +430,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger
         than ``Config.chunk_bytes`` (ring slots hold whole rows; every rank raises alike, the communicator stays
         usable).
+    SymBufferMismatchError
+        A cached dispatch where ranks pass handles of different dispatches or ``x`` of different dtypes: found in
+        the call headers by every rank that receives a differing one (the others raise
+        :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable.
     """
     op = "dispatch"
     # the count exchange comes first without a handle; a call rejected here is told to the peers (_engine.call)
@@ -808,7 +816,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
 
     DeepEP: ``Buffer.combine`` (``deep_ep/buffer.py``), intranode: a plain sum **without** weights (weight the
     expert outputs before calling), accumulated in float32. Every rank must call it with a handle from the same
-    ``dispatch``, and all ranks must make the same choice of ``topk_weights`` (None or not) and ``dtype``.
+    ``dispatch`` (checked: see Raises), and all ranks must make the same choice of ``topk_weights`` (None or not)
+    and ``dtype``.
 
     Parameters
     ----------
@@ -817,7 +826,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
         ``hidden = handle.hidden``), typically the expert outputs already weighted and summed locally. bfloat16
         (or raw ``uint16`` bits with ``dtype="bfloat16"``), float16 or float32; any strides.
     handle : DispatchHandle
-        From ``dispatch`` on this communicator.
+        From ``dispatch`` on this communicator; every rank passes a handle of the same dispatch (the same
+        ``handle.dispatch_id``); the same handle may be combined any number of times.
     topk_weights : xp.ndarray ``[num_recv_tokens, num_topk]`` float32, optional
         Per received row, reduced the same way (DeepEP passes ``recv_topk_weights`` here).
     out : xp.ndarray ``[num_tokens, hidden]`` of ``x``'s dtype, optional (keyword-only)
@@ -849,6 +859,11 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
         ``handle`` from another communicator; ``x`` not ``[handle.num_recv_tokens, handle.hidden]``;
         ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``; (GPU) a row ``hidden * itemsize``
         (``+ num_topk * 4`` with ``topk_weights``) bytes larger than ``Config.chunk_bytes``.
+    SymBufferMismatchError
+        Ranks passing handles of different dispatches (or ``x`` of different dtypes / ``topk_weights`` choices):
+        found in the call headers by every rank that receives a differing one (the others raise
+        :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable. GPU:
+        from the call with ``Config.blocking``, else from ``synchronize()``.
 
     Notes
     -----

@@ -308,6 +308,7 @@ class HostTransport:
             logger.debug("%s: new plan: %s", op, plan)
         is_direct = plan.direct
         sig = P.call_signature(plan.sig, tag)
+        tagged = sig != plan.sig  # the plan's headers carry plan.sig: this call's goes in as each is sent
         tr = self.trace
         if tr is not None:
             tr.begin(plan.op_code)
@@ -348,7 +349,9 @@ class HostTransport:
                     if x.header is not None:  # the call header goes first, in its own slot
                         hdr = slot[: 8 * P.HDR_WORDS].view(np.int64)
                         hdr[:] = x.header
-                        hdr[P.HDR_SEQ], hdr[P.HDR_SIG] = x.seq, sig
+                        hdr[P.HDR_SEQ] = x.seq
+                        if tagged:
+                            hdr[P.HDR_SIG] = sig
                         x.header = None
                     else:
                         n = min(x.per_chunk, x.end - x.pos)
