@@ -93,6 +93,23 @@ def aborted_error(op: str, rank: int, line) -> SymBufferAbortedError:
         f"unusable: close it on every rank.", rank=rank, aborting_rank=who, reason=why, op=op)
 
 
+def _signature_detail(op: str, peer: int, expected: int, got: int, plan) -> str:
+    """What a call header's signature difference means. A combine or cached dispatch folds its handle's
+    ``dispatch_id`` into the plan's signature (``protocol.call_signature``): with the plan at hand this rank's id
+    is read back exactly, the peer's only if its rows are this rank's kind (else the number is arbitrary)."""
+    mine = P.call_tag(plan.sig, expected) if plan is not None and not plan.reject else 0
+    if not mine:
+        if op.split(" ")[0] in ("combine", "dispatch"):
+            return ("the peer's dtype, row shape or parts differ from this rank's, or (combine, cached dispatch) "
+                    "the ranks passed handles of different dispatches")
+        return "the peer's dtype, row shape or parts differ from this rank's"
+    theirs = P.call_tag(plan.sig, got)
+    which = f" (#{theirs}, if its rows have this rank's dtype and row shape)" if 0 < theirs < 1 << 24 else ""
+    return (f"this rank passed the handle of dispatch #{mine} (DispatchHandle.dispatch_id), rank {peer} the handle "
+            f"of another dispatch{which} or rows of another dtype or row shape; every rank must pass handles of "
+            f"the same dispatch")
+
+
 def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expected, got,
                    plan=None) -> SymBufferMismatchError:
     """A peer's call header differs from this rank's call (both engines use this text)."""
@@ -116,7 +133,7 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
         detail = (f"transfer mode {got} is none of ring ({P.MODE_RING}), direct ({P.MODE_DIRECT}) or cross-memory "
                   f"attach ({P.MODE_CMA}): not this protocol")
     elif field == P.FIELD_SIG:
-        detail = "the peer's dtype, row shape or parts differ from this rank's"
+        detail = _signature_detail(op, peer, expected, got, plan)
     else:
         detail = f"expected {expected}, got {got}"
     return SymBufferMismatchError(

@@ -120,6 +120,16 @@ class DispatchHandle:
         Received (token, local expert) pairs per local expert, not aligned.
     expert_alignment : int
         The alignment the dispatch that made the handle used.
+    dispatch_id : int
+        Which dispatch of its communicator made it: the number of its count exchange (increasing, not consecutive:
+        every count exchange counts, e.g. an ``alltoallv`` without ``recv_counts``; the same on every rank, since
+        every rank takes part in each). :func:`combine` and a cached
+        :func:`dispatch` fold it into the signature of their call headers, which every receiver checks: ranks
+        passing handles of different dispatches fail the call on every rank
+        (:class:`~cupy_symbuf.SymBufferMismatchError` on the ranks that receive a header with another id,
+        :class:`~cupy_symbuf.SymBufferAbortedError` on any other) instead of returning rows of the wrong tokens.
+        A dispatch captured in a CUDA graph keeps the id of its capture in every replay, and so do a combine or
+        cached dispatch captured with its handle.
     """
 
     _comm_ref: Callable[[], Any] = field(repr=False)
@@ -139,6 +149,7 @@ class DispatchHandle:
     num_worst_tokens: int = 0
     routing: Any = field(default=None, repr=False)
     send_rows: int = 0
+    dispatch_id: int = 0
 
     @property
     def num_local_experts(self) -> int:
@@ -314,8 +325,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
     ``num_tokens_per_rank``/``is_token_in_rank``/``num_tokens_per_expert`` arguments is computed here from
     ``topk_idx`` and ``num_experts`` (see :func:`get_dispatch_layout`). Every rank must call it, also with zero
     tokens; all ranks must pass the same ``num_experts``, ``hidden``, dtype and choice of ``topk_weights``
-    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves; a cached
-    dispatch with ``handle`` has no count exchange, so there it is the caller's duty).
+    (checked through the count exchange; a mismatch raises ``ValueError`` on every rank before data moves). A cached
+    dispatch with ``handle`` has no count exchange: there every rank must pass a handle of the same dispatch and
+    the same dtype, checked in the call headers (a difference is a fatal
+    :class:`~cupy_symbuf.SymBufferMismatchError`, see :attr:`DispatchHandle.dispatch_id`).
 
     Parameters
     ----------
@@ -333,7 +346,8 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``handle`` it may be omitted or must equal the handle's.
     handle : DispatchHandle, optional (keyword-only)
         From an earlier ``dispatch`` on this communicator with the same routing: skips the layout and the count
-        exchange and sends only ``x`` (any dtype above; ``num_tokens`` must equal the handle's).
+        exchange and sends only ``x`` (any dtype above; ``num_tokens`` must equal the handle's). Every rank must
+        pass a handle of the same dispatch (``handle.dispatch_id`` equal on every rank).
     expert_alignment : int >= 1 (keyword-only)
         Round each entry of ``num_recv_tokens_per_expert`` up to a multiple of this.
     num_worst_tokens : int >= 0 (keyword-only)
@@ -416,6 +430,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger
         than ``Config.chunk_bytes`` (ring slots hold whole rows; every rank raises alike, the communicator stays
         usable).
+    SymBufferMismatchError
+        A cached dispatch where ranks pass handles of different dispatches or ``x`` of different dtypes: found in
+        the call headers by every rank that receives a differing one (the others raise
+        :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable.
     """
     op = "dispatch"
     # the count exchange comes first without a handle; a call rejected here is told to the peers (_engine.call)
@@ -471,10 +489,11 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         if h.routing is not None:  # GPU: the units come from the handle's device counts table
             recv_x, recv_scales, _, _ = _exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
                                                          h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr,
-                                                         user_outs=outs)
+                                                         user_outs=outs, tag=h.dispatch_id)
         else:
             recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx,
-                                                  h.send_counts, h.recv_counts, f"cached|{kind}", user_outs=outs)
+                                                  h.send_counts, h.recv_counts, f"cached|{kind}", user_outs=outs,
+                                                  tag=h.dispatch_id)
             if h.num_worst_tokens:
                 recv_x, recv_scales = _pad_rows(xp, recv_x, h.num_worst_tokens, 0, outs, 0), \
                     _pad_rows(xp, recv_scales, h.num_worst_tokens, 0, outs, 1)
@@ -520,6 +539,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + top-k) or on "
         f"num_experts: rank {rank} has {rb} bytes ({sig}); all ranks must pass the same hidden, dtype, "
         f"num_topk, choice of topk_weights and num_experts"))
+    dispatch_id = comm.epoch  # this dispatch's count exchange: the same number on every rank
     recv_counts = recv_meta[:, 0].copy()
     raw_per_expert = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
     n_recv = int(recv_counts.sum())
@@ -556,7 +576,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
                        hidden=int(xv.shape[1]), is_token_in_rank=in_rank, send_token_idx=send_token_idx,
                        send_counts=send_counts, recv_counts=recv_counts,
                        num_recv_tokens_per_expert_raw=raw_per_expert, expert_alignment=align,
-                       num_worst_tokens=worst, send_rows=int(send_counts.sum()))
+                       num_worst_tokens=worst, send_rows=int(send_counts.sum()), dispatch_id=dispatch_id)
     out_x = (recv_x, recv_scales) if scales is not None else recv_x
     counts = h.num_recv_tokens_per_expert(align)
     if worst:  # as the GPU's: an array, not a list (no host read there)
@@ -622,6 +642,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                                  f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
                                  f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
                                  f"the same offset on every rank"))
+    dispatch_id = comm.epoch  # this dispatch's count exchange (in a capture: the capture's, kept by every replay)
     if worst:
         send_counts = recv_counts = raw = None
         n_recv = worst
@@ -646,7 +667,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                        num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
                        hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
                        send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
-                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows)
+                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows,
+                       dispatch_id=dispatch_id)
     out_x = (recv_x, recv_scales) if scales is not None else recv_x
     counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
     return out_x, recv_gidx, recv_w, counts, h
@@ -668,12 +690,14 @@ def _rows_part(xp, a):
 
 
 def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig: str,
-              user_outs=None):
+              user_outs=None, tag: int = 0):
     """Send rows ``send_token_idx`` of ``x`` | scales | idx | weights (None parts left out) and receive them into
     new C-contiguous arrays. ``send_token_idx`` None sends every row in order (combine). The rows are gathered
     from the parts straight into the channel rings by the transport (one kernel on the GPU; no packed copy) and
     scattered from the rings into the outputs. Returns ``(recv_x, recv_scales, recv_idx, recv_weights)``.
-    ``user_outs``: dispatch's ``out`` arrays (x, scales), received into in place.
+    ``user_outs``: dispatch's ``out`` arrays (x, scales), received into in place. ``tag``: the handle's
+    ``dispatch_id`` (combine, cached dispatch; 0: none), which every rank must pass alike (see
+    :meth:`~cupy_symbuf.transport.engine.Engine.exchange_rows`).
     """
     xp = comm.xp
     n_recv = int(recv_counts.sum())
@@ -692,7 +716,7 @@ def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, r
         recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
     if send_parts:
         comm.exchange_rows(op, send_parts, send_token_idx, np.asarray(send_counts, np.int64), recv_parts,
-                           np.asarray(recv_counts, np.int64), sig)
+                           np.asarray(recv_counts, np.int64), sig, tag=tag)
     recv_x = outs[0]
     k = 1
     recv_scales = recv_idx = recv_w = None
@@ -719,11 +743,12 @@ def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None) -
 
 
 def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
-                     outs=None, *, user_outs=None, push=None):
+                     outs=None, *, user_outs=None, push=None, tag: int = 0):
     """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
     capacity; ``outs``: already allocated by :func:`_device_outputs`), the per-peer units read by the ring kernel
     from the counts table at ``table_ptr``. ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
-    :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``)."""
+    :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
+    ``tag``: as in :func:`_exchange`."""
     xp = comm.xp
     if outs is None:
         outs = _device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs)
@@ -744,7 +769,7 @@ def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv:
     comm.keep_for_graph(*send_parts, *outs)
     if send_parts:
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
-                                  push=(push_ids, push[1]) if push is not None else None)
+                                  push=(push_ids, push[1]) if push is not None else None, tag=tag)
     it = iter(outs[1:])
     recv_x = outs[0]
     recv_scales = next(it) if scales is not None else None
@@ -791,7 +816,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
 
     DeepEP: ``Buffer.combine`` (``deep_ep/buffer.py``), intranode: a plain sum **without** weights (weight the
     expert outputs before calling), accumulated in float32. Every rank must call it with a handle from the same
-    ``dispatch``, and all ranks must make the same choice of ``topk_weights`` (None or not) and ``dtype``.
+    ``dispatch`` (checked: see Raises), and all ranks must make the same choice of ``topk_weights`` (None or not)
+    and ``dtype``.
 
     Parameters
     ----------
@@ -800,7 +826,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
         ``hidden = handle.hidden``), typically the expert outputs already weighted and summed locally. bfloat16
         (or raw ``uint16`` bits with ``dtype="bfloat16"``), float16 or float32; any strides.
     handle : DispatchHandle
-        From ``dispatch`` on this communicator.
+        From ``dispatch`` on this communicator; every rank passes a handle of the same dispatch (the same
+        ``handle.dispatch_id``); the same handle may be combined any number of times.
     topk_weights : xp.ndarray ``[num_recv_tokens, num_topk]`` float32, optional
         Per received row, reduced the same way (DeepEP passes ``recv_topk_weights`` here).
     out : xp.ndarray ``[num_tokens, hidden]`` of ``x``'s dtype, optional (keyword-only)
@@ -832,6 +859,11 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
         ``handle`` from another communicator; ``x`` not ``[handle.num_recv_tokens, handle.hidden]``;
         ``topk_weights`` not ``[handle.num_recv_tokens, handle.num_topk]``; (GPU) a row ``hidden * itemsize``
         (``+ num_topk * 4`` with ``topk_weights``) bytes larger than ``Config.chunk_bytes``.
+    SymBufferMismatchError
+        Ranks passing handles of different dispatches (or ``x`` of different dtypes / ``topk_weights`` choices):
+        found in the call headers by every rank that receives a differing one (the others raise
+        :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable. GPU:
+        from the call with ``Config.blocking``, else from ``synchronize()``.
 
     Notes
     -----
@@ -863,13 +895,14 @@ def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
         x, weights = _rows_contiguous(xp, x), _rows_contiguous(xp, weights)
         comm.keep_for_graph(x, weights)  # (copies, when they are) read by the reduction of a captured call
         back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
-                                                h.routing.rev_table_ptr)
+                                                h.routing.rev_table_ptr, tag=h.dispatch_id)
     else:
         n_real = int(h.recv_counts.sum())
         if n_real != n_recv:  # worst-case mode (host): the rows past the real count stay here
             x = x[:n_real]
             weights = None if weights is None else weights[:n_real]
-        back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts, sig)
+        back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts, sig,
+                                         tag=h.dispatch_id)
 
     num_tokens = h.num_tokens
     if comm.backend == "cuda":

@@ -27,13 +27,16 @@ __all__ = ["Transport", "DeviceTransport", "implements"]
 class Transport(Protocol):
     """One communicator's row mover over its symmetric buffer (both backends)."""
 
-    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, **kwargs) -> list:
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, *, tag: int = 0,
+                      **kwargs) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`): every (channel, peer) stream
         sends its call header and chunks of the rows of ``send_parts`` (gathered through ``send_index`` when
         given) and receives the peer's into ``recv_parts``. ``direct``: this rank's send mode (see
-        :meth:`~cupy_symbuf.transport.engine.Engine.direct_source`). Returns the ranks that rejected the call
-        (empty: none; the GPU's queued calls report them from :meth:`synchronize`). Engine-specific keywords:
-        ``relaxed`` (host), ``counts`` / ``push`` (GPU)."""
+        :meth:`~cupy_symbuf.transport.engine.Engine.direct_source`). ``tag``: folded into the signature the
+        headers carry and the receivers check (:func:`~cupy_symbuf.wire.protocol.call_signature`; the id of the
+        dispatch whose handle the call uses, 0: none), so peers with different tags fail the call. Returns the
+        ranks that rejected the call (empty: none; the GPU's queued calls report them from :meth:`synchronize`).
+        Engine-specific keywords: ``relaxed`` (host), ``counts`` / ``push`` (GPU)."""
         ...
 
     def notify(self, send_meta: np.ndarray, epoch: int, op: str = "notify", *, op_code: int = 0, status: int = 0,

@@ -417,7 +417,7 @@ class CudaTransport:
 
     # ---- row exchange ---------------------------------------------------------------------------------------
     def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0,
-                      push=None) -> list:
+                      push=None, *, tag: int = 0) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`) in one kernel launch on the current
         stream: every (channel, peer) stream sends its call header and its chunks and receives the peer's.
 
@@ -428,6 +428,8 @@ class CudaTransport:
         (MODE_DIRECT headers, no payload chunks) and this rank's kernel ends once every peer has.
         ``push``: ``(allocation id or -1 per receive part, rows of the receive parts)`` (``Engine.push_targets``):
         MODE_PUSH, the peers write those parts of their rows straight into ``recv_parts`` (symmetric outputs).
+        ``tag``: folded into the signature of this call's headers (``protocol.call_signature``; every peer must
+        pass the same; a captured launch keeps the tag it was captured with).
         Returns once the kernel is queued, with ``[]``; with ``self.blocking`` once it ended, with the ranks that
         rejected the call. Raises an error an earlier kernel recorded, before anything else.
         """
@@ -472,6 +474,7 @@ class CudaTransport:
             flags |= P.FLAG_PUSH
             self.push_calls += 1
         d[DESC_FLAGS] = flags
+        d[DESC_SIG] = P.call_signature(plan.sig, tag)
         if self._home is not None:  # adaptive: the current home map (plans keep no copy of their own)
             d[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
         stream = cp.cuda.get_current_stream()

@@ -201,6 +201,13 @@ class Engine:
             self._run(self.transport.exchange_rows, self.plans.reject(op), [], None, [], op)
 
     # ---- steps ----------------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """Count exchanges this communicator has run so far (:meth:`notify`, :meth:`notify_device`, rejected ones
+        included): every rank takes part in each, so the number is the same on every rank after each one (a
+        captured one counts once, at its capture). A dispatch names itself by it (``DispatchHandle.dispatch_id``)."""
+        return self._epoch
+
     def notify(self, op: str, send_meta: np.ndarray, sig_text: str = "", *, sig_what: str = "") -> np.ndarray:
         """Count exchange through the symmetric buffer (every rank calls it, also with nothing to send).
 
@@ -301,16 +308,18 @@ class Engine:
         return ids, min(rows), "|push=" + ";".join(where)
 
     def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table, *,
-                             row_stream: bool = True, direct=None, push=None) -> None:
+                             row_stream: bool = True, direct=None, push=None, tag: int = 0) -> None:
         """Row exchange of a device-count call (GPU): like :meth:`exchange_rows`, the units to and from each peer
         read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`): rows
         (``row_stream``) or bytes (one part without index: a byte stream, the table scaled by the row bytes).
         ``direct``: :meth:`direct_source` (a byte stream only). ``push``: ``(ids, rows)`` of :meth:`push_targets`
-        (its ``sig`` already in ``sig_text``): the peers write those receive parts straight into ``recv_parts``."""
+        (its ``sig`` already in ``sig_text``): the peers write those receive parts straight into ``recv_parts``.
+        ``tag``: as in :meth:`exchange_rows` (a launch captured in a CUDA graph keeps it: every replay carries the
+        tag of its capture)."""
         plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
                                  row_stream)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
-                             direct if not row_stream else None, counts=int(table), push=push)
+                             direct if not row_stream else None, counts=int(table), push=push, tag=tag)
         self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)
@@ -494,11 +503,15 @@ class Engine:
         return {"relaxed": True} if relaxed and direct is not None and self.backend == "host" else {}
 
     def exchange_rows(self, op: str, send_parts, send_index, send_counts: np.ndarray, recv_parts,
-                      recv_counts: np.ndarray, sig_text: str, direct=None, relaxed: bool = False) -> None:
+                      recv_counts: np.ndarray, sig_text: str, direct=None, relaxed: bool = False, *,
+                      tag: int = 0) -> None:
         """Row exchange (both backends): a sent row is the concatenation of row ``send_index[r]`` (or ``r``) of
         every array of ``send_parts`` (``[n, ...]``, rows contiguous, any row stride), rows grouped by destination;
         received rows are split into the C-contiguous ``recv_parts`` in order. Counts int64 ``[W]``. ``sig_text``:
         what the peers' rows must agree on (dtype and row shape), checked by every receiver in the call header.
+        ``tag``: a number every rank must pass alike, folded into that check without a new plan (the id of the
+        dispatch whose handle a combine or cached dispatch uses; 0: none): a peer with another tag is a
+        :class:`~cupy_symbuf.SymBufferMismatchError` on the signature, found by every receiver of its headers.
         Raises :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (the host path, or
         ``Config.blocking``; queued GPU calls report it from :meth:`Communicator.synchronize`). ``direct``:
         :meth:`direct_source` of the send parts (this rank then sends in direct mode).
@@ -510,7 +523,7 @@ class Engine:
         plan = self.plans.get(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
                               send_counts, recv_counts, direct is not None)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
-                             *(() if direct is None else (direct,)), **self._relaxed(relaxed, direct))
+                             *(() if direct is None else (direct,)), tag=tag, **self._relaxed(relaxed, direct))
         self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)

@@ -269,7 +269,7 @@ class HostTransport:
         return self.cma_pids is not None
 
     # ---- row exchange ---------------------------------------------------------------------------------------
-    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None,
+    def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, *, tag: int = 0,
                       relaxed: bool = False) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`): every (channel, peer) stream sends
         its call header and its chunks and receives the peer's; returns the ranks whose header said they rejected
@@ -279,6 +279,8 @@ class HostTransport:
         symmetric array, or ``(MODE_CMA, pid, address)`` of a plain one (cross-memory attach); each peer then
         copies its rows straight out of it and this call returns once every peer has, or (``relaxed``) once every
         header is out and every row received: the peers' copies are then awaited by the next call (:meth:`settle`).
+        ``tag``: folded into the signature of this call's headers (``protocol.call_signature``; every peer must
+        pass the same).
 
         Raises :class:`SymBufferMismatchError` (a peer's header differs: rank, peer, channel, field, both values),
         :class:`SymBufferTimeoutError` or :class:`SymBufferAbortedError`; the first two set the abort word on every
@@ -305,6 +307,8 @@ class HostTransport:
             statics = plan.engine_data = self._statics(plan)
             logger.debug("%s: new plan: %s", op, plan)
         is_direct = plan.direct
+        sig = P.call_signature(plan.sig, tag)
+        tagged = sig != plan.sig  # the plan's headers carry plan.sig: this call's goes in as each is sent
         tr = self.trace
         if tr is not None:
             tr.begin(plan.op_code)
@@ -346,6 +350,8 @@ class HostTransport:
                         hdr = slot[: 8 * P.HDR_WORDS].view(np.int64)
                         hdr[:] = x.header
                         hdr[P.HDR_SEQ] = x.seq
+                        if tagged:
+                            hdr[P.HDR_SIG] = sig
                         x.header = None
                     else:
                         n = min(x.per_chunk, x.end - x.pos)
@@ -380,7 +386,7 @@ class HostTransport:
                     slot = r.ring[off: off + chunk]
                     if not r.checked:
                         hdr = slot[: 8 * P.HDR_WORDS].view(np.int64).tolist()
-                        self._check_header(op, plan, r, hdr)
+                        self._check_header(op, plan, r, hdr, sig)
                         r.checked = True
                         if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
                             rejected.add(r.p)
@@ -513,14 +519,14 @@ class HostTransport:
                     out[0 if sender else 1].append(st)
         return out
 
-    def _check_header(self, op: str, plan, r: "_Stream", hdr: list) -> None:
-        """The receiver's check of a peer's call header (its words as Python ints), before any payload (same
-        order as the kernel)."""
+    def _check_header(self, op: str, plan, r: "_Stream", hdr: list, sig: int) -> None:
+        """The receiver's check of a peer's call header (its words as Python ints) against this rank's call
+        signature ``sig``, before any payload (same order as the kernel)."""
         if hdr[P.HDR_MAGIC] == P.HDR_MAGIC_VALUE and hdr[P.HDR_SEQ] == r.seq and hdr[P.HDR_OP] == plan.op_code:
             if hdr[P.HDR_STATUS] != P.HDR_OK or plan.reject:
                 return
             mode = hdr[P.HDR_MODE]
-            if hdr[P.HDR_SIG] == plan.sig and hdr[P.HDR_UNITS] == plan.recv_units[r.p] and (
+            if hdr[P.HDR_SIG] == sig and hdr[P.HDR_UNITS] == plan.recv_units[r.p] and (
                     (mode == P.MODE_RING and hdr[P.HDR_NCHUNKS] == r.nchunks) or (hdr[P.HDR_NCHUNKS] == 0 and (
                         mode == P.MODE_DIRECT or (mode == P.MODE_CMA and self.cma_pids)))):
                 return  # the common case: all agree
@@ -531,7 +537,7 @@ class HostTransport:
             mode = int(hdr[P.HDR_MODE])
             known = (P.MODE_RING, P.MODE_DIRECT) + ((P.MODE_CMA,) if self.cma_pids else ())
             checks += [(P.FIELD_MODE, mode if mode in known else P.MODE_RING, mode),
-                       (P.FIELD_SIG, plan.sig, int(hdr[P.HDR_SIG])),
+                       (P.FIELD_SIG, sig, int(hdr[P.HDR_SIG])),
                        (P.FIELD_UNITS, int(plan.recv_units[r.p]), int(hdr[P.HDR_UNITS]))]
         for field, expected, got in checks:
             if expected != got:

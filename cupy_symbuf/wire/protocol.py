@@ -115,7 +115,7 @@ ROLE_NAMES = {ROLE_SEND: "send", ROLE_RECV: "recv", ROLE_NOTIFY: "notify"}
 FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING, FIELD_CAPACITY, \
     FIELD_MODE = range(1, 10)
 FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIELD_SEQ: "call sequence number",
-               FIELD_OP: "operation", FIELD_SIG: "row signature (dtype / row shape / parts)",
+               FIELD_OP: "operation", FIELD_SIG: "row signature (dtype / row shape / parts / handle)",
                FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
                FIELD_RING: "ring counters (head <= tail <= head + capacity)",
                FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)",
@@ -270,6 +270,24 @@ def signature(*fields) -> int:
     """A 31-bit signature of what both ends of a stream must agree on (wire format, row bytes, parts, dtype,
     row shape): CRC-32 of their text, so it is the same on every rank and every run."""
     return zlib.crc32("|".join(str(f) for f in fields).encode()) & 0x7FFFFFFF
+
+
+#: Odd, so ``tag * _TAG_MIX`` modulo 2**31 is a bijection: distinct tags below 2**31 never fold alike.
+_TAG_MIX = 0x5BD1E995
+_TAG_UNMIX = pow(_TAG_MIX, -1, 1 << 31)
+
+
+def call_signature(sig: int, tag: int) -> int:
+    """The signature one call's headers carry: the plan's ``sig`` with the call's ``tag`` folded in (the id of the
+    dispatch whose handle a combine or cached dispatch uses, the same on every rank; 0: nothing, ``sig`` itself).
+    Calls of one plan with different tags never carry the same signature (for tags below 2**31)."""
+    return sig ^ ((tag * _TAG_MIX) & 0x7FFFFFFF) if tag else sig
+
+
+def call_tag(sig: int, call_sig: int) -> int:
+    """The tag :func:`call_signature` folded into ``sig`` to give ``call_sig`` (modulo 2**31); meaningful only when
+    ``call_sig`` was made from this very ``sig`` (a peer with other rows gives an arbitrary number)."""
+    return (((sig ^ call_sig) & 0x7FFFFFFF) * _TAG_UNMIX) & 0x7FFFFFFF
 
 
 def _constants() -> list:
