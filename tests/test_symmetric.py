@@ -735,8 +735,9 @@ print(f"LIFETIME-OK {case} rank {rank}", flush=True)
 '''
 
 
+@pytest.mark.parametrize("backend_", ["host", "cuda"])
 @pytest.mark.parametrize("case", ["free", "close", "peer_view"])
-def test_stale_views_read_their_old_bytes(case, tmp_path):
+def test_stale_views_read_their_old_bytes(case, backend_, tmp_path):
     """An array (or view) left over from Communicator.free or close() reads the bytes it had (never a crash, never
     another array's data), and a freed range is not handed out again while any rank holds an array over it; once
     none does, a later allocation may reuse it. In a 2-rank job of its own, so a crash fails only this test."""
@@ -746,8 +747,39 @@ def test_stale_views_read_their_old_bytes(case, tmp_path):
         pytest.skip("launches its own mpiexec job; runs from the single-process pytest pass")
     if not LAUNCHER:
         pytest.skip("no mpiexec found (set MPIEXEC)")
+    if backend_ == "cuda":
+        from conftest import available_backends
+        if "cuda" not in available_backends():
+            pytest.skip("needs a GPU")
     script = tmp_path / "lifetime_job.py"
     script.write_text(_LIFETIME_JOB)
-    rc, out, killed = run_job(mpi_command(2, [sys.executable, str(script), case, "host"]),
+    rc, out, killed = run_job(mpi_command(2, [sys.executable, str(script), case, backend_]),
                               clean_env(CUPY_SYMBUF_ABORT_ON_FAILURE="0"), 120)
     assert not killed and rc == 0 and out.count(f"LIFETIME-OK {case}") == 2, f"rc={rc} killed={killed}\n{out}"
+
+
+def test_gpu_thousands_of_live_arrays_stay_direct(comm):
+    """GPU: 2000 live symmetric arrays take a handful of segments, every one with a row of the kernels' symmetric
+    table (SYM_TABLE_ROWS rows, one per segment), so alltoalls out of arrays in different segments all go direct
+    (headers only in the rings) and match NumPy."""
+    import cupy as cp
+    c = _cuda_comm(comm)
+    try:
+        W, n = comm.size, 2000
+        arrays = [c.empty((W, 1024 // W), np.uint8) for _ in range(n)]
+        heap = c._heap
+        assert 2 <= len(heap.segments) <= 8 and all(s.registered for s in heap.segments), heap.describe()
+        rng = rng_for(comm, 20)
+        picked = [arrays[0], arrays[n // 2], arrays[-1]]
+        assert len({heap.find(a)[0].id for a in picked}) >= 2
+        before = c._transport.direct_calls
+        for a in picked:
+            data = random_rows(rng, W, (1024 // W,), np.uint8)
+            a[...] = cp.asarray(data)
+            np.testing.assert_array_equal(cp.asnumpy(c.alltoall(a)), _a2a_reference(comm, data))
+        assert c._transport.direct_calls - before == 3  # every one went direct
+        for a in arrays:
+            c.free(a)
+        c.synchronize()
+    finally:
+        c.close()

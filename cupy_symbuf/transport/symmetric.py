@@ -62,11 +62,19 @@ _STEP = "Communicator.empty (symmetric allocation)"
 _KEPT_UNTIL_EXIT: list = []
 
 
-class _Lease:
-    """(GPU) The owner of one allocation's CuPy memory object: every view of the array holds it, so a weak
-    reference to it says whether any array over the allocation is still alive in this process."""
+_leased_memory_type = None
 
-    __slots__ = ("__weakref__",)
+
+def _leased_memory(ptr: int, nbytes: int, device_id: int):
+    """(GPU) One allocation's CuPy memory object: an ``UnownedMemory`` that takes weak references (CuPy's does
+    not). Every view of the array holds it, so a weak reference to it says whether any array over the allocation
+    is still alive in this process."""
+    global _leased_memory_type
+    if _leased_memory_type is None:
+        class LeasedMemory(_compat.cupy.cuda.UnownedMemory):
+            pass
+        _leased_memory_type = LeasedMemory
+    return _leased_memory_type(ptr, nbytes, None, device_id)
 
 
 class SymmetricSegment:
@@ -207,14 +215,10 @@ def _root(a):
 
 def _token(a):
     """What every array over one allocation holds, and nothing else does: the array made over its range by
-    ``np.frombuffer`` (NumPy: the end of every view's ``.base`` chain), or the :class:`_Lease` owning its CuPy
-    memory object. Weakly referenceable: a dead reference means no array over the allocation is left here."""
-    r = _root(a)
-    if not isinstance(r, np.ndarray):
-        owner = getattr(r, "_owner", None)
-        if isinstance(owner, _Lease):
-            return owner
-    return r
+    ``np.frombuffer`` (NumPy: the end of every view's ``.base`` chain), or its CuPy memory object
+    (:func:`_leased_memory`). Weakly referenceable: a dead reference means no array over the allocation is left
+    here."""
+    return _root(a)
 
 
 def _transport_of(buffer) -> str:
@@ -364,8 +368,8 @@ class SymmetricHeap:
                    f"rank; each segment is an MPI window and communicator of its own): {exc}")
             try:
                 wrapped = type(exc)(msg)
-            except Exception:  # an error type with structured fields (its own message says what failed)
-                raise exc from None
+            except Exception:  # an error type with structured fields (mpi4py's MPI.Exception takes a code)
+                wrapped = RuntimeError(msg)
             raise wrapped from exc
         seg = SymmetricSegment(seg_id, buf)
         self._next_segment = seg_id + 1
@@ -393,8 +397,8 @@ class SymmetricHeap:
             return root.view(dtype).reshape(shape), fresh
         cp = _compat.cupy
         buf = seg.buffer
-        mem = cp.cuda.UnownedMemory(buf.peer_ptrs[self.rank] + off, nbytes, _Lease(),
-                                    buf.device_id if buf.transport == "staged" else -1)
+        mem = _leased_memory(buf.peer_ptrs[self.rank] + off, nbytes,
+                             buf.device_id if buf.transport == "staged" else -1)
         return cp.ndarray(shape, dtype, memptr=cp.cuda.MemoryPointer(mem, 0)), fresh
 
     def _zero(self, array, seg: SymmetricSegment, off: int, nbytes: int) -> None:
