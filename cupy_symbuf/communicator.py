@@ -443,15 +443,16 @@ class Communicator:
         """A new array that lives in symmetric memory (collective: every rank passes the same ``shape`` and
         ``dtype``, in the same order of allocations).
 
-        Returns a plain ``numpy.ndarray`` (host) or ``cupy.ndarray`` (cuda) over this rank's block of a new
-        symmetric allocation (its own MPI shared-memory window / ``cudaMalloc`` mapped into every peer; design of
-        ``torch.distributed._symmetric_memory.empty`` and NCCL window registration). Use it (or a C-contiguous
-        slice of it) as ``sendbuf`` of :meth:`alltoall` / :meth:`alltoallv` and, on the host backend, each
-        receiver copies the rows straight out of it: one copy per byte instead of two through the rings
-        (``Config.mode``). Each rank's block starts on its own 4 KiB page and is zeroed when allocated. Freed by
-        :meth:`free` or :meth:`close`: do not use the array (or views of it) after that; a leftover view is never
-        taken for a later allocation's array. Each symmetric array is an MPI window and communicator of its own
-        (MPI allows about a thousand live): allocate a few large ones and slice them.
+        Returns a plain ``numpy.ndarray`` (host) or ``cupy.ndarray`` (cuda) over this rank's copy of a new
+        symmetric allocation, placed at the same offset of the same segment of the communicator's symmetric heap
+        on every rank (a few segments, each an MPI shared-memory window / ``cudaMalloc`` mapped into every peer,
+        grown collectively; design of ``torch.distributed._symmetric_memory.empty`` and NCCL window
+        registration): thousands of live arrays are fine. Use it (or a C-contiguous slice of it) as ``sendbuf``
+        of :meth:`alltoall` / :meth:`alltoallv` and each receiver copies the rows straight out of it: one copy per
+        byte instead of two through the rings (``Config.mode``). Each array starts on a 256-byte boundary and is
+        zeroed when allocated. Freed by :meth:`free` or :meth:`close`; an array (or view) kept past that reads the
+        bytes it had and is never another allocation's array (its memory stays mapped, and is not reused, while
+        any rank holds such an array), but the collectives refuse it.
 
         Parameters
         ----------

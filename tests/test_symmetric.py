@@ -188,14 +188,17 @@ def test_config_mode_ring_and_direct(comm, pulls):
 
 
 def test_symmetric_arrays_freed_with_the_communicator(comm):
-    """Each symmetric array is an MPI window and a communicator of its own; close() frees every one of them."""
+    """Symmetric arrays are sub-allocated from a few segments (each an MPI window and a communicator of its own):
+    three small arrays take one; close() frees every segment no rank holds an array of."""
+    import gc
     from cupy_symbuf.transport import lifecycle as _lifecycle
+    gc.collect()
     before = _lifecycle.live_mpi_objects()
     c = cs.Communicator(comm, backend="host")
     for i in range(3):
         c.zeros((comm.size, 10 + i), np.float32)
     during = _lifecycle.live_mpi_objects()
-    assert during["win"] == before["win"] + 4 and during["comm"] == before["comm"] + 4
+    assert during["win"] == before["win"] + 2 and during["comm"] == before["comm"] + 2  # the rings + one segment
     c.free(c.empty(5))
     assert _lifecycle.live_mpi_objects() == during
     c.close()
@@ -244,7 +247,7 @@ def test_review_findings(comm):
         v = c.zeros(4, "V8")
         assert v.dtype == np.dtype("V8") and bytes(v.tobytes()) == bytes(32)
         a = c.zeros((3,), np.float32)
-        blocks = [c._heap.allocations[-1].buffer.host_view(r).__array_interface__["data"][0]
+        blocks = [c._heap.allocations[-1].segment.buffer.host_view(r).__array_interface__["data"][0]
                   for r in range(comm.size)]
         assert all((b - blocks[0]) % 4096 == 0 for b in blocks)  # each rank's block on its own pages
         stale = a[1:]
@@ -619,3 +622,164 @@ def test_copy_engine_mode_must_agree(backend, comm):
         with cs.Communicator(comm, cs.Config(mode="copy_engine"), backend="host") as c:
             x = random_rows(rng_for(comm, 18), comm.size, (16,), np.float32)
             np.testing.assert_array_equal(c.alltoall(c.array(x)), _a2a_reference(comm, x))
+
+
+# ---- the symmetric heap: many arrays in few segments; freed memory stays mapped while arrays over it live --------
+def test_thousands_of_live_arrays_stay_direct(comm, pulls):
+    """2000 live symmetric arrays (1 KiB per rank each) take a handful of segments (MPI windows), not one window
+    and communicator each (MPI runs out near a thousand); alltoalls out of arrays in different segments go direct
+    and match NumPy; freeing them all releases all but one segment."""
+    import gc
+    from cupy_symbuf.transport import lifecycle as _lifecycle
+    gc.collect()
+    before = _lifecycle.live_mpi_objects()
+    c = cs.Communicator(comm, backend="host")
+    try:
+        W, n = comm.size, 2000
+        arrays = [c.empty((W, 1024 // W), np.uint8) for _ in range(n)]
+        heap = c._heap
+        segs = {heap.find(a)[0].id for a in arrays}
+        assert 2 <= len(segs) <= 8 and len(heap.segments) == len(segs), heap.describe()
+        assert _lifecycle.live_mpi_objects()["win"] - before["win"] <= 1 + len(segs)
+        assert f"symmetric arrays: {n}" in c.describe()
+        rng = rng_for(comm, 19)
+        picked = [arrays[0], arrays[n // 2], arrays[-1]]
+        assert len({heap.find(a)[0].id for a in picked}) >= 2  # from different segments
+        for a in picked:
+            data = random_rows(rng, W, (1024 // W,), np.uint8)
+            a[...] = data
+            before_pulls = pulls["n"]
+            np.testing.assert_array_equal(c.alltoall(a), _a2a_reference(comm, data))
+            assert pulls["n"] - before_pulls == c.layout.num_channels * (W - 1)  # direct: every peer pulled
+        for a in arrays:
+            c.free(a)
+        del arrays, picked, a
+        c.free(c.empty(4, np.uint8))  # an agreement step after the views are gone: the ranges are recycled
+        # every idle segment but one is unmapped (the other holds the 4-byte array, freed but not yet reported)
+        assert len(heap.segments) <= 2 and sum(s.idle for s in heap.segments) <= 1, heap.describe()
+    finally:
+        c.close()
+    gc.collect()
+    assert _lifecycle.live_mpi_objects() == before
+
+
+_LIFETIME_JOB = r'''
+import sys
+import numpy as np
+from mpi4py import MPI
+import cupy_symbuf as cs
+
+case, backend = sys.argv[1], sys.argv[2]
+comm = MPI.COMM_WORLD
+rank, W = comm.rank, comm.size
+if backend == "cuda":
+    from cupy_symbuf.utils import select_device
+    select_device(comm)
+c = cs.Communicator(comm, cs.Config(timeout_s=20), backend=backend)
+xp = c.xp
+host = lambda a: a.get() if hasattr(a, "get") else np.asarray(a)
+pattern = (np.arange(4096) * 7 + 3 + rank).astype(np.uint8)
+
+
+def where(a):
+    seg, off = c._heap.find(a)
+    return seg.id, off
+
+
+if case == "free":
+    a = c.array(xp.asarray(pattern))
+    view = a[100:]
+    c.free(a)
+    del a
+    others = [c.zeros(4096, np.uint8) for _ in range(3)]   # new allocations of the same size
+    for o in others:
+        o[...] = 0xEE
+    c.alltoall(xp.zeros((W, 16), np.uint8))                 # a collective, then read the stale view
+    assert (host(view) == pattern[100:]).all(), "the stale view lost its bytes"
+    view[...] = 1                                            # a write lands in the old range only
+    assert all((host(o) == 0xEE).all() for o in others)
+elif case == "close":
+    a = c.array(xp.asarray(pattern))
+    view = a[5:]
+    c.close()
+    assert (host(a) == pattern).all() and (host(view) == pattern[5:]).all()
+    a[...] = 9
+    assert (host(view) == 9).all()
+elif case == "peer_view":
+    a = c.array(xp.asarray(pattern))
+    old_seg, old_off = where(a)
+    view = a[:] if rank == 1 else None                       # only rank 1 keeps a view
+    c.free(a)
+    del a
+    placed = []
+    for _ in range(3):
+        b = c.empty(4096, np.uint8)
+        b[...] = 0xBB
+        seg, off = where(b)
+        assert seg != old_seg or off + 4096 <= old_off or old_off + 4096 <= off, (seg, off, old_seg, old_off)
+        placed.append(b)
+    if rank == 1:
+        assert (host(view) == pattern).all(), "a peer's stale view saw another array's data"
+    view = None                                              # dropped: the range may be reused after the next step
+    c.free(placed.pop())
+    reused = False
+    for _ in range(3):
+        b = c.empty(4096, np.uint8)
+        reused = reused or where(b) == (old_seg, old_off)
+        placed.append(b)
+    assert reused, "a range no rank holds was never reused"
+    assert all(x == reused for x in comm.allgather(reused))
+if case != "close":
+    c.close()
+print(f"LIFETIME-OK {case} rank {rank}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("backend_", ["host", "cuda"])
+@pytest.mark.parametrize("case", ["free", "close", "peer_view"])
+def test_stale_views_read_their_old_bytes(case, backend_, tmp_path):
+    """An array (or view) left over from Communicator.free or close() reads the bytes it had (never a crash, never
+    another array's data), and a freed range is not handed out again while any rank holds an array over it; once
+    none does, a later allocation may reuse it. In a 2-rank job of its own, so a crash fails only this test."""
+    from _jobs import LAUNCHER, UNDER_MPIEXEC, clean_env, mpi_command, run_job
+    import sys
+    if UNDER_MPIEXEC:
+        pytest.skip("launches its own mpiexec job; runs from the single-process pytest pass")
+    if not LAUNCHER:
+        pytest.skip("no mpiexec found (set MPIEXEC)")
+    if backend_ == "cuda":
+        from conftest import available_backends
+        if "cuda" not in available_backends():
+            pytest.skip("needs a GPU")
+    script = tmp_path / "lifetime_job.py"
+    script.write_text(_LIFETIME_JOB)
+    rc, out, killed = run_job(mpi_command(2, [sys.executable, str(script), case, backend_]),
+                              clean_env(CUPY_SYMBUF_ABORT_ON_FAILURE="0"), 120)
+    assert not killed and rc == 0 and out.count(f"LIFETIME-OK {case}") == 2, f"rc={rc} killed={killed}\n{out}"
+
+
+def test_gpu_thousands_of_live_arrays_stay_direct(comm):
+    """GPU: 2000 live symmetric arrays take a handful of segments, every one with a row of the kernels' symmetric
+    table (SYM_TABLE_ROWS rows, one per segment), so alltoalls out of arrays in different segments all go direct
+    (headers only in the rings) and match NumPy."""
+    import cupy as cp
+    c = _cuda_comm(comm)
+    try:
+        W, n = comm.size, 2000
+        arrays = [c.empty((W, 1024 // W), np.uint8) for _ in range(n)]
+        heap = c._heap
+        assert 2 <= len(heap.segments) <= 8 and all(s.registered for s in heap.segments), heap.describe()
+        rng = rng_for(comm, 20)
+        picked = [arrays[0], arrays[n // 2], arrays[-1]]
+        assert len({heap.find(a)[0].id for a in picked}) >= 2
+        before = c._transport.direct_calls
+        for a in picked:
+            data = random_rows(rng, W, (1024 // W,), np.uint8)
+            a[...] = cp.asarray(data)
+            np.testing.assert_array_equal(cp.asnumpy(c.alltoall(a)), _a2a_reference(comm, data))
+        assert c._transport.direct_calls - before == 3  # every one went direct
+        for a in arrays:
+            c.free(a)
+        c.synchronize()
+    finally:
+        c.close()

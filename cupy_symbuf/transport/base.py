@@ -99,12 +99,12 @@ class DeviceTransport(Transport, Protocol):
         """Raise ``ValueError`` (once) for out-of-range ``topk_idx`` values a queued layout kernel found."""
         ...
 
-    def sym_register(self, alloc) -> bool:
-        """Enter a symmetric allocation in the device table; False when the table is full."""
+    def sym_register(self, seg) -> bool:
+        """Enter a symmetric segment (``SymmetricSegment``) in the device table; False when the table is full."""
         ...
 
-    def sym_unregister(self, alloc) -> None:
-        """Remove a symmetric allocation from the device table."""
+    def sym_unregister(self, seg) -> None:
+        """Remove a symmetric segment from the device table."""
         ...
 
     def load_snapshot(self):

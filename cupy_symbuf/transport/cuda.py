@@ -130,10 +130,10 @@ class CudaTransport:
             int(self.timeout_ns)
         d[DESC_ABORT_OFFSET] = layout.abort_offset
         d[P.DESC_PEER_BASES], d[P.DESC_STATUS] = int(buf.peer_ptrs_device.data.ptr), self.status.ptr
-        #: the symmetric table (_protocol.SYM_TABLE_*): where every rank's block of each live symmetric allocation
+        #: the symmetric table (wire/protocol.py SYM_TABLE_*): where every rank's block of each live symmetric segment
         #: is mapped in this process; the ring kernel's receivers look up a direct-mode sender's block in it
         self.sym_table = _compat.cupy.zeros(P.SYM_TABLE_ROWS * P.SYM_TABLE_STRIDE, np.int64)
-        self._sym_rows = [None] * P.SYM_TABLE_ROWS  # allocation id per row
+        self._sym_rows = [None] * P.SYM_TABLE_ROWS  # segment id per row
         d[DESC_SYM_TABLE], d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = int(self.sym_table.data.ptr), -1, 0
         d[P.DESC_PUSH_ALLOC: P.DESC_PUSH_ALLOC + MAX_PARTS] = -1
         #: calls this rank sent in direct mode, and dispatches whose outputs its peers pushed into (tests, stats)
@@ -388,32 +388,34 @@ class CudaTransport:
             rt.memcpy(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT)
 
     # ---- symmetric table ------------------------------------------------------------------------------------
-    def sym_register(self, alloc) -> bool:
-        """Enter symmetric allocation ``alloc`` (``SymmetricAllocation``) in the symmetric table; False when the
-        table is full (``SYM_TABLE_ROWS`` live allocations; the same on every rank, as allocation is collective):
-        then its sendbufs go through the rings. Synchronous (a row is written before any kernel can name it)."""
+    def sym_register(self, seg) -> bool:
+        """Enter symmetric segment ``seg`` (``SymmetricSegment``: ``id``, ``buffer``) in the symmetric table (one
+        row per segment; every symmetric array of the segment is found there by the segment's id and the array's
+        offset in it); False when the table is full (``SYM_TABLE_ROWS`` live segments; the same on every rank, as
+        allocation is collective): then sendbufs in it go through the rings. Synchronous (a row is written before
+        any kernel can name it)."""
         try:
             row = self._sym_rows.index(None)
         except ValueError:
             return False
         words = np.zeros(P.SYM_TABLE_STRIDE, np.int64)
-        words[0], words[1] = alloc.id + 1, alloc.buffer.nbytes
-        words[2: 2 + self.world_size] = alloc.buffer.peer_ptrs
+        words[0], words[1] = seg.id + 1, seg.buffer.nbytes
+        words[2: 2 + self.world_size] = seg.buffer.peer_ptrs
         s = row * P.SYM_TABLE_STRIDE
         self.sym_table[s: s + P.SYM_TABLE_STRIDE].set(words)
         _compat.cupy.cuda.runtime.deviceSynchronize()
-        self._sym_rows[row] = alloc.id
+        self._sym_rows[row] = seg.id
         return True
 
-    def sym_unregister(self, alloc) -> None:
-        """Clear ``alloc``'s row (after the device was synchronised: no queued kernel reads it)."""
-        if alloc.id in self._sym_rows:
-            row = self._sym_rows.index(alloc.id)
+    def sym_unregister(self, seg) -> None:
+        """Clear ``seg``'s row (after the device was synchronised: no queued kernel reads it)."""
+        if seg.id in self._sym_rows:
+            row = self._sym_rows.index(seg.id)
             s = row * P.SYM_TABLE_STRIDE
             self.sym_table[s: s + P.SYM_TABLE_STRIDE].set(np.zeros(P.SYM_TABLE_STRIDE, np.int64))
-            _compat.cupy.cuda.runtime.deviceSynchronize()  # before the row can be given to a new allocation
+            _compat.cupy.cuda.runtime.deviceSynchronize()  # before the row can be given to a new segment
             self._sym_rows[row] = None
-        alloc.registered = False
+        seg.registered = False
 
     # ---- row exchange ---------------------------------------------------------------------------------------
     def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0,
@@ -423,10 +425,10 @@ class CudaTransport:
 
         ``send_parts``: CuPy arrays ``[n, ...]`` whose rows (all axes after the first) are contiguous, any row
         stride; ``send_index``: int64 CuPy array ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
-        ``direct``: ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` (``Engine.direct_source``): the send part
-        lies in a registered symmetric allocation; every peer's kernel copies its share straight out of it
+        ``direct``: ``(MODE_DIRECT, SymmetricSegment, byte offset in it)`` (``Engine.direct_source``): the send
+        part lies in a registered symmetric segment; every peer's kernel copies its share straight out of it
         (MODE_DIRECT headers, no payload chunks) and this rank's kernel ends once every peer has.
-        ``push``: ``(allocation id or -1 per receive part, rows of the receive parts)`` (``Engine.push_targets``):
+        ``push``: ``(segment id or -1 per receive part, rows of the receive parts)`` (``Engine.push_targets``):
         MODE_PUSH, the peers write those parts of their rows straight into ``recv_parts`` (symmetric outputs).
         ``tag``: folded into the signature of this call's headers (``protocol.call_signature``; every peer must
         pass the same; a captured launch keeps the tag it was captured with).
@@ -500,14 +502,14 @@ class CudaTransport:
         nothing, this rank's own rows included). The copies are queued before that check's outcome is known: on a
         call a peer rejected (or that failed) they still read the peer's block, so ``recv`` then holds arbitrary
         bytes for that peer, and the call raises (:class:`SymBufferRejectedError` / the failure). One
-        ``cudaMemcpyAsync`` per rank, from its block of the same symmetric allocation at this rank's own offset plus
+        ``cudaMemcpyAsync`` per rank, from its block of the same symmetric segment at this rank's own offset plus
         this rank's rows, into ``recv``, then ``symbuf_ce_finish`` (heads back, the peers' heads awaited)."""
         rt = _compat.cupy.cuda.runtime
-        alloc, off = direct[1], direct[2]
+        seg, off = direct[1], direct[2]
         src_off = off + int(plan.send_first[self.rank])
         dst = int(recv.data.ptr)
         for j in range(self.world_size):  # this rank's own rows too (the kernel left them to the copy engine)
-            rt.memcpyAsync(dst + int(plan.recv_first[j]), alloc.buffer.peer_ptrs[j] + src_off,
+            rt.memcpyAsync(dst + int(plan.recv_first[j]), seg.buffer.peer_ptrs[j] + src_off,
                            int(plan.recv_units[j]), _MEMCPY_DEFAULT, stream.ptr)
         self._l_ce.args.seq = seq
         self._l_ce(1, 256, stream=stream)

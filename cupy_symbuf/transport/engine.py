@@ -98,7 +98,7 @@ class Engine:
         return self._failure()
 
     def find_symmetric(self, a):
-        """``(SymmetricAllocation, byte offset)`` when ``a`` is C-contiguous and lies wholly inside one of the
+        """``(SymmetricSegment, byte offset in it)`` when ``a`` is C-contiguous and lies wholly inside one of the
         communicator's live symmetric arrays, else None."""
         return self.heap.find(a)
 
@@ -287,9 +287,9 @@ class Engine:
         """MODE_PUSH (GPU MoE dispatch into symmetric outputs, ``dispatch(out=...)``): which of the C-contiguous
         receive arrays ``outs`` (one per row part, at their full capacity: never cut to this call's rows, which
         only this rank knows) the peers can write into themselves: ``(ids, rows, sig)`` with ``ids`` the symmetric
-        allocation id of each part (-1: through the ring), ``rows`` the rows the pushed parts hold (a peer's stream
+        segment id of each part (-1: through the ring), ``rows`` the rows the pushed parts hold (a peer's stream
         past them is a fatal capacity error in the kernel) and ``sig`` the text every rank's row signature gets
-        (allocation, byte offset and row bytes of each pushed part: the ranks must lay their outputs out alike, and
+        (segment, byte offset and row bytes of each pushed part: the ranks must lay their outputs out alike, and
         a difference is a signature mismatch on every rank, never a write elsewhere); or None: rings only (host
         backend, ``Config.mode="ring"``, one rank, or no part is a registered symmetric array)."""
         if self.backend != "cuda" or self.config.mode == "ring" or self.world_size == 1:
@@ -366,8 +366,9 @@ class Engine:
         """How this rank's peers can copy this call's rows straight out of its sendbuf, or None (the rings).
 
         One send part in row order (a byte stream), ``Config.mode`` other than ``"ring"``:
-        ``(MODE_DIRECT, SymmetricAllocation, byte offset)`` when the part lies in a symmetric array
-        (``Communicator.empty``; GPU: one of the first ``SYM_TABLE_ROWS`` live ones); else, host engine only,
+        ``(MODE_DIRECT, SymmetricSegment, byte offset in it)`` when the part lies in a symmetric array
+        (``Communicator.empty``; GPU: in a segment with a row of the symmetric table, ``SYM_TABLE_ROWS`` segments);
+        else, host engine only,
         ``(MODE_CMA, pid, address)`` for a C-contiguous plain array of at least ``CMA_MIN_BYTES`` per peer (any
         size with ``Config.mode="direct"``) when every rank can read every other's memory by cross-memory attach
         (probed at construction). Either way one copy per byte, and the call returns (GPU: its kernel ends) once
@@ -396,8 +397,9 @@ class Engine:
             why = ("its rows are gathered through an index" if send_index is not None or len(send_parts) != 1
                    else "sendbuf is not a C-contiguous symmetric array of this communicator (Communicator.empty)" +
                    (", and cross-memory attach is not available between these ranks" if self.backend == "host" else
-                    f" among the first {P.SYM_TABLE_ROWS} live ones (the GPU path reads plain arrays only through "
-                    f"the rings)"))
+                    f" in a segment with a row of the GPU's symmetric table (SYM_TABLE_ROWS = {P.SYM_TABLE_ROWS} "
+                    f"segments; {len(self.heap.segments)} live, holding {len(self.heap.allocations)} arrays); the "
+                    f"GPU path reads plain arrays only through the rings"))
             raise ValueError(f"{op}: Config.mode={mode!r} but this call cannot move its rows directly: {why}")
         return found
 

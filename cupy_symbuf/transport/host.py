@@ -11,7 +11,7 @@ scattered into the receive parts), cut into the same channel shares and into rin
 a byte. A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
 
 Direct mode (``plan.direct``: the send part is a symmetric array, ``Communicator.empty``): the sender's headers
-say ``MODE_DIRECT`` and carry where its stream to that receiver lies in its symmetric allocation; no payload
+say ``MODE_DIRECT`` and carry where its stream to that receiver lies in its symmetric segment; no payload
 follows. The receiver copies its channel's share straight out of the sender's array (one copy per byte, like
 MPI's cross-memory attach), then releases ``head`` past the header; the sender's call ends once every peer's
 ``head`` has (so its array is not changed while a peer still reads it). The mode is the sender's: a receiver
@@ -459,7 +459,7 @@ class HostTransport:
 
     def _pull(self, op: str, plan, r: "_Stream", hdr: np.ndarray, recv: _Side) -> None:
         """Direct modes: copy this channel's share ``[pos, end)`` of peer ``r.p``'s stream straight out of the
-        peer's symmetric array (allocation and offset from its header, checked to lie inside the allocation) or,
+        peer's symmetric array (segment and offset from its header, checked to lie inside the segment) or,
         ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the pid checked against the peer's)."""
         n = r.end - r.pos
         dst = int(plan.recv_first[r.p]) + r.pos
@@ -486,10 +486,10 @@ class HostTransport:
         units = int(plan.recv_units[r.p])
         if alloc is None or off < 0 or off + units > alloc.nbytes:
             self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
-            where = "no live symmetric allocation" if alloc is None else f"{alloc.nbytes} bytes"
+            where = "no live symmetric segment" if alloc is None else f"{alloc.nbytes} bytes"
             raise SymBufferMismatchError(
                 f"{op}: rank {r.p}'s call header (channel {r.c}) points at {units} bytes at offset {off} of its "
-                f"symmetric allocation {int(hdr[P.HDR_DIRECT_ALLOC])} ({where} here): the ranks' symmetric "
+                f"symmetric segment {int(hdr[P.HDR_DIRECT_ALLOC])} ({where} here): the ranks' symmetric "
                 f"allocations differ (every rank must make the same Communicator.empty calls in the same order)",
                 rank=self.rank, peer=r.p, channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_OFFSET],
                 expected=units, got=off)

@@ -61,16 +61,16 @@ HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RAN
 #: Direct modes: HDR_MODE says how the rows travel. MODE_RING: payload chunks follow in the ring.
 #: MODE_DIRECT: none follow; the receiver copies the stream straight out of the sender's symmetric array, then
 #: releases ``head`` past the header; the sender returns once every peer did. HDR_DIRECT_ALLOC / HDR_DIRECT_OFFSET:
-#: which symmetric allocation (``Communicator.empty``; ids agreed, allocation is collective) and the byte offset
-#: in it where the stream to this receiver starts. MODE_CMA: the same with a plain array, read by cross-memory
+#: which symmetric segment (the heap ``Communicator.empty`` sub-allocates from; ids agreed, allocation is
+#: collective) and the byte offset in it where the stream to this receiver starts. MODE_CMA: the same with a plain array, read by cross-memory
 #: attach (``process_vm_readv``): HDR_DIRECT_ALLOC is the sender's pid, HDR_DIRECT_OFFSET the stream's address
 #: there (host engine only). The GPU kernels send MODE_RING or MODE_DIRECT (a byte stream out of a symmetric array:
-#: the receiver's kernel finds the sender's block of allocation HDR_DIRECT_ALLOC in its symmetric table,
+#: the receiver's kernel finds the sender's block of segment HDR_DIRECT_ALLOC in its symmetric table,
 #: ``DESC_SYM_TABLE``) and receive both.
 HDR_MODE, HDR_DIRECT_ALLOC, HDR_DIRECT_OFFSET = 9, 10, 11
 MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
 #: MODE_PUSH (GPU, MoE dispatch into symmetric outputs, ``dispatch(out=...)``): the receive parts named by
-#: DESC_PUSH_ALLOC lie in symmetric allocations, at the same offsets on every rank (the row signature says where,
+#: DESC_PUSH_ALLOC lie in symmetric segments, at the same offsets on every rank (the row signature says where,
 #: so a difference is a signature mismatch). The sender releases its header at once and waits for the receiver's
 #: ``head = first + 1``, before which the receiver stores, in the sender's head line, word HEAD_PUSH_ROW = the row
 #: of its outputs where this sender's stream starts (-1: it rejects the call; push nothing). The sender's copy
@@ -147,7 +147,7 @@ DESC_SEND_PARTS = 24                       # MAX_PARTS x {base, stride, width, o
 DESC_RECV_PARTS = DESC_SEND_PARTS + 4 * MAX_PARTS
 DESC_PEERS = DESC_RECV_PARTS + 4 * MAX_PARTS   # [4][world_size]: send offset, send units, recv offset, recv units
 DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS      # launch number, written into the error record
-#: MODE_PUSH: per receive part, the id of the symmetric allocation it lies in (-1: through the ring), and the rows
+#: MODE_PUSH: per receive part, the id of the symmetric segment it lies in (-1: through the ring), and the rows
 #: the receive parts hold (a sender's stream past them is a fatal FIELD_CAPACITY error, checked by the receiver).
 DESC_PUSH_ALLOC = DESC_SEQ + 1
 DESC_PUSH_ROWS = DESC_PUSH_ALLOC + MAX_PARTS
@@ -195,17 +195,18 @@ TRACE_SEND, TRACE_RECV, TRACE_PULL, TRACE_SELF, TRACE_IDLE = range(5)
 CT_SKIP, CT_RECV_TOTAL = 0, 1
 CT_PEERS = 8
 CT_WORDS = CT_PEERS + 4 * MAX_PEERS
-#: Direct mode on the GPU: DESC_DIRECT_ALLOC = the id of the symmetric allocation this rank's sendbuf lies in (-1:
+#: Direct mode on the GPU: DESC_DIRECT_ALLOC = the id of the symmetric segment this rank's sendbuf lies in (-1:
 #: ring mode), DESC_DIRECT_OFFSET = the sendbuf's byte offset in it (per call). DESC_SYM_TABLE = device address of
-#: this rank's symmetric table: SYM_TABLE_ROWS rows of SYM_TABLE_STRIDE int64 words, [id + 1 (0: free row),
-#: bytes of the allocation per rank, address of rank r's block of it in this process, r = 0 .. world_size - 1];
-#: written by the host when an allocation is made or freed (no kernel is queued then that reads the row). A
-#: receiver takes a header's stream only when it lies inside the block (else a fatal FIELD_MODE mismatch).
+#: this rank's symmetric table: SYM_TABLE_ROWS rows of SYM_TABLE_STRIDE int64 words, one per live segment of the
+#: symmetric heap (each holds many symmetric arrays), [id + 1 (0: free row), bytes of the segment per rank,
+#: address of rank r's block of it in this process, r = 0 .. world_size - 1]; written by the host when a segment
+#: is made or unmapped (no kernel is queued then that reads the row). A receiver takes a header's stream only when
+#: it lies inside the block (else a fatal FIELD_MODE mismatch).
 SYM_TABLE_ROWS = 64
 SYM_TABLE_STRIDE = 2 + MAX_PEERS
 #: DESC_FLAGS bits.
 FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
-#: Copy-engine alltoall (``Config.mode="copy_engine"``): every rank's sendbuf is the same symmetric allocation at
+#: Copy-engine alltoall (``Config.mode="copy_engine"``): every rank's sendbuf is the same symmetric segment at
 #: the same offset. The ring kernel exchanges and checks the MODE_DIRECT headers only (a receiver expects the peer's
 #: stream at DESC_DIRECT_ALLOC / DESC_DIRECT_OFFSET + its own rows' offset; anything else is a fatal FIELD_MODE
 #: mismatch) and copies nothing off-rank; the host then queues one cudaMemcpyAsync per peer (the copy engines pull
