@@ -1,6 +1,6 @@
 // Low-latency MoE dispatch / combine (DeepEP low_latency_dispatch / low_latency_combine semantics, decode sizes),
 // one kernel each, no host synchronisation, graph-capturable. cupy_symbuf/moe/low_latency.py is the reference text
-// (layout, arithmetic, the NumPy twin); this file is its GPU form.
+// (the low-latency regions, arithmetic, the NumPy twin); this file is its GPU form.
 //
 // Symmetric buffer of a LowLatencyBuffer (its own SymBuffer), per rank:
 //   ctrl lines (LOCAL only): dispatch [-, -, exit], combine [-, -, exit]: exit counts the blocks that left, over

@@ -29,7 +29,7 @@
 //                       payload by its copy warps). Reader: d's receiver (LOCAL: the header by its publisher with
 //                       ld.volatile, the payload by its copy warps with ld.cg), only below a tail it acquired.
 // In s's buffer, region (c, d):
-//   HEAD_OFFSET         counters d consumed from s's stream.  Writer: d's receiver publisher (REMOTE,
+//   HEAD_OFFSET         counters d consumed from s's run.  Writer: d's receiver publisher (REMOTE,
 //                       st.release.sys, after its last read of those slots). Reader: s's sender (LOCAL,
 //                       ld.acquire.sys) before it overwrites a slot (backpressure).
 //   SEND_STATE_OFFSET   s's sender state: [STATE_COUNTER] tail after the last call, [STATE_SEQ] calls made.
@@ -237,7 +237,7 @@ __device__ __forceinline__ bool slot_in_region(const u8* region, const u8* p, i6
 // ---- call header ---------------------------------------------------------------------------------------------------
 struct CallHeader {
   i64 magic, seq, op, sig, units, nchunks, status, rank, channel;
-  i64 mode, direct_alloc, direct_offset;  // MODE_RING, or MODE_DIRECT: the stream lies in symmetric allocation
+  i64 mode, direct_alloc, direct_offset;  // MODE_RING, or MODE_DIRECT: the run lies in symmetric allocation
                                           // direct_alloc at byte direct_offset of the sender's block
 };
 
@@ -271,7 +271,7 @@ __device__ __forceinline__ CallHeader read_call_header(const u8* slot) {
 }
 
 // The received header against what this receiver expects, in this order: magic, seq, op, then (`full`: the
-// peer sent HDR_OK and this rank is not rejecting) signature and units of the whole stream. 0 when they agree,
+// peer sent HDR_OK and this rank is not rejecting) signature and units of the whole run. 0 when they agree,
 // else the FIELD_* of the first difference with the expected and the received value.
 __device__ __forceinline__ int check_call_header(const CallHeader& got, const CallHeader& want, bool full,
                                                  i64& expected, i64& received) {

@@ -3,11 +3,11 @@
 //
 // Grid: 2 * num_channels blocks. Block 2c sends for channel c, block 2c+1 receives for it (sender and receiver
 // on different SMs). Inside a block the warps are split into world_size warp groups, one per peer, so every
-// (channel, source, destination) stream progresses on its own and no peer can block another.
-// What moves is described by the launch descriptor (layout.cuh, DESC_*): per peer a stream of rows, each row
+// (channel, source, destination) run progresses on its own and no peer can block another.
+// What moves is described by the launch descriptor (layout.cuh, DESC_*): per peer a run of rows, each row
 // gathered from up to 4 parts on the send side (MoE dispatch: x | scales | topk_idx | weights of the token
-// index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte stream (1-byte rows).
-// Channel c carries rows [lo, hi) of every stream; its ring slots hold rows_per_chunk whole rows each.
+// index[r]) and scattered into up to 4 parts on the receive side; plain alltoallv is a byte run (1-byte rows).
+// Channel c carries rows [lo, hi) of every run; its ring slots hold rows_per_chunk whole rows each.
 //
 // The protocol of one (channel, sender, receiver) ring, its memory ordering, and the primitives each role uses
 // are in ring_prims.cuh. The kernel's paths, per warp group (lane 0 of warp 0 is the leader and publisher):
@@ -37,7 +37,7 @@
 #endif
 
 #if SYMBUF_TRACE
-// One trace record (layout: _protocol DESC_TRACE) of an event that began at t0 (ns) and ends now.
+// One trace record (layout: wire/protocol.py DESC_TRACE) of an event that began at t0 (ns) and ends now.
 __device__ __noinline__ void trace_event(const i64* desc, int kind, u64 t0, int channel, int peer, i64 bytes,
                                          u64 head, u64 tail) {
   i64* buf = reinterpret_cast<i64*>(desc[DESC_TRACE]);
@@ -63,10 +63,10 @@ __device__ __noinline__ void trace_event(const i64* desc, int kind, u64 t0, int 
 
 // ---- direct pull (MODE_DIRECT), the copy warps' paths --------------------------------------------------------------
 // A receiver's copy warp once the verdict is kGateDirect: slice copy_id of num_copy + num_help of the channel's
-// share [lo, hi) of the stream, straight out of the sender's block (*src_word: where the stream starts there, mapped
+// share [lo, hi) of the run, straight out of the sender's block (*src_word: where the run starts there, mapped
 // here, written by the leader before its release of the verdict; the last num_help slices are the helpers'), then
 // the hand-off: its done mark for the leader's direct_done, or (a group of one warp) direct_done itself.
-__device__ __forceinline__ void pull_direct_share(const RowStream& recv, const u64* src_word, i64 lo, i64 hi,
+__device__ __forceinline__ void pull_direct_share(const RowRun& recv, const u64* src_word, i64 lo, i64 hi,
                                                   int copy_id, int num_copy, int num_help, bool solo, u64* done,
                                                   u64* remote_counter, u64 c0, const u64* state, u64 call_seq,
                                                   const WaitCtx* ctx, int peer, volatile int* abort_flag, int lane,
@@ -86,11 +86,11 @@ __device__ __forceinline__ void pull_direct_share(const RowStream& recv, const u
 }
 
 // MODE_DIRECT both ways, a helper (copy warp copy_id < num_help of our sender group: our own rows go direct, so it
-// has no chunks to send): wait for our receiver group's leader to say where the peer's stream lies (rstate: our
+// has no chunks to send): wait for our receiver group's leader to say where the peer's run lies (rstate: our
 // receiver's state line; STATE_HELP_SEQ == this call, ld.acquire.sys, bounded), copy slice num_copy + copy_id of the
 // receiver's share (of the *recv_units units it receives from this peer, read after the wait; the receiver group's
 // cut), then release STATE_HELP_DONE + copy_id = call_seq (cumulative over the warp's loads) for its direct_done.
-__device__ __forceinline__ void help_pull_direct(const RowStream& recv, u64* rstate, const i64* recv_units,
+__device__ __forceinline__ void help_pull_direct(const RowRun& recv, u64* rstate, const i64* recv_units,
                                                  int channel, int num_channels, i64 align, int copy_id, int num_copy,
                                                  int num_help, u64 c0, u64 call_seq, const WaitCtx* ctx, int peer,
                                                  volatile int* abort_flag, int lane, const i64* desc) {
@@ -122,10 +122,10 @@ __device__ __forceinline__ void help_pull_direct(const RowStream& recv, u64* rst
 }
 
 // ---- work sharing (SYMBUF_ADAPTIVE=1: Config(adaptive=True)) ----------------------------------------------------------
-// The static kernel gives each (channel, peer) ring stream its own warp group, so under skewed routing the hot
-// peer's group works while the others idle. With work sharing the chunks of every ring stream of a block are
+// The static kernel gives each (channel, peer) ring run its own warp group, so under skewed routing the hot
+// peer's group works while the others idle. With work sharing the chunks of every ring run of a block are
 // claimed from a per-peer counter in shared memory (atomicAdd, in counter order) by any warp of the block: the
-// group's own copy warps, copy warps of other groups once they are done with their own stream (or whose home, the
+// group's own copy warps, copy warps of other groups once they are done with their own run (or whose home, the
 // re-balanced map DESC_HOME, is another peer), and the self group's warps once they copied this rank's own rows.
 // What goes on the wire is unchanged (the same chunks, cut by the agreed plan; the same counters and headers), so
 // received rows land exactly where they do without it, and the ranks need not agree on the map.
@@ -134,11 +134,11 @@ __device__ __forceinline__ void help_pull_direct(const RowStream& recv, u64* rst
 //    copied only when the ring has room for it (sender: head > t - num_slots) or holds it (receiver: tail > t), and
 //    either needs every counter <= t - num_slots published by this block, so the previous user of the mark (t -
 //    ADAPT_WINDOW <= t - num_slots) was acquired before it is overwritten (the host checks num_slots <= window).
-//  * Progress: copy warp 0 of each group (the "dedicated" warp) takes only its own stream's chunks until none are
-//    left, so every stream always has a warp; a warp holds one claimed chunk at a time and waits only for that
-//    chunk's ring condition, so the lowest unfinished counter of a stream can always move: sharing can delay a
-//    stream, never deadlock it (the waits stay bounded as before).
-//  * A group's leader describes its stream (ShareWork) and releases s_ready before its call-header step; a warp of
+//  * Progress: copy warp 0 of each group (the "dedicated" warp) takes only its own run's chunks until none are
+//    left, so every run always has a warp; a warp holds one claimed chunk at a time and waits only for that
+//    chunk's ring condition, so the lowest unfinished counter of a run can always move: sharing can delay a
+//    run, never deadlock it (the waits stay bounded as before).
+//  * A group's leader describes its run (ShareWork) and releases s_ready before its call-header step; a warp of
 //    another group acquires it, and a receiver's (or a MODE_PUSH sender's) also acquires the header verdict before
 //    touching a slot, as the group's own warps do.
 #ifndef SYMBUF_ADAPTIVE
@@ -146,7 +146,7 @@ __device__ __forceinline__ void help_pull_direct(const RowStream& recv, u64* rst
 #endif
 
 struct ShareWork {
-  u8* ring;                  // the ring the stream's chunks go into (sender: the peer's) or come out of
+  u8* ring;                  // the ring the run's chunks go into (sender: the peer's) or come out of
   const u64* local_counter;  // sender: head in our buffer; receiver: tail in our buffer
   u64 c0;                    // counter of payload chunk 0
   i64 lo, hi, rows_per_chunk, todo;  // the channel's share, units per chunk, chunks to claim
@@ -162,7 +162,7 @@ struct ShareCtx {
   unsigned int* stolen;
   u64* marks;
   volatile int* abort;
-  const RowStream* streams;
+  const RowRun* runs;
   const u64* src;
   const i64* push_delta;
   const i64* desc;
@@ -187,10 +187,10 @@ __device__ __noinline__ bool share_wait_word(const ShareCtx& S, int q, const u64
   return true;
 }
 
-// One warp claims and copies chunks of peer q's stream until none are left (or the stream aborted). `polite`: a
-// helper's first pass: leave the stream (returns false) instead of claiming a chunk whose ring condition does not
+// One warp claims and copies chunks of peer q's run until none are left (or the run aborted). `polite`: a
+// helper's first pass: leave the run (returns false) instead of claiming a chunk whose ring condition does not
 // hold yet (sender: the ring is full; receiver: the chunk has not arrived), so that it helps elsewhere rather than
-// park on a throttled stream; the second pass (polite = false) claims and waits as the dedicated warp does.
+// park on a throttled run; the second pass (polite = false) claims and waits as the dedicated warp does.
 // Returns kShareDone once no chunk of q is left to claim (or q aborted, or its verdict is not to copy), else
 // kShareLater (polite only), or kShareMoved when it copied chunks before leaving.
 constexpr int kShareLater = 0, kShareMoved = 1, kShareDone = 2;
@@ -213,8 +213,8 @@ __device__ __noinline__ int share_chunks(const ShareCtx& S, int q, int own_peer,
     if (go != kGateCopy) return kShareDone;
   }
   volatile int* abort_flag = &S.abort[q];
-  const RowStream& send = S.streams[2 * q];
-  const RowStream& recv = S.streams[2 * q + 1];
+  const RowRun& send = S.runs[2 * q];
+  const RowRun& recv = S.runs[2 * q + 1];
   u64* marks = S.marks + q * ADAPT_WINDOW;
   u64 seen = S.is_sender ? 0 : w.c0;  // the last head (sender) / tail (receiver) read
   int moved = kShareLater;
@@ -262,13 +262,13 @@ __device__ __noinline__ int share_chunks(const ShareCtx& S, int q, int own_peer,
   }
 }
 
-// A warp's sharing: every ring stream of the block, from `start` on in peer order. `dedicated` (copy warp 0 of a
-// group, start = its own peer): its own stream first, claiming and waiting until none is left, so that every
-// stream always has a warp. Then (and for every other warp from the start) polite passes, which skip a stream whose
+// A warp's sharing: every ring run of the block, from `start` on in peer order. `dedicated` (copy warp 0 of a
+// group, start = its own peer): its own run first, claiming and waiting until none is left, so that every
+// run always has a warp. Then (and for every other warp from the start) polite passes, which skip a run whose
 // next chunk cannot move yet, as long as a pass moves something, then a last pass that claims and waits (bounded).
 __device__ __forceinline__ void share_all(const ShareCtx& S, int start, int own_peer, int lane, bool dedicated) {
   if (dedicated) share_chunks(S, start, own_peer, lane, false);
-  u32 open = 0;  // bit q: q's stream may still have chunks to claim
+  u32 open = 0;  // bit q: q's run may still have chunks to claim
   for (int q = 0; q < S.world_size; ++q)
     if (q != S.rank && !(dedicated && q == start)) open |= 1u << q;
   bool progress = true;
@@ -298,14 +298,14 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   __shared__ u64 s_done[32];  // per warp of the block
   __shared__ int s_abort[MAX_PEERS];
   __shared__ u64 s_gate[MAX_PEERS];  // receiver: the publisher's verdict on the call header (kGate*)
-  __shared__ u64 s_src[MAX_PEERS];   // receiver, MODE_DIRECT: the sender's stream in its block (mapped here);
-                                     // sender, MODE_PUSH: the receiver's first row of our stream (-1: push nothing)
+  __shared__ u64 s_src[MAX_PEERS];   // receiver, MODE_DIRECT: the sender's run in its block (mapped here);
+                                     // sender, MODE_PUSH: the receiver's first row of our run (-1: push nothing)
   __shared__ i64 s_push_delta[MAX_PEERS * MAX_PARTS];  // sender, MODE_PUSH: receiver's block minus ours, per part
   __shared__ WaitCtx s_ctx;
 #if SYMBUF_ADAPTIVE
-  __shared__ ShareWork s_work[MAX_PEERS];     // per peer: its stream, for warps of other groups (work sharing)
+  __shared__ ShareWork s_work[MAX_PEERS];     // per peer: its run, for warps of other groups (work sharing)
   __shared__ u64 s_ready[MAX_PEERS];          // != 0: s_work[peer] written (st.release.cta by the group's leader)
-  __shared__ unsigned int s_next[MAX_PEERS];  // next chunk of the peer's stream to claim
+  __shared__ unsigned int s_next[MAX_PEERS];  // next chunk of the peer's run to claim
   __shared__ unsigned int s_stolen[MAX_PEERS];  // its chunks copied by warps of other groups (load counters)
   __shared__ u64 s_marks[MAX_PEERS * ADAPT_WINDOW];  // done marks per ring counter (publish_runs)
   for (int i = threadIdx.x; i < MAX_PEERS; i += blockDim.x) {
@@ -363,7 +363,8 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
 
   const int channel = blockIdx.x >> 1;
   const bool is_sender = (blockIdx.x & 1) == 0;
-  // Warp groups in peer order: ring_warps warps for every other rank, self_warps for our own rows (_cuda.warp_groups)
+  // Warp groups in peer order: ring_warps warps for every other rank, self_warps for our own rows
+  // (wire/plan.py warp_groups)
   const int warp = threadIdx.x >> 5;
   const int ring_warps = static_cast<int>(s_desc[DESC_RING_WARPS]);
   const int self_warps = static_cast<int>(s_desc[DESC_SELF_WARPS]);
@@ -395,32 +396,32 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   const bool share = SYMBUF_ADAPTIVE && ring_warps > 1 && s_desc[DESC_NUM_SLOTS] <= ADAPT_WINDOW;
 
   const i64* peers = s_desc + DESC_PEERS;  // [4][world_size]: send unit offset, send units, recv offset, recv units
-  // The two row streams of this group live in shared memory (read on use, not held in registers: the copy
+  // The two row runs of this group live in shared memory (read on use, not held in registers: the copy
   // loops need the registers; 1024-thread blocks get 64 per thread).
-  __shared__ RowStream s_streams[2 * MAX_PEERS];
+  __shared__ RowRun s_runs[2 * MAX_PEERS];
   if (lane == 0 && warp_in_group == 0) {
-    s_streams[2 * peer] = RowStream{reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS),
-                                    static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]), row_bytes,
-                                    reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]), peers[peer]};
-    s_streams[2 * peer + 1] = RowStream{reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS),
-                                        static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]), row_bytes,
-                                        reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]),
-                                        peers[2 * world_size + peer]};
+    s_runs[2 * peer] = RowRun{reinterpret_cast<const Part*>(s_desc + DESC_SEND_PARTS),
+                              static_cast<int>(s_desc[DESC_NUM_SEND_PARTS]), row_bytes,
+                              reinterpret_cast<const i64*>(s_desc[DESC_SEND_INDEX]), peers[peer]};
+    s_runs[2 * peer + 1] = RowRun{reinterpret_cast<const Part*>(s_desc + DESC_RECV_PARTS),
+                                  static_cast<int>(s_desc[DESC_NUM_RECV_PARTS]), row_bytes,
+                                  reinterpret_cast<const i64*>(s_desc[DESC_RECV_INDEX]),
+                                  peers[2 * world_size + peer]};
   }
   group_sync(bar_id, nthreads);
-  const RowStream& send = s_streams[2 * peer];
-  const RowStream& recv = s_streams[2 * peer + 1];
+  const RowRun& send = s_runs[2 * peer];
+  const RowRun& recv = s_runs[2 * peer + 1];
 #if SYMBUF_ADAPTIVE
-  // this warp's home in the re-balanced map (HOME_OWN: its own group's stream; a self warp: the next peer's)
+  // this warp's home in the re-balanced map (HOME_OWN: its own group's run; a self warp: the next peer's)
   const int home = static_cast<int>((s_desc[DESC_HOME + (is_sender ? 0 : 4) + warp / 8] >> (8 * (warp % 8))) & 0xFF);
   const bool home_ok = home != HOME_OWN && home < world_size && home != rank;
   // a self warp without a home starts on the peers in turn (warp i of the group: the (i % (W - 1))-th after us)
   const int self_start = home_ok ? home : (rank + 1 + warp_in_group % max(1, world_size - 1)) % world_size;
-  const ShareCtx share_ctx{s_work, s_ready, s_gate, s_next, s_stolen, s_marks, s_abort, s_streams, s_src,
+  const ShareCtx share_ctx{s_work, s_ready, s_gate, s_next, s_stolen, s_marks, s_abort, s_runs, s_src,
                            s_push_delta, s_desc, &s_ctx, s_desc[DESC_NUM_SLOTS], s_desc[DESC_CHUNK_BYTES],
                            s_desc[DESC_ROW_BYTES], s_desc[DESC_REGION_BYTES], channel, rank, world_size, is_sender};
 #endif
-  // Units of the whole stream to (sender) or from (receiver) this peer: the call header carries / checks them.
+  // Units of the whole run to (sender) or from (receiver) this peer: the call header carries / checks them.
   const i64 rows = is_sender ? peers[world_size + peer] : peers[3 * world_size + peer];
   i64 lo = 0, hi = 0;
   if (moves) channel_range(rows, channel, num_channels, align, lo, hi);
@@ -428,7 +429,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   if (peer == rank) {  // to ourselves: no ring; the sender block copies the first half, the receiver block the rest
     if (ce) return;      // FLAG_CE: a copy engine copies them too (after this kernel, beside the peers' rows)
 #if SYMBUF_ADAPTIVE
-    // work sharing: once our own rows are copied, this warp helps the ring streams (the hot one first)
+    // work sharing: once our own rows are copied, this warp helps the ring runs (the hot one first)
     if (hi <= lo) {
       if (share) share_all(share_ctx, self_start, rank, lane, false);
       return;
@@ -468,13 +469,13 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   u64* remote_counter = reinterpret_cast<u64*>(remote_region + (is_sender ? TAIL_OFFSET : HEAD_OFFSET));
   const u64* local_counter = reinterpret_cast<const u64*>(local_region + (is_sender ? HEAD_OFFSET : TAIL_OFFSET));
   // Our side's state line: [STATE_COUNTER] the counter the previous call left, [STATE_SEQ] calls made on this
-  // stream; written by the leader at the end of a call that did not abort (end_call).
+  // run; written by the leader at the end of a call that did not abort (end_call).
   u64* state = reinterpret_cast<u64*>(local_region + (is_sender ? SEND_STATE_OFFSET : RECV_STATE_OFFSET));
   const bool solo = group_warps == 1;
   const int num_copy = solo ? 1 : group_warps - 1;
   const int copy_id = solo ? 0 : warp_in_group - 1;
-  // MODE_DIRECT (this rank's sendbuf lies in symmetric allocation DESC_DIRECT_ALLOC, a byte stream): the sender
-  // sends the call header alone, saying where the stream lies; the receiver copies its share out of our block
+  // MODE_DIRECT (this rank's sendbuf lies in symmetric allocation DESC_DIRECT_ALLOC, a byte run): the sender
+  // sends the call header alone, saying where the run lies; the receiver copies its share out of our block
   const bool direct_send = is_sender && my_send_direct;
   const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
   const i64 nchunks = hi > lo && !direct_send ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
@@ -482,7 +483,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   const u64 call_seq = state[STATE_SEQ] + 1;
   const u64 c0 = first + 1;                // payload chunk k has counter c0 + k
   // GPU direct mode with our own sendbuf direct too: our sender group's copy warps have nothing to send and help
-  // our receiver group copy the peer's stream (STATE_HELP_*); both groups compute the same count. Not for a group
+  // our receiver group copy the peer's run (STATE_HELP_*); both groups compute the same count. Not for a group
   // of one warp (it is its own leader, which waits for head).
   const int num_help = my_send_direct && !solo && !ce ? min(num_copy, static_cast<int>(MAX_HELPERS)) : 0;
   u64 end = c0 + static_cast<u64>(nchunks);  // after this call's last slot (a draining receiver: from the header)
@@ -491,7 +492,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   const int role = is_sender ? ROLE_SEND : ROLE_RECV;
   if (lane == 0 && copy_id >= 0) st_release_cta(&done[copy_id], c0);
 #if SYMBUF_ADAPTIVE
-  if (share && warp_in_group == 0) {  // the marks of this call, then the stream for the other groups' warps
+  if (share && warp_in_group == 0) {  // the marks of this call, then the run for the other groups' warps
     for (int i = lane; i < ADAPT_WINDOW; i += 32) s_marks[peer * ADAPT_WINDOW + i] = 0;
     __syncwarp();
     if (lane == 0) {
@@ -538,7 +539,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
     // *abort_flag below. MODE_PUSH: a sender's copy warps wait for it too (the receiver's answer: where to write).
     u64 go = kGateCopy;
     if (!is_sender || push_mask) go = await_verdict(&s_gate[peer], lane, go);
-    if (go == kGateDirect)  // our share of the stream, straight out of the sender's block
+    if (go == kGateDirect)  // our share of the run, straight out of the sender's block
       pull_direct_share(recv, &s_src[peer], lo, hi, copy_id, num_copy, num_help, solo, done, remote_counter, c0,
                         state, call_seq, &s_ctx, peer, abort_flag, lane, s_desc, channel);
     if (direct_send && copy_id < num_help)  // a helper: our own rows go direct, so we have none to copy
@@ -546,7 +547,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
                        channel, num_channels, align, copy_id, num_copy, num_help, c0, call_seq, &s_ctx, peer,
                        abort_flag, lane, s_desc);
 #if SYMBUF_ADAPTIVE
-    // work sharing: the dedicated warp (copy warp 0) starts with its own stream, the others with their home
+    // work sharing: the dedicated warp (copy warp 0) starts with its own run, the others with their home
     if (share) share_all(share_ctx, copy_id == 0 || !home_ok ? peer : home, peer, lane, copy_id == 0);
 #endif
     // ring (and push): this warp's chunks k = copy_id, copy_id + num_copy, ...
@@ -771,7 +772,7 @@ extern "C" __global__ void __launch_bounds__(1024) symbuf_notify(const __grid_co
 }
 
 // FLAG_CE, after the host's copy-engine copies (stream order: they are complete): for every (channel, peer), hand
-// the header slot of the peer's stream back (head = our receiver's state counter, which the ring kernel left at
+// the header slot of the peer's run back (head = our receiver's state counter, which the ring kernel left at
 // the call's end, into the peer's buffer; st.release.sys), then wait until the peer did the same for ours (head in
 // our buffer >= our sender's state counter: its copy engine has finished reading our sendbuf), bounded, polling
 // the abort word. One thread per (channel, peer) pair, any block size.

@@ -1,11 +1,11 @@
 // The ring protocol's roles as device primitives (NCCL's prims_*.h habit): what the leader, the publisher or one copy
 // warp of a (channel, peer) warp group does for one step of a call. ring_exchange.cu strings them into one short
-// path per mode. Layer 4 of cuda_src/: primitives.cuh (PTX) < layout.cuh (memory map, row streams) < protocol.cuh
+// path per mode. Layer 4 of cuda_src/: primitives.cuh (PTX) < layout.cuh (memory map, row runs) < protocol.cuh
 // (ring words, bounded waits, abort word, error record, call header) < this file < one .cu per kernel family.
 //
 //   call header   call_header_step (leader): send_call_header; or the receiver's check (header_agrees), then
 //                 drain_rejected (a rejected call: headers only) or accept_ring / accept_direct / accept_push /
-//                 accept_ce (which mode the peer's stream takes), each handing its verdict (kGate*) to the copy warps
+//                 accept_ce (which mode the peer's run takes), each handing its verdict (kGate*) to the copy warps
 //   publisher     publish_runs (tail / head over runs of finished chunks), direct_done (head after a direct pull)
 //   copy warp     await_verdict; per chunk wait_chunk, move_chunk (send_chunk / push_chunk / recv_chunk), post_chunk
 //   direct pull   copy_slice out of the peer's block (a receiver's copy warps, and our sender group's helpers)
@@ -16,7 +16,7 @@
 //   call header: counter `first`, every call, for every ring group, also when the channel's share is empty. s's
 //             publisher waits for space for it (backpressure as for chunks), writes the HDR_* words into d's ring
 //             and releases tail = first + 1 at once; d's publisher waits for it, checks magic, seq, op, then (both
-//             sides not rejecting) signature and units of the whole stream, before any payload is consumed.
+//             sides not rejecting) signature and units of the whole run, before any payload is consumed.
 //             A difference is fatal (ERR_MISMATCH, abort word set on every rank); a rejected call moves headers
 //             only (FLAG_REJECT: the rejecting rank sends HDR_REJECTED headers and drains what its peers send).
 //   sender:   warp 0 of each group publishes, the others copy, each owning every (ring_warps - 1)-th payload
@@ -41,7 +41,7 @@
 #pragma once
 #include "protocol.cuh"
 
-// The sender's publisher releases tail once at least this many chunks are ready (or the stream is complete, or
+// The sender's publisher releases tail once at least this many chunks are ready (or the run is complete, or
 // nothing new became ready for a while): fewer system-scope releases, each covering more payload.
 #ifndef SYMBUF_PUBLISH_BATCH
 #define SYMBUF_PUBLISH_BATCH 1
@@ -61,13 +61,13 @@ constexpr u64 kGateSkip = 2;   // no payload to copy (the peer rejected, or this
 constexpr u64 kGateAbort = 3;  // mismatch, failed wait or abort: leave
 constexpr u64 kGateDirect = 4; // header verified, MODE_DIRECT: copy the share straight out of the sender's block
 
-// ---- the cut of a stream into chunks -----------------------------------------------------------------------------
-// Rows per chunk of an n-row stream on one channel: num_copy chunks per round, in as few rounds as whole slots
-// allow (a short stream is spread over every copy warp instead of one warp copying one slot; a long one ends on a
+// ---- the cut of a run into chunks --------------------------------------------------------------------------------
+// Rows per chunk of an n-row run on one channel: num_copy chunks per round, in as few rounds as whole slots
+// allow (a short run is spread over every copy warp instead of one warp copying one slot; a long one ends on a
 // full round); at least CHUNK_LEAST_BYTES of rows (one unrolled warp pass), a multiple of CHUNK_GRAIN_BYTES of rows
-// (one vector pass; keeps byte streams 16-byte aligned), at most one slot. Sender and receiver compute it from the
+// (one vector pass; keeps byte runs 16-byte aligned), at most one slot. Sender and receiver compute it from the
 // same n (the rows the one sends the other receives) and the same num_copy (same kernel variant on every rank), so
-// they cut the stream alike. Same formula as cupy_symbuf/wire/channel_layout.py chunk_rows (the host engine uses it
+// they cut the run alike. Same formula as cupy_symbuf/wire/channel_layout.py chunk_rows (the host engine uses it
 // with one copy worker).
 __host__ __device__ __forceinline__ i64 chunk_rows(i64 n, i64 row_bytes, i64 chunk_bytes, int num_copy) {
   const i64 max_rows = chunk_bytes / row_bytes;
@@ -113,8 +113,8 @@ __device__ __forceinline__ void publish_runs(u64* remote_counter, const u64* don
 // MODE_DIRECT, receiver: once every copy warp has copied its slice out of the sender's block (done[i] == c0 + 1,
 // acquired at cta scope; num_copy = 0: the calling warp copied alone), hand the header slot back: head = c0 with
 // st.release.sys, cumulative over those loads, so the sender (which waits for it before its kernel ends) never
-// lets its stream overwrite rows still being read. Then this rank's abort word: a sender whose wait for us failed
-// has left (and its stream may reuse the rows), so what we copied is not trusted: ERR_ABORTED.
+// lets its CUDA stream overwrite rows still being read. Then this rank's abort word: a sender whose wait for us failed
+// has left (and its CUDA stream may reuse the rows), so what we copied is not trusted: ERR_ABORTED.
 // With helpers (num_help > 0: this rank's sender group copies the last slices, STATE_HELP_*), also wait until each
 // released STATE_HELP_DONE + k = seq in our state line (bounded: they wait for nothing once they have the address).
 __device__ __noinline__ void direct_done(u64* head_line, const u64* done, int num_copy, u64 c0, const WaitCtx* ctx,
@@ -188,26 +188,26 @@ __device__ __forceinline__ void check_chunk_slot(const WaitCtx& ctx, int role, i
 }
 #endif
 
-// The warp's copy of stream rows [r, r + n) between a ring slot and the caller's arrays.
+// The warp's copy of run rows [r, r + n) between a ring slot and the caller's arrays.
 // send_chunk: the rows' parts gathered into the slot (packed rows; the sendbuf is read-only during the kernel).
-__device__ __forceinline__ void send_chunk(const RowStream& send, u8* slot, i64 r, i64 n, int lane) {
+__device__ __forceinline__ void send_chunk(const RowRun& send, u8* slot, i64 r, i64 n, int lane) {
   send.copy_rows<true>(slot, r, n, lane);
 }
 // push_chunk (MODE_PUSH sender): the parts in push_mask straight into the receiver's outputs (row0 = the
-// receiver's first row of our stream, its answer to the header; delta = its block minus ours per part), the others
+// receiver's first row of our run, its answer to the header; delta = its block minus ours per part), the others
 // into the slot; row0 < 0 (the receiver rejected): the others only.
-__device__ __forceinline__ void push_chunk(const RowStream& send, const RowStream& recv, u8* slot, i64 r, i64 n,
+__device__ __forceinline__ void push_chunk(const RowRun& send, const RowRun& recv, u8* slot, i64 r, i64 n,
                                            i64 row0, u32 push_mask, const i64* delta, int lane) {
   if (row0 >= 0) push_rows(send, recv, slot, r, n, row0, push_mask, delta, lane);
   else send.copy_rows<true>(slot, r, n, lane, push_mask);
 }
 // recv_chunk: the slot scattered into the receive parts (.cg loads of the peer-written ring); the parts in
 // push_mask are not in the slot (the sender wrote them into our outputs itself).
-__device__ __forceinline__ void recv_chunk(const RowStream& recv, u8* slot, i64 r, i64 n, u32 push_mask, int lane) {
+__device__ __forceinline__ void recv_chunk(const RowRun& recv, u8* slot, i64 r, i64 n, u32 push_mask, int lane) {
   recv.copy_rows<false>(slot, r, n, lane, push_mask);
 }
 // The role's copy of one chunk (push_row0: the shared word holding the receiver's answer, read only when pushing).
-__device__ __forceinline__ void move_chunk(bool is_sender, const RowStream& send, const RowStream& recv, u8* slot,
+__device__ __forceinline__ void move_chunk(bool is_sender, const RowRun& send, const RowRun& recv, u8* slot,
                                            i64 r, i64 n, u32 push_mask, const u64* push_row0, const i64* push_delta,
                                            int lane) {
   if (!is_sender) recv_chunk(recv, slot, r, n, push_mask, lane);
@@ -238,7 +238,7 @@ __device__ __forceinline__ i64 copy_slice(u8* dst, const u8* src, i64 n, int k, 
 // This rank's rows [a, b) to itself (peer == rank: no ring), by one of the group's group_warps warps: one span of
 // bytes cut into 16-byte aligned slices, one per warp, when both ends are dense, else one warp per row. Returns the
 // bytes this warp copied.
-__device__ __forceinline__ i64 copy_own_rows(const RowStream& send, const RowStream& recv, i64 a, i64 b,
+__device__ __forceinline__ i64 copy_own_rows(const RowRun& send, const RowRun& recv, i64 a, i64 b,
                                              i64 row_bytes, int warp_in_group, int group_warps, int lane) {
   if (send.dense() && recv.dense())
     return copy_slice<false>(recv.at(0, a), send.at(0, a), (b - a) * row_bytes, warp_in_group, group_warps, lane);
@@ -260,12 +260,12 @@ struct HeaderStep {
   const u64* local_counter;   // sender: head in our buffer; receiver: tail in our buffer
   volatile int* abort_flag;   // the group's
   u64* gate;                  // the group's verdict word (kGate*)
-  u64* direct_src;            // receiver, MODE_DIRECT: where the sender's stream to us starts (its block, mapped)
+  u64* direct_src;            // receiver, MODE_DIRECT: where the sender's run to us starts (its block, mapped)
   const i64* sym_table;       // this rank's symmetric table (DESC_SYM_TABLE), or nullptr
-  i64 ce_alloc, ce_offset;    // FLAG_CE: where the peer's stream must lie (else ce_alloc < 0)
+  i64 ce_alloc, ce_offset;    // FLAG_CE: where the peer's run must lie (else ce_alloc < 0)
   CallHeader mine;            // sender: the header to send; receiver: what it expects
   // MODE_PUSH (push_mask != 0: receive parts in symmetric allocations push_alloc[i]): receiver: its first row of
-  // the peer's stream and the rows its outputs hold; sender: where the receiver's answer goes (push_delta[i] =
+  // the peer's run and the rows its outputs hold; sender: where the receiver's answer goes (push_delta[i] =
   // the receiver's block minus ours for each pushed part; *direct_src = the receiver's first row, or -1)
   u32 push_mask;
   const i64* push_alloc;
@@ -383,13 +383,13 @@ __device__ __forceinline__ u64 accept_ce(const HeaderStep& g, const CallHeader& 
 }
 
 // Receiver, MODE_DIRECT: the rows lie in the sender's symmetric allocation got.direct_alloc: find its block in our
-// table (the allocations are collective and the same on every rank). Only byte streams go direct (the signature,
+// table (the allocations are collective and the same on every rank). Only byte runs go direct (the signature,
 // checked before, says both ends move bytes). Not found, or a malformed header: fatal, on every rank. Else
-// *direct_src = the stream's start there (before the verdict's release: the copy warps acquire it) and the header
+// *direct_src = the run's start there (before the verdict's release: the copy warps acquire it) and the header
 // slot is the call's only counter.
 __device__ __forceinline__ u64 accept_direct(const HeaderStep& g, const CallHeader& got, u64& end) {
   u64 src = 0;
-  // The stream [direct_offset, direct_offset + units) must lie inside the block (row: id + 1, bytes, bases).
+  // The run [direct_offset, direct_offset + units) must lie inside the block (row: id + 1, bytes, bases).
   if (g.sym_table != nullptr && got.nchunks == 0 && g.row_bytes == 1 && got.direct_alloc >= 0 &&
       got.direct_offset >= 0 && got.units >= 0) {
     for (int i = 0; i < SYM_TABLE_ROWS; ++i) {
@@ -407,7 +407,7 @@ __device__ __forceinline__ u64 accept_direct(const HeaderStep& g, const CallHead
   return kGateDirect;
 }
 
-// Receiver, MODE_PUSH (the signature, checked before, says both ends lay the outputs out alike): the stream must fit
+// Receiver, MODE_PUSH (the signature, checked before, says both ends lay the outputs out alike): the run must fit
 // our outputs; answer with our first row of it, then hand the header slot back at once (never folded: the sender
 // writes nothing before it; the release makes the answer visible first).
 __device__ __forceinline__ u64 accept_push(const HeaderStep& g, const CallHeader& got) {

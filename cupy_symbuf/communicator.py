@@ -320,7 +320,7 @@ class Communicator:
             A queued kernel's wait expired (rank, peer, channel, head and tail named); the communicator is then
             unusable.
         SymBufferRejectedError
-            A peer rejected a queued call (or, device-count calls, the ranks' row layouts differed): nothing moved,
+            A peer rejected a queued call (or, device-count calls, the ranks' row formats differed): nothing moved,
             the communicator stays usable.
         ValueError
             A queued GPU ``get_dispatch_layout`` found ``topk_idx`` values outside ``[-1, num_experts)`` (they were
@@ -413,19 +413,19 @@ class Communicator:
         return self._engine.stats(_check_reset("stats", reset))
 
     def channel_stats(self, reset: bool = False) -> dict:
-        """Load counters per (channel, peer) of this rank's ring streams, kept across calls, and the adaptive home
+        """Load counters per (channel, peer) of this rank's rings, kept across calls, and the adaptive home
         map (``Config(adaptive=True)``, :mod:`cupy_symbuf.adaptive`). Local, no communication.
 
         Returns a dict: ``adaptive`` (bool), ``interval`` (eager calls between re-balances), ``work_sharing`` (the
         GPU's work-sharing kernel runs), ``calls`` (row exchanges counted), ``rebalances`` (home maps computed) and
         ``remaps`` (of which changed the map), and per role ``"send"`` / ``"recv"`` a dict of
-        ``bytes`` and ``chunks`` (``[num_channels][world_size]`` ints: payload bytes of each stream's channel share
+        ``bytes`` and ``chunks`` (``[num_channels][world_size]`` ints: payload bytes of each peer's channel share
         and its ring chunks; entry ``rank`` is 0: a rank's own rows take no ring; None without ``adaptive``),
         ``stolen`` (``[num_channels][world_size]``: chunks copied by warps of another peer's group; nonzero with
         GPU work sharing only; None without ``adaptive``), ``bytes_per_peer`` (``[world_size]``, always),
         ``imbalance`` (the busiest peer's bytes over the mean of the ring peers'; 1.0 when balanced or idle),
         ``home`` (32 ints: each warp's home peer, 255 = its own group's) and ``workers`` (``[world_size]``: warps
-        that start on each peer's stream).
+        that start on each peer's rows).
 
         The host-side counts are of the calls as planned, like :meth:`stats`: a call a peer rejected counts the rows
         to and from that peer, and on the receive side ``chunks`` counts ring chunks even from a peer that sent
@@ -591,7 +591,7 @@ class Communicator:
             buffers. ``"relaxed"``: may return while peers still copy this rank's rows straight out of ``sendbuf``
             (direct modes); do not modify ``sendbuf`` until the next collective on this communicator returns (it
             waits for those copies first) or :meth:`synchronize`. Saves the wait for the slowest peer's copy; the
-            same as strong through the rings and on the GPU path (see ``_engine.check_sync``).
+            same as strong through the rings and on the GPU path (see ``transport.engine.check_sync``).
 
         Returns
         -------
@@ -696,8 +696,8 @@ class Communicator:
         Without ``recv_counts`` the counts are exchanged first through the symmetric buffer (the notify step);
         every rank takes part even when it sends or receives nothing, and ranks whose dtype or row shape differ
         all raise ``ValueError`` before any payload moves (the communicator stays usable). Then every
-        (channel, peer) ring streams its share of the bytes behind a call header; messages larger than the rings
-        stream through them in chunks.
+        (channel, peer) ring carries its share of the bytes behind a call header; messages larger than the rings
+        pass through them in chunks.
 
         Raises
         ------

@@ -16,7 +16,7 @@ def to_numpy(x):
 
 
 def rng_for(comm, test_seed: int):
-    """Fresh random stream per (test, rank)."""
+    """Fresh random generator per (test, rank)."""
     return np.random.default_rng([test_seed, comm.Get_rank(), comm.Get_size()])
 
 

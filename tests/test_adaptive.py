@@ -118,12 +118,12 @@ def test_skewed_alltoallv_matches_numpy_and_counts_add_up(comm, backend, kind):
         assert (chunks >= -(-send_bytes // c.layout.chunk_bytes)).all() and (chunks[send_bytes == 0] == 0).all()
         if W > 2:
             assert st["rebalances"] == 3
-            if kind == "hot_rank" and me != 0:  # the map now sends the shareable warps to rank 0's stream
+            if kind == "hot_rank" and me != 0:  # the map now sends the shareable warps to rank 0's run
                 assert st["remaps"] >= 1
                 assert st["send"]["workers"][0] == max(st["send"]["workers"])
         if backend == "cuda" and W > 2 and kind == "hot_rank":
             assert st["work_sharing"]
-            if me != 0:  # other groups' and the self group's warps copied chunks of the hot stream
+            if me != 0:  # other groups' and the self group's warps copied chunks of the hot run
                 assert np.asarray(st["send"]["stolen"])[:, 0].sum() > 0
         st2 = c.channel_stats(reset=True)
         assert st2["send"]["bytes"] == st["send"]["bytes"]
@@ -210,7 +210,7 @@ def test_every_moe_case_with_work_sharing(adaptive_comm, case):
 @pytest.mark.parametrize("host", [True, False])
 def test_plan_load_is_the_plans_own_cuts(W, host):
     """The vectorised per-(channel, peer) load equals the plan's channel_range / num_chunks one by one (random
-    counts from empty to many chunks, byte and row streams, both engines' chunk rules), and a rank's own rows count
+    counts from empty to many chunks, byte and row runs, both engines' chunk rules), and a rank's own rows count
     nothing."""
     from cupy_symbuf.wire.plan import ExchangePlan
     from cupy_symbuf.transport.adaptive import ChannelLoad

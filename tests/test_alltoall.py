@@ -31,7 +31,7 @@ def _make(backend, comm, config, kind, monkeypatch):
 
 @pytest.fixture(params=SEND_KINDS)
 def small(backend, comm, request, monkeypatch):
-    """A communicator with tiny rings (2 x 1 KiB per channel and peer), so most messages stream through."""
+    """A communicator with tiny rings (2 x 1 KiB per channel and peer), so most messages pass through the rings."""
     c = _make(backend, comm, SMALL_RING, request.param, monkeypatch)
     yield c
     c.close()
@@ -118,7 +118,7 @@ def test_one_rank_communicator(backend, comm):
 
 
 def test_messages_many_times_larger_than_ring(small, comm, backend):
-    """Each (channel, peer) ring holds 2 KiB; ~200 KiB per peer must stream through it."""
+    """Each (channel, peer) ring holds 2 KiB; ~200 KiB per peer must pass through it."""
     rng = rng_for(comm, 7)
     counts = rng.integers(150, 250, comm.size)
     send = random_rows(rng, int(counts.sum()), (256,), np.float32)  # 1 KiB rows

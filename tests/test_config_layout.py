@@ -32,7 +32,7 @@ def test_config_frozen_and_resolved():
     assert gpu.num_slots == host.num_slots == 4  # an explicit num_slots is kept
     auto = cs.Config()
     assert auto.num_slots is None
-    # default ring depth: twice the copy warps per (channel, peer) stream on the GPU, 16 on the host
+    # default ring depth: twice the copy warps per (channel, peer) run on the GPU, 16 on the host
     assert [auto.resolved("cuda", world_size=w).num_slots for w in (1, 2, 4, 8, 16, 32)] == [64, 32, 16, 8, 4, 4]
     assert auto.resolved("host", world_size=4).num_slots == 16
     with pytest.raises(ValueError, match="not resolved"):
@@ -83,7 +83,7 @@ def test_layout_rejects():
 @pytest.mark.parametrize("nbytes", [0, 1, 14, 15, 16, 17, 1000, 7168 * 2 * 3 + 14, 10 ** 9 + 7])
 @pytest.mark.parametrize("channels", [1, 3, 12])
 def test_channel_split_covers_message(nbytes, channels):
-    ranges = [channel_row_range(nbytes, c, channels, 16) for c in range(channels)]  # a byte stream's cuts
+    ranges = [channel_row_range(nbytes, c, channels, 16) for c in range(channels)]  # a byte run's cuts
     assert ranges[0][0] == 0 and ranges[-1][1] == nbytes
     for (lo, hi), (lo2, hi2) in zip(ranges, ranges[1:]):
         assert hi == lo2 and lo <= hi and lo % 16 == 0
@@ -125,23 +125,23 @@ def test_warp_groups():
 
 
 def test_wire_format_depends_only_on_shared_facts():
-    """The row-exchange wire format (byte stream or packed rows) must be the same on every rank: it depends only on
+    """The row-exchange wire format (byte run or packed rows) must be the same on every rank: it depends only on
     the number of parts and on whether rows are gathered, never on a rank's strides."""
-    from cupy_symbuf.wire.channel_layout import check_row_fits, is_byte_stream, stream_units
-    assert is_byte_stream(1, False)                     # alltoall(v), combine without weights
-    assert not is_byte_stream(1, True)                  # cached dispatch (gather through the token index)
-    assert not is_byte_stream(3, True) and not is_byte_stream(2, False)   # dispatch, combine with weights
+    from cupy_symbuf.wire.channel_layout import check_row_fits, is_byte_run, run_units
+    assert is_byte_run(1, False)                       # alltoall(v), combine without weights
+    assert not is_byte_run(1, True)                    # cached dispatch (gather through the token index)
+    assert not is_byte_run(3, True) and not is_byte_run(2, False)   # dispatch, combine with weights
     check_row_fits("dispatch", 65536, 65536, False)    # a row may fill a slot exactly
-    check_row_fits("alltoall", 1 << 30, 65536, True)   # byte streams have no row limit
+    check_row_fits("alltoall", 1 << 30, 65536, True)   # byte runs have no row limit
     with pytest.raises(ValueError, match=r"dispatch: one row is 65537 bytes .* Config\.chunk_bytes=65536.*65664"):
         check_row_fits("dispatch", 65537, 65536, False)
-    assert stream_units(True, 14) == (1, 16)            # bytes, channel cuts 16-byte aligned
-    assert stream_units(False, 14432) == (14432, 1)     # DeepSeek-V3 dispatch rows, cut on row boundaries
+    assert run_units(True, 14) == (1, 16)              # bytes, channel cuts 16-byte aligned
+    assert run_units(False, 14432) == (14432, 1)       # DeepSeek-V3 dispatch rows, cut on row boundaries
 
 
-def test_chunk_rows_spreads_short_streams_and_keeps_alignment():
-    """Ring chunks (the same formula as the kernel's chunk_rows): at most one slot, at least 4 KiB, byte streams cut
-    on 512-byte multiples (16-byte aligned copies), a short stream spread over every copy warp, no extra rounds."""
+def test_chunk_rows_spreads_short_runs_and_keeps_alignment():
+    """Ring chunks (the same formula as the kernel's chunk_rows): at most one slot, at least 4 KiB, byte runs cut
+    on 512-byte multiples (16-byte aligned copies), a short run spread over every copy warp, no extra rounds."""
     from cupy_symbuf.wire.channel_layout import chunk_rows
     rng = np.random.default_rng(7)
     for _ in range(2000):
@@ -165,14 +165,14 @@ def test_chunk_rows_spreads_short_streams_and_keeps_alignment():
     # 128 MiB: 91 chunks = 13 full rounds of 7 warps (whole 64 KiB slots would give 86: a last round of 2)
     assert -(-5592405 // chunk_rows(5592405, 1, 65536, 7)) == 91
     assert chunk_rows(10 ** 6, 1, 65536, 1) <= 65536 and chunk_rows(5, 14432, 65536, 7) == 1
-    assert chunk_rows(0, 1, 65536, 7) == 65536           # an empty stream has no chunks (no division by zero)
+    assert chunk_rows(0, 1, 65536, 7) == 65536           # an empty run has no chunks (no division by zero)
     assert chunk_rows(4, 14432, 65536, 7) == 1           # 4 packed rows over 4 copy warps, one row each
 
 
 def test_chunk_rows_same_in_kernel_source():
     """The kernel's chunk_rows (cuda_src/ring_prims.cuh, __host__ __device__, with the generated protocol header
     for CHUNK_GRAIN_BYTES / CHUNK_LEAST_BYTES) compiled by the host C++ compiler gives
-    what layout.chunk_rows gives, over a grid of stream lengths, row sizes, slot sizes and copy warps: sender
+    what layout.chunk_rows gives, over a grid of run lengths, row sizes, slot sizes and copy warps: sender
     (GPU) and the Python mirror that documents and tests the formula must not drift apart."""
     import os
     import re

@@ -345,7 +345,7 @@ def test_moe_layout_shared_memory_fits_max_experts():
     launched without the opt-in attribute: static + 4 * MAX_EXPERTS must fit the default 48 KiB per block, or a
     dispatch with num_experts near MAX_EXPERTS fails at launch."""
     _nvrtc_or_skip()
-    from cupy_symbuf.moe import gpu as _moe_cuda
+    from cupy_symbuf.moe import gpu as _gpu
     ptx = _kernels.compile_ptx("moe.cu")
     sizes = {"b8": 1, "u32": 4, "s32": 4, "b32": 4, "u64": 8, "s64": 8, "b64": 8}
     static = 0
@@ -353,6 +353,6 @@ def test_moe_layout_shared_memory_fits_max_experts():
                                      ptx):
         static = -(-static // int(align)) * int(align) + sizes[kind] * int(n or 1)
     assert static > 8192, f"parsed {static} bytes of static shared memory: the PTX pattern no longer matches"
-    assert static + 4 * _moe_cuda.MAX_EXPERTS <= 48 * 1024, (
-        f"symbuf_moe_layout: {static} static + 4 * MAX_EXPERTS={_moe_cuda.MAX_EXPERTS} bytes of shared memory exceed "
+    assert static + 4 * _gpu.MAX_EXPERTS <= 48 * 1024, (
+        f"symbuf_moe_layout: {static} static + 4 * MAX_EXPERTS={_gpu.MAX_EXPERTS} bytes of shared memory exceed "
         f"48 KiB")

@@ -83,8 +83,8 @@ def expert_outputs(it, r, L, WN, H, kind):
     return from_f32(rng.standard_normal((L, WN, H)).astype(np.float32), kind)
 
 
-def reference_layout(all_idx, me, L):
-    """rows[el] = [(s, t), ...] in (source, token) order: the documented recv_x layout."""
+def reference_rows(all_idx, me, L):
+    """rows[el] = [(s, t), ...] in (source, token) order: the documented recv_x row order."""
     rows = [[] for _ in range(L)]
     for el in range(L):
         e = me * L + el
@@ -110,7 +110,7 @@ def run_case(c, ll, case, it, kind="bfloat16", use_fp8=False, ue8m0=False, K=4):
     poison(ll)
     xin = xb.view(BF16) if (kind == "bfloat16" and c.backend == "host" and it % 2) else xb
     recv, cnt, h = ll.dispatch(dev(c, xin), dev(c, idx), use_fp8=use_fp8, round_scale=ue8m0)
-    rows = reference_layout([d[1] for d in data], RANK, L)
+    rows = reference_rows([d[1] for d in data], RANK, L)
     y = expert_outputs(it, RANK, L, W * N, H, kind)
     out = ll.combine(dev(c, y), dev(c, idx), dev(c, w), h)
     if c.backend == "cuda":
@@ -149,7 +149,7 @@ def run_case(c, ll, case, it, kind="bfloat16", use_fp8=False, ue8m0=False, K=4):
                         f"recv_x[{el}][{p}] != x of rank {s} token {t}"
         # combine: every rank d's outputs y_d, partial per rank rounded once, summed in rank order
         ys = [expert_outputs(it, d, L, W * N, H, kind) for d in range(W)]
-        all_rows = [reference_layout([dd[1] for dd in data], d, L) for d in range(W)]
+        all_rows = [reference_rows([dd[1] for dd in data], d, L) for d in range(W)]
         n = idx.shape[0]
         ref = np.zeros((n, H), np.float32)
         exact = np.zeros((n, H), np.float64)

@@ -524,7 +524,7 @@ def test_moe_roundtrip_identity(moe_comm):
 
 def test_combine_row_strided_x_on_some_ranks(moe_comm):
     """combine of x whose rows are strided (a column slice of a wider buffer) on even ranks and contiguous on odd
-    ranks: every rank must cut the streams the same way whatever its own strides (a review found the GPU path
+    ranks: every rank must cut the row runs the same way whatever its own strides (a review found the GPU path
     choosing its wire format from local strides). Integers in fp32: exact."""
     comm = moe_comm
     idx, x, recv_x, h, reached = dispatch_integers(comm, "strided-combine", "random", 48, 24, 3, 50)

@@ -16,7 +16,7 @@ bitwise equal to the static one's (which the test suite checks against NumPy).
 Columns: ``p50_us``, ``p99_us``, ``p99_gain`` (static p99 / adaptive p99; the issue's target is >= 1.3 on the
 skewed patterns and no loss beyond the run-to-run spread on uniform), ``imbalance`` (the busiest peer's bytes over
 the mean, from ``channel_stats``), ``stolen`` (JSON ``stolen_share``: the share of ring chunks copied by a warp of
-another group; GPU work sharing only) and ``workers_hot`` (warps starting on the hottest peer's stream after re-balancing).
+another group; GPU work sharing only) and ``workers_hot`` (warps starting on the hottest peer's run after re-balancing).
 """
 from __future__ import annotations
 

@@ -70,8 +70,8 @@ def run(c, comm, timer, args, sizes) -> list:
     refs = set(r for r in str(getattr(args, "references", "")).split(",") if r)
     mpi_cuda = ""  # the mpi-cuda row: "" not asked for (or host), None runs, else why it is skipped
     if c.backend == "cuda" and not args.no_reference and "mpi" in refs:
-        from . import mpi_cuda as _bench_mpi_cuda
-        mpi_cuda = _bench_mpi_cuda.skip_reason(c, comm)
+        from . import mpi_cuda as _mpi_cuda
+        mpi_cuda = _mpi_cuda.skip_reason(c, comm)
     results = []
     if me == 0:
         print(f"{'size/rank':>10} {'pattern':>8} {'engine':>8} {'p50_us':>10} {'p99_us':>10} {'loop_us':>10} "
@@ -107,8 +107,8 @@ def run(c, comm, timer, args, sizes) -> list:
                 rspec = [ybuf, (recv_counts * ROW_BYTES, rdisp), MPI.BYTE]
                 engines["mpi"] = lambda: comm.Alltoallv(sspec, rspec)
             if mpi_cuda is None:
-                from . import mpi_cuda as _bench_mpi_cuda
-                engines["mpi-cuda"] = _bench_mpi_cuda.alltoallv_fn(comm, x, counts, recv_counts, ROW_BYTES, want)
+                from . import mpi_cuda as _mpi_cuda
+                engines["mpi-cuda"] = _mpi_cuda.alltoallv_fn(comm, x, counts, recv_counts, ROW_BYTES, want)
             max_recv = comm.allreduce(int(recv_counts.sum()), op=MPI.MAX)
             off_rank = comm.allreduce(int(counts.sum() - counts[me]), op=MPI.MAX)  # the busiest sender's bytes
             for engine, fn in engines.items():

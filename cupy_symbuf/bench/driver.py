@@ -48,8 +48,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import energy as _bench_energy
-from . import mpi_cuda as _bench_mpi_cuda
+from . import energy as _energy
+from . import mpi_cuda as _mpi_cuda
 from ..common import backend as _compat
 from ..communicator import Communicator
 from ..common.config import Config
@@ -487,10 +487,10 @@ def main(argv=None) -> int:
     profile_stats = None
     results = []
     if args.tune:
-        from . import tune as _bench_tune
+        from . import tune as _tune
         from ..transport.symbuffer import resolve_backend
         backend = resolve_backend(args.backend)
-        return _bench_tune.run(comm, _Timer(backend), args, backend, _compat.array_module(backend))
+        return _tune.run(comm, _Timer(backend), args, backend, _compat.array_module(backend))
     refs = set(r for r in args.references.split(",") if r)
     if not refs <= _REFERENCES:
         ap.error(f"--references: unknown {sorted(refs - _REFERENCES)}")
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
         timer = _Timer(c.backend)
         meter = None
         if not args.control and args.op in ("alltoall", "dispatch"):
-            meter, timer.energy_skip = _bench_energy.setup(c, comm, args.energy)
+            meter, timer.energy_skip = _energy.setup(c, comm, args.energy)
             timer.energy = meter
         if me == 0:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
@@ -540,8 +540,8 @@ def main(argv=None) -> int:
             sizes = [parse_size(x) for x in args.sizes.split(",")]
             results = module.run(c, comm, timer, args, sizes)
             if args.op == "dispatch":
-                from . import low_latency as _bench_ll
-                results += _bench_ll.run(c, comm, timer, args)
+                from . import low_latency as _low_latency
+                results += _low_latency.run(c, comm, timer, args)
                 if me == 0 and meter is not None:
                     _print_moe_energy(results)
             if meter is not None:
@@ -551,8 +551,8 @@ def main(argv=None) -> int:
                     json.dump(results, f, indent=1)
             return 0
         if args.control:
-            from . import control as _bench_control
-            rows = _bench_control.run(c, comm, timer, args)
+            from . import control as _control
+            rows = _control.run(c, comm, timer, args)
             if me == 0 and args.json:
                 with open(args.json, "w") as f:
                     json.dump([{"row": r, "us": v, "target": t, "world_size": W} for r, v, t in rows], f, indent=1)
@@ -569,8 +569,8 @@ def main(argv=None) -> int:
             if "loop" in timings:
                 out["loop"] = timer.time_loop(fn, args.iters, args.warmup, comm, sync)
             if engine is not None:
-                energies[engine] = _bench_energy.row_fields(timer, fn, sync, W * W * per_peer,
-                                                            out.get("loop", out.get("call")), _bench_energy.A2A_BYTES)
+                energies[engine] = _energy.row_fields(timer, fn, sync, W * W * per_peer,
+                                                      out.get("loop", out.get("call")), _energy.A2A_BYTES)
             return out
         skipped = {}  # reference rows asked for but not run: name -> why (every row's JSON says so)
         sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -660,9 +660,9 @@ def main(argv=None) -> int:
                     yh = np.empty_like(xh)
                     rows["mpi"] = timed(lambda: comm.Alltoall(xh, yh), None, "mpi")
                 if "mpi" in refs:  # CUDA-aware MPI on the device arrays (GPU only)
-                    why = _bench_mpi_cuda.skip_reason(c, comm)
+                    why = _mpi_cuda.skip_reason(c, comm)
                     if why is None:
-                        rows["mpi-cuda"] = timed(_bench_mpi_cuda.alltoall_fn(comm, x, expected), None, "mpi-cuda")
+                        rows["mpi-cuda"] = timed(_mpi_cuda.alltoall_fn(comm, x, expected), None, "mpi-cuda")
                     else:
                         skipped["mpi-cuda"] = why
                         if me == 0 and not results:
@@ -676,8 +676,8 @@ def main(argv=None) -> int:
                         if me == 0 and not results:
                             print(f"# torch.distributed: skipped: {why}")
             copy_bps = _copy_rate(comm, xp, timer, W * per_peer, args.iters, args.warmup,
-                                  energy=lambda fn, t: energies.__setitem__("copy", _bench_energy.row_fields(
-                                      timer, fn, None, W * W * per_peer, t, _bench_energy.A2A_BYTES)))
+                                  energy=lambda fn, t: energies.__setitem__("copy", _energy.row_fields(
+                                      timer, fn, None, W * W * per_peer, t, _energy.A2A_BYTES)))
             rows["copy"] = {"loop": W * W * per_peer / copy_bps}  # every rank copying its input at once
             peer = next((p for p in ("nccl", "mpi-cuda", "mpi") if p in rows), None)
             if me == 0 and not results and peer is not None:
@@ -691,7 +691,7 @@ def main(argv=None) -> int:
                     busbw = (W - 1) * per_peer / t / 1e9
                     share = W * W * per_peer / t / copy_bps  # all ranks' input bytes per second / copy rate
                     vs = rows[peer][timing] / t if peer is not None and timing in rows[peer] else None
-                    en = energies.get(engine) or dict(_bench_energy.EMPTY, energy_skipped=(
+                    en = energies.get(engine) or dict(_energy.EMPTY, energy_skipped=(
                         timer.energy_skip if meter is None else "not measured for this row"))
                     results.append({"size_per_rank": W * per_peer, "engine": engine, "timing": timing,
                                     "time_us": t * 1e6, "algbw_GBps": algbw, "busbw_GBps": busbw, "world_size": W,

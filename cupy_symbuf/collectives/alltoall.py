@@ -202,6 +202,6 @@ def _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_counts, recv_capacit
     eng.notify_device(op, meta.reshape(W, 1), 1, sig, table=block[:2 * CT], sums=block[2 * CT:2 * CT + 1],
                       local_reject=bad, scale=scale, capacity=cap, worst=True)
     if rb:
-        eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_stream=False, direct=direct)
+        eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_run=False, direct=direct)
     got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // scale
     return recv, got

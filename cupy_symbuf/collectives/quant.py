@@ -220,8 +220,8 @@ def quantize_fp8_from(x, kind: str, ue8m0: bool = False):
 
     ``kind``: ``dtypes.FLOAT32`` / ``FLOAT16`` / ``BFLOAT16`` (bfloat16 as raw ``uint16`` bits or the ml_dtypes
     dtype). On CuPy arrays it is one kernel that reads ``x`` in its own type (``symbuf_quant_fp8_f16`` / ``_bf16``):
-    no float32 copy of the rows, which on one GPU cost more HBM traffic than the fp8 wire saved (docs/perf-notes.md,
-    v15). Raises ``ValueError`` when the last axis is not a multiple of 128 or ``kind`` is not one of the three,
+    no float32 copy of the rows, which on one GPU cost more HBM traffic than the fp8 wire saved (docs/perf-notes.md).
+    Raises ``ValueError`` when the last axis is not a multiple of 128 or ``kind`` is not one of the three,
     ``TypeError`` when ``x``'s dtype does not hold ``kind`` values."""
     from ..common import dtypes as _dt
     _check_kind("quantize_fp8_from", "x", x.dtype, kind)

@@ -83,8 +83,9 @@ class Config:
         evenly (and at least 2) when several ranks share one GPU (MPS), and ``DEFAULT_HOST_NUM_SMS`` on the host.
         Trade-off: more SMs move more bytes in parallel but leave fewer SMs for compute.
     chunk_bytes : int or None
-        Bytes in one ring slot: the largest chunk the sender publishes with one ``tail`` update (short streams are
-        cut into smaller chunks so that every copy warp gets one, ``layout.chunk_rows``); a multiple of 128.
+        Bytes in one ring slot: the largest chunk the sender publishes with one ``tail`` update (a short row run,
+        the rows to one peer, is cut into smaller chunks so that every copy warp gets one,
+        ``layout.chunk_rows``); a multiple of 128.
         ``None``: 64 KiB on the GPU (one warp copies one chunk), 256 KiB on the host.
     num_slots : int or None
         Ring capacity in slots per (channel, peer); >= 2. Capacity in bytes is ``num_slots * chunk_bytes``.
@@ -92,7 +93,7 @@ class Config:
         receivers drain another (ring memory then stays about ``num_channels * 64 * chunk_bytes`` per rank whatever
         the world size; for 2 ranks 32 slots, 3.2x the 10 copy warps of a peer group, and 32 and 64 slots measured
         the same, docs/perf-notes.md v6); 16 on the host.
-        Messages larger than the ring stream through it, so this bounds memory, not message size.
+        Messages larger than the ring pass through it, so this bounds memory, not message size.
     timeout_s : float
         Bound on every spin-wait (GPU kernels and host path), in seconds; > 0. On expiry a
         :class:`~cupy_symbuf.SymBufferTimeoutError` names rank, peer, channel, head and tail.
@@ -123,7 +124,7 @@ class Config:
         probed at construction; ``CUPY_SYMBUF_CMA=0`` turns it off); else through the rings (two copies per
         off-rank byte). ``"ring"``: always the rings. ``"direct"``: an ``alltoall`` / ``alltoallv`` that cannot
         go direct raises ``ValueError`` instead. ``"copy_engine"`` (GPU; must be the same on every rank): as
-        ``"auto"``, and an ``alltoall`` of at least ``_protocol.CE_MIN_BYTES`` (16 MiB) per peer is pulled by the
+        ``"auto"``, and an ``alltoall`` of at least ``protocol.CE_MIN_BYTES`` (16 MiB) per peer is pulled by the
         copy engines (one ``cudaMemcpyAsync`` per peer, no SMs for the off-rank rows), which needs every rank's
         ``sendbuf`` to be the same symmetric allocation at the same offset (the usual loop over one
         ``Communicator.empty`` array): a plain ``sendbuf`` of that size raises ``ValueError`` (the peers are
@@ -143,13 +144,13 @@ class Config:
         a kernel build without it. Local policy.
     adaptive : bool
         Adaptive channel assignment under skewed routing (:mod:`cupy_symbuf.adaptive`). On the GPU the ring
-        kernel's work-sharing build (``SYMBUF_ADAPTIVE=1``): the chunks of every (channel, peer) ring stream are
-        claimed from a shared per-peer counter by any warp of the block, so warps whose own stream is done (and the
+        kernel's work-sharing build (``SYMBUF_ADAPTIVE=1``): the chunks of every (channel, peer) ring run are
+        claimed from a shared per-peer counter by any warp of the block, so warps whose own run is done (and the
         self group's, once this rank's own rows are copied) help the hot peer; and every ``adaptive_interval``
-        eager calls the *home map* (which stream each shareable warp starts on) is re-balanced from the load
-        counters (:meth:`Communicator.channel_stats`). The host engine serves streams in the map's order. The wire
+        eager calls the *home map* (which run each shareable warp starts on) is re-balanced from the load
+        counters (:meth:`Communicator.channel_stats`). The host engine serves runs in the map's order. The wire
         is unchanged (same chunks, counters and headers), so results are bitwise the same; local policy. Needs
-        ``num_slots <= 32`` on the GPU (``_protocol.ADAPT_WINDOW``; the default for 2 or more ranks is). Off
+        ``num_slots <= 32`` on the GPU (``protocol.ADAPT_WINDOW``; the default for 2 or more ranks is). Off
         (default): the static split.
     adaptive_interval : int
         Eager calls between two re-balances of the home map; 1 to 2**31 (default 100). A call captured in a CUDA graph

@@ -80,7 +80,7 @@ class SymBufferRejectedError(ValueError):
 # ---- the messages both engines raise (host engine, GPU error record) ---------------------------------------
 
 def aborted_error(op: str, rank: int, line) -> SymBufferAbortedError:
-    """The error a wait raises when the abort word (``_protocol.ABORT_*`` words in ``line``) is set."""
+    """The error a wait raises when the abort word (``protocol.ABORT_*`` words in ``line``) is set."""
     who, reason = int(line[P.ABORT_RANK]), int(line[P.ABORT_REASON])
     peer, channel, detail = int(line[P.ABORT_PEER]), int(line[P.ABORT_CHANNEL]), int(line[P.ABORT_DETAIL])
     why = P.ERR_NAMES.get(reason, f"reason {reason}")
@@ -123,8 +123,8 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
     if field == P.FIELD_OP:
         detail = f"this rank called {P.op_name(expected)}, rank {peer} called {P.op_name(got)}"
     elif field == P.FIELD_UNITS:
-        def rows(units):  # byte streams count bytes on the wire
-            if plan is not None and plan.byte_stream and plan.row_bytes > 1:
+        def rows(units):  # byte runs count bytes on the wire
+            if plan is not None and plan.byte_run and plan.row_bytes > 1:
                 return f"{units // plan.row_bytes} rows ({units} bytes)" if units % plan.row_bytes == 0 else \
                     f"{units} bytes"
             return f"{units} rows"

@@ -33,7 +33,7 @@ after the current stream (or after their ``previous_event``: capture it after th
 On the host backend every call completes before it returns and the events are complete.
 
 Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``, intranode): over
-:class:`cupy_symbuf.LowLatencyBuffer`, whose results it returns unchanged (see its docstring for the layout and
+:class:`cupy_symbuf.LowLatencyBuffer`, whose results it returns unchanged (see its docstring for the row order and
 arithmetic). One ``LowLatencyBuffer`` per ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype)``, made
 at the first low-latency call with those values; **its creation is collective**: every rank must make its first
 low-latency call (of each shape) together and with the same values, or pass them to the constructor
@@ -719,7 +719,7 @@ class Buffer:
         Parameters
         ----------
         x : ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``, the dispatch's dtype:
-            the experts' outputs in ``recv_x``'s layout.
+            the experts' outputs in ``recv_x``'s row order.
         topk_idx, topk_weights : the dispatched tokens' ``[num_tokens, num_topk]`` int64 / float32.
         handle : :class:`cupy_symbuf.LowLatencyHandle` from :meth:`low_latency_dispatch`.
         use_logfmt, zero_copy : accepted, not used (the wire is ``x``'s dtype; ``x`` is always read in place).

@@ -4,13 +4,13 @@
 The design article's debugging section, as files:
 
 * ``channels.png``: for every channel (one panel each), the ``tail`` each sender published into each peer's ring
-  over time (one line per sender -> receiver pair): flat stretches are stalls, a steep line a fast stream;
-* ``sizes.png``: the histogram of chunk sizes per channel (how the streams were cut);
+  over time (one line per sender -> receiver pair): flat stretches are stalls, a steep line a fast run;
+* ``sizes.png``: the histogram of chunk sizes per channel (how the row runs were cut);
 * ``traffic.png``: the rank-by-rank heatmap of payload bytes (row: source, column: destination; a rank's own rows
   on the diagonal);
 * ``busy.png``: per rank and channel, the time spent copying (load balance across channels, i.e. SMs on the GPU);
 * ``report.txt`` (also printed): the hot ranks (most bytes received), the slowest channel (most busy time), and
-  the stalls: time idle while send streams waited for ring space or peers, and while receive streams waited for
+  the stalls: time idle while send runs waited for ring space or peers, and while receive runs waited for
   data.
 
 matplotlib is needed for the PNGs (``pip install matplotlib``; the report works without it). The traces come from
@@ -78,7 +78,7 @@ def summarize(traces: list) -> dict:
         idle = rec[rec["kind"] == IDLE]
         dur = idle["t1"] - idle["t0"]
         both = np.maximum(idle["head"] + idle["tail"], 1)
-        idle_send += float((dur * idle["head"] / both).sum())  # split each spell by the streams it waited on
+        idle_send += float((dur * idle["head"] / both).sum())  # split each spell by the runs it waited on
         idle_recv += float((dur * idle["tail"] / both).sum())
     return {"world_size": W, "ranks": [r for r, _, _, _ in traces], "dropped": sum(d for _, _, _, d in traces),
             "events": sum(len(r) for _, _, r, _ in traces), "traffic": traffic, "received": traffic.sum(axis=0), "busy": busy,
@@ -115,8 +115,8 @@ def report(summary: dict) -> str:
         lines.append(f"slowest channel: {slow} ({per_ch[slow] * 1e3:.3f} ms copying over all ranks; "
                      f"busiest (rank, channel): ({rank}, {ch}) {t * 1e3:.3f} ms)")
         lines.append("busy ms per channel: " + ", ".join(f"{c}: {v * 1e3:.3f}" for c, v in sorted(per_ch.items())))
-    lines.append(f"stalls: {summary['idle_send_s'] * 1e3:.3f} ms idle with send streams waiting for ring space or "
-                 f"peers, {summary['idle_recv_s'] * 1e3:.3f} ms with receive streams waiting for data")
+    lines.append(f"stalls: {summary['idle_send_s'] * 1e3:.3f} ms idle with send runs waiting for ring space or "
+                 f"peers, {summary['idle_recv_s'] * 1e3:.3f} ms with receive runs waiting for data")
     return "\n".join(lines) + "\n"
 
 

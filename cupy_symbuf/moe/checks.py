@@ -33,7 +33,7 @@ FP8_BLOCK = QUANT_BLOCK
 MAX_EXPERT_ALIGNMENT = 1 << 30
 
 #: Extra int64 columns of the dispatch count exchange besides the per-expert counts:
-#: ``[num_tokens_to_rank, per-local-expert counts...]`` (the row layout travels as the notify signature).
+#: ``[num_tokens_to_rank, per-local-expert counts...]`` (the row format travels as the notify signature).
 NOTIFY_EXTRA = 1
 
 

@@ -8,9 +8,9 @@ the host waiting once through host-mapped memory, or not at all with ``num_worst
   (token, rank) pair (``pos``; the combine reads it back) and ``send_idx`` (the token of every send row), and the
   number of ``topk_idx`` values out of range (the count exchange then rejects the call on every rank).
 * ``symbuf_notify`` in device-count mode (``cuda_src/ring_exchange.cu``): writes two counts tables
-  (``_protocol.CT_*``: this call's units per peer and the reverse call's, for ``combine``) and the per-expert sums
+  (``protocol.CT_*``: this call's units per peer and the reverse call's, for ``combine``) and the per-expert sums
   into the handle's device block; the ring kernel reads its units from there (``DESC_COUNTS``), so one launch
-  descriptor serves every routing (the plan is cached per row layout, never per count).
+  descriptor serves every routing (the plan is cached per row format, never per count).
 * eager mode: the host reads the receive counts once (the notify's host-mapped result) to size the outputs;
   worst-case mode (``num_worst_tokens``): outputs sized for the worst case and nothing read on the host, so the
   whole dispatch / combine can be captured in a CUDA graph.

@@ -135,8 +135,9 @@ def _align(v: int, a: int) -> int:
     return (v + a - 1) // a * a
 
 
-def _layout(W: int, N: int, H: int, itemsize: int, K: int) -> dict:
-    """Offsets (bytes) of the symmetric buffer's areas and its size; every area 128-aligned."""
+def _regions(W: int, N: int, H: int, itemsize: int, K: int) -> dict:
+    """The low-latency regions: offsets (bytes) of the symmetric buffer's areas and its size; every area
+    128-aligned."""
     R = _align(H * itemsize, 16)
     meta = _align(W * N * K * 4, _LINE)
     rows = _align(W * N * R, _LINE)
@@ -277,8 +278,8 @@ class LowLatencyBuffer:
         self.kind = kind
         self.itemsize = _ITEMSIZE[kind]
         self.timeout_s = timeout
-        # ---- symmetric layout (bytes; every area 128-aligned) ----
-        for k, v in _layout(W, N, H, self.itemsize, K).items():
+        # ---- the low-latency regions of the symmetric buffer (bytes; every area 128-aligned) ----
+        for k, v in _regions(W, N, H, self.itemsize, K).items():
             setattr(self, k, v)
         transport = getattr(comm, "transport", None)  # where the communicator's rings live (cuda: ipc / staged)
         self.buffer = SymBuffer(mpi, self.nbytes, backend=self.backend, timeout_s=timeout,
@@ -318,7 +319,7 @@ class LowLatencyBuffer:
         if kind not in _KINDS:
             raise TypeError(f"LowLatencyBuffer.symmetric_bytes: dtype must be bfloat16, float16 or float32, got "
                             f"{dtype!r}")
-        return _layout(int(world_size), int(num_max_dispatch_tokens_per_rank), int(hidden), _ITEMSIZE[kind],
+        return _regions(int(world_size), int(num_max_dispatch_tokens_per_rank), int(hidden), _ITEMSIZE[kind],
                        int(max_topk))["nbytes"]
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -723,7 +724,7 @@ class LowLatencyBuffer:
         Parameters
         ----------
         x : ``[num_local_experts, W * N, hidden]`` of the buffer's dtype: the experts' outputs in ``recv_x``'s
-            layout (rows past ``recv_count`` are not read).
+            row order (rows past ``recv_count`` are not read).
         topk_idx : the ``[num_tokens, num_topk]`` passed to the dispatch that made ``handle``.
         topk_weights : float32 ``[num_tokens, num_topk]``.
         handle : from this buffer's :meth:`dispatch`, at most two dispatches old.

@@ -14,14 +14,14 @@ The functions take the communicator's internal interface (``cupy_symbuf.transpor
 ``exchange_rows``, ``xp``, ``backend``, ``rank``, ``world_size``, ``config``), never ``Communicator`` privates.
 
 ``dispatch`` = layout (``xp``) -> count exchange ``Engine.notify`` (DeepEP's ``notify_dispatch``: every rank
-sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts...]`` and the row layout as the
+sends each peer ``[num_tokens_to_peer, num_tokens_to_each_of_peer's_experts...]`` and the row format as the
 notify signature; every rank takes part, also with zero tokens) -> one row exchange ``Engine.exchange_rows`` with
-the receive counts already known (no second count exchange), each ring stream behind its call header. A row is ``x`` | fp8 scales | ``topk_idx`` (global expert ids) | ``topk_weights``
+the receive counts already known (no second count exchange), each ring run behind its call header. A row is ``x`` | fp8 scales | ``topk_idx`` (global expert ids) | ``topk_weights``
 of one (token, destination rank); a cached dispatch (with ``handle``) sends only ``x`` | scales.
 On the GPU the ring kernel (``cuda_src/ring_exchange.cu``) gathers each row's parts from the caller's arrays through
 the token index straight into the channel rings and scatters them from the rings into the output arrays (no packed
 copy); ring slots hold whole rows, so a row must fit in ``Config.chunk_bytes`` there (``ValueError`` otherwise).
-On the host the rows are packed with NumPy, streamed through the same ring protocol and unpacked.
+On the host the rows are packed with NumPy, sent through the same ring protocol and unpacked.
 
 ``combine`` = the row exchange back (rows ``x`` | ``topk_weights``) with both count vectors taken from the handle
 -> float32 accumulation, one source rank at a time in rank order (a token appears at most once per rank, so the
@@ -58,7 +58,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
 
-from . import gpu as _moe_cuda
+from . import gpu as _gpu
 from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_device_experts, check_expert_alignment, check_handle,
                      check_num_experts, check_topk_idx, check_weights, check_x, combine_kind, row_bytes,
                      topk_value_error)
@@ -311,8 +311,8 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     cuda = comm.backend == "cuda"
     idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=not cuda)
     if cuda:
-        check_device_experts(op, n_exp, _moe_cuda.MAX_EXPERTS)
-        return _moe_cuda.get_dispatch_layout(comm, op, idx, n_exp)
+        check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
+        return _gpu.get_dispatch_layout(comm, op, idx, n_exp)
     return token_layout(comm.xp, idx, n_exp, comm.world_size)
 
 
@@ -360,7 +360,7 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         int64 array of ``xp`` instead of a list. It must bound what this rank can receive (``num_tokens *
         world_size`` always does): more is fatal (:class:`~cupy_symbuf.SymBufferMismatchError` with field
         "capacity", raised on the GPU by ``synchronize``; the peers abort). On the GPU, errors a worst-case call
-        finds on the device (a ``topk_idx`` value out of range on some rank, ranks disagreeing on the row layout)
+        finds on the device (a ``topk_idx`` value out of range on some rank, ranks disagreeing on the row format)
         skip the call on every rank (outputs: no rows) and are raised by ``synchronize()`` as
         :class:`~cupy_symbuf.SymBufferRejectedError`; the communicator stays usable. With ``handle``: 0 or the
         handle's.
@@ -436,7 +436,7 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable.
     """
     op = "dispatch"
-    # the count exchange comes first without a handle; a call rejected here is told to the peers (_engine.call)
+    # the count exchange comes first without a handle; a call rejected here is told to the peers (Engine.call)
     with comm.call(op, notify=handle is None):
         back = None
         if wire_dtype is not None:
@@ -515,7 +515,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     if worst:
         _check_capacity(op, outs, worst, "num_worst_tokens")
     if cuda:
-        check_device_experts(op, n_exp, _moe_cuda.MAX_EXPERTS)
+        check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
         return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs)
 
     # ---- layout and count exchange (notify_dispatch)
@@ -528,11 +528,11 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     send_counts = _to_host(comm, per_rank).astype(np.int64)
     rb = row_bytes(xv, scales, idx.shape[1], weights is not None)
     # before the count exchange, so that a row too large for a slot is a rejection told to the peers
-    check_row_fits(op, rb, comm.config.chunk_bytes, byte_stream=False)
+    check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
     meta = np.zeros((w_size, epr + NOTIFY_EXTRA), dtype=np.int64)
     meta[:, 0] = send_counts
     meta[:, 1:1 + epr] = _to_host(comm, per_expert).astype(np.int64).reshape(w_size, epr)
-    # every rank checks every rank's row layout (dtype, hidden, scales, top-k, weights) in the count exchange
+    # every rank checks every rank's row format (dtype, hidden, scales, top-k, weights) in the count exchange
     sig = (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|"
            f"weights={weights is not None}|num_experts={n_exp}")
     recv_meta = comm.notify(op, meta, sig, sig_what=(
@@ -612,15 +612,15 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
     num_tokens, num_topk = idx.shape
     M = 1 + epr
     rb = row_bytes(xv, scales, num_topk, weights is not None)
-    check_row_fits(op, rb, comm.config.chunk_bytes, byte_stream=False)
+    check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
     sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
     push = comm.push_targets(user_outs) if user_outs is not None else None
     if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
         sig += push[2]
-    idx = _moe_cuda.contiguous(idx)
-    rt = _moe_cuda.Routing(num_tokens, num_topk, w_size, M)
+    idx = _gpu.contiguous(idx)
+    rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
     meta = rt.meta_ptr
-    _moe_cuda.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
+    _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
                      send_idx=rt.send_idx)
 
     def bad_error():
@@ -661,7 +661,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                                                               sig, rt.table_ptr, outs, user_outs=user_outs,
                                                               push=push)
     counts_out = cp.empty(epr, np.int64) if worst else None
-    _moe_cuda.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
+    _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
                     counts_out=counts_out, align=align)
     h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
                        num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
@@ -806,7 +806,7 @@ def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=
             back = cp.empty((1, hidden), back.dtype)
         if self_rows is not None:
             self_rows = self_rows.view(back.dtype)
-        _moe_cuda.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind], self_rows=self_rows,
+        _gpu.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind], self_rows=self_rows,
                          table_ptr=table_ptr, rank=rank)
     return out
 

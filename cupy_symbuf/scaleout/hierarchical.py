@@ -249,7 +249,7 @@ class HierarchicalCommunicator:
     step between nodes fails, leaves the ranks out of step: the communicator is then unusable (every later call
     raises ``SymBufferError`` naming the first failure) and, like a failed :class:`~cupy_symbuf.Communicator`,
     closing it ends the job under ``Config.abort_on_failure``. A rejected call (bad arguments, ranks
-    disagreeing on the row layout) is not a failure: it raises on every rank and the communicator stays usable.
+    disagreeing on the row format) is not a failure: it raises on every rank and the communicator stays usable.
     """
 
     def __init__(self, comm, config=None, *, node_size: Optional[int] = None, backend: str = "host",
@@ -483,7 +483,7 @@ class HierarchicalCommunicator:
         ValueError, TypeError
             Bad ``sendbuf`` / ``send_counts`` (the flat :meth:`Communicator.alltoallv`'s checks) on the rank that
             passed them; ranks disagreeing on dtype (by name: ml_dtypes' fp8 types differ) or row shape, on every
-            rank. The first step is a bounded exchange of every rank's counts and row layout, so nothing moves
+            rank. The first step is a bounded exchange of every rank's counts and row format, so nothing moves
             before these are known.
         SymBufferRejectedError
             On the other ranks, when one rank's arguments failed its checks (nothing was exchanged; the
@@ -607,7 +607,7 @@ class HierarchicalCommunicator:
                                         "HierarchicalCommunicator.dispatch")
 
     def _agree(self, op: str, sig: Optional[dict], err: Optional[BaseException], rule: str, counts=None) -> list:
-        """The bounded agreement before a call moves anything: every rank's row layout ``sig`` (a dict) or its
+        """The bounded agreement before a call moves anything: every rank's row format ``sig`` (a dict) or its
         argument error, and its ``counts`` (any picklable value, returned for every rank: the count exchange
         rides along). Raises on every rank alike: the rank's own error; a peer's as
         :class:`~cupy_symbuf.SymBufferRejectedError`; ranks disagreeing on ``sig`` as ``ValueError`` naming the
@@ -677,7 +677,7 @@ class HierarchicalCommunicator:
             o += w
         return out
 
-    def _final_order(self, recv_counts: np.ndarray):
+    def _result_order(self, recv_counts: np.ndarray):
         """int64 ``[sum(recv_counts)]``: row ``i`` of the result (source-rank order, ``g = n * k + l``) is row
         ``order[i]`` of the node dispatch's output, which is grouped by forwarding rank ``l``, then by source node
         ``n`` (the forwarder's rows came over the rail in node order), then by token."""
@@ -774,7 +774,7 @@ class HierarchicalCommunicator:
                 _moe_checks.check_cached(op, h, topk_idx, topk_weights, num_experts)
                 xv, scales, kind = _moe_checks.check_x(op, grp, x, h.num_tokens, None)
                 rb = _moe_checks.row_bytes(xv, scales, 0, False)
-                check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_stream=False)
+                check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_run=False)
                 sig = {"cached": True, "dtype": kind, "hidden": int(xv.shape[1]), "scales": scales is not None,
                        "handle (the dispatch it came from)": h.seq}
             else:
@@ -786,7 +786,7 @@ class HierarchicalCommunicator:
                 weights = _moe_checks.check_weights(op, grp, topk_weights, xv.shape[0], idx.shape[1],
                                                     "num_tokens (rows of x)")
                 rb = _moe_checks.row_bytes(xv, scales, idx.shape[1], weights is not None)
-                check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_stream=False)
+                check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_run=False)
                 sig = {"cached": False, "dtype": kind, "hidden": int(xv.shape[1]), "scales": scales is not None,
                        "num_topk": int(idx.shape[1]), "topk_weights": weights is not None, "num_experts": n_exp}
                 layout = self._layout(idx, n_exp)
@@ -840,7 +840,7 @@ class HierarchicalCommunicator:
         if [int(c) for c in nh.recv_counts] != [int(c) for c in recv_counts.reshape(N, k).sum(axis=0)]:
             raise AssertionError(f"internal: node dispatch received {list(nh.recv_counts)} rows per forwarder, "
                                  f"the counts say {recv_counts.reshape(N, k).sum(axis=0).tolist()}")
-        order = xp.asarray(self._final_order(recv_counts))
+        order = xp.asarray(self._result_order(recv_counts))
         recv_x = (nx[0][order], nx[1][order]) if scales is not None else nx[order]
         recv_topk_idx = nidx[order]
         recv_topk_weights = nw[order] if nw is not None else None
@@ -931,7 +931,7 @@ class HierarchicalCommunicator:
             kind = _moe_checks.combine_kind(op, x, dtype)
             weights = _moe_checks.check_weights(op, grp, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
             rb = h.hidden * x.dtype.itemsize + (h.num_topk * 4 if weights is not None else 0)
-            check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_stream=False)
+            check_row_fits(op, rb, self.node_comm.config.chunk_bytes, byte_run=False)
             sig = {"dtype": kind, "topk_weights": weights is not None,
                    "handle (the dispatch it came from)": h.seq}
         except Exception as exc:  # noqa: BLE001 - every rank is told, then this rank raises it

@@ -1,24 +1,24 @@
 """Adaptive channel assignment (``Config(adaptive=True)``): load counters per (channel, peer) kept across calls, and
 the *home map* re-balanced from them every ``Config.adaptive_interval`` eager calls.
 
-Why: every peer's stream is cut evenly across the channels, so under skewed MoE routing (a few hot experts and
+Why: every peer's run is cut evenly across the channels, so under skewed MoE routing (a few hot experts and
 ranks) every channel block is loaded alike, but inside a block the hot peer's warp group works while the other
 groups idle. Two remedies, both off the wire (the chunks, counters and call headers are the agreed plan's, so the
 rows land exactly where they do without them and the ranks need not exchange anything to use them):
 
 * **Work sharing** (GPU kernel build ``SYMBUF_ADAPTIVE=1``, ``cuda_src/ring_exchange.cu``): the chunks of each
-  (channel, peer) ring stream are claimed from a per-peer atomic counter by any warp of the block, so warps whose
-  own stream is done (and the self group's, once this rank's own rows are copied) help the hot peer. Copy warp 0 of
-  each group keeps to its own stream until it is exhausted, so every stream always progresses (no deadlock).
-* **The home map** (:func:`home_map`): which stream each shareable warp starts on, so that more warps start on the
-  hot peers without waiting for their own stream to run dry: workers in proportion to each peer's bytes over the
-  last interval. Every rank computes it by the same rule from its own counters; a stream's load is the same at
+  (channel, peer) ring run are claimed from a per-peer atomic counter by any warp of the block, so warps whose
+  own run is done (and the self group's, once this rank's own rows are copied) help the hot peer. Copy warp 0 of
+  each group keeps to its own run until it is exhausted, so every run always progresses (no deadlock).
+* **The home map** (:func:`home_map`): which run each shareable warp starts on, so that more warps start on the
+  hot peers without waiting for their own run to be exhausted: workers in proportion to each peer's bytes over the
+  last interval. Every rank computes it by the same rule from its own counters; a run's load is the same at
   its two ends (bytes ``s`` sends ``d`` = bytes ``d`` receives from ``s``), so sender and receiver weigh it alike.
   A CUDA graph captured earlier keeps the map of its capture (the map is a launch parameter).
 
-The host twin (``transport/host.py``) has one worker per rank, which already moves whichever stream can move (its progress
-loop skips a stream that cannot), so its work sharing is inherent; it takes the same map as its visiting order:
-streams with more workers are served first in every pass.
+The host twin (``transport/host.py``) has one worker per rank, which already moves whichever run can move (its progress
+loop skips a run that cannot), so its work sharing is inherent; it takes the same map as its visiting order:
+runs with more workers are served first in every pass.
 
 Design: the seed article's section 4 ("adaptive channel assignment"); work stealing from a shared chunk counter as
 in persistent-kernel schedulers (e.g. CUTLASS's stream-K tile scheduler), applied to ring chunks.
@@ -48,12 +48,12 @@ def _group_warps(world_size: int, rank: int):
 
 def home_map(loads, world_size: int, rank: int) -> np.ndarray:
     """The home of every warp of one ring-kernel block (sender or receiver) of ``rank``: uint8 ``[32]``, the peer
-    whose stream that warp takes chunks of first, or ``_protocol.HOME_OWN`` (its own group's stream; the self
+    whose run that warp takes chunks of first, or ``protocol.HOME_OWN`` (its own group's run; the self
     group's warp ``i``: the ``(i % (world_size - 1))``-th peer after ``rank``).
 
-    ``loads``: int ``[world_size]``, bytes of each peer's stream in this role over the last interval (the entry
+    ``loads``: int ``[world_size]``, bytes of each peer's run in this role over the last interval (the entry
     of ``rank`` is ignored). The block's shareable warps (every ring group's copy warps but the first, which keeps
-    to its own stream, and the self group's warps) are given to the peers in proportion to their load (largest
+    to its own run, and the self group's warps) are given to the peers in proportion to their load (largest
     remainder), a warp staying in its own group where that group is given warps. All loads zero, one rank, or
     groups of a single warp (``world_size > 15``): every warp ``HOME_OWN``. Deterministic: the same loads give the
     same map on every rank and in both engines. ``ValueError`` for a wrong ``loads`` shape or a negative load."""
@@ -85,7 +85,7 @@ def home_map(loads, world_size: int, rank: int) -> np.ndarray:
     for p in peers:  # warps stay home where their group gets warps
         for w in own[p]:
             if cap[p] > 0:
-                cap[p] -= 1  # HOME_OWN: its own stream first
+                cap[p] -= 1  # HOME_OWN: its own run first
             else:
                 spare.append(w)
     spare += list(range(self_first, self_first + self_w))
@@ -100,7 +100,7 @@ def home_map(loads, world_size: int, rank: int) -> np.ndarray:
 
 
 def workers_per_peer(home: np.ndarray, world_size: int, rank: int) -> list:
-    """Warps of one block that start on each peer's stream under ``home`` (:func:`home_map`): ``[world_size]``
+    """Warps of one block that start on each peer's run under ``home`` (:func:`home_map`): ``[world_size]``
     ints, the dedicated warp included (0 for ``rank``; self-group warps at ``HOME_OWN`` count for the peers in turn
     after ``rank``, as the kernel starts them)."""
     W = int(world_size)
@@ -130,13 +130,13 @@ def pack_home(send_home: np.ndarray, recv_home: np.ndarray) -> np.ndarray:
 
 
 def _cuts(plan, units: np.ndarray, C: int):
-    """``(units, chunks)``, int64 ``[W, C]``: each peer stream's share on each channel and its ring chunks: the
+    """``(units, chunks)``, int64 ``[W, C]``: each peer run's share on each channel and its ring chunks: the
     plan's ``channel_range`` and ``num_chunks`` for every (peer, channel) at once (Python ints where a product could
     leave int64)."""
     W = units.shape[0]
     c = np.arange(C, dtype=np.int64)
     align = int(plan.align)
-    if W and int(units.max(initial=0)) >= (1 << 62) // max(C + 1, 1):  # huge streams: exact Python ints
+    if W and int(units.max(initial=0)) >= (1 << 62) // max(C + 1, 1):  # huge runs: exact Python ints
         n = np.array([[plan.channel_range(int(u), k)[1] - plan.channel_range(int(u), k)[0] for k in range(C)]
                       for u in units], np.int64).reshape(W, C)
         chunks = np.array([[plan.num_chunks(*plan.channel_range(int(u), k)) for k in range(C)] for u in units],
@@ -160,7 +160,7 @@ def _cuts(plan, units: np.ndarray, C: int):
 class ChannelLoad:
     """Load counters of one communicator and its home maps (see the module docstring); kept by its ``Engine``.
 
-    ``totals``: int64 ``[2 (send, recv), num_channels, world_size, LOAD_WORDS]``: bytes of each stream's channel
+    ``totals``: int64 ``[2 (send, recv), num_channels, world_size, LOAD_WORDS]``: bytes of each run's channel
     share, ring chunks, and (GPU work sharing) chunks copied by warps of another group. ``adaptive``: re-balance
     the map every ``interval`` eager calls; off, only the bytes per peer are kept (``peer_bytes``;
     ``Communicator.channel_stats``)."""
@@ -176,7 +176,7 @@ class ChannelLoad:
         self.calls_total = 0
         self.rebalances = 0       # maps computed
         self.remaps = 0           # of which changed the map
-        self._last = self.totals.copy()  # totals at the last re-balance
+        self._at_rebalance = self.totals.copy()  # totals at the last re-balance
         self.home = np.full((2, 32), P.HOME_OWN, np.uint8)
         self.words = pack_home(self.home[SEND], self.home[RECV])
 
@@ -213,8 +213,9 @@ class ChannelLoad:
         self.calls = 0
         if totals is None:
             totals = self.totals
-        delta = np.maximum(totals[..., P.LOAD_BYTES] - self._last[..., P.LOAD_BYTES], 0)  # 0 after a reset
-        self._last = totals.copy()
+        # 0 after a reset
+        delta = np.maximum(totals[..., P.LOAD_BYTES] - self._at_rebalance[..., P.LOAD_BYTES], 0)
+        self._at_rebalance = totals.copy()
         self.rebalances += 1
         if not delta.any():
             return False  # nothing moved (or counters not yet read): keep the map
@@ -240,7 +241,7 @@ class ChannelLoad:
     def reset(self) -> None:
         """Zero every counter (the map stays)."""
         self.totals[:] = 0
-        self._last[:] = 0
+        self._at_rebalance[:] = 0
         self.peer_bytes[:] = 0
         self.calls = self.calls_total = self.rebalances = self.remaps = 0
 

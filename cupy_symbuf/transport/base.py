@@ -29,7 +29,7 @@ class Transport(Protocol):
 
     def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, *, tag: int = 0,
                       **kwargs) -> list:
-        """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`): every (channel, peer) stream
+        """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`): every (channel, peer) run
         sends its call header and chunks of the rows of ``send_parts`` (gathered through ``send_index`` when
         given) and receives the peer's into ``recv_parts``. ``direct``: this rank's send mode (see
         :meth:`~cupy_symbuf.transport.engine.Engine.direct_source`). ``tag``: folded into the signature the

@@ -1,6 +1,6 @@
 """Cross-memory attach (Linux ``process_vm_readv``): one rank copies bytes straight out of another process's
 memory, one copy, done by the kernel. MPICH and Open MPI move large intranode messages this way; here the host
-engine uses it for plain NumPy sendbufs (``_protocol.MODE_CMA``), so a receiver copies its rows straight out of
+engine uses it for plain NumPy sendbufs (``protocol.MODE_CMA``), so a receiver copies its rows straight out of
 the sender's array instead of through the rings.
 
 It needs the kernel to allow it (same user; Yama ``ptrace_scope`` 0, or a ptracer grant): :func:`probe` finds out

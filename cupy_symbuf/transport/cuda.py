@@ -1,6 +1,6 @@
 """GPU transport: launches the ring kernel of ``cuda_src/ring_exchange.cu`` on the current CuPy stream.
 
-The kernel interprets a launch descriptor (``_protocol.DESC_*`` words) made once per
+The kernel interprets a launch descriptor (``protocol.DESC_*`` words) made once per
 :class:`~cupy_symbuf.wire.plan.ExchangePlan` and part strides; a call only writes its buffer addresses into it.
 """
 from __future__ import annotations
@@ -186,7 +186,7 @@ class CudaTransport:
         #: False: calls return once the kernel is queued (stream order, like NCCL) and a timeout is raised by the
         #: next call or by ``synchronize()``; True: every call waits for its kernel and raises its own timeout.
         self.blocking = False
-        self._last_stream = None       # stream of the last launch (collectives are ordered across streams)
+        self._launch_stream = None     # stream of the last launch (collectives are ordered across streams)
         #: copies made for calls captured into CUDA graphs (their replays read them), released by close()
         self.graph_keep = []
         #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
@@ -316,20 +316,20 @@ class CudaTransport:
     def _next_launch(self, op: str, stream, plan=None) -> int:
         """Number this launch (the ledger, for the error record) and order it after the previous launch when that
         one went to another stream: every kernel starts from the ring counters the previous one left."""
-        last = self._last_stream
+        last = self._launch_stream
         if last is not None and last.ptr != stream.ptr and not stream.is_capturing():
             ev = _compat.cupy.cuda.Event(disable_timing=True)
             ev.record(last)
             stream.wait_event(ev)
-        self._last_stream = stream
+        self._launch_stream = stream
         return self.status.ledger.next(op, plan)
 
     # ---- errors (decoded by self.status: transport/status.py) ------------------------------------------------
     def synchronize(self, op: str = "synchronize") -> None:
         """Wait for the last launch (and the current stream), then raise a recorded error, or the rejection of a
         queued call by a peer (:class:`SymBufferRejectedError`, once)."""
-        if self._last_stream is not None:
-            self._last_stream.synchronize()
+        if self._launch_stream is not None:
+            self._launch_stream.synchronize()
         self.check(op, _compat.cupy.cuda.get_current_stream())
         rejected = self.take_rejected()
         if rejected is not None:
@@ -421,7 +421,7 @@ class CudaTransport:
     def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0,
                       push=None, *, tag: int = 0) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`) in one kernel launch on the current
-        stream: every (channel, peer) stream sends its call header and its chunks and receives the peer's.
+        stream: every (channel, peer) run sends its call header and its chunks and receives the peer's.
 
         ``send_parts``: CuPy arrays ``[n, ...]`` whose rows (all axes after the first) are contiguous, any row
         stride; ``send_index``: int64 CuPy array ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
@@ -448,7 +448,7 @@ class CudaTransport:
         if d is None:
             return []  # one rank, nothing to move
         copies = None
-        if launch.copy_send:  # a byte stream is one span per peer: rows that are not contiguous are copied first
+        if launch.copy_send:  # a byte run is one span per peer: rows that are not contiguous are copied first
             send_parts = copies = [cp.ascontiguousarray(send_parts[0])]
         for w, a in zip(launch.send_words, send_parts):
             d[w] = a.data.ptr
@@ -498,7 +498,7 @@ class CudaTransport:
         return []
 
     def _copy_engine_pull(self, plan, direct, recv, stream, seq: int) -> None:
-        """FLAG_CE, after the ring kernel (which checked that every peer's stream lies where this assumes and copied
+        """FLAG_CE, after the ring kernel (which checked that every peer's run lies where this assumes and copied
         nothing, this rank's own rows included). The copies are queued before that check's outcome is known: on a
         call a peer rejected (or that failed) they still read the peer's block, so ``recv`` then holds arbitrary
         bytes for that peer, and the call raises (:class:`SymBufferRejectedError` / the failure). One
@@ -530,10 +530,10 @@ class CudaTransport:
         if W == 1 and not plan.send_units.any() and not plan.device_counts:
             return _Launch(None, False, 0, 0)
         if [g[2] for g in sgeo] != list(plan.part_widths) or [g[2] for g in rgeo] != list(plan.part_widths) or \
-                (plan.byte_stream and rgeo[0][1] != rgeo[0][2]):
+                (plan.byte_run and rgeo[0][1] != rgeo[0][2]):
             raise AssertionError(f"{plan.op}: internal: parts differ from the plan ({sgeo} vs {rgeo} vs {plan})")
-        copy_send = plan.byte_stream and sgeo[0][1] != sgeo[0][2]
-        if plan.byte_stream:  # 1-byte rows; channel boundaries 16-byte aligned
+        copy_send = plan.byte_run and sgeo[0][1] != sgeo[0][2]
+        if plan.byte_run:  # 1-byte rows; channel boundaries 16-byte aligned
             sgeo = rgeo = [(0, 1, 1)]
         d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = plan.unit_bytes, plan.align
         for base, geo in ((DESC_SEND_PARTS, sgeo), (DESC_RECV_PARTS, rgeo)):

@@ -287,7 +287,7 @@ class Engine:
         """MODE_PUSH (GPU MoE dispatch into symmetric outputs, ``dispatch(out=...)``): which of the C-contiguous
         receive arrays ``outs`` (one per row part, at their full capacity: never cut to this call's rows, which
         only this rank knows) the peers can write into themselves: ``(ids, rows, sig)`` with ``ids`` the symmetric
-        segment id of each part (-1: through the ring), ``rows`` the rows the pushed parts hold (a peer's stream
+        segment id of each part (-1: through the ring), ``rows`` the rows the pushed parts hold (a peer's run
         past them is a fatal capacity error in the kernel) and ``sig`` the text every rank's row signature gets
         (segment, byte offset and row bytes of each pushed part: the ranks must lay their outputs out alike, and
         a difference is a signature mismatch on every rank, never a write elsewhere); or None: rings only (host
@@ -308,18 +308,18 @@ class Engine:
         return ids, min(rows), "|push=" + ";".join(where)
 
     def exchange_rows_device(self, op: str, send_parts, send_index, recv_parts, sig_text: str, table, *,
-                             row_stream: bool = True, direct=None, push=None, tag: int = 0) -> None:
+                             row_run: bool = True, direct=None, push=None, tag: int = 0) -> None:
         """Row exchange of a device-count call (GPU): like :meth:`exchange_rows`, the units to and from each peer
         read by the kernel from the counts table at device address ``table`` (:meth:`notify_device`): rows
-        (``row_stream``) or bytes (one part without index: a byte stream, the table scaled by the row bytes).
-        ``direct``: :meth:`direct_source` (a byte stream only). ``push``: ``(ids, rows)`` of :meth:`push_targets`
+        (``row_run``) or bytes (one part without index: a byte run, the table scaled by the row bytes).
+        ``direct``: :meth:`direct_source` (a byte run only). ``push``: ``(ids, rows)`` of :meth:`push_targets`
         (its ``sig`` already in ``sig_text``): the peers write those receive parts straight into ``recv_parts``.
         ``tag``: as in :meth:`exchange_rows` (a launch captured in a CUDA graph keeps it: every replay carries the
         tag of its capture)."""
         plan = self.plans.device(op, sig_text, [part_width(a) for a in send_parts], send_index is not None,
-                                 row_stream)
+                                 row_run)
         rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, op,
-                             direct if not row_stream else None, counts=int(table), push=push, tag=tag)
+                             direct if not row_run else None, counts=int(table), push=push, tag=tag)
         self._count(plan)
         if rejected:
             self._raise_rejected(op, rejected)
@@ -365,7 +365,7 @@ class Engine:
     def direct_source(self, op: str, send_parts, send_index):
         """How this rank's peers can copy this call's rows straight out of its sendbuf, or None (the rings).
 
-        One send part in row order (a byte stream), ``Config.mode`` other than ``"ring"``:
+        One send part in row order (a byte run), ``Config.mode`` other than ``"ring"``:
         ``(MODE_DIRECT, SymmetricSegment, byte offset in it)`` when the part lies in a symmetric array
         (``Communicator.empty``; GPU: in a segment with a row of the symmetric table, ``SYM_TABLE_ROWS`` segments);
         else, host engine only,
@@ -476,7 +476,7 @@ class Engine:
             if plan.device_counts:
                 t["calls_device_counts"] += n  # the units are in a device table the host never reads
             elif not plan.reject:
-                unit = 1 if plan.byte_stream else plan.row_bytes
+                unit = 1 if plan.byte_run else plan.row_bytes
                 t["bytes_sent"] += n * unit * plan.send_units
                 t["bytes_received"] += n * unit * plan.recv_units
         self._calls.clear()

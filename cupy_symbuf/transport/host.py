@@ -2,23 +2,23 @@
 NumPy copies.
 
 A row exchange interprets the agreed :class:`~cupy_symbuf.wire.plan.ExchangePlan`, as the GPU kernel interprets the
-descriptor made from the same plan: per peer a stream in the same wire format (a byte stream cut on 16-byte
+descriptor made from the same plan: per peer a run in the same wire format (a byte run cut on 16-byte
 boundaries for one part in row order, else packed rows gathered from the parts through the token index and
 scattered into the receive parts), cut into the same channel shares and into ring chunks by the same rule
 (``layout.chunk_rows``, as many chunks as the GPU's copy warps for pipelining, but none smaller than
-``_protocol.HOST_CHUNK_LEAST_BYTES``, where a chunk's fixed Python cost would dominate), each
-(channel, peer) stream preceded by its call header (``_protocol``), which the receiver checks before it consumes
+``protocol.HOST_CHUNK_LEAST_BYTES``, where a chunk's fixed Python cost would dominate), each
+(channel, peer) run preceded by its call header (``wire/protocol.py``), which the receiver checks before it consumes
 a byte. A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
 
 Direct mode (``plan.direct``: the send part is a symmetric array, ``Communicator.empty``): the sender's headers
-say ``MODE_DIRECT`` and carry where its stream to that receiver lies in its symmetric segment; no payload
+say ``MODE_DIRECT`` and carry where its run to that receiver lies in its symmetric segment; no payload
 follows. The receiver copies its channel's share straight out of the sender's array (one copy per byte, like
 MPI's cross-memory attach), then releases ``head`` past the header; the sender's call ends once every peer's
 ``head`` has (so its array is not changed while a peer still reads it). The mode is the sender's: a receiver
 follows what each header says.
 
-One progress loop per rank drives every (channel, peer) send stream and receive stream without blocking on any
-one of them (the GPU gives each its own warp group; here a stream that cannot move is skipped), so no peer can
+One progress loop per rank drives every (channel, peer) send run and receive run without blocking on any
+one of them (the GPU gives each its own warp group; here a run that cannot move is skipped), so no peer can
 block another. Ordering: payload copy, ``Win.Sync()`` (memory barrier), then the ``tail`` store; the receiver
 reads ``tail``, ``Win.Sync()``, copies out, ``Win.Sync()``, then stores ``head``. Waiting yields the CPU (CI runs
 4 ranks on 2 cores).
@@ -53,22 +53,22 @@ def _bytes2d(a: np.ndarray) -> np.ndarray:
 
 
 class _Side:
-    """One side (send or receive) of a row exchange: where stream unit ``u`` of peer ``p``'s stream lives.
+    """One side (send or receive) of a row exchange: where run unit ``u`` of peer ``p``'s run lives.
 
-    ``fill``/``drain`` copy units ``[u, u + n)`` of a peer stream between the parts and a packed ring slot;
+    ``fill``/``drain`` copy units ``[u, u + n)`` of a peer run between the parts and a packed ring slot;
     ``units`` / ``first`` are the plan's per-peer units and first units (``ExchangePlan``).
     """
 
-    __slots__ = ("byte_stream", "units", "first", "flat", "parts", "index", "row_bytes")
+    __slots__ = ("byte_run", "units", "first", "flat", "parts", "index", "row_bytes")
 
-    def __init__(self, parts, index, units, first, byte_stream: bool, row_bytes: int):
-        self.byte_stream = byte_stream
+    def __init__(self, parts, index, units, first, byte_run: bool, row_bytes: int):
+        self.byte_run = byte_run
         self.units = units
         self.first = first
         self.index = index
         self.row_bytes = row_bytes
         self.flat = self.parts = None
-        if byte_stream:
+        if byte_run:
             a = parts[0]
             self.flat = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1).view(np.uint8)
         else:
@@ -84,7 +84,7 @@ class _Side:
         return self.index[r: r + n] if self.index is not None else slice(r, r + n)
 
     def fill(self, slot: np.ndarray, p: int, u: int, n: int) -> None:
-        if self.byte_stream:
+        if self.byte_run:
             r = int(self.first[p]) + u
             slot[:n] = self.flat[r: r + n]
             return
@@ -95,7 +95,7 @@ class _Side:
 
     def drain(self, slot: np.ndarray, p: int, u: int, n: int) -> None:
         r = int(self.first[p]) + u
-        if self.byte_stream:
+        if self.byte_run:
             self.flat[r: r + n] = slot[:n]
             return
         rows = slot[: n * self.row_bytes].reshape(n, self.row_bytes)
@@ -106,7 +106,7 @@ class _Side:
         """This rank's own ``n`` units, straight from the send parts into the receive parts (no ring, no scratch
         when both sides have the same part widths; else through one packed buffer)."""
         s0, r0 = int(self.first[me]), int(other.first[me])
-        if self.byte_stream:
+        if self.byte_run:
             other.flat[r0: r0 + n] = self.flat[s0: s0 + n]
             return
         if [hi - lo for _, lo, hi in self.parts] == [hi - lo for _, lo, hi in other.parts]:
@@ -123,7 +123,7 @@ class _Side:
 
 
 class _Static:
-    """What one (channel, peer) stream of a plan needs on every call, computed once per plan (``engine_data``):
+    """What one (channel, peer) run of a plan needs on every call, computed once per plan (``engine_data``):
     its share ``[lo, hi)`` and chunking, its state line, the counter lines it reads and writes, its ring, and
     the sender's header template."""
 
@@ -157,16 +157,16 @@ class HostTransport:
         L = layout
         self._abort = [self._i64(r, L.abort_offset, P.HDR_WORDS) for r in range(self.world_size)]
         #: Config(adaptive=True): the home map's workers per peer (send, recv), the order the progress loop serves
-        #: the streams in (most workers first; adaptive.py), or None: channel then peer order
+        #: the runs in (most workers first; adaptive.py), or None: channel then peer order
         self.visit = None
         #: relaxed calls (``sync="relaxed"``) in direct mode return before the peers handed their header slots
-        #: back: (head line, counter awaited, channel, peer, the send parts) per stream, awaited by the next
+        #: back: (head line, counter awaited, channel, peer, the send parts) per run, awaited by the next
         #: collective (settle); the parts are kept alive until then (a contiguous copy or packed rows the library
         #: made for the call would otherwise be freed while a peer still reads them by cross-memory attach)
         self._pending = []
 
     def set_home(self, load) -> None:
-        """Adaptive channels: serve the streams in the order of ``load``'s home map (:class:`~cupy_symbuf.adaptive.
+        """Adaptive channels: serve the runs in the order of ``load``'s home map (:class:`~cupy_symbuf.adaptive.
         ChannelLoad`; the peers with more workers first), the host twin of the GPU's warp homes."""
         from .adaptive import workers_per_peer
         self.visit = tuple(workers_per_peer(load.home[r], self.world_size, self.rank) for r in (0, 1))
@@ -271,7 +271,7 @@ class HostTransport:
     # ---- row exchange ---------------------------------------------------------------------------------------
     def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, *, tag: int = 0,
                       relaxed: bool = False) -> list:
-        """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`): every (channel, peer) stream sends
+        """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`): every (channel, peer) run sends
         its call header and its chunks and receives the peer's; returns the ranks whose header said they rejected
         the call (their rows are not delivered; the rings stay in step). ``send_parts``: arrays ``[n, ...]`` with
         contiguous rows; ``send_index``: int64 ``[sum(send_counts)]`` or None; ``recv_parts``: C-contiguous.
@@ -291,8 +291,8 @@ class HostTransport:
         self.settle(op)  # earlier relaxed calls: their sendbufs are the caller's again once this returns
         send = recv = None
         if not plan.reject:
-            send = _Side(send_parts, send_index, plan.send_units, plan.send_first, plan.byte_stream, plan.row_bytes)
-            recv = _Side(recv_parts, None, plan.recv_units, plan.recv_first, plan.byte_stream, plan.row_bytes)
+            send = _Side(send_parts, send_index, plan.send_units, plan.send_first, plan.byte_run, plan.row_bytes)
+            recv = _Side(recv_parts, None, plan.recv_units, plan.recv_first, plan.byte_run, plan.row_bytes)
         n_self = int(plan.send_units[me]) if not plan.reject else 0
         if W == 1:
             if n_self:
@@ -315,9 +315,9 @@ class HostTransport:
         unit = plan.unit_bytes
         idle_t0 = None
         pulled = False
-        sends = [_Stream(st, True) for st in statics[0]]
-        recvs = [_Stream(st, False) for st in statics[1]]
-        if self.visit is not None:  # adaptive: the hot peers' streams first in every pass (stable: then channels)
+        sends = [_Run(st, True) for st in statics[0]]
+        recvs = [_Run(st, False) for st in statics[1]]
+        if self.visit is not None:  # adaptive: the hot peers' runs first in every pass (stable: then channels)
             sw, rw = self.visit
             sends.sort(key=lambda x: -sw[x.p])
             recvs.sort(key=lambda r: -rw[r.p])
@@ -457,8 +457,8 @@ class HostTransport:
             self.check_abort(op)
         return sorted(rejected)
 
-    def _pull(self, op: str, plan, r: "_Stream", hdr: np.ndarray, recv: _Side) -> None:
-        """Direct modes: copy this channel's share ``[pos, end)`` of peer ``r.p``'s stream straight out of the
+    def _pull(self, op: str, plan, r: "_Run", hdr: np.ndarray, recv: _Side) -> None:
+        """Direct modes: copy this channel's share ``[pos, end)`` of peer ``r.p``'s run straight out of the
         peer's symmetric array (segment and offset from its header, checked to lie inside the segment) or,
         ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the pid checked against the peer's)."""
         n = r.end - r.pos
@@ -498,7 +498,7 @@ class HostTransport:
         r.pos = r.end
 
     def _statics(self, plan) -> tuple:
-        """``(sends, recvs)``: the :class:`_Static` of every (channel, peer) stream of ``plan`` on this rank."""
+        """``(sends, recvs)``: the :class:`_Static` of every (channel, peer) run of ``plan`` on this rank."""
         L, me = self.layout, self.rank
         out = ([], [])
         for sender, units_of in ((True, plan.send_units), (False, plan.recv_units)):
@@ -519,7 +519,7 @@ class HostTransport:
                     out[0 if sender else 1].append(st)
         return out
 
-    def _check_header(self, op: str, plan, r: "_Stream", hdr: list, sig: int) -> None:
+    def _check_header(self, op: str, plan, r: "_Run", hdr: list, sig: int) -> None:
         """The receiver's check of a peer's call header (its words as Python ints) against this rank's call
         signature ``sig``, before any payload (same order as the kernel)."""
         if hdr[P.HDR_MAGIC] == P.HDR_MAGIC_VALUE and hdr[P.HDR_SEQ] == r.seq and hdr[P.HDR_OP] == plan.op_code:
@@ -553,7 +553,7 @@ class HostTransport:
                 f"{theirs}): the ranks run different engines or builds", rank=self.rank, peer=r.p, channel=r.c,
                 op=op, field=P.FIELD_NAMES[P.FIELD_RING], expected=mine, got=theirs)
 
-    def _check_ring(self, op: str, st: "_Stream", head: int, tail: int, role: str) -> None:
+    def _check_ring(self, op: str, st: "_Run", head: int, tail: int, role: str) -> None:
         """CUPY_SYMBUF_DEBUG: ring invariants ``head <= tail <= head + capacity`` and the slot inside its region."""
         L = self.layout
         ok = head <= tail <= head + L.num_slots
@@ -609,7 +609,7 @@ class HostTransport:
         return out
 
 
-class _Stream:
+class _Run:
     """One (channel, peer) side of a call on the host: the call header slot, then payload chunks (none in direct
     mode). Made per call from the plan's :class:`_Static`."""
 

@@ -149,7 +149,7 @@ def _at_exit() -> None:
 
 def _abort_open(exc_type) -> None:
     """This rank's program ends with an uncaught exception: its open communicators will never take part in another
-    collective, so set their abort words (``_protocol.ERR_UNCAUGHT``): a peer waiting in (or entering) a collective
+    collective, so set their abort words (``protocol.ERR_UNCAUGHT``): a peer waiting in (or entering) a collective
     leaves at once with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank instead of waiting out
     ``timeout_s``, and reaches ``close()`` while this rank's exit-time close still waits for it."""
     if hasattr(sys, "ps1") or sys.flags.interactive:  # an interactive session goes on after the traceback

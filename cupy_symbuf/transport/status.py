@@ -171,7 +171,7 @@ class DeviceStatus:
         failed = self.op_name(seq)
         if self.rejected_why == P.REJECT_SIG:
             return SymBufferRejectedError(
-                f"{failed} (queued earlier; found by {op}): ranks disagree on the row layout (dtype, hidden, "
+                f"{failed} (queued earlier; found by {op}): ranks disagree on the row format (dtype, hidden, "
                 f"top-k, weights or num_experts): rank {who}'s differs from this rank's; nothing was exchanged "
                 f"and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
         if who == self.rank:

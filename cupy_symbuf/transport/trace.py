@@ -6,10 +6,10 @@ later events are counted in ``dropped`` and not kept). Off (the default), the en
 ``is not None`` test per chunk.
 
 Fields: ``t0`` / ``t1`` (seconds, ``time.monotonic``: the event's start and end), ``call`` (this rank's row exchange
-number), ``op`` (``_protocol.OPS`` code), ``kind`` (``SEND`` a chunk written into a peer's ring, ``RECV`` a chunk
+number), ``op`` (``protocol.OPS`` code), ``kind`` (``SEND`` a chunk written into a peer's ring, ``RECV`` a chunk
 copied out of our ring, ``PULL`` a direct-mode copy out of a peer's memory, ``SELF`` the rank's own rows, ``IDLE``
 a spell with nothing to move), ``channel``, ``peer`` (-1 for SELF / IDLE), ``bytes``, ``head`` / ``tail`` (the ring
-counters the event saw; for IDLE the number of send streams blocked on ring space and receive streams waiting for
+counters the event saw; for IDLE the number of send runs blocked on ring space and receive runs waiting for
 data when it began).
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ class DeviceRecorder:
     """The GPU form of :class:`Recorder`: the ring kernel (built with ``SYMBUF_TRACE=1``) appends one record per ring
     chunk sent (``SEND``, also a chunk pushed into a peer's outputs) or received (``RECV``), per direct-mode slice
     copied out of a peer's block (``PULL``) and per warp's share of a rank's own rows (``SELF``) into a device buffer
-    (``_protocol.DESC_TRACE``: an atomic counter, then ``TRACE_WORDS`` int64 words per record); no ``IDLE`` records.
+    (``protocol.DESC_TRACE``: an atomic counter, then ``TRACE_WORDS`` int64 words per record); no ``IDLE`` records.
     Times are ``%globaltimer`` nanoseconds, one clock for every rank on a GPU, given in seconds; ``t0`` is taken
     before the event's wait for ring space / data, so ``t1 - t0`` includes it. ``call`` is the kernel's launch
     number. Records are in the order the kernels claimed their slots (sorted by ``t1`` on reading)."""

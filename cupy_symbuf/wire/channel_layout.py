@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from . import protocol as P
 from .protocol import LINE_BYTES
 
-__all__ = ["LINE_BYTES", "ChannelLayout", "channel_row_range", "chunk_rows", "is_byte_stream", "check_row_fits",
-           "stream_units"]
+__all__ = ["LINE_BYTES", "ChannelLayout", "channel_row_range", "chunk_rows", "is_byte_run", "check_row_fits",
+           "run_units"]
 
 TAIL_OFFSET = P.TAIL_OFFSET
 HEAD_OFFSET = P.HEAD_OFFSET
@@ -113,7 +113,7 @@ class ChannelLayout:
 
     @property
     def abort_offset(self) -> int:
-        """The abort line, after the notify region (``_protocol.ABORT_*`` words)."""
+        """The abort line, after the notify region (``protocol.ABORT_*`` words)."""
         return self.notify_offset + self.notify_bytes
 
     @property
@@ -190,7 +190,7 @@ class ChannelLayout:
 
 
 def channel_row_range(rows: int, channel: int, num_channels: int, align: int = 1) -> tuple:
-    """Rows ``[lo, hi)`` of a ``rows``-row stream carried by ``channel``: an even split whose inner boundaries are
+    """Rows ``[lo, hi)`` of a ``rows``-row run carried by ``channel``: an even split whose inner boundaries are
     multiples of ``align`` rows.
 
     Sender and receiver compute the same split from the same row count, so no offsets travel.
@@ -203,15 +203,15 @@ def channel_row_range(rows: int, channel: int, num_channels: int, align: int = 1
 
 def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1,
                least_bytes: int = P.CHUNK_LEAST_BYTES) -> int:
-    """Units (rows, or bytes of a byte stream) per ring chunk of a ``rows``-unit stream on one channel.
+    """Units (rows, or bytes of a byte run) per ring chunk of a ``rows``-unit run on one channel.
 
-    ``num_copy`` workers copy chunks in parallel (GPU: the copy warps of a peer group; host: 1). The stream is cut
-    into ``num_copy`` chunks per round in as few rounds as whole slots allow: a short stream is spread over every
+    ``num_copy`` workers copy chunks in parallel (GPU: the copy warps of a peer group; host: 1). The run is cut
+    into ``num_copy`` chunks per round in as few rounds as whole slots allow: a short run is spread over every
     worker instead of one worker copying one slot, and a long one ends on a full round. A chunk is at least
     ``least_bytes`` of units (GPU: 4 KiB, one unrolled warp pass; host: ``HOST_CHUNK_LEAST_BYTES``), a multiple of 512 bytes of units (one vector pass of a warp; keeps byte
-    streams 16-byte aligned), and at most one slot (``chunk_bytes // unit_bytes`` units). Sender and receiver derive
-    it from the same row count, so they cut the stream alike. Same formula in ``cuda_src/ring_prims.cuh``. An empty
-    stream (``rows <= 0``) has no chunks; the slot size is returned.
+    runs 16-byte aligned), and at most one slot (``chunk_bytes // unit_bytes`` units). Sender and receiver derive
+    it from the same row count, so they cut the run alike. Same formula in ``cuda_src/ring_prims.cuh``. An empty
+    run (``rows <= 0``) has no chunks; the slot size is returned.
     """
     max_rows = chunk_bytes // unit_bytes
     if rows <= 0:
@@ -225,25 +225,25 @@ def chunk_rows(rows: int, unit_bytes: int, chunk_bytes: int, num_copy: int = 1,
 
 # ---- wire format of a row exchange (both backends, and cuda_src/ring_exchange.cu) ---------------------------------
 
-def is_byte_stream(num_parts: int, has_index: bool) -> bool:
-    """Wire format of a row exchange: a byte stream (1-byte rows, channel cuts on 16-byte boundaries) for one part
+def is_byte_run(num_parts: int, has_index: bool) -> bool:
+    """Wire format of a row exchange: a byte run (1-byte rows, channel cuts on 16-byte boundaries) for one part
     sent in row order, else packed rows (cuts on row boundaries, whole rows per chunk). Decided only from what
     every rank of a collective shares (number of parts, gather or not), never from a rank's own strides: sender
-    and receiver must cut every stream the same way."""
+    and receiver must cut every run the same way."""
     return num_parts == 1 and not has_index
 
 
-def check_row_fits(op: str, row_bytes: int, chunk_bytes: int, byte_stream: bool) -> None:
+def check_row_fits(op: str, row_bytes: int, chunk_bytes: int, byte_run: bool) -> None:
     """Packed rows travel whole in one ring slot: ``ValueError`` when a row is larger than ``Config.chunk_bytes``."""
-    if not byte_stream and row_bytes > chunk_bytes:
+    if not byte_run and row_bytes > chunk_bytes:
         raise ValueError(f"{op}: one row is {row_bytes} bytes (all its parts), more than Config.chunk_bytes="
                          f"{chunk_bytes}: ring slots hold whole rows; build the Communicator with "
                          f"Config(chunk_bytes=...) of at least {(row_bytes + 127) // 128 * 128}")
 
 
-def stream_units(byte_stream: bool, row_bytes: int) -> tuple:
-    """``(unit_bytes, align)`` of a stream: the unit its channels and chunks are cut in (a byte, or one packed
+def run_units(byte_run: bool, row_bytes: int) -> tuple:
+    """``(unit_bytes, align)`` of a run: the unit its channels and chunks are cut in (a byte, or one packed
     row) and the alignment of the channel cuts in units (16 bytes, or 1 row); ``chunk_rows(rows, unit_bytes,
     chunk_bytes, ...)`` then cuts a channel's share into ring chunks. The kernel gets the same values in its
     descriptor (``DESC_ROW_BYTES``, ``DESC_ROW_ALIGN``)."""
-    return (1, P.BYTE_STREAM_ALIGN) if byte_stream else (row_bytes, 1)
+    return (1, P.BYTE_RUN_ALIGN) if byte_run else (row_bytes, 1)

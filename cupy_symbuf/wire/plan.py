@@ -2,7 +2,7 @@
 by both engines (the host engine interprets it; the GPU path turns it into the kernel's launch descriptor).
 
 What depends only on what every rank shares (world size, kernel variant, layout) is here too
-(:func:`kernel_geometry`), so the host twin cuts streams into exactly the chunks the GPU's copy warps own.
+(:func:`kernel_geometry`), so the host twin cuts runs into exactly the chunks the GPU's copy warps own.
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ def warp_groups(world_size: int, max_threads: int = 1024) -> tuple:
 
     A block is ``(world_size - 1) * ring_warps + self_warps`` warps of at most ``max_threads`` threads (the kernel's
     ``__launch_bounds__``, ``SYMBUF_MAX_THREADS``). A ring group is one publisher warp and ``ring_warps - 1`` copy
-    warps streaming through that peer's ring; the self group copies the rank's rows to itself straight (half of
+    warps copying through that peer's ring; the self group copies the rank's rows to itself straight (half of
     them in the sender block, half in the receiver block), about a third of a ring group's bytes and all local, so
     ring groups are made as large as possible while the self group keeps ``ceil((ring_warps - 1) / 2)`` warps (at
     least 1); warps left over go to the self group (for 2 ranks in 512 threads: 11 ring warps and 5 self warps
     instead of 8 and 8; for some sizes the self group ends up the larger, e.g. 6 ranks: 5 and 7). Every rank
-    computes the same split (same ``world_size``, same kernel variant), so sender and receiver cut streams alike.
+    computes the same split (same ``world_size``, same kernel variant), so sender and receiver cut runs alike.
 
     Named barriers (ids 1..15) sync a group of several warps, so groups of more than one warp need
     ``world_size <= 15``; larger worlds get one warp per group (``__syncwarp``), up to ``max_threads // 32`` ranks.
@@ -56,7 +56,7 @@ class KernelGeometry(tuple):
     max_threads = property(lambda s: s[0])
     ring_warps = property(lambda s: s[1])
     self_warps = property(lambda s: s[2])
-    #: copy workers of one (channel, peer) ring stream: the ring group's warps less the publisher (1 for a
+    #: copy workers of one (channel, peer) ring run: the ring group's warps less the publisher (1 for a
     #: group of a single warp, which copies and publishes itself). The host engine cuts chunks the same way.
     num_copy = property(lambda s: s[3])
     threads = property(lambda s: s[4])
@@ -81,44 +81,44 @@ import math  # noqa: E402
 import numpy as np  # noqa: E402
 
 from . import protocol as P  # noqa: E402
-from .channel_layout import channel_row_range, check_row_fits, chunk_rows, is_byte_stream, stream_units  # noqa: E402
+from .channel_layout import channel_row_range, check_row_fits, chunk_rows, is_byte_run, run_units  # noqa: E402
 
-#: Largest number of units one stream may carry: offsets stay far from int64 overflow in both engines.
+#: Largest number of units one run may carry: offsets stay far from int64 overflow in both engines.
 MAX_UNITS = 1 << 60
 
 
 class ExchangePlan:
-    """Everything fixed for one shape of row exchange: the wire format, the per-peer stream sizes and the call
+    """Everything fixed for one shape of row exchange: the wire format, the per-peer run sizes and the call
     header's fields; built once per shape (:class:`PlanCache`) and consumed by both engines.
 
     A *row* is the concatenation of the parts' rows (``part_widths`` bytes each, ``row_bytes`` in all); the rows
-    one rank sends to one peer form that peer's *stream*, measured in *units*: bytes for a byte stream (one part
-    sent in row order; channel cuts on 16-byte boundaries), else whole packed rows (``layout.is_byte_stream``).
-    Channel ``c`` carries units ``channel_range(units, c)`` of every stream, in ring chunks of
-    ``rows_per_chunk(lo, hi)`` units, after the call header (``_protocol``). The GPU kernel derives the same cuts
-    from the descriptor this plan fills (``_cuda``); the host engine calls the methods below.
+    one rank sends to one peer form that peer's *row run*, measured in *units*: bytes for a byte run (one part
+    sent in row order; channel cuts on 16-byte boundaries), else whole packed rows (``layout.is_byte_run``).
+    Channel ``c`` carries units ``channel_range(units, c)`` of every run, in ring chunks of
+    ``rows_per_chunk(lo, hi)`` units, after the call header (``wire/protocol.py``). The GPU kernel derives the same cuts
+    from the descriptor this plan fills (``transport/cuda.py``); the host engine calls the methods below.
 
     Attributes
     ----------
     op, op_code, sig : str, int, int
-        Operation, its code and the row signature the call header carries (``_protocol.signature`` of the wire
+        Operation, its code and the row signature the call header carries (``protocol.signature`` of the wire
         format, part widths and the caller's dtype / row-shape text).
     reject : bool
         This rank rejected the call: it sends only rejected headers and drains what its peers send.
-    byte_stream, row_bytes, unit_bytes, align, part_widths
+    byte_run, row_bytes, unit_bytes, align, part_widths
     send_units, recv_units, send_first, recv_first : numpy.ndarray int64 ``[world_size]`` (read-only)
-        Units to / from each peer and the first unit of each peer's stream.
+        Units to / from each peer and the first unit of each peer's run.
     num_channels, num_copy, chunk_bytes : int
-        From the layout and :func:`kernel_geometry` (the copy workers of one ring stream on the GPU).
+        From the layout and :func:`kernel_geometry` (the copy workers of one ring run on the GPU).
     direct : bool
-        This rank sends in direct mode (host engine, a byte stream out of a symmetric array): its headers carry
+        This rank sends in direct mode (host engine, a byte run out of a symmetric array): its headers carry
         ``MODE_DIRECT`` and no payload chunks, and each receiver copies its share straight out of this rank's
-        symmetric array (``_protocol.HDR_MODE``). The mode is the sender's and travels in its call header, so
+        symmetric array (``protocol.HDR_MODE``). The mode is the sender's and travels in its call header, so
         the receiver knows it before it takes a byte; ranks may differ (a plain ``sendbuf`` on one rank, a
         symmetric one on another).
     """
 
-    __slots__ = ("op", "op_code", "sig", "reject", "byte_stream", "row_bytes", "unit_bytes", "align",
+    __slots__ = ("op", "op_code", "sig", "reject", "byte_run", "row_bytes", "unit_bytes", "align",
                  "part_widths", "send_units", "recv_units", "send_first", "recv_first", "num_channels",
                  "num_copy", "chunk_bytes", "world_size", "rank", "engine_data", "device_counts", "direct", "least_bytes",
                  "load")
@@ -134,7 +134,7 @@ class ExchangePlan:
         self.num_channels = layout.num_channels
         self.chunk_bytes = layout.chunk_bytes
         # the host engine cuts as the GPU (as many chunks as copy warps, for pipelining) but into chunks of at least
-        # 32 KiB; both ends of a stream run the same engine (the backend is agreed at construction)
+        # 32 KiB; both ends of a run use the same engine (the backend is agreed at construction)
         self.num_copy = kernel_geometry(W).num_copy
         self.least_bytes = P.CHUNK_LEAST_BYTES if not host else P.HOST_CHUNK_LEAST_BYTES
         self.engine_data = None  # the engine's own cache for this plan (the GPU's launch descriptor)
@@ -142,7 +142,7 @@ class ExchangePlan:
         self.device_counts = False  # units from a device counts table (PlanCache.device), not the fields below
         zeros = np.zeros(W, np.int64)
         if self.reject:
-            self.sig, self.byte_stream, self.row_bytes, self.unit_bytes, self.align = 0, True, 1, 1, 1
+            self.sig, self.byte_run, self.row_bytes, self.unit_bytes, self.align = 0, True, 1, 1, 1
             self.part_widths = ()
             self.send_units = self.recv_units = self.send_first = self.recv_first = zeros
             zeros.flags.writeable = False
@@ -151,14 +151,14 @@ class ExchangePlan:
         if len(widths) > MAX_PARTS:
             raise AssertionError(f"{op}: internal: at most {MAX_PARTS} parts")
         self.part_widths = widths
-        self.byte_stream = is_byte_stream(len(widths), has_index)
-        if self.direct and not self.byte_stream:
-            raise AssertionError(f"{op}: internal: direct mode needs a byte stream (one part, rows in order)")
+        self.byte_run = is_byte_run(len(widths), has_index)
+        if self.direct and not self.byte_run:
+            raise AssertionError(f"{op}: internal: direct mode needs a byte run (one part, rows in order)")
         self.row_bytes = sum(widths)
-        check_row_fits(op, self.row_bytes, layout.chunk_bytes, self.byte_stream)
-        self.unit_bytes, self.align = stream_units(self.byte_stream, self.row_bytes)
-        self.sig = P.signature(op, "bytes" if self.byte_stream else "rows", widths, sig_text)
-        scale = self.row_bytes if self.byte_stream else 1
+        check_row_fits(op, self.row_bytes, layout.chunk_bytes, self.byte_run)
+        self.unit_bytes, self.align = run_units(self.byte_run, self.row_bytes)
+        self.sig = P.signature(op, "bytes" if self.byte_run else "rows", widths, sig_text)
+        scale = self.row_bytes if self.byte_run else 1
         for name, counts in (("send_counts", send_counts), ("recv_counts", recv_counts)):
             check_bytes(op, name, counts, self.row_bytes)
         self.send_units = _frozen(np.asarray(send_counts, np.int64) * scale)
@@ -168,7 +168,7 @@ class ExchangePlan:
 
     # ---- cuts (the kernel computes the same from its descriptor) ----------------------------------------
     def channel_range(self, units: int, channel: int) -> tuple:
-        """Units ``[lo, hi)`` of a ``units``-unit stream that ``channel`` carries."""
+        """Units ``[lo, hi)`` of a ``units``-unit run that ``channel`` carries."""
         return channel_row_range(int(units), channel, self.num_channels, self.align)
 
     def rows_per_chunk(self, lo: int, hi: int) -> int:
@@ -200,7 +200,7 @@ class ExchangePlan:
         return h
 
     def __repr__(self) -> str:
-        return (f"ExchangePlan(op={self.op!r}, reject={self.reject}, byte_stream={self.byte_stream}, "
+        return (f"ExchangePlan(op={self.op!r}, reject={self.reject}, byte_run={self.byte_run}, "
                 f"row_bytes={self.row_bytes}, direct={self.direct}, send_units={self.send_units.tolist()}, "
                 f"recv_units={self.recv_units.tolist()})")
 
@@ -237,17 +237,17 @@ class PlanCache:
         self._plans = {}
         self._rejects = {}
 
-    def device(self, op: str, sig_text: str, part_widths, has_index: bool, row_stream: bool = True) -> ExchangePlan:
+    def device(self, op: str, sig_text: str, part_widths, has_index: bool, row_run: bool = True) -> ExchangePlan:
         """The plan of a device-count call (GPU): the per-peer units come from a counts table in device memory
-        (``_protocol.CT_*``, written by the count exchange kernel), so one plan serves every count; its
+        (``protocol.CT_*``, written by the count exchange kernel), so one plan serves every count; its
         ``send_units`` / ``recv_units`` are zeros and unused."""
-        key = (op, sig_text, tuple(part_widths), has_index, row_stream, "device")
+        key = (op, sig_text, tuple(part_widths), has_index, row_run, "device")
         plan = self._plans.get(key)
         if plan is None:
             W = self.layout.world_size
-            # row_stream: a row stream even without an index (has_index=True; the kernel then reads rows in order),
-            # the table counts rows; else the wire format the parts imply (a byte stream: the table counts bytes)
-            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index or row_stream,
+            # row_run: a row run even without an index (has_index=True; the kernel then reads rows in order),
+            # the table counts rows; else the wire format the parts imply (a byte run: the table counts bytes)
+            plan = ExchangePlan(op=op, sig_text=sig_text, part_widths=part_widths, has_index=has_index or row_run,
                                 send_counts=np.zeros(W, np.int64), recv_counts=np.zeros(W, np.int64),
                                 layout=self.layout, rank=self.rank, host=self.host)
             plan.device_counts = True

@@ -1,6 +1,6 @@
 """The one source of the wire protocol's constants, shared by the host engine (``transport/host.py``), the GPU launch code
 (``transport/cuda.py``) and the kernels (``cuda_src/``): :func:`cuda_header` turns them into the C++ header that
-``_kernels`` puts in front of every CUDA source at NVRTC time, so nothing is copied by hand.
+``transport/kernels.py`` puts in front of every CUDA source at NVRTC time, so nothing is copied by hand.
 
 Ring protocol, per call and per (channel c, sender s, receiver d), counters in ring slots (only growing,
 slot = counter % num_slots), ``first`` = the counter the previous call left:
@@ -19,7 +19,7 @@ slot = counter % num_slots), ``first`` = the counter the previous call left:
   send (``nchunks`` of their headers) without copying, so the rings stay in step and the communicator usable.
 
 Per-(channel, peer) state lines (local to a rank, written only by its own sender or receiver group):
-``STATE_COUNTER`` = ring counter at the end of the last call, ``STATE_SEQ`` = calls made on this stream.
+``STATE_COUNTER`` = ring counter at the end of the last call, ``STATE_SEQ`` = calls made on this (channel, peer) pair.
 
 Abort word: one line per rank's buffer (``ChannelLayout.abort_offset``), ``ABORT_*`` words. Whoever aborts (a
 timeout, a header mismatch, :meth:`Communicator.abort`) writes rank, reason and detail into every rank's line and
@@ -49,7 +49,7 @@ STATE_COUNTER = 0
 STATE_SEQ = 1
 #: GPU direct mode, the receiver's state line (RECV_STATE_OFFSET) of (channel, peer) when this rank's own sendbuf
 #: also goes direct (its sender group then has no payload to copy and helps receive): the receiver's leader
-#: stores STATE_HELP_SRC = where the peer's stream lies (0: not direct, nothing to help with), then releases
+#: stores STATE_HELP_SRC = where the peer's run lies (0: not direct, nothing to help with), then releases
 #: STATE_HELP_SEQ = the call's sequence number; up to MAX_HELPERS copy warps of the sender group copy the last
 #: slices of the share and each releases STATE_HELP_DONE + k = the sequence number; the receiver hands the header
 #: slot back (head) only after all of them.
@@ -59,12 +59,12 @@ MAX_HELPERS = 12
 #: Call header words (int64) at the start of the header slot.
 HDR_MAGIC, HDR_SEQ, HDR_OP, HDR_SIG, HDR_UNITS, HDR_NCHUNKS, HDR_STATUS, HDR_RANK, HDR_CHANNEL = range(9)
 #: Direct modes: HDR_MODE says how the rows travel. MODE_RING: payload chunks follow in the ring.
-#: MODE_DIRECT: none follow; the receiver copies the stream straight out of the sender's symmetric array, then
+#: MODE_DIRECT: none follow; the receiver copies the run straight out of the sender's symmetric array, then
 #: releases ``head`` past the header; the sender returns once every peer did. HDR_DIRECT_ALLOC / HDR_DIRECT_OFFSET:
 #: which symmetric segment (the heap ``Communicator.empty`` sub-allocates from; ids agreed, allocation is
-#: collective) and the byte offset in it where the stream to this receiver starts. MODE_CMA: the same with a plain array, read by cross-memory
-#: attach (``process_vm_readv``): HDR_DIRECT_ALLOC is the sender's pid, HDR_DIRECT_OFFSET the stream's address
-#: there (host engine only). The GPU kernels send MODE_RING or MODE_DIRECT (a byte stream out of a symmetric array:
+#: collective) and the byte offset in it where the run to this receiver starts. MODE_CMA: the same with a plain array, read by cross-memory
+#: attach (``process_vm_readv``): HDR_DIRECT_ALLOC is the sender's pid, HDR_DIRECT_OFFSET the run's address
+#: there (host engine only). The GPU kernels send MODE_RING or MODE_DIRECT (a byte run out of a symmetric array:
 #: the receiver's kernel finds the sender's block of segment HDR_DIRECT_ALLOC in its symmetric table,
 #: ``DESC_SYM_TABLE``) and receive both.
 HDR_MODE, HDR_DIRECT_ALLOC, HDR_DIRECT_OFFSET = 9, 10, 11
@@ -73,7 +73,7 @@ MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
 #: DESC_PUSH_ALLOC lie in symmetric segments, at the same offsets on every rank (the row signature says where,
 #: so a difference is a signature mismatch). The sender releases its header at once and waits for the receiver's
 #: ``head = first + 1``, before which the receiver stores, in the sender's head line, word HEAD_PUSH_ROW = the row
-#: of its outputs where this sender's stream starts (-1: it rejects the call; push nothing). The sender's copy
+#: of its outputs where this sender's run starts (-1: it rejects the call; push nothing). The sender's copy
 #: warps then write those parts of every row straight into the receiver's outputs (one copy) and the other parts
 #: into the ring as usual; the chunks' tails announce both. The receiver copies only the ring parts. The wait for
 #: head also orders the pushes after the receiver's previous use of its outputs (its kernel runs in stream order).
@@ -148,7 +148,7 @@ DESC_RECV_PARTS = DESC_SEND_PARTS + 4 * MAX_PARTS
 DESC_PEERS = DESC_RECV_PARTS + 4 * MAX_PARTS   # [4][world_size]: send offset, send units, recv offset, recv units
 DESC_SEQ = DESC_PEERS + 4 * MAX_PEERS      # launch number, written into the error record
 #: MODE_PUSH: per receive part, the id of the symmetric segment it lies in (-1: through the ring), and the rows
-#: the receive parts hold (a sender's stream past them is a fatal FIELD_CAPACITY error, checked by the receiver).
+#: the receive parts hold (a sender's run past them is a fatal FIELD_CAPACITY error, checked by the receiver).
 DESC_PUSH_ALLOC = DESC_SEQ + 1
 DESC_PUSH_ROWS = DESC_PUSH_ALLOC + MAX_PARTS
 #: Channel telemetry on the GPU (``Config(trace=True)``; kernels built with SYMBUF_TRACE=1): DESC_TRACE = device
@@ -160,11 +160,11 @@ DESC_TRACE = DESC_PUSH_ROWS + 1
 DESC_TRACE_CAP = DESC_TRACE + 1
 #: Adaptive channels (``Config(adaptive=True)``; kernels built with SYMBUF_ADAPTIVE=1): DESC_HOME = the home map,
 #: HOME_WORDS int64 words holding one byte per warp of a block, sender block first (warps 0..31: bytes of words
-#: DESC_HOME .. +3), then the receiver block's: the peer whose ring stream that warp takes chunks of first (0xFF:
+#: DESC_HOME .. +3), then the receiver block's: the peer whose ring run that warp takes chunks of first (0xFF:
 #: its own group's, or for the self group's warp i the (i % (world_size - 1))-th peer after this rank);
 #: ``adaptive.home_map`` computes it.
 #: DESC_LOAD = device address of the load counters (0: none): int64 [2 (send, recv)][num_channels][world_size]
-#: [LOAD_WORDS]: bytes of the stream's channel share, ring chunks, chunks copied by a warp of another group
+#: [LOAD_WORDS]: bytes of the run's channel share, ring chunks, chunks copied by a warp of another group
 #: (work sharing), accumulated by each ring group's leader at the end of every call.
 DESC_HOME = DESC_TRACE_CAP + 1
 HOME_WORDS = 8
@@ -184,8 +184,8 @@ DESC_STATUS = DESC_PEER_BASES + 1
 DESC_WORDS = DESC_STATUS + 1
 TRACE_HDR_WORDS = 16
 TRACE_WORDS = 8
-#: Trace event kinds (``_trace``): a chunk written into a peer's ring (or pushed into its outputs), a chunk copied
-#: out of our ring, a direct-mode copy out of a peer's memory, a rank's own rows, a spell with nothing to move (host).
+#: Trace event kinds (``transport/trace.py``): a chunk written into a peer's ring (or pushed into its outputs), a
+#: chunk copied out of our ring, a direct-mode copy out of a peer's memory, a rank's own rows, a spell with nothing to move (host).
 TRACE_SEND, TRACE_RECV, TRACE_PULL, TRACE_SELF, TRACE_IDLE = range(5)
 #: Device counts table (int64 words; DESC_COUNTS holds its device address, 0 = the units are DESC_PEERS's): written
 #: by ``symbuf_notify`` in device-count mode, read by the ring kernel at launch, so a call whose counts never reach
@@ -200,7 +200,7 @@ CT_WORDS = CT_PEERS + 4 * MAX_PEERS
 #: this rank's symmetric table: SYM_TABLE_ROWS rows of SYM_TABLE_STRIDE int64 words, one per live segment of the
 #: symmetric heap (each holds many symmetric arrays), [id + 1 (0: free row), bytes of the segment per rank,
 #: address of rank r's block of it in this process, r = 0 .. world_size - 1]; written by the host when a segment
-#: is made or unmapped (no kernel is queued then that reads the row). A receiver takes a header's stream only when
+#: is made or unmapped (no kernel is queued then that reads the row). A receiver takes a header's run only when
 #: it lies inside the block (else a fatal FIELD_MODE mismatch).
 SYM_TABLE_ROWS = 64
 SYM_TABLE_STRIDE = 2 + MAX_PEERS
@@ -208,10 +208,10 @@ SYM_TABLE_STRIDE = 2 + MAX_PEERS
 FLAG_REJECT = 1                            # this rank rejected the call: headers only, drain what peers send
 #: Copy-engine alltoall (``Config.mode="copy_engine"``): every rank's sendbuf is the same symmetric segment at
 #: the same offset. The ring kernel exchanges and checks the MODE_DIRECT headers only (a receiver expects the peer's
-#: stream at DESC_DIRECT_ALLOC / DESC_DIRECT_OFFSET + its own rows' offset; anything else is a fatal FIELD_MODE
+#: run at DESC_DIRECT_ALLOC / DESC_DIRECT_OFFSET + its own rows' offset; anything else is a fatal FIELD_MODE
 #: mismatch) and copies nothing off-rank; the host then queues one cudaMemcpyAsync per peer (the copy engines pull
 #: the rows), and ``symbuf_ce_finish`` hands every header slot back (head) and waits for the peers' heads, so no
-#: stream reuses a sendbuf a peer's copy engine still reads.
+#: run reuses a sendbuf a peer's copy engine still reads.
 FLAG_CE = 2
 #: MODE_PUSH (above): some receive parts of this dispatch are symmetric; peers push them, this rank pushes to peers.
 FLAG_PUSH = 4
@@ -223,14 +223,14 @@ FLAG_PUSH = 4
 CE_MIN_BYTES = 16 << 20
 
 #: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
-#: a warp; keeps byte streams 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
+#: a warp; keeps byte runs 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
 CHUNK_GRAIN_BYTES = 512
 CHUNK_LEAST_BYTES = 4096
 #: The host engine's smallest chunk: below this a chunk's fixed cost (a Python step, a fence, a tail store) outweighs
 #: what pipelining smaller pieces gains (measured on the 2-core CI machine, docs/perf-notes.md v10).
 HOST_CHUNK_LEAST_BYTES = 32768
-#: Byte streams are cut between channels on this alignment (bytes).
-BYTE_STREAM_ALIGN = 16
+#: Byte runs are cut between channels on this alignment (bytes).
+BYTE_RUN_ALIGN = 16
 
 #: The fp8 (e4m3) block quantiser of the wire (``collectives/quant.py`` and ``cuda_src/quant.cuh``, bit for bit):
 #: one float32 scale per QUANT_BLOCK consecutive elements of a row (DeepEP's 1x128 blocks; MoE ``x_fp8`` scales and
@@ -268,7 +268,7 @@ def op_name(code: int) -> str:
 
 
 def signature(*fields) -> int:
-    """A 31-bit signature of what both ends of a stream must agree on (wire format, row bytes, parts, dtype,
+    """A 31-bit signature of what both ends of a run must agree on (wire format, row bytes, parts, dtype,
     row shape): CRC-32 of their text, so it is the same on every rank and every run."""
     return zlib.crc32("|".join(str(f) for f in fields).encode()) & 0x7FFFFFFF
 

@@ -94,7 +94,7 @@ elif what == "hier":
     c = cs.Communicator(world, backend="cuda")
     hc = cs.HierarchicalCommunicator(world, node_size=2, backend="cuda")
     for name in ("_rail_bytes", "_to_host", "_to_device", "_to_host_staged", "_to_device_staged", "_agree",
-                 "_rail_exchange", "_final_order"):
+                 "_rail_exchange", "_result_order"):
         wrap(hc, name)
     nc = hc.node_comm
     for name in ("alltoallv", "dispatch", "combine"):
