@@ -52,7 +52,7 @@
 # /tmp/cupy_symbuf_device); with $OUT set they are packed into $OUT/device_logs.tgz at the end (the device returns
 # few files). Each command is bounded by `timeout`, and the whole call by DEVICE_BUDGET_S (default 540 s; 0: no
 # bound): a stage that would not fit in what is left is cut to it, or skipped below 15 s, and says so.
-# Knobs: TESTS (default tests), SUITE_ARGS (default --ignore=tests/test_faults.py), TEST_TIMEOUT (per test, 120),
+# Knobs: TESTS (default tests), FAULTS_K (the faults stage's -k, default "not soak"), SUITE_ARGS (default --ignore=tests/test_faults.py), TEST_TIMEOUT (per test, 120),
 # CUPY_SYMBUF_TIMEOUT_S (30), BENCH_SIZES, ITERS, TAIL (lines of a log shown), COMPARE_EXTRA (bench options added
 # to every compare run, e.g. a smoke test on a machine without GPUs: MPIRUN=mpiexec GPU0= COMPARE_BENCHES=alltoall
 # COMPARE_EXTRA="--backend host --sizes 64K --iters 5" bash .ci/device.sh compare 8f863c7).
@@ -190,7 +190,7 @@ while [ $# -gt 0 ]; do
     faults)
       mps_on
       CUPY_SYMBUF_FAULT_BACKEND=cuda MPIEXEC="$MPIRUN -x CUPY_SYMBUF_FAULT_BACKEND" TAIL=8 \
-        run faults 240 $PYTEST --timeout=100 tests/test_faults.py -k "not soak" ;;
+        run faults 240 $PYTEST --timeout=100 tests/test_faults.py -k "${FAULTS_K:-not soak}" ;;
     ll)
       mps_on
       LL="tests/test_low_latency.py tests/test_deepep.py"
