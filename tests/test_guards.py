@@ -305,6 +305,37 @@ def test_mistyped_keyword_on_one_rank_is_told_to_the_peers(backend, comm):
         c.close()
 
 
+def test_mistyped_keyword_hierarchical_and_delta(comm):
+    """The same for HierarchicalCommunicator's collectives and DeltaExchange.step (host)."""
+    W = comm.size
+    x = _blocks(W, comm.rank)
+    with HierarchicalCommunicator(comm, node_size=1) as h, \
+            cs.Communicator(comm, cs.Config(**CFG), backend="host") as c:
+        dx = cs.DeltaExchange(c, 1, 128)
+        z = np.zeros((W, 1, 128), np.float32)
+        cases = [("hier alltoall", lambda: h.alltoall(x, fo=1), lambda: h.alltoall(x)),
+                 ("hier alltoallv", lambda: h.alltoallv(x, np.ones(W, np.int64), 3),
+                  lambda: h.alltoallv(x, np.ones(W, np.int64))),
+                 ("delta", lambda: dx.step(z, refrsh=1), lambda: dx.step(z))]
+        for label, bad, good in cases:
+            comm.Barrier()
+            try:
+                (bad if comm.rank == 0 else good)()
+                err = None
+            except Exception as exc:  # noqa: BLE001
+                err = exc
+
+            def check(label=label, err=err):
+                if comm.rank == 0:
+                    assert isinstance(err, TypeError), (label, err)
+                else:
+                    assert isinstance(err, cs.SymBufferRejectedError) and err.rejecting_rank == 0, (label, err)
+            all_ranks(check)
+        np.testing.assert_array_equal(h.alltoall(x), _alltoall_ref(W, comm.rank))
+        got = to_numpy(dx.step(z))
+        np.testing.assert_array_equal(got, z)
+
+
 def test_mistyped_keyword_signature_and_docs_unchanged():
     import inspect
     sig = inspect.signature(cs.Communicator.alltoall)

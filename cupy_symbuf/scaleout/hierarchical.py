@@ -583,7 +583,7 @@ class HierarchicalCommunicator:
             raise AssertionError(f"internal: {got.shape[0]} rows forwarded, {pos} expected")
         return out.view(x.dtype).reshape((out.shape[0],) + row_shape), recv_counts
 
-    @collective("HierarchicalCommunicator.alltoall", guard=_GUARD, reject=_told("HierarchicalCommunicator.alltoallv"))
+    @collective("HierarchicalCommunicator.alltoall", guard=_GUARD, reject=_told("HierarchicalCommunicator.alltoall"))
     def alltoall(self, sendbuf):
         """Equal blocks: :meth:`alltoallv` with one row each.
 
