@@ -9,7 +9,7 @@ from .transport.streams import CollectiveEvent
 from .communicator import Communicator
 from .common.config import Config
 from .common.errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
-                     SymBufferRejectedError, SymBufferTimeoutError)
+                     SymBufferLeakWarning, SymBufferRejectedError, SymBufferTimeoutError)
 from .wire.channel_layout import ChannelLayout
 from .moe.low_latency import LowLatencyBuffer, LowLatencyHandle, bench_low_latency  # noqa: F401
 from .transport.symbuffer import SymBuffer
@@ -21,5 +21,5 @@ from .diagnostics.info import info
 from .common.version import __version__
 __all__ = ["SymBuffer", "Communicator", "CollectiveEvent", "Config", "ChannelLayout", "layout", "SymBufferError",
            "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError", "SymBufferAbortedError",
-           "SymBufferRejectedError", "DeltaExchange", "HierarchicalCommunicator", "Topology", "info",
+           "SymBufferRejectedError", "SymBufferLeakWarning", "DeltaExchange", "HierarchicalCommunicator", "Topology", "info",
            "__version__"]

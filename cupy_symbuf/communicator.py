@@ -1,6 +1,9 @@
 """``Communicator``: all-to-all collectives over the channel ring buffers of one :class:`SymBuffer`."""
 from __future__ import annotations
 
+import operator as _operator
+import os as _os
+import sys as _sys
 import warnings as _warnings
 from os import getpid as _getpid
 from typing import Optional
@@ -14,10 +17,11 @@ from .moe import normal as _moe
 from .transport.streams import run_collective as _run_collective
 from .common.checks import as_array
 from .common.config import Config
-from .common.errors import SymBufferClosedError, SymBufferError
+from .common.errors import SymBufferClosedError, SymBufferError, SymBufferLeakWarning
 from .wire.channel_layout import ChannelLayout
 from .transport.bootstrap import MpiBootstrap
 from .transport.symbuffer import SymBuffer, gpu_identity, resolve_backend
+from .transport.guard import CallGuard, collective as _collective, guarded as _guarded
 
 __all__ = ["Communicator"]
 
@@ -40,6 +44,83 @@ def planned_transport(requested: str, backend: str, places) -> str:
         return choose_transport(requested, topo)[0]
     except Exception:  # noqa: BLE001 - SymBuffer raises it below, agreed on every rank
         return "ipc"
+
+
+# ---- the entry of every collective method (transport/guard.py): one thread at a time, and a call whose arguments
+# Python cannot bind (a mistyped keyword) told to the peers before the TypeError is raised
+_GUARD = _operator.attrgetter("_guard")
+_TOLD = "SymBufferRejectedError naming this rank"
+
+
+def _told_by_engine(op: str, notify_of):
+    """The rejection of a collective that runs on the engine: ``notify_of(arguments)`` says whether its first step
+    is a count exchange (None: the call does not communicate)."""
+    def reject(c, arguments, exc):
+        notify = notify_of(arguments)
+        if notify is None:
+            return ""
+        if c.closed or c._broken:
+            return None
+        c.engine.reject(op, notify)
+        return _TOLD if c.world_size > 1 else ""
+    return reject
+
+
+def _alltoallv_notify(a) -> bool:
+    """Whether an alltoallv call starts with the count exchange (as ``collectives/alltoall.py`` decides it)."""
+    return (a.get("recv_counts") is None or a.get("recv_capacity") is not None
+            or _compat.is_cupy_array(a.get("send_counts")))
+
+
+def _told_by_heap(what: str):
+    """The rejection of a symmetric allocation: its agreement step carries this rank's error (the peers raise
+    ``ValueError`` naming this rank; nothing is allocated)."""
+    def reject(c, arguments, exc):
+        try:
+            c._heap.empty((), np.uint8, what, err=exc)
+        except BaseException as e:  # the heap raises exc itself after telling the peers
+            if e is not exc:
+                raise
+        return "ValueError naming this rank; nothing was allocated" if c.world_size > 1 else ""
+    return reject
+
+
+def _told_free(c, arguments, exc):
+    try:
+        c._heap.free(None)  # the peers see this rank free no allocation: ValueError on every rank
+    except ValueError:
+        pass
+    return "ValueError; nothing was freed" if c.world_size > 1 else ""
+
+
+#: this file's folder: frames inside the package are skipped when finding where a communicator was created
+_PKG_DIR = _os.path.dirname(__file__) + _os.sep
+#: the leak warning is shown once per process
+_LEAK_WARNED = []
+
+
+def _creation_site() -> str:
+    """``file:line`` of the first caller outside this package (where the user made the communicator)."""
+    f = _sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_PKG_DIR):
+        f = f.f_back
+    return "?" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def live_communicators() -> dict:
+    """This process's communicators still allocated (open; dropped unclosed ones included, which stay allocated
+    until exit): ``{"count": n, "bytes": symmetric bytes on this rank (rings and symmetric arrays), "dropped":
+    how many of them were dropped without close(), "dropped_at": their creation sites}``. Local."""
+    from .transport import lifecycle as _lifecycle
+    out = {"count": 0, "bytes": 0, "dropped": 0, "dropped_at": []}
+    for obj in _lifecycle.open_objects():
+        if isinstance(obj, Communicator):
+            out["count"] += 1
+            out["bytes"] += obj._symmetric_bytes()
+            if obj._dropped:
+                out["dropped"] += 1
+                out["dropped_at"].append(obj._created_at)
+    return out
 
 
 def _check_reset(op: str, reset) -> bool:
@@ -94,9 +175,19 @@ class Communicator:
     (host: ``/dev/shm`` and RAM for every rank of the node; GPU: free device memory for the ranks sharing it).
     :meth:`close` is bounded the same way. A failed communicator (timeout, mismatch, :meth:`abort`) ends the job
     with ``MPI.COMM_WORLD.Abort(1)`` when it is closed or reaches interpreter exit, unless
-    ``Config.abort_on_failure`` is off. Dropped unclosed, a communicator warns (``ResourceWarning``; freeing is
-    collective, so the garbage collector cannot do it); ``atexit`` closes the ones still open, newest first. After
-    ``os.fork()`` the child neither uses, closes nor frees the parent's communicators.
+    ``Config.abort_on_failure`` is off. Dropped unclosed, a communicator warns
+    (:class:`~cupy_symbuf.SymBufferLeakWarning`, shown by default, once per process, naming where it was created)
+    and stays allocated (freeing is collective, so the garbage collector cannot do it); ``atexit`` closes the ones
+    still open, dropped ones included, newest first. :meth:`describe` and ``cupy_symbuf.info()`` count this
+    process's live communicators and their bytes. After ``os.fork()`` the child neither uses, closes nor frees the
+    parent's communicators.
+
+    Threads. One thread at a time per communicator: a call from a second thread while one is inside any of its
+    calls (collectives, symmetric arrays, :meth:`synchronize`, :meth:`close`, a ``LowLatencyBuffer`` or
+    ``DeltaExchange`` over it) raises ``RuntimeError`` at once naming the operation and the thread inside; nothing
+    is sent and the call inside goes on. Several communicators may be used from several threads at once.
+    :meth:`abort` may be called from any thread. A call Python cannot bind (a mistyped keyword) is a rejection
+    like any bad argument: ``TypeError`` here, :class:`~cupy_symbuf.SymBufferRejectedError` on the peers.
     """
 
     def __init__(self, comm: MPI.Comm, config: Optional[Config] = None, *, backend: str = "auto"):
@@ -104,6 +195,9 @@ class Communicator:
 
         from .transport import agree as _agree
         from .transport import lifecycle as _lifecycle
+        self._guard = CallGuard()  # one thread at a time inside this communicator's calls
+        self._created_at = _creation_site()  # named by the warning when it is dropped unclosed
+        self._dropped = False
         self._closed = True  # until construction completes (close() and __del__ of a half-built object do nothing)
         self._broken: Optional[str] = None
         if config is None:
@@ -222,6 +316,7 @@ class Communicator:
         return out
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
+    @_guarded("Communicator.close", guard=_GUARD)
     def close(self) -> None:
         """Free the symmetric buffer (collective, bounded by ``config.timeout_s``; idempotent).
 
@@ -298,13 +393,34 @@ class Communicator:
     def __del__(self):
         if getattr(self, "_closed", True) or getattr(self, "_pid", None) != _getpid():
             return
+        # Dropped while open. Its memory is shared (the peers map it; a captured CUDA graph may still replay
+        # against it) and freeing it is collective, which a garbage collector running at a different moment on
+        # each rank cannot do: nothing is freed here. It is kept (strongly) in its place in the lifecycle
+        # registry, so exit closes it collectively with the others in the same order on every rank.
         try:
-            _warnings.warn(f"unclosed {self!r}: freeing is collective, so its buffer and MPI communicator stay "
-                          f"allocated until exit (call close() on every rank, or use 'with')", ResourceWarning,
-                          source=self)
+            from .transport import lifecycle as _lifecycle
+            self._dropped = True
+            _lifecycle.keep_dropped(self._token, self, state=self._lifecycle_state, abort=self._abort_uncaught)
+            if not _LEAK_WARNED:
+                _LEAK_WARNED.append(True)
+                _warnings.warn(
+                    f"an open {self!r} created at {self._created_at} was dropped without close(): its symmetric "
+                    f"buffer ({self._symmetric_bytes()} B on this rank) and MPI communicator stay allocated until "
+                    f"the program exits, which closes it (freeing is collective, so the garbage collector cannot "
+                    f"do it). Call close() on every rank or use 'with Communicator(...)'. Shown once per process; "
+                    f"cupy_symbuf.info()['live_communicators'] counts the ones still allocated",
+                    SymBufferLeakWarning, stacklevel=2)
         except Exception:  # pragma: no cover - interpreter shutting down
             pass
 
+    def _symmetric_bytes(self) -> int:
+        """Bytes of symmetric memory this communicator holds on this rank (rings and symmetric arrays)."""
+        try:
+            return int(self.buffer.nbytes) + int(self._heap.total_bytes)
+        except Exception:  # noqa: BLE001 - a half-built or closing communicator
+            return 0
+
+    @_guarded("Communicator.synchronize", guard=_GUARD)
     def synchronize(self) -> None:
         """Wait for this rank's queued collectives (and the current CuPy stream) and raise a timeout they recorded.
 
@@ -362,6 +478,7 @@ class Communicator:
     def describe(self) -> str:
         """The buffer map (:meth:`ChannelLayout.describe`), the resolved config and the lifecycle state."""
         state = "closed" if self._closed else (f"broken ({self._broken})" if self._broken else "open")
+        live = live_communicators()
         tuned = f"\n  defaults from the tuning table {self.tuning_source}" if self.tuning_source else ""
         if self.backend == "host" and self.world_size > 1:
             cma = getattr(self._transport, "cma_pids", None) is not None
@@ -372,8 +489,11 @@ class Communicator:
             tuned += f"\n  transport: {self.transport} ({self.transport_reason})"
         return (f"{self.layout.describe()}\n{self._heap.describe()}\n  backend={self.backend} config={self.config}"
                 f"{tuned}\n"
-                f"  state={state} (created by pid {getattr(self, '_pid', '?')}; fields compared across ranks at "
-                f"construction: all but {', '.join(_LOCAL_POLICY)})")
+                f"  state={state} (created by pid {getattr(self, '_pid', '?')} at {self._created_at}; fields compared "
+                f"across ranks at construction: all but {', '.join(_LOCAL_POLICY)})\n"
+                f"  this process: {live['count']} live communicator(s), {live['bytes']} B of symmetric memory"
+                + (f" ({live['dropped']} dropped without close(), created at {', '.join(live['dropped_at'])})"
+                   if live["dropped"] else ""))
 
     def trace(self, clear: bool = False):
         """The channel telemetry recorded so far (``Config(trace=True)``): a NumPy structured array of
@@ -439,6 +559,7 @@ class Communicator:
         return self._engine.channel_stats(_check_reset("channel_stats", reset))
 
     # ---- symmetric arrays -----------------------------------------------------------------------------------
+    @_collective("Communicator.empty", guard=_GUARD, reject=_told_by_heap("empty"))
     def empty(self, shape, dtype=np.float32):
         """A new array that lives in symmetric memory (collective: every rank passes the same ``shape`` and
         ``dtype``, in the same order of allocations).
@@ -469,11 +590,13 @@ class Communicator:
         """
         return self._heap.empty(shape, dtype)
 
+    @_collective("Communicator.zeros", guard=_GUARD, reject=_told_by_heap("zeros"))
     def zeros(self, shape, dtype=np.float32):
         """:meth:`empty`, zero-filled (collective). Every block is zeroed when it is allocated, so this is
         :meth:`empty` with that promise."""
         return self._heap.empty(shape, dtype, "zeros")
 
+    @_collective("Communicator.array", guard=_GUARD, reject=_told_by_heap("array"))
     def array(self, a):
         """A symmetric copy of ``a`` (collective: every rank passes an array of the same shape and dtype); the
         backend's array type, C-contiguous. See :meth:`empty`. An argument this rank cannot convert raises here
@@ -488,6 +611,7 @@ class Communicator:
         out[...] = src
         return out
 
+    @_collective("Communicator.free", guard=_GUARD, reject=_told_free)
     def free(self, a) -> None:
         """Free the symmetric allocation ``a`` belongs to (collective: every rank frees the same allocation; on
         the GPU after the device is idle). ``ValueError`` on every rank when ``a`` is not one of this
@@ -541,7 +665,7 @@ class Communicator:
             from .transport.engine import Engine
             eng = Engine(self._transport, self.layout, self.config, rank=self.rank, world_size=self.world_size,
                          backend=self.backend, heap=self._heap, check_open=self._check_open,
-                         failure=self._failure, on_broken=self._set_broken)
+                         failure=self._failure, on_broken=self._set_broken, guard=self._guard)
             self.__dict__["_engine_obj"] = eng
         return eng
 
@@ -571,6 +695,7 @@ class Communicator:
         return self._engine._run(fn, *args, **kwargs)
 
     # ---- collectives ----------------------------------------------------------------------------------------
+    @_collective("alltoall", guard=_GUARD, reject=_told_by_engine("alltoall", lambda a: False))
     def alltoall(self, sendbuf, *, out=None, stream=None, async_op=False, sync="strong"):
         """All-to-all of equal blocks: ``recvbuf[j]`` is what rank ``j`` sent to this rank (``sendbuf[rank]`` there).
 
@@ -636,6 +761,7 @@ class Communicator:
                                    stream=stream, async_op=async_op)
         return _alltoall(self._engine, sendbuf, out, sync)
 
+    @_collective("alltoallv", guard=_GUARD, reject=_told_by_engine("alltoallv", _alltoallv_notify))
     def alltoallv(self, sendbuf, send_counts, *, recv_counts=None, recv_capacity=None, out=None, stream=None,
                   async_op=False, wire_dtype=None, sync="strong"):
         """All-to-all of variable row counts.
@@ -720,6 +846,8 @@ class Communicator:
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     # ``stream``/``async_op`` (keyword-only) as in alltoall's docstring (Streams); other keywords pass to cupy_symbuf.moe.
+    @_collective("get_dispatch_layout", guard=_GUARD, reject=_told_by_engine("get_dispatch_layout", lambda a: None),
+                 forwards=_moe.get_dispatch_layout)
     def get_dispatch_layout(self, topk_idx, num_experts, *, stream=None, async_op=False, **kwargs):
         # docstring: cupy_symbuf.moe.get_dispatch_layout (assigned below)
         if stream is None and async_op is False:
@@ -727,6 +855,8 @@ class Communicator:
         return _run_collective(self, "get_dispatch_layout", None, _moe.get_dispatch_layout,
                                (self._engine, topk_idx, num_experts), kwargs, stream=stream, async_op=async_op)
 
+    @_collective("dispatch", guard=_GUARD, reject=_told_by_engine("dispatch", lambda a: a.get("handle") is None),
+                 forwards=_moe.dispatch)
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, *, handle=None, expert_alignment=1,
                  stream=None, async_op=False, **kwargs):
         # docstring: cupy_symbuf.moe.dispatch (assigned below)
@@ -737,6 +867,7 @@ class Communicator:
                                (self._engine, x, topk_idx, topk_weights, num_experts), kwargs, stream=stream,
                                async_op=async_op)
 
+    @_collective("combine", guard=_GUARD, reject=_told_by_engine("combine", lambda a: False), forwards=_moe.combine)
     def combine(self, x, handle, topk_weights=None, *, dtype=None, stream=None, async_op=False, **kwargs):
         # docstring: cupy_symbuf.moe.combine (assigned below)
         kwargs.update(dtype=dtype)

@@ -238,20 +238,34 @@ def test_abort_is_local_and_peers_raise_naming_the_rank(backend, comm):
 
 # ---- leaks, re-creation, fork ------------------------------------------------------------------------------
 
-def test_unclosed_communicator_warns_and_closed_one_does_not(comm):
+def test_unclosed_communicator_warns_once_and_is_kept_for_exit(comm, monkeypatch):
+    from cupy_symbuf import communicator as _communicator
+    monkeypatch.setattr(_communicator, "_LEAK_WARNED", [])  # once per process: as if none was dropped yet
     c = cs.Communicator(comm, backend="host")
-    buf = c.buffer  # keep the buffer to free it collectively after the warning
-    with pytest.warns(ResourceWarning, match=r"unclosed Communicator"):
+    with pytest.warns(cs.SymBufferLeakWarning, match=r"created at \S*test_lifecycle.py:\d+ was dropped without close"):
         del c
         gc.collect()
-    buf.close()
+    # kept (strongly) in the registry: exit would close it collectively; here the test closes it
+    kept = [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator) and o._dropped]
+    assert len(kept) == 1 and cs.info()["live_communicators"]["dropped"] == 1
+    with warnings.catch_warnings(record=True) as seen:  # shown once per process
+        warnings.simplefilter("always")
+        d = cs.Communicator(comm, backend="host")
+        del d
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, (ResourceWarning, cs.SymBufferLeakWarning))]
+    kept = [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator) and o._dropped]
+    assert len(kept) == 2
+    for o in kept:  # newest first, as exit does
+        o.close()
+    assert cs.info()["live_communicators"]["dropped"] == 0
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         c = cs.Communicator(comm, backend="host")
         c.close()
         del c
         gc.collect()
-    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+    assert not [w for w in seen if issubclass(w.category, (ResourceWarning, cs.SymBufferLeakWarning))]
 
 
 def test_unclosed_symbuffer_warns(comm):
@@ -270,6 +284,7 @@ def test_unclosed_symbuffer_warns(comm):
 
 def test_create_close_cycles_do_not_leak_mpi_objects(comm):
     before = _lifecycle.live_mpi_objects()
+    open_before = [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator)]  # e.g. dropped earlier
     cfg = cs.Config(num_sms=2, chunk_bytes=1024, num_slots=2)
     for i in range(100):
         with cs.Communicator(comm, cfg, backend="host") as c:
@@ -278,7 +293,7 @@ def test_create_close_cycles_do_not_leak_mpi_objects(comm):
                 _check_alltoall(c)
             assert _lifecycle.live_mpi_objects() == {"comm": before["comm"] + 1, "win": before["win"] + 1}
     assert _lifecycle.live_mpi_objects() == before
-    assert not [o for o in _lifecycle._open_objects() if isinstance(o, cs.Communicator)]
+    assert [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator)] == open_before
 
 
 def test_sub_communicator_after_closing_the_world_one(backend, comm):

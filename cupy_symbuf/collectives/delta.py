@@ -20,9 +20,11 @@ difference a step sends includes the previous step's residual, so a bounded rate
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
+from ..transport.guard import collective
 from . import quant
 
 __all__ = ["DeltaExchange"]
@@ -87,6 +89,9 @@ class DeltaExchange:
         self.wire_bytes = 0
         self.plain_bytes = 0
 
+    @collective("DeltaExchange.step", guard=operator.attrgetter("comm.engine.guard"),
+                reject=lambda d, arguments, exc: d.comm.engine.reject("alltoall", notify=False) or
+                "SymBufferRejectedError naming this rank")
     def step(self, x):
         """Send this step's rows ``x`` (``comm.xp`` float32 ``[world_size, rows, hidden]``; block ``p`` goes to rank
         ``p``) and return the receiver's reconstruction of every peer's rows (float32 ``[world_size, rows,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..wire import protocol as P
 
 __all__ = ["SymBufferError", "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError",
-           "SymBufferAbortedError", "SymBufferRejectedError"]
+           "SymBufferAbortedError", "SymBufferRejectedError", "SymBufferLeakWarning"]
 
 
 class SymBufferError(RuntimeError):
@@ -141,3 +141,11 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
         f"whose {name} differs: {detail}. No data was returned; the communicator is unusable (every other rank "
         f"raises SymBufferAbortedError, in this call or its next).",
         rank=rank, peer=peer, channel=channel, op=op, field=name, expected=expected, got=got)
+
+
+class SymBufferLeakWarning(UserWarning):
+    """An open :class:`~cupy_symbuf.Communicator` was dropped without ``close()``: its symmetric buffer and MPI
+    communicator stay allocated until the program exits (freeing is collective, so the garbage collector cannot do
+    it). Shown by Python's default filters (unlike ``ResourceWarning``), once per process, naming where the
+    communicator was created; ``cupy_symbuf.info()["live_communicators"]`` counts the ones still allocated.
+    Silence it with ``warnings.filterwarnings("ignore", category=SymBufferLeakWarning)``."""

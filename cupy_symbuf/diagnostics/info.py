@@ -88,7 +88,9 @@ def _nvlink(devices: list) -> dict:
 
 def info() -> dict:
     """The report as a dict (local to this process; no communication). Never raises for a missing optional
-    piece: it says what is missing instead."""
+    piece: it says what is missing instead. ``live_communicators``: this process's communicators still
+    allocated, ``{"count", "bytes" (symmetric memory on this rank), "dropped" (of them, dropped without close():
+    allocated until exit), "dropped_at" (their creation sites, ``file:line``)}``."""
     from mpi4py import MPI
 
     from ..common.version import __version__
@@ -119,6 +121,9 @@ def info() -> dict:
         report["gpus"] = _gpus()
     except Exception as exc:  # noqa: BLE001
         report["gpus"] = {"available": False, "error": f"{type(exc).__name__}: {exc}"}
+    from ..communicator import live_communicators
+    # this process's communicators still allocated (dropped unclosed ones stay allocated until exit)
+    report["live_communicators"] = live_communicators()
     world = MPI.COMM_WORLD.Get_size()
     key = tuning.table_key("host", world) if not backend.startswith("cuda") else None
     if key is not None:

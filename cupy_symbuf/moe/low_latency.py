@@ -76,6 +76,7 @@ read); the host path raises ``ValueError`` for them. Experts are placed contiguo
 from __future__ import annotations
 
 import ctypes
+import operator
 import time
 from typing import Any, Optional
 
@@ -90,6 +91,10 @@ from ..collectives import quant as _quant
 from ..common.checks import as_array, check_int
 from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTimeoutError, mismatch_error
 from ..transport.symbuffer import SymBuffer
+from ..transport.guard import collective
+
+#: a LowLatencyBuffer's calls take its communicator's guard: one thread at a time for both
+_GUARD = operator.attrgetter("comm.engine.guard")
 
 __all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISPATCH_FIELDS", "LL_COMBINE_FIELDS",
            "LL_SOURCE"]
@@ -587,6 +592,7 @@ class LowLatencyBuffer:
                                              np.float32)
 
     # ---- dispatch --------------------------------------------------------------------------------------------------
+    @collective("LowLatencyBuffer.dispatch", guard=_GUARD)  # (no rejection path: a binding error is local)
     def dispatch(self, x, topk_idx, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False):
         """DeepEP ``low_latency_dispatch``: send each token to the ranks of its experts, grouped per local expert.
 
@@ -711,6 +717,7 @@ class LowLatencyBuffer:
     low_latency_dispatch = dispatch
 
     # ---- combine ---------------------------------------------------------------------------------------------------
+    @collective("LowLatencyBuffer.combine", guard=_GUARD)
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle):
         """DeepEP ``low_latency_combine``: bring the expert outputs back to their tokens **and apply the weights**.
 

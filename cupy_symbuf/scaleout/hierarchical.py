@@ -31,6 +31,7 @@ machine's Open MPI is not CUDA-aware. The array module is chosen in one place (`
 """
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from ..moe import checks as _moe_checks
 from ..moe.routing import align_counts, token_layout
 from ..common.errors import SymBufferRejectedError
 from ..wire.channel_layout import check_row_fits
+from ..transport.guard import CallGuard, collective, guarded
 
 __all__ = ["HierarchicalCommunicator", "HierarchicalDispatchHandle", "node_size_from_env"]
 
@@ -56,6 +58,23 @@ BACKENDS = ("host", "cuda", "auto")
 INTER_NODE = ("auto", "mpi", "nccl")
 #: The exchange communicators of failed HierarchicalCommunicators, never freed (see ``close``).
 _LEFT_ALLOCATED: list = []
+
+_GUARD = operator.attrgetter("_guard")
+
+
+def _told(op: str):
+    """The rejection of a hierarchical collective: its first step, the bounded agreement, carries this rank's
+    error (the peers raise SymBufferRejectedError naming this rank; nothing moves)."""
+    def reject(h, arguments, exc):
+        if h._closed or h._broken:
+            return None
+        try:
+            h._agree(op, None, exc, "")
+        except BaseException as e:  # the agreement raises exc itself after telling the peers
+            if e is not exc:
+                raise
+        return "SymBufferRejectedError naming this rank"
+    return reject
 
 
 def _address(a) -> int:
@@ -256,6 +275,7 @@ class HierarchicalCommunicator:
                  inter_node: str = "auto"):
         from ..communicator import Communicator
         from ..transport.symbuffer import resolve_backend
+        self._guard = CallGuard()  # one thread at a time inside this communicator's calls
         W, me = comm.Get_size(), comm.Get_rank()
         err = None
         k = node_size
@@ -461,6 +481,7 @@ class HierarchicalCommunicator:
         return self._xp.ascontiguousarray(as_array(op, name, a, self.backend, min_ndim=0, contiguous=False))
 
     # ---- collectives ----------------------------------------------------------------------------------------
+    @collective("HierarchicalCommunicator.alltoallv", guard=_GUARD, reject=_told("HierarchicalCommunicator.alltoallv"))
     def alltoallv(self, sendbuf, send_counts):
         """Variable all-to-all over the nodes: the same arguments and result as :meth:`Communicator.alltoallv`.
 
@@ -562,6 +583,7 @@ class HierarchicalCommunicator:
             raise AssertionError(f"internal: {got.shape[0]} rows forwarded, {pos} expected")
         return out.view(x.dtype).reshape((out.shape[0],) + row_shape), recv_counts
 
+    @collective("HierarchicalCommunicator.alltoall", guard=_GUARD, reject=_told("HierarchicalCommunicator.alltoall"))
     def alltoall(self, sendbuf):
         """Equal blocks: :meth:`alltoallv` with one row each.
 
@@ -688,6 +710,7 @@ class HierarchicalCommunicator:
                  for n in range(N) for l in range(k)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
+    @collective("HierarchicalCommunicator.dispatch", guard=_GUARD, reject=_told("HierarchicalCommunicator.dispatch"))
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
                  handle: Optional[HierarchicalDispatchHandle] = None, expert_alignment: int = 1):
         """Send each token to every rank holding one of its experts, crossing nodes once per destination node.
@@ -867,6 +890,7 @@ class HierarchicalCommunicator:
         recv_x = (nx[0][order], nx[1][order]) if scales is not None else nx[order]
         return recv_x, None, None, h.num_recv_tokens_per_expert(align), h
 
+    @collective("HierarchicalCommunicator.combine", guard=_GUARD, reject=_told("HierarchicalCommunicator.combine"))
     def combine(self, x, handle: HierarchicalDispatchHandle, topk_weights=None, *, dtype=None):
         """Return each dispatched token's rows to its source rank and sum them there, reducing inside each node
         first. Collective.
@@ -1006,6 +1030,7 @@ class HierarchicalCommunicator:
             self._fail(exc)
             raise
 
+    @guarded("HierarchicalCommunicator.close", guard=_GUARD)
     def close(self) -> None:
         """Close the node communicator and free the MPI communicators (collective); idempotent. After a failure
         (see Notes of the class) the communicators of the bounded exchanges stay allocated: messages of the failed

@@ -60,10 +60,15 @@ class Engine:
     The engine reaches its communicator's lifecycle only through the callbacks it is given: ``check_open()``
     raises unless the communicator may be used, ``failure()`` returns why it is broken (None while it is not) and
     ``on_broken(msg)`` marks it broken.
+
+    ``guard``: the communicator's :class:`~cupy_symbuf.transport.guard.CallGuard` (one thread at a time inside
+    its calls; :meth:`call` enters it too, so every user of the engine shares it).
     """
 
     def __init__(self, transport, layout, config, *, rank: int, world_size: int, backend: str, heap,
-                 check_open, failure, on_broken):
+                 check_open, failure, on_broken, guard=None):
+        from .guard import CallGuard
+        self.guard = CallGuard() if guard is None else guard
         self.transport = transport
         self.heap = heap
         self._check_open, self._failure, self._on_broken = check_open, failure, on_broken
@@ -86,6 +91,9 @@ class Engine:
                                 interval=config.adaptive_interval)
         #: the GPU's work-sharing kernel counts the loads itself (device counters, device-count calls included)
         self._device_load = backend == "cuda" and config.adaptive and world_size > 1
+
+    def __repr__(self) -> str:
+        return f"the communicator of rank {self.rank} (world_size {self.world_size}, backend {self.backend!r})"
 
     # ---- lifecycle hooks ------------------------------------------------------------------------------------
     def check_open(self) -> None:
@@ -159,8 +167,10 @@ class Engine:
     def call(self, op: str, *, notify: bool):
         """Context of one collective ``op`` (``notify``: its first step is a count exchange). An exception raised
         before the first step is a rejection: the peers are told (they raise
-        :class:`~cupy_symbuf.SymBufferRejectedError`), then it propagates unchanged."""
+        :class:`~cupy_symbuf.SymBufferRejectedError`), then it propagates unchanged. Another thread inside one of
+        the communicator's calls: ``RuntimeError`` (:class:`~cupy_symbuf.transport.guard.CallGuard`), nothing told."""
         self.check_open()
+        took = self.guard.enter(op, self)
         state = _CallState()
         outer, self._state = self._state, state
         try:
@@ -178,6 +188,8 @@ class Engine:
             raise
         finally:
             self._state = outer
+            if took:
+                self.guard.leave()
 
     def reject(self, op: str, notify: bool) -> None:
         """A collective whose arguments this rank rejected before its first step (the caller re-raises its own

@@ -24,7 +24,8 @@ import weakref
 
 from ..common.config import env_abort_default
 
-__all__ = ["register", "unregister", "abort_job", "env_abort_default", "live_mpi_objects"]
+__all__ = ["register", "unregister", "keep_dropped", "open_objects", "abort_job", "env_abort_default",
+           "live_mpi_objects"]
 
 _lock = threading.Lock()
 #: creation number -> (object, its state callback, its abort callback), all held weakly (Communicator or standalone
@@ -70,6 +71,21 @@ def register(obj, *, state, abort=None) -> int:
 def unregister(token) -> None:
     with _lock:
         _registry.pop(token, None)
+
+
+def keep_dropped(token, obj, *, state, abort=None) -> None:
+    """Hold the registered ``obj`` strongly from now on (its finalizer found it dropped while open): it stays in
+    its place in the registry, so exit closes it collectively with the others, newest first, in the same order
+    on every rank. Called from a finalizer: takes no lock (replacing a present key's value is atomic and never
+    changes the dict's size under an iteration)."""
+    if token in _registry:
+        _registry[token] = ((lambda: obj), (lambda: state), None if abort is None else (lambda: abort))
+
+
+def open_objects() -> list:
+    """The registered objects still open and made by this process (dropped ones held by :func:`keep_dropped`
+    included), newest first."""
+    return _open_objects()
 
 
 def _mpi_abort(code: int) -> None:  # tests replace this

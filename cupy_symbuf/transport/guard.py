@@ -1,0 +1,185 @@
+"""The entry of every collective: one thread at a time inside a communicator, and a call that cannot even start
+(a mistyped keyword, a missing argument) told to the peers like any other rejected argument.
+
+* :class:`CallGuard`: held by the thread inside one of a communicator's calls (re-entrant for that thread: a
+  collective made of collectives). Another thread entering meanwhile gets ``RuntimeError`` at once, naming the
+  operation, the communicator and the thread already inside; the call inside is unaffected and the communicator
+  stays usable. One non-blocking lock acquire per call (a fraction of a microsecond).
+* :func:`collective`: the decorator of a public collective method: enters the guard, runs the method, and when
+  Python could not bind the call's arguments (``TypeError`` before the method's first line, or before the
+  function it forwards ``**kwargs`` to) tells the peers through the owner's rejection path before raising: they
+  leave the call at once instead of waiting out ``timeout_s``. The method's signature and documentation are its
+  own (``functools.wraps``); the arguments are bound again only on that failure.
+
+Several communicators may be used from several threads at once, each by one thread at a time.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import re
+import threading
+from _thread import get_ident
+
+__all__ = ["CallGuard", "collective"]
+
+
+class CallGuard:
+    """Who is inside an object's calls: at most one thread at a time (that thread may nest calls).
+
+    ``took = guard.enter(op, obj)`` before a call, and ``guard.leave()`` after it when ``took`` (False: this thread
+    was already inside, a nested call). ``RuntimeError`` (:meth:`busy`) when another thread is inside."""
+
+    __slots__ = ("lock", "owner", "op")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.owner = None  # the ident of the thread inside (None: free)
+        self.op = None     # the outermost operation it is in
+
+    def enter(self, op: str, obj=None) -> bool:
+        if self.lock.acquire(False):
+            self.owner = get_ident()
+            self.op = op
+            return True
+        if self.owner == get_ident():  # (only this thread could have set it to its own ident)
+            return False
+        raise self.busy(op, obj)
+
+    def leave(self) -> None:
+        self.owner = self.op = None
+        self.lock.release()
+
+    def busy(self, op: str, obj=None) -> RuntimeError:
+        """The error of a thread that found another one inside (nothing was done: its call did not take part)."""
+        owner, inside = self.owner, self.op
+        who = "another thread"
+        if owner is not None:
+            for t in threading.enumerate():
+                if t.ident == owner:
+                    who = f"thread {t.name!r} (ident {owner})"
+                    break
+            else:
+                who = f"thread ident {owner}"
+        me = threading.current_thread()
+        comm = getattr(obj, "comm", None)  # a LowLatencyBuffer / DeltaExchange: the communicator whose guard it is
+        what = f"{obj!r}" + (f" over {comm!r}" if type(comm).__name__ == "Communicator" else "")
+        return RuntimeError(
+            f"{op}: {who} is inside {inside or 'a call'} of {what}, and this call comes from thread {me.name!r} "
+            f"(ident {me.ident}): a communicator takes one thread at a time. This call did nothing (the peers "
+            f"were not told of it) and the call inside goes on; use one communicator per thread, or serialise the "
+            f"calls (a lock around them, in the same order on every rank)")
+
+
+def _lenient(sig: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call that did not bind, as far as they go (unknown keywords and surplus positionals
+    dropped; defaults filled in; a missing required argument absent)."""
+    params = list(sig.parameters.values())[1:]  # without self
+    npos = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    if not any(p.kind is p.VAR_POSITIONAL for p in params):
+        args = args[:npos]
+    taken = {p.name for p in params[:len(args)]}
+    named = {k: v for k, v in kwargs.items() if k in sig.parameters and k not in taken
+             and sig.parameters[k].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    out = {p.name: p.default for p in params if p.default is not p.empty}
+    try:
+        out.update(sig.bind_partial(None, *args, **named).arguments)
+    except TypeError:
+        pass
+    return out
+
+
+def _hint(exc: TypeError, known) -> str:
+    m = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+    if m:
+        close = difflib.get_close_matches(m.group(1), sorted(known), n=1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
+
+
+def collective(op: str, *, guard, reject=None, forwards=None):
+    """Decorate the public collective method ``op`` (the name errors give, e.g. ``"alltoall"``).
+
+    ``guard(self)``: the :class:`CallGuard` of the object. ``reject(self, arguments, exc)``: tell the peers that
+    this rank's call failed before its first step (``arguments``: what could be bound, defaults filled in;
+    ``exc``: the ``TypeError``); returns what the peers see (a phrase), or None where nothing can be told.
+    ``forwards``: the function the method passes its ``**kwargs`` to, its first parameter taking the engine (a
+    keyword neither accepts is a binding error too). The method keeps its own signature and documentation.
+
+    Cost per call: one non-blocking lock acquire and release and two attribute writes (about 0.1-0.3 us on a
+    host CPU); arguments are bound again only when a ``TypeError`` leaves the call."""
+
+    def deco(fn):
+        sig = inspect.signature(fn)
+        known = set(sig.parameters) - {"self"}
+        if forwards is not None:
+            known |= set(list(inspect.signature(forwards).parameters)[1:])  # (its first: the engine)
+        known -= {p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD}
+
+        def bad_call(self, exc, args, kwargs):
+            told = None
+            if reject is not None:
+                told = reject(self, _lenient(sig, args, kwargs), exc)
+            text = str(exc)
+            if told:
+                after = f"the peers were told (their call raises {told}) and this object stays usable"
+            elif told == "":
+                after = "nothing was communicated"
+            else:
+                after = "the peers could not be told"
+            msg = f"{op}: {text}{_hint(exc, known)}; {after}"
+            err = TypeError(msg)
+            err.symbuf_told = True
+            return err
+
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            g = guard(self)
+            if g.lock.acquire(False):  # (CallGuard.enter, inline: the per-call cost is this acquire)
+                g.owner = get_ident()
+                g.op = op
+            elif g.owner == get_ident():
+                return fn(self, *args, **kwargs)  # nested: the outermost call of this thread handles errors
+            else:
+                raise g.busy(op, self)
+            try:
+                return fn(self, *args, **kwargs)
+            except TypeError as exc:
+                # a binding error: raised before the method's first line (no frame of it in the traceback), or
+                # by the call it forwards **kwargs to (a keyword neither knows); every other TypeError is an
+                # argument check, already told to the peers
+                if not getattr(exc, "symbuf_told", False) and (
+                        exc.__traceback__.tb_next is None or
+                        (forwards is not None and not kwargs.keys() <= known)):
+                    raise bad_call(self, exc, args, kwargs) from None
+                raise
+            finally:
+                g.owner = g.op = None
+                g.lock.release()
+
+        wrapper.__signature__ = sig
+        return wrapper
+
+    return deco
+
+
+def guarded(op: str, *, guard):
+    """Decorate a method that takes part in the object's calls but has no rejection path (``close``,
+    ``synchronize``): the :class:`CallGuard` only."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            g = guard(self)
+            if not g.enter(op, self):
+                return fn(self, *args, **kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                g.leave()
+
+        return wrapper
+
+    return deco
