@@ -359,7 +359,8 @@ def _close_all(b, c):
 
 
 def _reject_dispatch(c, ll, bad: int, it: int, how: str = "too_many") -> None:
-    """Rank ``bad`` rejects a dispatch (``how``: one token more than N, or a KeyboardInterrupt during its checks);
+    """Rank ``bad`` rejects a dispatch (``how``: one token more than N, a KeyboardInterrupt during its checks, or a
+    keyword Python cannot bind, ``use_fp9=``);
     it raises its own error, every other rank SymBufferRejectedError naming it (GPU: from synchronize, the
     call's counts then zero). Collective."""
     N, H, E = ll.N, ll.H, ll.num_experts
@@ -370,6 +371,9 @@ def _reject_dispatch(c, ll, bad: int, it: int, how: str = "too_many") -> None:
             with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank") as ei:
                 ll.dispatch(dev(c, x), dev(c, i))
             assert not isinstance(ei.value, SymBufferRejectedError)
+        elif how == "typo":
+            with pytest.raises(TypeError, match="use_fp9.*the peers were told"):
+                ll.dispatch(dev(c, x), dev(c, i), use_fp9=True)
         else:
             def interrupted(*a, **k):
                 raise KeyboardInterrupt("simulated Ctrl-C during the argument checks")
@@ -412,7 +416,7 @@ def _reject_combine(c, ll, bad: int, it: int) -> None:
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
-@pytest.mark.parametrize("how", ["too_many", "interrupt"])
+@pytest.mark.parametrize("how", ["too_many", "interrupt", "typo"])
 def test_call_rejected_on_one_rank_is_told_to_the_peers(comm, how, blocking):
     """A dispatch rejected on one rank only (one token too many, or Ctrl-C during its checks): every rank raises
     (the peers SymBufferRejectedError naming it), no rank returns rows of another call, and the next three calls

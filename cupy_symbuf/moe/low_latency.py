@@ -96,6 +96,20 @@ from ..transport.guard import collective
 #: a LowLatencyBuffer's calls take its communicator's guard: one thread at a time for both
 _GUARD = operator.attrgetter("comm.engine.guard")
 
+
+def _reject_unbound(which: int):
+    """The ``reject`` of :func:`~cupy_symbuf.transport.guard.collective` for dispatch (0) / combine (1): a call
+    Python cannot bind on this rank (a mistyped keyword) is a rejection told to the peers, as any other exception
+    before the first step (:meth:`LowLatencyBuffer._tell_rejected`)."""
+    def reject(buf, arguments, exc):
+        if buf.world_size == 1:
+            return ""
+        if buf._closed or buf._broken or buf._engine.broken:
+            return None
+        buf._tell_rejected(which)
+        return "SymBufferRejectedError"
+    return reject
+
 __all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISPATCH_FIELDS", "LL_COMBINE_FIELDS",
            "LL_SOURCE"]
 
@@ -592,7 +606,7 @@ class LowLatencyBuffer:
                                              np.float32)
 
     # ---- dispatch --------------------------------------------------------------------------------------------------
-    @collective("LowLatencyBuffer.dispatch", guard=_GUARD)  # (no rejection path: a binding error is local)
+    @collective("LowLatencyBuffer.dispatch", guard=_GUARD, reject=_reject_unbound(0))
     def dispatch(self, x, topk_idx, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False):
         """DeepEP ``low_latency_dispatch``: send each token to the ranks of its experts, grouped per local expert.
 
@@ -717,7 +731,7 @@ class LowLatencyBuffer:
     low_latency_dispatch = dispatch
 
     # ---- combine ---------------------------------------------------------------------------------------------------
-    @collective("LowLatencyBuffer.combine", guard=_GUARD)
+    @collective("LowLatencyBuffer.combine", guard=_GUARD, reject=_reject_unbound(1))
     def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle):
         """DeepEP ``low_latency_combine``: bring the expert outputs back to their tokens **and apply the weights**.
 
