@@ -185,8 +185,12 @@ class Communicator:
     Threads. One thread at a time per communicator: a call from a second thread while one is inside any of its
     calls (collectives, symmetric arrays, :meth:`synchronize`, :meth:`close`, a ``LowLatencyBuffer`` or
     ``DeltaExchange`` over it) raises ``RuntimeError`` at once naming the operation and the thread inside; nothing
-    is sent and the call inside goes on. Several communicators may be used from several threads at once.
-    :meth:`abort` may be called from any thread. A call Python cannot bind (a mistyped keyword) is a rejection
+    is sent and the call inside goes on. Any thread may call (cuda: each call makes the communicator's GPU current
+    in the calling thread, and the thread's own current device again after it, so a new thread needs no
+    ``cupy.cuda.Device(...).use()``). Several communicators may be used from several threads at once; on the
+    GPU give each thread a stream of its own (``with cupy.cuda.Stream(non_blocking=True):``), as with NCCL:
+    kernels of two communicators queued on one stream in a different order on two ranks wait for each other
+    until ``timeout_s``. :meth:`abort` may be called from any thread. A call Python cannot bind (a mistyped keyword) is a rejection
     like any bad argument: ``TypeError`` here, :class:`~cupy_symbuf.SymBufferRejectedError` on the peers.
     """
 
@@ -254,6 +258,8 @@ class Communicator:
             raise
         self.rank = self.buffer.rank
         self.backend = self.buffer.backend
+        if self.backend == "cuda":  # every call makes it current in the calling thread (any thread may call)
+            self._guard.device = self.buffer.device_id
         self.xp = _compat.array_module(self.backend)
         self._epoch = 0
         try:

@@ -100,11 +100,14 @@ def test_second_thread_is_refused_while_a_call_is_inside(backend, comm, mode):
     """On each rank in turn a worker thread is inside alltoall (held in its argument conversion, or waiting for a
     peer that enters late) while the main thread hammers every entry point of the same communicator: each gets
     RuntimeError at once naming the operation, the worker thread and the communicator, and tells no peer; the
-    worker's call returns the right rows, and later calls are right."""
+    worker's call returns the right rows, and later calls are right. The worker thread makes no device current
+    of its own (the communicator does). On the GPU a call returns once its kernel is queued: only with
+    ``Config(blocking=True)`` does it wait inside for the late peer."""
     W = comm.size
     if mode == "waiting_for_a_peer" and W < 2:
         pytest.skip("needs a peer to wait for")
-    c = cs.Communicator(comm, cs.Config(**CFG), backend=backend)
+    cfg = dict(CFG, blocking=True) if backend == "cuda" and mode == "waiting_for_a_peer" else CFG
+    c = cs.Communicator(comm, cs.Config(**cfg), backend=backend)
     try:
         extra = _setup_extra(c, backend)
         calls = _entry_points(c, backend, extra)
@@ -207,22 +210,28 @@ def test_two_threads_hammering_one_communicator_of_one_rank(backend):
 
 
 def test_several_communicators_from_several_threads(backend, comm):
-    """What is allowed: each thread its own communicator, all at once."""
+    """What is allowed: each thread its own communicator, all at once (the threads make no device current of their
+    own). On the GPU each thread runs on a stream of its own, as with NCCL: kernels of two communicators queued
+    on one stream in a different order on two ranks would wait for each other until ``timeout_s``."""
     comms = [comm.Dup() for _ in range(2)]
     cs_ = [cs.Communicator(m, cs.Config(**CFG), backend=backend) for m in comms]
     errors = []
+    if backend == "cuda":
+        import cupy
+        streams = [cupy.cuda.Stream(non_blocking=True) for _ in cs_]
+    else:
+        import contextlib
+        streams = [contextlib.nullcontext() for _ in cs_]
 
-    def run(c):
+    def run(c, stream):
         try:
-            if backend == "cuda":
-                import cupy
-                cupy.cuda.Device(c.buffer.device_id if hasattr(c.buffer, "device_id") else 0).use()
-            _check_calls(c, backend, rounds=20)
+            with stream:
+                _check_calls(c, backend, rounds=20)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
     try:
-        threads = [threading.Thread(target=run, args=(c,)) for c in cs_]
+        threads = [threading.Thread(target=run, args=(c, s)) for c, s in zip(cs_, streams)]
         for t in threads:
             t.start()
         for t in threads:
@@ -273,7 +282,8 @@ def _bad_calls(c, backend):
 
 def test_mistyped_keyword_on_one_rank_is_told_to_the_peers(backend, comm):
     """Rank 0 makes a call Python cannot bind; it raises TypeError (naming the keyword, with a suggestion), the
-    other ranks raise the rejection naming rank 0 within a second, and the communicator stays usable."""
+    other ranks raise the rejection naming rank 0 within a second, and the communicator stays usable. On the GPU
+    a call without a count exchange returns once queued: its rejection is raised by ``synchronize()``."""
     c = cs.Communicator(comm, cs.Config(**CFG), backend=backend)
     try:
         for label, bad, good in _bad_calls(c, backend):
@@ -281,6 +291,8 @@ def test_mistyped_keyword_on_one_rank_is_told_to_the_peers(backend, comm):
             t0 = time.monotonic()
             try:
                 (bad if c.rank == 0 else good)()
+                if c.backend == "cuda" and c.rank != 0:
+                    c.synchronize()
                 err = None
             except Exception as exc:  # noqa: BLE001 - checked below
                 err = exc
@@ -404,3 +416,62 @@ def test_job_dropped_communicators_warn_once_and_are_counted():
         assert f"LIVE rank {r} count=3 dropped=3 bytes_positive=True" in out, out
         assert f"DESCRIBE rank {r} 3 dropped without close()" in out, out
         assert f"EXITING rank {r}" in out, out  # then exit closes the three collectively (rc 0, within the limit)
+
+
+def test_gpu_guard_makes_its_device_current_in_each_thread(monkeypatch):
+    """A GPU object's guard (``CallGuard.device``): the outermost call of a new thread sets the device once (its
+    context current), a thread with another device current is switched for the call and back after it, nested
+    calls and a busy refusal touch nothing. Checked against a recording stand-in for CuPy's runtime."""
+    from types import SimpleNamespace
+
+    from cupy_symbuf.transport import guard as G
+
+    class Runtime:
+        def __init__(self):
+            self.local, self.log = threading.local(), []
+
+        def getDevice(self):
+            return getattr(self.local, "dev", 0)
+
+        def setDevice(self, d):
+            self.local.dev = d
+            self.log.append((threading.current_thread().name, d))
+
+    rt = Runtime()
+    monkeypatch.setattr(G._compat, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=rt)))
+
+    class Obj:
+        def __init__(self, device):
+            self._guard = G.CallGuard(device)
+
+        @G.collective("op", guard=lambda o: o._guard)
+        def op(self, nested=False):
+            if nested:
+                self.op()
+            return rt.getDevice()
+
+    o, other = Obj(0), Obj(1)
+    seen = {}
+
+    def body():
+        name = threading.current_thread().name
+        seen[name] = [o.op(), o.op(nested=True), rt.getDevice(), other.op(), rt.getDevice()]
+
+    for n in ("t-a", "t-b"):
+        t = threading.Thread(target=body, name=n)
+        t.start()
+        t.join(10)
+    for n in ("t-a", "t-b"):
+        # device 0 current in the call; stays (it was the thread's own); device 1 in other's call, 0 after it
+        assert seen[n] == [0, 0, 0, 1, 0], seen
+        assert [d for t, d in rt.log if t == n] == [0, 1, 0], rt.log  # a new thread's first call sets it once
+    # engine-style entry (CallGuard.enter / leave) restores too; a refused thread changes nothing
+    g = other._guard
+    rt.log.clear()
+    assert g.enter("engine.call") and rt.getDevice() == 1
+    res = {}
+    t = threading.Thread(target=lambda: res.update(e=pytest.raises(RuntimeError, g.enter, "x")), name="t-c")
+    t.start()
+    t.join(10)
+    g.leave()
+    assert rt.getDevice() == 0 and all(n != "t-c" for n, _ in rt.log), rt.log

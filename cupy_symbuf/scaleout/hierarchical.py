@@ -347,6 +347,7 @@ class HierarchicalCommunicator:
                                         "HierarchicalCommunicator (node communicators)")
             if node_err is not None:
                 raise node_err
+            self._guard.device = self.node_comm._guard.device  # (cuda: made current in the calling thread)
             bad = next(((r, b) for r, b in enumerate(built) if b), None)
             if bad is not None:
                 r, (kind, text) = bad
