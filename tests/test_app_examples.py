@@ -125,3 +125,21 @@ def test_moe_layer(n, experts):
     per_rank = re.findall(r"rank \d+: layer\s+[\d.]+ us, dispatch \+ combine\s+[\d.]+ us = ([\d.]+)%", out)
     assert len(per_rank) == n and all(0.0 < float(s) <= 100.0 for s in per_rank), out[-4000:]
     assert 0.0 < _share(out, "") <= 100.0
+
+
+def test_every_example_defaults_to_the_auto_backend():
+    """Every example with a ``--backend`` option defaults to ``auto`` (the GPU where one is visible), so a user on a
+    GPU machine who runs one without options gets the GPU path (symmetric_alltoall.py defaulted to ``host``)."""
+    import ast
+    found = []
+    for name in sorted(os.listdir(EXAMPLES)):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(EXAMPLES, name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args and \
+                    isinstance(node.args[0], ast.Constant) and node.args[0].value == "--backend":
+                default = {k.arg: k.value for k in node.keywords}.get("default")
+                found.append((name, getattr(default, "value", None)))
+    assert ("symmetric_alltoall.py", "auto") in found
+    assert all(d == "auto" for _, d in found), found
