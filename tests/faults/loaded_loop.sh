@@ -13,6 +13,7 @@ export PYTHONPATH=$PWD
 burners=()
 stop() { for p in "${burners[@]}"; do kill "$p" 2>/dev/null; done; }
 trap stop EXIT
+trap "exit 143" TERM INT
 for _ in $(seq 1 "$BURNERS"); do "$PY" -c 'while 1: pass' & burners+=($!); done
 fail=0
 t_all=$SECONDS
