@@ -236,8 +236,8 @@ class Communicator:
         stays allocated (a peer may still write into it). In a process forked from the creator, close() only
         forgets the communicator.
 
-        A peer that aborted the communicator (an exception left its ``with`` block, :meth:`abort`, a failure) before
-        or while this rank closes: close() frees everything, then raises that
+        A peer that left the communicator by aborting it (an exception left its ``with`` block or ended its script,
+        :meth:`abort`) before or while this rank closes: close() frees everything, then raises that
         :class:`~cupy_symbuf.SymBufferAbortedError` naming the rank (with ``Config.abort_on_failure``, the job ends
         with that message instead). Not while an exception leaves this rank's own ``with`` block (that exception is
         the one reported).
@@ -298,15 +298,20 @@ class Communicator:
             raise rejected
 
     def _peer_abort(self):
-        """The :class:`~cupy_symbuf.SymBufferAbortedError` of this communicator's abort word when it is set (one
-        look, no waiting), else None."""
+        """The :class:`~cupy_symbuf.SymBufferAbortedError` of this communicator's abort word when a rank set it on
+        leaving the communicator (an exception left its ``with`` block or ended its script, :meth:`abort`), else
+        None (one look, no waiting). A peer's own failure (timeout, mismatch) is that peer's to report: a rank that
+        took no part in the failed call closes cleanly."""
         from .common.errors import SymBufferAbortedError
+        from .wire import protocol as _protocol
         check = getattr(self._transport, "check_abort", None)
         try:
             if check is not None:
                 check("Communicator.close")
         except SymBufferAbortedError as exc:
-            return exc
+            left = {_protocol.ERR_NAMES[k] for k in (_protocol.ERR_LEFT_WITH, _protocol.ERR_UNCAUGHT,
+                                                     _protocol.ERR_USER)}
+            return exc if exc.reason in left else None
         except Exception:  # pragma: no cover - reading our own memory; never mask close()
             return None
         return None
