@@ -12,7 +12,7 @@ PYTEST := $(PY) -m pytest -q --color=no -p no:cacheprovider --timeout=300
 RUN_LIMIT ?= 1200
 NP ?= 4
 
-.PHONY: install install-demo demo test lint test-unit test-mpi test-gpu bench clean soak sanitize
+.PHONY: install install-demo demo test lint test-unit test-mpi test-gpu bench clean soak sanitize fault-loop
 
 install: $(VENV)/.installed
 
@@ -88,6 +88,12 @@ bench: install
 SOAK_ITERS ?= 2000
 soak: install
 	timeout $(RUN_LIMIT) $(MPIEXEC) -n $(NP) $(PY) examples/soak.py --iters $(SOAK_ITERS) --backend host --check-every 5
+
+# The fault suite FAULT_LOOPS times under CPU load (one busy loop per core): races in bounded waits and close() show
+# up as killed jobs or failed cases. One line per loop; fails if any loop failed. See tests/faults/loaded_loop.sh.
+FAULT_LOOPS ?= 3
+fault-loop: install
+	LOOPS=$(FAULT_LOOPS) PY=$(PY) timeout $$(( $(FAULT_LOOPS) * 1500 )) bash tests/faults/loaded_loop.sh
 
 # compute-sanitizer memcheck/racecheck/synccheck/initcheck over a small GPU soak at 1 and 2 ranks (GPU machine, Open
 # MPI's mpirun, CuPy's pool off); logs in $${OUT:-/tmp}/sanitize_*.log. See tests/faults/sanitize.sh for knobs.

@@ -337,6 +337,12 @@ class Communicator:
         :class:`~cupy_symbuf.SymBufferTimeoutError` (role "close") naming the missing ranks, and this rank's buffer
         stays allocated (a peer may still write into it). In a process forked from the creator, close() only
         forgets the communicator.
+
+        A peer that left the communicator by aborting it (an exception left its ``with`` block or ended its script,
+        :meth:`abort`) before or while this rank closes: close() frees everything, then raises that
+        :class:`~cupy_symbuf.SymBufferAbortedError` naming the rank (with ``Config.abort_on_failure``, the job ends
+        with that message instead). Not while an exception leaves this rank's own ``with`` block (that exception is
+        the one reported).
         """
         import os
 
@@ -349,6 +355,7 @@ class Communicator:
             self.buffer.close()  # forgets it there: the parent's memory is not freed by a child
             return
         was_broken = self._broken
+        leaving = getattr(self, "_leaving_by", None) is not None  # an exception leaves this rank's 'with' block
         err = None
         try:
             err = self._transport.close()  # GPU: waits for queued kernels; a recorded, unreported error or None
@@ -356,12 +363,22 @@ class Communicator:
             err = exc
         if err is not None and not self._broken:
             self._broken = f"{type(err).__name__}: {err}"
+        if err is None and not self._broken and not leaving:
+            err = self._peer_abort()  # a peer aborted before this rank closed
+            if err is not None:
+                self._broken = str(err)
         if self._broken and self.config.abort_on_failure:
             _lifecycle.abort_job(f"closing a failed Communicator: {self._broken}", self.rank)
             return  # reached only where the abort is replaced (tests)
+        seen = []
+
+        def on_arrival():  # every rank is in close(): a peer that aborted before entering it has set the word
+            if err is None and not self._broken and not leaving:
+                seen.append(self._peer_abort())
+
         try:
             self._heap.close()   # the symmetric arrays, then the buffer: collective and bounded, in the same order
-            self.buffer.close()  # on every rank; peers wait for it, whatever happened above
+            self.buffer.close(on_arrival=on_arrival)  # on every rank; peers wait for it, whatever happened above
         except SymBufferError as exc:
             if not self._broken:
                 self._broken = str(exc)
@@ -369,6 +386,12 @@ class Communicator:
                 _lifecycle.abort_job(f"Communicator.close: {exc}", self.rank)
                 return
             raise
+        if seen and seen[0] is not None:  # freed; the peer's abort is this close's error
+            err = seen[0]
+            self._broken = str(err)
+            if self.config.abort_on_failure:
+                _lifecycle.abort_job(str(err), self.rank)
+                return
         if err is not None and not was_broken:
             raise err  # a queued collective failed and nothing raised it yet (its results are not valid)
         rejected = getattr(self._transport, "pending_rejection", None)
@@ -380,6 +403,25 @@ class Communicator:
         """True once :meth:`close` ran (or construction failed); a closed communicator raises
         :class:`~cupy_symbuf.SymBufferClosedError` from every collective."""
         return getattr(self, "_closed", True)
+
+    def _peer_abort(self):
+        """The :class:`~cupy_symbuf.SymBufferAbortedError` of this communicator's abort word when a rank set it on
+        leaving the communicator (an exception left its ``with`` block or ended its script, :meth:`abort`), else
+        None (one look, no waiting). A peer's own failure (timeout, mismatch) is that peer's to report: a rank that
+        took no part in the failed call closes cleanly."""
+        from .common.errors import SymBufferAbortedError
+        from .wire import protocol as _protocol
+        check = getattr(self._transport, "check_abort", None)
+        try:
+            if check is not None:
+                check("Communicator.close")
+        except SymBufferAbortedError as exc:
+            left = {_protocol.ERR_NAMES[k] for k in (_protocol.ERR_LEFT_WITH, _protocol.ERR_UNCAUGHT,
+                                                     _protocol.ERR_USER)}
+            return exc if exc.reason in left else None
+        except Exception:  # pragma: no cover - reading our own memory; never mask close()
+            return None
+        return None
 
     def abort(self, reason: str = "") -> None:
         """Abort this communicator on every rank, like ``ncclCommAbort`` (local: returns at once, no communication).
@@ -458,9 +500,26 @@ class Communicator:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Close on every way out. An exception leaving the block first sets the abort word
+        (``ERR_LEFT_WITH``): peers in a collective leave at once with
+        :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank, and peers in :meth:`close` raise it (with
+        ``abort_on_failure``: end the job with it); then this rank closes (bounded) and its exception propagates."""
         if exc is None:
             self.close()
             return
+        if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == _getpid():
+            self._leaving_by = f"{exc_type.__name__}: {exc}"
+            set_abort = getattr(self._transport, "set_abort", None)
+            if set_abort is not None and not self._broken:
+                from .transport import lifecycle as _lifecycle
+                from .wire import protocol as _protocol
+                try:
+                    set_abort(_protocol.ERR_LEFT_WITH)
+                except Exception:  # pragma: no cover - never mask the exception that is leaving
+                    pass
+                if self.config.abort_on_failure:  # the peers may end the job before this traceback is printed
+                    _lifecycle.say(self.rank, f"{self._leaving_by} left 'with Communicator': the peers are told "
+                                              f"(abort word), closing")
         try:
             self.close()
         except Exception as close_exc:  # the exception that left the block stays the one reported

@@ -124,6 +124,8 @@ class Case:
     max_after_abort_s: Optional[float] = None  # the peers' records during `left_during` end within this many
     fault_line: str = "Communicator.abort"      # seconds of rank 1's "FAULT t=... rank 1: <fault_line>"
     left_during: str = "alltoall"
+    #: the other ranks' records (in the phases of ``records``) come at most this long after rank 1's FAULT line
+    max_after_fault_s: Optional[float] = None
 
     @property
     def script(self) -> str:
@@ -161,10 +163,20 @@ CASES = [
     Case("ok", 2, default=Expect("zero", no_records=True), handled=Expect("zero", no_records=True)),
     Case("ok4", 4, script_case="ok", default=Expect("zero", no_records=True),
          handled=Expect("zero", no_records=True)),
-    # a rank raises before a collective; the survivors time out naming it, then close()
+    # an exception leaves rank 1's 'with' block before a collective: its peers leave the collective within 1 s
+    # naming it (the abort word), then close()
     Case("raise_with", 2, **_both("nonzero", "nonzero",
-                                  records=((_surv(2), (TIMEOUT, ABORTED), r"alltoall.*" + PEER1, r"^alltoall$"),),
-                                  output=(r"injected failure on rank 1",))),
+                                  records=((_surv(2), (ABORTED,), r"alltoall.*" + PEER1 + r".*'with Communicator'",
+                                            r"^alltoall$"),),
+                                  output=(r"injected failure on rank 1",)), max_after_fault_s=1.0),
+    # ... while the peers are already in close(): their close() raises it (by default the job ends with it)
+    Case("raise_with_peer_closing", 2,
+         default=Expect("nonzero", output=(r"injected failure on rank 1",
+                                           r"Communicator\.close: rank 0: [^\n]*aborted by rank 1: an exception left "
+                                           r"its 'with Communicator' block")),
+         handled=Expect("nonzero", records=(((0,), (ABORTED,), PEER1 + r".*'with Communicator'", r"^close$"),),
+                        output=(r"injected failure on rank 1",)),
+         max_after_fault_s=1.0),
     Case("raise_nowith", 2, **_both("nonzero", "nonzero",
                                     records=((_surv(2), (TIMEOUT, ABORTED), r"alltoall.*" + PEER1, r"^alltoall$"),),
                                     output=(r"injected failure on rank 1",))),
@@ -299,6 +311,12 @@ def test_fault(name, mode):
                                f"on {need} of them, got {seen}\n{why}")
     for rx in exp.output:
         assert re.search(rx, run.out), f"output lacks /{rx}/\n{why}"
+    if case.max_after_fault_s is not None and exp.records:
+        fault_t = [float(t) for t in re.findall(r"FAULT t=([0-9.]+) rank 1:", run.out)]
+        left = [x["t"] for x in recs if x["rank"] != 1 and any(re.search(p[3], x["during"]) for p in exp.records)]
+        assert fault_t and left, f"no fault / leave times\n{why}"
+        assert max(left) - fault_t[0] <= case.max_after_fault_s, \
+            f"peers raised {max(left) - fault_t[0]:.2f} s after rank 1's fault (bound {case.max_after_fault_s} s)\n{why}"
     if case.max_after_abort_s is not None:
         aborted = [float(t) for t in re.findall(r"FAULT t=([0-9.]+) rank 1: " + re.escape(case.fault_line),
                                                 run.out)]

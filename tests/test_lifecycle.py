@@ -179,6 +179,128 @@ def test_peer_that_never_constructs_times_out_naming_it(comm):
         sub.Free()
 
 
+def test_bounded_barrier_never_splits_when_a_confirm_comes_after_the_deadline(comm, monkeypatch):
+    from cupy_symbuf.transport.bootstrap import MpiBootstrap
+    """Rank 0 arrives 1 s into the others' 2 s timeout and is slow between the two rounds: its "confirm" comes
+    after their deadline. Every rank must leave the same way (here: all pass). A second round cut at the first
+    deadline let the others withdraw while rank 0, holding their confirms, went on alone (into MPI_Win_free in
+    close(): the hang of a close racing a peer's timeout)."""
+    _need2(comm)
+    sub = comm.Dup()
+    if comm.rank == 0:
+        real = MpiBootstrap._gather
+
+        def slow_between_rounds(c, kind, *args, **kw):
+            got = real(c, kind, *args, **kw)
+            if kind == "here":
+                time.sleep(1.5)
+            return got
+        monkeypatch.setattr(MpiBootstrap, "_gather", slow_between_rounds)
+    comm.Barrier()
+    if comm.rank == 0:
+        time.sleep(1.0)
+    try:
+        _agree.barrier(sub, 2.0, "split test")
+        outcome = "passed"
+    except cs.SymBufferTimeoutError as exc:
+        outcome = f"raised {exc}"
+    monkeypatch.undo()
+    outcomes = comm.allgather(outcome)
+    try:
+        assert len(set(o.split(" ")[0] for o in outcomes)) == 1, f"ranks left the barrier differently: {outcomes}"
+    finally:
+        comm.Barrier()
+        time.sleep(0.05)
+        _agree.discard_leftovers(sub)
+        comm.Barrier()
+        sub.Free()
+
+
+def test_bounded_barrier_withdraws_when_everyone_is_heard_only_after_the_deadline(comm, monkeypatch):
+    from cupy_symbuf.transport.bootstrap import MpiBootstrap
+    """A rank that hears from every peer only after its own deadline (it was descheduled) withdraws instead of
+    confirming; the peers, which heard from it, then raise too: nobody goes on alone."""
+    _need2(comm)
+    sub = comm.Dup()
+    if comm.rank == 0:
+        real = MpiBootstrap._gather
+
+        def stalled(c, kind, *args, **kw):
+            got = real(c, kind, *args, **kw)
+            if kind == "here":
+                time.sleep(1.2)  # descheduled past this rank's 1 s deadline before it could confirm
+            return got
+        monkeypatch.setattr(MpiBootstrap, "_gather", stalled)
+    comm.Barrier()
+    try:
+        _agree.barrier(sub, 1.0 if comm.rank == 0 else 5.0, "late test")
+        outcome = "passed"
+    except cs.SymBufferTimeoutError as exc:
+        outcome = "raised " + ("late" if "only after its timeout" in str(exc) else "withdrawn" if exc.withdrawn else
+                               str(exc))
+    monkeypatch.undo()
+    outcomes = comm.allgather(outcome)
+    try:
+        assert outcomes[0] == "raised late" and all(o == "raised withdrawn" for o in outcomes[1:]), outcomes
+    finally:
+        comm.Barrier()
+        time.sleep(0.05)
+        _agree.discard_leftovers(sub)
+        comm.Barrier()
+        sub.Free()
+
+
+def test_exception_leaving_with_releases_peers_at_once(comm):
+    """An exception leaving ``with Communicator`` on rank 1 sets the abort word: a peer in a collective raises
+    SymBufferAbortedError naming rank 1 well within 1 s (not after timeout_s), and every rank's close() is clean."""
+    _need2(comm)
+    comm.Barrier()
+    t_raise = None
+    try:
+        with cs.Communicator(comm, cs.Config(timeout_s=20), backend="host") as c:
+            _check_alltoall(c)
+            comm.Barrier()
+            if comm.rank == 1:
+                time.sleep(0.3)
+                t_raise = time.time()
+                raise KeyError("left on purpose")
+            t0 = time.time()
+            with pytest.raises(cs.SymBufferAbortedError, match=r"aborted by rank 1: an exception left its 'with "
+                                                               r"Communicator' block") as info:
+                c.alltoall(np.zeros((comm.size, 4), np.float32))
+            assert info.value.aborting_rank == 1
+            t_left = time.time()
+    except KeyError:
+        assert comm.rank == 1
+    times = comm.allgather((t_raise, t_left if comm.rank != 1 else None))
+    raised = times[1][0]
+    for r, (_, left) in enumerate(times):
+        if r != 1:
+            assert left - raised < 1.0, f"rank {r} left {left - raised:.2f} s after rank 1's exception"
+
+
+def test_exception_leaving_with_is_seen_by_peers_in_close(comm):
+    """Rank 1 raises inside ``with`` while the others already wait in close(): their close() frees everything and
+    raises SymBufferAbortedError naming rank 1 (``abort_on_failure`` off here; on, the job would end with it)."""
+    _need2(comm)
+    comm.Barrier()
+    before = _lifecycle.live_mpi_objects()
+    try:
+        with cs.Communicator(comm, cs.Config(timeout_s=20), backend="host") as c:
+            _check_alltoall(c)
+            if comm.rank == 1:
+                time.sleep(0.5)
+                raise KeyError("left on purpose")
+    except KeyError:
+        assert comm.rank == 1
+    except cs.SymBufferAbortedError as exc:
+        assert comm.rank != 1 and exc.aborting_rank == 1 and "'with Communicator'" in str(exc)
+    else:
+        pytest.fail("close() returned although rank 1 left by an exception")
+    assert c._closed and _lifecycle.live_mpi_objects() == before  # freed on every rank
+    comm.Barrier()
+
+
 def test_close_with_a_peer_that_never_closes_is_bounded(comm):
     _need2(comm)
     c = cs.Communicator(comm, cs.Config(timeout_s=0.5), backend="host")

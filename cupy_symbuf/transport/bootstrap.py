@@ -43,7 +43,7 @@ class CollectiveTimeoutError(SymBufferTimeoutError):
     first), ``what`` names the step."""
 
     def __init__(self, *, rank: int, missing: List[int], what: str, role: str, timeout_s: float,
-                 withdrawn: bool = False):
+                 withdrawn: bool = False, late: bool = False):
         # SymBufferTimeoutError's attributes, without its ring-specific message
         self.rank, self.peer, self.channel, self.role = rank, (missing[0] if missing else -1), -1, role
         self.head, self.tail, self.timeout_s, self.op = -1, -1, timeout_s, what
@@ -55,6 +55,9 @@ class CollectiveTimeoutError(SymBufferTimeoutError):
         if withdrawn:
             text = (f"{what}: on rank {rank}: {ranks} gave up waiting (timeout_s expired there) before every rank "
                     f"arrived; this rank must not go on alone")
+        elif late:
+            text = (f"{what}: timeout after {timeout_s:g} s on rank {rank}: this rank heard from {ranks} only after "
+                    f"its timeout expired, and withdrew (the peers leave too)")
         else:
             text = (f"{what}: timeout after {timeout_s:g} s on rank {rank}: {ranks} never arrived (failed, exited, "
                     f"or not calling {what} on this communicator)")
@@ -117,6 +120,8 @@ def _sleep(spins: int) -> None:
 
 
 _HERE, _CONFIRM, _WITHDRAWN = "here", "confirm", "withdrawn"
+#: Seconds added to a peer's ``timeout_s`` for its "confirm" or "withdrawn" to reach this rank (second round).
+DELIVERY_GRACE_S = 1.0
 
 
 class MpiBootstrap:
@@ -138,13 +143,22 @@ class MpiBootstrap:
                   on_slow=None) -> list:
         """Every rank's ``obj``, like ``comm.allgather(obj)`` but bounded by ``timeout_s``.
 
-        Two rounds of point-to-point messages: "here" (with ``obj``), then "confirm" once a rank has heard from
-        everyone. A rank whose wait expires sends "withdrawn" to every peer and raises
-        :class:`CollectiveTimeoutError` naming the ranks it did not hear from; a peer that arrives late then finds
-        "withdrawn" in the second round and raises too, instead of going on alone into a blocking step (a window
-        free, a Split) that the withdrawn rank never joins. (Only a rank dying between the two rounds of the others
-        can still leave one waiting.)
+        Two rounds of point-to-point messages: "here" (with ``obj`` and this rank's ``timeout_s``), then "confirm"
+        once a rank has heard from everyone. A rank whose first-round wait expires sends "withdrawn" to every peer
+        and raises :class:`CollectiveTimeoutError` naming the ranks it did not hear from; a peer that arrives late
+        then finds "withdrawn" in the second round and raises too, instead of going on alone into a blocking step
+        (a window free, a Split) that the withdrawn rank never joins. Every rank thus leaves the same way, which
+        takes two rules:
 
+        * a rank confirms only before its own deadline (one that heard from everyone too late withdraws instead);
+        * the second round is not cut by this rank's first deadline: once every "here" is in, each peer decides
+          (confirm or withdraw) before its own deadline, at most that peer's ``timeout_s`` after its "here" was
+          received, so the second round waits that long (plus :data:`DELIVERY_GRACE_S`). A second round cut at the
+          first deadline let a rank withdraw after its "confirm" had gone out: the peer that received it went on
+          into ``MPI_Win_free`` alone and never returned (a ``close()`` that hung under CPU load).
+
+        The second round takes milliseconds unless a peer stalls between the rounds; only a peer that dies there
+        (or stalls past that bound) can still leave the others split.
         Raises :class:`~cupy_symbuf.SymBufferError` when a peer's message belongs to another step (``what``
         differs: a stale message of an earlier exchange that timed out, or ranks calling different steps).
         """
@@ -155,15 +169,21 @@ class MpiBootstrap:
             return out
         peers = [r for r in range(size) if r != rank]
         t0 = time.monotonic()
-        state = {"deadline": t0 + timeout_s, "t0": t0, "on_slow": on_slow}
+        deadline = t0 + timeout_s
+        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow}
         sends: list = []
         try:
-            for kind, payload in ((_HERE, obj), (_CONFIRM, None)):
-                sends += [comm.isend((kind, what, payload), dest=r, tag=TAG) for r in peers]
-                got = self._gather(kind, what, peers, state, role, timeout_s)
-                if kind == _HERE:
-                    for r, v in got.items():
-                        out[r] = v
+            sends += [comm.isend((_HERE, what, (timeout_s, obj)), dest=r, tag=TAG) for r in peers]
+            got = self._gather(_HERE, what, peers, state, role, timeout_s)
+            heard = time.monotonic()
+            if heard > deadline:  # heard from everyone, but too late: a peer may have withdrawn already
+                raise CollectiveTimeoutError(rank=rank, missing=sorted(state.get("late") or peers), what=what,
+                                             role=role, timeout_s=timeout_s, late=True)
+            for r, (_, v) in got.items():
+                out[r] = v
+            sends += [comm.isend((_CONFIRM, what, None), dest=r, tag=TAG) for r in peers]
+            state["deadline"] = heard + max(t for t, _ in got.values()) + DELIVERY_GRACE_S
+            self._gather(_CONFIRM, what, peers, state, role, timeout_s)
             return out
         except CollectiveTimeoutError:
             # also after a peer's withdrawal: peers already in the second round must not wait for our confirm
@@ -201,6 +221,8 @@ class MpiBootstrap:
                 got[r] = their_obj
                 waiting.remove(r)
                 progressed = True
+                if time.monotonic() > state["deadline"]:
+                    state.setdefault("late", []).append(r)
             if not waiting:
                 break
             now = time.monotonic()

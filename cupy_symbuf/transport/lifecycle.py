@@ -11,6 +11,9 @@
 * Any other exception that reaches the top level of a script (not an interactive session) first sets the abort
   word of this rank's open communicators (``ERR_UNCAUGHT``): the peers' collectives leave at once naming this rank,
   and they reach ``close()`` while this rank's exit-time close still waits for them.
+* An exception leaving a ``with Communicator`` block does the same for that communicator
+  (``Communicator.__exit__``, ``ERR_LEFT_WITH``) before closing it; peers already in ``close()`` then raise
+  ``SymBufferAbortedError`` naming the rank (with ``abort_on_failure``: the job ends with it).
 * :func:`live_mpi_objects` counts the MPI communicators and windows this package holds (tests check it for leaks).
 """
 from __future__ import annotations

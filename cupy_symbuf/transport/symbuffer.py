@@ -674,8 +674,12 @@ class SymBuffer:
         """True once :meth:`close` ran (or construction failed)."""
         return self._closed
 
-    def close(self) -> None:
+    def close(self, *, on_arrival=None) -> None:
         """Unmap peers and free the buffer; collective over ``comm``, bounded by ``timeout_s``. Idempotent.
+
+        ``on_arrival``: called with no arguments on every rank once every rank is in close() (after the bounded
+        barrier), while the buffer is still mapped (``Communicator.close`` reads its abort word there); must not
+        raise.
 
         A peer that never closes (failed, exited) gives :class:`~cupy_symbuf.SymBufferTimeoutError` (role "close",
         ``missing`` names the ranks) within ``timeout_s``; this rank's buffer then stays allocated (a peer may still
@@ -699,6 +703,8 @@ class SymBuffer:
                 # buffer is then left allocated, our mappings of the peers are still closed below)
                 try:
                     self.bootstrap.barrier(self.timeout_s, what, on_slow=slow)
+                    if on_arrival is not None:
+                        on_arrival()
                 finally:
                     for p in self._opened:
                         rt.ipcCloseMemHandle(p)
@@ -712,6 +718,8 @@ class SymBuffer:
             self._local_ptr = 0
         else:
             self.bootstrap.barrier(self.timeout_s, what, on_slow=slow)  # raises: window, comm left allocated
+            if on_arrival is not None:
+                on_arrival()
             self._host_views = []
             self._win.Unlock_all()
             self._win.Free()  # collective, but every rank is here now

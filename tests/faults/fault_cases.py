@@ -236,6 +236,25 @@ def case_raise_nowith():
     _raise_before(False)
 
 
+def case_raise_with_peer_closing():
+    """Rank 1 raises inside its ``with`` block 1 s after the others left theirs (they wait in close()): leaving by
+    the exception sets the abort word, so their close() raises SymBufferAbortedError naming rank 1 at once (by
+    default the job ends with that message) instead of returning as if all were well."""
+    try:
+        with make_comm() as c:
+            valid_alltoall(c, "warm-up alltoall")
+            if R == FAULT_RANK:
+                time.sleep(1.0)           # the others are in close() by now
+                fault("raises RuntimeError inside 'with' while the others are in close()")
+                raise RuntimeError(f"injected failure on rank {R} inside 'with'")
+            fault(f"rank {FAULT_RANK} raises inside 'with' while this rank is in close()")
+    except SymBufferError as exc:         # what close() raised in __exit__
+        say(f"{'CAUGHT' if HANDLED else 'RAISING'} {type(exc).__name__} {one_line(exc)} {tag('close', exc)}")
+        if not HANDLED:
+            raise
+    finish()
+
+
 def case_exit_mid_alltoallv():
     """A rank ``os._exit``s in the middle of a large alltoallv: it enters first and fills its small rings (the
     others enter 1 s later and find part of its rows there), then dies at 0.5 s while waiting for ring space. Run
