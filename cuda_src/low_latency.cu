@@ -23,7 +23,9 @@
 // Rejection (the shared call protocol: a rank whose host rejected its arguments still takes part in the call): the
 // rejecting rank launches the kernel with n = LL_REJECTED (no inputs). It sends no payload and publishes its flag
 // lines as usual (every block counts itself), with n = LL_REJECTED, and still waits for every source's line (the
-// double-buffering argument above holds for every call). Every rank sees the same lines, so every rank decides alike:
+// double-buffering argument above holds for every call) without comparing the lines' signatures: its own arguments
+// failed its checks, so it has no signature (its struct's sig is 0; wait_line skips the check for n = LL_REJECTED,
+// as the host twin waits with sig None). Every rank sees the same lines, so every rank decides alike:
 // a line marked LL_REJECTED (its signature is not checked) makes the call consume nothing; a rank that did not
 // reject records the lowest rejecting rank (STATUS_REJECTED_BY: SymBufferRejectedError from synchronize()) and
 // leaves empty outputs (dispatch: zero counts; combine: zero rows). Combine decides after the weights lines, before
@@ -107,9 +109,12 @@ __device__ __forceinline__ void load4(const u8* row, i64 i, float v[4]) {
 
 // ---- flags and counters ----------------------------------------------------------------------------------------------
 // Wait until flag line `line` holds `seq` (a sequence number or a block count), then read its n word into *ns; a
-// line whose n is not LL_REJECTED must carry the signature `sig`. False when the wait failed (timeout, abort:
+// line whose n is not LL_REJECTED must carry the signature `sig`, unless `n` (the waiting rank's own n) is
+// LL_REJECTED: a rank that rejected its call has no signature to compare (its arguments failed its checks; the
+// host twin waits with sig None alike), so it only counts the lines. False when the wait failed (timeout, abort:
 // recorded) or on a protocol mismatch (a line ahead of seq, another signature: recorded, abort word set).
-__device__ __noinline__ bool wait_line(const WaitCtx* c, int peer, const u64* line, u64 seq, i64 sig, i64* ns) {
+__device__ __noinline__ bool wait_line(const WaitCtx* c, int peer, const u64* line, u64 seq, i64 sig, i64 n,
+                                       i64* ns) {
   SpinBudget spin(c);
   while (true) {
     const u64 v = ld_acquire_sys_global(line + LL_LINE_SEQ);
@@ -121,7 +126,7 @@ __device__ __noinline__ bool wait_line(const WaitCtx* c, int peer, const u64* li
     if (!spin.ok(ROLE_RECV, peer, seq, v)) return false;
   }
   *ns = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_N);
-  if (*ns == LL_REJECTED) return true;
+  if (*ns == LL_REJECTED || n == LL_REJECTED) return true;
   const i64 got = ld_volatile_global(reinterpret_cast<const i64*>(line) + LL_LINE_SIG);
   if (got != sig) {
     fail(*c, ROLE_RECV, peer, sig, got, ERR_MISMATCH, FIELD_SIG);
@@ -318,7 +323,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     const int s = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.flags_off + static_cast<i64>(s) * LINE_BYTES);
     i64 ns = 0;
-    if (!wait_line(&sh->ctx, s, line, full_count(seq, a.grid), a.sig, &ns)) sh->fail = 1;
+    if (!wait_line(&sh->ctx, s, line, full_count(seq, a.grid), a.sig, n, &ns)) sh->fail = 1;
     else if (ns != LL_REJECTED && (ns < 0 || ns > N)) {
       fail(sh->ctx, ROLE_RECV, s, N, ns, ERR_MISMATCH, FIELD_UNITS);
       sh->fail = 1;
@@ -516,7 +521,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
     const int s = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.wflags_off + static_cast<i64>(s) * LINE_BYTES);
     i64 ns = 0;
-    if (!wait_line(&sh->ctx, s, line, seq, a.sig, &ns)) sh->fail = 1;
+    if (!wait_line(&sh->ctx, s, line, seq, a.sig, n, &ns)) sh->fail = 1;
     else if (ns != LL_REJECTED && n >= 0) {
       const i64 want = reinterpret_cast<const int*>(a.recv_ntok)[s];
       if (ns != want) {  // the handle is not of the dispatch this combine answers
@@ -602,7 +607,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
     const int d = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.pflags_off + static_cast<i64>(d) * LINE_BYTES);
     i64 nd = 0;
-    if (!wait_line(&sh->ctx, d, line, full_count(seq, a.grid), a.sig, &nd)) sh->fail = 1;
+    if (!wait_line(&sh->ctx, d, line, full_count(seq, a.grid), a.sig, n, &nd)) sh->fail = 1;
   }
   __syncthreads();
   if (sh->fail) return;

@@ -358,6 +358,15 @@ def _close_all(b, c):
             pass
 
 
+def _assert_in_step(ll) -> None:
+    """Every rank is at the same place in the call sequence (``LowLatencyBuffer._call_state``: the host's call
+    counters and the calls the flag-line protocol completed), rejected calls included. Collective; every rank sees
+    the same gathered states, so all fail alike."""
+    states = WORLD.allgather(ll._call_state())
+    assert all(st == states[0] for st in states), \
+        f"ranks out of step (dispatch calls, combine calls, dispatch launches, combine launches): {states}"
+
+
 def _reject_dispatch(c, ll, bad: int, it: int, how: str = "too_many") -> None:
     """Rank ``bad`` rejects a dispatch (``how``: one token more than N, a KeyboardInterrupt during its checks, or a
     keyword Python cannot bind, ``use_fp9=``);
@@ -430,24 +439,33 @@ def test_call_rejected_on_one_rank_is_told_to_the_peers(comm, how, blocking):
     try:
         run_case(c, b, "full", 100)
         _reject_dispatch(c, b, W - 1, 101, how)
+        _assert_in_step(b)
         for k, case in enumerate(("full", "uneven", "minus_one")):
             run_case(c, b, case, 102 + k)
+        _assert_in_step(b)
     finally:
         _close_all(b, c)
 
 
-def test_rejections_on_each_rank_in_turn(comm):
-    """Every rank in turn rejects a dispatch, then a combine; the valid calls between them stay right."""
+@pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
+def test_rejections_on_each_rank_in_turn(comm, blocking):
+    """Every rank in turn rejects a dispatch, then a combine; the valid calls between them stay right, and after
+    every rejection all ranks are at the same call (counters and flag-line sequence)."""
     if W == 1:
         pytest.skip("needs 2 ranks")
-    c = Communicator(WORLD, Config(timeout_s=10.0, abort_on_failure=False), backend=comm.backend)
+    if blocking and comm.backend != "cuda":
+        pytest.skip("Config(blocking=True) changes only the GPU path")
+    c = Communicator(WORLD, Config(timeout_s=10.0, abort_on_failure=False, blocking=blocking), backend=comm.backend)
     b = LowLatencyBuffer(c, 16, 256, 4 * W, max_topk=8)
     try:
         for bad in range(W):
             _reject_dispatch(c, b, bad, 110 + 4 * bad)
+            _assert_in_step(b)
             run_case(c, b, "uneven", 111 + 4 * bad)
             _reject_combine(c, b, bad, 112 + 4 * bad)
+            _assert_in_step(b)
             run_case(c, b, "full", 113 + 4 * bad, use_fp8=bool(bad % 2))
+            _assert_in_step(b)
     finally:
         _close_all(b, c)
 

@@ -64,7 +64,9 @@ Calls follow the communicator's call protocol:
   once with ``Config(blocking=True)``), the call's outputs then being empty (dispatch: zero ``recv_count``,
   ``layout_range`` and token counts; combine: zero rows). A GPU caller that goes on to ``combine`` before
   synchronising runs ahead of the rejecting rank (which never got a handle): the ranks fall out of step and the
-  next flag lines disagree (a fatal mismatch or timeout): synchronise after a dispatch before trusting it.
+  next flag lines disagree (a fatal mismatch or timeout): synchronise after a dispatch before trusting it. On the
+  GPU a rejected call counts as a call on every rank, the rejecting one too (for "valid until the call after the
+  next one" and a handle's two dispatches); on the host path it counts on none.
 * Any exception inside a call once it started moving data (``KeyboardInterrupt`` too) makes this buffer and its
   communicator unusable and sets the communicator's abort word: the peers' waits leave within microseconds (GPU)
   or a millisecond (host) with :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank.
@@ -395,6 +397,14 @@ class LowLatencyBuffer:
         except BaseException as exc:
             self._failed(exc)
             raise
+        if self.backend == "cuda":
+            # the peers' launches of this call took an output set and counted the call (queued: returned; blocking:
+            # raised SymBufferRejectedError after counting it): count it here too, so every rank's call counters
+            # (output set parity, handle staleness) stay equal. (Host path: no rank counts a rejected call.)
+            if which == 0:
+                self._dispatch_calls += 1
+            else:
+                self._combine_calls += 1
 
     # ---- GPU ---------------------------------------------------------------------------------------------------
     def _init_cuda(self, num_blocks, smem) -> None:
@@ -563,6 +573,21 @@ class LowLatencyBuffer:
             rejected = self._status.take_rejected()
             if rejected is not None:
                 raise self._status.rejected_error("synchronize", *rejected)
+
+    def _call_state(self) -> tuple:
+        """This rank's place in the call sequence: ``(dispatch calls, combine calls, dispatch launches, combine
+        launches)``, ints. The first two are the host's call counters (output set parity, handle staleness), the
+        last two the calls the flag-line protocol has completed (host: the ctrl lines' sequence words; GPU: the
+        blocks counted in LL_CTRL_EXIT / grid, after waiting for the current stream). Between calls every rank of
+        a buffer in step has the same four numbers, rejected calls included (the tests compare them across
+        ranks)."""
+        if self.backend == "cuda":
+            _compat.cupy.cuda.get_current_stream().synchronize()
+            words = self.buffer.peer_view(self.rank, np.uint64, (2, _LINE // 8)).get()
+            done = [int(words[w, P.LL_CTRL_EXIT]) // self.grid for w in (0, 1)]
+        else:
+            done = [int(self._u64(self.rank, w * _LINE)[_CTRL_SEQ]) for w in (0, 1)]
+        return self._dispatch_calls, self._combine_calls, done[0], done[1]
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def _check_x(self, op: str, name: str, x, shape) -> Any:
