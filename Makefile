@@ -48,6 +48,7 @@ test: install
 	stage lint $(MAKE) --no-print-directory lint; \
 	stage unit $(MAKE) --no-print-directory test-unit; \
 	for n in 1 2 4; do stage mpi$$n $(MAKE) --no-print-directory test-mpi NPS=$$n; done; \
+	stage fault-loop $(MAKE) --no-print-directory fault-loop FAULT_LOOPS=1; \
 	echo "== make test: one line per stage"; \
 	while read rc line; do \
 	  if [ "$$rc" = 0 ]; then echo "  ok      $$line"; else echo "  FAILED  $$line (exit $$rc)"; fail=1; fi; \
