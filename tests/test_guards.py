@@ -214,7 +214,10 @@ def test_several_communicators_from_several_threads(backend, comm):
     own). On the GPU each thread runs on a stream of its own, as with NCCL: kernels of two communicators queued
     on one stream in a different order on two ranks would wait for each other until ``timeout_s``."""
     comms = [comm.Dup() for _ in range(2)]
-    cs_ = [cs.Communicator(m, cs.Config(**CFG), backend=backend) for m in comms]
+    # On one GPU the ring kernels of both communicators, of every rank (MPS), must be resident at once (their
+    # blocks spin-wait for each other): the default num_sms of two communicators x two ranks exceeds the SMs
+    cfg = dict(CFG, num_sms=8) if backend == "cuda" else CFG
+    cs_ = [cs.Communicator(m, cs.Config(**cfg), backend=backend) for m in comms]
     errors = []
     if backend == "cuda":
         import cupy
