@@ -504,8 +504,8 @@ class Communicator:
         (``ERR_LEFT_WITH``): peers in a collective leave at once with
         :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank, and peers in :meth:`close` raise it (with
         ``abort_on_failure``: end the job with it); then this rank closes (bounded) and its exception propagates."""
-        if exc is None:
-            self.close()
+        if exc is None or exc_type is GeneratorExit or (exc_type is SystemExit and exc.code in (None, 0)):
+            self.close()  # a normal way out (sys.exit(0), a generator closed): the peers are not aborted
             return
         if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == _getpid():
             self._leaving_by = f"{exc_type.__name__}: {exc}"

@@ -185,9 +185,13 @@ class MpiBootstrap:
             state["deadline"] = heard + max(t for t, _ in got.values()) + DELIVERY_GRACE_S
             self._gather(_CONFIRM, what, peers, state, role, timeout_s)
             return out
-        except CollectiveTimeoutError:
-            # also after a peer's withdrawal: peers already in the second round must not wait for our confirm
-            sends += [comm.isend((_WITHDRAWN, what, None), dest=r, tag=TAG) for r in peers]
+        except BaseException:
+            # any way out but a return (a timeout, a peer's withdrawal, ranks calling different steps, Ctrl-C): the
+            # peers, perhaps already in the second round, must not wait for our confirm nor go on without us
+            try:
+                sends += [comm.isend((_WITHDRAWN, what, None), dest=r, tag=TAG) for r in peers]
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
             raise
         finally:
             pending = [req for req in sends if not req.test()[0]]
