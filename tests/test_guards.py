@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 import time
 import uuid
 
@@ -131,7 +132,7 @@ def test_second_thread_is_refused_while_a_call_is_inside(backend, comm, mode):
                         inside.set()
                     result["a"] = to_numpy(c.alltoall(arg))
                 except BaseException as exc:  # noqa: BLE001 - reported below
-                    result["exc"] = exc
+                    result["exc"] = f"{exc!r}\n{traceback.format_exc()}"
 
             worker = threading.Thread(target=work, name=f"worker-{victim}")
             worker.start()
@@ -231,7 +232,7 @@ def test_several_communicators_from_several_threads(backend, comm):
             with stream:
                 _check_calls(c, backend, rounds=20)
         except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+            errors.append(f"{exc!r}\n{traceback.format_exc()}")
 
     try:
         threads = [threading.Thread(target=run, args=(c, s)) for c, s in zip(cs_, streams)]
@@ -239,7 +240,7 @@ def test_several_communicators_from_several_threads(backend, comm):
             t.start()
         for t in threads:
             t.join(60)
-        all_ranks(lambda: not errors or pytest.fail(repr(errors)))
+        all_ranks(lambda: not errors or pytest.fail("\n".join(errors)))
     finally:
         for c in cs_:
             c.close()

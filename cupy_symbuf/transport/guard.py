@@ -40,20 +40,28 @@ def use_device(device: int) -> int:
 
     A thread the program started has no CUDA context current until a runtime call makes one, and the kernels
     of this package are launched through the driver API (``cuLaunchKernel``), which then fails with
-    ``CUDA_ERROR_INVALID_CONTEXT``: the first call of each thread sets the device (``cudaSetDevice``, which makes
-    the device's primary context current). A thread with another device current is switched for the call and
-    back after it (as ``with cupy.cuda.Device(device)``); the results lie on ``device``.
+    ``CUDA_ERROR_INVALID_CONTEXT``: the first call of each thread sets the device (``cudaSetDevice``) and, where
+    that left no context current (the runtime binds the primary context lazily), binds it with ``cudaFree(0)``.
+    A new thread that had no context current is not switched back after the call (that would create a context on
+    device 0 for nothing). A thread with another device current is switched for the call and back after it (as
+    ``with cupy.cuda.Device(device)``); the results lie on ``device``.
     Cost per call once a thread is ready: ``cudaGetDevice`` and a thread-local read (about 0.1-0.2 us)."""
-    rt = _compat.cupy.cuda.runtime
-    here = rt.getDevice()
-    if here != device:
-        rt.setDevice(device)
-        _THREAD.ready = True
-        return here
-    if not getattr(_THREAD, "ready", False):
-        rt.setDevice(device)  # (the context of a new thread)
-        _THREAD.ready = True
-    return -1
+    cuda = _compat.cupy.cuda
+    rt = cuda.runtime
+    if getattr(_THREAD, "ready", False):
+        here = rt.getDevice()
+        if here != device:
+            rt.setDevice(device)
+            return here
+        return -1
+    driver = getattr(cuda, "driver", None)
+    had_context = driver is None or driver.ctxGetCurrent() != 0
+    here = rt.getDevice() if had_context else device
+    rt.setDevice(device)
+    if driver is not None and driver.ctxGetCurrent() == 0:
+        rt.free(0)  # any runtime call that needs the context makes the primary context current
+    _THREAD.ready = True
+    return here if here != device else -1
 
 
 def _restore_device(device: int) -> None:
