@@ -139,6 +139,11 @@ def test_second_thread_is_refused_while_a_call_is_inside(backend, comm, mode):
             seen = {}
             if me:
                 assert inside.wait(10)
+                # the worker holds the communicator's guard (it set `inside` just before its call)
+                deadline = time.monotonic() + 10
+                while c._guard.owner != worker.ident and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert c._guard.owner == worker.ident
                 time.sleep(0.05)
                 end = time.monotonic() + 0.3
                 while time.monotonic() < end:
@@ -479,3 +484,45 @@ def test_gpu_guard_makes_its_device_current_in_each_thread(monkeypatch):
     t.join(10)
     g.leave()
     assert rt.getDevice() == 0 and all(n != "t-c" for n, _ in rt.log), rt.log
+
+
+def test_interrupt_while_entering_a_gpu_call_leaves_the_guard_free(monkeypatch):
+    """Ctrl-C while the guard makes the device current (after it took the lock, before the call's body): the
+    KeyboardInterrupt reaches the caller and the guard is free again, so the next call of any thread enters."""
+    from types import SimpleNamespace
+
+    from cupy_symbuf.transport import guard as G
+
+    state = {"interrupt": True}
+
+    class Runtime:
+        def getDevice(self):
+            return 0
+
+        def setDevice(self, d):
+            if state.pop("interrupt", False):
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(G._compat, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=Runtime())))
+
+    class Obj:
+        def __init__(self):
+            self._guard = G.CallGuard(0)
+
+        @G.collective("op", guard=lambda o: o._guard)
+        def op(self):
+            return "done"
+
+    o, out = Obj(), {}
+
+    def body():
+        with pytest.raises(KeyboardInterrupt):
+            o.op()
+        out["after"] = (o._guard.lock.locked(), o._guard.owner)
+        out["next"] = o.op()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(10)
+    assert out == {"after": (False, None), "next": "done"}
+    assert o.op() == "done"  # another thread enters too

@@ -199,32 +199,32 @@ def collective(op: str, *, guard, reject=None, forwards=None):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
             g = guard(self)
-            if g.device is not None:  # a GPU object: CallGuard.enter (its device current for the call)
-                if not g.enter(op, self):
-                    return fn(self, *args, **kwargs)  # nested: the outermost call of this thread handles errors
-            elif g.lock.acquire(False):  # (CallGuard.enter, inline: the per-call cost is this acquire)
-                g.owner = get_ident()
-                g.op = op
-            elif g.owner == get_ident():
-                return fn(self, *args, **kwargs)  # nested: the outermost call of this thread handles errors
-            else:
-                raise g.busy(op, self)
+            took = False
             try:
+                # (CallGuard.enter, inline; the acquire's result is stored before anything can interrupt, so
+                # a KeyboardInterrupt anywhere after it still releases the lock in `finally`)
+                took = g.lock.acquire(False)
+                if took:
+                    g.owner = get_ident()
+                    g.op = op
+                    if g.device is not None:  # a GPU object: its device current for the call
+                        g.restore = use_device(g.device)
+                elif g.owner == get_ident():
+                    return fn(self, *args, **kwargs)  # nested: the outermost call of this thread handles errors
+                else:
+                    raise g.busy(op, self)
                 return fn(self, *args, **kwargs)
             except TypeError as exc:
                 # a binding error: raised before the method's first line (no frame of it in the traceback), or
                 # by the call it forwards **kwargs to (a keyword neither knows); every other TypeError is an
                 # argument check, already told to the peers
-                if not getattr(exc, "symbuf_told", False) and (
+                if took and not getattr(exc, "symbuf_told", False) and (
                         exc.__traceback__.tb_next is None or
                         (forwards is not None and not kwargs.keys() <= known)):
                     raise bad_call(self, exc, args, kwargs) from None
                 raise
             finally:
-                if g.device is None:  # (CallGuard.leave, inline)
-                    g.owner = g.op = None
-                    g.lock.release()
-                else:
+                if took:
                     g.leave()
 
         wrapper.__signature__ = sig
@@ -241,12 +241,13 @@ def guarded(op: str, *, guard):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
             g = guard(self)
-            if not g.enter(op, self):
-                return fn(self, *args, **kwargs)
+            took = False
             try:
+                took = g.enter(op, self)
                 return fn(self, *args, **kwargs)
             finally:
-                g.leave()
+                if took:
+                    g.leave()
 
         return wrapper
 
