@@ -93,7 +93,7 @@ from ..collectives import quant as _quant
 from ..common.checks import as_array, check_int
 from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTimeoutError, mismatch_error
 from ..transport.symbuffer import SymBuffer
-from ..transport.guard import collective
+from ..transport.guard import collective, guarded
 
 #: a LowLatencyBuffer's calls take its communicator's guard: one thread at a time for both
 _GUARD = operator.attrgetter("comm.engine.guard")
@@ -344,8 +344,10 @@ class LowLatencyBuffer:
                        int(max_topk))["nbytes"]
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
+    @guarded("LowLatencyBuffer.close", guard=_GUARD)
     def close(self) -> None:
-        """Free the symmetric buffer (collective, bounded by the communicator's ``timeout_s``). Idempotent."""
+        """Free the symmetric buffer (collective, bounded by the communicator's ``timeout_s``). Idempotent. One
+        thread at a time with the communicator's calls (``RuntimeError`` while another thread is inside one)."""
         if self._closed:
             return
         self._closed = True
