@@ -362,10 +362,21 @@ class CudaTransport:
     def read_abort_line(self) -> np.ndarray:
         """This rank's abort line (int64 ``[16]``), copied from device memory (waits for nothing else)."""
         out = np.zeros(P.HDR_WORDS, np.int64)
-        rt = _compat.cupy.cuda.runtime
-        rt.memcpy(out.ctypes.data, self.buf.peer_ptrs[self.rank] + self.layout.abort_offset, out.nbytes,
-                  _MEMCPY_DEFAULT)  # by address: device memory (ipc) or mapped host memory (staged)
+        side = self._side_stream()
+        _compat.cupy.cuda.runtime.memcpyAsync(
+            out.ctypes.data, self.buf.peer_ptrs[self.rank] + self.layout.abort_offset, out.nbytes,
+            _MEMCPY_DEFAULT, side.ptr)  # by address: device memory (ipc) or mapped host memory (staged)
+        side.synchronize()
         return out
+
+    def _side_stream(self):
+        """A stream of this transport's own that waits for no other (``non_blocking``): the abort line is read
+        and written on it, so a collective kernel still spinning on the legacy default stream (CuPy's default)
+        cannot hold the copies that would end its wait."""
+        s = self.__dict__.get("_side")
+        if s is None:
+            s = self._side = _compat.cupy.cuda.Stream(non_blocking=True)
+        return s
 
     def check_abort(self, op: str) -> None:
         """Raise :class:`SymBufferAbortedError` when this rank's abort word is set (one small device read)."""
@@ -382,10 +393,13 @@ class CudaTransport:
         fields[P.ABORT_PEER], fields[P.ABORT_CHANNEL], fields[P.ABORT_DETAIL] = peer, channel, detail
         flag = np.ones(1, np.int64)
         off = self.layout.abort_offset
-        for base in self.buf.peer_ptrs:  # synchronous copies: every rank's fields land before any flag
-            rt.memcpy(base + off + 8, fields[1:].ctypes.data, fields.nbytes - 8, _MEMCPY_DEFAULT)
+        side = self._side_stream()
+        for base in self.buf.peer_ptrs:  # every rank's fields land before any flag (the stream is synchronised)
+            rt.memcpyAsync(base + off + 8, fields[1:].ctypes.data, fields.nbytes - 8, _MEMCPY_DEFAULT, side.ptr)
+        side.synchronize()
         for base in self.buf.peer_ptrs:
-            rt.memcpy(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT)
+            rt.memcpyAsync(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT, side.ptr)
+        side.synchronize()
 
     # ---- symmetric table ------------------------------------------------------------------------------------
     def sym_register(self, seg) -> bool:
