@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from conftest import _gpu_for_rank, available_backends
 from cupy_symbuf import LowLatencyBuffer, LowLatencyHandle, SymBufferRejectedError, moe
-from cupy_symbuf.compat.deepep import Buffer, Config, EventOverlap
+from cupy_symbuf.compat.deepep import Buffer, Config, EventOverlap, IntranodeHandle, LowLatencyHandleView
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -105,7 +105,7 @@ def test_tuples_and_native_results(buf):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(np_(a), np_(b))
         assert len(out) == 6 and isinstance(out[5], EventOverlap)
-        assert isinstance(out[4], moe.DispatchHandle)
+        assert isinstance(out[4], IntranodeHandle) and isinstance(out[4].native, moe.DispatchHandle)
         for a, b in zip(out[:3], nat[:3]):
             np.testing.assert_array_equal(np_(a), np_(b))
         assert out[3] == nat[3] and isinstance(out[3], list)
@@ -132,11 +132,11 @@ def test_fp8_tuple_and_no_weights(buf):
     scales = np.ones((x.shape[0], 2), np.float32) * (RANK + 1)
     lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
     out = buf.dispatch((dev(buf, fp8), dev(buf, scales)), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                       num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
+                       num_tokens_per_expert=lay[2])
     want_x = ref(fp8.view(np.uint8), idx, None, n_exp)[0]
 
     def check():
-        assert isinstance(out[0], tuple) and len(out[0]) == 2 and out[2] is None
+        assert isinstance(out[0], tuple) and len(out[0]) == 2 and out[1] is None and out[2] is None
         np.testing.assert_array_equal(np_(out[0][0]).view(np.uint8), want_x)
 
     all_ranks(check)
@@ -166,8 +166,8 @@ def test_previous_event_and_async_finish(buf):
             import cupy
             cupy.cuda.get_current_stream().synchronize()
         else:
-            assert out[5].event is None
-        assert comb[2].event is None
+            assert out[5].event is not None  # a completed event (DeepEP's current_stream_wait needs one)
+        assert comb[2].event is None  # released
         np.testing.assert_array_equal(np_(out[0]), want_x)
         np.testing.assert_array_equal(np_(comb[0]), want_comb)
         s = buf.get_comm_stream()  # a torch stream when PyTorch is loaded (.cuda_stream), else CuPy's (.ptr)
@@ -190,12 +190,15 @@ def test_bad_stream_arguments_then_usable(buf):
         with pytest.raises(TypeError, match="'async_finish'"):
             buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
                          num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), async_finish="yes")
-        with pytest.raises(ValueError, match="'num_tokens_per_expert'"):
+        with pytest.raises(ValueError, match="'num_tokens_per_rank' is required"):
             buf.dispatch(dev(buf, x), topk_idx=dev(buf, idx))
-        with pytest.raises(ValueError, match="'topk_idx'"):
-            buf.dispatch(dev(buf, x), num_tokens_per_expert=lay[2])
+        with pytest.raises(ValueError, match="'is_token_in_rank' is required"):
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], num_tokens_per_expert=lay[2])
+        with pytest.raises(ValueError, match="both or neither"):
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                         num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
         out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                           num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
+                           num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), topk_weights=dev(buf, w))
         with pytest.raises(NotImplementedError, match="bias"):
             buf.combine(out[0], out[4], bias=out[0])
         np.testing.assert_array_equal(np_(out[0]), want_x)
@@ -208,8 +211,7 @@ def test_bad_stream_arguments_then_usable(buf):
 def test_shim_rejection_on_one_rank_is_told_to_peers(buf):
     x, idx, w, n_exp = inputs(("reject1", buf.communicator.backend))
     lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
-    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-              topk_idx=dev(buf, idx))
+    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2])
 
     def check():
         if RANK == 0:
@@ -315,8 +317,8 @@ def test_low_latency_matches_native(buf, use_fp8):
         else:
             got_x, nat_x = [np_(out[0]).view(np.uint16).copy()], [np_(nat[0]).view(np.uint16).copy()]
         h, nh = out[2], nat[2]
-        got_src, nat_src = np_(h.src_info).copy(), np_(nh.src_info).copy()
-        got_lr, nat_lr = np_(h.layout_range).copy(), np_(nh.layout_range).copy()
+        got_src, nat_src = np_(h[0]).copy(), np_(nh.src_info).copy()
+        got_lr, nat_lr = np_(h[1]).copy(), np_(nh.layout_range).copy()
         rng = np.random.default_rng([7, RANK])
         y = (rng.standard_normal((L, W * LL_N, LL_H)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
         comb = buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), h)
@@ -329,7 +331,8 @@ def test_low_latency_matches_native(buf, use_fp8):
 
     def check():
         assert len(out) == 5 and isinstance(out[3], EventOverlap) and out[4] is None
-        assert isinstance(h, LowLatencyHandle)
+        assert isinstance(h, LowLatencyHandleView) and isinstance(h.native, LowLatencyHandle)
+        assert len(h) == 5 and tuple(h)[2:] == (LL_N, LL_H, E)
         assert isinstance(out[0], tuple) == use_fp8
         np.testing.assert_array_equal(got_cnt, nat_cnt)
         for el in range(L):
@@ -368,7 +371,7 @@ def test_low_latency_options(buf):
         import cupy
         cupy.cuda.runtime.deviceSynchronize()
     hint = Buffer.get_low_latency_rdma_size_hint(LL_N, LL_H, W, E)
-    ll = r2[2].owner
+    ll = r2[2].native.owner
 
     def check():
         assert callable(r1[4]) and callable(comb[2])
@@ -378,7 +381,7 @@ def test_low_latency_options(buf):
         assert buf.communicator.backend == "host" or r2[3].event is not None
         assert hint == ll.nbytes and hint > 0
         assert buf.clean_low_latency_buffer(LL_N, LL_H, E) is None
-        with pytest.raises(TypeError, match="LowLatencyHandle"):
+        with pytest.raises(TypeError, match="handle"):
             buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), object())
 
     all_ranks(check)
@@ -397,7 +400,7 @@ def test_low_latency_buffer_at_construction():
             import cupy
             cupy.cuda.runtime.deviceSynchronize()
         after = dict(b._ll)
-        all_ranks(lambda: (len(before) == 1 and after == before and r[2].owner in before.values()) or
+        all_ranks(lambda: (len(before) == 1 and after == before and r[2].native.owner in before.values()) or
                   pytest.fail(f"{before} {after}"))
 
 
