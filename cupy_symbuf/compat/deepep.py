@@ -41,11 +41,18 @@ low-latency call (of each shape) together and with the same values, or pass them
 creates it there. All low-latency calls of a Buffer run on its comm stream, in call order (the mode's sequence
 numbers need that).
 
-Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, dispatch without ``topk_idx``,
-the low-latency mode's split send/receive (``return_recv_hook`` gives a hook, but the call already did both),
-LogFMT (``use_logfmt``: the wire is plain ``x`` dtype) and packed ue8m0 scales (float32 powers of two instead).
-The handle is a :class:`cupy_symbuf.moe.DispatchHandle` (opaque, as DeepEP's tuple is to its callers), in the
-low-latency mode a :class:`cupy_symbuf.LowLatencyHandle`.
+As DeepEP: ``dispatch`` routes by the caller's ``is_token_in_rank`` and counts by its ``num_tokens_per_expert``
+(``topk_idx`` / ``topk_weights`` optional, travelling as data); the handle is DeepEP's 6-sequence
+(:class:`IntranodeHandle`: ``rank_prefix_matrix``, ... with DeepEP's contents, over the native
+:class:`cupy_symbuf.moe.DispatchHandle`); with ``num_worst_tokens`` the per-expert list is empty; the low-latency
+handle indexes as DeepEP's (:class:`LowLatencyHandleView`); ``use_ue8m0`` scales are packed int32 ``[...,
+hidden // 512]``, scales a column-major view; ``get_next_low_latency_combine_buffer`` + ``zero_copy``;
+``EventOverlap.current_stream_wait`` asserts without an event; ``deepep.topk_idx_t`` is ``torch.int64``.
+
+Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, the low-latency mode's split
+send/receive (``return_recv_hook`` gives a hook that orders the current stream, but the call already did both
+halves), LogFMT (``use_logfmt``: the wire is plain ``x`` dtype), a handle tuple rebuilt by hand (the shim needs
+the one ``dispatch`` returned).
 """
 from __future__ import annotations
 
@@ -645,30 +652,36 @@ class Buffer:
         ----------
         x : ``[num_tokens, hidden]`` bfloat16 (also float16/float32 here), or ``(x_fp8, scales)`` with ``x_fp8``
             float8_e4m3fn ``[num_tokens, hidden]`` and ``scales`` float32 ``[num_tokens, hidden // 128]``.
-        handle : DispatchHandle, optional
-            From an earlier dispatch: cached mode (only ``x`` travels; ``topk_idx``/``topk_weights`` must be None).
+        handle : the handle of an earlier :meth:`dispatch` (:class:`IntranodeHandle`), optional
+            Cached mode (only ``x`` travels; ``topk_idx``/``topk_weights`` must be None).
         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
-            :meth:`get_dispatch_layout`'s results, required without ``handle`` as in DeepEP. Only
-            ``num_tokens_per_expert``'s length (``num_experts``) is read: the layout is recomputed on the device
-            from ``topk_idx`` (so it must be ``topk_idx``'s layout; not re-checked).
+            :meth:`get_dispatch_layout`'s results (or the caller's own), required without ``handle`` as in DeepEP,
+            and used as DeepEP uses them: token ``t`` goes to rank ``r`` where ``is_token_in_rank[t, r]``;
+            ``num_tokens_per_expert`` (length ``num_experts``) gives the receive counts per local expert;
+            ``num_tokens_per_rank`` must equal ``is_token_in_rank``'s column sums (checked; see
+            :func:`cupy_symbuf.moe.dispatch`).
         num_tokens_per_rdma_rank : ignored (intranode).
-        topk_idx : ``[num_tokens, num_topk]`` int64, required without ``handle`` (this implementation routes by it).
-        topk_weights : ``[num_tokens, num_topk]`` float32, optional.
+        topk_idx, topk_weights : ``[num_tokens, num_topk]`` int64 / float32, optional, both or neither (as DeepEP):
+            they travel with the tokens.
         expert_alignment : int >= 1
             Round each ``num_recv_tokens_per_expert_list`` entry up to a multiple of it.
         num_worst_tokens : int
-            Passed to the native ``dispatch`` only when nonzero (``TypeError`` while the native API lacks it).
-        config : :class:`Config` or None; accepted, not used.
+            DeepEP's worst-case mode (needs ``topk_idx``): every ``recv_*`` has this many rows, the real ones first.
+        config : :class:`Config` or None; only ``config.num_sms // 2`` (DeepEP's channel count, default
+            :meth:`get_dispatch_config`'s) is used, for the handle's channel matrices.
         previous_event, async_finish, allocate_on_comm_stream : see :meth:`get_dispatch_layout`.
 
         Returns
         -------
         recv_x : received tokens, ``x``'s dtype (a tuple for fp8), ordered by source rank then token.
-        recv_topk_idx : ``[num_recv_tokens, num_topk]`` int64, local expert ids or ``-1``; None when cached.
+        recv_topk_idx : ``[num_recv_tokens, num_topk]`` int64, local expert ids or ``-1``; None when cached or
+            without ``topk_idx``.
         recv_topk_weights : ``[num_recv_tokens, num_topk]`` float32 (0 where ``recv_topk_idx`` is ``-1``); None
             when cached or without ``topk_weights``.
-        num_recv_tokens_per_expert_list : list of int ``[num_local_experts]``; None when cached.
-        handle : DispatchHandle for :meth:`combine` and cached dispatches; None when cached (as DeepEP).
+        num_recv_tokens_per_expert_list : list of int ``[num_local_experts]``; ``[]`` with ``num_worst_tokens``;
+            None when cached.
+        handle : :class:`IntranodeHandle` (DeepEP's tuple) for :meth:`combine` and cached dispatches; None when
+            cached (as DeepEP).
         event : EventOverlap
 
         Values as :meth:`cupy_symbuf.Communicator.dispatch`, whose errors propagate. ``ValueError``:
@@ -842,11 +855,11 @@ class Buffer:
         Returns
         -------
         recv_x : ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``, ``x``'s dtype, or
-            with ``use_fp8`` ``(float8_e4m3fn data, float32 scales [..., hidden // 128])`` (row-major scales:
-            DeepEP's are a column-major view of the same shape and values); rows below ``recv_count[e]`` valid,
-            ordered by (source rank, token).
+            with ``use_fp8`` ``(float8_e4m3fn data, scales)``, the scales float32 ``[..., hidden // 128]`` (int32
+            ``[..., hidden // 512]`` with ``use_ue8m0``), a view whose last two axes are column-major (as DeepEP; a
+            copy per call); rows below ``recv_count[e]`` valid, ordered by (source rank, token).
         recv_count : ``[num_local_experts]`` int32.
-        handle : :class:`cupy_symbuf.LowLatencyHandle` (``src_info``, ``layout_range``, ...), for
+        handle : :class:`LowLatencyHandleView` (DeepEP's ``(src_info, layout_range, N, hidden, num_experts)``), for
             :meth:`low_latency_combine` within the next two dispatches of that shape.
         event : EventOverlap; hook : callable or None.
 
