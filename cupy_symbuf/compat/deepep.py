@@ -296,7 +296,8 @@ class IntranodeHandle(Sequence):
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`` with DeepEP's contents, over a
     :class:`~cupy_symbuf.moe.DispatchHandle` (``.native``, what :meth:`Buffer.combine` and a cached
     :meth:`Buffer.dispatch` use). The elements are computed on first access (none of DeepEP's kernels needs
-    them here) and are tensors of the dispatch's kind (CUDA tensors on the GPU):
+    them here), on the current stream (``torch.cuda.current_stream()`` for PyTorch tensors: access them after the
+    dispatch's event when it was ``async_finish``), as tensors of the dispatch's kind (CUDA tensors on the GPU):
 
     * ``rank_prefix_matrix`` int32 ``[num_ranks, num_ranks]``: ``[i][j]`` = tokens ranks ``0..i`` sent to rank
       ``j`` (rows of ``recv_x`` from rank ``i`` end at ``[i][rank]``).
@@ -329,7 +330,13 @@ class IntranodeHandle(Sequence):
             return tuple(self[j] for j in range(6)[i])
         j = range(6)[i]
         if j not in self._cache:
-            self._cache[j] = self._make(j)
+            torch = self._conv.torch
+            if self.native.backend == "cuda" and torch is not None:
+                # the caller's current stream (the dispatch's results are ordered on it), not CuPy's
+                with _compat.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                    self._cache[j] = self._make(j)
+            else:
+                self._cache[j] = self._make(j)
         return self._cache[j]
 
     def _make(self, j: int):
