@@ -11,6 +11,11 @@
 #                   rank sees ordinal 0. Skipped on one GPU.
 #   faults          tests/test_faults.py on the GPU path (single-process pytest that launches mpirun per case)
 #   ll              tests/test_low_latency.py and tests/test_deepep.py at 1, 2 and 4 ranks (MPS)
+#   deepep          DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unmodified, over the shim
+#                   (tests/external/run_deepep.py; needs .external/DeepEP carried: tests/external/README.md) at
+#                   DEEPEP_RANKS (default 2 4; MPS); DEEPEP_TESTS (default "intranode low_latency"), DEEPEP_ARGS
+#                   (their options, e.g. --num-tokens 1024). Prints each run's DeepEP pass lines and skips, and on a
+#                   failure the first traceback.
 #   adaptive        tests/test_adaptive.py at 4 and 8 ranks (MPS), an adaptive soak at 4
 #   hier            tests/test_hierarchical.py at 4 ranks (2 x 2 virtual nodes, MPS)
 #   staged          tests/test_staged.py at 1 and 2 ranks, then the core suites at 2 ranks with every cuda
@@ -165,7 +170,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 multi cvd faults ll adaptive hier staged trace soak examples sanitize info sass bench control moe
+STAGE_NAMES="suite1 multi cvd faults ll deepep adaptive hier staged trace soak examples sanitize info sass bench control moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -197,6 +202,25 @@ while [ $# -gt 0 ]; do
       run ll1 90 env CUPY_SYMBUF_TEST_BACKENDS=cuda $PYTEST -x $LL
       run ll2 100 $MPIRUN -n 2 $GPU0 $CUDA_ONLY $PYTEST -x $LL
       run ll4 100 $MPIRUN -n 4 $GPU0 $CUDA_ONLY $PYTEST -x tests/test_low_latency.py ;;
+    deepep)
+      if [ ! -f .external/DeepEP/tests/test_intranode.py ]; then
+        echo "== [deepep] no .external/DeepEP/tests (fetch DeepEP and carry .external: tests/external/README.md)"
+        FAILED="$FAILED deepep"; continue
+      fi
+      mps_on
+      port=29531
+      for n in ${DEEPEP_RANKS:-2 4}; do
+        for t in ${DEEPEP_TESTS:-intranode low_latency}; do
+          port=$((port + 1))
+          TAIL=0 run "deepep_${t}$n" "${DEEPEP_LIMIT:-240}" $MPIRUN -n "$n" $GPU0 -x MASTER_ADDR=127.0.0.1 \
+            -x MASTER_PORT=$port python3 tests/external/run_deepep.py "$t" ${DEEPEP_ARGS:-}
+          log="$LOGDIR/deepep_${t}$n.log"
+          grep -aE "^\[adapter\]|passed$|^\[tuning\] Best|bandwidth" "$log" | sort | uniq -c | sed 's/^ */   /' | head -40
+          if grep -aq "FAILED" "$log"; then
+            echo "   -- first failure:"; grep -a -m1 -A40 "FAILED" "$log" | head -45
+          fi
+        done
+      done ;;
     adaptive)
       mps_on
       run adaptive4 120 $MPIRUN -n 4 $GPU0 $CUDA_ONLY $PYTEST -x tests/test_adaptive.py

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from conftest import _gpu_for_rank, available_backends
 from cupy_symbuf import LowLatencyBuffer, LowLatencyHandle, SymBufferRejectedError, moe
-from cupy_symbuf.compat.deepep import Buffer, Config, EventOverlap
+from cupy_symbuf.compat.deepep import Buffer, Config, EventOverlap, IntranodeHandle, LowLatencyHandleView
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -105,7 +105,7 @@ def test_tuples_and_native_results(buf):
             assert a.dtype == b.dtype
             np.testing.assert_array_equal(np_(a), np_(b))
         assert len(out) == 6 and isinstance(out[5], EventOverlap)
-        assert isinstance(out[4], moe.DispatchHandle)
+        assert isinstance(out[4], IntranodeHandle) and isinstance(out[4].native, moe.DispatchHandle)
         for a, b in zip(out[:3], nat[:3]):
             np.testing.assert_array_equal(np_(a), np_(b))
         assert out[3] == nat[3] and isinstance(out[3], list)
@@ -132,11 +132,11 @@ def test_fp8_tuple_and_no_weights(buf):
     scales = np.ones((x.shape[0], 2), np.float32) * (RANK + 1)
     lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
     out = buf.dispatch((dev(buf, fp8), dev(buf, scales)), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                       num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
+                       num_tokens_per_expert=lay[2])
     want_x = ref(fp8.view(np.uint8), idx, None, n_exp)[0]
 
     def check():
-        assert isinstance(out[0], tuple) and len(out[0]) == 2 and out[2] is None
+        assert isinstance(out[0], tuple) and len(out[0]) == 2 and out[1] is None and out[2] is None
         np.testing.assert_array_equal(np_(out[0][0]).view(np.uint8), want_x)
 
     all_ranks(check)
@@ -166,8 +166,8 @@ def test_previous_event_and_async_finish(buf):
             import cupy
             cupy.cuda.get_current_stream().synchronize()
         else:
-            assert out[5].event is None
-        assert comb[2].event is None
+            assert out[5].event is not None  # a completed event (DeepEP's current_stream_wait needs one)
+        assert comb[2].event is None  # released
         np.testing.assert_array_equal(np_(out[0]), want_x)
         np.testing.assert_array_equal(np_(comb[0]), want_comb)
         s = buf.get_comm_stream()  # a torch stream when PyTorch is loaded (.cuda_stream), else CuPy's (.ptr)
@@ -190,12 +190,15 @@ def test_bad_stream_arguments_then_usable(buf):
         with pytest.raises(TypeError, match="'async_finish'"):
             buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
                          num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), async_finish="yes")
-        with pytest.raises(ValueError, match="'num_tokens_per_expert'"):
+        with pytest.raises(ValueError, match="'num_tokens_per_rank' is required"):
             buf.dispatch(dev(buf, x), topk_idx=dev(buf, idx))
-        with pytest.raises(ValueError, match="'topk_idx'"):
-            buf.dispatch(dev(buf, x), num_tokens_per_expert=lay[2])
+        with pytest.raises(ValueError, match="'is_token_in_rank' is required"):
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], num_tokens_per_expert=lay[2])
+        with pytest.raises(ValueError, match="both or neither"):
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                         num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
         out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                           num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx))
+                           num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), topk_weights=dev(buf, w))
         with pytest.raises(NotImplementedError, match="bias"):
             buf.combine(out[0], out[4], bias=out[0])
         np.testing.assert_array_equal(np_(out[0]), want_x)
@@ -208,8 +211,7 @@ def test_bad_stream_arguments_then_usable(buf):
 def test_shim_rejection_on_one_rank_is_told_to_peers(buf):
     x, idx, w, n_exp = inputs(("reject1", buf.communicator.backend))
     lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
-    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2],
-              topk_idx=dev(buf, idx))
+    kw = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2])
 
     def check():
         if RANK == 0:
@@ -315,8 +317,8 @@ def test_low_latency_matches_native(buf, use_fp8):
         else:
             got_x, nat_x = [np_(out[0]).view(np.uint16).copy()], [np_(nat[0]).view(np.uint16).copy()]
         h, nh = out[2], nat[2]
-        got_src, nat_src = np_(h.src_info).copy(), np_(nh.src_info).copy()
-        got_lr, nat_lr = np_(h.layout_range).copy(), np_(nh.layout_range).copy()
+        got_src, nat_src = np_(h[0]).copy(), np_(nh.src_info).copy()
+        got_lr, nat_lr = np_(h[1]).copy(), np_(nh.layout_range).copy()
         rng = np.random.default_rng([7, RANK])
         y = (rng.standard_normal((L, W * LL_N, LL_H)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
         comb = buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), h)
@@ -329,7 +331,8 @@ def test_low_latency_matches_native(buf, use_fp8):
 
     def check():
         assert len(out) == 5 and isinstance(out[3], EventOverlap) and out[4] is None
-        assert isinstance(h, LowLatencyHandle)
+        assert isinstance(h, LowLatencyHandleView) and isinstance(h.native, LowLatencyHandle)
+        assert len(h) == 5 and tuple(h)[2:] == (LL_N, LL_H, E)
         assert isinstance(out[0], tuple) == use_fp8
         np.testing.assert_array_equal(got_cnt, nat_cnt)
         for el in range(L):
@@ -368,7 +371,7 @@ def test_low_latency_options(buf):
         import cupy
         cupy.cuda.runtime.deviceSynchronize()
     hint = Buffer.get_low_latency_rdma_size_hint(LL_N, LL_H, W, E)
-    ll = r2[2].owner
+    ll = r2[2].native.owner
 
     def check():
         assert callable(r1[4]) and callable(comb[2])
@@ -378,7 +381,7 @@ def test_low_latency_options(buf):
         assert buf.communicator.backend == "host" or r2[3].event is not None
         assert hint == ll.nbytes and hint > 0
         assert buf.clean_low_latency_buffer(LL_N, LL_H, E) is None
-        with pytest.raises(TypeError, match="LowLatencyHandle"):
+        with pytest.raises(TypeError, match="handle"):
             buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), object())
 
     all_ranks(check)
@@ -397,7 +400,7 @@ def test_low_latency_buffer_at_construction():
             import cupy
             cupy.cuda.runtime.deviceSynchronize()
         after = dict(b._ll)
-        all_ranks(lambda: (len(before) == 1 and after == before and r[2].owner in before.values()) or
+        all_ranks(lambda: (len(before) == 1 and after == before and r[2].native.owner in before.values()) or
                   pytest.fail(f"{before} {after}"))
 
 
@@ -418,5 +421,190 @@ def test_low_latency_torch(buf):
         assert isinstance(recv, torch.Tensor) and recv.dtype == torch.bfloat16 and recv.device.type == device
         assert cnt.dtype == torch.int32 and q.dtype == torch.float8_e4m3fn and sc.dtype == torch.float32
         assert comb.dtype == torch.bfloat16 and tuple(comb.shape) == (LL_N, LL_H)
+
+    all_ranks(check)
+
+
+# ------------------------------------------------------------------------------------------------ DeepEP's semantics
+
+
+def deepep_handle_ref(in_rank_all, num_channels):
+    """DeepEP's intranode handle matrices from every rank's is_token_in_rank (a NumPy reading of its
+    notify_dispatch / dispatch kernels): rank_prefix_matrix, this rank's channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, send_head."""
+    C = num_channels
+    counts = np.array([m.sum(axis=0) for m in in_rank_all], np.int64)          # [src, dst]
+    rpm = np.cumsum(counts, axis=0).astype(np.int32)
+
+    def chan_ranges(T):
+        per = -(-T // C)
+        return [(min(per * c, T), min(per * c + per, T)) for c in range(C)]
+
+    def cpm_of(m):
+        T = m.shape[0]
+        return np.array([[m[:e, r].sum() for (_, e) in chan_ranges(T)] for r in range(W)], np.int32)
+
+    mine = in_rank_all[RANK]
+    cpm = cpm_of(mine)
+    rcpm = np.array([[0 if c == 0 else cpm_of(in_rank_all[s])[RANK][c - 1] for c in range(C)] for s in range(W)],
+                    np.int32)
+    src = np.concatenate([np.nonzero(in_rank_all[s][:, RANK])[0] for s in range(W)]).astype(np.int32)
+    T = mine.shape[0]
+    head = np.full((T, W), -1, np.int32)
+    for (b, e) in chan_ranges(T):
+        for r in range(W):
+            k = 0
+            for t in range(b, e):
+                if mine[t, r]:
+                    head[t, r] = k
+                    k += 1
+    return rpm, cpm, rcpm, src, head
+
+
+def test_dispatch_routes_by_the_callers_mask(buf):
+    """DeepEP routes by is_token_in_rank (with or without top-k) and counts by num_tokens_per_expert: a mask that
+    differs from topk_idx's layout is followed; the handle is DeepEP's 6-tuple with DeepEP's contents."""
+    x, idx, w, n_exp = inputs(("mask", buf.communicator.backend), num_tokens=23)
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+    rng = np.random.default_rng([11, RANK])
+    mask = rng.random((x.shape[0], W)) < 0.5                                 # not topk_idx's layout
+    per_rank = mask.sum(axis=0).astype(np.int32)
+    per_expert = rng.integers(0, 5, size=n_exp).astype(np.int32)
+    everything = WORLD.allgather((x, mask, per_expert, idx, w))
+    want_x = np.concatenate([xs[m[:, RANK]] for xs, m, _, _, _ in everything])
+    epr = n_exp // W
+    want_counts = [int(sum(pe[RANK * epr + j] for _, _, pe, _, _ in everything)) for j in range(epr)]
+    want_i = np.concatenate([np.where((ids >= RANK * epr) & (ids < (RANK + 1) * epr), ids - RANK * epr, -1)[m[:, RANK]]
+                             for _, m, _, ids, _ in everything])
+    want_w = np.concatenate([np.where((ids >= RANK * epr) & (ids < (RANK + 1) * epr), ws, 0)[m[:, RANK]]
+                             for _, m, _, ids, ws in everything])
+    cfg = Config(16)
+    plain = buf.dispatch(dev(buf, x), num_tokens_per_rank=dev(buf, per_rank), is_token_in_rank=dev(buf, mask),
+                         num_tokens_per_expert=dev(buf, per_expert), config=cfg)
+    topk = buf.dispatch(dev(buf, x), num_tokens_per_rank=dev(buf, per_rank), is_token_in_rank=dev(buf, mask),
+                        num_tokens_per_expert=dev(buf, per_expert), topk_idx=dev(buf, idx),
+                        topk_weights=dev(buf, w), config=cfg)
+    worst = buf.dispatch(dev(buf, x), num_tokens_per_rank=dev(buf, per_rank), is_token_in_rank=dev(buf, mask),
+                         num_tokens_per_expert=dev(buf, per_expert), topk_idx=dev(buf, idx),
+                         topk_weights=dev(buf, w), num_worst_tokens=x.shape[0] * W)
+    comb = buf.combine(plain[0], plain[4])
+    cached = buf.dispatch(dev(buf, x * 2), handle=plain[4])
+    rpm, cpm, rcpm, src, head = deepep_handle_ref([m for _, m, _, _, _ in everything], 8)
+
+    def check():
+        np.testing.assert_array_equal(np_(plain[0]), want_x)
+        assert plain[1] is None and plain[2] is None and plain[3] == want_counts
+        assert isinstance(plain[3], list) and all(type(c) is int for c in plain[3])
+        np.testing.assert_array_equal(np_(topk[0]), want_x)
+        np.testing.assert_array_equal(np_(topk[1]), want_i)
+        np.testing.assert_array_equal(np_(topk[2]), want_w)
+        h = plain[4]
+        assert isinstance(h, IntranodeHandle) and len(h) == 6 and len(tuple(h)) == 6
+        for got, want in zip((h[0], h[1], h[2], h[3], h[5]), (rpm, cpm, rcpm, src, head)):
+            assert np_(got).dtype == np.int32
+            np.testing.assert_array_equal(np_(got), want)
+        assert h[4] is not None and np.array_equal(np_(h[4]), mask)
+        n = want_x.shape[0]
+        assert worst[3] == [] and np_(worst[0]).shape[0] == x.shape[0] * W
+        np.testing.assert_array_equal(np_(worst[0])[:n], want_x)
+        np.testing.assert_array_equal(np_(worst[1])[:n], want_i)
+        np.testing.assert_array_equal(np_(worst[2])[:n], want_w)
+        assert (np_(worst[1])[n:] == -1).all()
+        np.testing.assert_array_equal(np_(comb[0]), x * mask.sum(axis=1)[:, None])
+        np.testing.assert_array_equal(np_(cached[0]), want_x * 2)
+
+    all_ranks(check)
+
+
+def test_dispatch_mask_disagreeing_with_per_rank_is_rejected(buf):
+    x, idx, w, n_exp = inputs(("maskbad", buf.communicator.backend))
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+    per_rank = np_(lay[0]).copy()
+    if RANK == 0:
+        per_rank[0] += 1
+
+    def check():
+        err = ValueError if RANK == 0 else SymBufferRejectedError
+        with pytest.raises(err):
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=dev(buf, per_rank), is_token_in_rank=lay[3],
+                         num_tokens_per_expert=lay[2])
+            if buf.communicator.backend == "cuda":
+                buf.communicator.synchronize()
+        out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                           num_tokens_per_expert=lay[2])
+        np.testing.assert_array_equal(np_(out[0]), ref(x, idx, w, n_exp)[0])
+
+    all_ranks(check)
+
+
+def test_event_overlap_asserts_without_event(buf):
+    x, idx, w, n_exp = inputs(("ev", buf.communicator.backend))
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+
+    def check():
+        with pytest.raises(AssertionError, match="async_finish"):
+            lay[4].current_stream_wait()
+        with lay[4]:  # leaving the block without an event does nothing (as DeepEP)
+            pass
+        Buffer.capture().current_stream_wait()
+
+    all_ranks(check)
+
+
+def test_topk_idx_t():
+    torch = pytest.importorskip("torch")
+    import cupy_symbuf.deepep as face
+    assert face.topk_idx_t is torch.int64
+
+
+def test_low_latency_ue8m0_zero_copy_and_handle(buf):
+    """use_ue8m0: DeepEP's packed int32 [..., hidden // 512] scales (exponent bytes), column-major; the handle
+    indexes as DeepEP's; the zero-copy combine reads get_next_low_latency_combine_buffer's array."""
+    E = 4 * W
+    L = E // W
+    H = 512
+    x, idx, w = ll_inputs(("ue8m0",), LL_N, H, E, LL_K)
+    f = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=True, round_scale=True)
+    f_strides = np_(f[0][1]).strides
+    f_scales = np_(f[0][1]).copy()
+    p = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=True, round_scale=True,
+                                 use_ue8m0=True)
+    packed = p[0][1]
+    h = p[2]
+    b = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=False)
+    y = np_(b[0]).copy()
+    zc = buf.get_next_low_latency_combine_buffer(b[2])
+    zc[...] = dev(buf, y)
+    junk = dev(buf, np.zeros_like(y))
+    got = np_(buf.low_latency_combine(junk, dev(buf, idx), dev(buf, w), b[2], zero_copy=True)[0]).copy()
+    want = np_(buf.low_latency_combine(dev(buf, y), dev(buf, idx), dev(buf, w), b[2])[0]).copy()
+    if buf.communicator.backend == "cuda":
+        import cupy
+        cupy.cuda.runtime.deviceSynchronize()
+    all_x = WORLD.allgather((x, idx))
+
+    def check():
+        assert packed.dtype == np.int32 and tuple(packed.shape) == (L, W * LL_N, H // 512)
+        st = packed.strides
+        assert st[1] == 4 and st[2] == 4 * W * LL_N                            # column-major last two axes
+        assert f_strides[1] == 4 and f_strides[2] == 4 * W * LL_N
+        cnt = np_(p[1])
+        ref_bytes = (f_scales.view(np.uint32) >> 23).astype(np.uint8)     # NumPy pack of the float32 scales
+        ref_packed = np.ascontiguousarray(ref_bytes).view(np.int32)
+        for e in range(L):
+            np.testing.assert_array_equal(np_(packed)[e, :cnt[e]], ref_packed[e, :cnt[e]])
+        assert len(h) == 5 and h[2:] == (LL_N, H, E)
+        src, lr = np_(h[0]), np_(h[1])
+        assert src.dtype == np.int32 and lr.dtype == np.int64
+        for e in range(L):
+            ge = RANK * L + e
+            want_src = np.concatenate([np.nonzero((ids == ge).any(axis=1))[0] for _, ids in all_x])
+            np.testing.assert_array_equal(src[e, :cnt[e]], want_src)
+            begin = 0
+            for s, (_, ids) in enumerate(all_x):
+                n = int((ids == ge).any(axis=1).sum())
+                assert int(lr[e, s]) >> 32 == begin and int(lr[e, s]) & 0xFFFFFFFF == n
+                begin += n
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
     all_ranks(check)

@@ -41,15 +41,23 @@ low-latency call (of each shape) together and with the same values, or pass them
 creates it there. All low-latency calls of a Buffer run on its comm stream, in call order (the mode's sequence
 numbers need that).
 
-Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, dispatch without ``topk_idx``,
-the low-latency mode's split send/receive (``return_recv_hook`` gives a hook, but the call already did both),
-LogFMT (``use_logfmt``: the wire is plain ``x`` dtype) and packed ue8m0 scales (float32 powers of two instead).
-The handle is a :class:`cupy_symbuf.moe.DispatchHandle` (opaque, as DeepEP's tuple is to its callers), in the
-low-latency mode a :class:`cupy_symbuf.LowLatencyHandle`.
+As DeepEP: ``dispatch`` routes by the caller's ``is_token_in_rank`` and counts by its ``num_tokens_per_expert``
+(``topk_idx`` / ``topk_weights`` optional, travelling as data); the handle is DeepEP's 6-sequence
+(:class:`IntranodeHandle`: ``rank_prefix_matrix``, ... with DeepEP's contents, over the native
+:class:`cupy_symbuf.moe.DispatchHandle`); with ``num_worst_tokens`` the per-expert list is empty; the low-latency
+handle indexes as DeepEP's (:class:`LowLatencyHandleView`); ``use_ue8m0`` scales are packed int32 ``[...,
+hidden // 512]``, scales a column-major view; ``get_next_low_latency_combine_buffer`` + ``zero_copy``;
+``EventOverlap.current_stream_wait`` asserts without an event; ``deepep.topk_idx_t`` is ``torch.int64``.
+
+Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, the low-latency mode's split
+send/receive (``return_recv_hook`` gives a hook that orders the current stream, but the call already did both
+halves), LogFMT (``use_logfmt``: the wire is plain ``x`` dtype), a handle tuple rebuilt by hand (the shim needs
+the one ``dispatch`` returned).
 """
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -59,8 +67,18 @@ from ..common import backend as _compat
 from ..transport.streams import CollectiveEvent, check_flag, reject_call
 from ..communicator import Communicator
 from ..moe.low_latency import LowLatencyBuffer, LowLatencyHandle
+from ..moe.normal import DispatchHandle
 
-__all__ = ["Buffer", "EventOverlap", "Config"]
+__all__ = ["Buffer", "EventOverlap", "Config", "IntranodeHandle", "LowLatencyHandleView"]
+
+
+def __getattr__(name: str):
+    """``topk_idx_t``: DeepEP's dtype of ``topk_idx`` (``torch.int64``); PyTorch is imported on first use (so it
+    is not in ``__all__``: ``deepep.topk_idx_t`` works, a star import does not import PyTorch)."""
+    if name == "topk_idx_t":
+        import torch
+        return torch.int64
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -160,7 +178,9 @@ class EventOverlap:
     extra_tensors : tuple or None
         References kept alive with the event (DeepEP's stand-in for ``record_stream``).
 
-    Unlike DeepEP, :meth:`current_stream_wait` on an event-less object is a no-op instead of an assertion error.
+    As DeepEP, :meth:`current_stream_wait` on an event-less object (a call made without ``async_finish``) raises
+    ``AssertionError``. On the host backend the event of an ``async_finish`` call (and of :meth:`Buffer.capture`)
+    is an already completed one.
     """
 
     def __init__(self, event: Optional[CollectiveEvent] = None, extra_tensors: Optional[tuple] = None, *,
@@ -179,8 +199,10 @@ class EventOverlap:
         """The current stream (``torch.cuda.current_stream()`` for calls on PyTorch tensors, else the current CuPy
         stream) waits for the event on the device; the host does not block. ``release_handle``: drop the event
         (and ``extra_tensors``) afterwards."""
-        if self.event is not None:
-            self.event.wait(self._current())
+        if self.event is None:
+            raise AssertionError("EventOverlap.current_stream_wait: no event to wait for (the call was made without "
+                                 "async_finish=True; as DeepEP, this is an error)")
+        self.event.wait(self._current())
         if release_handle:
             self.event = None
             self.extra_tensors = None
@@ -197,7 +219,20 @@ class EventOverlap:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         release, self._release = self._release, False
-        self.current_stream_wait(release_handle=release)
+        if self.event is not None:
+            self.current_stream_wait(release_handle=release)
+
+
+class _CompletedEvent:
+    """The event of a host-backend call: complete when the call returns (waiting is a no-op)."""
+
+    event = None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
 
 
 class Config:
@@ -233,7 +268,7 @@ def _event_of(op: str, previous_event):
         return None
     if isinstance(previous_event, EventOverlap):
         previous_event = previous_event.event
-        if previous_event is None:
+        if previous_event is None or isinstance(previous_event, _CompletedEvent):
             return None
     if isinstance(previous_event, CollectiveEvent):
         return previous_event.event
@@ -243,6 +278,148 @@ def _event_of(op: str, previous_event):
     raise TypeError(f"{op}: argument 'previous_event' must be None, an EventOverlap (Buffer.capture() or a "
                     f"previous call's event), a CollectiveEvent or a cupy.cuda.Event, got "
                     f"{type(previous_event).__module__}.{type(previous_event).__qualname__}")
+
+
+def _native_handle(op: str, handle) -> DispatchHandle:
+    """The :class:`~cupy_symbuf.moe.DispatchHandle` behind a handle :meth:`Buffer.dispatch` returned."""
+    if isinstance(handle, IntranodeHandle):
+        return handle.native
+    if isinstance(handle, DispatchHandle):
+        return handle
+    raise TypeError(f"Buffer.{op}: argument 'handle' must be the handle a Buffer.dispatch returned, got "
+                    f"{type(handle).__module__}.{type(handle).__qualname__} (a tuple rebuilt by hand does not carry "
+                    f"the layout this implementation needs)")
+
+
+class IntranodeHandle(Sequence):
+    """DeepEP's intranode dispatch handle: a 6-sequence ``(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`` with DeepEP's contents, over a
+    :class:`~cupy_symbuf.moe.DispatchHandle` (``.native``, what :meth:`Buffer.combine` and a cached
+    :meth:`Buffer.dispatch` use). The elements are computed on first access (none of DeepEP's kernels needs
+    them here), on the current stream (``torch.cuda.current_stream()`` for PyTorch tensors: access them after the
+    dispatch's event when it was ``async_finish``), as tensors of the dispatch's kind (CUDA tensors on the GPU):
+
+    * ``rank_prefix_matrix`` int32 ``[num_ranks, num_ranks]``: ``[i][j]`` = tokens ranks ``0..i`` sent to rank
+      ``j`` (rows of ``recv_x`` from rank ``i`` end at ``[i][rank]``).
+    * ``channel_prefix_matrix`` int32 ``[num_ranks, num_channels]``: ``[r][c]`` = tokens this rank sent to rank
+      ``r`` from DeepEP's channels ``0..c`` (channel ``c`` = tokens ``[c * ceil(T / C), (c + 1) * ceil(T / C))``,
+      ``C = config.num_sms // 2`` of the dispatch's config).
+    * ``recv_channel_prefix_matrix`` int32 ``[num_ranks, num_channels]``: ``[s][c]`` = rows from rank ``s`` of its
+      channels ``0..c-1`` (the start of channel ``c`` within ``s``'s rows).
+    * ``recv_src_idx`` int32 ``[num_recv_tokens]``: source token index of each received row.
+    * ``is_token_in_rank``: the caller's tensor.
+    * ``send_head`` int32 ``[num_tokens, num_ranks]``: the token's index among the tokens of its channel sent to
+      that rank, ``-1`` where not sent.
+
+    In worst-case mode on the GPU the count matrix never reaches the host: ``rank_prefix_matrix`` and
+    ``recv_channel_prefix_matrix`` raise ``ValueError`` there.
+    """
+
+    def __init__(self, native: DispatchHandle, conv, is_token_in_rank, num_channels: int) -> None:
+        self.native = native
+        self._conv = conv
+        self._in_rank_given = is_token_in_rank
+        self.num_channels = max(1, int(num_channels))
+        self._cache = {}
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(6)[i])
+        j = range(6)[i]
+        if j not in self._cache:
+            torch = self._conv.torch
+            if self.native.backend == "cuda" and torch is not None:
+                # the caller's current stream (the dispatch's results are ordered on it), not CuPy's
+                with _compat.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                    self._cache[j] = self._make(j)
+            else:
+                self._cache[j] = self._make(j)
+        return self._cache[j]
+
+    def _make(self, j: int):
+        h = self.native
+        if j == 4:
+            return self._in_rank_given
+        xp = np if h.backend == "host" else _compat.cupy
+        W, C, T = h.world_size, self.num_channels, h.num_tokens
+        if j in (0, 2) and h.count_matrix is None:
+            raise ValueError("IntranodeHandle: rank_prefix_matrix / recv_channel_prefix_matrix need the count matrix, "
+                             "which a worst-case (num_worst_tokens) GPU dispatch keeps on the device")
+        if j == 0:
+            v = xp.asarray(np.cumsum(h.count_matrix, axis=0).astype(np.int32))
+        elif j == 3:
+            v = h.recv_src_idx.astype(np.int32)
+        elif j == 2:
+            src = np.asarray(h.recv_src_idx.get() if xp is not np else h.recv_src_idx)
+            offs = np.concatenate([[0], np.cumsum(h.count_matrix[:, h.rank])])
+            out = np.zeros((W, C), np.int32)
+            for s_ in range(W):
+                n_s = int(h.src_num_tokens[s_])
+                per = -(-n_s // C)
+                starts = np.minimum(per * np.arange(C), n_s)
+                out[s_] = np.searchsorted(src[offs[s_]:offs[s_ + 1]], starts, side="left")
+            v = xp.asarray(out)
+        else:
+            in_rank = h.is_token_in_rank
+            per = -(-T // C)
+            incl = xp.cumsum(in_rank, axis=0, dtype=np.int64)
+            if j == 1:
+                ends = xp.minimum(per * (xp.arange(C) + 1), T)
+                padded = xp.concatenate([xp.zeros((1, W), np.int64), incl])
+                v = xp.ascontiguousarray(padded[ends].T).astype(np.int32)
+            else:  # send_head
+                excl = incl - in_rank
+                chan_start = (xp.arange(T) // max(per, 1)) * per
+                v = xp.where(in_rank, excl - excl[chan_start] if T else excl, -1).astype(np.int32)
+        return self._conv.out(v)
+
+    def __repr__(self) -> str:
+        return f"IntranodeHandle({self.native!r}, num_channels={self.num_channels})"
+
+
+def _column_major_scales(xp, scales, ue8m0: bool):
+    """DeepEP's low-latency scales from float32 ``[L, R, hidden // 128]``: a view with column-major last two axes
+    (strides ``(R * S, 1, R)`` in elements); with ``ue8m0`` packed first to int32 ``[L, R, hidden // 512]`` (byte
+    ``k`` of word ``j`` = the biased exponent of the scale of block ``4 j + k``: the scales are powers of two)."""
+    if ue8m0:
+        exp = (scales.view(np.uint32) >> 23).astype(np.uint8)
+        scales = xp.ascontiguousarray(exp).view(np.int32)
+    cm = xp.empty((scales.shape[0], scales.shape[2], scales.shape[1]), scales.dtype)
+    cm[...] = scales.transpose(0, 2, 1)
+    return cm.transpose(0, 2, 1)
+
+
+class LowLatencyHandleView(Sequence):
+    """DeepEP's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
+    num_experts)`` over a :class:`cupy_symbuf.LowLatencyHandle` (``.native``), the arrays as tensors of the
+    dispatch's kind (zero-copy views, made on first access): ``src_info`` int32 ``[num_local_experts, num_ranks *
+    N]`` (source token index of each received row), ``layout_range`` int64 ``[num_local_experts, num_ranks]``
+    (``(begin << 32) | count`` of the rows from each source rank)."""
+
+    def __init__(self, native: LowLatencyHandle, conv) -> None:
+        self.native = native
+        self._conv = conv
+        self._views = {}
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(5)[i])
+        j = range(5)[i]
+        v = self.native[j]
+        if j < 2:
+            if j not in self._views:
+                self._views[j] = self._conv.out(v)
+            v = self._views[j]
+        return v
+
+    def __repr__(self) -> str:
+        return f"LowLatencyHandleView({self.native!r})"
 
 
 #: ``max_topk`` of the LowLatencyBuffers the shim makes (the largest top-k a call may use)
@@ -382,7 +559,7 @@ class Buffer:
         initialized CUDA, else the current CuPy stream), for ``previous_event``. Without CuPy and a GPU: an
         event-less EventOverlap (host calls complete before returning)."""
         if not _compat.cuda_available():
-            return EventOverlap(None)
+            return EventOverlap(_CompletedEvent())
         torch_mode = _torch_in_use()
         stream = sys.modules["torch"].cuda.current_stream() if torch_mode else None
         return EventOverlap(CollectiveEvent.record(stream), torch_stream=torch_mode)
@@ -416,7 +593,7 @@ class Buffer:
             reject_call(comm, op, notify)
             raise
         if self._comm_stream is None:  # host: complete on return
-            return call(None), EventOverlap(None)
+            return call(None), EventOverlap(_CompletedEvent() if async_finish else None)
         cp = _compat.cupy
         torch = sys.modules.get("torch") if torch_mode else None
         compute = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
@@ -482,30 +659,36 @@ class Buffer:
         ----------
         x : ``[num_tokens, hidden]`` bfloat16 (also float16/float32 here), or ``(x_fp8, scales)`` with ``x_fp8``
             float8_e4m3fn ``[num_tokens, hidden]`` and ``scales`` float32 ``[num_tokens, hidden // 128]``.
-        handle : DispatchHandle, optional
-            From an earlier dispatch: cached mode (only ``x`` travels; ``topk_idx``/``topk_weights`` must be None).
+        handle : the handle of an earlier :meth:`dispatch` (:class:`IntranodeHandle`), optional
+            Cached mode (only ``x`` travels; ``topk_idx``/``topk_weights`` must be None).
         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
-            :meth:`get_dispatch_layout`'s results, required without ``handle`` as in DeepEP. Only
-            ``num_tokens_per_expert``'s length (``num_experts``) is read: the layout is recomputed on the device
-            from ``topk_idx`` (so it must be ``topk_idx``'s layout; not re-checked).
+            :meth:`get_dispatch_layout`'s results (or the caller's own), required without ``handle`` as in DeepEP,
+            and used as DeepEP uses them: token ``t`` goes to rank ``r`` where ``is_token_in_rank[t, r]``;
+            ``num_tokens_per_expert`` (length ``num_experts``) gives the receive counts per local expert;
+            ``num_tokens_per_rank`` must equal ``is_token_in_rank``'s column sums (checked; see
+            :func:`cupy_symbuf.moe.dispatch`).
         num_tokens_per_rdma_rank : ignored (intranode).
-        topk_idx : ``[num_tokens, num_topk]`` int64, required without ``handle`` (this implementation routes by it).
-        topk_weights : ``[num_tokens, num_topk]`` float32, optional.
+        topk_idx, topk_weights : ``[num_tokens, num_topk]`` int64 / float32, optional, both or neither (as DeepEP):
+            they travel with the tokens.
         expert_alignment : int >= 1
             Round each ``num_recv_tokens_per_expert_list`` entry up to a multiple of it.
         num_worst_tokens : int
-            Passed to the native ``dispatch`` only when nonzero (``TypeError`` while the native API lacks it).
-        config : :class:`Config` or None; accepted, not used.
+            DeepEP's worst-case mode (needs ``topk_idx``): every ``recv_*`` has this many rows, the real ones first.
+        config : :class:`Config` or None; only ``config.num_sms // 2`` (DeepEP's channel count, default
+            :meth:`get_dispatch_config`'s) is used, for the handle's channel matrices.
         previous_event, async_finish, allocate_on_comm_stream : see :meth:`get_dispatch_layout`.
 
         Returns
         -------
         recv_x : received tokens, ``x``'s dtype (a tuple for fp8), ordered by source rank then token.
-        recv_topk_idx : ``[num_recv_tokens, num_topk]`` int64, local expert ids or ``-1``; None when cached.
+        recv_topk_idx : ``[num_recv_tokens, num_topk]`` int64, local expert ids or ``-1``; None when cached or
+            without ``topk_idx``.
         recv_topk_weights : ``[num_recv_tokens, num_topk]`` float32 (0 where ``recv_topk_idx`` is ``-1``); None
             when cached or without ``topk_weights``.
-        num_recv_tokens_per_expert_list : list of int ``[num_local_experts]``; None when cached.
-        handle : DispatchHandle for :meth:`combine` and cached dispatches; None when cached (as DeepEP).
+        num_recv_tokens_per_expert_list : list of int ``[num_local_experts]``; ``[]`` with ``num_worst_tokens``;
+            None when cached.
+        handle : :class:`IntranodeHandle` (DeepEP's tuple) for :meth:`combine` and cached dispatches; None when
+            cached (as DeepEP).
         event : EventOverlap
 
         Values as :meth:`cupy_symbuf.Communicator.dispatch`, whose errors propagate. ``ValueError``:
@@ -523,19 +706,21 @@ class Buffer:
             if num_worst_tokens:
                 kwargs["num_worst_tokens"] = num_worst_tokens
             if handle is None:
-                if num_tokens_per_expert is None:
-                    raise ValueError(f"Buffer.{op}: argument 'num_tokens_per_expert' is required without handle "
-                                     f"(get_dispatch_layout's result; its length is num_experts)")
-                if topk_idx is None:
-                    raise ValueError(f"Buffer.{op}: argument 'topk_idx' is required without handle (this "
-                                     f"implementation routes tokens by topk_idx)")
-                num_experts = int(num_tokens_per_expert.shape[0])
+                for name, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                ("num_tokens_per_expert", num_tokens_per_expert)):
+                    if v is None:
+                        raise ValueError(f"Buffer.{op}: argument '{name}' is required without handle "
+                                         f"(get_dispatch_layout's result, as DeepEP)")
                 call = self._native_call(self.communicator.dispatch, xn, conv.native(topk_idx),
-                                         conv.native(topk_weights), num_experts,
-                                         expert_alignment=expert_alignment, **kwargs)
+                                         conv.native(topk_weights), expert_alignment=expert_alignment,
+                                         is_token_in_rank=conv.native(is_token_in_rank),
+                                         num_tokens_per_rank=conv.native(num_tokens_per_rank),
+                                         num_tokens_per_expert=conv.native(num_tokens_per_expert), **kwargs)
             else:
-                call = self._native_call(self.communicator.dispatch, xn, conv.native(topk_idx),
-                                         conv.native(topk_weights), handle=handle,
+                if topk_idx is not None or topk_weights is not None:
+                    raise ValueError(f"Buffer.{op}: a cached dispatch (with handle) takes no topk_idx / topk_weights "
+                                     f"(as DeepEP)")
+                call = self._native_call(self.communicator.dispatch, xn, handle=_native_handle(op, handle),
                                          expert_alignment=expert_alignment, **kwargs)
         except BaseException:
             reject_call(self.communicator, op, notify)
@@ -545,7 +730,10 @@ class Buffer:
         recv_x, recv_idx, recv_w, counts, new_handle = res
         if handle is not None:
             return conv.out_x(recv_x), None, None, None, None, event
-        return conv.out_x(recv_x), conv.out(recv_idx), conv.out(recv_w), counts, new_handle, event
+        counts = [] if num_worst_tokens else [int(c) for c in counts]
+        channels = (config if config is not None else self.get_dispatch_config(self.group_size)).num_sms // 2
+        return conv.out_x(recv_x), conv.out(recv_idx), conv.out(recv_w), counts, \
+            IntranodeHandle(new_handle, conv, is_token_in_rank, channels), event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -578,7 +766,8 @@ class Buffer:
                 raise NotImplementedError(f"Buffer.{op}: 'bias' is not supported yet (add it to combined_x)")
             xn = conv.native(x, is_x=True)
             dtype = "bfloat16" if conv.bf16 else None
-            call = self._native_call(self.communicator.combine, xn, handle, conv.native(topk_weights), dtype=dtype)
+            call = self._native_call(self.communicator.combine, xn, _native_handle(op, handle),
+                                     conv.native(topk_weights), dtype=dtype)
         except BaseException:
             reject_call(self.communicator, op, False)
             raise
@@ -621,7 +810,8 @@ class Buffer:
         async_finish = check_flag("low_latency", "async_finish", async_finish)
         return_recv_hook = check_flag("low_latency", "return_recv_hook", return_recv_hook)
         if self._comm_stream is None:  # host: complete on return
-            return fn(), EventOverlap(None), ((lambda: None) if return_recv_hook else None)
+            return fn(), EventOverlap(_CompletedEvent() if async_finish else None), \
+                ((lambda: None) if return_recv_hook else None)
         cp = _compat.cupy
         torch = sys.modules.get("torch") if torch_mode else None
         compute = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
@@ -662,19 +852,21 @@ class Buffer:
             (in stream order).
         dispatch_wait_recv_cost_stats : accepted, not written (no wait timing here).
         use_fp8 : bool (default True, as DeepEP): float8_e4m3fn data and float32 scales per 128 elements.
-        round_scale, use_ue8m0 : scales rounded up to powers of two (still float32 ``[..., hidden // 128]``, not
-            DeepEP's packed int ``[..., hidden // 512]``).
+        round_scale : scales rounded up to powers of two (float32 ``[..., hidden // 128]``).
+        use_ue8m0 : with ``round_scale`` (as DeepEP), the scales packed as DeepEP does: int32 ``[...,
+            hidden // 512]``, byte ``k`` (little-endian) of word ``j`` the biased float32 exponent of the scale of
+            block ``4 j + k`` (``hidden % 512 == 0``; ``ValueError`` otherwise).
         async_finish, return_recv_hook : see :meth:`_ll_run` (the hook only orders the current stream: the
             receive has been done by the call).
 
         Returns
         -------
         recv_x : ``[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]``, ``x``'s dtype, or
-            with ``use_fp8`` ``(float8_e4m3fn data, float32 scales [..., hidden // 128])`` (row-major scales:
-            DeepEP's are a column-major view of the same shape and values); rows below ``recv_count[e]`` valid,
-            ordered by (source rank, token).
+            with ``use_fp8`` ``(float8_e4m3fn data, scales)``, the scales float32 ``[..., hidden // 128]`` (int32
+            ``[..., hidden // 512]`` with ``use_ue8m0``), a view whose last two axes are column-major (as DeepEP; a
+            copy per call); rows below ``recv_count[e]`` valid, ordered by (source rank, token).
         recv_count : ``[num_local_experts]`` int32.
-        handle : :class:`cupy_symbuf.LowLatencyHandle` (``src_info``, ``layout_range``, ...), for
+        handle : :class:`LowLatencyHandleView` (DeepEP's ``(src_info, layout_range, N, hidden, num_experts)``), for
             :meth:`low_latency_combine` within the next two dispatches of that shape.
         event : EventOverlap; hook : callable or None.
 
@@ -690,14 +882,19 @@ class Buffer:
         if getattr(xn, "ndim", 0) != 2:
             raise ValueError(f"{op}: x must be [num_tokens, hidden], got shape {tuple(getattr(xn, 'shape', ()))}")
         dtype = "bfloat16" if conv.bf16 or xn.dtype == np.uint16 else xn.dtype
+        if use_ue8m0 and use_fp8 and int(xn.shape[1]) % 512:
+            raise ValueError(f"{op}: use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got "
+                             f"{int(xn.shape[1])}")
         ll = self._ll_buffer(op, num_max_dispatch_tokens_per_rank, int(xn.shape[1]), num_experts, dtype)
         stats = conv.native(cumulative_local_expert_recv_stats)
 
         def fn():
-            res = ll.dispatch(xn, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+            recv, count, h = ll.dispatch(xn, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
             if stats is not None:
-                stats[...] += res[1].astype(stats.dtype, copy=False)
-            return res
+                stats[...] += count.astype(stats.dtype, copy=False)
+            if isinstance(recv, tuple):  # DeepEP's scales: column-major in the last two axes, packed with ue8m0
+                recv = (recv[0], _column_major_scales(ll.xp, recv[1], bool(use_ue8m0)))
+            return recv, count, h
 
         (recv_x, recv_count, handle), event, hook = self._ll_run(conv.torch is not None, async_finish,
                                                                  return_recv_hook, fn)
@@ -708,7 +905,28 @@ class Buffer:
                 recv_x = (q, conv.out(scales))
         else:
             recv_x = conv.out(recv_x, is_x=True)
-        return recv_x, conv.out(recv_count), handle, event, hook
+        return recv_x, conv.out(recv_count), LowLatencyHandleView(handle, conv), event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """DeepEP's zero-copy combine buffer: the ``[num_local_experts, num_ranks *
+        num_max_dispatch_tokens_per_rank, hidden]`` tensor (the dispatch's dtype and kind) the next
+        :meth:`low_latency_combine` with ``zero_copy=True`` reads instead of its ``x``
+        (:meth:`cupy_symbuf.LowLatencyBuffer.next_combine_buffer`). Fill it, then combine."""
+        native = self._ll_handle("Buffer.get_next_low_latency_combine_buffer", handle)
+        conv = handle._conv if isinstance(handle, LowLatencyHandleView) else _Tensors(False)
+        arr = native.owner.next_combine_buffer()
+        if native.owner.kind == "bfloat16":
+            conv.bf16 = True
+        return conv.out(arr, is_x=True)
+
+    def _ll_handle(self, op: str, handle) -> LowLatencyHandle:
+        if isinstance(handle, LowLatencyHandleView):
+            handle = handle.native
+        if not isinstance(handle, LowLatencyHandle) or not isinstance(handle.owner, LowLatencyBuffer) \
+                or handle.owner not in self._ll.values():
+            raise TypeError(f"{op}: handle must be the handle of this Buffer's low_latency_dispatch, got "
+                            f"{type(handle).__name__}")
+        return handle
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
@@ -722,7 +940,9 @@ class Buffer:
             the experts' outputs in ``recv_x``'s row order.
         topk_idx, topk_weights : the dispatched tokens' ``[num_tokens, num_topk]`` int64 / float32.
         handle : :class:`cupy_symbuf.LowLatencyHandle` from :meth:`low_latency_dispatch`.
-        use_logfmt, zero_copy : accepted, not used (the wire is ``x``'s dtype; ``x`` is always read in place).
+        use_logfmt : accepted, not used (the wire is ``x``'s dtype).
+        zero_copy : read :meth:`get_next_low_latency_combine_buffer`'s tensor instead of ``x`` (``x`` is then only
+            used for its kind).
         async_finish, return_recv_hook : as :meth:`low_latency_dispatch`.
         out : optional ``[num_tokens, hidden]`` tensor/array of ``x``'s kind: the result is copied into it and it
             is returned.
@@ -734,13 +954,12 @@ class Buffer:
             after the next one). event : EventOverlap; hook : callable or None.
         """
         op = "Buffer.low_latency_combine"
-        if not isinstance(handle, LowLatencyHandle) or not isinstance(handle.owner, LowLatencyBuffer) \
-                or handle.owner not in self._ll.values():
-            raise TypeError(f"{op}: handle must be the LowLatencyHandle of this Buffer's low_latency_dispatch, got "
-                            f"{type(handle).__name__}")
+        handle = self._ll_handle(op, handle)
         ll = handle.owner
         conv = _Tensors(_is_torch(x))
         xn = conv.native(x, is_x=True)
+        if check_flag(op, "zero_copy", zero_copy):  # x was written into the combine buffer
+            xn = ll.next_combine_buffer()
         idx, w = conv.native(topk_idx), conv.native(topk_weights)
         outn = conv.native(out, is_x=True) if out is not None else None
 

@@ -187,7 +187,11 @@ class LowLatencyHandle:
     from each source rank; ``recv_tokens_per_rank``: int32 ``[W]``, tokens each rank dispatched; ``inv``: int32
     ``[W, N, num_topk]``, flattened ``recv_x`` row of each (source, token, slot) naming a local expert, else -1.
     Device arrays on the GPU (no host read). Read-only by convention (a plain ``__slots__`` object: one is made per
-    dispatch, so it is cheap to build)."""
+    dispatch, so it is cheap to build).
+
+    Indexable as DeepEP's tuple: ``handle[0]`` = ``src_info``, ``handle[1]`` = ``layout_range``, ``handle[2]`` =
+    ``num_max_dispatch_tokens_per_rank``, ``handle[3]`` = ``hidden``, ``handle[4]`` = ``num_experts`` (``len`` 5;
+    unpacking works)."""
 
     __slots__ = ("owner", "call", "num_tokens", "num_topk", "hidden", "use_fp8", "src_info", "layout_range",
                  "recv_tokens_per_rank", "inv", "num_max_dispatch_tokens_per_rank", "num_experts")
@@ -207,6 +211,19 @@ class LowLatencyHandle:
         self.inv = inv
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.num_experts = num_experts
+
+    def _fields(self) -> tuple:
+        return (self.src_info, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden,
+                self.num_experts)
+
+    def __getitem__(self, i):
+        return self._fields()[i]
+
+    def __len__(self) -> int:
+        return 5
+
+    def __iter__(self):
+        return iter(self._fields())
 
     def __repr__(self) -> str:
         return (f"LowLatencyHandle(call={self.call}, num_tokens={self.num_tokens}, num_topk={self.num_topk}, "
@@ -311,6 +328,7 @@ class LowLatencyBuffer:
         self._fast = None  # the GPU hot path's array type (set by _init_cuda)
         self._sets = [dict(), dict()]
         self._combine_out = [None, None]
+        self._combine_in = [None, None]
         try:
             xp = self.xp
             for s in self._sets:
@@ -756,6 +774,20 @@ class LowLatencyBuffer:
         return s["recv_x"].view(dtype).reshape(self.L, self.world_size * self.N, self.H)
 
     low_latency_dispatch = dispatch
+
+    def next_combine_buffer(self):
+        """The ``[num_local_experts, W * N, hidden]`` array (the buffer's dtype; bfloat16 as raw ``uint16`` bits)
+        that the next :meth:`combine` of this buffer reads when passed as its ``x``: fill it with the experts'
+        outputs in ``recv_x``'s row order and pass it (DeepEP's ``get_next_low_latency_combine_buffer`` with
+        ``zero_copy=True``: no copy into the buffer). One array per parity of the combine count (DeepEP's double
+        buffer), allocated on first use (``2 x`` the size of one ``recv_x`` in all)."""
+        self._check_usable()
+        p = self._combine_calls & 1
+        if self._combine_in[p] is None:
+            raw = self.xp.zeros((self.L, self.world_size * self.N, self.H * self.itemsize), np.uint8)
+            dtype = {_dt.BFLOAT16: np.uint16, _dt.FLOAT16: np.float16}.get(self.kind, np.float32)
+            self._combine_in[p] = raw.view(dtype).reshape(self.L, self.world_size * self.N, self.H)
+        return self._combine_in[p]
 
     # ---- combine ---------------------------------------------------------------------------------------------------
     @collective("LowLatencyBuffer.combine", guard=_GUARD, reject=_reject_unbound(1))

@@ -130,6 +130,14 @@ class DispatchHandle:
         :class:`~cupy_symbuf.SymBufferAbortedError` on any other) instead of returning rows of the wrong tokens.
         A dispatch captured in a CUDA graph keeps the id of its capture in every replay, and so do a combine or
         cached dispatch captured with its handle.
+    recv_src_idx : xp.ndarray int64 ``[num_recv_tokens]`` or None
+        Source token index of each received row (a dispatch routed by ``is_token_in_rank``; None otherwise).
+    count_matrix : numpy.ndarray int64 ``[world_size, world_size]`` or None
+        ``count_matrix[s, r]``: tokens rank ``s`` sent to rank ``r`` (every rank's ``num_tokens_per_rank``), from
+        the count exchange of a dispatch routed by ``is_token_in_rank``; None otherwise and in worst-case mode on
+        the GPU (the counts never reach the host there).
+    src_num_tokens : numpy.ndarray int64 ``[world_size]`` or None
+        ``num_tokens`` of every rank's dispatch (same availability as ``count_matrix``).
     """
 
     _comm_ref: Callable[[], Any] = field(repr=False)
@@ -150,6 +158,9 @@ class DispatchHandle:
     routing: Any = field(default=None, repr=False)
     send_rows: int = 0
     dispatch_id: int = 0
+    recv_src_idx: Any = field(default=None, repr=False)
+    count_matrix: Optional[np.ndarray] = field(default=None, repr=False)
+    src_num_tokens: Optional[np.ndarray] = field(default=None, repr=False)
 
     @property
     def num_local_experts(self) -> int:
@@ -318,7 +329,8 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
 
 def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[int] = None, *,
              handle: Optional[DispatchHandle] = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
-             wire_dtype: Optional[str] = None, out=None):
+             wire_dtype: Optional[str] = None, out=None, is_token_in_rank=None, num_tokens_per_rank=None,
+             num_tokens_per_expert=None):
     """Send each token to every rank that holds at least one of its experts, once per rank. Collective.
 
     DeepEP: ``Buffer.dispatch`` (``deep_ep/buffer.py``), intranode normal mode; the layout that DeepEP takes as
@@ -395,6 +407,22 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``Config.mode="ring"`` keeps the rings. The caller owns ``out``: a later dispatch into the same ``out``
         overwrites the rows an earlier handle's ``recv_x`` views (the peers write only after this rank's call has
         begun, in stream order, so no earlier use of ``out`` on this rank is overtaken).
+    is_token_in_rank : xp.ndarray bool ``[num_tokens, world_size]``, optional (keyword-only)
+        **Routing by a rank mask** (DeepEP's routing: its ``dispatch`` moves the tokens where this mask says, and
+        ``topk_idx`` only travels with them): token ``t`` goes to rank ``r`` where ``is_token_in_rank[t, r]``;
+        no layout is computed. Needs ``num_tokens_per_expert``; ``topk_idx`` / ``topk_weights`` become optional
+        (both or neither) and travel as data (``recv_topk_idx`` as above: local ids where the expert lives here,
+        else ``-1``). The handle then also carries ``recv_src_idx`` (the source token of every received row, sent
+        with it), ``count_matrix`` and ``src_num_tokens`` (from the count exchange; not in worst-case mode on the
+        GPU), from which DeepEP's handle matrices are derived. Worst-case mode needs ``topk_idx`` (as DeepEP).
+        Every rank must make the same choice (the row format differs; checked in the count exchange).
+    num_tokens_per_rank : xp.ndarray ``[world_size]`` int32/int64, optional (keyword-only)
+        With ``is_token_in_rank``: must equal its column sums (host backend: ``ValueError`` before anything
+        moves; GPU: compared on the device, a difference rejects the call on every rank, this rank raising
+        ``ValueError``, the peers :class:`~cupy_symbuf.SymBufferRejectedError`).
+    num_tokens_per_expert : xp.ndarray ``[num_experts]`` int32/int64 (keyword-only)
+        With ``is_token_in_rank``: the (token, slot) pairs this rank sends each expert, exchanged as the receive
+        counts per local expert (``num_recv_tokens_per_expert``); its length is ``num_experts``.
 
     Returns
     -------
@@ -444,8 +472,15 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         if wire_dtype is not None and out is not None:
             raise ValueError(f"{op}: out and wire_dtype cannot be combined (the received rows are dequantised into "
                              f"a new array)")
-        res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
-                        num_worst_tokens, out)
+        if is_token_in_rank is not None and handle is None:
+            res = _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in_rank,
+                                 num_tokens_per_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, out)
+        else:
+            if num_tokens_per_rank is not None or num_tokens_per_expert is not None:
+                raise ValueError(f"{op}: num_tokens_per_rank / num_tokens_per_expert go with is_token_in_rank "
+                                 f"(routing by a rank mask), without handle")
+            res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
+                            num_worst_tokens, out)
     if back is not None:
         res = (back(*res[0]),) + tuple(res[1:])
     return res
@@ -584,6 +619,193 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
     return out_x, recv_topk_idx, recv_topk_weights, counts, h
 
 
+def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in_rank, num_tokens_per_rank,
+                   num_tokens_per_expert, expert_alignment, num_worst_tokens, out):
+    """:func:`dispatch` routed by the caller's rank mask (DeepEP's routing): the caller's ``is_token_in_rank``
+    decides where each token goes and its ``num_tokens_per_expert`` is what the count exchange carries per local
+    expert; ``topk_idx`` / ``topk_weights`` (optional) travel as data. The count exchange's row to rank ``r`` is
+    ``[tokens to r, r's experts' counts..., this rank's tokens to every rank..., num_tokens]`` (every rank learns
+    the whole count matrix), and every row carries its source token index (``handle.recv_src_idx``)."""
+    xp = comm.xp
+    cuda = comm.backend == "cuda"
+    w_size, rank = comm.world_size, comm.rank
+    align = check_expert_alignment(op, expert_alignment)
+    worst = check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
+    if num_tokens_per_expert is None:
+        raise ValueError(f"{op}: argument 'num_tokens_per_expert' is required with is_token_in_rank (its length "
+                         f"is num_experts; it gives the receive counts per local expert)")
+    per_expert = check_array(op, "num_tokens_per_expert", num_tokens_per_expert, comm.backend,
+                             dims=(("num_experts", None),), dtypes=(np.int32, np.int64))
+    n_exp = check_num_experts(op, comm, int(per_expert.shape[0]))
+    if num_experts is not None and check_int(op, "num_experts", num_experts, minimum=1) != n_exp:
+        raise ValueError(f"{op}: argument 'num_experts' must equal len(num_tokens_per_expert) ({n_exp}), got "
+                         f"{num_experts}")
+    epr = n_exp // w_size
+    M = 1 + epr + w_size + 1
+    if M > comm.config.max_notify_ints:
+        raise ValueError(f"{op}: routing by is_token_in_rank exchanges num_experts // world_size + world_size + 2 = "
+                         f"{M} values per rank, more than Config.max_notify_ints={comm.config.max_notify_ints}")
+    xv, scales, kind = check_x(op, comm, x, None, None)
+    num_tokens = int(xv.shape[0])
+    in_rank = check_array(op, "is_token_in_rank", is_token_in_rank, comm.backend,
+                          dims=(("num_tokens (rows of x)", num_tokens), ("world_size", w_size)), dtypes=(np.bool_,))
+    per_rank = None
+    if num_tokens_per_rank is not None:
+        per_rank = check_array(op, "num_tokens_per_rank", num_tokens_per_rank, comm.backend,
+                               dims=(("world_size", w_size),), dtypes=(np.int32, np.int64))
+    if (topk_idx is None) != (topk_weights is None):
+        raise ValueError(f"{op}: with is_token_in_rank, topk_idx and topk_weights go together (both or neither, "
+                         f"as DeepEP)")
+    idx = weights = None
+    if topk_idx is not None:
+        idx = check_topk_idx(op, comm, topk_idx, n_exp, num_tokens, check_range=not cuda)
+        weights = check_weights(op, comm, topk_weights, num_tokens, idx.shape[1], "num_tokens (rows of x)")
+    if worst and idx is None:
+        raise ValueError(f"{op}: num_worst_tokens needs topk_idx and topk_weights (as DeepEP)")
+    outs = _check_out(op, comm, out, xv, scales, [(idx, "topk_idx"), (weights, "topk_weights")])
+    if worst:
+        _check_capacity(op, outs, worst, "num_worst_tokens")
+    if cuda and worst:
+        check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
+    num_topk = 0 if idx is None else int(idx.shape[1])
+    rb = row_bytes(xv, scales, num_topk, weights is not None) + 8
+    check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
+    sig = (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={num_topk}|"
+           f"weights={weights is not None}|num_experts={n_exp}|route=mask")
+    sig_what = (f"ranks disagree on the dispatched row format or on num_experts: rank {rank} has {rb} bytes "
+                f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of topk_idx/topk_weights and "
+                f"num_experts, and all route by is_token_in_rank")
+    tokens = xp.arange(num_tokens, dtype=np.int64)
+    src = tokens.reshape(num_tokens, 1)
+    in_rank = xp.ascontiguousarray(in_rank)
+    counts = in_rank.sum(axis=0, dtype=np.int64)                       # tokens to each rank
+
+    def fill_meta(meta):
+        meta[:, 0] = counts
+        meta[:, 1:1 + epr] = per_expert.reshape(w_size, epr)
+        meta[:, 1 + epr:1 + epr + w_size] = counts[None, :]
+        meta[:, M - 1] = num_tokens
+
+    if not cuda:
+        if per_rank is not None and not np.array_equal(np.asarray(per_rank, np.int64), counts):
+            raise ValueError(f"{op}: argument 'num_tokens_per_rank' must equal the column sums of is_token_in_rank "
+                             f"({counts.tolist()}), got {np.asarray(per_rank).tolist()}")
+        _, send_token_idx = np.nonzero(in_rank.T)                      # grouped by destination, ascending tokens
+        send_token_idx = np.ascontiguousarray(send_token_idx, dtype=np.int64)
+        send_counts = counts.copy()
+        meta = np.zeros((w_size, M), dtype=np.int64)
+        fill_meta(meta)
+        recv_meta = comm.notify(op, meta, sig, sig_what=sig_what)
+        dispatch_id = comm.epoch
+        recv_counts = recv_meta[:, 0].copy()
+        raw = tuple(int(c) for c in recv_meta[:, 1:1 + epr].sum(axis=0))
+        count_matrix = recv_meta[:, 1 + epr:1 + epr + w_size].copy()
+        src_num_tokens = recv_meta[:, M - 1].copy()
+        n_recv = int(recv_counts.sum())
+        if worst and n_recv > worst:
+            raise comm.fatal(SymBufferMismatchError(
+                f"{op}: rank {rank} receives {n_recv} rows, more than num_worst_tokens={worst} (the output "
+                f"capacity; it must bound what any rank can receive, e.g. num_tokens * world_size)", rank=rank,
+                op=op, field="capacity", expected=worst, got=n_recv))
+        if outs is not None and n_recv > outs[0].shape[0]:
+            raise comm.fatal(SymBufferMismatchError(
+                f"{op}: rank {rank} receives {n_recv} rows, more than out holds ({outs[0].shape[0]}, its capacity)",
+                rank=rank, op=op, field="capacity", expected=int(outs[0].shape[0]), got=n_recv))
+        recv_x, recv_scales, recv_gidx, recv_w, recv_src = _exchange(
+            comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig, user_outs=outs,
+            src=src)
+        recv_src = recv_src.reshape(-1)
+        recv_topk_idx = recv_topk_weights = None
+        if recv_gidx is not None:
+            local = recv_gidx - rank * epr
+            mine = (recv_gidx >= 0) & (local >= 0) & (local < epr)
+            recv_topk_idx = np.where(mine, local, -1).astype(np.int64, copy=False)
+            recv_topk_weights = np.where(mine, recv_w, np.float32(0)).astype(np.float32, copy=False)
+        if worst:
+            recv_x, recv_scales = _pad_rows(xp, recv_x, worst, 0, outs, 0), _pad_rows(xp, recv_scales, worst, 0, outs, 1)
+            recv_topk_idx = _pad_rows(xp, recv_topk_idx, worst, -1)
+            recv_topk_weights = _pad_rows(xp, recv_topk_weights, worst, 0)
+            recv_src = _pad_rows(xp, recv_src.reshape(-1, 1), worst, -1).reshape(-1)
+        send_counts.setflags(write=False)
+        recv_counts.setflags(write=False)
+        h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                           num_experts=n_exp, num_tokens=num_tokens, num_topk=num_topk, hidden=int(xv.shape[1]),
+                           is_token_in_rank=in_rank, send_token_idx=send_token_idx, send_counts=send_counts,
+                           recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw, expert_alignment=align,
+                           num_worst_tokens=worst, send_rows=int(send_counts.sum()), dispatch_id=dispatch_id,
+                           recv_src_idx=recv_src, count_matrix=count_matrix, src_num_tokens=src_num_tokens)
+        counts_out = h.num_recv_tokens_per_expert(align)
+        if worst:
+            counts_out = xp.asarray(np.asarray(counts_out, np.int64))
+        return (recv_x, recv_scales) if scales is not None else recv_x, recv_topk_idx, recv_topk_weights, \
+            counts_out, h
+
+    # ---- GPU: the routing block filled from the mask with array operations on the current stream (no host read)
+    cp = xp
+    rt = _gpu.Routing(num_tokens, max(1, num_topk), w_size, M)
+    base = 2 * _gpu.CT + M
+    bad = rt.block[base:base + 2]
+    fill_meta(rt.block[base + 2:base + 2 + w_size * M].reshape(w_size, M))
+    if per_rank is not None:
+        diff = per_rank.astype(np.int64) != counts
+        bad[0] = diff.sum()
+        bad[1] = cp.where(diff.any(), cp.argmax(diff), -1)
+    else:
+        bad[...] = cp.asarray([0, -1], dtype=np.int64)
+    rt.in_rank[...] = in_rank
+    first = cp.cumsum(counts) - counts
+    pos = cp.where(in_rank, cp.cumsum(in_rank, axis=0, dtype=np.int64) - 1 + first[None, :], -1)
+    rt.pos[...] = pos
+    scatter = cp.empty(num_tokens * w_size + 1, np.int64)
+    scatter[cp.where(in_rank, pos, num_tokens * w_size).ravel()] = cp.broadcast_to(
+        tokens[:, None], (num_tokens, w_size)).ravel()
+    rt.send_idx[:num_tokens * w_size] = scatter[:num_tokens * w_size]
+    if idx is not None:
+        idx = _gpu.contiguous(idx)
+    outs_dev = _device_outputs(cp, worst, xv, scales, idx, weights, outs, src) if worst else None
+    comm.keep_for_graph(idx, in_rank, per_expert, src)
+
+    def bad_error():
+        return ValueError(f"{op}: argument 'num_tokens_per_rank' must equal the column sums of is_token_in_rank "
+                          f"({counts.get().tolist()}), got {per_rank.get().tolist()}")
+    res = comm.notify_device(op, rt.meta_ptr, M, sig, table=rt.table_ptr, sums=rt.sums_ptr,
+                             local_reject=rt.bad_ptr,
+                             capacity=worst if worst else (outs[0].shape[0] if outs else -1), worst=bool(worst),
+                             self_error=bad_error, sig_what=lambda: sig_what)
+    dispatch_id = comm.epoch
+    count_matrix = src_num_tokens = None
+    if worst:
+        send_counts = recv_counts = raw = None
+        n_recv = worst
+        send_rows = num_tokens * w_size
+        send_idx = rt.send_idx
+    else:
+        recv_vals, sent_vals = res
+        recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
+        raw = tuple(recv_vals[:, 1:1 + epr].sum(axis=0).tolist())
+        count_matrix = recv_vals[:, 1 + epr:1 + epr + w_size].copy()
+        src_num_tokens = recv_vals[:, M - 1].copy()
+        n_recv = int(recv_counts.sum())
+        send_rows = int(send_counts.sum())
+        send_idx = rt.send_idx[:send_rows]
+        send_counts.setflags(write=False)
+        recv_counts.setflags(write=False)
+    recv_x, recv_scales, recv_gidx, recv_w, recv_src = _exchange_device(
+        comm, op, xv, scales, idx, weights, send_idx, n_recv, sig, rt.table_ptr, outs_dev, user_outs=outs, src=src)
+    counts_out = cp.empty(epr, np.int64) if worst else None
+    if recv_gidx is not None:
+        _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
+                   counts_out=counts_out, align=align)
+    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                       num_experts=n_exp, num_tokens=num_tokens, num_topk=num_topk, hidden=int(xv.shape[1]),
+                       is_token_in_rank=rt.in_rank, send_token_idx=send_idx, send_counts=send_counts,
+                       recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw, expert_alignment=align,
+                       num_worst_tokens=worst, routing=rt, send_rows=send_rows, dispatch_id=dispatch_id,
+                       recv_src_idx=recv_src.reshape(-1), count_matrix=count_matrix, src_num_tokens=src_num_tokens)
+    out_x = (recv_x, recv_scales) if scales is not None else recv_x
+    return out_x, recv_gidx, recv_w, counts_out if worst else h.num_recv_tokens_per_expert(align), h
+
+
 def _pad_rows(xp, a, rows: int, fill, outs=None, k: int = 0):
     """``a`` with rows appended up to ``rows``, filled with ``fill`` (None stays None); ``outs``: the caller's
     ``out`` arrays, ``a`` the first rows of ``outs[k]``: filled in there."""
@@ -690,19 +912,20 @@ def _rows_part(xp, a):
 
 
 def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig: str,
-              user_outs=None, tag: int = 0):
+              user_outs=None, tag: int = 0, src=None):
     """Send rows ``send_token_idx`` of ``x`` | scales | idx | weights (None parts left out) and receive them into
     new C-contiguous arrays. ``send_token_idx`` None sends every row in order (combine). The rows are gathered
     from the parts straight into the channel rings by the transport (one kernel on the GPU; no packed copy) and
     scattered from the rings into the outputs. Returns ``(recv_x, recv_scales, recv_idx, recv_weights)``.
     ``user_outs``: dispatch's ``out`` arrays (x, scales), received into in place. ``tag``: the handle's
     ``dispatch_id`` (combine, cached dispatch; 0: none), which every rank must pass alike (see
-    :meth:`~cupy_symbuf.transport.engine.Engine.exchange_rows`).
+    :meth:`~cupy_symbuf.transport.engine.Engine.exchange_rows`). ``src``: an int64 ``[num_tokens, 1]`` part sent
+    last (the source token indices); then a fifth result, its received rows.
     """
     xp = comm.xp
     n_recv = int(recv_counts.sum())
     parts = [(xv, xv.dtype, xv.shape[1])]
-    for a, dt in ((scales, np.float32), (idx, np.int64), (weights, np.float32)):
+    for a, dt in ((scales, np.float32), (idx, np.int64), (weights, np.float32), (src, np.int64)):
         if a is not None:
             parts.append((a, np.dtype(dt), a.shape[1]))
     send_parts, recv_parts, outs = [], [], []
@@ -728,37 +951,40 @@ def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, r
         k += 1
     if weights is not None:
         recv_w = outs[k]
+        k += 1
+    if src is not None:
+        return recv_x, recv_scales, recv_idx, recv_w, outs[k]
     return recv_x, recv_scales, recv_idx, recv_w
 
 
-def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None) -> list:
+def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, src=None) -> list:
     """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None; the first
     rows of dispatch's ``out`` arrays where given)."""
     mine = list(user_outs or ())
     outs = [mine[0][:n_recv] if mine else xp.empty((n_recv, xv.shape[1]), dtype=xv.dtype)]
-    for k, (a, dt) in enumerate(((scales, np.float32), (idx, np.int64), (weights, np.float32))):
+    for k, (a, dt) in enumerate(((scales, np.float32), (idx, np.int64), (weights, np.float32), (src, np.int64))):
         if a is not None:
             outs.append(mine[1][:n_recv] if k == 0 and mine[1:] else xp.empty((n_recv, a.shape[1]), dtype=dt))
     return outs
 
 
 def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
-                     outs=None, *, user_outs=None, push=None, tag: int = 0):
+                     outs=None, *, user_outs=None, push=None, tag: int = 0, src=None):
     """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
     capacity; ``outs``: already allocated by :func:`_device_outputs`), the per-peer units read by the ring kernel
     from the counts table at ``table_ptr``. ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
     :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
-    ``tag``: as in :func:`_exchange`."""
+    ``tag``, ``src``: as in :func:`_exchange`."""
     xp = comm.xp
     if outs is None:
-        outs = _device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs)
+        outs = _device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src)
     if user_outs is not None and push is None:
         push = comm.push_targets(user_outs)
         if push is not None:
             sig += push[2]
     ids = list(push[0]) if push is not None else None
     send_parts, recv_parts, push_ids = [], [], []
-    for k, (a, out) in enumerate(zip([p for p in (xv, scales, idx, weights) if p is not None], outs)):
+    for k, (a, out) in enumerate(zip([p for p in (xv, scales, idx, weights, src) if p is not None], outs)):
         if out.shape[1] == 0:
             continue
         send_parts.append(_rows_part(xp, a))
@@ -775,6 +1001,8 @@ def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv:
     recv_scales = next(it) if scales is not None else None
     recv_idx = next(it) if idx is not None else None
     recv_w = next(it) if weights is not None else None
+    if src is not None:
+        return recv_x, recv_scales, recv_idx, recv_w, next(it)
     return recv_x, recv_scales, recv_idx, recv_w
 
 
