@@ -924,10 +924,10 @@ class Communicator:
             in memory order; ``recvbuf``'s writeable and sharing no memory with ``sendbuf``. ``count``: elements to
             (from) every rank, the block of rank ``j`` at element ``displ + j * count``; left out: the elements
             after ``displ`` divided by ``world_size`` (must divide evenly). ``displ``: elements, default 0.
-            ``datatype``: a predefined ``MPI.Datatype`` (``MPI.DOUBLE``, ...), an mpi4py typecode (``'d'``, ``'i'``,
-            ``'Zd'``, ...) or a NumPy dtype; it must describe ``buf``'s dtype; left out: inferred from the array as
-            mpi4py does. Both specs must give the same datatype and count. Elements of ``recvbuf`` outside the
-            blocks keep their values.
+            ``datatype``: a predefined ``MPI.Datatype`` (``MPI.DOUBLE``, ..., or a ``Dup()`` of one), an mpi4py
+            typecode (``'d'``, ``'i'``, ``'Zd'``, ...) or a NumPy dtype; it must describe ``buf``'s dtype; left
+            out: inferred from the array as mpi4py does. Both specs must give the same datatype and count.
+            Elements of ``recvbuf`` outside the blocks keep their values.
 
         Every rank must pass the same count and datatype (checked in every peer's call header before a byte is
         taken: a difference is :class:`~cupy_symbuf.SymBufferMismatchError`, every rank raises and the communicator
@@ -967,10 +967,10 @@ class Communicator:
             ``world_size`` ints (element offsets), or one int ``d`` (rank ``j`` at ``j * d``), or None / left out
             (packed: the running sum of the counts); ``(counts, displs)`` as one item must be a tuple. Blocks may
             leave gaps and come in any order; each block of a positive count must lie inside the buffer, and the
-            receive blocks must not overlap. ``datatype``: a predefined ``MPI.Datatype`` (``MPI.DOUBLE``, ...), an
-            mpi4py typecode (``'d'``, ``'i'``, ``'Zd'``, ...) or a NumPy dtype; it must describe ``buf``'s dtype;
-            left out: inferred from the array as mpi4py does. Elements of ``recvbuf`` outside every block keep their
-            values.
+            receive blocks must not overlap. ``datatype``: a predefined ``MPI.Datatype`` (``MPI.DOUBLE``, ..., or a
+            ``Dup()`` of one), an mpi4py typecode (``'d'``, ``'i'``, ``'Zd'``, ...) or a NumPy dtype; it must
+            describe ``buf``'s dtype; left out: inferred from the array as mpi4py does. Elements of ``recvbuf``
+            outside every block keep their values.
 
         The receive counts a rank declares must equal what its peers send (checked in every peer's call header
         before a byte is taken: a difference is :class:`~cupy_symbuf.SymBufferMismatchError` naming both counts,

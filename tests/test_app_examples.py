@@ -1,7 +1,7 @@
 """The application examples as whole MPI jobs: ``examples/embedding.py``, ``examples/fft_transpose.py``,
-``examples/fft_transpose_mpi4py.py`` and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N`` (as ``tests/test_faults.py`` runs the
-soak), checked on exit status 0 and on the check line the example prints after comparing its result with its own
-NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for the FFT and the MoE layer), and
+``examples/fft_transpose_mpi4py.py`` and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N``
+(as ``tests/test_faults.py`` runs the soak), checked on exit status 0 and on the check line the example prints after
+comparing its result with its own NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for the FFT and the MoE layer), and
 on its communication-share lines. ``--corrupt`` runs change one value after the exchange and must exit 1 with
 ``WRONG DATA``: the checks can fail.
 
