@@ -1,8 +1,8 @@
 """The application examples as whole MPI jobs: ``examples/embedding.py``, ``examples/fft_transpose.py``,
 ``examples/fft_transpose_mpi4py.py`` and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N``
 (as ``tests/test_faults.py`` runs the soak), checked on exit status 0 and on the check line the example prints after
-comparing its result with its own NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for the FFT and the MoE layer), and
-on its communication-share lines. ``--corrupt`` runs change one value after the exchange and must exit 1 with
+comparing its result with its own NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for
+the FFT and the MoE layer), and on its communication-share lines (not the mpi4py FFT's, which times nothing). ``--corrupt`` runs change one value after the exchange and must exit 1 with
 ``WRONG DATA``: the checks can fail.
 
 Like the fault tests these run only from a pytest process that is not itself an MPI rank (a nested mpiexec inside

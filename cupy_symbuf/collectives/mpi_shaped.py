@@ -23,8 +23,8 @@ elements outside every block keep their values. The datatype may be left out: it
 (mpi4py infers it from the buffer's format: float64 is MPI.DOUBLE, complex128 MPI.C_DOUBLE_COMPLEX, int32 MPI.INT).
 Given, it is an ``MPI.Datatype`` (predefined only, or a ``Dup()`` of one), a typecode string as mpi4py's (``'d'``,
 ``'f'``, ``'i'``, ``'l'``, ``'Zd'``, ``'f8'``, ...) or a NumPy dtype / dtype name, and it must describe the array's
-elements (its dtype; no reinterpretation of the bytes). Arrays: NumPy (host backend) or CuPy (cuda backend), or DLPack tensors of that
-device; C- or Fortran-contiguous, any number of dimensions, viewed flat in memory order as mpi4py does.
+elements (its dtype; no reinterpretation of the bytes). Arrays: NumPy (host backend) or CuPy (cuda backend), or
+DLPack tensors of that device; C- or Fortran-contiguous, any number of dimensions, viewed flat in memory order as mpi4py does.
 
 Where this is stricter than mpi4py (which hands the layout to MPI unchecked): a derived datatype is a
 ``TypeError``, a datatype that does not describe the array's dtype a ``TypeError``, a block outside its buffer or two
