@@ -2,8 +2,8 @@
 ``examples/fft_transpose_mpi4py.py`` and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N``
 (as ``tests/test_faults.py`` runs the soak), checked on exit status 0 and on the check line the example prints after
 comparing its result with its own NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for
-the FFT and the MoE layer), and on its communication-share lines (not the mpi4py FFT's, which times nothing). ``--corrupt`` runs change one value after the exchange and must exit 1 with
-``WRONG DATA``: the checks can fail.
+the FFT and the MoE layer), and on its communication-share lines (not the mpi4py FFT's, which times nothing).
+``--corrupt`` runs change one value after the exchange and must exit 1 with ``WRONG DATA``: the checks can fail.
 
 Like the fault tests these run only from a pytest process that is not itself an MPI rank (a nested mpiexec inside
 ``mpiexec -n N pytest`` would run every job N times). Environment: ``MPIEXEC`` (launcher command, default the venv's

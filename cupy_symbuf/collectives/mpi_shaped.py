@@ -24,7 +24,8 @@ elements outside every block keep their values. The datatype may be left out: it
 Given, it is an ``MPI.Datatype`` (predefined only, or a ``Dup()`` of one), a typecode string as mpi4py's (``'d'``,
 ``'f'``, ``'i'``, ``'l'``, ``'Zd'``, ``'f8'``, ...) or a NumPy dtype / dtype name, and it must describe the array's
 elements (its dtype; no reinterpretation of the bytes). Arrays: NumPy (host backend) or CuPy (cuda backend), or
-DLPack tensors of that device; C- or Fortran-contiguous, any number of dimensions, viewed flat in memory order as mpi4py does.
+DLPack tensors of that device; C- or Fortran-contiguous, any number of dimensions, viewed flat in memory order as
+mpi4py does.
 
 Where this is stricter than mpi4py (which hands the layout to MPI unchecked): a derived datatype is a
 ``TypeError``, a datatype that does not describe the array's dtype a ``TypeError``, a block outside its buffer or two
