@@ -73,7 +73,7 @@ def _layout(rng, counts, gaps: bool, permute: bool):
 
 
 def _shaped(flat, shape_kind):
-    """The flat host buffer as a 1-D, 2-D (C order) or 2-D Fortran-ordered array with the same memory."""
+    """The flat buffer (NumPy or CuPy) as a 1-D, 2-D (C order) or 2-D Fortran-ordered array with the same memory."""
     n = flat.shape[0]
     if shape_kind == "1d" or n % 2:
         return flat
@@ -134,8 +134,8 @@ def _compare_alltoallv(c, comm, backend, seed, dtype, form="[buf, counts, displs
     comm.Alltoallv(_vspec(form, _shaped(send, shape_kind), sc, sd, mpi_t),
                    _vspec(form, _shaped(want, shape_kind), rc, rd, mpi_t))
     got = _poisoned(nr, dtype)
-    got_b = to_backend(_shaped(got, shape_kind), backend)
-    out = c.Alltoallv(_vspec(form, to_backend(_shaped(send, shape_kind), backend), sc, sd,
+    got_b = _shaped(to_backend(got, backend), shape_kind)
+    out = c.Alltoallv(_vspec(form, _shaped(to_backend(send, backend), shape_kind), sc, sd,
                              _ours_datatype(dt_kind, dtype)),
                       _vspec(form, got_b, rc, rd, _ours_datatype(dt_kind, dtype)))
     assert out is None
@@ -241,8 +241,8 @@ def test_alltoall_equals_mpi(c, comm, backend, form, dtype, shape_kind):
         want, got = _poisoned(n, dtype), _poisoned(n, dtype)
         comm.Alltoall(_aspec(form, _shaped(send, shape_kind), count, displ, mpi_t),
                       _aspec(form, _shaped(want, shape_kind), count, displ, mpi_t))
-        got_b = to_backend(_shaped(got, shape_kind), backend)
-        assert c.Alltoall(_aspec(form, to_backend(_shaped(send, shape_kind), backend), count, displ, mpi_t),
+        got_b = _shaped(to_backend(got, backend), shape_kind)
+        assert c.Alltoall(_aspec(form, _shaped(to_backend(send, backend), shape_kind), count, displ, mpi_t),
                           _aspec(form, got_b, count, displ, mpi_t)) is None
         _same(to_numpy(got_b).reshape(-1), want)
 
