@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from .common import backend as _compat
 from .collectives.alltoall import alltoall as _alltoall, alltoallv as _alltoallv
+from .collectives import mpi_shaped as _mpi_shaped
 from .moe import normal as _moe
 from .transport.streams import run_collective as _run_collective
 from .common.checks import as_array
@@ -908,6 +909,93 @@ class Communicator:
                                    {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out,
                                     "wire_dtype": wire_dtype, "sync": sync}, stream=stream, async_op=async_op)
         return _alltoallv(self._engine, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync)
+
+    # ---- mpi4py-shaped entry points (buffer specs as mpi4py's; see cupy_symbuf.collectives.mpi_shaped) --------
+    @_collective("Alltoall", guard=_GUARD, reject=_told_by_engine("alltoall", lambda a: False))
+    def Alltoall(self, sendbuf, recvbuf) -> None:
+        """``MPI.Comm.Alltoall`` as mpi4py takes it: rank ``j``'s block of ``sendbuf`` goes to rank ``j``; the block
+        from rank ``i`` is written to block ``i`` of ``recvbuf``. Returns None (the result is in ``recvbuf``).
+
+        Parameters (buffer-spec rules from mpi4py, ``message_simple``)
+        ----------
+        sendbuf, recvbuf : array or ``[buf, datatype]`` / ``[buf, count]`` / ``[buf, (count, displ)]`` /
+            ``[buf, count, datatype]`` / ``[buf, (count, displ), datatype]`` / ``[buf, count, displ, datatype]``
+            ``buf``: numpy.ndarray (host) or cupy.ndarray (cuda), any shape, C- or Fortran-contiguous, viewed flat
+            in memory order; ``recvbuf``'s writeable and sharing no memory with ``sendbuf``. ``count``: elements to
+            (from) every rank, the block of rank ``j`` at element ``displ + j * count``; left out: the elements
+            after ``displ`` divided by ``world_size`` (must divide evenly). ``displ``: elements, default 0.
+            ``datatype``: a predefined ``MPI.Datatype`` (``MPI.DOUBLE``, ..., or a ``Dup()`` of one), an mpi4py
+            typecode (``'d'``, ``'i'``, ``'Zd'``, ...) or a NumPy dtype; it must describe ``buf``'s dtype; left
+            out: inferred from the array as mpi4py does. Both specs must give the same datatype and count.
+            Elements of ``recvbuf`` outside the blocks keep their values.
+
+        Every rank must pass the same count and datatype (checked in every peer's call header before a byte is
+        taken: a difference is :class:`~cupy_symbuf.SymBufferMismatchError`, every rank raises and the communicator
+        is unusable). Moves through :meth:`alltoall` in place (no copy). On cuda the transfer runs on the current
+        CuPy stream; errors found on the device are raised by :meth:`synchronize` unless ``Config.blocking``.
+
+        Raises
+        ------
+        TypeError
+            A buffer of the wrong array type or device, a derived or null ``MPI.Datatype``, a datatype that does not
+            describe the array's dtype, different send and receive datatypes, a count that is not an int.
+        ValueError
+            A spec of the wrong length, a negative count or displacement, blocks outside the buffer, a count that
+            cannot be inferred, send and receive counts that differ, a non-contiguous or read-only buffer,
+            ``recvbuf`` sharing memory with ``sendbuf``. Checked before any communication: the peers raise
+            :class:`~cupy_symbuf.SymBufferRejectedError` and the communicator stays usable.
+        SymBufferMismatchError, SymBufferTimeoutError, SymBufferAbortedError
+            As :meth:`alltoall`.
+        """
+        _mpi_shaped.Alltoall(self._engine, sendbuf, recvbuf)
+
+    @_collective("Alltoallv", guard=_GUARD, reject=_told_by_engine("alltoallv", lambda a: False))
+    def Alltoallv(self, sendbuf, recvbuf) -> None:
+        """``MPI.Comm.Alltoallv`` as mpi4py takes it: ``counts[j]`` elements at ``displs[j]`` of ``sendbuf`` go to
+        rank ``j``; what rank ``i`` sends is written to ``counts[i]`` elements at ``displs[i]`` of ``recvbuf``.
+        Returns None (the result is in ``recvbuf``). An mpi4py program ports by replacing ``comm.Alltoallv`` with
+        ``c.Alltoallv`` (``c = Communicator(comm)``).
+
+        Parameters (buffer-spec rules from mpi4py, ``message_vector``)
+        ----------
+        sendbuf, recvbuf : array or ``[buf, datatype]`` / ``[buf, counts]`` / ``[buf, (counts, displs)]`` /
+            ``[buf, counts, datatype]`` / ``[buf, (counts, displs), datatype]`` / ``[buf, counts, displs, datatype]``
+            ``buf``: numpy.ndarray (host) or cupy.ndarray (cuda), any shape, C- or Fortran-contiguous, viewed flat in
+            memory order (``[n]`` elements); ``recvbuf``'s writeable and sharing no memory with ``sendbuf``.
+            ``counts``: ``world_size`` ints >= 0 (elements per rank), or one int for every rank, or left out (the
+            ``n`` elements split as mpi4py does: rank ``j`` gets ``n // W + (j < n % W)``). ``displs``:
+            ``world_size`` ints (element offsets), or one int ``d`` (rank ``j`` at ``j * d``), or None / left out
+            (packed: the running sum of the counts); ``(counts, displs)`` as one item must be a tuple. Blocks may
+            leave gaps and come in any order; each block of a positive count must lie inside the buffer, and the
+            receive blocks must not overlap. ``datatype``: a predefined ``MPI.Datatype`` (``MPI.DOUBLE``, ..., or a
+            ``Dup()`` of one), an mpi4py typecode (``'d'``, ``'i'``, ``'Zd'``, ...) or a NumPy dtype; it must
+            describe ``buf``'s dtype; left out: inferred from the array as mpi4py does. Elements of ``recvbuf``
+            outside every block keep their values.
+
+        The receive counts a rank declares must equal what its peers send (checked in every peer's call header
+        before a byte is taken: a difference is :class:`~cupy_symbuf.SymBufferMismatchError` naming both counts,
+        every rank raises, this call or its next, and the communicator is unusable; never wrong data). Blocks
+        packed back to back in rank order move in place; otherwise the send blocks are gathered into one temporary
+        and the receive blocks scattered from one (one extra copy each way). On cuda the transfer runs on the
+        current CuPy stream; errors found on the device are raised by :meth:`synchronize` unless
+        ``Config.blocking``.
+
+        Raises
+        ------
+        TypeError
+            A buffer of the wrong array type or device, a derived or null ``MPI.Datatype``, a datatype that does not
+            describe the array's dtype, different send and receive datatypes, counts or displacements that are not
+            ints.
+        ValueError
+            A spec of the wrong length, counts / displacements without one entry per rank, a negative count, a
+            block outside its buffer, overlapping receive blocks, the counts of this rank's block to itself
+            differing between the specs, a non-contiguous or read-only buffer, ``recvbuf`` sharing memory with
+            ``sendbuf``. Checked before any communication: the peers raise
+            :class:`~cupy_symbuf.SymBufferRejectedError` and the communicator stays usable.
+        SymBufferMismatchError, SymBufferTimeoutError, SymBufferAbortedError
+            As :meth:`alltoallv`.
+        """
+        _mpi_shaped.Alltoallv(self._engine, sendbuf, recvbuf)
 
     # ---- MoE (DeepEP normal-mode semantics; see cupy_symbuf.moe) --------------------------------------------
     # ``stream``/``async_op`` (keyword-only) as in alltoall's docstring (Streams); other keywords pass to cupy_symbuf.moe.

@@ -1,9 +1,9 @@
-"""The application examples as whole MPI jobs: ``examples/embedding.py``, ``examples/fft_transpose.py``
-and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N`` (as ``tests/test_faults.py`` runs the
-soak), checked on exit status 0 and on the check line the example prints after comparing its result with its own
-NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for the FFT and the MoE layer), and
-on its communication-share lines. ``--corrupt`` runs change one value after the exchange and must exit 1 with
-``WRONG DATA``: the checks can fail.
+"""The application examples as whole MPI jobs: ``examples/embedding.py``, ``examples/fft_transpose.py``,
+``examples/fft_transpose_mpi4py.py`` and ``examples/moe_layer.py``, each run in a subprocess under ``mpiexec -n N``
+(as ``tests/test_faults.py`` runs the soak), checked on exit status 0 and on the check line the example prints after
+comparing its result with its own NumPy reference (bitwise for the embedding lookup, a float64-derived tolerance for
+the FFT and the MoE layer), and on its communication-share lines (not the mpi4py FFT's, which times nothing).
+``--corrupt`` runs change one value after the exchange and must exit 1 with ``WRONG DATA``: the checks can fail.
 
 Like the fault tests these run only from a pytest process that is not itself an MPI rank (a nested mpiexec inside
 ``mpiexec -n N pytest`` would run every job N times). Environment: ``MPIEXEC`` (launcher command, default the venv's
@@ -105,6 +105,42 @@ def test_fft_transpose(n, extra):
 
 def test_fft_transpose_corrupt_fails():
     rc, out = run_example("fft_transpose.py", 2, *FFT_SMALL, "--n", "64", "--corrupt")
+    assert rc == 1, out[-4000:]
+    assert re.search(r"^check vs numpy\.fft\.fft2 [^\n]*: WRONG DATA$", out, re.M), out[-4000:]
+
+
+# ---- the same FFT as a plain mpi4py program, ported by one line (c.Alltoallv) --------------------------------------
+
+@pytest.mark.parametrize("n,extra", [
+    (1, ("--n", "33")),
+    (3, ("--n", "100")),                               # uneven slabs 34, 33, 33: the Alltoallv counts differ
+    (4, ("--n", "6", "--dtype", "complex64")),         # slabs 2, 2, 1, 1
+    (3, ("--n", "2")),                                 # fewer rows than ranks: rank 2 owns none
+], ids=["n1", "n3-uneven", "n4-tiny-complex64", "n3-empty-rank"])
+def test_fft_transpose_mpi4py(n, extra):
+    rc, out = run_example("fft_transpose_mpi4py.py", n, *extra)
+    assert rc == 0, out[-4000:]
+    assert re.search(r"^check vs numpy\.fft\.fft2 [^\n]*: correct$", out, re.M), out[-4000:]
+    assert "WRONG DATA" not in out, out[-4000:]
+
+
+def test_fft_transpose_mpi4py_is_one_line_from_mpi4py():
+    """The example's only cupy_symbuf lines: the import, the communicator made beside the call, and the call that
+    replaces the (commented) original mpi4py line with the same arguments."""
+    import ast
+    with open(os.path.join(EXAMPLES, "fft_transpose_mpi4py.py")) as f:
+        text = f.read()
+    after_docstring = ast.parse(text).body[0].end_lineno
+    code = [ln for ln in text.splitlines()[after_docstring:] if ln.strip()]
+    ours = [ln for ln in code if "cupy_symbuf" in ln or re.match(r"\s*c\.", ln)]
+    assert [ln.split("#")[0].strip() for ln in ours] == [
+        "import cupy_symbuf", "c = cupy_symbuf.Communicator(comm, backend=args.backend)",
+        "c.Alltoallv([sendbuf, (scounts, sdispls), mpi_type], [recvbuf, (rcounts, rdispls), mpi_type])"], ours
+    assert "# comm.Alltoallv([sendbuf, (scounts, sdispls), mpi_type], [recvbuf, (rcounts, rdispls), mpi_type])" in code
+
+
+def test_fft_transpose_mpi4py_corrupt_fails():
+    rc, out = run_example("fft_transpose_mpi4py.py", 2, "--n", "64", "--corrupt")
     assert rc == 1, out[-4000:]
     assert re.search(r"^check vs numpy\.fft\.fft2 [^\n]*: WRONG DATA$", out, re.M), out[-4000:]
 

@@ -9,7 +9,9 @@ The alltoallv paths:
 * **capacity** (``recv_capacity``, or device ``send_counts`` on the GPU): an output of ``recv_capacity`` rows;
   on the GPU the counts are checked and exchanged on the device and never read on the host (graph-capturable);
 * **quantised wire** (``wire_dtype``): the rows packed by :mod:`cupy_symbuf.collectives.wire_dtype`, moved by one
-  of the paths above, and dequantised on arrival.
+  of the paths above, and dequantised on arrival;
+* **displaced blocks** (:func:`alltoallv_displaced`): MPI_Alltoallv's layout, each rank's block at its own element
+  displacement in flat buffers (gaps and any order allowed), moved by the known-counts path.
 
 Every function checks its arguments on the calling rank before the first communication step; a rejection is told
 to the peers (:meth:`Engine.call` / :meth:`Engine.reject`).
@@ -28,7 +30,7 @@ from ..wire.plan import part_width
 from . import quant
 from . import wire_dtype as _wire
 
-__all__ = ["alltoall", "alltoallv"]
+__all__ = ["alltoall", "alltoallv", "alltoallv_displaced", "packed_base"]
 
 #: world_size -> int64 ones ``[world_size]`` (read only): alltoall's counts, one row to and from every rank
 _ONES: dict = {}
@@ -205,3 +207,62 @@ def _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_counts, recv_capacit
         eng.exchange_rows_device(op, [x], None, [recv], sig, block.data.ptr, row_run=False, direct=direct)
     got = block[P.CT_PEERS + 3 * W:P.CT_PEERS + 4 * W] // scale
     return recv, got
+
+
+def packed_base(counts: np.ndarray, displs: np.ndarray):
+    """Where the blocks ``[displs[j], displs[j] + counts[j])`` (int64 ``[W]`` each, in elements) start when they lie
+    back to back in rank order (the blocks of zero count ignored, whatever their displacement), so that the
+    ``sum(counts)`` elements from there are the blocks of rank 0, 1, ... in turn; None when they do not (a gap, an
+    overlap or another order). 0 when every count is 0."""
+    nz = counts > 0
+    if not nz.any():
+        return 0
+    base = int(displs[np.argmax(nz)])
+    starts = base + np.cumsum(counts) - counts  # where each block starts when packed from ``base``
+    return base if bool((displs[nz] == starts[nz]).all()) else None
+
+
+def alltoallv_displaced(eng, send_flat, send_counts, send_displs, recv_flat, recv_counts, recv_displs,
+                        sync: str = "strong") -> None:
+    """Alltoallv in MPI_Alltoallv's layout: flat element buffers with a block per rank at its own displacement.
+
+    ``send_flat`` / ``recv_flat``: 1-D arrays of the backend (the same dtype; ``recv_flat`` writeable, sharing no
+    memory with ``send_flat``). ``send_counts`` / ``send_displs`` / ``recv_counts`` / ``recv_displs``: int64
+    ``[world_size]``, in elements. Rank ``j`` receives ``send_flat[send_displs[j]:][:send_counts[j]]``; this rank
+    writes what rank ``i`` sends it to ``recv_flat[recv_displs[i]:][:recv_counts[i]]``; receive elements outside
+    every block keep their values. The caller has checked the blocks lie inside the buffers, the receive blocks do
+    not overlap and ``recv_counts[rank] == send_counts[rank]`` (a rejection told to the peers otherwise:
+    :meth:`Engine.reject` with op ``"alltoallv"``, known counts).
+
+    Blocks packed back to back in rank order (:func:`packed_base`) move in place (no copy); otherwise the send
+    blocks are gathered into one temporary before the exchange (one copy of the bytes sent) and the receive blocks
+    scattered from one after it (one copy of the bytes received). The rows go by the known-counts path of
+    :func:`alltoallv` (``recv_counts`` given), so the counts are checked in every peer's call header before a byte
+    is taken: a rank whose ``recv_counts[i]`` differ from what rank ``i`` sends raises
+    :class:`~cupy_symbuf.SymBufferMismatchError`, every rank raises (this call or its next) and the communicator
+    is unusable; never wrong data.
+    """
+    op = "alltoallv"
+    eng.check_open()
+    xp = eng.xp
+    try:  # the temporaries before the first step: a failure (out of memory) is a rejection told to the peers
+        sbase, rbase = packed_base(send_counts, send_displs), packed_base(recv_counts, recv_displs)
+        ns, nr = int(send_counts.sum()), int(recv_counts.sum())
+        if sbase is not None:
+            send = send_flat[sbase:sbase + ns]
+        elif ns:
+            send = xp.concatenate([send_flat[d:d + c] for c, d in zip(send_counts.tolist(), send_displs.tolist())
+                                   if c])
+        else:
+            send = send_flat[:0]
+        recv = recv_flat[rbase:rbase + nr] if rbase is not None else xp.empty(nr, dtype=recv_flat.dtype)
+    except BaseException:
+        eng.reject(op, notify=False)
+        raise
+    alltoallv(eng, send, send_counts, recv_counts=recv_counts, out=recv, sync=sync)
+    if rbase is None:  # after the last step: a local copy
+        off = 0
+        for c, d in zip(recv_counts.tolist(), recv_displs.tolist()):
+            if c:
+                recv_flat[d:d + c] = recv[off:off + c]
+                off += c
