@@ -23,7 +23,9 @@
 #   trace           tests/device/channel_trace.py at 4 ranks: the skewed trace run, static and work-sharing
 #                   builds (diagnostics PNGs and report, the cost of tracing)
 #   soak            examples/soak.py --backend cuda, 10,000 iterations at SOAK_RANKS (default 2 4)
-#   examples        every example at 2 ranks
+#   examples        every example at 2 ranks (mpirun; torch_moe_layer.py runs in the torchrun stage)
+#   torchrun        torchrun jobs, no MPI, 2 ranks on GPU 0 (MPS), gloo groups: examples/torch_moe_layer.py and
+#                   examples/alltoall.py on the cuda backend, then tests/test_torch_bootstrap.py (host backend)
 #   sanitize        compute-sanitizer over a small soak (tests/faults/sanitize.sh; MPS off)
 #   info            python -m cupy_symbuf info --backend cuda at 2 ranks (topology, transport, communicator)
 #   sass            ptxas of the ring kernel: registers, spills, shared memory of the default, work-sharing and
@@ -248,6 +250,7 @@ while [ $# -gt 0 ]; do
     examples)
       mps_on
       for ex in examples/*.py; do
+        [ "$(basename "$ex")" = torch_moe_layer.py ] && continue  # a torchrun program: the torchrun stage
         a=""; [ "$(basename "$ex")" = soak.py ] && a="--backend cuda --iters 2000 --check-every 5"
         run "example_$(basename "$ex" .py)" 90 $MPIRUN -n 2 $GPU0 python3 "$ex" $a
       done ;;
@@ -255,6 +258,14 @@ while [ $# -gt 0 ]; do
       mps_off
       OUT=$LOGDIR STAGE_LIMIT=${SAN_LIMIT:-150} SAN_ITERS=${SAN_ITERS:-6} TAIL=20 run sanitize 500 \
         bash tests/faults/sanitize.sh ;;
+    torchrun)
+      mps_on
+      TORCHRUN="env CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=1 python3 -m torch.distributed.run --standalone --nproc-per-node 2"
+      TAIL=6 run torchrun_moe 120 $TORCHRUN examples/torch_moe_layer.py --backend cuda
+      TAIL=6 run torchrun_moe_big 120 $TORCHRUN examples/torch_moe_layer.py --backend cuda --tokens 1024 \
+        --hidden 1024 --inter 512 --experts 16 --topk 4
+      TAIL=6 run torchrun_alltoall 120 $TORCHRUN examples/alltoall.py --backend cuda --launcher torch
+      run torchrun_tests 300 $PYTEST tests/test_torch_bootstrap.py ;;
     info) mps_on; TAIL=40 run info2 60 $MPIRUN -n 2 $GPU0 python3 -m cupy_symbuf info --backend cuda ;;
     sass) TAIL=30 run sass 120 python3 tests/device/ring_sass.py "$LOGDIR" ;;
     bench)

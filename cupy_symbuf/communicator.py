@@ -9,7 +9,6 @@ from os import getpid as _getpid
 from typing import Optional
 
 import numpy as np
-from mpi4py import MPI
 
 from .common import backend as _compat
 from .collectives.alltoall import alltoall as _alltoall, alltoallv as _alltoallv
@@ -20,7 +19,7 @@ from .common.checks import as_array
 from .common.config import Config
 from .common.errors import SymBufferClosedError, SymBufferError, SymBufferLeakWarning
 from .wire.channel_layout import ChannelLayout
-from .transport.bootstrap import MpiBootstrap
+from .transport.bootstrap import as_bootstrap
 from .transport.symbuffer import SymBuffer, gpu_identity, resolve_backend
 from .transport.guard import CallGuard, collective as _collective, guarded as _guarded
 
@@ -137,8 +136,13 @@ class Communicator:
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Comm
-        Ranks of one node. Construction is collective over ``comm``; so is every method.
+    comm : mpi4py.MPI.Comm, torch.distributed.ProcessGroup or None
+        Ranks of one node. Construction is collective over ``comm``; so is every method. An mpi4py
+        intra-communicator (a job started by ``mpiexec``), a ``torch.distributed`` process group of any backend
+        (a job started by ``torchrun``; the host backend's memory is then POSIX shared memory), or None: torch's
+        default group when ``torch.distributed.is_initialized()``, else ``MPI.COMM_WORLD``. Every exchange of
+        construction and ``close()`` goes through it (bounded; see
+        :func:`~cupy_symbuf.transport.bootstrap.as_bootstrap`); the collectives never use it.
     config : Config, optional
         Transport tuning; unset fields (``num_sms``, ``chunk_bytes``) get per-backend defaults (``self.config``
         holds the resolved values).
@@ -175,7 +179,8 @@ class Communicator:
     ``ValueError`` on every rank naming the field, the values and the ranks. The buffer must fit in free memory
     (host: ``/dev/shm`` and RAM for every rank of the node; GPU: free device memory for the ranks sharing it).
     :meth:`close` is bounded the same way. A failed communicator (timeout, mismatch, :meth:`abort`) ends the job
-    with ``MPI.COMM_WORLD.Abort(1)`` when it is closed or reaches interpreter exit, unless
+    with ``MPI.COMM_WORLD.Abort(1)`` (without MPI: ``os._exit(1)``, which ends a torchrun job) when it is closed or
+    reaches interpreter exit, unless
     ``Config.abort_on_failure`` is off. Dropped unclosed, a communicator warns
     (:class:`~cupy_symbuf.SymBufferLeakWarning`, shown by default, once per process, naming where it was created)
     and stays allocated (freeing is collective, so the garbage collector cannot do it); ``atexit`` closes the ones
@@ -195,7 +200,7 @@ class Communicator:
     like any bad argument: ``TypeError`` here, :class:`~cupy_symbuf.SymBufferRejectedError` on the peers.
     """
 
-    def __init__(self, comm: MPI.Comm, config: Optional[Config] = None, *, backend: str = "auto"):
+    def __init__(self, comm=None, config: Optional[Config] = None, *, backend: str = "auto"):
         import os
 
         from .transport import agree as _agree
@@ -209,9 +214,11 @@ class Communicator:
             config = Config()
         if not isinstance(config, Config):
             raise TypeError(f"Communicator: config must be a cupy_symbuf.Config, got {type(config).__name__}")
-        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
-            raise TypeError(f"Communicator: comm must be an mpi4py intra-communicator, got {comm!r}")
-        boot = MpiBootstrap(comm)  # every exchange of construction goes through it
+        try:
+            boot = as_bootstrap(comm)  # every exchange of construction goes through it
+        except TypeError:
+            raise TypeError(f"Communicator: comm must be an mpi4py intra-communicator, a torch.distributed "
+                            f"ProcessGroup or None, got {comm!r}") from None
         timeout = config.timeout_s
         what = "Communicator construction"
         try:
@@ -333,7 +340,7 @@ class Communicator:
 
         A failed communicator (a timeout, a mismatch, :meth:`abort`; or one whose queued collective recorded a
         timeout) with ``Config.abort_on_failure`` (the default) prints the error and calls
-        ``MPI.COMM_WORLD.Abort(1)``: the job ends instead of hanging on peers that may never close. Otherwise the
+        ``MPI.COMM_WORLD.Abort(1)`` (without MPI: ``os._exit(1)``): the job ends instead of hanging on peers that may never close. Otherwise the
         close is bounded: a peer that does not close within ``timeout_s`` (it died, exited or never closes) gives
         :class:`~cupy_symbuf.SymBufferTimeoutError` (role "close") naming the missing ranks, and this rank's buffer
         stays allocated (a peer may still write into it). In a process forked from the creator, close() only

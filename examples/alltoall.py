@@ -1,19 +1,57 @@
-"""DeepSeek-V3-shaped all-to-all: ``mpiexec -n 4 python examples/alltoall.py``.
+"""DeepSeek-V3-shaped all-to-all: ``mpiexec -n 4 python examples/alltoall.py``, or
+``torchrun --standalone --nproc-per-node 4 examples/alltoall.py`` (a gloo group; no MPI needed).
 
 Every rank holds ``--tokens`` tokens of ``--hidden`` values (bf16 on GPU, float32 on the host path), routes each
 token to one destination rank with uneven random probabilities, and exchanges them with
 ``Communicator.alltoallv``. The result is checked against a NumPy reference: every rank regenerates, from the
 shared seed, exactly the rows each source sent it. Prints sizes, time and GB/s.
+
+``--launcher``: ``mpi`` (``MPI.COMM_WORLD``), ``torch`` (``torch.distributed`` default group over gloo, as
+started by torchrun), ``auto`` (default): torch when torchrun's ``RANK`` / ``WORLD_SIZE`` are set and no MPI
+launcher's, else mpi.
 """
 import argparse
+import os
 import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 import cupy_symbuf as cs
 from cupy_symbuf.utils import select_device
+
+_MPI_ENV = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+class Group:
+    """The few collectives the example needs besides cupy_symbuf's: over MPI.COMM_WORLD or torch's default group
+    (``comm``: what ``cs.Communicator`` takes)."""
+
+    def __init__(self, launcher: str):
+        if launcher == "auto":
+            torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+            launcher = "torch" if torchrun and not any(k in os.environ for k in _MPI_ENV) else "mpi"
+        self.kind = launcher
+        if launcher == "torch":
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            self.dist, self.comm = dist, dist.group.WORLD
+        else:
+            from mpi4py import MPI
+            self.comm = MPI.COMM_WORLD
+
+    def barrier(self) -> None:
+        if self.kind == "torch":
+            self.dist.barrier()
+        else:
+            self.comm.Barrier()
+
+    def allgather(self, obj) -> list:
+        if self.kind == "torch":
+            out = [None] * self.dist.get_world_size()
+            self.dist.all_gather_object(out, obj)
+            return out
+        return self.comm.allgather(obj)
 
 
 def rows_for(seed: int, src: int, dst: int, n: int, hidden: int, itemsize: int) -> np.ndarray:
@@ -29,9 +67,11 @@ def main() -> int:
     ap.add_argument("--backend", default="auto", choices=("auto", "cuda", "host"))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--launcher", default="auto", choices=("auto", "mpi", "torch"))
     args = ap.parse_args()
 
-    comm = MPI.COMM_WORLD
+    group = Group(args.launcher)
+    comm = group.comm
     if args.backend != "host":
         select_device(comm)  # one GPU per local rank (shared round-robin if fewer GPUs)
     with cs.Communicator(comm, backend=args.backend) as c:
@@ -57,7 +97,7 @@ def main() -> int:
         times = []
         for _ in range(args.iters):
             c.synchronize()
-            comm.Barrier()
+            group.barrier()
             t0 = time.perf_counter()
             c.alltoallv(x, send_counts)
             c.synchronize()  # GPU calls return once queued; this waits (and raises a recorded timeout)
@@ -67,10 +107,10 @@ def main() -> int:
         sent = int(send_counts.sum()) * row_bytes
         off_rank = int(send_counts.sum() - send_counts[me]) * row_bytes
         received = int(recv_counts.sum()) * row_bytes
-        stats = comm.gather((me, ok, sent, off_rank, received, t), root=0)
-        all_ok = comm.allreduce(ok, op=MPI.LAND)
+        stats = group.allgather((me, ok, sent, off_rank, received, t))
+        all_ok = all(s[1] for s in stats)
         if me == 0:
-            print(f"alltoallv {c.backend}: world_size={W} tokens/rank={args.tokens} hidden={args.hidden} "
+            print(f"alltoallv {c.backend} ({group.kind}): world_size={W} tokens/rank={args.tokens} hidden={args.hidden} "
                   f"dtype={dtype_name} channels={c.layout.num_channels}")
             for r, ok_r, s, o, rcv, tr in stats:
                 print(f"  rank {r}: sent {s / 2**20:8.2f} MiB ({o / 2**20:8.2f} MiB to other ranks), "

@@ -60,7 +60,7 @@ def test_mpi_bootstrap_is_a_bootstrap_and_exchanges(comm):
         node.free()
         dup.free()
     assert agree.exchange_all(comm, 1, 30.0, "test agree") == [1] * W  # the agree helpers take a comm as before
-    with pytest.raises(TypeError, match="mpi4py intra-communicator or a Bootstrap"):
+    with pytest.raises(TypeError, match="mpi4py intra-communicator, a torch.distributed ProcessGroup, None or a Bootstrap"):
         as_bootstrap("COMM_WORLD")
     with pytest.raises(ValueError, match=r"root must be a rank"):
         boot.bcast(1, 1.0, "test bcast", root=W)

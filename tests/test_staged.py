@@ -654,7 +654,7 @@ def test_fake_staged_parts_start_on_pages_whatever_mpi_returns(fake_cuda, monkey
         def __getattr__(self, name):
             return getattr(real, name)
 
-    monkeypatch.setattr(sb, "MPI", _MPI())
+    monkeypatch.setattr(sb, "_mpi", _MPI)
     fake_cuda()
     b = SymBuffer(WORLD, 10000, backend="cuda", transport="staged")
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 __all__ = ["logger"]
 
@@ -16,14 +17,18 @@ logger = logging.getLogger("cupy_symbuf")
 
 
 class _RankFilter(logging.Filter):
-    """Puts ``record.rank`` (``MPI.COMM_WORLD`` rank, or ``-`` before MPI is up) on every record."""
+    """Puts ``record.rank`` (``MPI.COMM_WORLD`` rank, else torch.distributed's default group rank, or ``-`` before
+    either is up) on every record; imports neither mpi4py nor torch."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         rank = "-"
         try:
-            from mpi4py import MPI
-            if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI = sys.modules.get("mpi4py.MPI")
+            dist = sys.modules.get("torch.distributed")
+            if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
                 rank = str(MPI.COMM_WORLD.Get_rank())
+            elif dist is not None and dist.is_available() and dist.is_initialized():
+                rank = str(dist.get_rank())
         except Exception:  # pragma: no cover - logging must never fail the caller
             pass
         record.rank = rank

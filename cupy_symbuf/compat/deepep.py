@@ -1,12 +1,11 @@
 """DeepEP-compatible shim: DeepEP's intranode ``Buffer`` call shapes over :class:`cupy_symbuf.Communicator`.
 
-Code written for DeepEP's normal (intranode) mode runs with a changed import and an mpi4py communicator in place
-of the ``torch.distributed`` process group::
+Code written for DeepEP's normal (intranode) mode runs with a changed import, over the same ``torch.distributed``
+process group (a ``torchrun`` job) or an mpi4py communicator (an ``mpiexec`` job)::
 
     # import deep_ep; buffer = deep_ep.Buffer(group, num_nvl_bytes)
-    from mpi4py import MPI
     from cupy_symbuf.deepep import Buffer, EventOverlap
-    buffer = Buffer(MPI.COMM_WORLD, num_nvl_bytes)
+    buffer = Buffer(group, num_nvl_bytes)      # or Buffer(MPI.COMM_WORLD, num_nvl_bytes)
     num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = buffer.get_dispatch_layout(
         topk_idx, num_experts)
     recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event = buffer.dispatch(
@@ -61,11 +60,11 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
-from mpi4py import MPI
 
 from ..common import backend as _compat
 from ..transport.streams import CollectiveEvent, check_flag, reject_call
 from ..communicator import Communicator
+from ..transport.bootstrap import is_group
 from ..moe.low_latency import LowLatencyBuffer, LowLatencyHandle
 from ..moe.normal import DispatchHandle
 
@@ -434,8 +433,8 @@ class Buffer:
 
     Parameters
     ----------
-    group : mpi4py.MPI.Comm
-        The ranks of one node (DeepEP: the ``torch.distributed`` process group). Construction is collective.
+    group : torch.distributed.ProcessGroup or mpi4py.MPI.Comm
+        The ranks of one node (as DeepEP's). Construction is collective.
     num_nvl_bytes, num_rdma_bytes : int
         Accepted and kept as attributes, not used: the symmetric buffer is sized by ``symbuf_config``
         (:class:`cupy_symbuf.Config`); only intranode communication exists here.
@@ -465,26 +464,26 @@ class Buffer:
     ValueError
         Neither ``group`` nor ``comm``.
     TypeError
-        ``group`` not an ``mpi4py.MPI.Comm`` (a ``torch.distributed`` group is not supported: pass e.g.
-        ``MPI.COMM_WORLD``). Construction errors of :class:`~cupy_symbuf.Communicator` propagate.
+        ``group`` neither a ``torch.distributed`` process group nor an ``mpi4py.MPI.Comm``. Construction errors of
+        :class:`~cupy_symbuf.Communicator` propagate.
     """
 
     #: DeepEP's SM count of the high-throughput kernels: kept for :meth:`get_dispatch_config`, not used.
     num_sms: int = 20
 
-    def __init__(self, group: Optional[MPI.Comm] = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+    def __init__(self, group=None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[MPI.Comm] = None, *,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm=None, *,
                  symbuf_config=None, backend: str = "auto", num_max_dispatch_tokens_per_rank: Optional[int] = None,
                  hidden: Optional[int] = None, num_experts: Optional[int] = None) -> None:
         mpi_comm = group if group is not None else comm
         if mpi_comm is None:
-            raise ValueError("Buffer: either 'group' or 'comm' must be provided (an mpi4py.MPI.Comm)")
-        if not isinstance(mpi_comm, MPI.Comm):
-            raise TypeError(f"Buffer: argument 'group' must be an mpi4py.MPI.Comm (this shim runs over MPI; a "
-                            f"torch.distributed process group is not supported: pass e.g. MPI.COMM_WORLD), got "
-                            f"{type(mpi_comm).__module__}.{type(mpi_comm).__qualname__}")
+            raise ValueError("Buffer: either 'group' or 'comm' must be provided (a torch.distributed process group "
+                             "or an mpi4py.MPI.Comm)")
+        if not is_group(mpi_comm):
+            raise TypeError(f"Buffer: argument 'group' must be a torch.distributed process group or an "
+                            f"mpi4py.MPI.Comm, got {type(mpi_comm).__module__}.{type(mpi_comm).__qualname__}")
         self.communicator = Communicator(mpi_comm, symbuf_config, backend=backend)
         self.group = mpi_comm
         self.rank = self.communicator.rank

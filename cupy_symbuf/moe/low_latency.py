@@ -292,16 +292,16 @@ class LowLatencyBuffer:
                 num_blocks = check_int(op, "num_blocks", num_blocks, minimum=1, maximum=1024)
         except (TypeError, ValueError) as exc:
             err = exc
-        mpi = comm.buffer.comm
+        boot = comm.buffer.bootstrap  # the communicator's (MPI or torch.distributed)
         timeout = comm.config.timeout_s
-        verdicts = _agree.exchange_all(mpi, None if err is None else f"{type(err).__name__}: {err}", timeout,
+        verdicts = _agree.exchange_all(boot, None if err is None else f"{type(err).__name__}: {err}", timeout,
                                        f"{op} construction")
         if err is not None:
             raise err
         _agree.raise_if_any_failed(verdicts, op)
         fp = {"num_max_dispatch_tokens_per_rank": N, "hidden": H, "num_experts": E, "dtype": kind, "max_topk": K,
               "num_blocks": num_blocks}
-        _agree.check_agreement(_agree.exchange_all(mpi, fp, timeout, f"{op} construction (parameters)"), op)
+        _agree.check_agreement(_agree.exchange_all(boot, fp, timeout, f"{op} construction (parameters)"), op)
         self.comm = comm
         #: the communicator's engine: its lifecycle (check_open, broken, mark_broken) and its transport (abort word,
         #: error record and launch ledger)
@@ -320,7 +320,7 @@ class LowLatencyBuffer:
         for k, v in _regions(W, N, H, self.itemsize, K).items():
             setattr(self, k, v)
         transport = getattr(comm, "transport", None)  # where the communicator's rings live (cuda: ipc / staged)
-        self.buffer = SymBuffer(mpi, self.nbytes, backend=self.backend, timeout_s=timeout,
+        self.buffer = SymBuffer(boot, self.nbytes, backend=self.backend, timeout_s=timeout,
                                 transport=transport if transport in ("ipc", "staged") else "auto")
         self._dispatch_calls = 0
         self._combine_calls = 0
@@ -434,7 +434,7 @@ class LowLatencyBuffer:
         cp = _compat.cupy
         sm = int(self.buffer.gpu_identities[self.rank].get("sm_count") or 132)
         self.grid = num_blocks or max(1, min(128, sm // max(1, self.buffer.ranks_per_gpu)))
-        grids = _agree.exchange_all(self.buffer.comm, self.grid, self.timeout_s, "LowLatencyBuffer grid")
+        grids = _agree.exchange_all(self.buffer.bootstrap, self.grid, self.timeout_s, "LowLatencyBuffer grid")
         self.grid = min(grids)  # every rank the same grid (counters compare against seq * grid)
         #: the communicator's error record and launch ledger (transport/status.py): the kernels write the record,
         #: their launches are numbered among the communicator's, and one decoder raises what they recorded
@@ -1110,6 +1110,31 @@ class LowLatencyBuffer:
 # ------------------------------------------------------------------------------------------------ benchmark
 
 
+class _BenchGroup:
+    """The benchmark's barrier, allgather and max over the ranks of ``buf`` (a SymBuffer): its MPI communicator's
+    blocking collectives, or, over a bootstrap that is not MPI, the bootstrap's bounded exchanges."""
+
+    def __init__(self, buf):
+        self.comm, self.boot, self.timeout_s = buf.comm, buf.bootstrap, buf.timeout_s
+
+    def Barrier(self) -> None:  # noqa: N802 - MPI's name
+        if self.comm is not None:
+            self.comm.Barrier()
+        else:
+            self.boot.barrier(self.timeout_s, "bench_low_latency (barrier)", role="construction")
+
+    def allgather(self, obj) -> list:
+        if self.comm is not None:
+            return self.comm.allgather(obj)
+        return self.boot.allgather(obj, self.timeout_s, "bench_low_latency (allgather)")
+
+    def allreduce_max(self, v: float) -> float:
+        if self.comm is not None:
+            from mpi4py import MPI
+            return self.comm.allreduce(v, op=MPI.MAX)
+        return max(self.allgather(v))
+
+
 def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -> dict:
     """Phase ends of back-to-back calls from the kernels' ``%globaltimer`` stamps (``prof`` words), see
     :func:`bench_low_latency`. Collective; the stamps of ranks on one GPU share a clock (on several GPUs the
@@ -1159,7 +1184,6 @@ def bench_low_latency(comm, num_tokens: int = 128, hidden: int = 7168, num_exper
     the kernel's phase ends (``%globaltimer`` stamps of every block, max over blocks and ranks) measured from the
     earliest block start of any rank (dispatch: sent, flags seen, layout built, end; combine: weights seen,
     partials sent, partials seen, end), and ``"*_start_skew_us"``: latest minus earliest rank start."""
-    from mpi4py import MPI
     xp = comm.xp
     W = comm.world_size
     rng = np.random.default_rng(seed + comm.rank)
@@ -1175,7 +1199,7 @@ def bench_low_latency(comm, num_tokens: int = 128, hidden: int = 7168, num_exper
     import contextlib
     ll = LowLatencyBuffer(comm, num_tokens, hidden, num_experts, dtype="bfloat16", max_topk=topk,
                           num_blocks=num_blocks)
-    mpi = ll.buffer.comm
+    mpi = _BenchGroup(ll.buffer)
     # GPU: every call on one non-default stream (low-latency calls of a rank must not overlap; graphs need it)
     stream = _compat.cupy.cuda.Stream(non_blocking=True) if comm.backend == "cuda" else None
     try:
@@ -1262,7 +1286,7 @@ def bench_low_latency(comm, num_tokens: int = 128, hidden: int = 7168, num_exper
                       call()
                   res[name] = (time.perf_counter() - t0) * 1e6 / iters
           for k in [k for k in res if k.endswith("_us") and isinstance(res[k], float)]:
-              res[k] = mpi.allreduce(float(res[k]), op=MPI.MAX)
+              res[k] = mpi.allreduce_max(float(res[k]))
     finally:
         ll.close()
     return res

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
 from ..transport import agree as _agree
+from ..transport.bootstrap import as_bootstrap
 from ..common import backend as _compat
 from ..common import dtypes as _dt
 from ..common.checks import check_array
@@ -211,8 +211,11 @@ class HierarchicalCommunicator:
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Intracomm
-        All the ranks.
+    comm : mpi4py.MPI.Intracomm, torch.distributed.ProcessGroup or None
+        All the ranks (None: torch's default group when initialised, else ``MPI.COMM_WORLD``). With a torch group,
+        the control exchanges go through its store (:class:`~cupy_symbuf.transport.bootstrap.TorchBootstrap`) and
+        the step between nodes is ``torch.distributed.all_to_all_single`` of host memory over a gloo group per
+        rail (``inter_node="mpi"`` names that host-memory step).
     config : Config, optional
         For the node's :class:`~cupy_symbuf.Communicator`.
     node_size : int, optional
@@ -276,9 +279,15 @@ class HierarchicalCommunicator:
         from ..communicator import Communicator
         from ..transport.symbuffer import resolve_backend
         self._guard = CallGuard()  # one thread at a time inside this communicator's calls
-        W, me = comm.Get_size(), comm.Get_rank()
+        boot = as_bootstrap(comm)
+        W, me = boot.size, boot.rank
         err = None
         k = node_size
+        try:  # the bound of this first exchange: the node communicator's (its Config or the environment's)
+            from ..common.config import Config
+            timeout = (config if config is not None else Config()).timeout_s
+        except (TypeError, ValueError, AttributeError):
+            timeout = 60.0  # a bad config is the node Communicator's to report
         try:
             if not isinstance(backend, str) or backend not in BACKENDS:
                 raise ValueError(f"HierarchicalCommunicator: backend must be one of {BACKENDS}, got {backend!r}")
@@ -289,10 +298,10 @@ class HierarchicalCommunicator:
             if k is None:
                 k = node_size_from_env()
             if k is None:  # the real nodes: consecutive ranks of equal count
-                node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=me)
-                k = node.Get_size()
-                members = node.allgather(me)
-                node.Free()
+                node = boot.split_node()
+                k = node.size
+                members = node.allgather(me, timeout, "HierarchicalCommunicator (node members)")
+                node.free()
                 first = members[0]
                 if members != list(range(first, first + k)) or first % k:
                     raise ValueError(f"HierarchicalCommunicator: the ranks of a node must be consecutive and "
@@ -302,12 +311,7 @@ class HierarchicalCommunicator:
                                  f"{W}, got {k!r}")
         except (ValueError, RuntimeError) as exc:
             err = exc
-        try:  # the bound of this first exchange: the node communicator's (its Config or the environment's)
-            from ..common.config import Config
-            timeout = (config if config is not None else Config()).timeout_s
-        except (TypeError, ValueError, AttributeError):
-            timeout = 60.0  # a bad config is the node Communicator's to report
-        everyone = _agree.exchange_all(comm, (None if err else (int(k), backend, inter_node),
+        everyone = _agree.exchange_all(boot, (None if err else (int(k), backend, inter_node),
                                               None if err is None else str(err)), timeout, "HierarchicalCommunicator")
         if err is not None:
             raise err
@@ -328,9 +332,15 @@ class HierarchicalCommunicator:
         self.node, self.local_rank = divmod(me, k)
         self.backend = backend
         self._seq = 0  # dispatches made (the same on every rank): names a handle's dispatch across ranks
-        self._ctl = comm.Dup()  # our bounded exchanges and count steps, apart from the user's traffic on comm
-        self._node_mpi = comm.Split(self.node, self.local_rank)
-        self._rail = comm.Split(self.local_rank, self.node)  # ranks with this local index, one per node
+        self._ctl = boot.dup()  # our bounded exchanges and count steps, apart from the user's traffic on comm
+        self._node_mpi = boot.split(self.node, self.local_rank)
+        self._rail_boot = boot.split(self.local_rank, self.node)  # ranks with this local index, one per node
+        self._rail = getattr(self._rail_boot, "comm", None)  # its MPI communicator (None over torch.distributed)
+        self._rail_group = None  # over torch.distributed: the rail's gloo group (the step between nodes)
+        if self._rail is None and self.num_nodes > 1:
+            import torch.distributed as dist
+            self._rail_group = dist.new_group(self._rail_boot.members, backend="gloo",
+                                              use_local_synchronization=True)
         self._nccl = None
         self._staging: dict = {}  # cuda, MPI step: pinned host buffers reused by every call (_stage)
         self._broken: Optional[str] = None  # set when a bounded exchange or the step between nodes failed
@@ -358,9 +368,9 @@ class HierarchicalCommunicator:
         except BaseException:
             if getattr(self, "node_comm", None) is not None:
                 self.node_comm.close()
-            self._ctl.Free()
-            self._node_mpi.Free()
-            self._rail.Free()
+            self._ctl.free()
+            self._node_mpi.free()
+            self._rail_boot.free()
             raise
         self._closed = False
 
@@ -378,7 +388,7 @@ class HierarchicalCommunicator:
                 gpu = _compat.cupy.cuda.Device().pci_bus_id
             except Exception as exc:  # noqa: BLE001 - the reason is told to every rank
                 why = f"CuPy's NCCL binding is not available ({type(exc).__name__}: {exc})"
-            gpus = self._rail.allgather(gpu)  # every rank of the rail takes part, whatever it found
+            gpus = self._rail_allgather(gpu)  # every rank of the rail takes part, whatever it found
             if why is None and len(set(gpus)) != len(gpus):
                 why = f"two ranks of a rail share a GPU ({gpus}); NCCL refuses two ranks on one GPU"
         if want == "mpi":
@@ -391,9 +401,16 @@ class HierarchicalCommunicator:
                 raise ValueError(f"HierarchicalCommunicator: inter_node='nccl' cannot run: rank {bad[0]}: {bad[1]}")
             return "mpi"
         from cupy.cuda import nccl
-        uid = self._rail.bcast(nccl.get_unique_id() if self.node == 0 else None, root=0)
+        uid = self._rail_allgather(nccl.get_unique_id() if self.node == 0 else None)[0]
         self._nccl = nccl.NcclCommunicator(self.num_nodes, uid, self.node)  # rail rank = node index
         return "nccl"
+
+    def _rail_allgather(self, obj) -> list:
+        """Every rail rank's ``obj`` (indexed by node): MPI's allgather over the rail, or the rail bootstrap's
+        bounded one."""
+        if self._rail is not None:
+            return self._rail.allgather(obj)
+        return self._rail_boot.allgather(obj, self.node_comm.config.timeout_s, "HierarchicalCommunicator (rail)")
 
     def _rail_bytes(self, send, send_bytes, recv_bytes):
         """The step between nodes for flat uint8 ``send`` (grouped by destination node, ``send_bytes[m]`` bytes to
@@ -408,7 +425,17 @@ class HierarchicalCommunicator:
             host = self._to_host(send)
             landed = self._stage("landed", int(rc.sum())) if self.backend == "cuda" else np.empty(int(rc.sum()),
                                                                                                   np.uint8)
-            self._rail.Alltoallv([host, (sc, so[:-1]), MPI.BYTE], [landed, (rc, ro[:-1]), MPI.BYTE])
+            if self._rail is not None:
+                from mpi4py import MPI
+                self._rail.Alltoallv([host, (sc, so[:-1]), MPI.BYTE], [landed, (rc, ro[:-1]), MPI.BYTE])
+            elif self.num_nodes == 1:
+                landed[:] = host[: landed.size]
+            else:
+                import torch
+                import torch.distributed as dist
+                dist.all_to_all_single(torch.from_numpy(landed), torch.from_numpy(np.ascontiguousarray(host)),
+                                       output_split_sizes=rc.tolist(), input_split_sizes=sc.tolist(),
+                                       group=self._rail_group)
             return landed
         from cupy.cuda import nccl
         xp = self._xp
@@ -680,7 +707,7 @@ class HierarchicalCommunicator:
                 self.node_comm.engine.transport.check(op)  # a failure a queued node kernel recorded
         except Exception as exc:  # noqa: BLE001 - told to the rail peers first
             err = exc
-        ready = self._exchange(self._rail, None if err is None else f"{type(err).__name__}: {err}", op + " (rail)")
+        ready = self._exchange(self._rail_boot, None if err is None else f"{type(err).__name__}: {err}", op + " (rail)")
         if err is not None:
             raise err
         bad = [(r, e) for r, e in enumerate(ready) if e]
@@ -1046,12 +1073,12 @@ class HierarchicalCommunicator:
                 self._nccl.destroy()
                 self._nccl = None
             self._staging = {}
-            self._node_mpi.Free()
+            self._node_mpi.free()
             if self._broken:
-                _LEFT_ALLOCATED.extend((self._rail, self._ctl))
+                _LEFT_ALLOCATED.extend((self._rail_boot, self._ctl))
             else:
-                self._rail.Free()
-                self._ctl.Free()
+                self._rail_boot.free()
+                self._ctl.free()
 
     def __enter__(self) -> "HierarchicalCommunicator":
         return self

@@ -6,11 +6,16 @@ one small interface, :class:`Bootstrap`: ``rank``, ``size``, a bounded ``allgath
 rank, ``barrier``, ``bcast``, ``split_node``, ``dup`` / ``free`` and ``abort``. Nothing of the ring protocol
 travels here: once built, the collectives move rows through the symmetric buffer only.
 
-:class:`MpiBootstrap` (over an mpi4py intra-communicator) is the implementation today. Its waits are built from
-nonblocking point-to-point messages on a dedicated tag, polled with short sleeps, so that a rank whose peers
-never arrive (they failed, exited, or never call) gets a :class:`CollectiveTimeoutError` naming them after
-``timeout_s`` instead of blocking in ``MPI_Allgather`` / ``MPI_Barrier`` forever. The host backend's shared-memory
-window is MPI's as well (``MpiBootstrap.comm``): that is the data path's memory, not an exchange.
+Two implementations: :class:`MpiBootstrap` over an mpi4py intra-communicator (jobs started by ``mpiexec``) and
+:class:`TorchBootstrap` over a ``torch.distributed`` process group (jobs started by ``torchrun``; its exchanges go
+through the job's c10d store). :func:`as_bootstrap` picks one for what the caller passed (None: torch's default
+group when initialised, else ``MPI.COMM_WORLD``). MpiBootstrap's waits are built from nonblocking point-to-point
+messages on a dedicated tag, polled with short sleeps, so that a rank whose peers never arrive (they failed,
+exited, or never call) gets a :class:`CollectiveTimeoutError` naming them after ``timeout_s`` instead of blocking in
+``MPI_Allgather`` / ``MPI_Barrier`` forever; TorchBootstrap's poll store counters the same way. The host backend's
+shared-memory window is MPI's under MpiBootstrap (``MpiBootstrap.comm``), POSIX shared memory named through the
+bootstrap otherwise: that is the data path's memory, not an exchange. mpi4py is imported only when an MPI
+communicator is used (or None is passed with torch.distributed not initialised).
 
 Messages of an exchange that timed out may stay queued (their peer arrives later). A later exchange skips the
 leftover "confirm" / "withdrawn" messages and raises on a leftover of another step, but a leftover "here" of the
@@ -20,14 +25,61 @@ close timeout, build no further communicator on that bootstrap; the job is meant
 """
 from __future__ import annotations
 
+import os
+import pickle
+import socket
+import sys
+import threading
 import time
-from typing import Any, List, Protocol, runtime_checkable
-
-from mpi4py import MPI
+import zlib
+from typing import Any, List, Optional, Protocol, runtime_checkable
 
 from ..common.errors import SymBufferError, SymBufferTimeoutError
 
-__all__ = ["Bootstrap", "MpiBootstrap", "CollectiveTimeoutError", "as_bootstrap", "world", "TAG"]
+__all__ = ["Bootstrap", "MpiBootstrap", "TorchBootstrap", "CollectiveTimeoutError", "as_bootstrap", "world",
+           "world_rank", "mpi_in_use", "is_group", "abort_process", "TAG"]
+
+
+def _mpi():
+    """mpi4py's ``MPI`` module (importing it initialises MPI); ``ImportError`` when mpi4py is not installed."""
+    from mpi4py import MPI
+    return MPI
+
+
+def _is_mpi_comm(obj) -> bool:
+    """``obj`` is an mpi4py communicator (never imports mpi4py: an object of it exists only once it is imported)."""
+    mod = sys.modules.get("mpi4py.MPI")
+    return mod is not None and isinstance(obj, mod.Comm)
+
+
+def _is_torch_group(obj) -> bool:
+    """``obj`` is a ``torch.distributed`` ProcessGroup (never imports torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and isinstance(obj, getattr(dist, "ProcessGroup", ()))
+
+
+def _torch_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:  # pragma: no cover - a broken torch install is "no torch group"
+        return False
+
+
+def is_group(obj) -> bool:
+    """``obj`` is something :func:`as_bootstrap` takes besides None: an mpi4py communicator, a torch.distributed
+    ProcessGroup or a :class:`Bootstrap` (imports neither mpi4py nor torch)."""
+    return _is_mpi_comm(obj) or _is_torch_group(obj) or isinstance(obj, Bootstrap)
+
+
+def mpi_in_use() -> bool:
+    """True when mpi4py is imported and MPI is initialised and not finalised (a job launched by ``mpiexec``, or a
+    program that imported ``mpi4py.MPI``); never imports mpi4py."""
+    mod = sys.modules.get("mpi4py.MPI")
+    try:
+        return mod is not None and bool(mod.Is_initialized()) and not mod.Is_finalized()
+    except Exception:  # pragma: no cover
+        return False
 
 #: Point-to-point tag of every bounded exchange (a user's traffic on the same communicator and tag during
 #: construction would be mistaken for ours; after construction the exchanges run on the SymBuffer's own ``dup``).
@@ -128,7 +180,8 @@ class MpiBootstrap:
     """:class:`Bootstrap` over an mpi4py intra-communicator ``comm`` (kept as the attribute ``comm``: the host
     backend's shared-memory window is allocated on it). Implements :class:`Bootstrap`."""
 
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm):
+        MPI = _mpi()
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
             raise TypeError(f"MpiBootstrap: comm must be an mpi4py intra-communicator, got {comm!r}")
         self.comm = comm
@@ -253,16 +306,23 @@ class MpiBootstrap:
 
     # ---- groups -------------------------------------------------------------------------------------------
     def split_node(self) -> "MpiBootstrap":
-        return MpiBootstrap(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
+        return MpiBootstrap(self.comm.Split_type(_mpi().COMM_TYPE_SHARED, key=self.rank))
+
+    def split(self, color: int, key: int) -> "MpiBootstrap":
+        """A new bootstrap over the ranks that pass the same ``color``, ordered by ``key`` (``MPI_Comm_split``;
+        blocking, like :meth:`dup`); :meth:`free` it."""
+        return MpiBootstrap(self.comm.Split(color, key))
 
     def dup(self) -> "MpiBootstrap":
         return MpiBootstrap(self.comm.Dup())
 
     def free(self) -> None:
+        MPI = _mpi()
         if self.comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
             self.comm.Free()
 
     def discard_leftovers(self) -> int:
+        MPI = _mpi()
         n = 0
         while True:
             msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG)
@@ -275,18 +335,288 @@ class MpiBootstrap:
         self.comm.Abort(code)
 
 
-def as_bootstrap(group) -> Bootstrap:
-    """``group`` as a :class:`Bootstrap`: a Bootstrap as it is, an mpi4py intra-communicator wrapped in
-    :class:`MpiBootstrap` (``TypeError`` naming ``group`` otherwise)."""
-    if isinstance(group, MPI.Comm):
+class TorchBootstrap:
+    """:class:`Bootstrap` over a ``torch.distributed`` process group (gloo, nccl, any backend): every exchange goes
+    through the job's c10d key-value store (``TCPStore`` under ``torchrun``), never through the group's collectives,
+    so that every wait is bounded and nothing of the group's own traffic (a user's ``all_reduce`` on a GPU stream)
+    can meet ours.
+
+    ``group``: a ProcessGroup this process belongs to, or None for the default group
+    (``torch.distributed.init_process_group`` must have run). ``rank`` / ``size`` are the group's; ``members``
+    the global ranks of the group's ranks.
+
+    :meth:`allgather` keeps :class:`MpiBootstrap`'s two rounds and guarantees (see its docstring): the keys of
+    exchange ``n`` of this bootstrap are ``<prefix>/<n>/here/<rank>`` (this rank's pickled object, step name and
+    ``timeout_s``), ``.../confirm/<rank>`` and ``.../withdrawn/<rank>``, with the counters ``.../n_here``,
+    ``.../n_confirm``, ``.../n_withdrawn`` polled (``Store.add(key, 0)``, nonblocking) with short sleeps. A rank
+    that leaves an exchange any way but a return sets its ``withdrawn`` key; peers in either round see it and raise
+    :class:`CollectiveTimeoutError` (``withdrawn``). Exchanges are numbered, so a late message of an exchange that
+    timed out is never taken for a later one (:meth:`discard_leftovers` has nothing to drop). A rank deletes its
+    keys of exchange ``n - 1`` once exchange ``n`` completed (every peer has left ``n - 1`` by then).
+
+    The key prefix of a bootstrap made by :func:`as_bootstrap` names the group's members and counts the bootstraps
+    made over that group in this process; :meth:`dup` and :meth:`split` derive their children's prefixes from the
+    parent's. So, as with MPI's ``Comm_dup``, every rank must make them in the same order. :meth:`split` and
+    :meth:`split_node` make no torch group: the children are bootstraps over the same store (what they need).
+    """
+
+    _made: "dict[tuple, int]" = {}
+    _made_lock = threading.Lock()
+
+    def __init__(self, group=None, *, _store=None, _members=None, _prefix=None):
+        import torch.distributed as dist
+        if _store is not None:  # a child of dup / split
+            self.group = group
+            self.members = list(_members)
+            self._store = _store
+            self._prefix = _prefix
+        else:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError("TorchBootstrap: torch.distributed is not initialised: call "
+                                   "torch.distributed.init_process_group(...) first (torchrun sets the environment "
+                                   "it reads), or pass an mpi4py communicator")
+            if group is None:
+                group = dist.group.WORLD
+            if not _is_torch_group(group):
+                raise TypeError(f"TorchBootstrap: group must be a torch.distributed ProcessGroup or None, got "
+                                f"{type(group).__name__} {group!r}")
+            if dist.get_rank(group) < 0:
+                raise ValueError("TorchBootstrap: this process is not a member of group")
+            self.group = group
+            self.members = [int(r) for r in dist.get_process_group_ranks(group)]
+            from torch.distributed import distributed_c10d as c10d
+            self._store = c10d._get_default_store()
+            key = tuple(self.members)
+            with TorchBootstrap._made_lock:
+                n = TorchBootstrap._made.get(key, 0)
+                TorchBootstrap._made[key] = n + 1
+            self._prefix = f"cupy_symbuf/g{zlib.crc32(repr(key).encode()):08x}.{len(key)}/b{n}"
+        me = dist.get_rank()
+        if me not in self.members:
+            raise ValueError(f"TorchBootstrap: global rank {me} is not a member of the group {self.members}")
+        self.rank = self.members.index(me)
+        self.size = len(self.members)
+        self._seq = 0
+        self._children = 0
+
+    def __repr__(self) -> str:
+        return f"TorchBootstrap(rank={self.rank}, size={self.size})"
+
+    def _key(self, seq: int, *parts) -> str:
+        return "/".join((self._prefix, str(seq)) + tuple(str(p) for p in parts))
+
+    # ---- bounded exchanges ------------------------------------------------------------------------------------
+    def allgather(self, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
+                  on_slow=None) -> list:
+        """Every rank's ``obj`` bounded by ``timeout_s``: :meth:`MpiBootstrap.allgather`'s two rounds and errors,
+        over the store (see the class docstring)."""
+        rank, size = self.rank, self.size
+        out: list = [None] * size
+        out[rank] = obj
+        seq = self._seq
+        self._seq += 1
+        if size == 1:
+            return out
+        store, key = self._store, self._key
+        peers = [r for r in range(size) if r != rank]
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow}
+        try:
+            store.set(key(seq, "here", rank), pickle.dumps((what, timeout_s, obj)))
+            store.add(key(seq, "n_here"), 1)
+            self._wait(seq, "here", what, peers, state, role, timeout_s)
+            heard = time.monotonic()
+            if heard > deadline:  # heard from everyone, but too late: a peer may have withdrawn already
+                raise CollectiveTimeoutError(rank=rank, missing=sorted(state.get("late") or peers), what=what,
+                                             role=role, timeout_s=timeout_s, late=True)
+            got = store.multi_get([key(seq, "here", r) for r in peers])
+            times = []
+            for r, raw in zip(peers, got):
+                their_what, their_timeout, their_obj = pickle.loads(raw)
+                if their_what != what:
+                    raise SymBufferError(f"{what}: rank {rank} received rank {r}'s message for {their_what!r}: the "
+                                         f"ranks are not calling the same step")
+                out[r] = their_obj
+                times.append(float(their_timeout))
+            store.set(key(seq, "confirm", rank), b"1")
+            store.add(key(seq, "n_confirm"), 1)
+            state["deadline"] = heard + max(times) + DELIVERY_GRACE_S
+            self._wait(seq, "confirm", what, peers, state, role, timeout_s)
+        except BaseException:
+            # any way out but a return: the peers must not wait for our confirm nor go on without us
+            try:
+                store.set(key(seq, "withdrawn", rank), pickle.dumps(what))
+                store.add(key(seq, "n_withdrawn"), 1)
+            except Exception:  # pragma: no cover - the original error matters more
+                pass
+            raise
+        if seq > 0:  # every peer has left exchange seq - 1 (it confirmed seq's "here" after): drop ours of it
+            try:
+                for part in ("here", "confirm"):
+                    store.delete_key(key(seq - 1, part, rank))
+                if rank == 0:
+                    for part in ("n_here", "n_confirm"):
+                        store.delete_key(key(seq - 1, part))
+            except Exception:  # noqa: BLE001 - a key left in the store is harmless
+                pass
+        return out
+
+    def _wait(self, seq: int, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> None:
+        """Until every rank's ``kind`` ("here" / "confirm") key is set, by the deadline in ``state``; a peer's
+        ``withdrawn`` key raises :class:`CollectiveTimeoutError` (``withdrawn``) naming it."""
+        store, key, rank = self._store, self._key, self.rank
+        counter = key(seq, "n_" + kind)
+        spins = 0
+        last = -1
+        while True:
+            n = store.add(counter, 0)
+            if n >= self.size:
+                if time.monotonic() > state["deadline"] and kind == "here":
+                    state["late"] = [r for r in peers]
+                return
+            if store.add(key(seq, "n_withdrawn"), 0) > 0:
+                # a peer that withdrew before confirming never confirms this exchange
+                gone = [r for r in peers if store.check([key(seq, "withdrawn", r)])
+                        and not store.check([key(seq, "confirm", r)])]
+                if gone:
+                    raise CollectiveTimeoutError(rank=rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
+                                                 withdrawn=True)
+            now = time.monotonic()
+            if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
+                state["on_slow"][1](self._missing(seq, kind, peers))
+                state["on_slow"] = None
+            if now > state["deadline"]:
+                raise CollectiveTimeoutError(rank=rank, missing=self._missing(seq, kind, peers), what=what,
+                                             role=role, timeout_s=timeout_s)
+            spins = 0 if n != last else spins + 1
+            last = n
+            _sleep(spins)
+
+    def _missing(self, seq: int, kind: str, peers: list) -> list:
+        return [r for r in peers if not self._store.check([self._key(seq, kind, r)])]
+
+    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
+        """A barrier bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
+        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow)
+
+    def bcast(self, obj: Any, timeout_s: float, what: str, *, root: int = 0, role: str = "construction") -> Any:
+        """``root``'s ``obj`` on every rank, bounded by ``timeout_s``."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"{what}: root must be a rank in [0, {self.size}), got {root!r}")
+        return self.allgather(obj if self.rank == root else None, timeout_s, what, role=role)[root]
+
+    # ---- groups -------------------------------------------------------------------------------------------
+    def _child(self, tag: str, members: list) -> "TorchBootstrap":
+        n = self._children
+        self._children += 1
+        return TorchBootstrap(self.group, _store=self._store, _members=members, _prefix=f"{self._prefix}/{tag}{n}")
+
+    def split(self, color: int, key: int, *, timeout_s: Optional[float] = None) -> "TorchBootstrap":
+        """A new bootstrap over the ranks that pass the same ``color``, ordered by ``(key, rank)`` (as
+        ``MPI_Comm_split``); one bounded allgather (``timeout_s``, default ``Config().timeout_s``)."""
+        if timeout_s is None:
+            from ..common.config import Config
+            timeout_s = Config().timeout_s
+        everyone = self.allgather((int(color), int(key)), timeout_s, "TorchBootstrap.split")
+        mine = sorted((k, r) for r, (c, k) in enumerate(everyone) if c == int(color))
+        return self._child(f"s{int(color)}.", [self.members[r] for _, r in mine])
+
+    def split_node(self) -> "TorchBootstrap":
+        """The ranks of this host (by ``socket.gethostname()``), ordered by rank."""
+        hosts = self.allgather(socket.gethostname(), _default_timeout(), "TorchBootstrap.split_node")
+        colors = {h: i for i, h in enumerate(dict.fromkeys(hosts))}
+        mine = [r for r in range(self.size) if hosts[r] == hosts[self.rank]]
+        return self._child(f"n{colors[hosts[self.rank]]}.", [self.members[r] for r in mine])
+
+    def dup(self) -> "TorchBootstrap":
+        return self._child("d", self.members)
+
+    def free(self) -> None:
+        pass  # nothing is held but store keys, deleted as exchanges complete
+
+    def discard_leftovers(self) -> int:
+        return 0  # exchanges are numbered: a late key of one that timed out is never read by another
+
+    def abort(self, code: int = 1) -> None:
+        """End this process at once (``os._exit(code)``, after flushing stdout / stderr): torchrun (or any
+        launcher that watches its workers) then ends the job's other processes."""
+        _exit_now(code)
+
+
+def _default_timeout() -> float:
+    from ..common.config import Config
+    return Config().timeout_s
+
+
+def _exit_now(code: int) -> None:
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:  # pragma: no cover
+            pass
+    os._exit(int(code) or 1)
+
+
+_HOW_TO_START = ("start the job with torchrun and call torch.distributed.init_process_group(...) first (then pass "
+                 "its group or None), or with mpiexec and install mpi4py (then pass an mpi4py communicator such as "
+                 "MPI.COMM_WORLD, or None)")
+
+
+def as_bootstrap(group=None) -> Bootstrap:
+    """``group`` as a :class:`Bootstrap`: a Bootstrap as it is; an mpi4py intra-communicator wrapped in
+    :class:`MpiBootstrap`; a ``torch.distributed`` ProcessGroup in :class:`TorchBootstrap`; ``None``: torch's
+    default group when ``torch.distributed.is_initialized()``, else ``MPI.COMM_WORLD`` when mpi4py imports.
+
+    Raises ``TypeError`` naming ``group`` for anything else, ``RuntimeError`` saying how to start a job for None
+    with neither."""
+    if _is_mpi_comm(group):
         return MpiBootstrap(group)
+    if _is_torch_group(group):
+        return TorchBootstrap(group)
+    if group is None:
+        if _torch_initialized():
+            return TorchBootstrap(None)
+        try:
+            MPI = _mpi()
+        except ImportError:
+            raise RuntimeError(f"no process group: torch.distributed is not initialised and mpi4py is not "
+                               f"installed; {_HOW_TO_START}") from None
+        return MpiBootstrap(MPI.COMM_WORLD)
     if isinstance(group, Bootstrap):
         return group
-    raise TypeError(f"expected an mpi4py intra-communicator or a Bootstrap, got {type(group).__name__} {group!r}")
+    raise TypeError(f"expected an mpi4py intra-communicator, a torch.distributed ProcessGroup, None or a Bootstrap, "
+                    f"got {type(group).__name__} {group!r}")
 
 
 def world() -> Bootstrap:
-    """Every process of the job (``MPI.COMM_WORLD``): the group :func:`~cupy_symbuf.transport.lifecycle.abort_job`
-    ends."""
-    return MpiBootstrap(MPI.COMM_WORLD)
+    """Every process of the job: the group :func:`~cupy_symbuf.transport.lifecycle.abort_job` ends.
+    ``MPI.COMM_WORLD`` when MPI is initialised (an ``mpiexec`` job), else torch's default group when
+    ``torch.distributed`` is initialised (a ``torchrun`` job), else ``MPI.COMM_WORLD`` when mpi4py imports;
+    ``RuntimeError`` otherwise."""
+    if mpi_in_use():
+        return MpiBootstrap(_mpi().COMM_WORLD)
+    if _torch_initialized():
+        return TorchBootstrap(None)
+    return as_bootstrap(None)
 
+
+def world_rank() -> int:
+    """This process's rank in the job (``MPI.COMM_WORLD``'s under MPI, else torch's default group's), -1 when
+    neither is initialised; makes no bootstrap and never imports mpi4py or torch."""
+    try:
+        if mpi_in_use():
+            return int(sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank())
+        if _torch_initialized():
+            return int(sys.modules["torch.distributed"].get_rank())
+    except Exception:  # pragma: no cover
+        pass
+    return -1
+
+
+def abort_process(code: int = 1) -> None:
+    """End the job from this process: ``MPI.COMM_WORLD.Abort(code)`` when MPI is initialised, else
+    ``os._exit(code)`` (torchrun ends the other processes when one exits non-zero). Does not return."""
+    if mpi_in_use():
+        _mpi().COMM_WORLD.Abort(code)
+    _exit_now(code)

@@ -6,8 +6,9 @@
   ``os.fork()``) are never touched.
 * ``abort_on_failure`` (``Config``; default from ``CUPY_SYMBUF_ABORT_ON_FAILURE``, on): a failed communicator
   (timeout, mismatch, abort) that is closed or still registered at exit, or a ``SymBufferError`` that reaches the
-  top level (``sys.excepthook``), prints the error with the rank to stderr and calls ``MPI.COMM_WORLD.Abort(1)``,
-  so that the job ends instead of hanging in a window free or ``MPI_Finalize``.
+  top level (``sys.excepthook``), prints the error with the rank to stderr and calls ``MPI.COMM_WORLD.Abort(1)``
+  (without MPI: ``os._exit(1)``, which torchrun turns into the end of the job), so that the job ends instead of
+  hanging in a window free or ``MPI_Finalize``.
 * Any other exception that reaches the top level of a script (not an interactive session) first sets the abort
   word of this rank's open communicators (``ERR_UNCAUGHT``): the peers' collectives leave at once naming this rank,
   and they reach ``close()`` while this rank's exit-time close still waits for them.
@@ -92,16 +93,13 @@ def open_objects() -> list:
 
 
 def _mpi_abort(code: int) -> None:  # tests replace this
-    from .bootstrap import world
-    world().abort(code)
+    from .bootstrap import abort_process
+    abort_process(code)
 
 
 def _world_rank() -> int:
-    try:
-        from .bootstrap import world
-        return world().rank
-    except Exception:  # pragma: no cover
-        return -1
+    from .bootstrap import world_rank
+    return world_rank()
 
 
 def say(rank, *lines: str) -> None:
@@ -115,9 +113,12 @@ def say(rank, *lines: str) -> None:
 
 
 def abort_job(message: str, rank: int = None) -> None:
-    """Print ``message`` to stderr with the rank, then ``MPI.COMM_WORLD.Abort(1)`` (ends every rank of the job)."""
+    """Print ``message`` to stderr with the rank, then end every rank of the job: ``MPI.COMM_WORLD.Abort(1)`` under
+    MPI, else ``os._exit(1)`` (torchrun ends the other workers when one exits non-zero)."""
+    from .bootstrap import mpi_in_use
     rank = _world_rank() if rank is None else rank
-    say(rank, message, "calling MPI.COMM_WORLD.Abort(1) so the job ends (Config.abort_on_failure; "
+    how = "calling MPI.COMM_WORLD.Abort(1)" if mpi_in_use() else "exiting with status 1 (os._exit)"
+    say(rank, message, f"{how} so the job ends (Config.abort_on_failure; "
                        "CUPY_SYMBUF_ABORT_ON_FAILURE=0 turns this off)")
     if GRACE_S > 0:
         import time

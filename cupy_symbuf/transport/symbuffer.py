@@ -12,7 +12,9 @@ run unchanged on these addresses (their ``.sys``-scope release / acquire orders 
 every byte crosses PCIe twice. :func:`choose_transport` is the decision.
 
 ``backend="host"``: an ``MPI.Win.Allocate_shared`` window on the node communicator; peers' bases from
-``Win.Shared_query``. Same design, NumPy views, used by CPU workloads and CI.
+``Win.Shared_query``. Same design, NumPy views, used by CPU workloads and CI. Over a bootstrap that is not MPI (a
+``torch.distributed`` group), the window of the host backend and of the staged transport is POSIX shared memory
+named through the bootstrap (:class:`~cupy_symbuf.transport.shm.PosixSharedWindow`), each rank's part page-aligned.
 """
 from __future__ import annotations
 
@@ -24,12 +26,11 @@ import warnings
 from typing import Optional
 
 import numpy as np
-from mpi4py import MPI
 
 from . import agree as _agree
 from ..common import backend as _compat
 from . import lifecycle as _lifecycle
-from .bootstrap import Bootstrap, MpiBootstrap
+from .bootstrap import as_bootstrap
 from ..common.log import logger
 from ..common.config import TRANSPORTS
 from ..common.errors import SymBufferClosedError, SymBufferError
@@ -37,6 +38,12 @@ from ..common.errors import SymBufferClosedError, SymBufferError
 __all__ = ["SymBuffer", "resolve_backend", "choose_transport", "TRANSPORTS"]
 
 _BACKENDS = ("auto", "cuda", "host")
+
+
+def _mpi():
+    """mpi4py's MPI module, imported where a window is allocated on an MPI communicator (mpi4py is optional)."""
+    from mpi4py import MPI
+    return MPI
 #: cudaHostRegisterPortable | cudaHostRegisterMapped (driver_types.h; CuPy names no constants for them)
 _HOST_REGISTER_FLAGS = 0x01 | 0x02
 _PAGE = mmap.PAGESIZE
@@ -247,10 +254,13 @@ class SymBuffer:
 
     Parameters
     ----------
-    comm : mpi4py.MPI.Comm or Bootstrap
-        Intra-communicator whose ranks all live on one node (``MPI.COMM_TYPE_SHARED``); collective. Construction
-        and ``close()`` exchange only through it (as a :class:`~cupy_symbuf.transport.bootstrap.Bootstrap`); the
-        host backend's and the staged transport's memory is an MPI shared-memory window on it.
+    comm : mpi4py.MPI.Comm, torch.distributed.ProcessGroup, Bootstrap or None
+        The ranks, all on one node (``MPI.COMM_TYPE_SHARED``; for a torch group: one hostname); collective.
+        Construction and ``close()`` exchange only through it (as a
+        :class:`~cupy_symbuf.transport.bootstrap.Bootstrap`, see
+        :func:`~cupy_symbuf.transport.bootstrap.as_bootstrap`; None: torch's default group when initialised, else
+        ``MPI.COMM_WORLD``); the host backend's and the staged transport's memory is an MPI shared-memory window
+        on it (POSIX shared memory when it is not MPI).
     nbytes : int
         Bytes per rank (>= 0), identical on every rank.
     backend : {"auto", "cuda", "host"}
@@ -285,8 +295,8 @@ class SymBuffer:
     bootstrap : Bootstrap
         This buffer's own duplicate of ``comm`` (:class:`~cupy_symbuf.transport.bootstrap.Bootstrap`): every later
         agreement step of its owner (symmetric allocations, probes, close) runs on it.
-    comm : mpi4py.MPI.Comm
-        The mpi4py communicator under ``bootstrap`` (the window's).
+    comm : mpi4py.MPI.Comm or None
+        The mpi4py communicator under ``bootstrap`` (the window's); None for a bootstrap that is not MPI.
     transport : str
         ``"ipc"`` or ``"staged"`` (cuda), ``"shared_memory"`` (host): what construction chose, the same on every
         rank.
@@ -312,14 +322,13 @@ class SymBuffer:
     bootstrap = None
     comm = None
 
-    def __init__(self, comm: MPI.Comm, nbytes: int, *, backend: str = "auto", timeout_s: Optional[float] = None,
+    def __init__(self, comm, nbytes: int, *, backend: str = "auto", timeout_s: Optional[float] = None,
                  transport: str = "auto", _managed: bool = False):
-        if isinstance(comm, MPI.Comm) and comm != MPI.COMM_NULL:
-            boot = MpiBootstrap(comm)
-        elif isinstance(comm, Bootstrap) and not isinstance(comm, MPI.Comm):
-            boot = comm
-        else:
-            raise TypeError(f"SymBuffer: comm must be an mpi4py intra-communicator, got {comm!r}")
+        try:
+            boot = as_bootstrap(comm)
+        except TypeError:
+            raise TypeError(f"SymBuffer: comm must be an mpi4py intra-communicator, a torch.distributed "
+                            f"ProcessGroup, None or a Bootstrap, got {comm!r}") from None
         if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or int(nbytes) < 0:
             raise ValueError(f"SymBuffer: nbytes must be an int >= 0, got {nbytes!r}")
         nbytes = int(nbytes)
@@ -364,7 +373,7 @@ class SymBuffer:
         self.rank = self.bootstrap.rank
         self.world_size = self.bootstrap.size
         self.nbytes = nbytes
-        self._win: Optional[MPI.Win] = None
+        self._win = None  # MPI.Win, or a PosixSharedWindow over a bootstrap that is not MPI
         self._host_views: list = []
         self._local_ptr = 0
         self._opened: list = []
@@ -373,7 +382,8 @@ class SymBuffer:
         self.gpu_identities: list = []
         self._registered: list = []  # staged: (host start, bytes, device start) of every cudaHostRegister'ed range
         self.transport = "shared_memory" if self.backend == "host" else None
-        self.transport_reason = "host backend: an MPI shared-memory window" if self.backend == "host" else ""
+        self.transport_reason = ("" if self.backend != "host" else "host backend: an MPI shared-memory window"
+                                 if self.comm is not None else "host backend: POSIX shared memory")
         try:
             if self.backend == "cuda":
                 self._init_cuda(transport)
@@ -396,24 +406,30 @@ class SymBuffer:
             self.bootstrap = self.comm = None
             _lifecycle.count("comm", -1)
 
-    def _window_comm(self):
-        """The mpi4py communicator the shared-memory window is allocated on (the host backend's and the staged
-        transport's memory)."""
-        if self.comm is None:
-            raise NotImplementedError(f"SymBuffer: the {self.backend} backend's memory is an MPI shared-memory "
-                                      f"window; this bootstrap ({self.bootstrap!r}) has no mpi4py communicator")
-        return self.comm
+    def _posix_window(self, part_bytes: int):
+        """The shared-memory window over a bootstrap that is not MPI: ``world_size`` page-aligned parts of
+        ``part_bytes`` in POSIX shared memory (:class:`~cupy_symbuf.transport.shm.PosixSharedWindow`)."""
+        from .shm import PosixSharedWindow
+        win = PosixSharedWindow(self.bootstrap, part_bytes, self.timeout_s)
+        _lifecycle.count("win", 1)
+        self._win = win
+        return win
 
     # ---- host ---------------------------------------------------------------------------------------------
     def _init_host(self) -> None:
-        win = MPI.Win.Allocate_shared(self.nbytes, 1, comm=self._window_comm())
-        _lifecycle.count("win", 1)
-        win.Lock_all(MPI.MODE_NOCHECK)  # passive-target epoch, so Win.Sync() is a memory barrier
-        self._win = win
-        for r in range(self.world_size):
-            buf, _ = win.Shared_query(r)
-            view = np.frombuffer(buf, dtype=np.uint8) if self.nbytes else np.zeros(0, np.uint8)
-            self._host_views.append(view[: self.nbytes])
+        if self.comm is None:
+            win = self._posix_window(-(-self.nbytes // _PAGE) * _PAGE)
+            self._host_views = [win.part(r)[: self.nbytes] for r in range(self.world_size)]
+        else:
+            MPI = _mpi()
+            win = MPI.Win.Allocate_shared(self.nbytes, 1, comm=self.comm)
+            _lifecycle.count("win", 1)
+            win.Lock_all(MPI.MODE_NOCHECK)  # passive-target epoch, so Win.Sync() is a memory barrier
+            self._win = win
+            for r in range(self.world_size):
+                buf, _ = win.Shared_query(r)
+                view = np.frombuffer(buf, dtype=np.uint8) if self.nbytes else np.zeros(0, np.uint8)
+                self._host_views.append(view[: self.nbytes])
         self._host_views[self.rank][:] = 0
         win.Sync()
         self.bootstrap.barrier(self.timeout_s, "SymBuffer construction (zeroed)", role="construction")
@@ -544,14 +560,20 @@ class SymBuffer:
         # a window's parts after its own headers (Open MPI 4.1: 8 bytes past a 16-byte boundary), which would leave
         # every ring slot, symmetric array and the low-latency kernels' 16-byte accesses misaligned. The skip is the
         # same in every process (shared mappings start on page boundaries).
-        win = MPI.Win.Allocate_shared(seg + _PAGE if seg else 0, 1, comm=self._window_comm())
-        _lifecycle.count("win", 1)
-        win.Lock_all(MPI.MODE_NOCHECK)
-        self._win = win
+        if self.comm is None:  # POSIX shared memory: every part starts on a page boundary already
+            win = self._posix_window(seg)
+        else:
+            MPI = _mpi()
+            win = MPI.Win.Allocate_shared(seg + _PAGE if seg else 0, 1, comm=self.comm)
+            _lifecycle.count("win", 1)
+            win.Lock_all(MPI.MODE_NOCHECK)
+            self._win = win
         bases = []
         for r in range(self.world_size):
-            buf, _ = win.Shared_query(r)
-            if seg:
+            if self.comm is None:
+                view = win.part(r)
+            elif seg:
+                buf, _ = win.Shared_query(r)
                 raw = np.frombuffer(buf, dtype=np.uint8)
                 skip = -int(raw.__array_interface__["data"][0]) % _PAGE
                 view = raw[skip: skip + seg]
