@@ -399,6 +399,8 @@ def _parser() -> argparse.ArgumentParser:
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf.bench.control)")
     ap.add_argument("--tokens", type=_int_at_least(1), default=4096, help="--control: tokens per rank (default 4096)")
+    ap.add_argument("--repeat", type=_int_at_least(1), default=1,
+                    help="--control: passes of the whole table in this run, each row's median printed (default 1)")
     ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier", "adaptive"),
                     help="alltoall (equal blocks; default), alltoallv with --patterns (p50 / p99 per call, "
                          "cupy_symbuf.bench.alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "
