@@ -27,7 +27,8 @@
 #   bench           alltoall, plain / out= / symmetric, at BENCH_RANKS (default 2 4 8; MPS)
 #   control         the control-path table (--control) at CONTROL_RANKS (default 2 4 8)
 #   latency         the latency table (--control --repeat LATENCY_REPEAT, default 3: every row's median, its target,
-#                   HBM floor shares, launch skew) at LATENCY_RANKS (default 2 4 8), LATENCY_ITERS (30) calls a row
+#                   HBM floor shares, launch skew) at LATENCY_RANKS (default 2 4 8), LATENCY_ITERS (30) calls a row;
+#                   at 2 ranks also --profile (cProfile of the host-time rows, in the log)
 #   moe             --op dispatch --moe-tokens 4096,128 (normal and low-latency rows) at MOE_RANKS (default 2 4 8)
 #   alltoallv       --op alltoallv, patterns uniform / zipf / hot, at 2 ranks
 #   fp8             --op dispatch --wire fp8 at 2 ranks
@@ -249,8 +250,9 @@ while [ $# -gt 0 ]; do
     latency)
       mps_on
       for n in ${LATENCY_RANKS:-2 4 8}; do
+        p=""; [ "$n" = 2 ] && p=--profile  # (cProfile of the host-time rows in the log, first pass, 2 ranks)
         TAIL=40 run latency$n ${LATENCY_LIMIT:-150} $MPIRUN -n "$n" $GPU0 $BENCH --control --repeat "${LATENCY_REPEAT:-3}" \
-          --iters "${LATENCY_ITERS:-30}" --warmup 5
+          --iters "${LATENCY_ITERS:-30}" --warmup 5 $p
       done ;;
     moe)
       mps_on

@@ -390,7 +390,8 @@ def _parser() -> argparse.ArgumentParser:
                          "needs matplotlib)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing the first size, run 100 more calls under cProfile and print rank 0's "
-                         "profile after the table (host-side cost per call)")
+                         "profile after the table (host-side cost per call); with --control: rank 0's profile of "
+                         "the 128-token dispatch (eager, cached), combine and the 64 KiB alltoall, first pass")
     ap.add_argument("--breakdown", action="store_true",
                     help="GPU only (ignored on the host): also time the ring kernel alone (CUDA events around the "
                          "launch); the rest of a call is host work (argument checks, launch plan, launch)")
