@@ -33,6 +33,9 @@
 # Benches (python -m cupy_symbuf.bench; the rows on stdout):
 #   bench           alltoall, plain / out= / symmetric, at BENCH_RANKS (default 2 4 8; MPS)
 #   control         the control-path table (--control) at CONTROL_RANKS (default 2 4 8)
+#   latency         the latency table (--control --repeat LATENCY_REPEAT, default 3: every row's median, its target,
+#                   HBM floor shares, launch skew) at LATENCY_RANKS (default 2 4 8), LATENCY_ITERS (30) calls a row;
+#                   at 2 ranks also --profile (cProfile of the host-time rows, in the log)
 #   moe             --op dispatch --moe-tokens 4096,128 (normal and low-latency rows) at MOE_RANKS (default 2 4 8)
 #   alltoallv       --op alltoallv, patterns uniform / zipf / hot, at 2 ranks
 #   fp8             --op dispatch --wire fp8 at 2 ranks
@@ -172,7 +175,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 multi cvd faults ll deepep adaptive hier staged trace soak examples sanitize info sass bench control moe
+STAGE_NAMES="suite1 multi cvd faults ll deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -278,6 +281,13 @@ while [ $# -gt 0 ]; do
       mps_on
       for n in ${CONTROL_RANKS:-2 4 8}; do
         TAIL=16 run control$n 120 $MPIRUN -n "$n" $GPU0 $BENCH --control --iters "${ITERS:-50}" --warmup 5
+      done ;;
+    latency)
+      mps_on
+      for n in ${LATENCY_RANKS:-2 4 8}; do
+        p=""; [ "$n" = 2 ] && p=--profile  # (cProfile of the host-time rows in the log, first pass, 2 ranks)
+        TAIL=40 run latency$n ${LATENCY_LIMIT:-150} $MPIRUN -n "$n" $GPU0 $BENCH --control --repeat "${LATENCY_REPEAT:-3}" \
+          --iters "${LATENCY_ITERS:-30}" --warmup 5 $p
       done ;;
     moe)
       mps_on

@@ -390,7 +390,8 @@ def _parser() -> argparse.ArgumentParser:
                          "needs matplotlib)")
     ap.add_argument("--profile", action="store_true",
                     help="after timing the first size, run 100 more calls under cProfile and print rank 0's "
-                         "profile after the table (host-side cost per call)")
+                         "profile after the table (host-side cost per call); with --control: rank 0's profile of "
+                         "the 128-token dispatch (eager, cached), combine and the 64 KiB alltoall, first pass")
     ap.add_argument("--breakdown", action="store_true",
                     help="GPU only (ignored on the host): also time the ring kernel alone (CUDA events around the "
                          "launch); the rest of a call is host work (argument checks, launch plan, launch)")
@@ -399,6 +400,8 @@ def _parser() -> argparse.ArgumentParser:
                          "without handle, 128-token batches eager and in CUDA graphs, low-latency mode, alltoall "
                          "host issue time (cupy_symbuf.bench.control)")
     ap.add_argument("--tokens", type=_int_at_least(1), default=4096, help="--control: tokens per rank (default 4096)")
+    ap.add_argument("--repeat", type=_int_at_least(1), default=1,
+                    help="--control: passes of the whole table in this run, each row's median printed (default 1)")
     ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier", "adaptive"),
                     help="alltoall (equal blocks; default), alltoallv with --patterns (p50 / p99 per call, "
                          "cupy_symbuf.bench.alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "

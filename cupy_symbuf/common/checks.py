@@ -61,9 +61,12 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
             else:
                 raise TypeError(f"{op}: argument '{name}' must be a CuPy array (or a DLPack GPU tensor) on the cuda "
                                 f"backend, got {type(x).__module__}.{type(x).__name__}")
-        dev = cp.cuda.Device().id
-        if x.device.id != dev:
-            raise TypeError(f"{op}: argument '{name}' lives on GPU {x.device.id} but this communicator uses GPU {dev}")
+        # (the pointer's device id against the current device: what x.device.id and cupy.cuda.Device().id say,
+        # without building two Device objects per call)
+        dev = cp.cuda.runtime.getDevice()
+        if x.data.device_id != dev:
+            raise TypeError(f"{op}: argument '{name}' lives on GPU {x.data.device_id} but this communicator uses GPU "
+                            f"{dev}")
     else:
         if _compat.is_cupy_array(x):
             raise TypeError(f"{op}: argument '{name}' is a CuPy array but this communicator uses the host backend; "
@@ -90,7 +93,10 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
         raise TypeError(f"{op}: argument '{name}' must have dtype in {[str(np.dtype(d)) for d in dtypes]}, "
                         f"got {x.dtype}")
     if contiguous:  # after the ndim checks: ascontiguousarray turns a 0-d array into 1-d
-        x = cp.ascontiguousarray(x) if backend == "cuda" else np.ascontiguousarray(x)
+        if backend != "cuda":
+            x = np.ascontiguousarray(x)
+        elif x.ndim == 0 or not x._c_contiguous:  # (CuPy's flag read without a call: the hot path's usual case)
+            x = cp.ascontiguousarray(x)
     return x
 
 

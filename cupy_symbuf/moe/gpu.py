@@ -70,6 +70,10 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     launch(1, threads, shared_mem=4 * num_experts)
 
 
+#: (kernel name, device) -> the reductions' Launcher (kernels.get_launcher, without its Device object per call)
+_REDUCE_LAUNCHERS: dict = {}
+
+
 def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_rows=None, table_ptr: int = 0,
            rank: int = 0) -> None:
     """Launch a combine reduction (``symbuf_combine_reduce_*``): ``out[t] = sum_r row(t, r)`` in float32, ranks in
@@ -85,7 +89,10 @@ def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_ro
     vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 and self_ptr % 16 == 0 and \
         (self_stride * item) % 16 == 0  # 16 bytes per load
     lanes = row // 16 if vec else hidden
-    launch = _kernels.get_launcher(SOURCE, kernel)
+    key = (kernel, _compat.cupy.cuda.runtime.getDevice())
+    launch = _REDUCE_LAUNCHERS.get(key)
+    if launch is None:
+        launch = _REDUCE_LAUNCHERS[key] = _kernels.get_launcher(SOURCE, kernel)
     launch.fill(back=back.data.ptr, pos=pos.data.ptr, out=out.data.ptr, num_tokens=num_tokens, hidden=hidden,
                 world_size=pos.shape[1], vec=1 if vec else 0, self_rows=self_ptr, self_stride=self_stride,
                 table=table_ptr, rank=rank)

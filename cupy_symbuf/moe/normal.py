@@ -173,7 +173,11 @@ class DispatchHandle:
         ``combine``'s ``x`` must have."""
         if self.num_worst_tokens:
             return self.num_worst_tokens
-        return int(self.recv_counts.sum())
+        counts = self.recv_counts
+        got = self.__dict__.get("_recv_total")  # (counts, their sum): a combine's shape check costs no NumPy sum
+        if got is None or got[0] is not counts:
+            got = self.__dict__["_recv_total"] = (counts, int(counts.sum()))
+        return got[1]
 
     @property
     def num_recv_tokens_device(self):
@@ -519,8 +523,9 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
                              f"with handle, got {worst}")
         xv, scales, kind = check_x(op, comm, x, h.num_tokens, None)
         outs = _check_out(op, comm, out, xv, scales)
-        _check_capacity(op, outs, h.num_worst_tokens or h.num_recv_tokens,
-                        "num_worst_tokens" if h.num_worst_tokens else "the handle's count")
+        if outs is not None:
+            _check_capacity(op, outs, h.num_worst_tokens or h.num_recv_tokens,
+                            "num_worst_tokens" if h.num_worst_tokens else "the handle's count")
         if h.routing is not None:  # GPU: the units come from the handle's device counts table
             recv_x, recv_scales, _, _ = _exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
                                                          h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr,
@@ -984,13 +989,15 @@ def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv:
             sig += push[2]
     ids = list(push[0]) if push is not None else None
     send_parts, recv_parts, push_ids = [], [], []
+    # the GPU transport reads parts by address, row stride and row bytes only: no unsigned-int views (a CuPy view
+    # costs about a microsecond each); rows are copied only where their elements are not contiguous
     for k, (a, out) in enumerate(zip([p for p in (xv, scales, idx, weights, src) if p is not None], outs)):
         if out.shape[1] == 0:
             continue
-        send_parts.append(_rows_part(xp, a))
-        recv_parts.append(out.view(_UINT_OF_SIZE[out.dtype.itemsize]))
+        send_parts.append(_rows_contiguous(xp, a))
+        recv_parts.append(out)
         push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
-    # read / written by every replay of a captured call: copies made by _rows_part, and the combine's returned
+    # read / written by every replay of a captured call: copies made by _rows_contiguous, and the combine's returned
     # rows (its reduction's input, never handed to the caller)
     comm.keep_for_graph(*send_parts, *outs)
     if send_parts:
@@ -1032,7 +1039,7 @@ def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=
     if num_tokens and hidden:
         if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
             back = cp.empty((1, hidden), back.dtype)
-        if self_rows is not None:
+        if self_rows is not None and self_rows.dtype != back.dtype:  # (raw bf16 bits: the same bytes)
             self_rows = self_rows.view(back.dtype)
         _gpu.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind], self_rows=self_rows,
                          table_ptr=table_ptr, rank=rank)

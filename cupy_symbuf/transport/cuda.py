@@ -41,6 +41,8 @@ DESC = {n: getattr(P, n) for n in dir(P) if n.startswith("DESC_")}
 assert MAX_PARTS == 4 and MAX_PEERS == 32
 
 
+_INT64 = np.dtype(np.int64)
+
 #: cudaMemcpyDefault: the direction from the addresses (UVA), for copies whose end may be device memory (ipc) or
 #: registered host memory (the staged transport)
 _MEMCPY_DEFAULT = 4
@@ -451,7 +453,11 @@ class CudaTransport:
         """
         cp = _compat.cupy
         self.check(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
-        strides = tuple(a.strides[0] if a.shape[0] > 1 else -1 for a in send_parts)
+        if len(send_parts) == 1:  # (the usual case without a generator)
+            a = send_parts[0]
+            strides = (a.strides[0] if a.shape[0] > 1 else -1,)
+        else:
+            strides = tuple(a.strides[0] if a.shape[0] > 1 else -1 for a in send_parts)
         launches = plan.engine_data
         if launches is None:
             launches = plan.engine_data = {}
@@ -469,7 +475,9 @@ class CudaTransport:
         for w, a in zip(launch.recv_words, recv_parts):
             d[w] = a.data.ptr
         if send_index is not None:
-            index = cp.ascontiguousarray(send_index, dtype=cp.int64)  # read as int64[rows] by the kernel
+            index = send_index  # read as int64[rows] by the kernel; a handle's send_idx already is
+            if index.dtype != _INT64 or not index._c_contiguous:
+                index = cp.ascontiguousarray(send_index, dtype=cp.int64)
             if index is not send_index:
                 copies = (copies or []) + [index]
             d[DESC_SEND_INDEX] = index.data.ptr

@@ -337,6 +337,8 @@ class Engine:
             self._raise_rejected(op, rejected)
 
     def _check_notify(self, op, out, code, sig, sig_text, sig_what):
+        if out[:, :3].tolist() == [[code, P.HDR_OK, sig]] * len(out):  # every rank's header as this rank's
+            return out[:, P.NOTIFY_HDR_WORDS - 1:]
         ops, status, sigs = out[:, 0], out[:, 1], out[:, 2]
         if (status == P.HDR_REJECTED).any():
             who = int(np.flatnonzero(status == P.HDR_REJECTED)[0])
