@@ -79,6 +79,9 @@ class Engine:
         self._epoch = 0
         self._state: Optional[_CallState] = None
         self._rows_plans = {}
+        #: the collectives' memo of argument checks per exact call shape and values (read-only results; see
+        #: ``collectives/alltoall.py``), so a repeated call re-checks nothing it already passed
+        self.call_memo = {}
         #: temporaries of calls captured into CUDA graphs (keep_for_graph), released with the communicator
         self.graph_keep = []
         # always-on counters (stats()): calls per plan since the last fold (a dict update per call), folded into
