@@ -156,8 +156,9 @@ def _counts_key(counts):
 
 def _send_counts(eng, op, x, send_counts):
     """``(send_counts int64 [W] read only, row signature)`` of an alltoallv's ``sendbuf`` ``x``: the counts
-    checked (shape, >= 0, summing to ``x.shape[0]``, addressable), remembered per exact value, dtype and row
-    shape."""
+    checked (shape, >= 0, summing to ``x.shape[0]``, addressable), remembered per exact value, shape and dtype
+    object (its ``id`` too: the key holds it alive, and an equal dtype object whose signature text could differ,
+    e.g. other metadata, is checked afresh)."""
     W = eng.world_size
 
     def check():
@@ -168,7 +169,7 @@ def _send_counts(eng, op, x, send_counts):
     key = _counts_key(send_counts)
     if key is None:
         return check()
-    return _checked(eng, ("send", x.shape, x.dtype, key), check)
+    return _checked(eng, ("send", x.shape, x.dtype, id(x.dtype), key), check)
 
 
 def _known_counts(eng, op, x, send_counts, recv_counts):
@@ -189,7 +190,7 @@ def _known_counts(eng, op, x, send_counts, recv_counts):
     skey, rkey = _counts_key(send_counts), _counts_key(recv_counts)
     if skey is None or rkey is None:
         return check()
-    return _checked(eng, ("known", x.shape, x.dtype, skey, rkey), check)
+    return _checked(eng, ("known", x.shape, x.dtype, id(x.dtype), skey, rkey), check)
 
 
 def _alltoallv_wire(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync):
