@@ -349,8 +349,8 @@ class Engine:
             self._raise_rejected(op, rejected)
 
     def _check_notify(self, op, out, code, sig, sig_text, sig_what):
-        head = out[:, :3]
-        if (head == (code, P.HDR_OK, sig)).all():  # the common case: every rank agrees (one NumPy pass)
+        agreed = [code, P.HDR_OK, sig]
+        if all(h == agreed for h in out[:, :3].tolist()):  # the common case: every rank agrees (one pass)
             return out[:, P.NOTIFY_HDR_WORDS - 1:]
         ops, status, sigs = out[:, 0], out[:, 1], out[:, 2]
         if (status == P.HDR_REJECTED).any():
