@@ -149,6 +149,41 @@ def test_repeats_are_bitwise_identical(default, comm, backend):
             assert np.array_equal(to_numpy(got), expected), f"run {i} differs"
 
 
+def test_repeat_calls_recheck_counts_changed_in_place(small, comm, backend):
+    """A repeated alltoallv remembers the checks of the count values it saw: the same arrays changed in place
+    (other valid counts, then invalid ones) are checked and moved afresh, and the returned recv_counts belong to
+    the caller (writing into them changes no later call)."""
+    rng = rng_for(comm, 21)
+    W = comm.size
+    counts = rng.integers(0, 9, W).astype(np.int64)
+    send = random_rows(rng, 64, (5,), np.float32)
+    for step in range(4):
+        n = int(counts.sum())
+        expected, expected_counts = reference_alltoallv(comm, send[:n], counts)
+        recv_counts = expected_counts.copy()
+        for kw in ({}, {"recv_counts": recv_counts}):
+            got, got_counts = small.alltoallv(to_backend(send[:n], backend), counts, **kw)
+            np.testing.assert_array_equal(got_counts, expected_counts)
+            np.testing.assert_array_equal(to_numpy(got), expected)
+            got_counts[:] = -7  # the caller's array: must not leak into the next call's checks or result
+        out = to_backend(np.full_like(expected, np.nan), backend)
+        got, got_counts = small.alltoallv(to_backend(send[:n], backend), counts, recv_counts=recv_counts, out=out)
+        assert got is out
+        np.testing.assert_array_equal(to_numpy(out), expected)
+        np.testing.assert_array_equal(got_counts, expected_counts)
+        counts[:] = rng.integers(0, 9, W)  # in place: same object, other values
+    # in place to values that fail the checks: rejected on this rank like a fresh call, the peers told
+    bad = counts.copy()
+    bad[0] = -1
+    if comm.rank == 0:
+        counts[:] = bad
+    n = int(counts.sum()) if comm.rank else 0
+    with pytest.raises(ValueError, match="send_counts' must be >= 0" if comm.rank == 0 else "rank 0 rejected"):
+        small.alltoallv(to_backend(send[:max(n, 0)], backend), counts)
+    counts[:] = np.abs(bad)
+    _check_alltoallv(small, comm, send[:int(counts.sum())], counts, backend)
+
+
 def test_non_contiguous_input(small, comm, backend):
     rng = rng_for(comm, 10)
     counts = rng.integers(0, 20, comm.size)

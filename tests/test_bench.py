@@ -87,6 +87,19 @@ def test_alltoallv_patterns_and_percentiles():
                    for r in hot)
 
 
+def test_host_latency_bench_rows():
+    """--op latency: every host row against MPI, with the issue's targets where they apply (its data checked
+    before timing inside the bench)."""
+    from cupy_symbuf.bench import host_latency as hl
+    rows = _bench_rows(["--backend", "host", "--op", "latency", "--sizes", "64K,8K", "--iters", "3", "--warmup", "1"])
+    if rows is not None:
+        names = {"alltoall", "alltoall out=", "alltoallv recv_counts", "alltoallv count exchange"}
+        assert {(r["row"], r["size_per_rank"]) for r in rows} == {(n, s) for n in names for s in (64 << 10, 8 << 10)}
+        assert all(r["ours_us"] > 0 and r["mpi_us"] > 0 and r["ratio"] == r["ours_us"] / r["mpi_us"] for r in rows)
+        assert all(r["target"] == hl.TARGETS.get((r["row"], r["size_per_rank"])) for r in rows)
+        assert sum(r["target"] is not None for r in rows) == 3  # the 64 KiB rows of the three operations
+
+
 def test_moe_dispatch_bench_rows():
     """--op dispatch: the routing is top-k distinct experts; every row (dispatch, cached, combine per token count)
     is reported with p50 <= p99 and both bandwidth conventions, DeepEP's (all received bytes) >= the off-rank one."""

@@ -142,6 +142,30 @@ def test_fp8_tuple_and_no_weights(buf):
     all_ranks(check)
 
 
+def test_fp8_with_topk_and_weights(buf):
+    """The largest row DeepEP's tests send: fp8 x, its scales, top-k indices and weights, routed by the mask
+    (DeepEP's "FP8, with top-k" case): every part arrives right."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x, idx, w, n_exp = inputs(("fp8topk", buf.communicator.backend), hidden=256)
+    fp8 = x.astype(ml_dtypes.float8_e4m3fn)
+    if buf.communicator.backend == "cuda":
+        fp8 = fp8.view(np.uint8)
+    scales = (np.arange(x.shape[0] * 2, dtype=np.float32).reshape(-1, 2) + 1000 * RANK)
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+    out = buf.dispatch((dev(buf, fp8), dev(buf, scales)), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                       num_tokens_per_expert=lay[2], topk_idx=dev(buf, idx), topk_weights=dev(buf, w))
+    want_x, want_i, want_w, _ = ref(fp8.view(np.uint8), idx, w, n_exp)
+    want_s = ref(scales, idx, None, n_exp)[0]
+
+    def check():
+        np.testing.assert_array_equal(np_(out[0][0]).view(np.uint8), want_x)
+        np.testing.assert_array_equal(np_(out[0][1]), want_s)
+        np.testing.assert_array_equal(np_(out[1]), want_i)
+        np.testing.assert_array_equal(np_(out[2]), want_w)
+
+    all_ranks(check)
+
+
 # ------------------------------------------------------------------------------------------------ events
 
 

@@ -2,7 +2,8 @@
 ``--tune``: sweep the layout per message size and write the library's defaults (``cupy_symbuf.bench.tune``);
 ``--control [--tokens 4096]``: the control-path table (MoE layout, dispatch / combine, CUDA graphs, low-latency
 mode, alltoall host issue time); ``--op alltoallv --patterns uniform,zipf,hot`` (``cupy_symbuf.bench.alltoallv``)
-and ``--op dispatch --moe-tokens 4096,128`` (MoE dispatch, cached dispatch and combine, ``cupy_symbuf.bench.moe``;
+``--backend host --op latency`` (the small-message host rows against MPI with their targets,
+``cupy_symbuf.bench.host_latency``) and ``--op dispatch --moe-tokens 4096,128`` (MoE dispatch, cached dispatch and combine, ``cupy_symbuf.bench.moe``;
 the low-latency mode's ``ll-dispatch`` / ``ll-combine`` at 128 tokens, ``cupy_symbuf.bench.low_latency``): p50 / p99 per
 call.
 
@@ -335,7 +336,7 @@ def _print_moe_energy(results: list) -> None:
 
 #: --op (other than alltoall) -> the module that benchmarks it (its run(c, comm, timer, args, sizes) -> rows)
 _OP_MODULES = {"alltoallv": "alltoallv", "dispatch": "moe", "delta": "delta", "hier": "hier",
-               "adaptive": "adaptive"}
+               "adaptive": "adaptive", "latency": "host_latency"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -402,14 +403,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=_int_at_least(1), default=4096, help="--control: tokens per rank (default 4096)")
     ap.add_argument("--repeat", type=_int_at_least(1), default=1,
                     help="--control: passes of the whole table in this run, each row's median printed (default 1)")
-    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier", "adaptive"),
+    ap.add_argument("--op", default="alltoall", choices=("alltoall", "alltoallv", "dispatch", "delta", "hier", "adaptive",
+                                                                "latency"),
                     help="alltoall (equal blocks; default), alltoallv with --patterns (p50 / p99 per call, "
                          "cupy_symbuf.bench.alltoallv) or dispatch (MoE dispatch / cached dispatch / combine, p50 / "
                          "p99, cupy_symbuf.bench.moe) or delta (DeltaExchange against the plain alltoall, "
                          "cupy_symbuf.bench.delta) or hier (the hierarchical all-to-all over --node-size virtual "
                          "nodes beside the flat one and MPI; cupy_symbuf.bench.hier) or adaptive (MoE "
                          "dispatch / cached dispatch / combine on skewed routing, Config(adaptive=True) against the static split, "
-                         "interleaved, p50 / p99; cupy_symbuf.bench.adaptive)")
+                         "interleaved, p50 / p99; cupy_symbuf.bench.adaptive) or latency (host backend: the small-message "
+                         "rows, alltoall / alltoallv with and without recv_counts against MPI, each call after a "
+                         "barrier, median, with the target ratios; default --sizes 64K,1M; "
+                         "cupy_symbuf.bench.host_latency)")
     ap.add_argument("--node-size", type=_int_at_least(1), default=None,
                     help="--op hier: ranks per virtual node (default: CUPY_SYMBUF_NODE_SIZE, else all)")
     ap.add_argument("--moe-tokens", default="4096,128", type=_int_list_at_least(1),
@@ -445,7 +450,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.sizes_given = args.sizes is not None
     if args.sizes is None:
-        args.sizes = "1M,16M,128M"
+        args.sizes = "64K,1M" if args.op == "latency" else "1M,16M,128M"
 
     comm = MPI.COMM_WORLD
     # argument errors every rank finds alike, before anything collective: one line each, no traceback
@@ -462,6 +467,8 @@ def main(argv=None) -> int:
     if args.wire is not None and args.op != "dispatch":
         ap.error(f"--wire applies to --op dispatch only (got --op {args.op}); alltoallv's wire_dtype is an argument "
                  f"of Communicator.alltoallv")
+    if args.op == "latency" and args.backend != "host":
+        ap.error("--op latency: the host rows need --backend host (the GPU's small-message rows: --control)")
     if args.op == "adaptive":
         from .adaptive import check_patterns
         try:

@@ -87,35 +87,112 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         with eng.call(op, notify=True):
             return _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out,
                                        check_sync(op, sync))
-    with eng.call(op, notify=recv_counts is None):
+    if recv_counts is not None:  # known counts: one step, so the lean form of Engine.call (as alltoall)
+        eng.check_open()
+        try:
+            relaxed = False if sync == "strong" else check_sync(op, sync)
+            x = as_array(op, "sendbuf", sendbuf, eng.backend)
+            send_counts, recv_counts, sig, shape = _known_counts(eng, op, x, send_counts, recv_counts)
+            direct = eng.direct_source(op, [x], None)
+            plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
+            if out is None:
+                recv = eng.xp.empty(shape, dtype=x.dtype)
+            else:
+                eng.check_live(op, "out", out)
+                recv = check_out(op, out, eng.backend, shape, x.dtype, inputs=(x,))
+        except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
+            eng.reject(op, notify=False)
+            raise
+        eng.run(plan, [x], None, [recv], direct, relaxed)
+        return recv, recv_counts.copy()
+    with eng.call(op, notify=True):
         relaxed = False if sync == "strong" else check_sync(op, sync)
-        if out is not None and recv_counts is None:
+        if out is not None:
             raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
                              f"known before the count exchange)")
         W = eng.world_size
         x = as_array(op, "sendbuf", sendbuf, eng.backend)
-        send_counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
-        sig = row_signature(x)
-        eng.check_size(op, "send_counts", send_counts, x)  # before the count exchange: a rejection
+        send_counts, sig = _send_counts(eng, op, x, send_counts)
         direct = eng.direct_source(op, [x], None)
-        if recv_counts is None:
-            # what the peers send (each checked its own counts); their sum is checked exactly here too. The
-            # signature message is made only when the ranks differ.
-            what = sig_what or (lambda: f"every rank must send rows of the same dtype and row shape, with the same "
-                                        f"wire_dtype; this rank has {sig} (no wire_dtype)")
-            recv_counts = check_counts(op, "recv_counts (from the count exchange)",
-                                       eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0].copy(), W)
-        else:
-            recv_counts = check_counts(op, "recv_counts", recv_counts, W)
-            rank = eng.rank
-            if recv_counts[rank] != send_counts[rank]:
-                raise ValueError(f"{op}: recv_counts[{rank}] ({recv_counts[rank]}) must equal "
-                                 f"send_counts[{rank}] ({send_counts[rank]}): the rows this rank sends "
-                                 f"to itself")
+        # what the peers send (each checked its own counts); their sum is checked exactly here too. The
+        # signature message is made only when the ranks differ.
+        what = sig_what or (lambda: f"every rank must send rows of the same dtype and row shape, with the same "
+                                    f"wire_dtype; this rank has {sig} (no wire_dtype)")
+        got = eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0]
+        recv_counts = _checked(eng, ("recv", got.tobytes()),
+                               lambda: check_counts(op, "recv_counts (from the count exchange)", got.copy(), W))
         shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
-        recv = eng.xp.empty(shape, dtype=x.dtype) if out is None else _checked_out(eng, op, out, shape, x)
-        eng.exchange_rows(op, [x], None, send_counts, [recv], recv_counts, sig, direct, relaxed)
-    return recv, recv_counts
+        recv = eng.xp.empty(shape, dtype=x.dtype)
+        plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
+        eng.run(plan, [x], None, [recv], direct, relaxed)
+    return recv, recv_counts.copy()
+
+
+def _checked(eng, key, check):
+    """``check()`` (an argument check that returns a NumPy array), remembered under ``key`` in the engine's
+    per-call-shape memo (:attr:`Engine.call_memo`): a repeated call with the same values skips it. The result is
+    made read only (callers hand out copies); a check that raises is never remembered."""
+    memo = eng.call_memo
+    got = memo.get(key)
+    if got is None:
+        got = check()
+        if isinstance(got, np.ndarray):
+            got.flags.writeable = False
+        elif isinstance(got, tuple):
+            for a in got:
+                if isinstance(a, np.ndarray):
+                    a.flags.writeable = False
+        if len(memo) >= 256:
+            memo.clear()
+        memo[key] = got
+    return got
+
+
+def _counts_key(counts):
+    """The exact value of ``counts`` as a hashable key when it is a 1-D NumPy integer array (dtype and bytes),
+    else None: lists and other sequences are checked in full every call (their items' types matter)."""
+    if type(counts) is np.ndarray and counts.ndim == 1 and counts.dtype.kind in "iu":
+        return counts.dtype.char, counts.tobytes()
+    return None
+
+
+def _send_counts(eng, op, x, send_counts):
+    """``(send_counts int64 [W] read only, row signature)`` of an alltoallv's ``sendbuf`` ``x``: the counts
+    checked (shape, >= 0, summing to ``x.shape[0]``, addressable), remembered per exact value, shape and dtype
+    object (its ``id`` too: the key holds it alive, and an equal dtype object whose signature text could differ,
+    e.g. other metadata, is checked afresh)."""
+    W = eng.world_size
+
+    def check():
+        counts = check_counts(op, "send_counts", send_counts, W, total=int(x.shape[0]))
+        eng.check_size(op, "send_counts", counts, x)  # before the count exchange: a rejection
+        return counts, row_signature(x)
+
+    key = _counts_key(send_counts)
+    if key is None:
+        return check()
+    return _checked(eng, ("send", x.shape, x.dtype, id(x.dtype), key), check)
+
+
+def _known_counts(eng, op, x, send_counts, recv_counts):
+    """alltoallv with ``recv_counts``: ``(send_counts, recv_counts, row signature, output shape)``, the counts
+    int64 ``[W]`` read only, checked as :func:`_send_counts` and ``recv_counts`` (shape, >= 0, addressable,
+    ``recv_counts[rank] == send_counts[rank]``), remembered per exact values, dtype and row shape."""
+    W = eng.world_size
+
+    def check():
+        sc, sig = _send_counts(eng, op, x, send_counts)
+        rc = check_counts(op, "recv_counts", recv_counts, W)
+        rank = eng.rank
+        if rc[rank] != sc[rank]:
+            raise ValueError(f"{op}: recv_counts[{rank}] ({rc[rank]}) must equal send_counts[{rank}] "
+                             f"({sc[rank]}): the rows this rank sends to itself")
+        return sc, rc, sig, (int(rc.sum()),) + tuple(x.shape[1:])
+
+    skey, rkey = _counts_key(send_counts), _counts_key(recv_counts)
+    if skey is None or rkey is None:
+        return check()
+    return _checked(eng, ("known", x.shape, x.dtype, id(x.dtype), skey, rkey), check)
 
 
 def _alltoallv_wire(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync):

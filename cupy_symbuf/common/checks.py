@@ -182,13 +182,18 @@ def check_out(op: str, out, backend: str, shape: tuple, dtype, *, inputs=()):
         raise ValueError(f"{op}: argument 'out' must be C-contiguous (the transport writes whole rows into it)")
     if not getattr(out.flags, "writeable", True):  # CuPy arrays have no such flag (always writeable)
         raise ValueError(f"{op}: argument 'out' must be writeable (the received rows are written into it)")
-    if out.size:
-        lo = out.data.ptr if backend == "cuda" else out.ctypes.data
+    if out.size and backend != "cuda":  # NumPy's bounds test in C (the same extents test as below)
+        for a in inputs:
+            if a is not None and np.may_share_memory(out, a):
+                raise ValueError(f"{op}: argument 'out' overlaps an input in memory; the collective reads its "
+                                 f"inputs while it writes 'out'")
+    elif out.size:
+        lo = out.data.ptr
         hi = lo + out.nbytes
         for a in inputs:
             if a is None or not a.size:
                 continue
-            alo = a.data.ptr if backend == "cuda" else a.ctypes.data
+            alo = a.data.ptr
             ahi = alo + (a.nbytes if a.flags.c_contiguous else (a.shape[0] - 1) * abs(a.strides[0]) + a.nbytes)
             if alo < hi and lo < ahi:
                 raise ValueError(f"{op}: argument 'out' overlaps an input in memory; the collective reads its "

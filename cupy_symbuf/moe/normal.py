@@ -716,10 +716,11 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
             raise comm.fatal(SymBufferMismatchError(
                 f"{op}: rank {rank} receives {n_recv} rows, more than out holds ({outs[0].shape[0]}, its capacity)",
                 rank=rank, op=op, field="capacity", expected=int(outs[0].shape[0]), got=n_recv))
-        recv_x, recv_scales, recv_gidx, recv_w, recv_src = _exchange(
-            comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig, user_outs=outs,
-            src=src)
-        recv_src = recv_src.reshape(-1)
+        idx_src, src_alone = _with_src(xp, idx, src)
+        recv_x, recv_scales, recv_gidx, recv_w, *rest = _exchange(
+            comm, op, xv, scales, idx_src, weights, send_token_idx, send_counts, recv_counts, sig, user_outs=outs,
+            src=src_alone)
+        recv_gidx, recv_src = _split_src(xp, recv_gidx, rest)
         recv_topk_idx = recv_topk_weights = None
         if recv_gidx is not None:
             local = recv_gidx - rank * epr
@@ -767,8 +768,9 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
     rt.send_idx[:num_tokens * w_size] = scatter[:num_tokens * w_size]
     if idx is not None:
         idx = _gpu.contiguous(idx)
-    outs_dev = _device_outputs(cp, worst, xv, scales, idx, weights, outs, src) if worst else None
-    comm.keep_for_graph(idx, in_rank, per_expert, src)
+    idx_src, src_alone = _with_src(cp, idx, src)
+    outs_dev = _device_outputs(cp, worst, xv, scales, idx_src, weights, outs, src_alone) if worst else None
+    comm.keep_for_graph(idx, idx_src, in_rank, per_expert, src)
 
     def bad_error():
         return ValueError(f"{op}: argument 'num_tokens_per_rank' must equal the column sums of is_token_in_rank "
@@ -795,8 +797,10 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
         send_idx = rt.send_idx[:send_rows]
         send_counts.setflags(write=False)
         recv_counts.setflags(write=False)
-    recv_x, recv_scales, recv_gidx, recv_w, recv_src = _exchange_device(
-        comm, op, xv, scales, idx, weights, send_idx, n_recv, sig, rt.table_ptr, outs_dev, user_outs=outs, src=src)
+    recv_x, recv_scales, recv_gidx, recv_w, *rest = _exchange_device(
+        comm, op, xv, scales, idx_src, weights, send_idx, n_recv, sig, rt.table_ptr, outs_dev, user_outs=outs,
+        src=src_alone)
+    recv_gidx, recv_src = _split_src(cp, recv_gidx, rest)
     counts_out = cp.empty(epr, np.int64) if worst else None
     if recv_gidx is not None:
         _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
@@ -914,6 +918,23 @@ def _rows_part(xp, a):
     if a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
         a = xp.ascontiguousarray(a)
     return a.view(_UINT_OF_SIZE[a.dtype.itemsize])
+
+
+def _with_src(xp, idx, src):
+    """The int64 parts of a mask-routed dispatch: with top-k indices, the source token index travels as one more
+    column of ``topk_idx`` (``[num_tokens, num_topk + 1]``: a row has at most four parts, and x, scales, indices
+    and weights may use them all); without, as a part of its own. Returns ``(idx part, src part or None)``."""
+    if idx is None:
+        return None, src
+    return xp.concatenate([idx.astype(np.int64, copy=False), src.reshape(-1, 1)], axis=1), None
+
+
+def _split_src(xp, recv_idx, rest):
+    """Undo :func:`_with_src` on the received rows: ``(recv topk_idx [n, num_topk] C-contiguous or None,
+    recv source token index [n])``."""
+    if recv_idx is None:
+        return None, rest[0].reshape(-1)
+    return xp.ascontiguousarray(recv_idx[:, :-1]), xp.ascontiguousarray(recv_idx[:, -1])
 
 
 def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, recv_counts, sig: str,

@@ -79,6 +79,10 @@ class Engine:
         self._epoch = 0
         self._state: Optional[_CallState] = None
         self._rows_plans = {}
+        #: the collectives' memo of argument checks per exact call shape and values (read-only results; see
+        #: ``collectives/alltoall.py``), so a repeated call re-checks nothing it already passed
+        self.call_memo = {}
+        self._notify_sigs = {}  # (op, signature text, values per rank) -> (op code, signature) of a count exchange
         #: temporaries of calls captured into CUDA graphs (keep_for_graph), released with the communicator
         self.graph_keep = []
         # always-on counters (stats()): calls per plan since the last fold (a dict update per call), folded into
@@ -239,8 +243,16 @@ class Engine:
                              f"{self.config.max_notify_ints} (or are 0)")
         # the number of values per rank is signed too: a peer reading more words than this rank wrote would read a
         # stale slot (e.g. dispatch with another num_experts)
-        code, sig = P.op_code(op), P.signature(op, sig_text, send_meta.shape[1])
-        self._check_not_capturing(op)
+        key = (op, sig_text, send_meta.shape[1])
+        cs = self._notify_sigs.get(key)
+        if cs is None:
+            cs = P.op_code(op), P.signature(op, sig_text, send_meta.shape[1])
+            if len(self._notify_sigs) >= 256:
+                self._notify_sigs.clear()
+            self._notify_sigs[key] = cs
+        code, sig = cs
+        if self.backend == "cuda":
+            self._check_not_capturing(op)
         self._epoch += 1
         out = self._run(self.transport.notify, send_meta, self._epoch, op, op_code=code, status=P.HDR_OK, sig=sig,
                         last=False)

@@ -128,12 +128,13 @@ class _Static:
     the sender's header template."""
 
     __slots__ = ("c", "p", "lo", "hi", "per_chunk", "nchunks", "state", "counter", "remote", "ring", "ring_off",
-                 "header")
+                 "header", "slots")
 
-    def __init__(self, c, p, lo, hi, per_chunk, nchunks, state, counter, remote, ring, ring_off, header):
+    def __init__(self, c, p, lo, hi, per_chunk, nchunks, state, counter, remote, ring, ring_off, header, slots):
         self.c, self.p, self.lo, self.hi, self.per_chunk, self.nchunks = c, p, lo, hi, per_chunk, nchunks
         self.state, self.counter, self.remote, self.ring, self.ring_off = state, counter, remote, ring, ring_off
         self.header = header
+        self.slots = slots  # per ring slot: (uint8 [chunk_bytes], its first HDR_WORDS as int64): no slicing per chunk
 
 
 @implements(Transport)
@@ -164,6 +165,10 @@ class HostTransport:
         #: collective (settle); the parts are kept alive until then (a contiguous copy or packed rows the library
         #: made for the call would otherwise be freed while a peer still reads them by cross-memory attach)
         self._pending = []
+        #: (epoch parity, values per rank) -> the count exchange's slot views (:meth:`_notify_views`)
+        self._notify_slots = {}
+        #: (rank, ring offset) -> the views of that ring's slots (:meth:`_slot_views`)
+        self._rings = {}
 
     def set_home(self, load) -> None:
         """Adaptive channels: serve the runs in the order of ``load``'s home map (:class:`~cupy_symbuf.adaptive.
@@ -288,7 +293,8 @@ class HostTransport:
         """
         me, W = self.rank, self.world_size
         self.check_abort(op)
-        self.settle(op)  # earlier relaxed calls: their sendbufs are the caller's again once this returns
+        if self._pending:
+            self.settle(op)  # earlier relaxed calls: their sendbufs are the caller's again once this returns
         send = recv = None
         if not plan.reject:
             send = _Side(send_parts, send_index, plan.send_units, plan.send_first, plan.byte_run, plan.row_bytes)
@@ -331,7 +337,7 @@ class HostTransport:
                 x.pos = x.end  # no payload chunks: the peer copies them out of the symmetric array
         rejected = set()
         L = self.layout
-        chunk, num_slots = L.chunk_bytes, L.num_slots
+        num_slots = L.num_slots
         sync = self.buf.sync
         last_progress = time.monotonic()
         idle = 0
@@ -344,10 +350,8 @@ class HostTransport:
                     self._check_ring(op, x, head, x.pos_counter, "send")
                 moved = 0
                 while (x.header is not None or x.pos < x.end) and x.pos_counter - head < num_slots:
-                    off = x.ring_off + (x.pos_counter % num_slots) * chunk
-                    slot = x.ring[off: off + chunk]
+                    slot, hdr = x.slots[x.pos_counter % num_slots]
                     if x.header is not None:  # the call header goes first, in its own slot
-                        hdr = slot[: 8 * P.HDR_WORDS].view(np.int64)
                         hdr[:] = x.header
                         hdr[P.HDR_SEQ] = x.seq
                         if tagged:
@@ -382,10 +386,9 @@ class HostTransport:
                 if DEBUG:
                     self._check_ring(op, r, r.pos_counter, tail, "recv")
                 while r.pos_counter < tail and r.pending():
-                    off = r.ring_off + (r.pos_counter % num_slots) * chunk
-                    slot = r.ring[off: off + chunk]
+                    slot, hdr = r.slots[r.pos_counter % num_slots]
                     if not r.checked:
-                        hdr = slot[: 8 * P.HDR_WORDS].view(np.int64).tolist()
+                        hdr = hdr.tolist()
                         self._check_header(op, plan, r, hdr, sig)
                         r.checked = True
                         if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
@@ -511,13 +514,29 @@ class HostTransport:
                     if sender:
                         st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.send_tail_offset(c, p), 2),
                                      self._u64(me, L.head_offset(c, p)), self._u64(p, L.tail_offset(c, me)),
-                                     self.views[p], L.ring_offset(c, me), plan.header(0, p, c))
+                                     self.views[p], L.ring_offset(c, me), plan.header(0, p, c),
+                                     self._slot_views(p, L.ring_offset(c, me)))
                     else:
                         st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.recv_head_offset(c, p), 2),
                                      self._u64(me, L.tail_offset(c, p)), self._u64(p, L.head_offset(c, me)),
-                                     self.views[me], L.ring_offset(c, p), None)
+                                     self.views[me], L.ring_offset(c, p), None,
+                                     self._slot_views(me, L.ring_offset(c, p)))
                     out[0 if sender else 1].append(st)
         return out
+
+    def _slot_views(self, rank: int, ring_off: int) -> list:
+        """The slots of the ring at ``ring_off`` in ``rank``'s buffer: per slot ``(uint8 [chunk_bytes] view, int64
+        [HDR_WORDS] view of its start)``, made once per ring and shared by every plan."""
+        key = (rank, ring_off)
+        got = self._rings.get(key)
+        if got is None:
+            chunk, view = self.layout.chunk_bytes, self.views[rank]
+            got = []
+            for i in range(self.layout.num_slots):
+                slot = view[ring_off + i * chunk: ring_off + (i + 1) * chunk]
+                got.append((slot, slot[: 8 * P.HDR_WORDS].view(np.int64)))
+            self._rings[key] = got
+        return got
 
     def _check_header(self, op: str, plan, r: "_Run", hdr: list, sig: int) -> None:
         """The receiver's check of a peer's call header (its words as Python ints) against this rank's call
@@ -575,26 +594,28 @@ class HostTransport:
         ``s`` is rank ``s``'s ``[op, status, signature, values for this rank...]``. Slots double-buffered by
         ``epoch % 2``; every wait is bounded and polls the abort word. (``wait``: the GPU engine's; the host
         engine always completes the exchange.)"""
-        self.settle(op)
-        L = self.layout
+        if self._pending:
+            self.settle(op)
         me = self.rank
         W, M = send_meta.shape
-        parity = epoch % 2
         H = P.NOTIFY_HDR_WORDS
-        off = L.notify_slot_offset(parity, me)
+        key = (epoch % 2, M)
+        slots = self._notify_slots.get(key)
+        if slots is None:
+            slots = self._notify_slots[key] = self._notify_views(*key)
+        outgoing, incoming = slots
         for p in range(W):
-            slot = self.views[p][off: off + 8 * (H + M)].view(np.int64)
+            slot = outgoing[p]
             slot[P.NOTIFY_OP], slot[P.NOTIFY_STATUS], slot[P.NOTIFY_SIG] = op_code, status, sig
             slot[H:] = send_meta[p]
         self.buf.sync()
         for p in range(W):
-            self.views[p][off: off + 8].view(np.int64)[P.NOTIFY_EPOCH] = epoch
+            outgoing[p][P.NOTIFY_EPOCH] = epoch
         out = np.empty((W, H - 1 + M), dtype=np.int64)
         start = time.monotonic()
         idle = 0
         for s in range(W):
-            off = L.notify_slot_offset(parity, s)
-            slot = self.views[me][off: off + 8 * (H + M)].view(np.int64)
+            slot = incoming[s]
             while int(slot[P.NOTIFY_EPOCH]) < epoch:
                 idle += 1
                 self.check_abort(op)
@@ -609,16 +630,30 @@ class HostTransport:
         return out
 
 
+    def _notify_views(self, parity: int, M: int) -> tuple:
+        """The count exchange's slots of ``parity`` for ``M`` values per rank, as int64 ``[NOTIFY_HDR_WORDS + M]``
+        views: ``(this rank's slot in every rank's buffer, every rank's slot in this rank's buffer)``."""
+        L, me, n = self.layout, self.rank, 8 * (P.NOTIFY_HDR_WORDS + M)
+        off = L.notify_slot_offset(parity, me)
+        outgoing = [self.views[p][off: off + n].view(np.int64) for p in range(self.world_size)]
+        incoming = []
+        for s in range(self.world_size):
+            off = L.notify_slot_offset(parity, s)
+            incoming.append(self.views[me][off: off + n].view(np.int64))
+        return outgoing, incoming
+
+
 class _Run:
     """One (channel, peer) side of a call on the host: the call header slot, then payload chunks (none in direct
     mode). Made per call from the plan's :class:`_Static`."""
 
     __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "nchunks", "state", "counter", "remote",
-                 "ring", "ring_off", "header", "checked", "drain")
+                 "ring", "ring_off", "header", "checked", "drain", "slots")
 
     def __init__(self, st: _Static, sender: bool):
         self.c, self.p, self.per_chunk, self.nchunks, self.state = st.c, st.p, st.per_chunk, st.nchunks, st.state
         self.counter, self.remote, self.ring, self.ring_off = st.counter, st.remote, st.ring, st.ring_off
+        self.slots = st.slots
         self.pos_counter, self.seq = int(st.state[P.STATE_COUNTER]), int(st.state[P.STATE_SEQ]) + 1
         self.pos, self.end = st.lo, st.hi
         self.header = st.header if sender else None   # sender: the header still to send (None once sent)
