@@ -55,7 +55,8 @@ then current stream, which then waits for it); the results hold their values onc
 LowLatencyBuffer may be outstanding (:class:`cupy_symbuf.LowLatencyBuffer`, "Receive hooks"); not with
 ``async_finish`` (``ValueError``, as DeepEP asserts).
 
-Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, LogFMT (``use_logfmt``: the wire is plain ``x`` dtype), a handle tuple rebuilt by hand (the shim needs
+Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, LogFMT (``use_logfmt``: the
+wire is plain ``x`` dtype), a handle tuple rebuilt by hand (the shim needs
 the one ``dispatch`` returned).
 """
 from __future__ import annotations
