@@ -31,6 +31,15 @@
 // leaves empty outputs (dispatch: zero counts; combine: zero rows). Combine decides after the weights lines, before
 // any partial is sent; every block of every rank still counts itself in the partials lines, so those counts stay
 // at full_count(seq) for the next call on the half.
+// Phases (the `phase` argument, LL_PHASE_* bits; DeepEP's send / receive split behind return_recv_hook): a call
+// launches its kernel once with LL_PHASE_BOTH, or twice on one stream: LL_PHASE_SEND (dispatch: the payload and meta
+// stores, then the flag-line counts that announce them; combine: A, the wait for the weights lines, B and the
+// partials counts: the partial sums are made on the expert side, so combine's send already waits for the peers'
+// weights, which their send launches publish first), then LL_PHASE_RECV (dispatch: the flag waits and the unpacking;
+// combine: the weights lines read again (they hold seq until this rank's next call), the partials wait and C). Only
+// the launch with LL_PHASE_RECV counts its blocks in LL_CTRL_EXIT, so both launches of a call read the same seq; the
+// host allows one send-only launch outstanding per buffer (the next call of either kind waits for its receive),
+// which keeps the double-buffering argument below.
 #include "protocol.cuh"
 #include "quant.cuh"
 
@@ -259,7 +268,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
 
   // ---- send ----
   prof_stamp(a.prof, 0);
-  for (i64 item = gwarp; item < n * segs; item += total_warps) {
+  for (i64 item = gwarp; item < ((a.phase & LL_PHASE_SEND) ? n * segs : 0); item += total_warps) {
     const i64 t = item / segs, g = item % segs;
     const i64 lo = g * LL_SEG_ELEMS, hi = lo + LL_SEG_ELEMS < H ? lo + LL_SEG_ELEMS : H;
     const u8* src = reinterpret_cast<const u8*>(a.x) + t * a.x_stride;
@@ -314,9 +323,12 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
       }
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) block_sent(ll_bases, half + a.flags_off, me, W, n, a.sig);
-  prof_stamp(a.prof, 1);
+  if (a.phase & LL_PHASE_SEND) {
+    __syncthreads();
+    if (threadIdx.x == 0) block_sent(ll_bases, half + a.flags_off, me, W, n, a.sig);
+    prof_stamp(a.prof, 1);
+  }
+  if (!(a.phase & LL_PHASE_RECV)) return;  // a send-only launch does not count its blocks (the receive will)
 
   // ---- receive ----
   if (threadIdx.x < W) {
@@ -478,8 +490,9 @@ __device__ void combine_body(const LLCombineArgs& a) {
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
 
   prof_stamp(a.prof, 0);
+  const bool sending = (a.phase & LL_PHASE_SEND) != 0;
   // ---- A: weights ----
-  if (blockIdx.x == 0) {
+  if (sending && blockIdx.x == 0) {
     const u32* w = reinterpret_cast<const u32*>(a.weights);
     for (int d = 0; d < W; ++d)
       for (i64 i = threadIdx.x; i < n * K; i += blockDim.x)
@@ -501,7 +514,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
   // While the weights travel: the warp's first item's rows (inv and x are this rank's, valid before any flag)
   // are looked up and their segments prefetched into L2.
   int row_first = -1;
-  if (n >= 0 && gwarp < W * N * segs) {  // (a rejecting rank has no handle: inv and recv_ntok are not read)
+  if (sending && n >= 0 && gwarp < W * N * segs) {  // (a rejecting rank has no handle: inv and recv_ntok are not read)
     const i64 st = gwarp / segs, g = gwarp % segs, s = st / N, t = st % N;
     if (t < ntok[s]) {
       row_first = lane < K ? inv[st * K + lane] : -1;
@@ -533,24 +546,14 @@ __device__ void combine_body(const LLCombineArgs& a) {
   }
   __syncthreads();
   if (sh->fail) return;
-  if (call_rejected(l, n)) {  // no partial is sent; a rank that did not reject returns zero rows
-    if (n >= 0) {
-      int4* out4 = reinterpret_cast<int4*>(a.out);
-      for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n * H * elem / 16;
-           i += a.grid * static_cast<i64>(blockDim.x))
-        out4[i] = make_int4(0, 0, 0, 0);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      block_sent(ll_bases, half + a.pflags_off, me, W, 0, a.sig);  // the partials counts stay at full_count(seq)
-      block_exit(l.ctrl);
-    }
-    return;
-  }
+  // A rejected call sends no partial (every block still counts itself in the partials lines below, so their counts
+  // stay at full_count(seq) for the next call on the half); the receive leaves zero rows on a rank that did not
+  // reject. (A receive-only launch waits on the weights lines again: they hold seq until this rank's next call.)
+  const bool rejected = sh->rejected < MAX_PEERS;
   prof_stamp(a.prof, 1);
   const u32* wts = at<u32>(ll_bases[me], half + a.weights_off);
   constexpr int kVec = kSeg / E::kPerVec / 32;  // 16-byte vectors per lane per segment
-  for (i64 item = gwarp; item < W * N * segs; item += total_warps) {
+  for (i64 item = gwarp; item < (sending && !rejected ? W * N * segs : 0); item += total_warps) {
     const i64 st = item / segs, g = item % segs, s = st / N, t = st % N;
     if (t >= ntok[s]) continue;
     const int row = item == gwarp ? row_first : (lane < K ? inv[st * K + lane] : -1);
@@ -597,9 +600,23 @@ __device__ void combine_body(const LLCombineArgs& a) {
     for (int u = 0; u < kVec; ++u)
       if (lane + u * 32 < nvec) st_na_global(dst + lane + u * 32, E::pack(acc[u]));
   }
-  __syncthreads();
-  if (threadIdx.x == 0) block_sent(ll_bases, half + a.pflags_off, me, W, 0, a.sig);
-  prof_stamp(a.prof, 2);
+  if (sending) {
+    __syncthreads();
+    if (threadIdx.x == 0) block_sent(ll_bases, half + a.pflags_off, me, W, 0, a.sig);
+    prof_stamp(a.prof, 2);
+  }
+  if (!(a.phase & LL_PHASE_RECV)) return;  // a send-only launch does not count its blocks (the receive will)
+  if (call_rejected(l, n)) {  // a rank that did not reject returns zero rows
+    if (n >= 0) {
+      int4* out4 = reinterpret_cast<int4*>(a.out);
+      for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n * H * elem / 16;
+           i += a.grid * static_cast<i64>(blockDim.x))
+        out4[i] = make_int4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) block_exit(l.ctrl);
+    return;
+  }
   // ---- C: sum the partials of every rank, in rank order ----
   // the warp's first token's topk_idx is read before the wait (this rank's input)
   const i64 e_first = gwarp < n * segs && lane < K ? topk[(gwarp / segs) * K + lane] : -1;

@@ -11,7 +11,7 @@ from .common.config import Config
 from .common.errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
                      SymBufferLeakWarning, SymBufferRejectedError, SymBufferTimeoutError)
 from .wire.channel_layout import ChannelLayout
-from .moe.low_latency import LowLatencyBuffer, LowLatencyHandle, bench_low_latency  # noqa: F401
+from .moe.low_latency import LowLatencyBuffer, LowLatencyHandle, LowLatencyRecvHook, bench_low_latency  # noqa: F401
 from .transport.symbuffer import SymBuffer
 from .collectives.delta import DeltaExchange
 from .scaleout.hierarchical import HierarchicalCommunicator

@@ -411,6 +411,62 @@ def test_low_latency_options(buf):
     all_ranks(check)
 
 
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_low_latency_return_recv_hook(buf, use_fp8):
+    """return_recv_hook=True (DeepEP's split): the call returns before the receive (its stats untouched), the hook
+    runs it; the results (data, DeepEP's column-major ue8m0 scales, counts, out=) equal the unsplit calls' bits; a
+    hook runs once, the next call before it is a RuntimeError, async_finish with it a ValueError."""
+    E = 4 * W
+    L = E // W
+    x, idx, w = ll_inputs(("llhook", use_fp8), LL_N - RANK % 2, LL_H * 2, E, LL_K)
+    X, I, Wt = dev(buf, x), dev(buf, idx), dev(buf, w)
+    opts = dict(use_fp8=use_fp8, round_scale=use_fp8, use_ue8m0=use_fp8)
+
+    def dispatched(r):
+        data = [np_(a).view(np.uint8).copy() if i == 0 else np_(a).copy() for i, a in enumerate(r[0])] \
+            if use_fp8 else [np_(r[0]).view(np.uint16).copy()]
+        return data, np_(r[1]).copy()
+
+    plain = buf.low_latency_dispatch(X, I, LL_N, E * 1, **opts)
+    want_x, want_cnt = dispatched(plain)
+    rng = np.random.default_rng([9, RANK])
+    y = (rng.standard_normal((L, W * LL_N, LL_H * 2)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    want_comb = np_(buf.low_latency_combine(dev(buf, y), I, Wt, plain[2])[0]).copy()
+    stats = dev(buf, np.zeros(L, np.int32))
+    r = buf.low_latency_dispatch(X, I, LL_N, E, cumulative_local_expert_recv_stats=stats, return_recv_hook=True,
+                                 **opts)
+    if buf.communicator.backend == "cuda":
+        import cupy
+        cupy.cuda.runtime.deviceSynchronize()
+    stats_before = np_(stats).copy()
+    with pytest.raises(RuntimeError, match="has not run"):
+        buf.low_latency_dispatch(X, I, LL_N, E, **opts)
+    r[4]()
+    with pytest.raises(RuntimeError, match="already ran"):
+        r[4]()
+    got_x, got_cnt = dispatched(r)
+    out = dev(buf, np.zeros((x.shape[0], LL_H * 2), np.uint16))
+    comb = buf.low_latency_combine(dev(buf, y), I, Wt, r[2], out=out, return_recv_hook=True)
+    comb[2]()
+    with pytest.raises(ValueError, match="async_finish and return_recv_hook"):
+        buf.low_latency_combine(dev(buf, y), I, Wt, r[2], async_finish=True, return_recv_hook=True)
+    got_comb = np_(comb[0]).copy()
+    stats_after = np_(stats).copy()
+
+    def check():
+        assert callable(r[4]) and r[3].event is None and callable(comb[2]) and comb[0] is out
+        assert not stats_before.any(), "the stats are added by the receive (the hook)"
+        np.testing.assert_array_equal(stats_after, want_cnt)
+        np.testing.assert_array_equal(got_cnt, want_cnt)
+        for el in range(L):
+            c = int(want_cnt[el])
+            for a, b in zip(got_x, want_x):
+                np.testing.assert_array_equal(a[el, :c], b[el, :c])
+        np.testing.assert_array_equal(got_comb.view(np.uint16), want_comb.view(np.uint16))
+
+    all_ranks(check)
+
+
 def test_low_latency_buffer_at_construction():
     """Buffer(low_latency_mode=True, N, hidden, num_experts) creates the LowLatencyBuffer collectively up front."""
     backend = available_backends()[0]

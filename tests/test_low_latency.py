@@ -103,16 +103,53 @@ def poison(ll):
         o[...] = 0x5A
 
 
-def run_case(c, ll, case, it, kind="bfloat16", use_fp8=False, ue8m0=False, K=4):
+def still_poisoned(c, arrays) -> bool:
+    """Every element of ``arrays`` still holds :func:`poison`'s value (after the current stream's work): bytes
+    0x5A (uint8 arrays: pass x-typed outputs as their bytes), NaN (floats), -7 (integers)."""
+    if c.backend == "cuda":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+    for a in arrays:
+        a = host(a)
+        if a.dtype == np.uint8:
+            ok = (a == 0x5A).all()
+        elif a.dtype.kind == "f":
+            ok = np.isnan(a).all()
+        else:
+            ok = (a == -7).all()
+        if not ok:
+            return False
+    return True
+
+
+def run_case(c, ll, case, it, kind="bfloat16", use_fp8=False, ue8m0=False, K=4, recv_hook=False):
+    """One dispatch + combine of ``case`` checked against the NumPy reference (collective). ``recv_hook``: both
+    calls split (``return_recv_hook=True``): their outputs are checked to be untouched by the send phase (still
+    poisoned), then the hooks run the receives. Returns host copies ``(recv_count, combined_x)``."""
     N, H, E, L = ll.N, ll.H, ll.num_experts, ll.L
     data = [inputs(case, it, r, N, H, E, K, kind) for r in range(W)]
     xb, idx, w = data[RANK]
+    if use_fp8:
+        for s in ll._sets:  # the fp8 outputs (made on the first fp8 call) exist before they are poisoned
+            ll._fp8_set(s)
     poison(ll)
     xin = xb.view(BF16) if (kind == "bfloat16" and c.backend == "host" and it % 2) else xb
-    recv, cnt, h = ll.dispatch(dev(c, xin), dev(c, idx), use_fp8=use_fp8, round_scale=ue8m0)
-    rows = reference_rows([d[1] for d in data], RANK, L)
     y = expert_outputs(it, RANK, L, W * N, H, kind)
-    out = ll.combine(dev(c, y), dev(c, idx), dev(c, w), h)
+    rows = reference_rows([d[1] for d in data], RANK, L)
+    if recv_hook:
+        recv, cnt, h, hook = ll.dispatch(dev(c, xin), dev(c, idx), use_fp8=use_fp8, round_scale=ue8m0,
+                                         return_recv_hook=True)
+        sent_only = still_poisoned(c, [cnt, h.src_info, h.layout_range] +
+                                   ([recv[0].view(np.uint8), recv[1]] if use_fp8 else [recv.view(np.uint8)]))
+        hook()
+        assert hook.done
+        out, hook = ll.combine(dev(c, y), dev(c, idx), dev(c, w), h, return_recv_hook=True)
+        sent_only = still_poisoned(c, [out.view(np.uint8)]) and sent_only
+        hook()
+        all_ranks(lambda: None if sent_only else pytest.fail("a send phase wrote the call's outputs"))
+    else:
+        recv, cnt, h = ll.dispatch(dev(c, xin), dev(c, idx), use_fp8=use_fp8, round_scale=ue8m0)
+        out = ll.combine(dev(c, y), dev(c, idx), dev(c, w), h)
     if c.backend == "cuda":
         ll.synchronize()
 
@@ -176,6 +213,7 @@ def run_case(c, ll, case, it, kind="bfloat16", use_fp8=False, ue8m0=False, K=4):
         assert np.allclose(to_f32(got, kind), exact, rtol=tol, atol=tol * (mag + 1e-30)), "weights applied"
     all_rows_ok = all_ranks
     all_rows_ok(check)
+    return host(cnt).copy(), host(out).copy()
 
 
 CASES = ["one_token", "full", "one_expert", "minus_one", "uneven"]
@@ -503,7 +541,7 @@ def test_exception_inside_a_call_aborts_the_peers(comm, kind, exc_type):
         if RANK == 0:
             def injected(*a, **k):
                 raise exc_type("injected inside a low-latency call")
-            step = ("_issue_" if c.backend == "cuda" else "_host_") + kind
+            step = f"_issue_{kind}" if c.backend == "cuda" else f"_host_{kind}_send"
             setattr(b, step, injected)
             time.sleep(0.3)
             t_fault = time.time()
@@ -606,5 +644,167 @@ def test_hot_path_cache(comm, ll):
         for cnt, out in results[1:]:
             np.testing.assert_array_equal(cnt, results[0][0])
             np.testing.assert_array_equal(out.view(np.uint16), results[0][1].view(np.uint16))
+
+    all_ranks(check)
+
+
+# ---- receive hooks (return_recv_hook=True: the send phase in the call, the receive in the hook) -------------------
+
+
+@pytest.mark.parametrize("case", ["full", "uneven", "minus_one"])
+def test_recv_hook_split_equals_the_plain_call(comm, ll, case):
+    """dispatch / combine with return_recv_hook=True: the send phase leaves every output untouched (poisoned), the
+    hooks' receives fill them; the results equal the NumPy reference (in run_case) and the unsplit call's bits."""
+    plain = run_case(comm, ll, case, 200)
+    split = run_case(comm, ll, case, 200, recv_hook=True)
+    all_ranks(lambda: [np.testing.assert_array_equal(a, b) for a, b in zip(plain, split)])
+    run_case(comm, ll, case, 201, use_fp8=True, recv_hook=True)
+
+
+def test_recv_hook_mixed_with_plain_calls(comm, ll):
+    """Split and unsplit calls in turn (both output sets and both halves of each kind), every one right, the ranks
+    in step after them."""
+    for it in range(6):
+        run_case(comm, ll, CASES[it % len(CASES)], 210 + it, use_fp8=it == 3, recv_hook=it % 3 != 0)
+    _assert_in_step(ll)
+
+
+def test_recv_hook_misuse(comm, ll):
+    """Calling a hook twice, or the buffer's next call (either kind) before the outstanding hook ran, is a
+    RuntimeError that moves nothing (the hook stays callable, the buffer usable); a non-bool return_recv_hook is a
+    TypeError."""
+    N, H, E, L = ll.N, ll.H, ll.num_experts, ll.L
+    x, i, w = inputs("full", 220, RANK, N, H, E, 4, "bfloat16")
+    X, I, Wt = dev(comm, x), dev(comm, i), dev(comm, w)
+    y = dev(comm, expert_outputs(220, RANK, L, W * N, H, "bfloat16"))
+    _, _, h, hook = ll.dispatch(X, I, return_recv_hook=True)
+    assert not hook.done
+    with pytest.raises(RuntimeError, match="low_latency_dispatch: the receive hook of low_latency_dispatch call "
+                                           r"\d+ .*has not run"):
+        ll.dispatch(X, I)
+    with pytest.raises(RuntimeError, match="low_latency_combine: .*has not run"):
+        ll.combine(y, I, Wt, h)
+    with pytest.raises(RuntimeError, match="has not run"):
+        ll.dispatch(X, I, return_recv_hook=True)
+    hook()
+    with pytest.raises(RuntimeError, match="already ran"):
+        hook()
+    _, chook = ll.combine(y, I, Wt, h, return_recv_hook=True)
+    with pytest.raises(RuntimeError, match="the receive hook of low_latency_combine call .*has not run"):
+        ll.dispatch(X, I)
+    chook()
+    with pytest.raises(RuntimeError, match="already ran"):
+        chook()
+    with pytest.raises(TypeError, match="return_recv_hook.*bool"):  # rejected on every rank alike
+        ll.dispatch(X, I, return_recv_hook="yes")
+    if comm.backend == "cuda":
+        ll.synchronize()
+    _assert_in_step(ll)
+    run_case(comm, ll, "uneven", 221, recv_hook=True)
+    _assert_in_step(ll)
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
+def test_recv_hook_raises_a_peers_rejection(comm, blocking):
+    """Every rank in turn rejects a dispatch, then a combine, while the others make the call with
+    return_recv_hook=True: the call returns, and their hook (GPU queued: synchronize after it) raises
+    SymBufferRejectedError naming the rejecting rank, the outputs then empty; the ranks stay in step and the next
+    split calls are right."""
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    if blocking and comm.backend != "cuda":
+        pytest.skip("Config(blocking=True) changes only the GPU path")
+    c = Communicator(WORLD, Config(timeout_s=10.0, abort_on_failure=False, blocking=blocking), backend=comm.backend)
+    b = LowLatencyBuffer(c, 16, 256, 4 * W, max_topk=8)
+    N, H, E, L = b.N, b.H, b.num_experts, b.L
+    try:
+        for bad in range(W):
+            x, i, w = inputs("full", 230 + bad, RANK, N, H, E, 4, "bfloat16")
+            X, I, Wt = dev(c, x), dev(c, i), dev(c, w)
+            poison(b)
+            if RANK == bad:
+                with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+                    b.dispatch(dev(c, np.zeros((N + 1, H), np.uint16)), dev(c, np.zeros((N + 1, 4), np.int64)),
+                               return_recv_hook=True)
+            else:
+                _, cnt, _, hook = b.dispatch(X, I, return_recv_hook=True)
+                with pytest.raises(SymBufferRejectedError, match=f"low_latency_dispatch.*rank {bad} rejected") as ei:
+                    hook()
+                    if c.backend == "cuda":
+                        b.synchronize()
+                assert ei.value.rejecting_rank == bad and hook.done
+                if c.backend == "cuda":
+                    assert not host(cnt).any(), "a rejected dispatch leaves zero counts"
+            _assert_in_step(b)
+            run_case(c, b, "uneven", 240 + bad, recv_hook=True)
+            _, _, h = b.dispatch(X, I)
+            y = dev(c, expert_outputs(250 + bad, RANK, L, W * N, H, "bfloat16"))
+            for o in b._combine_out:  # (the handle's arrays stay)
+                o[...] = 0x5A
+            if RANK == bad:
+                with pytest.raises(TypeError, match="float32"):
+                    b.combine(y, I, dev(c, w.astype(np.float64)), h, return_recv_hook=True)
+            else:
+                out, hook = b.combine(y, I, Wt, h, return_recv_hook=True)
+                with pytest.raises(SymBufferRejectedError, match=f"low_latency_combine.*rank {bad} rejected"):
+                    hook()
+                    if c.backend == "cuda":
+                        b.synchronize()
+                if c.backend == "cuda":
+                    assert not host(out).any(), "a rejected combine leaves zero rows"
+            _assert_in_step(b)
+            run_case(c, b, "full", 260 + bad, recv_hook=True, use_fp8=bool(bad % 2))
+            _assert_in_step(b)
+    finally:
+        _close_all(b, c)
+
+
+def test_recv_hook_phases_captured_in_graphs(comm):
+    """GPU: the send phase and the hook's receive captured in separate CUDA graphs (dispatch send, its receive,
+    combine send, its receive), replayed in that order three times with the outputs poisoned before each: every
+    replay gives the bits of the eager unsplit calls."""
+    if comm.backend != "cuda":
+        pytest.skip("CUDA graphs")
+    import cupy
+    with LowLatencyBuffer(comm, 16, 256, 4 * W, max_topk=4) as b:
+        N, H, E, L = b.N, b.H, b.num_experts, b.L
+        x, i, w = inputs("uneven", 270, RANK, N, H, E, 4, "bfloat16")
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            X, I, Wt = dev(comm, x), dev(comm, i), dev(comm, w)
+            y = dev(comm, expert_outputs(270, RANK, L, W * N, H, "bfloat16"))
+            recv, cnt, h = b.dispatch(X, I)
+            out = b.combine(y, I, Wt, h)
+            b.synchronize()
+            want = host(cnt).copy(), host(out).copy(), host(recv).copy()
+            graphs = []
+            stream.begin_capture()
+            recv, cnt, h, dhook = b.dispatch(X, I, return_recv_hook=True)
+            graphs.append(stream.end_capture())
+            stream.begin_capture()
+            dhook()
+            graphs.append(stream.end_capture())
+            stream.begin_capture()
+            out, chook = b.combine(y, I, Wt, h, return_recv_hook=True)
+            graphs.append(stream.end_capture())
+            stream.begin_capture()
+            chook()
+            graphs.append(stream.end_capture())
+            got = []
+            for _ in range(3):
+                poison(b)
+                for g in graphs:
+                    g.launch(stream)
+                stream.synchronize()
+                b.synchronize()
+                got.append((host(cnt).copy(), host(out).copy(), host(recv).copy()))
+
+    def check():
+        for c_, o_, r_ in got:
+            np.testing.assert_array_equal(c_, want[0])
+            np.testing.assert_array_equal(o_.view(np.uint16), want[1].view(np.uint16))
+            for el in range(L):
+                np.testing.assert_array_equal(r_[el, :want[0][el]].view(np.uint16),
+                                              want[2][el, :want[0][el]].view(np.uint16))
 
     all_ranks(check)

@@ -48,9 +48,14 @@ handle indexes as DeepEP's (:class:`LowLatencyHandleView`); ``use_ue8m0`` scales
 hidden // 512]``, scales a column-major view; ``get_next_low_latency_combine_buffer`` + ``zero_copy``;
 ``EventOverlap.current_stream_wait`` asserts without an event; ``deepep.topk_idx_t`` is ``torch.int64``.
 
-Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, the low-latency mode's split
-send/receive (``return_recv_hook`` gives a hook that orders the current stream, but the call already did both
-halves), LogFMT (``use_logfmt``: the wire is plain ``x`` dtype), a handle tuple rebuilt by hand (the shim needs
+``return_recv_hook=True`` splits a low-latency call as DeepEP does: the call launches only the send phase (the
+current stream waits for it) and the returned hook launches the receive phase (on the comm stream, ordered after the
+then current stream, which then waits for it); the results hold their values once the hook ran; one hook per
+LowLatencyBuffer may be outstanding (:class:`cupy_symbuf.LowLatencyBuffer`, "Receive hooks"); not with
+``async_finish`` (``ValueError``, as DeepEP asserts).
+
+Not supported (documented per method): internode (RDMA), ``combine``'s ``bias``, LogFMT (``use_logfmt``: the
+wire is plain ``x`` dtype), a handle tuple rebuilt by hand (the shim needs
 the one ``dispatch`` returned).
 """
 from __future__ import annotations
@@ -380,15 +385,21 @@ class IntranodeHandle(Sequence):
 
 
 def _column_major_scales(xp, scales, ue8m0: bool):
-    """DeepEP's low-latency scales from float32 ``[L, R, hidden // 128]``: a view with column-major last two axes
-    (strides ``(R * S, 1, R)`` in elements); with ``ue8m0`` packed first to int32 ``[L, R, hidden // 512]`` (byte
-    ``k`` of word ``j`` = the biased exponent of the scale of block ``4 j + k``: the scales are powers of two)."""
+    """Storage for DeepEP's low-latency scales of float32 ``scales`` ``[L, R, hidden // 128]``: ``[L, S, R]``
+    (``S = hidden // 128``, float32; with ``ue8m0`` ``hidden // 512``, int32), not yet filled
+    (:func:`_fill_column_major_scales`); its ``transpose(0, 2, 1)`` is the view DeepEP hands out (column-major last
+    two axes, strides ``(R * S, 1, R)`` in elements)."""
+    L, R, S = scales.shape
+    return xp.empty((L, S // 4, R), np.int32) if ue8m0 else xp.empty((L, S, R), scales.dtype)
+
+
+def _fill_column_major_scales(xp, scales, ue8m0: bool, cm) -> None:
+    """Fill ``cm`` (:func:`_column_major_scales`) from ``scales``; with ``ue8m0`` packed to int32 (byte ``k`` of word
+    ``j`` = the biased exponent of the scale of block ``4 j + k``: the scales are powers of two)."""
     if ue8m0:
         exp = (scales.view(np.uint32) >> 23).astype(np.uint8)
         scales = xp.ascontiguousarray(exp).view(np.int32)
-    cm = xp.empty((scales.shape[0], scales.shape[2], scales.shape[1]), scales.dtype)
     cm[...] = scales.transpose(0, 2, 1)
-    return cm.transpose(0, 2, 1)
 
 
 class LowLatencyHandleView(Sequence):
@@ -801,37 +812,64 @@ class Buffer:
         numbers and block counts that only grow, never reset), so a no-op; kept for call compatibility."""
         return None
 
-    def _ll_run(self, torch_mode: bool, async_finish, return_recv_hook, fn):
-        """Run ``fn()`` (a LowLatencyBuffer call) on the comm stream after the current stream; returns
-        ``(result, EventOverlap, hook)`` with DeepEP's stream behaviour: the current stream waits at once unless
-        ``async_finish`` (the event is returned) or ``return_recv_hook`` (``hook()`` makes the then current stream
-        wait)."""
-        async_finish = check_flag("low_latency", "async_finish", async_finish)
-        return_recv_hook = check_flag("low_latency", "return_recv_hook", return_recv_hook)
-        if self._comm_stream is None:  # host: complete on return
-            return fn(), EventOverlap(_CompletedEvent() if async_finish else None), \
-                ((lambda: None) if return_recv_hook else None)
+    def _ll_run(self, op: str, torch_mode: bool, async_finish, return_recv_hook, call):
+        """Run ``call(split)`` (a LowLatencyBuffer call, ``split``: with ``return_recv_hook``; it returns ``(result,
+        native hook or None, finish)``, ``finish()`` completing ``result`` once the receive is done) on the comm
+        stream after the current stream; returns ``(result, EventOverlap, hook)`` with DeepEP's stream behaviour:
+
+        * without ``return_recv_hook`` the current stream waits for the call unless ``async_finish`` (the event is
+          returned);
+        * with it (not with ``async_finish``: ``ValueError``, as DeepEP asserts) only the send phase is launched and
+          the current stream waits for it (DeepEP launches it on the current stream); ``hook()`` orders the comm
+          stream after the then current stream, launches the receive phase there (and ``finish``), and makes the
+          current stream wait for it. The hook runs once (a second call raises ``RuntimeError``), and must run
+          before this Buffer's next low-latency call of that LowLatencyBuffer.
+
+        These flag checks are not told to the peers (validate them alike on every rank)."""
+        async_finish = check_flag(op, "async_finish", async_finish)
+        return_recv_hook = check_flag(op, "return_recv_hook", return_recv_hook)
+        if async_finish and return_recv_hook:
+            raise ValueError(f"{op}: async_finish and return_recv_hook cannot both be set (as DeepEP: with the hook, "
+                             f"hook() orders the receive on the current stream)")
+        if self._comm_stream is None:  # host: the send in the call, the receive in the hook
+            res, native_hook, finish = call(return_recv_hook)
+            if not return_recv_hook:
+                finish()
+                return res, EventOverlap(_CompletedEvent() if async_finish else None), None
+
+            def host_hook():
+                native_hook()
+                finish()
+            return res, EventOverlap(None), host_hook
         cp = _compat.cupy
         torch = sys.modules.get("torch") if torch_mode else None
-        compute = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
-            else cp.cuda.get_current_stream()
+
+        def current():
+            return cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
+                else cp.cuda.get_current_stream()
+        compute = current()
         s = self._comm_stream
         s.wait_event(compute.record())
         with s:
-            res = fn()
+            res, native_hook, finish = call(return_recv_hook)
+            if not return_recv_hook:
+                finish()
         ev = CollectiveEvent(res, event=s.record(), stream=s, communicator=self.communicator)
-        hook = None
         if return_recv_hook:
-            def _hook():
-                cur = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) if torch is not None \
-                    else cp.cuda.get_current_stream()
-                ev.wait(cur)
-            hook = _hook
+            ev.wait(compute)  # the send phase, then the caller's work (DeepEP: both on the current stream)
+
+            def hook():
+                cur = current()
+                s.wait_event(cur.record())
+                with s:
+                    native_hook()
+                    finish()
+                cur.wait_event(s.record())
+            return res, EventOverlap(None), hook
         if async_finish:
-            return res, EventOverlap(ev, torch_stream=torch is not None), hook
-        if not return_recv_hook:
-            ev.wait(compute)
-        return res, EventOverlap(None), hook
+            return res, EventOverlap(ev, torch_stream=torch is not None), None
+        ev.wait(compute)
+        return res, EventOverlap(None), None
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
@@ -855,8 +893,9 @@ class Buffer:
         use_ue8m0 : with ``round_scale`` (as DeepEP), the scales packed as DeepEP does: int32 ``[...,
             hidden // 512]``, byte ``k`` (little-endian) of word ``j`` the biased float32 exponent of the scale of
             block ``4 j + k`` (``hidden % 512 == 0``; ``ValueError`` otherwise).
-        async_finish, return_recv_hook : see :meth:`_ll_run` (the hook only orders the current stream: the
-            receive has been done by the call).
+        async_finish, return_recv_hook : see :meth:`_ll_run`: with ``return_recv_hook`` the call launches the
+            send phase only and ``hook()`` the receive (the results hold their values after it; call it before this
+            LowLatencyBuffer's next low-latency call, once); not both (``ValueError``, as DeepEP).
 
         Returns
         -------
@@ -887,16 +926,24 @@ class Buffer:
         ll = self._ll_buffer(op, num_max_dispatch_tokens_per_rank, int(xn.shape[1]), num_experts, dtype)
         stats = conv.native(cumulative_local_expert_recv_stats)
 
-        def fn():
-            recv, count, h = ll.dispatch(xn, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
-            if stats is not None:
-                stats[...] += count.astype(stats.dtype, copy=False)
+        def call(split):
+            r = ll.dispatch(xn, idx, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                            return_recv_hook=split)
+            recv, count, h = r[:3]
+            cm = None
             if isinstance(recv, tuple):  # DeepEP's scales: column-major in the last two axes, packed with ue8m0
-                recv = (recv[0], _column_major_scales(ll.xp, recv[1], bool(use_ue8m0)))
-            return recv, count, h
+                cm = _column_major_scales(ll.xp, recv[1], bool(use_ue8m0))
 
-        (recv_x, recv_count, handle), event, hook = self._ll_run(conv.torch is not None, async_finish,
-                                                                 return_recv_hook, fn)
+            def finish():
+                if stats is not None:
+                    stats[...] += count.astype(stats.dtype, copy=False)
+                if cm is not None:
+                    _fill_column_major_scales(ll.xp, recv[1], bool(use_ue8m0), cm)
+            out = (recv[0], cm.transpose(0, 2, 1)) if cm is not None else recv
+            return (out, count, h), (r[3] if split else None), finish
+
+        (recv_x, recv_count, handle), event, hook = self._ll_run(op, conv.torch is not None, async_finish,
+                                                                 return_recv_hook, call)
         if isinstance(recv_x, tuple):
             q, scales = recv_x
             if conv.torch is not None:
@@ -962,14 +1009,16 @@ class Buffer:
         idx, w = conv.native(topk_idx), conv.native(topk_weights)
         outn = conv.native(out, is_x=True) if out is not None else None
 
-        def fn():
-            res = ll.combine(xn, idx, w, handle)
-            if outn is not None:
-                outn[...] = res
-                return outn
-            return res
+        def call(split):
+            r = ll.combine(xn, idx, w, handle, return_recv_hook=split)
+            res = r[0] if split else r
 
-        combined, event, hook = self._ll_run(conv.torch is not None, async_finish, return_recv_hook, fn)
+            def finish():
+                if outn is not None:
+                    outn[...] = res
+            return (outn if outn is not None else res), (r[1] if split else None), finish
+
+        combined, event, hook = self._ll_run(op, conv.torch is not None, async_finish, return_recv_hook, call)
         if out is not None:
             return out, event, hook
         return conv.out(combined, is_x=True), event, hook

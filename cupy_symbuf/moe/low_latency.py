@@ -52,6 +52,26 @@ Outputs are taken from two preallocated sets (like DeepEP's double buffer): what
 stays valid until the call after the next one of the same kind; copy it to keep it longer. A handle is usable by
 ``combine`` until two more dispatches have been made.
 
+Receive hooks (DeepEP's ``return_recv_hook``): ``dispatch(..., return_recv_hook=True)`` returns ``(recv_x,
+recv_count, handle, hook)`` and ``combine(..., return_recv_hook=True)`` ``(combined_x, hook)``; the call launches
+only the send phase (the kernel's ``phase`` argument: dispatch stores the payload and meta, then the flag-line counts
+that announce them; combine sends the weights, waits for every source's weights (the partial sums are made on the
+expert side, so its send waits for the peers' sends, which publish their weights first), sends its partial rows and
+their counts), and ``hook()`` (:class:`LowLatencyRecvHook`) launches the receive phase on the stream the call was
+made on (the same bounded waits, error record and rejection decision, then the unpacking / the sum). The results
+hold their values only after the hook ran (on the GPU: after its kernel, in stream order). Work queued between the
+call and the hook overlaps the transfer (DeepEP's two-micro-batch overlap). Rules: **one call's receive may be
+outstanding per buffer**: the buffer's next call of either kind before the hook ran raises ``RuntimeError`` (nothing
+moves, nothing is told to the peers, the hook stays callable), and so does a second call of one hook (DeepEP does not
+check either; its double buffer lets two calls be in flight, ours keeps one because the sequence of each kind is
+counted by the receive launches and the combine reads the dispatch's receive outputs). On the host backend the
+receive runs inside ``hook()``, and a split call counts (output-set parity, handle age) when its receive completes;
+on the GPU it counts at the send, like any launch. A peer's rejection of a split call and a failure found by its
+receive are raised by the hook on every other rank: on the host backend from ``hook()``; on the GPU from
+:meth:`synchronize` after it (or from ``hook()`` with ``Config(blocking=True)``). Both phases are capturable in
+CUDA graphs, together or in separate graphs replayed in call order. ``x`` / ``topk_idx`` / ``topk_weights`` must keep
+their values until the hook ran (combine's receive reads ``topk_idx``; the hook keeps references to them).
+
 Rules: every rank makes the same calls in the same order with the same ``hidden``, dtype, top-k and fp8 options
 (checked in the flag lines); ``num_tokens`` may differ (0 too). Arguments are validated before anything moves.
 Calls follow the communicator's call protocol:
@@ -94,6 +114,7 @@ from ..common.checks import as_array, check_int
 from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTimeoutError, mismatch_error
 from ..transport.symbuffer import SymBuffer
 from ..transport.guard import collective, guarded
+from ..transport.streams import check_flag as _check_flag
 
 #: a LowLatencyBuffer's calls take its communicator's guard: one thread at a time for both
 _GUARD = operator.attrgetter("comm.engine.guard")
@@ -106,14 +127,14 @@ def _reject_unbound(which: int):
     def reject(buf, arguments, exc):
         if buf.world_size == 1:
             return ""
-        if buf._closed or buf._broken or buf._engine.broken:
+        if buf._closed or buf._broken or buf._engine.broken or buf._pending is not None:
             return None
         buf._tell_rejected(which)
         return "SymBufferRejectedError"
     return reject
 
-__all__ = ["LowLatencyBuffer", "LowLatencyHandle", "bench_low_latency", "LL_DISPATCH_FIELDS", "LL_COMBINE_FIELDS",
-           "LL_SOURCE"]
+__all__ = ["LowLatencyBuffer", "LowLatencyHandle", "LowLatencyRecvHook", "bench_low_latency", "LL_DISPATCH_FIELDS",
+           "LL_COMBINE_FIELDS", "LL_SOURCE"]
 
 LL_SOURCE = "low_latency.cu"
 #: The kernels' argument structs (``wire/kernel_args.py``: ``LLDispatchArgs`` / ``LLCombineArgs``, int64 words by
@@ -131,6 +152,7 @@ _CTRL_SEQ = 0
 _OPS = ("low_latency_dispatch", "low_latency_combine")
 #: the n of a rejected call: in its kernel arguments and in the flag lines it publishes
 _REJECTED = P.LL_REJECTED
+_SEND, _RECV, _BOTH = P.LL_PHASE_SEND, P.LL_PHASE_RECV, P.LL_PHASE_BOTH
 
 
 class _Entry:
@@ -231,6 +253,37 @@ class LowLatencyHandle:
                 f"{self.num_max_dispatch_tokens_per_rank}, num_experts={self.num_experts})")
 
 
+class LowLatencyRecvHook:
+    """The receive phase of a :meth:`LowLatencyBuffer.dispatch` / :meth:`~LowLatencyBuffer.combine` made with
+    ``return_recv_hook=True`` (DeepEP's ``hook``): calling it (no arguments, returns None) runs the receive, after
+    which the call's results hold their values.
+
+    GPU: the receive kernel is queued on the stream the call was made on (the call's send kernel is before it
+    there), with no host synchronisation; its failures and a peer's rejection of the call are raised as a queued
+    call's (from :meth:`LowLatencyBuffer.synchronize`, or from the hook itself with ``Config(blocking=True)``).
+    Host backend: the receive runs in the call to the hook, which raises what it finds.
+
+    Raises ``RuntimeError`` when called a second time; the errors of the call it completes (see
+    :meth:`LowLatencyBuffer.dispatch`). ``done`` says whether it ran. A plain ``__slots__`` object (one per call)."""
+
+    __slots__ = ("owner", "op", "which", "call", "done", "_ent", "_p", "_stream", "_state", "_keep")
+
+    def __init__(self, owner, op: str, which: int, call: int, ent=None, p: int = 0, stream=None, state=None,
+                 keep=()) -> None:
+        self.owner = owner
+        self.op = op
+        self.which = which
+        self.call = call
+        self.done = False
+        self._ent, self._p, self._stream, self._state, self._keep = ent, p, stream, state, keep
+
+    def __call__(self) -> None:
+        self.owner._receive(self)
+
+    def __repr__(self) -> str:
+        return f"LowLatencyRecvHook({self.op}, call={self.call}, done={self.done})"
+
+
 class LowLatencyBuffer:
     """Low-latency MoE dispatch / combine over its own symmetric buffer (see the module docstring).
 
@@ -324,6 +377,8 @@ class LowLatencyBuffer:
                                 transport=transport if transport in ("ipc", "staged") else "auto")
         self._dispatch_calls = 0
         self._combine_calls = 0
+        #: the LowLatencyRecvHook of a call made with return_recv_hook=True whose receive has not run, else None
+        self._pending = None
         self._broken = None
         self._fast = None  # the GPU hot path's array type (set by _init_cuda)
         self._sets = [dict(), dict()]
@@ -407,7 +462,7 @@ class LowLatencyBuffer:
         raise :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank) and every rank stays at the same
         call. The caller re-raises its own error. Nothing to tell on one rank or on a closed / failed buffer; a
         failure while telling is raised instead (the buffer is then unusable)."""
-        if self._closed or self._broken or self._engine.broken or self.world_size == 1:
+        if self._closed or self._broken or self._engine.broken or self.world_size == 1 or self._pending is not None:
             return
         try:
             if self.backend == "cuda":
@@ -520,21 +575,21 @@ class LowLatencyBuffer:
                 for a in ent.args:
                     a.prof = self._prof
 
-    def _issue_dispatch(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int) -> None:
+    def _issue_dispatch(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, phase: int = _BOTH):
         a = ent.args[p]
         a.x = x_ptr
         a.topk = topk_ptr
-        self._issue(ent, p, a, _OPS[0])
+        return self._issue(ent, p, a, _OPS[0], phase=phase)
 
     def _issue_combine(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, w_ptr: int, inv_ptr: int,
-                       ntok_ptr: int) -> None:
+                       ntok_ptr: int, phase: int = _BOTH):
         a = ent.args[p]
         a.x = x_ptr
         a.topk = topk_ptr
         a.weights = w_ptr
         a.inv = inv_ptr
         a.recv_ntok = ntok_ptr
-        self._issue(ent, p, a, _OPS[1])
+        return self._issue(ent, p, a, _OPS[1], phase=phase)
 
     def _issue_rejected(self, which: int) -> None:
         """Launch the kernel of kind ``which`` as a call this rank rejected (``n = LL_REJECTED``, no inputs): it
@@ -553,18 +608,23 @@ class LowLatencyBuffer:
             self._rejected_entries[which] = ent
         self._issue(ent, 0, ent.args[0], _OPS[which], rejecting=True)
 
-    def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str, rejecting: bool = False) -> None:
-        """Number the launch (for the error record) and launch ``ent``'s argument struct ``p`` (``a``) on the
-        current stream. With ``Config(blocking=True)`` wait for it and raise its failure, or (unless this rank is
-        ``rejecting`` the call: it raises its own error) a peer's rejection."""
+    def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str, rejecting: bool = False,
+               phase: int = _BOTH, stream=None):
+        """Number the launch (for the error record) and launch ``ent``'s argument struct ``p`` (``a``) with the
+        kernel phase ``phase`` (``LL_PHASE_*``) on ``stream`` (default: the current stream); returns the stream.
+        With ``Config(blocking=True)`` wait for it and raise its failure, or (unless this rank is ``rejecting`` the
+        call: it raises its own error) a peer's rejection."""
         a.launch_seq = self._number_launch(op)
-        stream = self._get_stream()
+        a.phase = phase
+        if stream is None:
+            stream = self._get_stream()
         self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
         if self.comm.config.blocking:
             self._check_record(op, stream)
             rejected = None if rejecting else self._status.take_rejected()
             if rejected is not None:
                 raise self._status.rejected_error(op, *rejected)
+        return stream
 
     def _check_record(self, op: str, stream=None) -> None:
         """Raise the error a kernel of the communicator recorded (:meth:`DeviceStatus.check
@@ -593,6 +653,52 @@ class LowLatencyBuffer:
             rejected = self._status.take_rejected()
             if rejected is not None:
                 raise self._status.rejected_error("synchronize", *rejected)
+
+    # ---- receive hooks -------------------------------------------------------------------------------------------
+    def _check_no_pending(self, op: str) -> None:
+        """A call made with ``return_recv_hook=True`` whose hook has not run blocks the buffer's next call (of
+        either kind): raised before anything moves, and not told to the peers (they make the same calls, so the same
+        mistake); the hook stays callable."""
+        h = self._pending
+        if h is not None:
+            raise RuntimeError(f"{op}: the receive hook of {h.op} call {h.call} (return_recv_hook=True) has not run: "
+                               f"call it before the next low-latency call of this buffer (one call's receive may be "
+                               f"outstanding per buffer)")
+
+    @guarded("LowLatencyBuffer.receive", guard=_GUARD)
+    def _receive(self, hook: LowLatencyRecvHook) -> None:
+        """Run ``hook``'s receive phase (:class:`LowLatencyRecvHook`)."""
+        op = hook.op
+        if hook.done:
+            raise RuntimeError(f"{op}: this receive hook (call {hook.call}) already ran: a hook runs its call's "
+                               f"receive once")
+        self._check_usable()
+        if self._pending is not hook:  # pragma: no cover - a hook is the buffer's pending one until it runs
+            raise RuntimeError(f"{op}: this receive hook does not belong to the buffer's outstanding call")
+        hook.done = True
+        self._pending = None
+        which = hook.which
+        try:
+            if self.backend == "cuda":
+                self._check_record(op)  # a failure of the send phase (or earlier) surfaces before the launch
+                ent, p = hook._ent, hook._p
+                self._issue(ent, p, ent.args[p], op, phase=_RECV, stream=hook._stream)
+            elif which == 0:
+                self._host_dispatch_recv(op, *hook._state)
+            else:
+                self._host_combine_recv(op, *hook._state)
+        except SymBufferRejectedError:  # a peer rejected the call: nothing consumed, every rank past it, usable
+            raise
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+        finally:
+            hook._keep = hook._state = None
+        if self.backend != "cuda":  # (the GPU counted the call at its send launch)
+            if which == 0:
+                self._dispatch_calls += 1
+            else:
+                self._combine_calls += 1
 
     def _call_state(self) -> tuple:
         """This rank's place in the call sequence: ``(dispatch calls, combine calls, dispatch launches, combine
@@ -652,7 +758,8 @@ class LowLatencyBuffer:
 
     # ---- dispatch --------------------------------------------------------------------------------------------------
     @collective("LowLatencyBuffer.dispatch", guard=_GUARD, reject=_reject_unbound(0))
-    def dispatch(self, x, topk_idx, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False):
+    def dispatch(self, x, topk_idx, *, use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
+                 return_recv_hook: bool = False):
         """DeepEP ``low_latency_dispatch``: send each token to the ranks of its experts, grouped per local expert.
 
         Parameters
@@ -664,6 +771,10 @@ class LowLatencyBuffer:
             Quantise to float8_e4m3fn per 128 elements on the way (:mod:`cupy_symbuf.quant`); ``hidden % 128 == 0``.
         round_scale, use_ue8m0 : bool
             Either one: fp8 scales rounded up to powers of two (still returned as float32).
+        return_recv_hook : bool
+            Launch only the send phase and return a :class:`LowLatencyRecvHook` as a 4th result (DeepEP's
+            ``return_recv_hook``): the results hold their values only once ``hook()`` ran the receive (see the
+            module docstring, "Receive hooks").
 
         Returns
         -------
@@ -673,6 +784,7 @@ class LowLatencyBuffer:
             tokens ordered by (source rank, source token index); rows past the count are not defined.
         recv_count : int32 ``[num_local_experts]``.
         handle : :class:`LowLatencyHandle` for :meth:`combine` (``src_info``, ``layout_range``).
+        hook : :class:`LowLatencyRecvHook`, only with ``return_recv_hook``.
 
         Queued on the current stream on the GPU (no host synchronisation). The outputs stay valid until the
         dispatch after the next one.
@@ -686,9 +798,12 @@ class LowLatencyBuffer:
             buffer stays usable.
         SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
             The call failed (the buffer and its communicator are unusable).
+        RuntimeError
+            The receive hook of this buffer's previous call has not run (nothing is told to the peers).
         """
         fast = self._fast
-        if fast is not None and type(x) is fast and type(topk_idx) is fast:
+        if (fast is not None and type(x) is fast and type(topk_idx) is fast and self._pending is None
+                and (return_recv_hook is False or return_recv_hook is True)):
             # hot path: a call shape seen before (validated then), CuPy arrays, contiguous, on this GPU
             ent = self._fastkeys[0].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, use_fp8, round_scale,
                                          use_ue8m0))
@@ -699,7 +814,8 @@ class LowLatencyBuffer:
                 call = self._dispatch_calls
                 p = call & 1
                 try:
-                    self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr)
+                    stream = self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr,
+                                                  _SEND if return_recv_hook else _BOTH)
                 except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero counts in set p)
                     self._dispatch_calls = call + 1
                     raise
@@ -708,10 +824,16 @@ class LowLatencyBuffer:
                     raise
                 self._dispatch_calls = call + 1
                 h = self._hsets[p]
-                return ent.outs[p], h[0], LowLatencyHandle(self, call, ent.n, ent.K, self.H, ent.use_fp8, h[1],
-                                                           h[2], h[3], h[4], self.N, self.num_experts)
+                handle = LowLatencyHandle(self, call, ent.n, ent.K, self.H, ent.use_fp8, h[1], h[2], h[3], h[4],
+                                          self.N, self.num_experts)
+                if return_recv_hook:
+                    hook = self._pending = LowLatencyRecvHook(self, _OPS[0], 0, call, ent, p, stream,
+                                                              keep=(x, topk_idx))
+                    return ent.outs[p], h[0], handle, hook
+                return ent.outs[p], h[0], handle
         op = _OPS[0]
         self._check_usable()
+        self._check_no_pending(op)
         if self.backend == "cuda":
             self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         x_in, topk_in = x, topk_idx
@@ -732,6 +854,7 @@ class LowLatencyBuffer:
             if use_fp8 and self.H % _quant.QUANT_BLOCK:
                 raise ValueError(f"{op}: use_fp8 needs hidden % {_quant.QUANT_BLOCK} == 0, got hidden = {self.H}")
             sig = self._sig(op, K, use_fp8, ue8m0)
+            return_recv_hook = _check_flag(op, "return_recv_hook", return_recv_hook)
             if use_fp8:
                 self._fp8_set(s)
             if self.backend == "cuda":
@@ -745,14 +868,22 @@ class LowLatencyBuffer:
         except BaseException:
             self._tell_rejected(0)
             raise
+        hook = None
         try:
             if self.backend == "cuda":
-                self._issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr)
+                stream = self._issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr,
+                                              _SEND if return_recv_hook else _BOTH)
                 if self._same(x_in, x) and self._same(topk_in, topk):
                     self._fastkeys[0][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, use_fp8, round_scale,
                                        use_ue8m0)] = ent
+                if return_recv_hook:
+                    hook = LowLatencyRecvHook(self, op, 0, call, ent, call & 1, stream, keep=(x, topk))
             else:
-                self._host_dispatch(op, x, topk, n, K, use_fp8, ue8m0, sig, s)
+                state = self._host_dispatch_send(op, x, topk, n, K, use_fp8, ue8m0, sig)
+                if return_recv_hook:
+                    hook = LowLatencyRecvHook(self, op, 0, call, state=state + (use_fp8, sig, s))
+                else:
+                    self._host_dispatch_recv(op, *state, use_fp8, sig, s)
         except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
             if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero counts in output set call & 1
                 self._dispatch_calls = call + 1
@@ -760,9 +891,13 @@ class LowLatencyBuffer:
         except BaseException as exc:
             self._failed(exc)
             raise
-        self._dispatch_calls += 1
+        if self.backend == "cuda" or hook is None:  # (host: a split call counts when its receive completes)
+            self._dispatch_calls += 1
         handle = LowLatencyHandle(self, call, n, K, self.H, use_fp8, s["src_info"], s["layout_range"],
                                   s["recv_ntok"], s["inv"], self.N, self.num_experts)
+        if hook is not None:
+            self._pending = hook
+            return self._dispatch_out(s, use_fp8, x.dtype), s["recv_count"], handle, hook
         return self._dispatch_out(s, use_fp8, x.dtype), s["recv_count"], handle
 
     def _dispatch_out(self, s: dict, use_fp8: bool, dtype):
@@ -791,7 +926,7 @@ class LowLatencyBuffer:
 
     # ---- combine ---------------------------------------------------------------------------------------------------
     @collective("LowLatencyBuffer.combine", guard=_GUARD, reject=_reject_unbound(1))
-    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle):
+    def combine(self, x, topk_idx, topk_weights, handle: LowLatencyHandle, *, return_recv_hook: bool = False):
         """DeepEP ``low_latency_combine``: bring the expert outputs back to their tokens **and apply the weights**.
 
         ``out[t] = sum_j topk_weights[t, j] * x[e_j, row of (this rank, t) in e_j]`` over the slots ``j`` with
@@ -808,20 +943,26 @@ class LowLatencyBuffer:
         topk_idx : the ``[num_tokens, num_topk]`` passed to the dispatch that made ``handle``.
         topk_weights : float32 ``[num_tokens, num_topk]``.
         handle : from this buffer's :meth:`dispatch`, at most two dispatches old.
+        return_recv_hook : bool
+            Launch only the send phase and return ``(combined_x, hook)``: ``combined_x`` holds its values once
+            ``hook()`` ran the receive (see the module docstring, "Receive hooks"). ``x``, ``topk_idx`` and
+            ``topk_weights`` must keep their values until then.
 
         Returns
         -------
-        combined_x : ``[num_tokens, hidden]`` of ``x``'s dtype; valid until the combine after the next one.
+        combined_x : ``[num_tokens, hidden]`` of ``x``'s dtype; valid until the combine after the next one. With
+            ``return_recv_hook`` the pair ``(combined_x, hook)`` (:class:`LowLatencyRecvHook`).
 
         Raises
         ------
         TypeError, ValueError
             Bad arguments (a stale or foreign ``handle`` too); the peers are told (see the module docstring).
-        SymBufferRejectedError, SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+        SymBufferRejectedError, SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError, RuntimeError
             As :meth:`dispatch`.
         """
         fast = self._fast
         if (fast is not None and type(x) is fast and type(topk_idx) is fast and type(topk_weights) is fast
+                and self._pending is None and (return_recv_hook is False or return_recv_hook is True)
                 and type(handle) is LowLatencyHandle and handle.owner is self
                 and handle.call + 2 >= self._dispatch_calls):
             ent = self._fastkeys[1].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, topk_weights.shape,
@@ -835,7 +976,8 @@ class LowLatencyBuffer:
                 p = call & 1
                 hp = self._hptrs[handle.call & 1]
                 try:
-                    self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr, hp[0], hp[1])
+                    stream = self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr,
+                                                 hp[0], hp[1], _SEND if return_recv_hook else _BOTH)
                 except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero rows in set p)
                     self._combine_calls = call + 1
                     raise
@@ -843,9 +985,14 @@ class LowLatencyBuffer:
                     self._failed(exc)
                     raise
                 self._combine_calls = call + 1
+                if return_recv_hook:
+                    hook = self._pending = LowLatencyRecvHook(self, _OPS[1], 1, call, ent, p, stream,
+                                                              keep=(x, topk_idx, topk_weights, handle))
+                    return ent.outs[p], hook
                 return ent.outs[p]
         op = _OPS[1]
         self._check_usable()
+        self._check_no_pending(op)
         if self.backend == "cuda":
             self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         call = self._combine_calls
@@ -873,6 +1020,7 @@ class LowLatencyBuffer:
                 raise ValueError(f"{op}: topk_weights must have shape ({n}, {K}) like topk_idx, got "
                                  f"{tuple(w.shape)}")
             sig = self._sig(op, K, False, False)
+            return_recv_hook = _check_flag(op, "return_recv_hook", return_recv_hook)
             if self.backend == "cuda":
                 ent = self._entry(1, (n, K, x.dtype), n=n, k=K, sig=sig)
                 if not ent.outs:
@@ -881,15 +1029,23 @@ class LowLatencyBuffer:
         except BaseException:
             self._tell_rejected(1)
             raise
+        hook = None
         try:
             if self.backend == "cuda":
-                self._issue_combine(ent, call & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
-                                    handle.inv.data.ptr, handle.recv_tokens_per_rank.data.ptr)
+                stream = self._issue_combine(ent, call & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
+                                             handle.inv.data.ptr, handle.recv_tokens_per_rank.data.ptr,
+                                             _SEND if return_recv_hook else _BOTH)
                 if self._same(x_in, x) and self._same(topk_in, topk) and self._same(w_in, w):
                     self._fastkeys[1][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, w_in.shape,
                                        w_in.dtype)] = ent
+                if return_recv_hook:
+                    hook = LowLatencyRecvHook(self, op, 1, call, ent, call & 1, stream, keep=(x, topk, w, handle))
             else:
-                self._host_combine(op, x, topk, w, n, K, handle, sig, out)
+                state = self._host_combine_send(op, x, topk, w, n, K, handle, sig)
+                if return_recv_hook:
+                    hook = LowLatencyRecvHook(self, op, 1, call, state=state + (topk, n, x.dtype, out))
+                else:
+                    self._host_combine_recv(op, *state, topk, n, x.dtype, out)
         except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
             if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero rows in output set call & 1
                 self._combine_calls = call + 1
@@ -897,7 +1053,11 @@ class LowLatencyBuffer:
         except BaseException as exc:
             self._failed(exc)
             raise
-        self._combine_calls += 1
+        if self.backend == "cuda" or hook is None:  # (host: a split call counts when its receive completes)
+            self._combine_calls += 1
+        if hook is not None:
+            self._pending = hook
+            return out[:n].view(x.dtype), hook
         return out[:n].view(x.dtype)
 
     low_latency_combine = combine
@@ -968,7 +1128,9 @@ class LowLatencyBuffer:
             self._u64(d, off + self.rank * _LINE)[P.LL_LINE_SEQ] = seq
         self.buffer.sync()
 
-    def _host_dispatch(self, op, x, topk, n, K, use_fp8, ue8m0, sig, s) -> None:
+    def _host_dispatch_send(self, op, x, topk, n, K, use_fp8, ue8m0, sig) -> tuple:
+        """Dispatch's send phase (host twin): payload and meta into every destination, then the flag lines;
+        returns ``(seq, half, K)`` for :meth:`_host_dispatch_recv`."""
         W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
         self._engine.transport.check_abort(op)
         ctrl = self._u64(me, 0, 3)
@@ -990,6 +1152,13 @@ class LowLatencyBuffer:
             sel = np.nonzero((ranks == d).any(axis=1))[0]
             rows[sel, : payload.shape[1]] = payload[sel]
         self._publish(half + self.d_flags, seq, n, sig)
+        return seq, half, K
+
+    def _host_dispatch_recv(self, op, seq, half, K, use_fp8, sig, s) -> None:
+        """Dispatch's receive phase (host twin): every source's flag line awaited, then the rows unpacked into
+        output set ``s``."""
+        W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
+        ctrl = self._u64(me, 0, 3)
         ntok = np.zeros(W, np.int64)
         rejecting = []
         for src in range(W):
@@ -1046,11 +1215,14 @@ class LowLatencyBuffer:
         s["recv_ntok"][:] = ntok.astype(np.int32)
         ctrl[_CTRL_SEQ] = seq
 
-    def _host_combine(self, op, x, topk, w, n, K, handle, sig, out) -> None:
+    def _host_combine_send(self, op, x, topk, w, n, K, handle, sig) -> tuple:
+        """Combine's send phase (host twin): the weights to every rank, every source's weights awaited, then this
+        rank's partial rows to their sources and the partials flag lines; returns ``(seq, half, rejecting)`` for
+        :meth:`_host_combine_recv` (``rejecting``: the lowest rank that rejected the call, else None: nothing
+        was sent)."""
         W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
         self._engine.transport.check_abort(op)
-        ctrl = self._u64(me, _LINE, 3)
-        seq = int(ctrl[_CTRL_SEQ]) + 1
+        seq = int(self._u64(me, _LINE)[_CTRL_SEQ]) + 1
         half = self.c0 + (seq & 1) * self.c_half
         RC = self.row_bytes
         for d in range(W):
@@ -1067,8 +1239,7 @@ class LowLatencyBuffer:
                 self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
         if rejecting:  # decided alike on every rank before any partial is sent
-            ctrl[_CTRL_SEQ] = seq
-            raise self._rejected_by(op, rejecting[0])
+            return seq, half, rejecting[0]
         self.buffer.sync()
         v = self._views[me]
         wts = v[half + self.c_weights: half + self.c_weights + W * N * K * 4].view(np.float32).reshape(W, N, K)
@@ -1088,6 +1259,19 @@ class LowLatencyBuffer:
             sel = np.nonzero(has)[0]
             prow[sel, : bits.shape[1]] = bits[sel]
         self._publish(half + self.c_pflags, seq, 0, sig)
+        return seq, half, None
+
+    def _host_combine_recv(self, op, seq, half, rejecting, topk, n, dtype, out) -> None:
+        """Combine's receive phase (host twin): every rank's partials flag line awaited, the partial rows summed in
+        rank order into ``out``; a call rejected by rank ``rejecting`` raises here."""
+        W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
+        ctrl = self._u64(me, _LINE, 3)
+        if rejecting is not None:
+            ctrl[_CTRL_SEQ] = seq
+            raise self._rejected_by(op, rejecting)
+        sig = self._sig(op, topk.shape[1], False, False)
+        v = self._views[me]
+        RC = self.row_bytes
         for d in range(W):
             self._host_wait(op, self._u64(me, half + self.c_pflags + d * _LINE, 3), seq, d, sig)
         self.buffer.sync()
@@ -1098,8 +1282,8 @@ class LowLatencyBuffer:
             ok = (ranks == d).any(axis=1)
             o = half + self.c_prows + d * N * RC
             prow = v[o: o + N * RC].reshape(N, RC)[:n, :rb][ok]
-            acc[ok] = acc[ok] + _dt.to_float32(np, prow.copy().view(np.dtype(x.dtype)), self.kind)
-        out[:n] = _dt.from_float32(np, acc, self.kind, np.dtype(x.dtype)).view(np.uint8).reshape(n, rb)
+            acc[ok] = acc[ok] + _dt.to_float32(np, prow.copy().view(np.dtype(dtype)), self.kind)
+        out[:n] = _dt.from_float32(np, acc, self.kind, np.dtype(dtype)).view(np.uint8).reshape(n, rb)
         ctrl[_CTRL_SEQ] = seq
 
     def __repr__(self) -> str:

@@ -96,11 +96,11 @@ LL_DISPATCH_ARGS = tuple((f, "i64") for f in (
     "x", "x_stride", "topk", "n", "k", "ll_bases", "half0", "half_bytes", "flags_off", "meta_off", "rows_off",
     "row_bytes", "N", "H", "L", "W", "rank", "use_fp8", "ue8m0", "kind", "sig", "recv_x", "recv_scales", "recv_count",
     "src_info", "layout_range", "inv", "recv_ntok", "status", "comm_bases", "abort_offset", "timeout_ns",
-    "launch_seq", "ctrl", "grid", "prof"))
+    "launch_seq", "ctrl", "grid", "prof", "phase"))
 LL_COMBINE_ARGS = tuple((f, "i64") for f in (
     "x", "topk", "weights", "n", "k", "inv", "recv_ntok", "ll_bases", "half0", "half_bytes", "wflags_off",
     "weights_off", "pflags_off", "prows_off", "row_bytes", "N", "H", "L", "W", "rank", "kind", "sig", "out", "status",
-    "comm_bases", "abort_offset", "timeout_ns", "launch_seq", "ctrl", "grid", "prof"))
+    "comm_bases", "abort_offset", "timeout_ns", "launch_seq", "ctrl", "grid", "prof", "phase"))
 
 #: C struct name -> its fields, in order.
 STRUCTS = {

@@ -255,6 +255,11 @@ LL_KIND_BF16, LL_KIND_F16, LL_KIND_F32 = range(3)
 LL_SEG_ELEMS = 1024
 #: ``bench_low_latency(profile=True)``: %globaltimer stamps per kernel block (u64 [grid][LL_PROF_STAMPS]).
 LL_PROF_STAMPS = 8
+#: The kernels' ``phase`` argument (bits): a launch with LL_PHASE_SEND stores this rank's payload and publishes the
+#: flag lines that announce it; with LL_PHASE_RECV it waits for every source's lines and unpacks. A call launches
+#: LL_PHASE_BOTH once, or (with a receive hook) LL_PHASE_SEND, then LL_PHASE_RECV from the hook.
+LL_PHASE_SEND, LL_PHASE_RECV = 1, 2
+LL_PHASE_BOTH = LL_PHASE_SEND | LL_PHASE_RECV
 
 
 def op_code(op: str) -> int:
