@@ -107,6 +107,19 @@ def test_everything_empty(small, comm, backend):
     assert got.shape == (0, 4)
 
 
+def test_zero_width_rows(small, comm, backend):
+    """alltoall of rows with no elements (``[world_size, 0]``, as mpi4py's Alltoall of count 0 makes): an empty
+    result of the same shape on every rank, and the next call is right."""
+    W = comm.size
+    for shape in ((W, 0), (W, 0, 3)):
+        got = small.alltoall(to_backend(np.empty(shape, np.float64), backend))
+        assert to_numpy(got).shape == shape
+    send = random_rows(rng_for(comm, 71), W, (2, 5), np.float32)
+    got = to_numpy(small.alltoall(to_backend(send, backend)))
+    want = np.stack([theirs[comm.rank] for theirs in comm.allgather(send)])  # row j of rank j's send: ours
+    np.testing.assert_array_equal(got, want)
+
+
 def test_one_rank_communicator(backend, comm):
     with cs.Communicator(MPI.COMM_SELF, SMALL_RING, backend=backend) as c:
         rng = rng_for(comm, 6)

@@ -552,9 +552,9 @@ class CudaTransport:
         if W == 1 and not plan.send_units.any() and not plan.device_counts:
             return _Launch(None, False, 0, 0)
         if [g[2] for g in sgeo] != list(plan.part_widths) or [g[2] for g in rgeo] != list(plan.part_widths) or \
-                (plan.byte_run and rgeo[0][1] != rgeo[0][2]):
+                (plan.byte_run and rgeo[0][2] and rgeo[0][1] != rgeo[0][2]):  # (zero-width rows: no bytes)
             raise AssertionError(f"{plan.op}: internal: parts differ from the plan ({sgeo} vs {rgeo} vs {plan})")
-        copy_send = plan.byte_run and sgeo[0][1] != sgeo[0][2]
+        copy_send = plan.byte_run and bool(sgeo[0][2]) and sgeo[0][1] != sgeo[0][2]
         if plan.byte_run:  # 1-byte rows; channel boundaries 16-byte aligned
             sgeo = rgeo = [(0, 1, 1)]
         d[DESC_ROW_BYTES], d[DESC_ROW_ALIGN] = plan.unit_bytes, plan.align
