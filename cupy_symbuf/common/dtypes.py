@@ -59,11 +59,34 @@ def _dtype(dtype: Any) -> Optional[np.dtype]:
         return None
 
 
+#: Answers of :func:`is_bfloat16` / :func:`float_kind` per (dtype object, options): NumPy's ``dtype.name`` is a
+#: Python-level property (several microseconds), and the hot paths ask about the same few dtypes on every call.
+_MEMO: dict = {}
+_MEMO_MAX = 256
+
+
+def _memo(key, compute):
+    try:
+        return _MEMO[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable dtype-like: answered, not remembered
+        return compute()
+    value = compute()
+    if len(_MEMO) < _MEMO_MAX:
+        _MEMO[key] = value
+    return value
+
+
 def is_bfloat16(dtype: Any) -> bool:
     """True for a 2-byte dtype named ``bfloat16`` (``ml_dtypes.bfloat16``, CuPy's ``bfloat16``) or the string
     ``"bfloat16"``. Raw ``uint16`` bits are *not* bfloat16 by themselves (see :func:`float_kind`)."""
     if isinstance(dtype, str):
         return dtype.lower() == BFLOAT16
+    return _memo(("bf16", dtype), lambda: _is_bfloat16(dtype))
+
+
+def _is_bfloat16(dtype: Any) -> bool:
     dt = _dtype(dtype)
     return dt is not None and dt.itemsize == 2 and dt.name == BFLOAT16
 
@@ -82,6 +105,12 @@ def float_kind(dtype: Any, *, raw_uint16: Optional[str] = None, raw_uint8: Optio
     ``raw_uint16`` / ``raw_uint8``: the kind to report for plain ``uint16`` / ``uint8`` (raw bits), e.g.
     ``raw_uint16=BFLOAT16``; by default they are not floats. Returns ``None`` for anything else.
     """
+    if isinstance(dtype, str):
+        return _float_kind(dtype, raw_uint16, raw_uint8)
+    return _memo(("kind", dtype, raw_uint16, raw_uint8), lambda: _float_kind(dtype, raw_uint16, raw_uint8))
+
+
+def _float_kind(dtype: Any, raw_uint16: Optional[str], raw_uint8: Optional[str]) -> Optional[str]:
     if is_bfloat16(dtype):
         return BFLOAT16
     if is_float8_e4m3(dtype):
