@@ -416,3 +416,26 @@ def test_dlpack_inputs(small, comm, backend):
     t = torch.from_numpy(x) if backend == "host" else torch.from_dlpack(to_backend(x, backend))
     got, _ = small.alltoallv(t, counts)
     np.testing.assert_array_equal(to_numpy(got), expected)
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_repeat_calls_recheck_counts_of_other_byte_order(small, comm, backend, known):
+    """The remembered count checks tell the byte order apart: after valid little-endian counts, a big-endian view
+    of the same bytes (other values: 2**56 for a 1) is checked afresh and rejected, the peers told."""
+    rng = rng_for(comm, 23)
+    W = comm.size
+    counts = np.ones(W, dtype="<i8")
+    send = random_rows(rng, W, (3,), np.float32)
+    expected, expected_counts = reference_alltoallv(comm, send, counts)
+    kw = {"recv_counts": expected_counts.astype("<i8")} if known else {}
+    got, _ = small.alltoallv(to_backend(send, backend), counts, **kw)
+    np.testing.assert_array_equal(to_numpy(got), expected)
+    swapped = counts.view(">i8") if comm.rank == 0 else counts
+    with pytest.raises(ValueError, match="send_counts' must sum to" if comm.rank == 0 else "rank 0 rejected"):
+        small.alltoallv(to_backend(send, backend), swapped, **kw)
+    if known:  # the same for the receive counts the caller gives
+        bad = {"recv_counts": kw["recv_counts"].view(">i8")} if comm.rank == 0 else kw
+        with pytest.raises(ValueError, match="recv_counts" if comm.rank == 0 else "rank 0 rejected"):
+            small.alltoallv(to_backend(send, backend), counts, **bad)
+    got, _ = small.alltoallv(to_backend(send, backend), counts, **kw)
+    np.testing.assert_array_equal(to_numpy(got), expected)

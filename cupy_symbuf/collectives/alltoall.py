@@ -149,10 +149,11 @@ def _checked(eng, key, check):
 
 
 def _counts_key(counts):
-    """The exact value of ``counts`` as a hashable key when it is a 1-D NumPy integer array (dtype and bytes),
-    else None: lists and other sequences are checked in full every call (their items' types matter)."""
+    """The exact value of ``counts`` as a hashable key when it is a 1-D NumPy integer array (dtype with its byte
+    order, and bytes: the same bytes as ``'<i8'`` and ``'>i8'`` are other values), else None: lists and other
+    sequences are checked in full every call (their items' types matter)."""
     if type(counts) is np.ndarray and counts.ndim == 1 and counts.dtype.kind in "iu":
-        return counts.dtype.char, counts.tobytes()
+        return counts.dtype.str, counts.tobytes()
     return None
 
 
