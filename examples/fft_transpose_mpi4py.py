@@ -36,12 +36,19 @@ from mpi4py import MPI
 import cupy_symbuf
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-p.add_argument("--backend", choices=("host", "cuda"), default="host", help="host: NumPy arrays; cuda: CuPy arrays")
+p.add_argument("--backend", choices=("auto", "host", "cuda"), default="auto",
+               help="host: NumPy arrays; cuda: CuPy arrays; auto (default): cuda where CuPy sees a GPU, else host")
 p.add_argument("--n", type=int, default=257, help="N: the array is N x N (default 257)")
 p.add_argument("--dtype", choices=("complex128", "complex64"), default="complex128")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--corrupt", action="store_true", help="(testing) change one received value on rank 0")
 args = p.parse_args()
+if args.backend == "auto":
+    try:
+        import cupy
+        args.backend = "cuda" if cupy.cuda.runtime.getDeviceCount() > 0 else "host"
+    except Exception:  # no CuPy, or no GPU visible
+        args.backend = "host"
 
 comm = MPI.COMM_WORLD
 W, me = comm.Get_size(), comm.Get_rank()
