@@ -354,9 +354,9 @@ class TorchBootstrap:
     timed out is never taken for a later one (:meth:`discard_leftovers` has nothing to drop). A rank deletes its
     keys of exchange ``n - 1`` once exchange ``n`` completed (every peer has left ``n - 1`` by then).
 
-    The key prefix of a bootstrap made by :func:`as_bootstrap` names the group's members and counts the bootstraps
-    made over that group in this process; :meth:`dup` and :meth:`split` derive their children's prefixes from the
-    parent's. So, as with MPI's ``Comm_dup``, every rank must make them in the same order. :meth:`split` and
+    The key prefix of a bootstrap made by :func:`as_bootstrap` names the group (its c10d name and its members) and
+    counts the bootstraps made over that group in this process; :meth:`dup` and :meth:`split` derive their
+    children's prefixes from the parent's. So, as with MPI's ``Comm_dup``, every rank must make them in the same order. :meth:`split` and
     :meth:`split_node` make no torch group: the children are bootstraps over the same store (what they need).
     """
 
@@ -386,11 +386,15 @@ class TorchBootstrap:
             self.members = [int(r) for r in dist.get_process_group_ranks(group)]
             from torch.distributed import distributed_c10d as c10d
             self._store = c10d._get_default_store()
-            key = tuple(self.members)
+            try:  # the c10d name every rank gives this group: different groups of the same members stay apart
+                name = str(c10d._get_process_group_name(group))
+            except Exception:  # pragma: no cover - an older torch
+                name = ""
+            key = (name,) + tuple(self.members)
             with TorchBootstrap._made_lock:
                 n = TorchBootstrap._made.get(key, 0)
                 TorchBootstrap._made[key] = n + 1
-            self._prefix = f"cupy_symbuf/g{zlib.crc32(repr(key).encode()):08x}.{len(key)}/b{n}"
+            self._prefix = f"cupy_symbuf/g{zlib.crc32(repr(key).encode()):08x}.{len(self.members)}/b{n}"
         me = dist.get_rank()
         if me not in self.members:
             raise ValueError(f"TorchBootstrap: global rank {me} is not a member of the group {self.members}")
