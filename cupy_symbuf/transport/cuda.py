@@ -377,7 +377,9 @@ class CudaTransport:
         cannot hold the copies that would end its wait."""
         s = self.__dict__.get("_side")
         if s is None:
-            s = self._side = _compat.cupy.cuda.Stream(non_blocking=True)
+            cp = _compat.cupy
+            with cp.cuda.Device(self.buf.device_id):  # (abort() may come from a thread with another device current)
+                s = self._side = cp.cuda.Stream(non_blocking=True)
         return s
 
     def check_abort(self, op: str) -> None:
