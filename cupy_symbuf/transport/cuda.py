@@ -364,11 +364,13 @@ class CudaTransport:
     def read_abort_line(self) -> np.ndarray:
         """This rank's abort line (int64 ``[16]``), copied from device memory (waits for nothing else)."""
         out = np.zeros(P.HDR_WORDS, np.int64)
-        side = self._side_stream()
-        _compat.cupy.cuda.runtime.memcpyAsync(
-            out.ctypes.data, self.buf.peer_ptrs[self.rank] + self.layout.abort_offset, out.nbytes,
-            _MEMCPY_DEFAULT, side.ptr)  # by address: device memory (ipc) or mapped host memory (staged)
-        side.synchronize()
+        cp = _compat.cupy
+        with cp.cuda.Device(self.buf.device_id):  # (the side stream's device, whatever the calling thread has)
+            side = self._side_stream()
+            cp.cuda.runtime.memcpyAsync(
+                out.ctypes.data, self.buf.peer_ptrs[self.rank] + self.layout.abort_offset, out.nbytes,
+                _MEMCPY_DEFAULT, side.ptr)  # by address: device memory (ipc) or mapped host memory (staged)
+            side.synchronize()
         return out
 
     def _side_stream(self):
@@ -376,10 +378,8 @@ class CudaTransport:
         and written on it, so a collective kernel still spinning on the legacy default stream (CuPy's default)
         cannot hold the copies that would end its wait."""
         s = self.__dict__.get("_side")
-        if s is None:
-            cp = _compat.cupy
-            with cp.cuda.Device(self.buf.device_id):  # (abort() may come from a thread with another device current)
-                s = self._side = cp.cuda.Stream(non_blocking=True)
+        if s is None:  # (made and used with this communicator's device current: see the callers)
+            s = self._side = _compat.cupy.cuda.Stream(non_blocking=True)
         return s
 
     def check_abort(self, op: str) -> None:
@@ -397,13 +397,14 @@ class CudaTransport:
         fields[P.ABORT_PEER], fields[P.ABORT_CHANNEL], fields[P.ABORT_DETAIL] = peer, channel, detail
         flag = np.ones(1, np.int64)
         off = self.layout.abort_offset
-        side = self._side_stream()
-        for base in self.buf.peer_ptrs:  # every rank's fields land before any flag (the stream is synchronised)
-            rt.memcpyAsync(base + off + 8, fields[1:].ctypes.data, fields.nbytes - 8, _MEMCPY_DEFAULT, side.ptr)
-        side.synchronize()
-        for base in self.buf.peer_ptrs:
-            rt.memcpyAsync(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT, side.ptr)
-        side.synchronize()
+        with _compat.cupy.cuda.Device(self.buf.device_id):  # (abort() may come from a thread with another device)
+            side = self._side_stream()
+            for base in self.buf.peer_ptrs:  # every rank's fields land before any flag (the stream is synchronised)
+                rt.memcpyAsync(base + off + 8, fields[1:].ctypes.data, fields.nbytes - 8, _MEMCPY_DEFAULT, side.ptr)
+            side.synchronize()
+            for base in self.buf.peer_ptrs:
+                rt.memcpyAsync(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT, side.ptr)
+            side.synchronize()
 
     # ---- symmetric table ------------------------------------------------------------------------------------
     def sym_register(self, seg) -> bool:
