@@ -331,6 +331,9 @@ def case_diff_op_same_bytes():
     the wire looks the same, only the operation differs."""
     c = make_comm()
     valid_alltoall(c, "warm-up alltoall")
+    # every rank is out of the warm-up before the mismatch (the first rank to see it aborts the communicator, and a
+    # rank still inside its warm-up, descheduled on a loaded machine, would rightly raise SymBufferAbortedError there)
+    WORLD.Barrier()
     fault("rank 0 calls alltoall, the others alltoallv with the same rows")
     ones = np.ones(W, dtype=np.int64)
     if R == 0:
