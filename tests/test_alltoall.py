@@ -433,9 +433,11 @@ def test_repeat_calls_recheck_counts_of_other_byte_order(small, comm, backend, k
     swapped = counts.view(">i8") if comm.rank == 0 else counts
     with pytest.raises(ValueError, match="send_counts' must sum to" if comm.rank == 0 else "rank 0 rejected"):
         small.alltoallv(to_backend(send, backend), swapped, **kw)
+        small.synchronize()  # (GPU: a queued call's rejection by a peer is raised here; host: by the call)
     if known:  # the same for the receive counts the caller gives
         bad = {"recv_counts": kw["recv_counts"].view(">i8")} if comm.rank == 0 else kw
         with pytest.raises(ValueError, match="recv_counts" if comm.rank == 0 else "rank 0 rejected"):
             small.alltoallv(to_backend(send, backend), counts, **bad)
+            small.synchronize()
     got, _ = small.alltoallv(to_backend(send, backend), counts, **kw)
     np.testing.assert_array_equal(to_numpy(got), expected)

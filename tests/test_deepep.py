@@ -645,7 +645,7 @@ def test_low_latency_ue8m0_zero_copy_and_handle(buf):
     H = 512
     x, idx, w = ll_inputs(("ue8m0",), LL_N, H, E, LL_K)
     f = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=True, round_scale=True)
-    f_strides = np_(f[0][1]).strides
+    f_strides = f[0][1].strides  # (the device array's own: a host copy is C-ordered)
     f_scales = np_(f[0][1]).copy()
     p = buf.low_latency_dispatch(dev(buf, x), dev(buf, idx), LL_N, E, use_fp8=True, round_scale=True,
                                  use_ue8m0=True)
