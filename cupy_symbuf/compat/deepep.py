@@ -674,8 +674,8 @@ class Buffer:
         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
             :meth:`get_dispatch_layout`'s results (or the caller's own), required without ``handle`` as in DeepEP,
             and used as DeepEP uses them: token ``t`` goes to rank ``r`` where ``is_token_in_rank[t, r]``;
-            ``num_tokens_per_expert`` (length ``num_experts``) gives the receive counts per local expert;
-            ``num_tokens_per_rank`` must equal ``is_token_in_rank``'s column sums (checked; see
+            ``num_tokens_per_expert`` (length ``num_experts``, entries ``>= 0``) gives the receive counts per local
+            expert; ``num_tokens_per_rank`` must equal ``is_token_in_rank``'s column sums (both checked; see
             :func:`cupy_symbuf.moe.dispatch`).
         num_tokens_per_rdma_rank : ignored (intranode).
         topk_idx, topk_weights : ``[num_tokens, num_topk]`` int64 / float32, optional, both or neither (as DeepEP):

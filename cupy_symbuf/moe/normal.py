@@ -59,9 +59,9 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 
 from . import gpu as _gpu
-from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_device_experts, check_expert_alignment, check_handle,
-                     check_num_experts, check_topk_idx, check_weights, check_x, combine_kind, row_bytes,
-                     topk_value_error)
+from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_counts, check_device_experts, check_expert_alignment,
+                     check_handle, check_num_experts, check_topk_idx, check_weights, check_x, combine_kind,
+                     count_value_error, row_bytes, topk_value_error)
 from .routing import align_counts, token_layout
 from ..collectives import wire_dtype as _wire
 from ..wire import protocol as P
@@ -426,7 +426,9 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``ValueError``, the peers :class:`~cupy_symbuf.SymBufferRejectedError`).
     num_tokens_per_expert : xp.ndarray ``[num_experts]`` int32/int64 (keyword-only)
         With ``is_token_in_rank``: the (token, slot) pairs this rank sends each expert, exchanged as the receive
-        counts per local expert (``num_recv_tokens_per_expert``); its length is ``num_experts``.
+        counts per local expert (``num_recv_tokens_per_expert``); its length is ``num_experts``; every entry
+        ``>= 0`` (checked as ``num_tokens_per_rank`` is: host ``ValueError`` before anything moves; GPU on the
+        device, a negative entry rejecting the call on every rank).
 
     Returns
     -------
@@ -458,7 +460,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``topk_weights`` or ``scales`` disagreeing, or ``num_topk`` of ``topk_weights`` differing from
         ``topk_idx``'s; fp8 ``hidden`` not divisible by 128 or ``scales`` not ``[num_tokens, hidden // 128]``;
         ``handle`` from another communicator, or given together with ``topk_idx``/``topk_weights``/a different
-        ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; after the count exchange, ranks disagreeing on the row size, or
+        ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; with ``is_token_in_rank``,
+        ``num_tokens_per_rank`` not its column sums or a negative ``num_tokens_per_expert`` entry (the peers raise
+        :class:`~cupy_symbuf.SymBufferRejectedError`; GPU worst-case mode: every rank's ``synchronize()`` raises
+        that); after the count exchange, ranks disagreeing on the row size, or
         (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger
         than ``Config.chunk_bytes`` (ring slots hold whole rows; every rank raises alike, the communicator stays
         usable).
@@ -641,6 +646,8 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
                          f"is num_experts; it gives the receive counts per local expert)")
     per_expert = check_array(op, "num_tokens_per_expert", num_tokens_per_expert, comm.backend,
                              dims=(("num_experts", None),), dtypes=(np.int32, np.int64))
+    if not cuda:  # the GPU checks its entries on the device (the count exchange's reject word, below)
+        check_counts(op, "num_tokens_per_expert", per_expert)
     n_exp = check_num_experts(op, comm, int(per_expert.shape[0]))
     if num_experts is not None and check_int(op, "num_experts", num_experts, minimum=1) != n_exp:
         raise ValueError(f"{op}: argument 'num_experts' must equal len(num_tokens_per_expert) ({n_exp}), got "
@@ -752,12 +759,13 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
     base = 2 * _gpu.CT + M
     bad = rt.block[base:base + 2]
     fill_meta(rt.block[base + 2:base + 2 + w_size * M].reshape(w_size, M))
+    # the reject word (the count exchange rejects the call on every rank when it is not 0): negative entries of
+    # num_tokens_per_expert plus entries of num_tokens_per_rank differing from the mask's column sums
+    wrong = (per_expert < 0).sum(dtype=np.int64)
     if per_rank is not None:
-        diff = per_rank.astype(np.int64) != counts
-        bad[0] = diff.sum()
-        bad[1] = cp.where(diff.any(), cp.argmax(diff), -1)
-    else:
-        bad[...] = cp.asarray([0, -1], dtype=np.int64)
+        wrong += (per_rank != counts).sum(dtype=np.int64)
+    bad[0] = wrong
+    bad[1] = -1
     rt.in_rank[...] = in_rank
     first = cp.cumsum(counts) - counts
     pos = cp.where(in_rank, cp.cumsum(in_rank, axis=0, dtype=np.int64) - 1 + first[None, :], -1)
@@ -772,7 +780,12 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
     outs_dev = _device_outputs(cp, worst, xv, scales, idx_src, weights, outs, src_alone) if worst else None
     comm.keep_for_graph(idx, idx_src, in_rank, per_expert, src)
 
-    def bad_error():
+    def bad_error():  # which rule the reject word broke, read on the host once the call was rejected
+        got = per_expert.get()
+        if int(got.min()) < 0:
+            i = int(np.argmax(got < 0))
+            return ValueError(count_value_error(op, "num_tokens_per_expert", int(got[i]), i,
+                                                " (found on the device; nothing was sent)"))
         return ValueError(f"{op}: argument 'num_tokens_per_rank' must equal the column sums of is_token_in_rank "
                           f"({counts.get().tolist()}), got {per_rank.get().tolist()}")
     res = comm.notify_device(op, rt.meta_ptr, M, sig, table=rt.table_ptr, sums=rt.sums_ptr,
