@@ -324,10 +324,12 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     comm.check_open()
     n_exp = check_num_experts(op, comm, num_experts)
     cuda = comm.backend == "cuda"
-    idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=not cuda)
     if cuda:
-        check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
-        return _gpu.get_dispatch_layout(comm, op, idx, n_exp)
+        with comm.keep_allocations_for_graph():  # captured: the int64 / contiguous copy of topk_idx is read by replays
+            idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=False)
+            check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
+            return _gpu.get_dispatch_layout(comm, op, idx, n_exp)
+    idx = check_topk_idx(op, comm, topk_idx, n_exp)
     return token_layout(comm.xp, idx, n_exp, comm.world_size)
 
 
@@ -473,25 +475,29 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable.
     """
     op = "dispatch"
-    # the count exchange comes first without a handle; a call rejected here is told to the peers (Engine.call)
-    with comm.call(op, notify=handle is None):
-        back = None
-        if wire_dtype is not None:
-            x, back = _wire_fp8(op, comm, x, wire_dtype)
-        if wire_dtype is not None and out is not None:
-            raise ValueError(f"{op}: out and wire_dtype cannot be combined (the received rows are dequantised into "
-                             f"a new array)")
-        if is_token_in_rank is not None and handle is None:
-            res = _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in_rank,
-                                 num_tokens_per_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, out)
-        else:
-            if num_tokens_per_rank is not None or num_tokens_per_expert is not None:
-                raise ValueError(f"{op}: num_tokens_per_rank / num_tokens_per_expert go with is_token_in_rank "
-                                 f"(routing by a rank mask), without handle")
-            res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
-                            num_worst_tokens, out)
-    if back is not None:
-        res = (back(*res[0]),) + tuple(res[1:])
+    # captured in a CUDA graph: every array the call allocates (copies, routing, outputs, CuPy's workspaces) lives
+    # as long as the communicator, since each replay reads and writes them
+    with comm.keep_allocations_for_graph():
+        # the count exchange comes first without a handle; a call rejected here is told to the peers (Engine.call)
+        with comm.call(op, notify=handle is None):
+            back = None
+            if wire_dtype is not None:
+                x, back = _wire_fp8(op, comm, x, wire_dtype)
+            if wire_dtype is not None and out is not None:
+                raise ValueError(f"{op}: out and wire_dtype cannot be combined (the received rows are dequantised "
+                                 f"into a new array)")
+            if is_token_in_rank is not None and handle is None:
+                res = _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in_rank,
+                                     num_tokens_per_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens,
+                                     out)
+            else:
+                if num_tokens_per_rank is not None or num_tokens_per_expert is not None:
+                    raise ValueError(f"{op}: num_tokens_per_rank / num_tokens_per_expert go with is_token_in_rank "
+                                     f"(routing by a rank mask), without handle")
+                res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
+                                num_worst_tokens, out)
+        if back is not None:
+            res = (back(*res[0]),) + tuple(res[1:])
     return res
 
 
@@ -778,7 +784,7 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
         idx = _gpu.contiguous(idx)
     idx_src, src_alone = _with_src(cp, idx, src)
     outs_dev = _device_outputs(cp, worst, xv, scales, idx_src, weights, outs, src_alone) if worst else None
-    comm.keep_for_graph(idx, idx_src, in_rank, per_expert, src)
+    comm.keep_for_graph(idx, in_rank, per_rank, per_expert)  # the caller's arrays (or copies) a replay reads
 
     def bad_error():  # which rule the reject word broke, read on the host once the call was rejected
         got = per_expert.get()
@@ -874,9 +880,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                                            " (found by the layout kernel; nothing was sent)"))
 
     # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
-    # failure between the steps); temporaries a captured call reads stay alive as long as the communicator
+    # failure between the steps)
     outs = _device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
-    comm.keep_for_graph(idx)
     res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
                              capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
                              worst=bool(worst), self_error=bad_error,
@@ -1031,8 +1036,8 @@ def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv:
         send_parts.append(_rows_contiguous(xp, a))
         recv_parts.append(out)
         push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
-    # read / written by every replay of a captured call: copies made by _rows_contiguous, and the combine's returned
-    # rows (its reduction's input, never handed to the caller)
+    # read / written by every replay of a captured call: the caller's arrays among them too (what the call allocates
+    # is kept by dispatch's and combine's keep_allocations_for_graph)
     comm.keep_for_graph(*send_parts, *outs)
     if send_parts:
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
@@ -1142,7 +1147,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     """
     op = "combine"
     from ..transport.engine import check_sync
-    with comm.call(op, notify=False):
+    # captured: the copies, the returned rows and the outputs live as long as the communicator (see dispatch)
+    with comm.call(op, notify=False), comm.keep_allocations_for_graph():
         check_sync(op, sync)
         return _combine(comm, op, x, handle, topk_weights, dtype, out)
 
@@ -1162,7 +1168,6 @@ def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
     if h.routing is not None:  # GPU: the reverse counts table of the dispatch; no host work beyond the launches
         # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
         x, weights = _rows_contiguous(xp, x), _rows_contiguous(xp, weights)
-        comm.keep_for_graph(x, weights)  # (copies, when they are) read by the reduction of a captured call
         back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
                                                 h.routing.rev_table_ptr, tag=h.dispatch_id)
     else:
