@@ -617,6 +617,47 @@ def test_dispatch_mask_disagreeing_with_per_rank_is_rejected(buf):
     all_ranks(check)
 
 
+@pytest.mark.parametrize("worst", [False, True], ids=["eager", "worst"])
+def test_dispatch_mask_negative_per_expert_is_rejected(buf, worst):
+    """A negative num_tokens_per_expert entry on rank 0 (its mask and num_tokens_per_rank right): rank 0 raises
+    ValueError naming the argument and the rule (host: before anything moves; GPU: found on the device, carried by
+    the count exchange's reject word), the peers SymBufferRejectedError; in GPU worst-case mode (nothing read on
+    the host) every rank's synchronize() raises SymBufferRejectedError. A right dispatch right after returns the
+    reference rows and counts on every rank."""
+    x, idx, w, n_exp = inputs(("maskneg", worst, buf.communicator.backend))
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+    per_expert = np_(lay[2]).copy()
+    if RANK == 0:
+        per_expert[n_exp - 1] = -3
+    want_x = ref(x, idx, w, n_exp)[0]
+    epr = n_exp // W
+    want_counts = np.sum([pe[RANK * epr:(RANK + 1) * epr] for pe in WORLD.allgather(np_(lay[2]))], axis=0).tolist()
+    kw = dict(topk_idx=dev(buf, idx), topk_weights=dev(buf, w), num_worst_tokens=x.shape[0] * W) if worst else {}
+    cuda = buf.communicator.backend == "cuda"
+
+    def check():
+        if RANK == 0 and not (cuda and worst):
+            ctx = pytest.raises(ValueError, match=r"argument 'num_tokens_per_expert' must hold counts >= 0, got -3 "
+                                                  rf"at \[{n_exp - 1}\]")
+        else:
+            ctx = pytest.raises(SymBufferRejectedError)
+        with ctx:
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                         num_tokens_per_expert=dev(buf, per_expert), **kw)
+            if cuda:
+                buf.communicator.synchronize()
+        out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                           num_tokens_per_expert=lay[2], **kw)
+        n = want_x.shape[0]
+        np.testing.assert_array_equal(np_(out[0])[:n], want_x)
+        if worst:
+            assert np_(out[0]).shape[0] == x.shape[0] * W and out[3] == []
+        else:
+            assert np_(out[0]).shape[0] == n and out[3] == want_counts
+
+    all_ranks(check)
+
+
 def test_event_overlap_asserts_without_event(buf):
     x, idx, w, n_exp = inputs(("ev", buf.communicator.backend))
     lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)

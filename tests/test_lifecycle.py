@@ -154,39 +154,45 @@ def test_memory_probe_reports_real_numbers():
 
 # ---- bounded construction and close ------------------------------------------------------------------------
 
-def test_peer_that_never_constructs_times_out_naming_it(comm):
+@pytest.fixture
+def scratch_comm(comm):
+    """A duplicate of ``comm`` (two ranks at least) for a test that leaves unreceived messages on it (a failed
+    construction, a barrier cut at its deadline); after the test every rank discards them, then it is freed (MPI
+    may hand a freed communicator's unreceived messages to a later one)."""
     _need2(comm)
-    sub = comm.Dup()  # leftovers of a failed construction stay on this communicator, freed below
-    try:
-        if comm.rank == 0:
-            t0 = time.monotonic()
-            with pytest.raises(cs.SymBufferTimeoutError) as info:
-                cs.Communicator(sub, cs.Config(timeout_s=0.5), backend="host")
-            assert time.monotonic() - t0 < 3.0
-            err = info.value
-            assert err.role == "construction" and err.missing == list(range(1, comm.size))
-            assert "never arrived" in str(err) and f"rank 0: rank{'s' if comm.size > 2 else ''} 1" in str(err)
-        comm.Barrier()
-        if comm.rank != 0:  # a late arrival does not go on alone: rank 0 withdrew
-            with pytest.raises(cs.SymBufferTimeoutError, match=r"rank 0 gave up waiting") as info:
-                cs.Communicator(sub, cs.Config(timeout_s=2.0), backend="host")
-            assert info.value.withdrawn and 0 in info.value.missing
-    finally:
-        comm.Barrier()
-        time.sleep(0.05)
-        _agree.discard_leftovers(sub)  # MPI may hand a freed communicator's unreceived messages to a later one
-        comm.Barrier()
-        sub.Free()
+    sub = comm.Dup()
+    yield sub
+    comm.Barrier()
+    time.sleep(0.05)
+    _agree.discard_leftovers(sub)
+    comm.Barrier()
+    sub.Free()
 
 
-def test_bounded_barrier_never_splits_when_a_confirm_comes_after_the_deadline(comm, monkeypatch):
-    from cupy_symbuf.transport.bootstrap import MpiBootstrap
+def test_peer_that_never_constructs_times_out_naming_it(comm, scratch_comm):
+    sub = scratch_comm
+    if comm.rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(cs.SymBufferTimeoutError) as info:
+            cs.Communicator(sub, cs.Config(timeout_s=0.5), backend="host")
+        assert time.monotonic() - t0 < 3.0
+        err = info.value
+        assert err.role == "construction" and err.missing == list(range(1, comm.size))
+        assert "never arrived" in str(err) and f"rank 0: rank{'s' if comm.size > 2 else ''} 1" in str(err)
+    comm.Barrier()
+    if comm.rank != 0:  # a late arrival does not go on alone: rank 0 withdrew
+        with pytest.raises(cs.SymBufferTimeoutError, match=r"rank 0 gave up waiting") as info:
+            cs.Communicator(sub, cs.Config(timeout_s=2.0), backend="host")
+        assert info.value.withdrawn and 0 in info.value.missing
+
+
+def test_bounded_barrier_never_splits_when_a_confirm_comes_after_the_deadline(comm, monkeypatch, scratch_comm):
     """Rank 0 arrives 1 s into the others' 2 s timeout and is slow between the two rounds: its "confirm" comes
     after their deadline. Every rank must leave the same way (here: all pass). A second round cut at the first
     deadline let the others withdraw while rank 0, holding their confirms, went on alone (into MPI_Win_free in
     close(): the hang of a close racing a peer's timeout)."""
-    _need2(comm)
-    sub = comm.Dup()
+    from cupy_symbuf.transport.bootstrap import MpiBootstrap
+    sub = scratch_comm
     if comm.rank == 0:
         real = MpiBootstrap._gather
 
@@ -206,22 +212,14 @@ def test_bounded_barrier_never_splits_when_a_confirm_comes_after_the_deadline(co
         outcome = f"raised {exc}"
     monkeypatch.undo()
     outcomes = comm.allgather(outcome)
-    try:
-        assert len(set(o.split(" ")[0] for o in outcomes)) == 1, f"ranks left the barrier differently: {outcomes}"
-    finally:
-        comm.Barrier()
-        time.sleep(0.05)
-        _agree.discard_leftovers(sub)
-        comm.Barrier()
-        sub.Free()
+    assert len(set(o.split(" ")[0] for o in outcomes)) == 1, f"ranks left the barrier differently: {outcomes}"
 
 
-def test_bounded_barrier_withdraws_when_everyone_is_heard_only_after_the_deadline(comm, monkeypatch):
-    from cupy_symbuf.transport.bootstrap import MpiBootstrap
+def test_bounded_barrier_withdraws_when_everyone_is_heard_only_after_the_deadline(comm, monkeypatch, scratch_comm):
     """A rank that hears from every peer only after its own deadline (it was descheduled) withdraws instead of
     confirming; the peers, which heard from it, then raise too: nobody goes on alone."""
-    _need2(comm)
-    sub = comm.Dup()
+    from cupy_symbuf.transport.bootstrap import MpiBootstrap
+    sub = scratch_comm
     if comm.rank == 0:
         real = MpiBootstrap._gather
 
@@ -240,14 +238,7 @@ def test_bounded_barrier_withdraws_when_everyone_is_heard_only_after_the_deadlin
                                str(exc))
     monkeypatch.undo()
     outcomes = comm.allgather(outcome)
-    try:
-        assert outcomes[0] == "raised late" and all(o == "raised withdrawn" for o in outcomes[1:]), outcomes
-    finally:
-        comm.Barrier()
-        time.sleep(0.05)
-        _agree.discard_leftovers(sub)
-        comm.Barrier()
-        sub.Free()
+    assert outcomes[0] == "raised late" and all(o == "raised withdrawn" for o in outcomes[1:]), outcomes
 
 
 def test_exception_leaving_with_releases_peers_at_once(comm):

@@ -342,47 +342,49 @@ def test_parameters_agree_across_ranks(comm):
         LowLatencyBuffer(comm, 8, 256 if RANK else 512, 4 * W)
 
 
-def _fresh(backend, timeout_s):
-    c = Communicator(WORLD, Config(timeout_s=timeout_s, abort_on_failure=False), backend=backend)
-    return c
+@pytest.fixture
+def fresh_pair(comm):
+    """``make(timeout_s)``: a Communicator of its own (``comm``'s backend, ``abort_on_failure=False``) and a
+    LowLatencyBuffer ``(8 tokens, hidden 256, 4 experts per rank)`` on it, for a test that leaves them unusable;
+    after the test a barrier, then both closed."""
+    made = []
+
+    def make(timeout_s: float):
+        c = Communicator(WORLD, Config(timeout_s=timeout_s, abort_on_failure=False), backend=comm.backend)
+        made.append(c)
+        b = LowLatencyBuffer(c, 8, 256, 4 * W)
+        made.insert(0, b)
+        return c, b
+    yield make
+    WORLD.Barrier()
+    for obj in made:
+        obj.close()
 
 
-def test_signature_mismatch_raises_everywhere(comm):
+def test_signature_mismatch_raises_everywhere(fresh_pair):
     if W == 1:
         pytest.skip("needs 2 ranks")
-    c = _fresh(comm.backend, 5.0)
-    b = LowLatencyBuffer(c, 8, 256, 4 * W)
+    c, b = fresh_pair(5.0)
     x, i, _ = inputs("full", 70, RANK, 8, 256, 4 * W, 4, "bfloat16")
-    try:
-        with pytest.raises((SymBufferMismatchError, SymBufferAbortedError)):
-            b.dispatch(dev(c, x), dev(c, i), use_fp8=(RANK == 0))
+    with pytest.raises((SymBufferMismatchError, SymBufferAbortedError)):
+        b.dispatch(dev(c, x), dev(c, i), use_fp8=(RANK == 0))
+        if c.backend == "cuda":
+            b.synchronize()
+    with pytest.raises(Exception, match="unusable"):
+        b.dispatch(dev(c, x), dev(c, i))
+
+
+def test_peer_that_never_calls_times_out(fresh_pair):
+    if W == 1:
+        pytest.skip("needs 2 ranks")
+    c, b = fresh_pair(1.0)
+    x, i, _ = inputs("full", 80, RANK, 8, 256, 4 * W, 4, "bfloat16")
+    if RANK == 0:
+        with pytest.raises(SymBufferTimeoutError) as ei:
+            b.dispatch(dev(c, x), dev(c, i))
             if c.backend == "cuda":
                 b.synchronize()
-        with pytest.raises(Exception, match="unusable"):
-            b.dispatch(dev(c, x), dev(c, i))
-    finally:
-        WORLD.Barrier()
-        b.close()
-        c.close()
-
-
-def test_peer_that_never_calls_times_out(comm):
-    if W == 1:
-        pytest.skip("needs 2 ranks")
-    c = _fresh(comm.backend, 1.0)
-    b = LowLatencyBuffer(c, 8, 256, 4 * W)
-    x, i, _ = inputs("full", 80, RANK, 8, 256, 4 * W, 4, "bfloat16")
-    try:
-        if RANK == 0:
-            with pytest.raises(SymBufferTimeoutError) as ei:
-                b.dispatch(dev(c, x), dev(c, i))
-                if c.backend == "cuda":
-                    b.synchronize()
-            assert ei.value.rank == 0 and ei.value.peer >= 1 and "low_latency_dispatch" in str(ei.value)
-    finally:
-        WORLD.Barrier()
-        b.close()
-        c.close()
+        assert ei.value.rank == 0 and ei.value.peer >= 1 and "low_latency_dispatch" in str(ei.value)
 
 
 # ---- the shared call protocol: rejections and aborts --------------------------------------------------------------

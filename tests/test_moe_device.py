@@ -231,6 +231,107 @@ def test_cuda_graphs_two_batch_sizes(moe_comm):
             all_ranks(lambda: np.testing.assert_array_equal(to_np(comb[0]), x * ranks[:, None]))
 
 
+def _take_free_blocks(value: int) -> list:
+    """GPU: every free block of the memory pool's arena of the current stream, taken (largest sizes first) and
+    filled with ``value`` (int64); the returned arrays hold them until dropped. A kernel that later writes into
+    memory freed before this call lands in one of them."""
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    taken = []
+    for nbytes in (1 << 24, 1 << 20, 1 << 16, 1 << 12, 512):
+        for _ in range(100000):
+            before = pool.free_bytes()
+            taken.append(cupy.full(nbytes // 8, value, dtype=np.int64))
+            if pool.free_bytes() >= before:  # a new allocation: no free block of this size is left here
+                break
+    return taken
+
+
+@pytest.mark.parametrize("route", ["topk", "mask"])
+def test_cuda_graph_replays_after_the_call_temporaries_are_freed(moe_comm, route):
+    """A worst-case dispatch (routed by topk_idx, or by the caller's rank mask, DeepEP's routing) and its combine
+    captured in a CUDA graph; then every reference the caller does not need dropped (the handle, the call's own
+    temporaries: the mask path's counts and reject-word arrays, CuPy's scan and reduction workspaces, the routing
+    block) and every free block of the pool taken and filled with a sentinel. Each replay with new rows and routing
+    copied into the inputs matches the NumPy reference, and the sentinel blocks stay untouched (a replay reading
+    or writing a temporary freed after the capture would meet them)."""
+    c = moe_comm
+    if c.backend != "cuda":
+        pytest.skip("CUDA graphs need the GPU")
+    import gc
+    import cupy
+    n_exp, topk, hidden, tokens = 4 * W, 2, 32, 24
+    epr, worst = n_exp // W, tokens * W
+    stream = cupy.cuda.Stream(non_blocking=True)
+
+    def routing(rep):
+        idx, x, w = _inputs(("graph-keep", route, rep), tokens, hidden, n_exp, topk)
+        if route == "mask":  # not topk_idx's layout: the mask decides, the per-expert counts are the caller's
+            rng = rng_for("graph-keep-mask", rep)
+            mask = rng.random((tokens, W)) < 0.5
+            per_expert = rng.integers(0, 5, size=n_exp)
+        else:
+            mask = np.zeros((tokens, W), bool)
+            for t, k in zip(*np.nonzero(idx >= 0)):
+                mask[t, idx[t, k] // epr] = True
+            per_expert = np.bincount(idx[idx >= 0], minlength=n_exp)
+        return idx, x, w, mask, per_expert.astype(np.int32)
+
+    idx, x, w, mask, per_expert = routing(0)
+    d_idx, d_x, d_w = cupy.asarray(idx), cupy.asarray(x), cupy.asarray(w)
+    d_mask, d_per_expert = cupy.asarray(mask), cupy.asarray(per_expert)
+    d_per_rank = cupy.asarray(mask.sum(axis=0).astype(np.int32))
+    kw = dict(is_token_in_rank=d_mask, num_tokens_per_rank=d_per_rank, num_tokens_per_expert=d_per_expert) \
+        if route == "mask" else dict(num_experts=n_exp)
+    with stream:
+        c.dispatch(d_x, d_idx, d_w, num_worst_tokens=worst, **kw)  # warm the pool and the plans
+        stream.synchronize()
+        c.synchronize()
+        stream.begin_capture()
+        out = c.dispatch(d_x, d_idx, d_w, num_worst_tokens=worst, **kw)
+        comb = c.combine(out[0], out[4])
+        graph = stream.end_capture()
+    recv_x, recv_idx, recv_w, counts = out[:4]
+    combined = comb[0]
+    del out, comb, kw
+    gc.collect()
+    with stream:
+        sentinel = _take_free_blocks(-0x5A5A5A5A5A5A5A5B)
+    for rep in range(1, 4):
+        idx, x, w, mask, per_expert = routing(rep)
+        every = WORLD.allgather((x, idx, w, mask, per_expert))
+        mine = [(xs[m[:, RANK]], ids[m[:, RANK]], ws[m[:, RANK]]) for xs, ids, ws, m, _ in every]
+        want_x = np.concatenate([r[0] for r in mine])
+        local = np.concatenate([np.where((r[1] >= RANK * epr) & (r[1] < (RANK + 1) * epr), r[1] - RANK * epr, -1)
+                                for r in mine])
+        want_w = np.concatenate([np.where(r[1] // epr == RANK, r[2], 0) for r in mine]).astype(np.float32)
+        want_counts = np.sum([pe[RANK * epr:(RANK + 1) * epr] for *_, pe in every], axis=0)
+        n = want_x.shape[0]
+        with stream:
+            d_idx.set(idx)
+            d_x.set(x)
+            d_w.set(w)
+            d_mask.set(mask)
+            d_per_rank.set(mask.sum(axis=0).astype(np.int32))
+            d_per_expert.set(per_expert)
+            recv_idx.fill(-5)  # dirty outputs: the replay must rewrite every row
+            recv_w.fill(7)
+        graph.launch(stream)
+        stream.synchronize()
+        c.synchronize()
+
+        def check():
+            np.testing.assert_array_equal(to_np(recv_x)[:n], want_x)
+            np.testing.assert_array_equal(to_np(recv_idx)[:n], local)
+            np.testing.assert_array_equal(to_np(recv_w)[:n], want_w)
+            assert (to_np(recv_idx)[n:] == -1).all(), "rows past the count must hold -1 in recv_topk_idx"
+            np.testing.assert_array_equal(np.asarray(to_np(counts), np.int64), want_counts)
+            np.testing.assert_array_equal(to_np(combined), x * mask.sum(axis=1)[:, None])
+            hit = [i for i, a in enumerate(sentinel) if bool((a != -0x5A5A5A5A5A5A5A5B).any())]
+            assert not hit, f"a replay wrote into {len(hit)} of {len(sentinel)} blocks freed after the capture"
+        all_ranks(check)
+
+
 # ------------------------------------------------------------------------------------------------ alltoallv capacity
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..common import backend as _compat
+from .profiling import profile_calls, top_functions
 
 HIDDEN, EXPERTS, TOPK = 7168, 256, 8
 DECODE = 128
@@ -68,25 +69,15 @@ def _host_issue_us(fn, comm, n: int = 200) -> float:
 
 def _profile(c, comm, what: str, fn, n: int = 50) -> None:
     """Rank 0 prints the top functions by own time of ``n`` calls (us per call, profiler overhead included)."""
-    import cProfile
-    import pstats
     c.synchronize()
     comm.Barrier()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        fn()
-    c.synchronize()
-    prof.disable()
+    stats = profile_calls(fn, n, done=c.synchronize)
     if comm.Get_rank() == 0:
-        stats = pstats.Stats(prof)
         calls = sum(v[1] for v in stats.stats.values()) / n
         print(f"# profile of {n} calls of {what} (rank 0; {calls:.0f} Python-level calls per call; "
               f"self_us / total_us / calls per call)")
-        for (path, line, name), (_, ncalls, tottime, cumtime, _) in sorted(stats.stats.items(),
-                                                                           key=lambda kv: -kv[1][2])[:22]:
-            print(f"#  {tottime * 1e6 / n:8.1f} {cumtime * 1e6 / n:8.1f} {ncalls / n:5.1f}  "
-                  f"{path.split('/')[-1]}:{line}({name})")
+        for self_us, total_us, per_call, where in top_functions(stats, n, 22):
+            print(f"#  {self_us:8.1f} {total_us:8.1f} {per_call:5.1f}  {where}")
 
 
 def _capture(stream, fn):

@@ -51,6 +51,7 @@ from mpi4py import MPI
 
 from . import energy as _energy
 from . import mpi_cuda as _mpi_cuda
+from .profiling import profile_calls, top_functions
 from ..common import backend as _compat
 from ..communicator import Communicator
 from ..common.config import Config
@@ -625,8 +626,6 @@ def main(argv=None) -> int:
                 c.synchronize()
                 c.free(xs)
             if args.profile and not results:
-                import cProfile
-                import pstats
                 c.synchronize()
                 comm.Barrier()
                 t0 = time.perf_counter()
@@ -634,14 +633,9 @@ def main(argv=None) -> int:
                     c.alltoall(x)
                 issue_us = (time.perf_counter() - t0) * 1e4
                 c.synchronize()
-                prof = cProfile.Profile()
                 comm.Barrier()
-                prof.enable()
-                for _ in range(100):
-                    c.alltoall(x)
-                c.synchronize()
-                prof.disable()
-                profile_stats = (issue_us, pstats.Stats(prof)) if me == 0 else None
+                stats = profile_calls(lambda: c.alltoall(x), 100, done=c.synchronize)
+                profile_stats = (issue_us, stats) if me == 0 else None
             if args.breakdown and c.backend == "cuda":
                 cp = _compat.cupy
                 tr = c.engine.transport
@@ -722,10 +716,8 @@ def main(argv=None) -> int:
         print(f"# host time to issue one call of the first size: {issue_us:.1f} us (100 calls, no profiler); "
               f"profile of 100 more (rank 0; us per call, profiler overhead included):")
         print(f"{'self_us':>9} {'total_us':>9} {'calls':>6}  function")
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]
-        for (path, line, name), (_, ncalls, tottime, cumtime, _) in rows:
-            where = f"{path.split('/')[-1]}:{line}({name})"
-            print(f"{tottime * 1e4:9.2f} {cumtime * 1e4:9.2f} {ncalls / 100:6.1f}  {where}")
+        for self_us, total_us, per_call, where in top_functions(stats, 100, 20):
+            print(f"{self_us:9.2f} {total_us:9.2f} {per_call:6.1f}  {where}")
     if meter is not None:
         meter.close()
     if me == 0 and args.json:

@@ -25,6 +25,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from .profiling import profile_calls, top_functions
 from .units import fmt_bytes as _fmt
 
 __all__ = ["run", "TARGETS", "ROW_BYTES"]
@@ -54,22 +55,13 @@ def _interleaved(fns: dict, iters: int, warmup: int, comm) -> dict:
 
 
 def _profile(comm, what: str, fn, n: int = 200) -> None:
-    import cProfile
-    import pstats
     comm.Barrier()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(n):
-        fn()
-    prof.disable()
+    stats = profile_calls(fn, n)
     comm.Barrier()
     if comm.Get_rank() == 0:
         print(f"# profile of {n} calls of {what} (rank 0; self_us / total_us / calls per call)")
-        stats = pstats.Stats(prof)
-        for (path, line, name), (_, ncalls, tottime, cumtime, _) in sorted(stats.stats.items(),
-                                                                           key=lambda kv: -kv[1][2])[:18]:
-            print(f"#  {tottime * 1e6 / n:8.1f} {cumtime * 1e6 / n:8.1f} {ncalls / n:5.1f}  "
-                  f"{path.split('/')[-1]}:{line}({name})")
+        for self_us, total_us, per_call, where in top_functions(stats, n, 18):
+            print(f"#  {self_us:8.1f} {total_us:8.1f} {per_call:5.1f}  {where}")
 
 
 def _check(comm, what: str, got, want) -> None:

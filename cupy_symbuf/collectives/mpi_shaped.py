@@ -332,35 +332,31 @@ def _check_pair(op: str, snd: Message, rcv: Message, rank: int, backend: str) ->
                              f"MPI.IN_PLACE is not supported): pass separate buffers")
 
 
-def Alltoall(eng, sendbuf, recvbuf) -> None:
-    """See :meth:`Communicator.Alltoall` (``eng``: its engine)."""
-    op = "Alltoall"
+def _checked_messages(eng, op: str, parse, sendbuf, recvbuf, collective: str):
+    """``(snd, rcv)``: ``sendbuf`` and ``recvbuf`` read by ``parse`` (:func:`message_block` or
+    :func:`message_vector`) and checked together, every check before the first step; a rejection is told to the
+    peers (the ``collective`` they call), then re-raised."""
     eng.check_open()
     W, backend = eng.world_size, eng.backend
-    try:  # every check before the first step; a rejection is told to the peers (the alltoall they call)
-        snd = message_block(op, "sendbuf", sendbuf, W, backend, writable=False)
-        rcv = message_block(op, "recvbuf", recvbuf, W, backend, writable=True)
+    try:
+        snd = parse(op, "sendbuf", sendbuf, W, backend, writable=False)
+        rcv = parse(op, "recvbuf", recvbuf, W, backend, writable=True)
         _check_pair(op, snd, rcv, eng.rank, backend)
-        count = int(snd.counts[0])
-        s0, r0 = int(snd.displs[0]), int(rcv.displs[0])
-        send = snd.flat[s0:s0 + W * count].reshape(W, count)
-        recv = rcv.flat[r0:r0 + W * count].reshape(W, count)
     except BaseException:
-        eng.reject("alltoall", notify=False)
+        eng.reject(collective, notify=False)
         raise
-    _alltoall(eng, send, recv)
+    return snd, rcv
+
+
+def Alltoall(eng, sendbuf, recvbuf) -> None:
+    """See :meth:`Communicator.Alltoall` (``eng``: its engine)."""
+    snd, rcv = _checked_messages(eng, "Alltoall", message_block, sendbuf, recvbuf, "alltoall")
+    W, count = eng.world_size, int(snd.counts[0])  # (checked: W blocks of count elements fit from each displ)
+    s0, r0 = int(snd.displs[0]), int(rcv.displs[0])
+    _alltoall(eng, snd.flat[s0:s0 + W * count].reshape(W, count), rcv.flat[r0:r0 + W * count].reshape(W, count))
 
 
 def Alltoallv(eng, sendbuf, recvbuf) -> None:
     """See :meth:`Communicator.Alltoallv` (``eng``: its engine)."""
-    op = "Alltoallv"
-    eng.check_open()
-    W, backend = eng.world_size, eng.backend
-    try:  # every check before the first step; a rejection is told to the peers (the alltoallv they call)
-        snd = message_vector(op, "sendbuf", sendbuf, W, backend, writable=False)
-        rcv = message_vector(op, "recvbuf", recvbuf, W, backend, writable=True)
-        _check_pair(op, snd, rcv, eng.rank, backend)
-    except BaseException:
-        eng.reject("alltoallv", notify=False)
-        raise
+    snd, rcv = _checked_messages(eng, "Alltoallv", message_vector, sendbuf, recvbuf, "alltoallv")
     alltoallv_displaced(eng, snd.flat, snd.counts, snd.displs, rcv.flat, rcv.counts, rcv.displs)

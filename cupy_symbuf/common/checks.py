@@ -42,6 +42,19 @@ def check_int(op: str, name: str, value, *, minimum: Optional[int] = None, maxim
     return v
 
 
+def _from_dlpack(op: str, name: str, x, xp, where: str, wanted: str):
+    """``x`` (not an array of ``xp``) imported zero-copy through DLPack into ``xp`` (NumPy or CuPy); ``TypeError``
+    when it has no ``__dlpack__`` (a NumPy array offered to CuPy included: "must be {wanted} backend") or the import
+    fails ("could not be imported through DLPack {where}")."""
+    if not hasattr(x, "__dlpack__") or isinstance(x, np.ndarray):
+        raise TypeError(f"{op}: argument '{name}' must be {wanted} backend, got {type(x).__module__}."
+                        f"{type(x).__name__}")
+    try:
+        return xp.from_dlpack(x)
+    except Exception as exc:
+        raise TypeError(f"{op}: argument '{name}' could not be imported through DLPack {where} ({exc})") from exc
+
+
 def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Optional[int] = None,
              dtypes: Optional[Sequence] = None, contiguous: bool = True):
     """Return ``x`` as a NumPy (host) or CuPy (cuda) array after checking it.
@@ -52,15 +65,7 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
     cp = _compat.cupy
     if backend == "cuda":
         if not _compat.is_cupy_array(x):
-            if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
-                try:
-                    x = cp.from_dlpack(x)
-                except Exception as exc:
-                    raise TypeError(f"{op}: argument '{name}' could not be imported through DLPack onto the GPU "
-                                    f"({exc})") from exc
-            else:
-                raise TypeError(f"{op}: argument '{name}' must be a CuPy array (or a DLPack GPU tensor) on the cuda "
-                                f"backend, got {type(x).__module__}.{type(x).__name__}")
+            x = _from_dlpack(op, name, x, cp, "onto the GPU", "a CuPy array (or a DLPack GPU tensor) on the cuda")
         # (the pointer's device id against the current device: what x.device.id and cupy.cuda.Device().id say,
         # without building two Device objects per call)
         dev = cp.cuda.runtime.getDevice()
@@ -72,15 +77,7 @@ def as_array(op: str, name: str, x, backend: str, *, min_ndim: int = 1, ndim: Op
             raise TypeError(f"{op}: argument '{name}' is a CuPy array but this communicator uses the host backend; "
                             f"pass a NumPy array")
         if not isinstance(x, np.ndarray):
-            if hasattr(x, "__dlpack__"):
-                try:
-                    x = np.from_dlpack(x)
-                except Exception as exc:
-                    raise TypeError(f"{op}: argument '{name}' could not be imported through DLPack to the host "
-                                    f"({exc})") from exc
-            else:
-                raise TypeError(f"{op}: argument '{name}' must be a NumPy array (or a DLPack CPU tensor) on the host "
-                                f"backend, got {type(x).__module__}.{type(x).__name__}")
+            x = _from_dlpack(op, name, x, np, "to the host", "a NumPy array (or a DLPack CPU tensor) on the host")
     if x.dtype.hasobject:
         raise TypeError(f"{op}: argument '{name}' has dtype {x.dtype}, which holds Python object references; only "
                         f"plain-data dtypes can be moved between ranks")

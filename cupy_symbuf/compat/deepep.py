@@ -295,7 +295,36 @@ def _native_handle(op: str, handle) -> DispatchHandle:
                     f"the layout this implementation needs)")
 
 
-class IntranodeHandle(Sequence):
+class _HandleTuple(Sequence):
+    """DeepEP's handle tuple over a native handle (``.native``): ``LENGTH`` elements, each made by ``_make(j)`` on
+    first access and kept (a slice: a tuple of them)."""
+
+    LENGTH = 0
+
+    def __init__(self, native, conv) -> None:
+        self.native = native
+        self._conv = conv
+        self._cache = {}
+
+    def __len__(self) -> int:
+        return self.LENGTH
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(self.LENGTH)[i])
+        j = range(self.LENGTH)[i]
+        if j not in self._cache:
+            self._cache[j] = self._make(j)
+        return self._cache[j]
+
+    def _make(self, j: int):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.native!r})"
+
+
+class IntranodeHandle(_HandleTuple):
     """DeepEP's intranode dispatch handle: a 6-sequence ``(rank_prefix_matrix, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`` with DeepEP's contents, over a
     :class:`~cupy_symbuf.moe.DispatchHandle` (``.native``, what :meth:`Buffer.combine` and a cached
@@ -319,31 +348,22 @@ class IntranodeHandle(Sequence):
     ``recv_channel_prefix_matrix`` raise ``ValueError`` there.
     """
 
+    LENGTH = 6
+
     def __init__(self, native: DispatchHandle, conv, is_token_in_rank, num_channels: int) -> None:
-        self.native = native
-        self._conv = conv
+        super().__init__(native, conv)
         self._in_rank_given = is_token_in_rank
         self.num_channels = max(1, int(num_channels))
-        self._cache = {}
-
-    def __len__(self) -> int:
-        return 6
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(6)[i])
-        j = range(6)[i]
-        if j not in self._cache:
-            torch = self._conv.torch
-            if self.native.backend == "cuda" and torch is not None:
-                # the caller's current stream (the dispatch's results are ordered on it), not CuPy's
-                with _compat.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                    self._cache[j] = self._make(j)
-            else:
-                self._cache[j] = self._make(j)
-        return self._cache[j]
 
     def _make(self, j: int):
+        torch = self._conv.torch
+        if self.native.backend == "cuda" and torch is not None:
+            # the caller's current stream (the dispatch's results are ordered on it), not CuPy's
+            with _compat.cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                return self._compute(j)
+        return self._compute(j)
+
+    def _compute(self, j: int):
         h = self.native
         if j == 4:
             return self._in_rank_given
@@ -402,34 +422,18 @@ def _fill_column_major_scales(xp, scales, ue8m0: bool, cm) -> None:
     cm[...] = scales.transpose(0, 2, 1)
 
 
-class LowLatencyHandleView(Sequence):
+class LowLatencyHandleView(_HandleTuple):
     """DeepEP's low-latency handle ``(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden,
     num_experts)`` over a :class:`cupy_symbuf.LowLatencyHandle` (``.native``), the arrays as tensors of the
     dispatch's kind (zero-copy views, made on first access): ``src_info`` int32 ``[num_local_experts, num_ranks *
     N]`` (source token index of each received row), ``layout_range`` int64 ``[num_local_experts, num_ranks]``
     (``(begin << 32) | count`` of the rows from each source rank)."""
 
-    def __init__(self, native: LowLatencyHandle, conv) -> None:
-        self.native = native
-        self._conv = conv
-        self._views = {}
+    LENGTH = 5
 
-    def __len__(self) -> int:
-        return 5
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(5)[i])
-        j = range(5)[i]
+    def _make(self, j: int):
         v = self.native[j]
-        if j < 2:
-            if j not in self._views:
-                self._views[j] = self._conv.out(v)
-            v = self._views[j]
-        return v
-
-    def __repr__(self) -> str:
-        return f"LowLatencyHandleView({self.native!r})"
+        return self._conv.out(v) if j < 2 else v
 
 
 #: ``max_topk`` of the LowLatencyBuffers the shim makes (the largest top-k a call may use)
@@ -674,8 +678,8 @@ class Buffer:
         num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert
             :meth:`get_dispatch_layout`'s results (or the caller's own), required without ``handle`` as in DeepEP,
             and used as DeepEP uses them: token ``t`` goes to rank ``r`` where ``is_token_in_rank[t, r]``;
-            ``num_tokens_per_expert`` (length ``num_experts``) gives the receive counts per local expert;
-            ``num_tokens_per_rank`` must equal ``is_token_in_rank``'s column sums (checked; see
+            ``num_tokens_per_expert`` (length ``num_experts``, entries ``>= 0``) gives the receive counts per local
+            expert; ``num_tokens_per_rank`` must equal ``is_token_in_rank``'s column sums (both checked; see
             :func:`cupy_symbuf.moe.dispatch`).
         num_tokens_per_rdma_rank : ignored (intranode).
         topk_idx, topk_weights : ``[num_tokens, num_topk]`` int64 / float32, optional, both or neither (as DeepEP):

@@ -22,7 +22,7 @@ from ..common.checks import check_array, check_int, type_name
 
 __all__ = ["FP8_BLOCK", "MAX_EXPERT_ALIGNMENT", "NOTIFY_EXTRA", "MoeGroup", "GroupInfo", "check_num_experts",
            "check_expert_alignment", "check_topk_idx", "topk_value_error", "check_x", "check_weights", "check_handle",
-           "check_cached", "check_device_experts",
+           "check_cached", "check_device_experts", "check_counts", "count_value_error",
            "combine_kind", "row_bytes"]
 
 #: Elements of ``x`` per fp8 scale: ``scales`` is ``[num_tokens, hidden // FP8_BLOCK]`` (DeepEP's 1x128 blocks;
@@ -188,6 +188,20 @@ def check_device_experts(op: str, num_experts: int, max_experts: int) -> None:
     if num_experts > max_experts:
         raise ValueError(f"{op}: argument 'num_experts' must be <= {max_experts} on the GPU path (the layout kernel "
                          f"keeps one counter per expert in shared memory), got {num_experts}")
+
+
+def check_counts(op: str, name: str, counts) -> None:
+    """``ValueError`` (:func:`count_value_error`) at the first negative entry of ``counts`` (a NumPy array of
+    counts, already checked: 1-D int32 or int64; e.g. ``num_tokens_per_expert``)."""
+    if counts.size and int(counts.min()) < 0:
+        i = int(np.argmax(counts < 0))
+        raise ValueError(count_value_error(op, name, int(counts[i]), i))
+
+
+def count_value_error(op: str, name: str, value: int, i: int, where: str = "") -> str:
+    """The message for a negative count ``value`` at ``[i]`` of the argument ``name`` (``where``: how it was
+    found)."""
+    return f"{op}: argument '{name}' must hold counts >= 0, got {value} at [{i}]{where}"
 
 
 def combine_kind(op: str, x, dtype) -> str:

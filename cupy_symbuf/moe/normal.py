@@ -59,9 +59,9 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 
 from . import gpu as _gpu
-from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_device_experts, check_expert_alignment, check_handle,
-                     check_num_experts, check_topk_idx, check_weights, check_x, combine_kind, row_bytes,
-                     topk_value_error)
+from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_counts, check_device_experts, check_expert_alignment,
+                     check_handle, check_num_experts, check_topk_idx, check_weights, check_x, combine_kind,
+                     count_value_error, row_bytes, topk_value_error)
 from .routing import align_counts, token_layout
 from ..collectives import wire_dtype as _wire
 from ..wire import protocol as P
@@ -324,10 +324,12 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     comm.check_open()
     n_exp = check_num_experts(op, comm, num_experts)
     cuda = comm.backend == "cuda"
-    idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=not cuda)
     if cuda:
-        check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
-        return _gpu.get_dispatch_layout(comm, op, idx, n_exp)
+        with comm.keep_allocations_for_graph():  # captured: the int64 / contiguous copy of topk_idx is read by replays
+            idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=False)
+            check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
+            return _gpu.get_dispatch_layout(comm, op, idx, n_exp)
+    idx = check_topk_idx(op, comm, topk_idx, n_exp)
     return token_layout(comm.xp, idx, n_exp, comm.world_size)
 
 
@@ -426,7 +428,9 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``ValueError``, the peers :class:`~cupy_symbuf.SymBufferRejectedError`).
     num_tokens_per_expert : xp.ndarray ``[num_experts]`` int32/int64 (keyword-only)
         With ``is_token_in_rank``: the (token, slot) pairs this rank sends each expert, exchanged as the receive
-        counts per local expert (``num_recv_tokens_per_expert``); its length is ``num_experts``.
+        counts per local expert (``num_recv_tokens_per_expert``); its length is ``num_experts``; every entry
+        ``>= 0`` (checked as ``num_tokens_per_rank`` is: host ``ValueError`` before anything moves; GPU on the
+        device, a negative entry rejecting the call on every rank).
 
     Returns
     -------
@@ -458,7 +462,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         ``topk_weights`` or ``scales`` disagreeing, or ``num_topk`` of ``topk_weights`` differing from
         ``topk_idx``'s; fp8 ``hidden`` not divisible by 128 or ``scales`` not ``[num_tokens, hidden // 128]``;
         ``handle`` from another communicator, or given together with ``topk_idx``/``topk_weights``/a different
-        ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; after the count exchange, ranks disagreeing on the row size, or
+        ``num_experts``; ``expert_alignment`` not in ``[1, 2**30]``; with ``is_token_in_rank``,
+        ``num_tokens_per_rank`` not its column sums or a negative ``num_tokens_per_expert`` entry (the peers raise
+        :class:`~cupy_symbuf.SymBufferRejectedError`; GPU worst-case mode: every rank's ``synchronize()`` raises
+        that); after the count exchange, ranks disagreeing on the row size, or
         (GPU) a row (``hidden * itemsize`` + scales + ``num_topk * 8``, + ``num_topk * 4`` with weights) larger
         than ``Config.chunk_bytes`` (ring slots hold whole rows; every rank raises alike, the communicator stays
         usable).
@@ -468,25 +475,29 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable.
     """
     op = "dispatch"
-    # the count exchange comes first without a handle; a call rejected here is told to the peers (Engine.call)
-    with comm.call(op, notify=handle is None):
-        back = None
-        if wire_dtype is not None:
-            x, back = _wire_fp8(op, comm, x, wire_dtype)
-        if wire_dtype is not None and out is not None:
-            raise ValueError(f"{op}: out and wire_dtype cannot be combined (the received rows are dequantised into "
-                             f"a new array)")
-        if is_token_in_rank is not None and handle is None:
-            res = _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in_rank,
-                                 num_tokens_per_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, out)
-        else:
-            if num_tokens_per_rank is not None or num_tokens_per_expert is not None:
-                raise ValueError(f"{op}: num_tokens_per_rank / num_tokens_per_expert go with is_token_in_rank "
-                                 f"(routing by a rank mask), without handle")
-            res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
-                            num_worst_tokens, out)
-    if back is not None:
-        res = (back(*res[0]),) + tuple(res[1:])
+    # captured in a CUDA graph: every array the call allocates (copies, routing, outputs, CuPy's workspaces) lives
+    # as long as the communicator, since each replay reads and writes them
+    with comm.keep_allocations_for_graph():
+        # the count exchange comes first without a handle; a call rejected here is told to the peers (Engine.call)
+        with comm.call(op, notify=handle is None):
+            back = None
+            if wire_dtype is not None:
+                x, back = _wire_fp8(op, comm, x, wire_dtype)
+            if wire_dtype is not None and out is not None:
+                raise ValueError(f"{op}: out and wire_dtype cannot be combined (the received rows are dequantised "
+                                 f"into a new array)")
+            if is_token_in_rank is not None and handle is None:
+                res = _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in_rank,
+                                     num_tokens_per_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens,
+                                     out)
+            else:
+                if num_tokens_per_rank is not None or num_tokens_per_expert is not None:
+                    raise ValueError(f"{op}: num_tokens_per_rank / num_tokens_per_expert go with is_token_in_rank "
+                                     f"(routing by a rank mask), without handle")
+                res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
+                                num_worst_tokens, out)
+        if back is not None:
+            res = (back(*res[0]),) + tuple(res[1:])
     return res
 
 
@@ -641,6 +652,8 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
                          f"is num_experts; it gives the receive counts per local expert)")
     per_expert = check_array(op, "num_tokens_per_expert", num_tokens_per_expert, comm.backend,
                              dims=(("num_experts", None),), dtypes=(np.int32, np.int64))
+    if not cuda:  # the GPU checks its entries on the device (the count exchange's reject word, below)
+        check_counts(op, "num_tokens_per_expert", per_expert)
     n_exp = check_num_experts(op, comm, int(per_expert.shape[0]))
     if num_experts is not None and check_int(op, "num_experts", num_experts, minimum=1) != n_exp:
         raise ValueError(f"{op}: argument 'num_experts' must equal len(num_tokens_per_expert) ({n_exp}), got "
@@ -752,12 +765,13 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
     base = 2 * _gpu.CT + M
     bad = rt.block[base:base + 2]
     fill_meta(rt.block[base + 2:base + 2 + w_size * M].reshape(w_size, M))
+    # the reject word (the count exchange rejects the call on every rank when it is not 0): negative entries of
+    # num_tokens_per_expert plus entries of num_tokens_per_rank differing from the mask's column sums
+    wrong = (per_expert < 0).sum(dtype=np.int64)
     if per_rank is not None:
-        diff = per_rank.astype(np.int64) != counts
-        bad[0] = diff.sum()
-        bad[1] = cp.where(diff.any(), cp.argmax(diff), -1)
-    else:
-        bad[...] = cp.asarray([0, -1], dtype=np.int64)
+        wrong += (per_rank != counts).sum(dtype=np.int64)
+    bad[0] = wrong
+    bad[1] = -1
     rt.in_rank[...] = in_rank
     first = cp.cumsum(counts) - counts
     pos = cp.where(in_rank, cp.cumsum(in_rank, axis=0, dtype=np.int64) - 1 + first[None, :], -1)
@@ -770,9 +784,14 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
         idx = _gpu.contiguous(idx)
     idx_src, src_alone = _with_src(cp, idx, src)
     outs_dev = _device_outputs(cp, worst, xv, scales, idx_src, weights, outs, src_alone) if worst else None
-    comm.keep_for_graph(idx, idx_src, in_rank, per_expert, src)
+    comm.keep_for_graph(idx, in_rank, per_rank, per_expert)  # the caller's arrays (or copies) a replay reads
 
-    def bad_error():
+    def bad_error():  # which rule the reject word broke, read on the host once the call was rejected
+        got = per_expert.get()
+        if int(got.min()) < 0:
+            i = int(np.argmax(got < 0))
+            return ValueError(count_value_error(op, "num_tokens_per_expert", int(got[i]), i,
+                                                " (found on the device; nothing was sent)"))
         return ValueError(f"{op}: argument 'num_tokens_per_rank' must equal the column sums of is_token_in_rank "
                           f"({counts.get().tolist()}), got {per_rank.get().tolist()}")
     res = comm.notify_device(op, rt.meta_ptr, M, sig, table=rt.table_ptr, sums=rt.sums_ptr,
@@ -861,9 +880,8 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                                            " (found by the layout kernel; nothing was sent)"))
 
     # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
-    # failure between the steps); temporaries a captured call reads stay alive as long as the communicator
+    # failure between the steps)
     outs = _device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
-    comm.keep_for_graph(idx)
     res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
                              capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
                              worst=bool(worst), self_error=bad_error,
@@ -1018,8 +1036,8 @@ def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv:
         send_parts.append(_rows_contiguous(xp, a))
         recv_parts.append(out)
         push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
-    # read / written by every replay of a captured call: copies made by _rows_contiguous, and the combine's returned
-    # rows (its reduction's input, never handed to the caller)
+    # read / written by every replay of a captured call: the caller's arrays among them too (what the call allocates
+    # is kept by dispatch's and combine's keep_allocations_for_graph)
     comm.keep_for_graph(*send_parts, *outs)
     if send_parts:
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
@@ -1129,7 +1147,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     """
     op = "combine"
     from ..transport.engine import check_sync
-    with comm.call(op, notify=False):
+    # captured: the copies, the returned rows and the outputs live as long as the communicator (see dispatch)
+    with comm.call(op, notify=False), comm.keep_allocations_for_graph():
         check_sync(op, sync)
         return _combine(comm, op, x, handle, topk_weights, dtype, out)
 
@@ -1149,7 +1168,6 @@ def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
     if h.routing is not None:  # GPU: the reverse counts table of the dispatch; no host work beyond the launches
         # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
         x, weights = _rows_contiguous(xp, x), _rows_contiguous(xp, weights)
-        comm.keep_for_graph(x, weights)  # (copies, when they are) read by the reduction of a captured call
         back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
                                                 h.routing.rev_table_ptr, tag=h.dispatch_id)
     else:

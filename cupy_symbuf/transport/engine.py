@@ -21,6 +21,9 @@ from ..common.errors import SymBufferError, SymBufferRejectedError, mismatch_err
 
 __all__ = ["Engine", "row_signature"]
 
+#: keep_allocations_for_graph outside a capture (a null context can be entered any number of times)
+_NOTHING = contextlib.nullcontext()
+
 
 def row_signature(a) -> str:
     """What the rows of ``a`` must agree on across ranks: dtype and row shape (everything after axis 0). The dtype
@@ -296,6 +299,23 @@ class Engine:
         capture: nothing (one ``cudaStreamIsCapturing``)."""
         if self.backend == "cuda" and _compat.cupy.cuda.get_current_stream().is_capturing():
             self.graph_keep.extend(o for o in objs if o is not None)
+
+    def keep_allocations_for_graph(self):
+        """A context: while the current stream is being captured into a CUDA graph, every device allocation this
+        thread makes inside it is kept until :meth:`Communicator.close`, as :meth:`keep_for_graph` keeps named
+        objects: the call's temporaries, and the workspaces CuPy's reductions and scans allocate and free inside
+        one array operation (CUB's temporary storage), which no reference reaches. A replay then never reads or
+        writes memory the pool gave to someone else. Outside a capture: nothing (one ``cudaStreamIsCapturing``)."""
+        if self.backend != "cuda" or not _compat.cupy.cuda.get_current_stream().is_capturing():
+            return _NOTHING
+        cuda = _compat.cupy.cuda
+        allocate, keep = cuda.get_allocator(), self.graph_keep
+
+        def allocate_and_keep(nbytes):
+            mem = allocate(nbytes)
+            keep.append(mem)
+            return mem
+        return cuda.using_allocator(allocate_and_keep)
 
     def _check_not_capturing(self, op: str) -> None:
         """An eager count exchange reads the counts on the host: it cannot run inside a CUDA graph capture. Every
