@@ -1,12 +1,15 @@
 """torchrun jobs without MPI (tests/torchrun_cases.py: 2 ranks, gloo, host backend): alltoall / alltoallv /
 dispatch-combine against NumPy, the bounded construction wait, a withdrawn exchange, the end of the job on a
-failure, no POSIX shared memory left behind; and the package imports with mpi4py blocked.
+failure, an exception on one rank (its traceback printed, torchrun's root cause naming it, the job over in seconds),
+no POSIX shared memory left behind; and the package imports with mpi4py blocked.
 
 The torchrun jobs run from a pytest process that is not an MPI rank (``make test``'s unit stage), once."""
 import glob
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,6 +71,49 @@ def test_torchrun_failure_ends_the_job(no_shm_left):
     assert "exiting with status 1 (os._exit) so the job ends" in r.stderr, r.stderr
     assert "SymBufferAbortedError" in r.stderr or "abort" in r.stderr.lower()
     assert "CLOSE RETURNED" not in r.stdout and "CASE abort OK" not in r.stdout
+
+
+def _root_cause_rank(stderr: str):
+    """The global rank torchrun's failure summary names under "Root Cause (first observed failure)", or None."""
+    m = re.search(r"Root Cause \(first observed failure\):\s*\[0\]:.*?^\s*rank\s*:\s*(\d+)", stderr, re.S | re.M)
+    return None if m is None else int(m[1])
+
+
+def _after_fault(r: subprocess.CompletedProcess, ended: float, label: str = "") -> float:
+    """Seconds from rank 1's ``FAULT t=`` line to ``label``'s ``t=`` on rank 1 (or to the job's end)."""
+    fault = re.search(r"FAULT t=([0-9.]+) rank 1", r.stdout)
+    assert fault, r.stdout + r.stderr
+    if label:
+        m = re.search(label + r" t=([0-9.]+) rank 1", r.stdout)
+        assert m, f"rank 1 printed no {label} line\n" + r.stdout + r.stderr
+        return float(m[1]) - float(fault[1])
+    return ended - float(fault[1])
+
+
+@jobs
+@pytest.mark.parametrize("case", ["raise_with", "raise_nowith"])
+def test_torchrun_exception_on_one_rank(case, no_shm_left):
+    """Rank 1 raises RuntimeError (inside ``with``, or with the communicator open), ``timeout_s`` 30: rank 0 is
+    released by the abort word and ends the job; rank 1 does not wait for it in close(), its traceback is printed,
+    and torchrun's summary names rank 1 as the root cause (rank 0 waits for rank 1 to end first)."""
+    r = _torchrun(case)
+    ended = time.time()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "CASE " + case + " OK" not in r.stdout and "alltoall returned" not in out, out
+    where = "inside" if case == "raise_with" else "outside"
+    # rank 1's own traceback, printed by Python in the worker (torch.distributed's excepthook prefixes "[rank1]: ")
+    own = "\n".join(line[len("[rank1]: "):] for line in r.stderr.splitlines() if line.startswith("[rank1]: "))
+    assert re.search(r"(?m)^RuntimeError: injected failure on rank 1 " + where + " 'with'$", own), out
+    assert re.search(r'torchrun_cases\.py", line \d+, in body\n', own), out
+    # rank 0 saw rank 1's abort and said so
+    assert re.search(r"cupy_symbuf: rank 0: .*aborted by rank 1", r.stderr), out
+    if case == "raise_with":  # rank 1's close() returned at once: its exit handler ran
+        assert _after_fault(r, ended, "EXITING") < 5.0, out
+    assert _after_fault(r, ended) < 15.0, out  # the job ended long before timeout_s (30 s)
+    assert _root_cause_rank(r.stderr) == 1, out
+    if case == "raise_nowith":  # record() wrote rank 1's error file: the summary shows its exception
+        assert re.search(r"Root Cause[\s\S]*RuntimeError: injected failure on rank 1", r.stderr), out
 
 
 _NO_MPI = r"""

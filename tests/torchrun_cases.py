@@ -1,5 +1,6 @@
 """Worker of tests/test_torch_bootstrap.py, started by torchrun (2 ranks, gloo, host backend): one case per run,
 named by argv[1]. Prints ``CASE <name> OK`` on every rank that passed its checks."""
+import atexit
 import os
 import sys
 import time
@@ -105,6 +106,44 @@ def abort() -> None:
         c.abort()
     c.close()
     print("CLOSE RETURNED", flush=True)
+
+
+def _raise_in_rank_1(use_with: bool) -> None:
+    """One alltoall (checked against NumPy), then rank 1 raises RuntimeError (``timeout_s`` 30: a close() that
+    waited for the peers would show); rank 0 calls alltoall again and is released by the abort word."""
+    me, W = dist.get_rank(), dist.get_world_size()
+    rng = np.random.default_rng([11, me])
+    x = rng.standard_normal((W, 3, 8)).astype(np.float32)
+    everyone = [np.random.default_rng([11, s]).standard_normal((W, 3, 8)).astype(np.float32) for s in range(W)]
+
+    def body(c):
+        np.testing.assert_array_equal(np.asarray(c.alltoall(x)), np.stack([everyone[s][me] for s in range(W)]))
+        if me == 1:
+            print(f"FAULT t={time.time():.3f} rank 1", flush=True)
+            raise RuntimeError(f"injected failure on rank 1 {'inside' if use_with else 'outside'} 'with'")
+        c.alltoall(x)
+        raise AssertionError("alltoall returned although rank 1 left")
+
+    config = cs.Config(timeout_s=30.0)
+    if use_with:
+        with cs.Communicator(None, config, backend="host") as c:
+            body(c)
+    else:
+        body(cs.Communicator(None, config, backend="host"))
+
+
+def raise_with() -> None:
+    """Rank 1 raises inside ``with``: its close() must not wait for the peers ending the job; its traceback is
+    printed (then ``EXITING`` from an exit handler registered before the communicator's)."""
+    atexit.register(lambda: print(f"EXITING t={time.time():.3f} rank {dist.get_rank()}", flush=True))
+    _raise_in_rank_1(True)
+
+
+def raise_nowith() -> None:
+    """Rank 1 raises with its communicator open (no ``with``); this worker's entry point runs under torch's
+    ``record`` (the error file torchrun reads for its summary)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    record(_raise_in_rank_1)(False)
 
 
 if __name__ == "__main__":
