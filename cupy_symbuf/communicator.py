@@ -299,7 +299,8 @@ class Communicator:
             raise
         self._pid = os.getpid()
         self._closed = False
-        self._token = _lifecycle.register(self, state=self._lifecycle_state, abort=self._abort_uncaught)
+        self._token = _lifecycle.register(self, state=self._lifecycle_state, abort=self._abort_uncaught,
+                                          depart=self._depart)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
             if self.tuning_source and self.transport != self.planned_transport and self.rank == 0:
@@ -351,6 +352,12 @@ class Communicator:
         :class:`~cupy_symbuf.SymBufferAbortedError` naming the rank (with ``Config.abort_on_failure``, the job ends
         with that message instead). Not while an exception leaves this rank's own ``with`` block (that exception is
         the one reported).
+
+        Ending the job from here, this rank first departs from the communicator's bootstrap
+        (``Bootstrap.depart``): while an exception leaves a peer's ``with`` block, that peer's close() stops waiting
+        for this rank at once and raises :class:`~cupy_symbuf.transport.bootstrap.CollectiveTimeoutError`
+        (``departed``), which ``__exit__`` adds as a note to the exception leaving the block; the job is not ended
+        there a second time, so that exception and its traceback are printed.
         """
         import os
 
@@ -376,7 +383,7 @@ class Communicator:
             if err is not None:
                 self._broken = str(err)
         if self._broken and self.config.abort_on_failure:
-            _lifecycle.abort_job(f"closing a failed Communicator: {self._broken}", self.rank)
+            self._end_job(f"closing a failed Communicator: {self._broken}", self._abort_cause())
             return  # reached only where the abort is replaced (tests)
         seen = []
 
@@ -390,21 +397,57 @@ class Communicator:
         except SymBufferError as exc:
             if not self._broken:
                 self._broken = str(exc)
-            if self.config.abort_on_failure:
-                _lifecycle.abort_job(f"Communicator.close: {exc}", self.rank)
+            # peers ending the job told this close() (they departed): while an exception leaves this rank's 'with'
+            # block, raise, so that exception is printed; the peers end the job
+            departed = getattr(exc, "departed", None) is not None
+            if self.config.abort_on_failure and not (leaving and departed):
+                # the buffer is still mapped (a failed close leaves it allocated): its abort word can be read
+                cause = self._abort_cause()
+                self._end_job(f"Communicator.close: {exc}",
+                              exc.missing[0] if cause is None and departed and exc.missing else cause)
                 return
             raise
         if seen and seen[0] is not None:  # freed; the peer's abort is this close's error
             err = seen[0]
             self._broken = str(err)
             if self.config.abort_on_failure:
-                _lifecycle.abort_job(str(err), self.rank)
+                self._end_job(str(err), err.aborting_rank)  # (the buffer is freed: its abort word is gone)
                 return
         if err is not None and not was_broken:
             raise err  # a queued collective failed and nothing raised it yet (its results are not valid)
         rejected = getattr(self._transport, "pending_rejection", None)
         if rejected is not None and not was_broken:  # a peer rejected a queued call; no synchronize() said so
             raise rejected
+
+    def _end_job(self, message: str, cause) -> None:
+        """``abort_on_failure`` in :meth:`close`: depart from the bootstrap (peers waiting for this rank in their
+        close() stop waiting), then end the job; ``cause``: the peer whose abort caused the failure (it exits
+        first, see ``lifecycle.abort_job``), or None."""
+        from .transport import lifecycle as _lifecycle
+        self._depart(message)
+        _lifecycle.abort_job(message, self.rank, cause=cause if cause is not None and 0 <= cause != self.rank
+                             else None)
+
+    def _depart(self, reason: str) -> None:
+        """This rank takes part in no further exchange of this communicator (``Bootstrap.depart``; never raises)."""
+        try:
+            self.buffer.bootstrap.depart(reason)
+        except Exception:  # noqa: BLE001 - the job is ending
+            pass
+
+    def _abort_cause(self):
+        """The rank that set this communicator's abort word when that is another rank, else None (one look; only
+        while the buffer is mapped)."""
+        from .common.errors import SymBufferAbortedError
+        check = getattr(self._transport, "check_abort", None)
+        try:
+            if check is not None:
+                check("Communicator.close")
+        except SymBufferAbortedError as exc:
+            return exc.aborting_rank if 0 <= exc.aborting_rank != self.rank else None
+        except Exception:  # noqa: BLE001 - reading our own memory; never mask the failure being reported
+            return None
+        return None
 
     @property
     def closed(self) -> bool:
@@ -456,7 +499,8 @@ class Communicator:
         try:
             from .transport import lifecycle as _lifecycle
             self._dropped = True
-            _lifecycle.keep_dropped(self._token, self, state=self._lifecycle_state, abort=self._abort_uncaught)
+            _lifecycle.keep_dropped(self._token, self, state=self._lifecycle_state, abort=self._abort_uncaught,
+                                    depart=self._depart)
             if not _LEAK_WARNED:
                 _LEAK_WARNED.append(True)
                 _warnings.warn(

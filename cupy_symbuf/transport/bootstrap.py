@@ -3,7 +3,7 @@
 Every construction-time exchange (the ranks' backends and GPUs, the wire fingerprint, CUDA IPC handles, memory
 verdicts, symmetric allocations, the cross-memory attach probe) and every bounded wait of ``close()`` goes through
 one small interface, :class:`Bootstrap`: ``rank``, ``size``, a bounded ``allgather`` of one picklable object per
-rank, ``barrier``, ``bcast``, ``split_node``, ``dup`` / ``free`` and ``abort``. Nothing of the ring protocol
+rank, ``barrier``, ``bcast``, ``split_node``, ``dup`` / ``free``, ``depart`` and ``abort``. Nothing of the ring protocol
 travels here: once built, the collectives move rows through the symmetric buffer only.
 
 Two implementations: :class:`MpiBootstrap` over an mpi4py intra-communicator (jobs started by ``mpiexec``) and
@@ -91,20 +91,25 @@ _ORPHANS: list = []
 
 class CollectiveTimeoutError(SymBufferTimeoutError):
     """A bounded construction or close step (``role`` "construction" or "close") waited ``timeout_s`` for ranks that
-    never arrived (or that gave up waiting themselves: ``withdrawn``); ``missing`` lists them (``peer`` is the
-    first), ``what`` names the step."""
+    never arrived (or that gave up waiting themselves: ``withdrawn``; or that left, ending the job: ``departed``,
+    their reason, see :meth:`Bootstrap.depart`); ``missing`` lists them (``peer`` is the first), ``what`` names
+    the step."""
 
     def __init__(self, *, rank: int, missing: List[int], what: str, role: str, timeout_s: float,
-                 withdrawn: bool = False, late: bool = False):
+                 withdrawn: bool = False, late: bool = False, departed: Optional[str] = None):
         # SymBufferTimeoutError's attributes, without its ring-specific message
         self.rank, self.peer, self.channel, self.role = rank, (missing[0] if missing else -1), -1, role
         self.head, self.tail, self.timeout_s, self.op = -1, -1, timeout_s, what
         self.missing = list(missing)
         self.what = what
         self.withdrawn = withdrawn
+        self.departed = departed
         names = ", ".join(str(r) for r in missing)
         ranks = f"rank{'s' if len(missing) > 1 else ''} {names}"
-        if withdrawn:
+        if departed is not None:
+            text = (f"{what}: on rank {rank}: {ranks} left without taking part (ending the job: {departed}); this "
+                    f"rank did not wait for {'them' if len(missing) > 1 else 'it'}")
+        elif withdrawn:
             text = (f"{what}: on rank {rank}: {ranks} gave up waiting (timeout_s expired there) before every rank "
                     f"arrived; this rank must not go on alone")
         elif late:
@@ -161,6 +166,13 @@ class Bootstrap(Protocol):
         after a barrier, before freeing a bootstrap that saw a timeout)."""
         ...
 
+    def depart(self, reason: str) -> None:
+        """This rank takes part in no further exchange of this bootstrap: its process is about to end the job
+        (``abort_on_failure``). A peer waiting in an exchange (a ``close()`` while an exception propagates) or
+        entering one then raises :class:`CollectiveTimeoutError` (``departed``: ``reason``) at once, instead of
+        waiting ``timeout_s`` for this rank. Local, never raises, never waits."""
+        ...
+
     def abort(self, code: int = 1) -> None:
         """End every process of the job (``MPI_Abort``-like); does not return."""
         ...
@@ -174,6 +186,8 @@ def _sleep(spins: int) -> None:
 _HERE, _CONFIRM, _WITHDRAWN = "here", "confirm", "withdrawn"
 #: Seconds added to a peer's ``timeout_s`` for its "confirm" or "withdrawn" to reach this rank (second round).
 DELIVERY_GRACE_S = 1.0
+#: Seconds between two looks of a TorchBootstrap wait at its peers' departures (:meth:`Bootstrap.depart`).
+DEPARTED_POLL_S = 0.02
 
 
 class MpiBootstrap:
@@ -331,6 +345,10 @@ class MpiBootstrap:
             msg.recv()
             n += 1
 
+    def depart(self, reason: str) -> None:
+        """Nothing to tell: under MPI the job ends by ``MPI_Abort``, which ends every rank at once, the ones waiting
+        for this rank included."""
+
     def abort(self, code: int = 1) -> None:
         self.comm.Abort(code)
 
@@ -353,6 +371,8 @@ class TorchBootstrap:
     :class:`CollectiveTimeoutError` (``withdrawn``). Exchanges are numbered, so a late message of an exchange that
     timed out is never taken for a later one (:meth:`discard_leftovers` has nothing to drop). A rank deletes its
     keys of exchange ``n - 1`` once exchange ``n`` completed (every peer has left ``n - 1`` by then).
+    :meth:`depart` sets ``<prefix>/departed/<rank>`` (its reason) and the counter ``<prefix>/n_departed``, which
+    every wait reads when it starts and every :data:`DEPARTED_POLL_S` after.
 
     The key prefix of a bootstrap made by :func:`as_bootstrap` names the group (its c10d name and its members) and
     counts the bootstraps made over that group in this process; :meth:`dup` and :meth:`split` derive their
@@ -487,6 +507,9 @@ class TorchBootstrap:
                     raise CollectiveTimeoutError(rank=rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
                                                  withdrawn=True)
             now = time.monotonic()
+            if now >= state.get("departed_poll", 0.0):
+                state["departed_poll"] = now + DEPARTED_POLL_S
+                self._check_departed(seq, kind, what, peers, role, timeout_s)
             if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
                 state["on_slow"][1](self._missing(seq, kind, peers))
                 state["on_slow"] = None
@@ -499,6 +522,22 @@ class TorchBootstrap:
 
     def _missing(self, seq: int, kind: str, peers: list) -> list:
         return [r for r in peers if not self._store.check([self._key(seq, kind, r)])]
+
+    def _check_departed(self, seq: int, kind: str, what: str, peers: list, role: str, timeout_s: float) -> None:
+        """Raise :class:`CollectiveTimeoutError` (``departed``) naming the peers that departed (:meth:`depart`)
+        without their ``kind`` key of exchange ``seq``."""
+        store = self._store
+        if store.add(f"{self._prefix}/n_departed", 0) <= 0:
+            return
+        gone = [r for r in peers if store.check([f"{self._prefix}/departed/{r}"])
+                and not store.check([self._key(seq, kind, r)])]
+        if gone:
+            try:
+                reason = pickle.loads(store.get(f"{self._prefix}/departed/{gone[0]}"))
+            except Exception:  # noqa: BLE001 - the reason is for the message only
+                reason = "reason unknown"
+            raise CollectiveTimeoutError(rank=self.rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
+                                         departed=str(reason))
 
     def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
         """A barrier bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
@@ -541,6 +580,15 @@ class TorchBootstrap:
 
     def discard_leftovers(self) -> int:
         return 0  # exchanges are numbered: a late key of one that timed out is never read by another
+
+    def depart(self, reason: str) -> None:
+        """See :meth:`Bootstrap.depart`: sets this rank's ``departed`` key (``reason``) and counts it; the peers'
+        waits read it (see the class docstring)."""
+        try:
+            self._store.set(f"{self._prefix}/departed/{self.rank}", pickle.dumps(str(reason)))
+            self._store.add(f"{self._prefix}/n_departed", 1)
+        except Exception:  # noqa: BLE001 - the job is ending; the peers' waits stay bounded by timeout_s
+            pass
 
     def abort(self, code: int = 1) -> None:
         """End this process at once (``os._exit(code)``, after flushing stdout / stderr): torchrun (or any

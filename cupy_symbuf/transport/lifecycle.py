@@ -8,7 +8,12 @@
   (timeout, mismatch, abort) that is closed or still registered at exit, or a ``SymBufferError`` that reaches the
   top level (``sys.excepthook``), prints the error with the rank to stderr and calls ``MPI.COMM_WORLD.Abort(1)``
   (without MPI: ``os._exit(1)``, which torchrun turns into the end of the job), so that the job ends instead of
-  hanging in a window free or ``MPI_Finalize``.
+  hanging in a window free or ``MPI_Finalize``. Before that it departs from the bootstraps of its open
+  communicators (``Bootstrap.depart``): a peer whose ``close()`` waits for this rank while its own exception
+  propagates stops waiting at once, and its traceback gets printed (under MPI the ``MPI_Abort`` ends every rank
+  anyway). Without MPI, a rank whose failure was caused by a peer's abort (it names that rank) waits up to
+  :data:`CAUSE_FIRST_S` instead of :data:`GRACE_S` before exiting: the causing rank exits first and torchrun,
+  which ends the other workers when one fails, names it as the root cause (its first observed failure).
 * Any other exception that reaches the top level of a script (not an interactive session) first sets the abort
   word of this rank's open communicators (``ERR_UNCAUGHT``): the peers' collectives leave at once naming this rank,
   and they reach ``close()`` while this rank's exit-time close still waits for them.
@@ -41,6 +46,10 @@ _live = {"comm": 0, "win": 0}
 #: Seconds abort_job waits after printing, before MPI_Abort: ranks failing at the same moment (a mismatch raises
 #: on every rank involved) get to print their own errors before the job is torn down.
 GRACE_S = 1.0
+#: Seconds abort_job waits without MPI when another rank's abort caused this rank's failure (``cause``): that rank
+#: ends first (its own failure: :data:`GRACE_S`), and the launcher (torchrun) ends this one, naming that rank as the
+#: first failure. Bounds the wait when that rank goes on (it caught its exception).
+CAUSE_FIRST_S = 5.0
 
 
 def live_mpi_objects() -> dict:
@@ -53,13 +62,15 @@ def count(kind: str, delta: int) -> None:
         _live[kind] += delta
 
 
-def register(obj, *, state, abort=None) -> int:
+def register(obj, *, state, abort=None, depart=None) -> int:
     """Remember ``obj`` (closed at exit if still open, by ``obj.close()``); returns its token for :func:`unregister`.
 
     The registry reads ``obj`` only through the bound methods it hands over (held weakly, like ``obj``):
     ``state()`` returns ``(pid that made it, open, why it failed or None, abort_on_failure or None for the
     environment's default)``; ``abort(exc_type)`` (optional) is called when this rank's program ends with an
-    uncaught exception: it sets the object's abort word so that its peers stop waiting for this rank."""
+    uncaught exception: it sets the object's abort word so that its peers stop waiting for this rank;
+    ``depart(reason)`` (optional) is called by :func:`abort_job` before the job ends: this rank takes part in no
+    further exchange of the object (``Bootstrap.depart``)."""
     global _installed
     with _lock:
         if not _installed:
@@ -68,7 +79,8 @@ def register(obj, *, state, abort=None) -> int:
             _installed = True
         token = next(_counter)
         _registry[token] = (weakref.ref(obj), weakref.WeakMethod(state),
-                            None if abort is None else weakref.WeakMethod(abort))
+                            None if abort is None else weakref.WeakMethod(abort),
+                            None if depart is None else weakref.WeakMethod(depart))
         return token
 
 
@@ -77,13 +89,14 @@ def unregister(token) -> None:
         _registry.pop(token, None)
 
 
-def keep_dropped(token, obj, *, state, abort=None) -> None:
+def keep_dropped(token, obj, *, state, abort=None, depart=None) -> None:
     """Hold the registered ``obj`` strongly from now on (its finalizer found it dropped while open): it stays in
     its place in the registry, so exit closes it collectively with the others, newest first, in the same order
     on every rank. Called from a finalizer: takes no lock (replacing a present key's value is atomic and never
     changes the dict's size under an iteration)."""
     if token in _registry:
-        _registry[token] = ((lambda: obj), (lambda: state), None if abort is None else (lambda: abort))
+        _registry[token] = ((lambda: obj), (lambda: state), None if abort is None else (lambda: abort),
+                            None if depart is None else (lambda: depart))
 
 
 def open_objects() -> list:
@@ -112,35 +125,56 @@ def say(rank, *lines: str) -> None:
         pass
 
 
-def abort_job(message: str, rank: int = None) -> None:
+def abort_job(message: str, rank: int = None, *, cause: int = None) -> None:
     """Print ``message`` to stderr with the rank, then end every rank of the job: ``MPI.COMM_WORLD.Abort(1)`` under
-    MPI, else ``os._exit(1)`` (torchrun ends the other workers when one exits non-zero)."""
+    MPI, else ``os._exit(1)`` (torchrun ends the other workers when one exits non-zero).
+
+    First this rank departs from its open registered objects (``depart``, see :func:`register`; the caller departs
+    from the one it is closing). ``cause``: the rank (of the communicator that failed) whose abort caused this
+    failure, if another: without MPI this rank then waits up to :data:`CAUSE_FIRST_S`, not :data:`GRACE_S`, so that
+    rank exits first and torchrun reports it as the root cause."""
     from .bootstrap import mpi_in_use
     rank = _world_rank() if rank is None else rank
-    how = "calling MPI.COMM_WORLD.Abort(1)" if mpi_in_use() else "exiting with status 1 (os._exit)"
+    under_mpi = mpi_in_use()
+    wait = GRACE_S
+    if under_mpi:
+        how = "calling MPI.COMM_WORLD.Abort(1)"
+    elif cause is not None and GRACE_S > 0:  # (tests that replace the abort set GRACE_S to 0: no wait at all)
+        wait = max(GRACE_S, CAUSE_FIRST_S)
+        how = (f"waiting up to {wait:g} s for rank {cause} (whose abort caused this) to exit first, then exiting "
+               f"with status 1 (os._exit)")
+    else:
+        how = "exiting with status 1 (os._exit)"
     say(rank, message, f"{how} so the job ends (Config.abort_on_failure; "
                        "CUPY_SYMBUF_ABORT_ON_FAILURE=0 turns this off)")
-    if GRACE_S > 0:
+    for entry in _open_entries():
+        if entry[4] is not None:
+            try:
+                entry[4](message)
+            except Exception:  # pragma: no cover - the job is ending
+                pass
+    if wait > 0:
         import time
-        time.sleep(GRACE_S)
+        time.sleep(wait)
     _mpi_abort(1)
 
 
 def _open_entries() -> list:
-    """``(object, failure, policy, abort callback)`` of the registered objects still alive, open and made by this
-    process, newest first (``failure``: why it failed, or None; ``policy``: its ``abort_on_failure``)."""
+    """``(object, failure, policy, abort callback, depart callback)`` of the registered objects still alive, open
+    and made by this process, newest first (``failure``: why it failed, or None; ``policy``: its
+    ``abort_on_failure``)."""
     pid = os.getpid()
     with _lock:
         items = sorted(_registry.items(), reverse=True)
     out = []
-    for _, (ref, state_ref, abort_ref) in items:
+    for _, (ref, state_ref, abort_ref, depart_ref) in items:
         obj, state = ref(), state_ref()
         if obj is None or state is None:
             continue
         made_by, is_open, failure, policy = state()
         if made_by == pid and is_open:
             out.append((obj, failure, env_abort_default() if policy is None else policy,
-                        None if abort_ref is None else abort_ref()))
+                        None if abort_ref is None else abort_ref(), None if depart_ref is None else depart_ref()))
     return out
 
 
@@ -150,7 +184,7 @@ def _open_objects() -> list:
 
 
 def _at_exit() -> None:
-    for obj, broken, policy, _ in _open_entries():
+    for obj, broken, policy, _, _ in _open_entries():
         if broken and policy:
             abort_job(f"{type(obj).__name__} failed and was never closed: {broken}", getattr(obj, "rank", None))
             return
@@ -174,13 +208,21 @@ def _abort_open(exc_type) -> None:
     ``timeout_s``, and reaches ``close()`` while this rank's exit-time close still waits for it."""
     if hasattr(sys, "ps1") or sys.flags.interactive:  # an interactive session goes on after the traceback
         return
-    for _, broken, _, abort in _open_entries():
+    for _, broken, _, abort, _ in _open_entries():
         if abort is None or broken:
             continue
         try:
             abort(exc_type)
         except Exception:  # pragma: no cover - never mask the original error
             pass
+
+
+def _cause_of(exc):
+    """The rank whose abort ``exc`` reports when that is another rank (``SymBufferAbortedError``), else None."""
+    from ..common.errors import SymBufferAbortedError
+    if isinstance(exc, SymBufferAbortedError) and exc.aborting_rank >= 0 and exc.aborting_rank != exc.rank:
+        return exc.aborting_rank
+    return None
 
 
 def _install_excepthook() -> None:
@@ -195,10 +237,10 @@ def _install_excepthook() -> None:
         policy = getattr(exc, "abort_on_failure", None)
         failed = [e for e in _open_entries() if e[1]]
         if failed:
-            policy = any(p for _, _, p, _ in failed)
+            policy = any(e[2] for e in failed)
         if policy is None:
             policy = env_abort_default()
         if policy:
-            abort_job(f"uncaught {exc_type.__name__}: {exc}")
+            abort_job(f"uncaught {exc_type.__name__}: {exc}", cause=_cause_of(exc))
 
     sys.excepthook = hook

@@ -394,11 +394,18 @@ class SymBuffer:
             raise
         self._pid = os.getpid()
         self._closed = False
-        self._token = None if _managed else _lifecycle.register(self, state=self._lifecycle_state)
+        self._token = None if _managed else _lifecycle.register(self, state=self._lifecycle_state,
+                                                                depart=self._depart)
 
     def _lifecycle_state(self) -> tuple:
         """For :mod:`~cupy_symbuf.transport.lifecycle`: ``(pid that made it, open, failure, abort policy)``."""
         return self._pid, not self._closed, None, None
+
+    def _depart(self, reason: str) -> None:
+        """For :mod:`~cupy_symbuf.transport.lifecycle`: the job is ending; peers stop waiting for this rank
+        (``Bootstrap.depart``)."""
+        if self.bootstrap is not None:
+            self.bootstrap.depart(reason)
 
     def _free_comm(self) -> None:
         if self.bootstrap is not None:
