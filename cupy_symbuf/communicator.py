@@ -569,9 +569,15 @@ class Communicator:
                     set_abort(_protocol.ERR_LEFT_WITH)
                 except Exception:  # pragma: no cover - never mask the exception that is leaving
                     pass
-                if self.config.abort_on_failure:  # the peers may end the job before this traceback is printed
+                if self.config.abort_on_failure:
                     _lifecycle.say(self.rank, f"{self._leaving_by} left 'with Communicator': the peers are told "
                                               f"(abort word), closing")
+                    if getattr(self.buffer, "comm", None) is not None:
+                        # under MPI a peer's MPI_Abort may end this process before Python prints the traceback
+                        # (a torch bootstrap's peers depart instead, and Python prints it once close() returns)
+                        import traceback
+                        _lifecycle.say(self.rank, *"".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
+                                       .splitlines())
         try:
             self.close()
         except Exception as close_exc:  # the exception that left the block stays the one reported
