@@ -88,7 +88,7 @@ def _outcome(c, ll, y, topk_idx, topk_weights, handle, split: bool) -> tuple:
     return err, out
 
 
-def _every_rank_rejects(c, ll, err, out, *, bad: int, why: str) -> None:
+def _every_rank_rejects(c, err, out, *, bad: int, why: str) -> None:
     """Every rank raised (collective check): ``bad`` the rejection of its own arguments (host: ValueError naming
     ``why``; GPU: SymBufferRejectedError naming itself), the others SymBufferRejectedError naming a rank; on the GPU
     the call's rows are zero; no rank got rows."""
@@ -137,7 +137,7 @@ def test_combine_with_handle_of_older_dispatch_on_one_rank(comm, ll, how):
     start = time.monotonic()
     err, out = _outcome(c, ll, y_in, i_, w_, h, how == "recv_hook")
     took = time.monotonic() - start
-    _every_rank_rejects(c, ll, err, out, bad=-1, why="dispatch")
+    _every_rank_rejects(c, err, out, bad=-1, why="dispatch")
     all_ranks(lambda: took < PROMPT_S or pytest.fail(f"took {took:.1f} s"))
     all_ranks(lambda: f"#{h.dispatch_id}" in str(err) or pytest.fail(str(err)))
     _still_right(c, ll, 301)
@@ -182,7 +182,7 @@ def test_combine_with_other_topk_idx_on_one_rank(comm, ll, how):
                 i_[0, 0] = -1
     y = dev(c, expert_outputs(320, RANK, ll.L, W * N, H, "bfloat16"))
     err, out = _outcome(c, ll, y, i_, w, h, how == "recv_hook")
-    _every_rank_rejects(c, ll, err, out, bad=bad, why="topk_idx" if RANK == bad else f"rank {bad}")
+    _every_rank_rejects(c, err, out, bad=bad, why="topk_idx" if RANK == bad else f"rank {bad}")
     all_ranks(lambda: getattr(err, "rejecting_rank", bad) == bad or pytest.fail(repr(err)))
     _still_right(c, ll, 321)
 
