@@ -203,9 +203,9 @@ while [ $# -gt 0 ]; do
         run faults 240 $PYTEST --timeout=100 tests/test_faults.py -k "${FAULTS_K:-not soak}" ;;
     ll)
       mps_on
-      LL="tests/test_low_latency.py tests/test_deepep.py"
+      LL="tests/test_low_latency.py tests/test_deepep.py tests/test_low_latency_agreement.py"
       run ll1 90 env CUPY_SYMBUF_TEST_BACKENDS=cuda $PYTEST -x $LL
-      run ll2 100 $MPIRUN -n 2 $GPU0 $CUDA_ONLY $PYTEST -x $LL
+      run ll2 150 $MPIRUN -n 2 $GPU0 $CUDA_ONLY $PYTEST -x $LL
       run ll4 100 $MPIRUN -n 4 $GPU0 $CUDA_ONLY $PYTEST -x tests/test_low_latency.py ;;
     deepep)
       if [ ! -f .external/DeepEP/tests/test_intranode.py ]; then

@@ -6,13 +6,22 @@
 //   ctrl lines (LOCAL only): dispatch [-, -, exit], combine [-, -, exit]: exit counts the blocks that left, over
 //   all launches (u64, only growing; a fire-and-forget red.add per block). A launch's sequence number is
 //   seq = exit / grid + 1 (the previous launch on the stream has completed, so every block of it has counted).
-//   dispatch halves 0/1, chosen by the parity of seq: per source rank s: a flag line [count, n_s, sig], meta int32
-//   [N][K] (s's topk_idx, global expert ids) and rows [N][R] (token t of s at row t: the x row, or fp8 bytes +
-//   scales). count: blocks of s done with their stores into this half, over all calls on this half (every block
-//   of s adds 1 per call), so call seq is complete at count == ((seq + 1) >> 1) * grid.
-//   combine halves 0/1: per source s: weights flag [seq, n_s, sig] + float32 weights [N][K]; per expert rank d:
-//   partials flag [count, 0, sig] (counted like dispatch's) + rows [N][RC] (the weighted sum of d's local experts'
-//   outputs for token t, x's dtype).
+//   dispatch halves 0/1, chosen by the parity of seq: per source rank s: a flag line [count, n_s, sig, tag, why],
+//   meta int32 [N][K] (s's topk_idx, global expert ids, -1 for entries ignored like -1) and rows [N][R] (token t of
+//   s at row t: the x row, or fp8 bytes + scales). count: blocks of s done with their stores into this half, over
+//   all calls on this half (every block of s adds 1 per call), so call seq is complete at count == ((seq + 1) >> 1)
+//   * grid. tag / why: 0 unless n_s is LL_REJECTED (then the announced token and the REJECT_* reason).
+//   combine halves 0/1: per source s: weights flag [seq, n_s, sig, dispatch id, why] + float32 weights [N][K]; per
+//   expert rank d: partials flag [count, 0, sig] (counted like dispatch's) + rows [N][RC] (the weighted sum of d's
+//   local experts' outputs for token t, x's dtype).
+// Handle agreement (combine): a dispatch's receive stores its seq (the dispatch id, the same on every rank) into its
+// output set's dispatch_id word; a combine publishes the id of its handle's set in its weights line, and every rank,
+// having read every rank's weights line, compares each id with its own: ids that differ make the call rejected on
+// every rank alike (every rank reads the same lines; REJECT_HANDLE), before any partial is sent. Before publishing,
+// block 0 compares this rank's topk_idx with the meta its handle's dispatch sent (this rank's own meta lines of that
+// dispatch's half, which stay until the dispatch after the next one: as long as the handle is valid); a difference
+// publishes the weights line as rejected (REJECT_TOPK), so every rank rejects the call. Nothing of this is a host
+// value: CUDA-graph replays compare the ids the replayed dispatches wrote.
 // Ordering: payload stores of every block, __syncthreads, then (thread 0; block 0 first writes n and sig into
 // every destination's line) fence.sc.sys + one red.relaxed.sys.add per destination line: the fence then relaxed
 // RMW is a release pattern, and the RMWs of all blocks form one release sequence, so the acquire load that reads
@@ -117,6 +126,11 @@ __device__ __forceinline__ void load4(const u8* row, i64 i, float v[4]) {
 }
 
 // ---- flags and counters ----------------------------------------------------------------------------------------------
+// Word w (LL_LINE_*) of a flag line, after the wait that acquired the line's seq.
+__device__ __forceinline__ i64 line_word(const u64* line, int w) {
+  return ld_volatile_global(reinterpret_cast<const i64*>(line) + w);
+}
+
 // Wait until flag line `line` holds `seq` (a sequence number or a block count), then read its n word into *ns; a
 // line whose n is not LL_REJECTED must carry the signature `sig`, unless `n` (the waiting rank's own n) is
 // LL_REJECTED: a rank that rejected its call has no signature to compare (its arguments failed its checks; the
@@ -145,13 +159,16 @@ __device__ __noinline__ bool wait_line(const WaitCtx* c, int peer, const u64* li
 }
 
 // Block done with its stores into every destination's half: count it in each destination's line `me` (block 0
-// first stores n and sig there). Thread 0 only, after a __syncthreads that follows the block's stores.
-__device__ __forceinline__ void block_sent(const u64* ll_bases, i64 line_off, int me, int W, i64 n, i64 sig) {
+// first stores n, sig, tag and why there). Thread 0 only, after a __syncthreads that follows the block's stores.
+__device__ __forceinline__ void block_sent(const u64* ll_bases, i64 line_off, int me, int W, i64 n, i64 sig,
+                                           i64 tag, i64 why) {
   if (blockIdx.x == 0) {
     for (int r = 0; r < W; ++r) {
       volatile i64* w = reinterpret_cast<volatile i64*>(ll_bases[r] + line_off + static_cast<i64>(me) * LINE_BYTES);
       w[LL_LINE_N] = n;
       w[LL_LINE_SIG] = sig;
+      w[LL_LINE_TAG] = tag;
+      w[LL_LINE_WHY] = why;
     }
   }
   __threadfence_system();  // the block's stores (ordered before by bar.sync) and n/sig before the counts
@@ -185,12 +202,16 @@ __device__ __forceinline__ int expert_rank(i64 e, i64 L, i64 W) { return (e < 0 
 // ---- the common set-up of both kernels ------------------------------------------------------------------------------
 // Per block, in shared memory: the wait context, this launch's sequence number, and the verdict of the flag waits
 // (fail: a wait failed, recorded: leave without counting the block; rejected: the lowest rank whose line said
-// LL_REJECTED, or MAX_PEERS for none).
+// LL_REJECTED or, combine, carried another dispatch id, or MAX_PEERS for none; why / theirs: per such rank the
+// REJECT_* reason and its word (the announced token, the other dispatch id); own: this rank's dispatch id).
 struct LLBlockState {
   WaitCtx ctx;
   u64 seq;
   int fail;
   int rejected;
+  i64 own;
+  int why[MAX_PEERS];
+  i64 theirs[MAX_PEERS];
 };
 // What every thread derives from the arguments: the block state, the launch's sequence number and the half it
 // selects, the warp coordinates of the grid-stride loops.
@@ -216,6 +237,7 @@ __device__ __forceinline__ LLLaunch ll_prologue(const Args& a) {
                            a.abort_offset, static_cast<u64>(a.timeout_ns), static_cast<u64>(a.launch_seq));
     sh.fail = 0;
     sh.rejected = MAX_PEERS;
+    sh.own = 0;
   }
   __syncthreads();
   LLLaunch l;
@@ -231,16 +253,27 @@ __device__ __forceinline__ LLLaunch ll_prologue(const Args& a) {
   return l;
 }
 
-// Source `s`'s flag line said n = ns: a rejection is noted (the lowest rank wins).
-__device__ __forceinline__ void note_line(LLBlockState* sh, int s, i64 ns) {
-  if (ns == LL_REJECTED) atomicMin(&sh->rejected, s);
+// The call is rejected because of source `s` (reason why, its word theirs): noted; the lowest rank wins. Thread s.
+__device__ __forceinline__ void note_rejection(LLBlockState* sh, int s, int why, i64 theirs) {
+  sh->why[s] = why;
+  sh->theirs[s] = theirs;
+  atomicMin(&sh->rejected, s);
+}
+
+// Source `s`'s flag line `line` said n = ns: a rejection is noted with the reason and token the line carries.
+__device__ __forceinline__ void note_line(LLBlockState* sh, int s, i64 ns, const u64* line) {
+  if (ns == LL_REJECTED)
+    note_rejection(sh, s, static_cast<int>(line_word(line, LL_LINE_WHY)), line_word(line, LL_LINE_TAG));
 }
 
 // A rank rejected this call (sh->rejected < MAX_PEERS, after the __syncthreads that follows the waits): a rank that
-// did not reject itself (n >= 0) records it (block 0); the caller then leaves empty outputs and counts the block.
+// did not reject itself (n >= 0) records it with its reason (block 0); the caller then leaves empty outputs and
+// counts the block.
 __device__ __forceinline__ bool call_rejected(const LLLaunch& l, i64 n) {
-  if (l.sh->rejected >= MAX_PEERS) return false;
-  if (n >= 0 && blockIdx.x == 0 && threadIdx.x == 0) record_rejection(l.sh->ctx, l.sh->rejected);
+  const int who = l.sh->rejected;
+  if (who >= MAX_PEERS) return false;
+  if (n >= 0 && blockIdx.x == 0 && threadIdx.x == 0)
+    record_rejection(l.sh->ctx, who, l.sh->why[who], l.sh->own, l.sh->theirs[who]);
   return true;
 }
 
@@ -285,10 +318,10 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     const i64 e = lane < K ? topk[t * K + lane] : -1;
     const int r = expert_rank(e, L, a.W);
     const u32 dests = __reduce_or_sync(0xffffffffu, r >= 0 ? (1u << r) : 0u);
-    if (g == 0 && lane < K) {
+    if (g == 0 && lane < K) {  // (an entry ignored like -1 travels as -1)
       for (int d = 0; d < W; ++d)
         *at<int>(ll_bases[d], half + a.meta_off + ((static_cast<i64>(me) * N + t) * K + lane) * 4) =
-            static_cast<int>(e);
+            r >= 0 ? static_cast<int>(e) : -1;
     }
     if (!dests) continue;
     const i64 row_off = half + a.rows_off + (static_cast<i64>(me) * N + t) * R;
@@ -325,7 +358,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   }
   if (a.phase & LL_PHASE_SEND) {
     __syncthreads();
-    if (threadIdx.x == 0) block_sent(ll_bases, half + a.flags_off, me, W, n, a.sig);
+    if (threadIdx.x == 0) block_sent(ll_bases, half + a.flags_off, me, W, n, a.sig, a.tag, a.why);
     prof_stamp(a.prof, 1);
   }
   if (!(a.phase & LL_PHASE_RECV)) return;  // a send-only launch does not count its blocks (the receive will)
@@ -340,7 +373,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
       fail(sh->ctx, ROLE_RECV, s, N, ns, ERR_MISMATCH, FIELD_UNITS);
       sh->fail = 1;
     }
-    note_line(sh, s, ns);
+    note_line(sh, s, ns, line);
     s_ntok[s] = static_cast<int>(ns);
   }
   const i64 NW = (N + 31) / 32;
@@ -354,6 +387,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
       for (i64 i = threadIdx.x; i < L * W; i += blockDim.x) reinterpret_cast<i64*>(a.layout_range)[i] = 0;
       for (i64 i = threadIdx.x; i < L; i += blockDim.x) reinterpret_cast<int*>(a.recv_count)[i] = 0;
       if (threadIdx.x < W) reinterpret_cast<int*>(a.recv_ntok)[threadIdx.x] = 0;
+      if (threadIdx.x == 0) *reinterpret_cast<i64*>(a.dispatch_id) = static_cast<i64>(seq);
     }
     __syncthreads();
     if (threadIdx.x == 0) block_exit(l.ctrl);
@@ -391,6 +425,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     if (blockIdx.x == 0) reinterpret_cast<int*>(a.recv_count)[el] = acc;
   }
   if (blockIdx.x == 0 && threadIdx.x < W) reinterpret_cast<int*>(a.recv_ntok)[threadIdx.x] = s_ntok[threadIdx.x];
+  if (blockIdx.x == 0 && threadIdx.x == 0) *reinterpret_cast<i64*>(a.dispatch_id) = static_cast<i64>(seq);
   __syncthreads();
   prof_stamp(a.prof, 3);
   // copies: work item (source s, token t, 4 KB segment of its staging row), one warp: lanes j < K read t's meta,
@@ -466,8 +501,9 @@ extern "C" __global__ void __launch_bounds__(512) symbuf_ll_dispatch(const __gri
 }
 
 // ---- combine ---------------------------------------------------------------------------------------------------------
-// A: block 0 stores this rank's topk_weights (float32 [n][K]) into every rank's weights area of source `rank`, then
-//    the weights flag [seq, n, sig].
+// A: block 0 compares this rank's topk_idx with the meta its handle's dispatch sent (a difference: the weights flag
+//    says LL_REJECTED, REJECT_TOPK), stores this rank's topk_weights (float32 [n][K]) into every rank's weights area
+//    of source `rank`, then the weights flag [seq, n, sig, the handle's dispatch id, why].
 // B: after every source's weights flag: work item (source s, token t < n_s, segment), one warp: partial =
 //    sum over j = 0..K-1 with inv[s][t][j] >= 0 of w[s][t][j] * x[inv[s][t][j]] (float32, multiply then add, no
 //    fma, from 0), rounded once to x's dtype, stored into s's partial row t of expert rank `rank`. Tokens with no
@@ -491,20 +527,36 @@ __device__ void combine_body(const LLCombineArgs& a) {
 
   prof_stamp(a.prof, 0);
   const bool sending = (a.phase & LL_PHASE_SEND) != 0;
-  // ---- A: weights ----
+  // The id of the dispatch whose handle this call uses (a rejecting rank has no handle).
+  const i64 did = n >= 0 ? ld_volatile_global(reinterpret_cast<const i64*>(a.dispatch_id)) : 0;
+  // ---- A: topk_idx check, weights ----
   if (sending && blockIdx.x == 0) {
+    // this rank's meta lines of the handle's dispatch: what that dispatch sent (ignored entries -1); read with the
+    // weights, so the check adds no round trip (a rejecting rank, n < 0, reads nothing)
+    const u32* sent = at<u32>(ll_bases[me], a.d_half0 + (did & 1) * a.d_half_bytes + a.d_meta_off +
+                                                static_cast<i64>(me) * N * K * 4);
     const u32* w = reinterpret_cast<const u32*>(a.weights);
-    for (int d = 0; d < W; ++d)
-      for (i64 i = threadIdx.x; i < n * K; i += blockDim.x)
-        *at<u32>(ll_bases[d], half + a.weights_off + (static_cast<i64>(me) * N * K + i) * 4) = ld_nc_global(w + i);
-    __syncthreads();
+    int differs = 0;
+    for (i64 i = threadIdx.x; i < n * K; i += blockDim.x) {
+      const u32 wi = ld_nc_global(w + i);
+      const i64 e = topk[i];
+      const int mine = expert_rank(e, L, a.W) >= 0 ? static_cast<int>(e) : -1;
+      differs |= mine != static_cast<int>(ld_cg_global(sent + i));
+      for (int d = 0; d < W; ++d)
+        *at<u32>(ll_bases[d], half + a.weights_off + (static_cast<i64>(me) * N * K + i) * 4) = wi;
+    }
+    // (the barrier also orders every thread's weights stores before the flag below)
+    const bool topk_differs = __syncthreads_or(differs) != 0;
+    const i64 n_line = topk_differs ? LL_REJECTED : n, why = topk_differs ? REJECT_TOPK : REJECT_ARGS;
     if (threadIdx.x < W) {
       const int d = threadIdx.x;
       __threadfence_system();
       u64* line = at<u64>(ll_bases[d], half + a.wflags_off + static_cast<i64>(me) * LINE_BYTES);
       volatile i64* lw = reinterpret_cast<volatile i64*>(line);
-      lw[LL_LINE_N] = n;
+      lw[LL_LINE_N] = n_line;
       lw[LL_LINE_SIG] = a.sig;
+      lw[LL_LINE_TAG] = did;
+      lw[LL_LINE_WHY] = why;
       st_release_sys_global(line + LL_LINE_SEQ, seq);
     }
   }
@@ -534,15 +586,18 @@ __device__ void combine_body(const LLCombineArgs& a) {
     const int s = threadIdx.x;
     const u64* line = at<u64>(ll_bases[me], half + a.wflags_off + static_cast<i64>(s) * LINE_BYTES);
     i64 ns = 0;
+    if (s == 0) sh->own = did;
     if (!wait_line(&sh->ctx, s, line, seq, a.sig, n, &ns)) sh->fail = 1;
     else if (ns != LL_REJECTED && n >= 0) {
-      const i64 want = reinterpret_cast<const int*>(a.recv_ntok)[s];
-      if (ns != want) {  // the handle is not of the dispatch this combine answers
-        fail(sh->ctx, ROLE_RECV, s, want, ns, ERR_MISMATCH, FIELD_UNITS);
+      const i64 theirs = line_word(line, LL_LINE_TAG);
+      if (theirs != did) {  // the ranks' handles come from different dispatches: every rank sees it, rejects alike
+        note_rejection(sh, s, REJECT_HANDLE, theirs);
+      } else if (ns != reinterpret_cast<const int*>(a.recv_ntok)[s]) {  // one dispatch, other counts: broken
+        fail(sh->ctx, ROLE_RECV, s, reinterpret_cast<const int*>(a.recv_ntok)[s], ns, ERR_MISMATCH, FIELD_UNITS);
         sh->fail = 1;
       }
     }
-    note_line(sh, s, ns);
+    note_line(sh, s, ns, line);
   }
   __syncthreads();
   if (sh->fail) return;
@@ -602,7 +657,7 @@ __device__ void combine_body(const LLCombineArgs& a) {
   }
   if (sending) {
     __syncthreads();
-    if (threadIdx.x == 0) block_sent(ll_bases, half + a.pflags_off, me, W, 0, a.sig);
+    if (threadIdx.x == 0) block_sent(ll_bases, half + a.pflags_off, me, W, 0, a.sig, 0, 0);
     prof_stamp(a.prof, 2);
   }
   if (!(a.phase & LL_PHASE_RECV)) return;  // a send-only launch does not count its blocks (the receive will)

@@ -82,12 +82,18 @@ __device__ __noinline__ void report_error(const WaitCtx& c, int role, int peer, 
   }
 }
 
-// A peer's call header said HDR_REJECTED: not an error of the ring; the first one of the record's life is kept.
-__device__ __forceinline__ void record_rejection(const WaitCtx& c, int peer) {
+// A peer's call header said HDR_REJECTED: not an error of the ring; the first one of the record's life is kept,
+// with its reason (STATUS_REJECTED_WHY, REJECT_*) and two words the reason names (STATUS_REJECTED_OWN / _PEER).
+__device__ __forceinline__ void record_rejection(const WaitCtx& c, int peer, i64 why = REJECT_ARGS, i64 own = 0,
+                                                 i64 theirs = 0) {
   i64* st = c.status;
   if (atomicCAS(reinterpret_cast<unsigned long long*>(st + STATUS_REJECTED_BY), 0ull,
-                static_cast<unsigned long long>(peer + 1)) == 0ull)
+                static_cast<unsigned long long>(peer + 1)) == 0ull) {
     st[STATUS_REJECTED_SEQ] = static_cast<i64>(c.seq);
+    st[STATUS_REJECTED_WHY] = why;
+    st[STATUS_REJECTED_OWN] = own;
+    st[STATUS_REJECTED_PEER] = theirs;
+  }
 }
 
 // ---- abort word ------------------------------------------------------------------------------------------------

@@ -340,6 +340,22 @@ def test_debug_env_adds_define(monkeypatch):
         _kernels._debug_defines.cache_clear()
 
 
+def test_low_latency_dispatch_shared_memory_fits():
+    """symbuf_ll_dispatch keeps its receive masks in dynamic shared memory (LowLatencyBuffer refuses more than
+    _SMEM_DYNAMIC_MAX bytes of them) next to its static block state, launched without the opt-in attribute: both
+    together must fit the default 48 KiB per block."""
+    _nvrtc_or_skip()
+    from cupy_symbuf.moe import low_latency as _ll
+    ptx = _kernels.compile_ptx("low_latency.cu")
+    found = re.findall(r"\.shared \.align \d+ \.b8 (\w*(?:LLDispatchArgs|dispatch_body)\w*)\[(\d+)\];", ptx)
+    state = [int(n) for name, n in found if "ll_prologue" in name]
+    per_body = [int(n) for name, n in found if "dispatch_body" in name]
+    assert state and per_body, f"the PTX pattern no longer matches: {found}"
+    static = max(state) + max(per_body) + 16  # (alignment between the two)
+    assert static + _ll._SMEM_DYNAMIC_MAX <= 48 * 1024, (
+        f"symbuf_ll_dispatch: {static} static + {_ll._SMEM_DYNAMIC_MAX} dynamic bytes of shared memory exceed 48 KiB")
+
+
 def test_moe_layout_shared_memory_fits_max_experts():
     """symbuf_moe_layout keeps num_experts int32 counters in dynamic shared memory next to its static arrays and is
     launched without the opt-in attribute: static + 4 * MAX_EXPERTS must fit the default 48 KiB per block, or a

@@ -34,11 +34,17 @@ On the host backend every call completes before it returns and the events are co
 Low-latency mode (``low_latency_dispatch`` / ``low_latency_combine``, intranode): over
 :class:`cupy_symbuf.LowLatencyBuffer`, whose results it returns unchanged (see its docstring for the row order and
 arithmetic). One ``LowLatencyBuffer`` per ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype)``, made
-at the first low-latency call with those values; **its creation is collective**: every rank must make its first
-low-latency call (of each shape) together and with the same values, or pass them to the constructor
-(``Buffer(..., low_latency_mode=True, num_max_dispatch_tokens_per_rank=..., hidden=..., num_experts=...)``), which
-creates it there. All low-latency calls of a Buffer run on its comm stream, in call order (the mode's sequence
-numbers need that).
+at the first low-latency dispatch with those values (collectively: its parameters are compared across ranks), or
+by the constructor (``Buffer(..., low_latency_mode=True, num_max_dispatch_tokens_per_rank=..., hidden=...,
+num_experts=...)``). Every rank's dispatch must use the same values. The Buffer dispatches on one current
+LowLatencyBuffer; a dispatch of other values first agrees on the switch with every rank through the current one's
+call protocol (:meth:`cupy_symbuf.LowLatencyBuffer.announce`: one extra rejected-call step, and on the GPU a wait for
+the comm stream; a dispatch of the current values costs nothing extra), and only then makes or takes the other
+buffer. So a rank asking for other values than its peers raises ``ValueError`` naming them at once, the peers
+:class:`~cupy_symbuf.SymBufferRejectedError` (GPU: from ``synchronize()``) or that ``ValueError``, no buffer is made
+on one rank only, and the Buffer stays usable. (The switch is a call of the current LowLatencyBuffer: a receive
+hook outstanding there must run first, else ``RuntimeError``.) All low-latency calls of a Buffer run on its comm
+stream, in call order (the mode's sequence numbers need that).
 
 As DeepEP: ``dispatch`` routes by the caller's ``is_token_in_rank`` and counts by its ``num_tokens_per_expert``
 (``topk_idx`` / ``topk_weights`` optional, travelling as data); the handle is DeepEP's 6-sequence
@@ -62,6 +68,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+import operator
+import zlib
 from typing import Any, Optional
 
 import numpy as np
@@ -438,6 +446,42 @@ class LowLatencyHandleView(_HandleTuple):
 
 #: ``max_topk`` of the LowLatencyBuffers the shim makes (the largest top-k a call may use)
 _LL_MAX_TOPK = 32
+#: A LowLatencyBuffer's key, ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype)``, field names
+_LL_KEY_FIELDS = ("num_max_dispatch_tokens_per_rank", "hidden", "num_experts", "dtype")
+_LL_KEY_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _ll_token(key: tuple) -> int:
+    """The token that announces a switch to the LowLatencyBuffer of ``key`` (:meth:`LowLatencyBuffer.announce`):
+    the key itself, packed (bit 62 set; N below 2**13, hidden below 2**24, num_experts below 2**20, dtype one of
+    ``_LL_KEY_DTYPES``), else a CRC-32 of its text plus 1 (below 2**33)."""
+    try:
+        n, h, e = (operator.index(v) for v in key[:3])
+    except TypeError:
+        return 1 + zlib.crc32(repr(key).encode())
+    dtype = key[3]
+    if dtype in _LL_KEY_DTYPES and 0 < n < 1 << 13 and 0 < h < 1 << 24 and 0 < e < 1 << 20:
+        return 1 << 62 | n << 46 | h << 22 | e << 2 | _LL_KEY_DTYPES.index(dtype)
+    return 1 + zlib.crc32(repr((n, h, e, dtype)).encode())
+
+
+def _ll_key_of(token: int) -> Optional[tuple]:
+    """The key :func:`_ll_token` packed into ``token``, or None."""
+    if not token >> 62 & 1 or token & 3 == 3:
+        return None
+    return (token >> 46 & (1 << 13) - 1, token >> 22 & (1 << 24) - 1, token >> 2 & (1 << 20) - 1,
+            _LL_KEY_DTYPES[token & 3])
+
+
+def _ll_key_text(key: tuple) -> str:
+    return "(" + ", ".join(f"{f}={v}" for f, v in zip(_LL_KEY_FIELDS, key)) + ")"
+
+
+def _ll_key_diff(mine: tuple, theirs: Optional[tuple]) -> str:
+    """``mine`` against ``theirs`` (None: not known here), field by field."""
+    if theirs is None:
+        return f"another {', '.join(_LL_KEY_FIELDS)}"
+    return ", ".join(f"{f} {a} here, {b} there" for f, a, b in zip(_LL_KEY_FIELDS, mine, theirs) if a != b)
 
 
 # ------------------------------------------------------------------------------------------------ Buffer
@@ -509,6 +553,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self._comm_stream = None
         self._ll = {}  # (N, hidden, num_experts, dtype) -> LowLatencyBuffer
+        self._ll_current = None  # the key of the LowLatencyBuffer of the last low-latency dispatch (every rank's)
         if self.communicator.backend == "cuda":
             self._comm_stream = _compat.cupy.cuda.Stream(non_blocking=True)
         shape = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
@@ -522,7 +567,7 @@ class Buffer:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Close the low-latency buffers and the communicator (collective; :meth:`cupy_symbuf.Communicator.close`)."""
-        lls, self._ll = list(self._ll.values()), {}
+        lls, self._ll, self._ll_current = list(self._ll.values()), {}, None
         try:
             for ll in lls:
                 ll.close()
@@ -535,7 +580,7 @@ class Buffer:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        lls, self._ll = list(self._ll.values()), {}
+        lls, self._ll, self._ll_current = list(self._ll.values()), {}, None
         try:
             for ll in lls:
                 ll.close()
@@ -802,13 +847,46 @@ class Buffer:
                                                 max_topk=_LL_MAX_TOPK)
 
     def _ll_buffer(self, op: str, num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype) -> LowLatencyBuffer:
-        """The LowLatencyBuffer of these values, made (collectively) on first use."""
+        """The LowLatencyBuffer a dispatch of these values uses: the current one when they are its values (nothing
+        else is done); else, once every rank agreed on the switch through the current one
+        (:meth:`LowLatencyBuffer.announce`), the one of these values, made (collectively) on first use.
+
+        Raises ``ValueError`` naming the values when the ranks disagree (the peers that dispatched on the current
+        buffer raise :class:`~cupy_symbuf.SymBufferRejectedError`); the current buffer stays the current one."""
         key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, str(dtype))
         ll = self._ll.get(key)
+        if self._ll_current is not None and key == self._ll_current:
+            return ll
+        if self._ll_current is not None:  # a switch: every rank must announce the same one
+            cur = self._ll[self._ll_current]
+            token = _ll_token(key)
+            if self._comm_stream is None:
+                tokens = cur.announce(token)
+            else:
+                with self._comm_stream:  # in call order with the buffer's other calls
+                    tokens = cur.announce(token)
+            for r, t in enumerate(tokens):
+                if t == token:
+                    continue
+                if t is None:
+                    theirs = self._ll_current
+                    what = f"rank {r} dispatched with the current values {_ll_key_text(theirs)}"
+                elif t == 0:
+                    theirs = None
+                    what = f"rank {r}'s dispatch failed its own checks"
+                else:
+                    theirs = _ll_key_of(t)
+                    what = f"rank {r} asked for {_ll_key_text(theirs) if theirs else 'other values'}"
+                raise ValueError(
+                    f"{op}: the ranks disagree on the low-latency buffer of this dispatch: this rank asked for "
+                    f"{_ll_key_text(key)}, {what} ({_ll_key_diff(key, theirs)}): every rank must pass the same "
+                    f"num_max_dispatch_tokens_per_rank, num_experts, hidden and x dtype; nothing was dispatched "
+                    f"and the Buffer stays usable")
         if ll is None:
             ll = LowLatencyBuffer(self.communicator, num_max_dispatch_tokens_per_rank, hidden, num_experts,
                                   dtype=dtype, max_topk=_LL_MAX_TOPK)
             self._ll[key] = ll
+        self._ll_current = key
         return ll
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
@@ -914,8 +992,10 @@ class Buffer:
 
         The outputs are the LowLatencyBuffer's double buffer: valid until the dispatch after the next one.
         Errors: those of :meth:`LowLatencyBuffer.dispatch` (its argument errors are told to the peers, which
-        raise ``SymBufferRejectedError``); the shim's own checks before it (``x`` not 2-D, the flags) are not:
-        validate those alike on every rank.
+        raise ``SymBufferRejectedError``); ``ValueError`` naming the values when this rank's
+        ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype)`` differ from a peer's (told to the peers
+        through the current LowLatencyBuffer, see the module docstring); the shim's own checks before it (``x`` not
+        2-D, the flags) are not told: validate those alike on every rank.
         """
         op = "Buffer.low_latency_dispatch"
         conv = _Tensors(_is_torch(x))

@@ -74,7 +74,17 @@ their values until the hook ran (combine's receive reads ``topk_idx``; the hook 
 
 Rules: every rank makes the same calls in the same order with the same ``hidden``, dtype, top-k and fp8 options
 (checked in the flag lines); ``num_tokens`` may differ (0 too). Arguments are validated before anything moves.
-Calls follow the communicator's call protocol:
+A combine answers one dispatch: every rank passes the handle of the same dispatch, and the ``topk_idx`` that
+dispatch was given (equal values; a copy or an int32 one is fine). Both are checked without a host read: the
+handle carries its dispatch's id (:attr:`LowLatencyHandle.dispatch_id`; the kernels read the one each dispatch
+stores with its outputs, so CUDA-graph replays compare the ids the replayed dispatches wrote), which every rank's
+weights flag line carries and every rank compares; and before publishing its line a rank compares its ``topk_idx``
+with the top-k indices its dispatch sent (host path: a copy kept in the handle, a ``ValueError`` of that rank; GPU:
+the dispatch's metadata in the symmetric buffer, read by the combine kernel's first block, ``n x num_topk`` int32
+compares, no host read). Either difference is a rejection of the call on every rank (below; never wrong rows): the
+peers' :class:`~cupy_symbuf.SymBufferRejectedError` names the handles' dispatch ids, or the rank whose
+``topk_idx`` differs (on the GPU that rank's error is one too, naming itself). Calls follow the communicator's
+call protocol:
 
 * A call rejected on one rank (its arguments fail the checks, or any exception, ``KeyboardInterrupt`` too, before
   anything moved) is told to the peers: the rejecting rank still takes part in the call with flag lines marked
@@ -115,6 +125,7 @@ from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTim
 from ..transport.symbuffer import SymBuffer
 from ..transport.guard import collective, guarded
 from ..transport.streams import check_flag as _check_flag
+from ..transport.status import low_latency_rejection
 
 #: a LowLatencyBuffer's calls take its communicator's guard: one thread at a time for both
 _GUARD = operator.attrgetter("comm.engine.guard")
@@ -143,12 +154,17 @@ _STRUCTS = ("LLDispatchArgs", "LLCombineArgs")
 LL_DISPATCH_FIELDS = _kernel_args.fields(_STRUCTS[0])
 LL_COMBINE_FIELDS = _kernel_args.fields(_STRUCTS[1])
 _THREADS = 512
+#: dynamic shared memory of the dispatch kernel's receive masks, at most: a block's 48 KiB less 1 KiB for the
+#: kernels' static shared memory (LLBlockState and the token counts, 600 bytes)
+_SMEM_DYNAMIC_MAX = 47 * 1024
 _LINE = P.LINE_BYTES
 _KINDS = {_dt.BFLOAT16: P.LL_KIND_BF16, _dt.FLOAT16: P.LL_KIND_F16, _dt.FLOAT32: P.LL_KIND_F32}
 _ITEMSIZE = {_dt.BFLOAT16: 2, _dt.FLOAT16: 2, _dt.FLOAT32: 4}
 #: ctrl words (u64) of each kind's ctrl line on the host path: the sequence number (calls completed). (The
 #: kernels count the blocks that left in word LL_CTRL_EXIT instead: seq = that count / grid + 1.)
 _CTRL_SEQ = 0
+#: words (u64) of a flag line: LL_LINE_SEQ .. LL_LINE_WHY
+_LINE_WORDS = P.LL_LINE_WHY + 1
 _OPS = ("low_latency_dispatch", "low_latency_combine")
 #: the n of a rejected call: in its kernel arguments and in the flag lines it publishes
 _REJECTED = P.LL_REJECTED
@@ -208,19 +224,23 @@ class LowLatencyHandle:
     ``recv_count[e]``); ``layout_range``: int64 ``[num_local_experts, W]``, ``(begin << 32) | count`` of the rows
     from each source rank; ``recv_tokens_per_rank``: int32 ``[W]``, tokens each rank dispatched; ``inv``: int32
     ``[W, N, num_topk]``, flattened ``recv_x`` row of each (source, token, slot) naming a local expert, else -1.
-    Device arrays on the GPU (no host read). Read-only by convention (a plain ``__slots__`` object: one is made per
-    dispatch, so it is cheap to build).
+    Device arrays on the GPU (no host read). ``dispatch_id``: int, the number of the dispatch that made it in the
+    buffer's call sequence, the same on every rank (host path: the dispatch's flag-line sequence number; GPU: the
+    dispatch calls made before it + 1, which the device's sequence equals as long as no CUDA graph was replayed: the
+    kernels compare the device's own value, which each dispatch stores with its outputs). Read-only by convention (a
+    plain ``__slots__`` object: one is made per dispatch, so it is cheap to build).
 
     Indexable as DeepEP's tuple: ``handle[0]`` = ``src_info``, ``handle[1]`` = ``layout_range``, ``handle[2]`` =
     ``num_max_dispatch_tokens_per_rank``, ``handle[3]`` = ``hidden``, ``handle[4]`` = ``num_experts`` (``len`` 5;
     unpacking works)."""
 
     __slots__ = ("owner", "call", "num_tokens", "num_topk", "hidden", "use_fp8", "src_info", "layout_range",
-                 "recv_tokens_per_rank", "inv", "num_max_dispatch_tokens_per_rank", "num_experts")
+                 "recv_tokens_per_rank", "inv", "num_max_dispatch_tokens_per_rank", "num_experts", "dispatch_id",
+                 "_sent")
 
     def __init__(self, owner, call: int, num_tokens: int, num_topk: int, hidden: int, use_fp8: bool, src_info,
                  layout_range, recv_tokens_per_rank, inv, num_max_dispatch_tokens_per_rank: int = 0,
-                 num_experts: int = 0) -> None:
+                 num_experts: int = 0, *, dispatch_id: int = 0, sent=None) -> None:
         self.owner = owner
         self.call = call
         self.num_tokens = num_tokens
@@ -233,6 +253,10 @@ class LowLatencyHandle:
         self.inv = inv
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.num_experts = num_experts
+        self.dispatch_id = dispatch_id
+        #: host path: the int32 [num_tokens, num_topk] top-k indices the dispatch sent (combine's must equal them;
+        #: the GPU compares the dispatch's metadata in the symmetric buffer instead); None on the GPU
+        self._sent = sent
 
     def _fields(self) -> tuple:
         return (self.src_info, self.layout_range, self.num_max_dispatch_tokens_per_rank, self.hidden,
@@ -248,7 +272,8 @@ class LowLatencyHandle:
         return iter(self._fields())
 
     def __repr__(self) -> str:
-        return (f"LowLatencyHandle(call={self.call}, num_tokens={self.num_tokens}, num_topk={self.num_topk}, "
+        return (f"LowLatencyHandle(call={self.call}, dispatch_id={self.dispatch_id}, num_tokens={self.num_tokens}, "
+                f"num_topk={self.num_topk}, "
                 f"hidden={self.hidden}, use_fp8={self.use_fp8}, num_max_dispatch_tokens_per_rank="
                 f"{self.num_max_dispatch_tokens_per_rank}, num_experts={self.num_experts})")
 
@@ -338,9 +363,10 @@ class LowLatencyBuffer:
             if (H * _ITEMSIZE[kind]) % 16:
                 raise ValueError(f"{op}: hidden * itemsize ({H} * {_ITEMSIZE[kind]}) must be a multiple of 16 bytes")
             smem = 4 * (E * ((N + 31) // 32) + E)
-            if smem > 48 * 1024:
+            if smem > _SMEM_DYNAMIC_MAX:
                 raise ValueError(f"{op}: num_experts * ceil(N / 32) too large for the receive masks ({smem} bytes "
-                                 f"of shared memory > 49152): lower num_max_dispatch_tokens_per_rank or num_experts")
+                                 f"of shared memory > {_SMEM_DYNAMIC_MAX}): lower num_max_dispatch_tokens_per_rank "
+                                 f"or num_experts")
             if num_blocks is not None:
                 num_blocks = check_int(op, "num_blocks", num_blocks, minimum=1, maximum=1024)
         except (TypeError, ValueError) as exc:
@@ -456,19 +482,20 @@ class LowLatencyBuffer:
                 pass
         self._engine.mark_broken(f"low-latency mode: {self._broken}")
 
-    def _tell_rejected(self, which: int) -> None:
+    def _tell_rejected(self, which: int, why: int = P.REJECT_ARGS) -> None:
         """This rank rejected its call of kind ``which`` (0 dispatch, 1 combine) before anything moved (any
         exception, KeyboardInterrupt too): take part in the call just far enough that every peer learns it (they
-        raise :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank) and every rank stays at the same
-        call. The caller re-raises its own error. Nothing to tell on one rank or on a closed / failed buffer; a
-        failure while telling is raised instead (the buffer is then unusable)."""
+        raise :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank and the reason ``why``, ``REJECT_*``,
+        which the GPU's rejected combine launch does not carry) and every rank stays at the same call. The caller
+        re-raises its own error. Nothing to tell on one rank or on a closed / failed buffer; a failure while
+        telling is raised instead (the buffer is then unusable)."""
         if self._closed or self._broken or self._engine.broken or self.world_size == 1 or self._pending is not None:
             return
         try:
             if self.backend == "cuda":
-                self._issue_rejected(which)
+                self._issue_rejected(which, why=why)
             else:
-                self._host_rejected(which)
+                self._host_rejected(which, why=why)
         except BaseException as exc:
             self._failed(exc)
             raise
@@ -501,6 +528,8 @@ class LowLatencyBuffer:
         self._smem = [smem, 0]
         self._args = [_kernel_args.host_struct(name)() for name in _STRUCTS]
         self._idx = [frozenset(LL_DISPATCH_FIELDS), frozenset(LL_COMBINE_FIELDS)]
+        for s in self._sets:  # the id (sequence number) of the dispatch whose outputs the set holds, device-written
+            s["dispatch_id"] = cp.zeros(1, np.int64)
         W, N = self.world_size, self.N
         common = {"ll_bases": self.buffer.peer_ptrs_device.data.ptr, "N": N, "H": self.H, "L": self.L, "W": W,
                   "rank": self.rank, "kind": _KINDS[self.kind], "status": self._status.ptr,
@@ -511,7 +540,8 @@ class LowLatencyBuffer:
                   meta_off=self.d_meta, rows_off=self.d_rows, ctrl=self._ctrl_ptr, **common)
         self._put(1, self._args[1], half0=self.c0, half_bytes=self.c_half, wflags_off=self.c_wflags,
                   weights_off=self.c_weights, pflags_off=self.c_pflags, prows_off=self.c_prows,
-                  ctrl=self._ctrl_ptr + _LINE, **common)
+                  ctrl=self._ctrl_ptr + _LINE, d_half0=self.d0, d_half_bytes=self.d_half, d_meta_off=self.d_meta,
+                  **common)
         # Hot path (see _issue): the kernel argument struct of every (call kind, argument shapes, output set) is
         # built once (_Entry); a call rewrites only its input addresses and launch number, then cuLaunchKernel
         # (the driver copies the struct at launch, so it may be rewritten while the launch is queued).
@@ -524,7 +554,7 @@ class LowLatencyBuffer:
         self._dev = int(cp.cuda.Device().id)
         self._st = self._status.words
         self._hsets = [(s["recv_count"], s["src_info"], s["layout_range"], s["recv_ntok"], s["inv"]) for s in self._sets]
-        self._hptrs = [(s["inv"].data.ptr, s["recv_ntok"].data.ptr) for s in self._sets]
+        self._hptrs = [(s["inv"].data.ptr, s["recv_ntok"].data.ptr, s["dispatch_id"].data.ptr) for s in self._sets]
         self._prof = 0
         self._rejected_entries = [None, None]  # the argument struct of a rejected call, per kind (_issue_rejected)
         cp.cuda.runtime.deviceSynchronize()
@@ -557,7 +587,8 @@ class LowLatencyBuffer:
         return {"recv_x": (s["recv_q"] if fp8 else s["recv_x"]).data.ptr,
                 "recv_scales": s["recv_scales"].data.ptr if fp8 else 0, "recv_count": s["recv_count"].data.ptr,
                 "src_info": s["src_info"].data.ptr, "layout_range": s["layout_range"].data.ptr,
-                "inv": s["inv"].data.ptr, "recv_ntok": s["recv_ntok"].data.ptr}
+                "inv": s["inv"].data.ptr, "recv_ntok": s["recv_ntok"].data.ptr,
+                "dispatch_id": s["dispatch_id"].data.ptr}
 
     def _same(self, given, checked) -> bool:
         """``given`` (the caller's argument) is a contiguous CuPy array that validation passed through unchanged
@@ -581,19 +612,20 @@ class LowLatencyBuffer:
         a.topk = topk_ptr
         return self._issue(ent, p, a, _OPS[0], phase=phase)
 
-    def _issue_combine(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, w_ptr: int, inv_ptr: int,
-                       ntok_ptr: int, phase: int = _BOTH):
+    def _issue_combine(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, w_ptr: int, hptrs: tuple,
+                       phase: int = _BOTH):
+        """``hptrs``: the handle's output set's (inv, recv_ntok, dispatch_id) addresses (``_hptrs``)."""
         a = ent.args[p]
         a.x = x_ptr
         a.topk = topk_ptr
         a.weights = w_ptr
-        a.inv = inv_ptr
-        a.recv_ntok = ntok_ptr
+        a.inv, a.recv_ntok, a.dispatch_id = hptrs
         return self._issue(ent, p, a, _OPS[1], phase=phase)
 
-    def _issue_rejected(self, which: int) -> None:
+    def _issue_rejected(self, which: int, tag: int = 0, why: int = P.REJECT_ARGS):
         """Launch the kernel of kind ``which`` as a call this rank rejected (``n = LL_REJECTED``, no inputs): it
-        publishes this rank's flag lines marked rejected, waits for every peer's, and writes no output."""
+        publishes this rank's flag lines marked rejected (dispatch: carrying ``tag`` and ``why``), waits for every
+        peer's, and writes no output. Returns the stream."""
         ent = self._rejected_entries[which]
         if ent is None:
             ent = _Entry(which, self._fns[which], self._smem[which])
@@ -603,10 +635,18 @@ class LowLatencyBuffer:
                 self._put(which, a, **self._set_words(0, 0, {}))
             else:  # valid addresses, never read by a rejected launch
                 self._put(which, a, out=self._combine_out[0].data.ptr, inv=self._sets[0]["inv"].data.ptr,
-                          recv_ntok=self._sets[0]["recv_ntok"].data.ptr)
+                          recv_ntok=self._sets[0]["recv_ntok"].data.ptr,
+                          dispatch_id=self._sets[0]["dispatch_id"].data.ptr)
             ent.add(a)
             self._rejected_entries[which] = ent
-        self._issue(ent, 0, ent.args[0], _OPS[which], rejecting=True)
+        a = ent.args[0]
+        if which == 0:  # (the driver copies the struct at launch: reset for the next rejection)
+            a.tag, a.why = tag, why
+        try:
+            return self._issue(ent, 0, a, _OPS[which], rejecting=True)
+        finally:
+            if which == 0:
+                a.tag, a.why = 0, P.REJECT_ARGS
 
     def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str, rejecting: bool = False,
                phase: int = _BOTH, stream=None):
@@ -653,6 +693,67 @@ class LowLatencyBuffer:
             rejected = self._status.take_rejected()
             if rejected is not None:
                 raise self._status.rejected_error("synchronize", *rejected)
+
+    @guarded("LowLatencyBuffer.announce", guard=_GUARD)
+    def announce(self, token: int) -> list:
+        """Take part in this buffer's next dispatch without dispatching, telling every rank ``token``: the step
+        through which the ranks agree on what follows before anything collective outside this buffer starts
+        (:class:`cupy_symbuf.deepep.Buffer` announces a switch to another LowLatencyBuffer here, so a rank that
+        asks for another one than its peers is an error on every rank at once, not a wait of ``timeout_s``).
+
+        Collective with the peers' next dispatch or ``announce`` of this buffer: this rank's flag lines of that call
+        are marked rejected (reason ``REJECT_SWITCH``) and carry ``token``, and every rank's lines are awaited. A
+        peer that made an ordinary dispatch there has it rejected: nothing is delivered and it raises
+        :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank (host path: from the call; GPU: from
+        :meth:`synchronize`, or the call with ``Config(blocking=True)``). It counts as a rejected dispatch (see
+        "Rules": on the GPU a handle then lasts one dispatch less).
+
+        Parameters
+        ----------
+        token : int in ``[1, 2**63)``
+            Validate it alike on every rank: a bad one raises before anything moves and is not told.
+
+        Returns
+        -------
+        list, indexed by rank: that rank's token; ``None`` for a rank that made an ordinary dispatch; 0 for a rank
+        that rejected its own dispatch (its arguments failed its checks).
+
+        GPU: waits for the current stream (one host synchronisation) to read the lines. On one rank: ``[token]``,
+        nothing launched.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``token`` not an int in range.
+        RuntimeError
+            The receive hook of this buffer's previous call has not run (nothing moves).
+        SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            The step failed (the buffer and its communicator are unusable).
+        """
+        op = "LowLatencyBuffer.announce"
+        token = check_int(op, "token", token, minimum=1, maximum=2 ** 63 - 1)
+        self._check_usable()
+        self._check_no_pending(op)
+        if self.world_size == 1:
+            return [token]
+        if self.backend == "cuda":
+            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+        try:
+            if self.backend != "cuda":
+                lines = self._host_rejected(0, token, P.REJECT_SWITCH)
+            else:
+                stream = self._issue_rejected(0, token, P.REJECT_SWITCH)
+                self._dispatch_calls += 1  # (as any rejected launch: every rank counts it)
+                self._check_record(op, stream)
+                ctrl = self.buffer.peer_view(self.rank, np.uint64, (_LINE // 8,)).get()
+                seq = int(ctrl[P.LL_CTRL_EXIT]) // self.grid  # the launch that just completed
+                off = self.d0 + (seq & 1) * self.d_half + self.d_flags
+                words = self.buffer.peer_view(self.rank, np.int64, (self.world_size, _LINE // 8), off).get()
+                lines = [(int(w[P.LL_LINE_N]), int(w[P.LL_LINE_TAG])) for w in words]
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+        return [None if n != _REJECTED else tag for n, tag in lines]
 
     # ---- receive hooks -------------------------------------------------------------------------------------------
     def _check_no_pending(self, op: str) -> None:
@@ -825,7 +926,7 @@ class LowLatencyBuffer:
                 self._dispatch_calls = call + 1
                 h = self._hsets[p]
                 handle = LowLatencyHandle(self, call, ent.n, ent.K, self.H, ent.use_fp8, h[1], h[2], h[3], h[4],
-                                          self.N, self.num_experts)
+                                          self.N, self.num_experts, dispatch_id=call + 1)
                 if return_recv_hook:
                     hook = self._pending = LowLatencyRecvHook(self, _OPS[0], 0, call, ent, p, stream,
                                                               keep=(x, topk_idx))
@@ -869,6 +970,7 @@ class LowLatencyBuffer:
             self._tell_rejected(0)
             raise
         hook = None
+        dispatch_id, sent = call + 1, None
         try:
             if self.backend == "cuda":
                 stream = self._issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr,
@@ -879,7 +981,8 @@ class LowLatencyBuffer:
                 if return_recv_hook:
                     hook = LowLatencyRecvHook(self, op, 0, call, ent, call & 1, stream, keep=(x, topk))
             else:
-                state = self._host_dispatch_send(op, x, topk, n, K, use_fp8, ue8m0, sig)
+                state, sent = self._host_dispatch_send(op, x, topk, n, K, use_fp8, ue8m0, sig)
+                dispatch_id = state[0]
                 if return_recv_hook:
                     hook = LowLatencyRecvHook(self, op, 0, call, state=state + (use_fp8, sig, s))
                 else:
@@ -894,7 +997,8 @@ class LowLatencyBuffer:
         if self.backend == "cuda" or hook is None:  # (host: a split call counts when its receive completes)
             self._dispatch_calls += 1
         handle = LowLatencyHandle(self, call, n, K, self.H, use_fp8, s["src_info"], s["layout_range"],
-                                  s["recv_ntok"], s["inv"], self.N, self.num_experts)
+                                  s["recv_ntok"], s["inv"], self.N, self.num_experts, dispatch_id=dispatch_id,
+                                  sent=sent)
         if hook is not None:
             self._pending = hook
             return self._dispatch_out(s, use_fp8, x.dtype), s["recv_count"], handle, hook
@@ -940,9 +1044,11 @@ class LowLatencyBuffer:
         ----------
         x : ``[num_local_experts, W * N, hidden]`` of the buffer's dtype: the experts' outputs in ``recv_x``'s
             row order (rows past ``recv_count`` are not read).
-        topk_idx : the ``[num_tokens, num_topk]`` passed to the dispatch that made ``handle``.
+        topk_idx : the ``[num_tokens, num_topk]`` passed to the dispatch that made ``handle`` (equal values: a copy,
+            or int32, is fine; compared with what that dispatch sent, see the module docstring's "Rules").
         topk_weights : float32 ``[num_tokens, num_topk]``.
-        handle : from this buffer's :meth:`dispatch`, at most two dispatches old.
+        handle : from this buffer's :meth:`dispatch`, at most two dispatches old; every rank's from the same
+            dispatch (equal ``handle.dispatch_id``; compared across ranks in the flag lines).
         return_recv_hook : bool
             Launch only the send phase and return ``(combined_x, hook)``: ``combined_x`` holds its values once
             ``hook()`` ran the receive (see the module docstring, "Receive hooks"). ``x``, ``topk_idx`` and
@@ -956,8 +1062,13 @@ class LowLatencyBuffer:
         Raises
         ------
         TypeError, ValueError
-            Bad arguments (a stale or foreign ``handle`` too); the peers are told (see the module docstring).
-        SymBufferRejectedError, SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError, RuntimeError
+            Bad arguments (a stale or foreign ``handle`` too; host path: a ``topk_idx`` other than the dispatch's);
+            the peers are told (see the module docstring).
+        SymBufferRejectedError
+            As :meth:`dispatch`; also when the ranks' handles come from different dispatches (on every rank, naming
+            the dispatch ids) or a rank's ``topk_idx`` differs from its dispatch's (GPU: on that rank too, naming
+            itself): nothing was delivered (GPU: zero rows), the buffer stays usable.
+        SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError, RuntimeError
             As :meth:`dispatch`.
         """
         fast = self._fast
@@ -974,10 +1085,9 @@ class LowLatencyBuffer:
                 self._engine.check_open()
                 call = self._combine_calls
                 p = call & 1
-                hp = self._hptrs[handle.call & 1]
                 try:
                     stream = self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr,
-                                                 hp[0], hp[1], _SEND if return_recv_hook else _BOTH)
+                                                 self._hptrs[handle.call & 1], _SEND if return_recv_hook else _BOTH)
                 except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero rows in set p)
                     self._combine_calls = call + 1
                     raise
@@ -998,6 +1108,7 @@ class LowLatencyBuffer:
         call = self._combine_calls
         out = self._combine_out[call & 1]
         ent = None
+        why = P.REJECT_ARGS  # what the peers are told of a rejection
         try:  # until the call's first step, any exception is a rejection that the peers are told
             if not isinstance(handle, LowLatencyHandle):
                 raise TypeError(f"{op}: handle must be a LowLatencyHandle from dispatch, got {type(handle).__name__}")
@@ -1013,6 +1124,13 @@ class LowLatencyBuffer:
             topk = self._check_topk(op, topk_idx, n)
             if topk.shape[1] != K:
                 raise ValueError(f"{op}: topk_idx must have num_topk = {K} (as in dispatch), got {topk.shape[1]}")
+            if handle._sent is not None and not np.array_equal(topk, handle._sent):  # host (GPU: in the kernel)
+                why = P.REJECT_TOPK
+                t, j = (int(v[0]) for v in np.nonzero(topk != handle._sent))
+                raise ValueError(f"{op}: topk_idx differs from the one the dispatch of this handle "
+                                 f"(#{handle.dispatch_id}) sent (first at token {t}, slot {j}: {int(topk[t, j])} "
+                                 f"here, {int(handle._sent[t, j])} sent): combine takes that dispatch's topk_idx "
+                                 f"(equal values; a copy is fine)")
             w = as_array(op, "topk_weights", topk_weights, self.backend)
             if w.dtype != np.float32:
                 raise TypeError(f"{op}: topk_weights must be float32, got {w.dtype}")
@@ -1027,14 +1145,13 @@ class LowLatencyBuffer:
                     ent.n, ent.K = n, K
                     ent.outs = [o[:n].view(x.dtype) for o in self._combine_out]
         except BaseException:
-            self._tell_rejected(1)
+            self._tell_rejected(1, why)
             raise
         hook = None
         try:
             if self.backend == "cuda":
                 stream = self._issue_combine(ent, call & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
-                                             handle.inv.data.ptr, handle.recv_tokens_per_rank.data.ptr,
-                                             _SEND if return_recv_hook else _BOTH)
+                                             self._hptrs[handle.call & 1], _SEND if return_recv_hook else _BOTH)
                 if self._same(x_in, x) and self._same(topk_in, topk) and self._same(w_in, w):
                     self._fastkeys[1][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, w_in.shape,
                                        w_in.dtype)] = ent
@@ -1096,33 +1213,48 @@ class LowLatencyBuffer:
             raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SIG, sig, got)
         return ns
 
-    def _rejected_by(self, op: str, who: int) -> SymBufferRejectedError:
-        """What a rank raises when rank ``who`` rejected the call (host path: every rank is past the call)."""
-        return SymBufferRejectedError(
-            f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
-            f"nothing was delivered and the LowLatencyBuffer stays usable", rank=self.rank, rejecting_rank=who,
-            op=op)
+    def _line(self, r: int, off: int) -> np.ndarray:
+        """The words (u64 ``LL_LINE_*``) of the flag line at ``off`` of rank ``r``'s buffer."""
+        return self._u64(r, off, _LINE_WORDS)
 
-    def _host_rejected(self, which: int) -> None:
-        """The host twin of a rejected launch: this rank's flag lines of the call marked rejected (no payload),
-        then every source's line awaited (so the halves stay free as for any call), the sequence advanced."""
+    def _rejected_by(self, op: str, who: int, why: int = P.REJECT_ARGS, own: int = 0,
+                     theirs: int = 0) -> SymBufferRejectedError:
+        """What a rank raises when rank ``who`` made the call rejected for reason ``why`` (``REJECT_*``, with the
+        words it names; host path: every rank is past the call)."""
+        return SymBufferRejectedError(
+            f"{op}: {low_latency_rejection(why, who, self.rank, own, theirs)}; nothing was delivered and the "
+            f"LowLatencyBuffer stays usable", rank=self.rank, rejecting_rank=who, op=op)
+
+    def _line_rejection(self, line: np.ndarray) -> tuple:
+        """``(why, token)`` of a flag line marked rejected."""
+        words = line.view(np.int64)
+        return int(words[P.LL_LINE_WHY]), int(words[P.LL_LINE_TAG])
+
+    def _host_rejected(self, which: int, tag: int = 0, why: int = P.REJECT_ARGS) -> list:
+        """The host twin of a rejected launch: this rank's flag lines of the call marked rejected (no payload;
+        carrying ``tag`` and ``why``), then every source's line awaited (so the halves stay free as for any call),
+        the sequence advanced. Returns every source's ``(n, tag)`` (n ``LL_REJECTED`` or its token count)."""
         op, me = _OPS[which], self.rank
         self._engine.transport.check_abort(op)
         ctrl = self._u64(me, which * _LINE, 3)
         seq = int(ctrl[_CTRL_SEQ]) + 1
         flags = self.d0 + (seq & 1) * self.d_half + self.d_flags if which == 0 else \
             self.c0 + (seq & 1) * self.c_half + self.c_wflags
-        self._publish(flags, seq, _REJECTED, 0)
+        self._publish(flags, seq, _REJECTED, 0, tag, why)
+        lines = []
         for src in range(self.world_size):
-            self._host_wait(op, self._u64(me, flags + src * _LINE, 3), seq, src, None)
+            line = self._line(me, flags + src * _LINE)
+            lines.append((self._host_wait(op, line, seq, src, None), self._line_rejection(line)[1]))
         ctrl[_CTRL_SEQ] = seq
+        return lines
 
-    def _publish(self, off: int, seq: int, n: int, sig: int) -> None:
-        """Flag line ``rank`` at ``off`` of every rank: [seq, n, sig], the seq word last (after a memory barrier)."""
+    def _publish(self, off: int, seq: int, n: int, sig: int, tag: int = 0, why: int = 0) -> None:
+        """Flag line ``rank`` at ``off`` of every rank: [seq, n, sig, tag, why], the seq word last (after a memory
+        barrier)."""
         self.buffer.sync()
         for d in range(self.world_size):
-            line = self._u64(d, off + self.rank * _LINE, 3).view(np.int64)
-            line[P.LL_LINE_N], line[P.LL_LINE_SIG] = n, sig
+            line = self._line(d, off + self.rank * _LINE).view(np.int64)
+            line[P.LL_LINE_N], line[P.LL_LINE_SIG], line[P.LL_LINE_TAG], line[P.LL_LINE_WHY] = n, sig, tag, why
         self.buffer.sync()
         for d in range(self.world_size):
             self._u64(d, off + self.rank * _LINE)[P.LL_LINE_SEQ] = seq
@@ -1130,7 +1262,8 @@ class LowLatencyBuffer:
 
     def _host_dispatch_send(self, op, x, topk, n, K, use_fp8, ue8m0, sig) -> tuple:
         """Dispatch's send phase (host twin): payload and meta into every destination, then the flag lines;
-        returns ``(seq, half, K)`` for :meth:`_host_dispatch_recv`."""
+        returns ``(seq, half, K)`` for :meth:`_host_dispatch_recv` and the meta sent (int32 ``[n, K]``, for the
+        handle)."""
         W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
         self._engine.transport.check_abort(op)
         ctrl = self._u64(me, 0, 3)
@@ -1152,7 +1285,7 @@ class LowLatencyBuffer:
             sel = np.nonzero((ranks == d).any(axis=1))[0]
             rows[sel, : payload.shape[1]] = payload[sel]
         self._publish(half + self.d_flags, seq, n, sig)
-        return seq, half, K
+        return (seq, half, K), meta.reshape(n, K)
 
     def _host_dispatch_recv(self, op, seq, half, K, use_fp8, sig, s) -> None:
         """Dispatch's receive phase (host twin): every source's flag line awaited, then the rows unpacked into
@@ -1162,9 +1295,11 @@ class LowLatencyBuffer:
         ntok = np.zeros(W, np.int64)
         rejecting = []
         for src in range(W):
-            ns = self._host_wait(op, self._u64(me, half + self.d_flags + src * _LINE, 3), seq, src, sig)
+            line = self._line(me, half + self.d_flags + src * _LINE)
+            ns = self._host_wait(op, line, seq, src, sig)
             if ns == _REJECTED:
-                rejecting.append(src)
+                why, token = self._line_rejection(line)
+                rejecting.append((src, why, 0, token))
             elif not 0 <= ns <= N:
                 self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, N, ns)
@@ -1172,7 +1307,7 @@ class LowLatencyBuffer:
                 ntok[src] = ns
         if rejecting:  # every rank saw the same lines: each is past the call, nothing is consumed
             ctrl[_CTRL_SEQ] = seq
-            raise self._rejected_by(op, rejecting[0])
+            raise self._rejected_by(op, *rejecting[0])
         self.buffer.sync()
         v = self._views[me]
         metas = v[half + self.d_meta: half + self.d_meta + W * N * K * 4].view(np.int32).reshape(W, N, K)
@@ -1216,10 +1351,11 @@ class LowLatencyBuffer:
         ctrl[_CTRL_SEQ] = seq
 
     def _host_combine_send(self, op, x, topk, w, n, K, handle, sig) -> tuple:
-        """Combine's send phase (host twin): the weights to every rank, every source's weights awaited, then this
-        rank's partial rows to their sources and the partials flag lines; returns ``(seq, half, rejecting)`` for
-        :meth:`_host_combine_recv` (``rejecting``: the lowest rank that rejected the call, else None: nothing
-        was sent)."""
+        """Combine's send phase (host twin): the weights to every rank (their flag line carrying the handle's
+        dispatch id), every source's weights awaited, then this rank's partial rows to their sources and the
+        partials flag lines; returns ``(seq, half, rejecting)`` for :meth:`_host_combine_recv` (``rejecting``:
+        :meth:`_rejected_by`'s arguments after ``op`` for the lowest rank that made the call rejected (it rejected
+        its arguments, or its handle's dispatch id differs from this rank's), else None: nothing was sent)."""
         W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
         self._engine.transport.check_abort(op)
         seq = int(self._u64(me, _LINE)[_CTRL_SEQ]) + 1
@@ -1228,17 +1364,22 @@ class LowLatencyBuffer:
         for d in range(W):
             o = half + self.c_weights + me * N * K * 4
             self._views[d][o: o + n * K * 4].view(np.float32)[:] = np.ascontiguousarray(w).reshape(-1)
-        self._publish(half + self.c_wflags, seq, n, sig)
+        did = handle.dispatch_id
+        self._publish(half + self.c_wflags, seq, n, sig, did)
         ntok = handle.recv_tokens_per_rank
         rejecting = []
         for src in range(W):
-            ns = self._host_wait(op, self._u64(me, half + self.c_wflags + src * _LINE, 3), seq, src, sig)
+            line = self._line(me, half + self.c_wflags + src * _LINE)
+            ns = self._host_wait(op, line, seq, src, sig)
+            why, theirs = self._line_rejection(line)
             if ns == _REJECTED:
-                rejecting.append(src)
-            elif ns != int(ntok[src]):
+                rejecting.append((src, why, did, theirs))
+            elif theirs != did:  # the ranks' handles come from different dispatches: every rank sees it alike
+                rejecting.append((src, P.REJECT_HANDLE, did, theirs))
+            elif ns != int(ntok[src]):  # one dispatch, other counts: broken
                 self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
                 raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
-        if rejecting:  # decided alike on every rank before any partial is sent
+        if rejecting:  # decided alike on every rank (from the lines every rank reads) before any partial is sent
             return seq, half, rejecting[0]
         self.buffer.sync()
         v = self._views[me]
@@ -1268,12 +1409,12 @@ class LowLatencyBuffer:
         ctrl = self._u64(me, _LINE, 3)
         if rejecting is not None:
             ctrl[_CTRL_SEQ] = seq
-            raise self._rejected_by(op, rejecting)
+            raise self._rejected_by(op, *rejecting)
         sig = self._sig(op, topk.shape[1], False, False)
         v = self._views[me]
         RC = self.row_bytes
         for d in range(W):
-            self._host_wait(op, self._u64(me, half + self.c_pflags + d * _LINE, 3), seq, d, sig)
+            self._host_wait(op, self._line(me, half + self.c_pflags + d * _LINE), seq, d, sig)
         self.buffer.sync()
         ranks = np.where((topk >= 0) & (topk < L * W), topk // L, -1)
         acc = np.zeros((n, H), np.float32)

@@ -21,11 +21,31 @@ from ..common.errors import (SymBufferMismatchError, SymBufferRejectedError, Sym
                              mismatch_error)
 from ..wire import protocol as P
 
-__all__ = ["Pinned", "LaunchLedger", "DeviceStatus", "OPS_KEPT"]
+__all__ = ["Pinned", "LaunchLedger", "DeviceStatus", "OPS_KEPT", "low_latency_rejection"]
 
 #: Launches whose operation (and plan) the ledger remembers: a record naming an older launch says "an earlier
 #: collective".
 OPS_KEPT = 256
+
+
+def low_latency_rejection(why: int, who: int, rank: int, own: int = 0, theirs: int = 0) -> str:
+    """Why a low-latency call (``moe/low_latency.py``) was rejected, as the rank ``rank`` tells it: ``why`` the
+    ``REJECT_*`` reason (host path: decided from the flag lines; GPU: ``STATUS_REJECTED_WHY``), ``who`` the rank it
+    names, ``own`` / ``theirs`` the words the reason compares (``REJECT_HANDLE``: this rank's and ``who``'s
+    dispatch ids; ``REJECT_TOPK``: ``who``'s dispatch id). The one wording of both backends."""
+    if why == P.REJECT_HANDLE:
+        return (f"the ranks passed combine handles of different dispatches: this rank's handle is of dispatch #{own}, "
+                f"rank {who}'s of dispatch #{theirs} (LowLatencyHandle.dispatch_id): every rank must combine with "
+                f"the handle of the same dispatch")
+    if why == P.REJECT_TOPK:
+        if who == rank:
+            return (f"this rank's topk_idx differs from the one the dispatch of its handle (#{theirs}) sent: combine "
+                    f"takes that dispatch's topk_idx (equal values; a copy is fine)")
+        return f"rank {who} rejected this call: its topk_idx differs from the one its dispatch sent (see its error)"
+    if why == P.REJECT_SWITCH:
+        return (f"rank {who} did not make this dispatch: it asked for another LowLatencyBuffer (deepep.Buffer: another "
+                f"num_max_dispatch_tokens_per_rank, hidden, num_experts or dtype; see rank {who}'s error)")
+    return f"rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error)"
 
 
 class Pinned:
@@ -94,8 +114,10 @@ class DeviceStatus:
         self.words = self._record.array
         #: a failure was raised by :meth:`check` (close() need not raise it again)
         self.reported = False
-        #: STATUS_REJECTED_WHY of the last rejection taken (REJECT_ARGS / REJECT_SIG)
+        #: STATUS_REJECTED_WHY of the last rejection taken (REJECT_*), and the words it names
+        #: (STATUS_REJECTED_OWN / STATUS_REJECTED_PEER)
         self.rejected_why = P.REJECT_ARGS
+        self.rejected_words = (0, 0)
         self._read_abort_line = read_abort_line
 
     def check(self, op: str, stream=None) -> None:
@@ -155,20 +177,29 @@ class DeviceStatus:
     def take_rejected(self) -> Optional[tuple]:
         """``(rejecting rank, launch seq)`` recorded by a kernel that saw a peer's rejection of its call
         (``STATUS_REJECTED_BY``), or None; clears it (and keeps its ``STATUS_REJECTED_WHY`` in
-        :attr:`rejected_why`)."""
+        :attr:`rejected_why`, ``STATUS_REJECTED_OWN`` / ``_PEER`` in :attr:`rejected_words`)."""
         st = self.words
         who = int(st[P.STATUS_REJECTED_BY])
         if not who:
             return None
         seq = int(st[P.STATUS_REJECTED_SEQ])
         self.rejected_why = int(st[P.STATUS_REJECTED_WHY])
-        st[P.STATUS_REJECTED_BY] = st[P.STATUS_REJECTED_SEQ] = st[P.STATUS_REJECTED_WHY] = 0
+        self.rejected_words = (int(st[P.STATUS_REJECTED_OWN]), int(st[P.STATUS_REJECTED_PEER]))
+        for w in (P.STATUS_REJECTED_BY, P.STATUS_REJECTED_SEQ, P.STATUS_REJECTED_WHY, P.STATUS_REJECTED_OWN,
+                  P.STATUS_REJECTED_PEER):
+            st[w] = 0
         return who - 1, seq
 
     def rejected_error(self, op: str, who: int, seq: int) -> SymBufferRejectedError:
         """The :class:`~cupy_symbuf.SymBufferRejectedError` of a rejection :meth:`take_rejected` returned (rank
         ``who``, launch ``seq``), found by ``op``."""
         failed = self.op_name(seq)
+        if self.rejected_why in (P.REJECT_HANDLE, P.REJECT_TOPK, P.REJECT_SWITCH):
+            return SymBufferRejectedError(
+                f"{failed} (queued earlier; found by {op}): "
+                f"{low_latency_rejection(self.rejected_why, who, self.rank, *self.rejected_words)}; nothing was "
+                f"delivered (zero counts / rows) and the LowLatencyBuffer stays usable", rank=self.rank,
+                rejecting_rank=who, op=failed)
         if self.rejected_why == P.REJECT_SIG:
             return SymBufferRejectedError(
                 f"{failed} (queued earlier; found by {op}): ranks disagree on the row format (dtype, hidden, "

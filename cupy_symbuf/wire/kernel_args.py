@@ -92,15 +92,20 @@ QUANT_ARGS = (("x", "const void*"), ("num_blocks", "i64"), ("ue8m0", "i32"), ("q
 DEQUANT_ARGS = (("q", "const u32*"), ("scales", "const f32*"), ("num_blocks", "i64"), ("out", "void*"))
 
 #: Low-latency dispatch / combine (``cuda_src/low_latency.cu``): every field an int64 word (addresses too).
+#: ``dispatch_id``: the address of the output set's int64 word that a dispatch's receive sets to the call's sequence
+#: number and that a combine reads from its handle's set; ``tag`` / ``why``: what a rejected dispatch's flag lines
+#: carry (``LowLatencyBuffer.announce``); ``d_half0`` / ``d_half_bytes`` / ``d_meta_off``: where a combine finds the
+#: top-k indices its handle's dispatch sent (the dispatch regions).
 LL_DISPATCH_ARGS = tuple((f, "i64") for f in (
     "x", "x_stride", "topk", "n", "k", "ll_bases", "half0", "half_bytes", "flags_off", "meta_off", "rows_off",
     "row_bytes", "N", "H", "L", "W", "rank", "use_fp8", "ue8m0", "kind", "sig", "recv_x", "recv_scales", "recv_count",
     "src_info", "layout_range", "inv", "recv_ntok", "status", "comm_bases", "abort_offset", "timeout_ns",
-    "launch_seq", "ctrl", "grid", "prof", "phase"))
+    "launch_seq", "ctrl", "grid", "prof", "phase", "dispatch_id", "tag", "why"))
 LL_COMBINE_ARGS = tuple((f, "i64") for f in (
     "x", "topk", "weights", "n", "k", "inv", "recv_ntok", "ll_bases", "half0", "half_bytes", "wflags_off",
     "weights_off", "pflags_off", "prows_off", "row_bytes", "N", "H", "L", "W", "rank", "kind", "sig", "out", "status",
-    "comm_bases", "abort_offset", "timeout_ns", "launch_seq", "ctrl", "grid", "prof", "phase"))
+    "comm_bases", "abort_offset", "timeout_ns", "launch_seq", "ctrl", "grid", "prof", "phase", "dispatch_id",
+    "d_half0", "d_half_bytes", "d_meta_off"))
 
 #: C struct name -> its fields, in order.
 STRUCTS = {

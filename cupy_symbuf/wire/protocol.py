@@ -127,11 +127,15 @@ FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIEL
 #: GPU error record (int64 words, host-mapped).
 STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
     STATUS_KIND, STATUS_FIELD, STATUS_ABORT_RANK, STATUS_REJECTED_BY, STATUS_REJECTED_SEQ, \
-    STATUS_REJECTED_WHY = range(14)
+    STATUS_REJECTED_WHY, STATUS_REJECTED_OWN, STATUS_REJECTED_PEER = range(16)
 STATUS_WORDS = 16
 #: STATUS_REJECTED_WHY: a rank rejected its arguments (its own checks, e.g. topk_idx out of range on the device),
 #: or (device-count calls) the ranks' row signatures differ; either way nothing moved and the rings are in step.
-REJECT_ARGS, REJECT_SIG = range(2)
+#: Low-latency mode: REJECT_HANDLE, the ranks' combine handles come from different dispatches (STATUS_REJECTED_OWN /
+#: STATUS_REJECTED_PEER: this rank's and the named rank's dispatch ids); REJECT_TOPK, the named rank's combine
+#: topk_idx differs from the one its dispatch sent; REJECT_SWITCH, the named rank did not dispatch but announced a
+#: switch to another LowLatencyBuffer (``LowLatencyBuffer.announce``; OWN / PEER: the tokens).
+REJECT_ARGS, REJECT_SIG, REJECT_HANDLE, REJECT_TOPK, REJECT_SWITCH = range(5)
 #: Low-latency mode (``moe/low_latency.py``, ``cuda_src/low_latency.cu``): the token count ``n`` of a call its rank
 #: rejected, in that rank's kernel arguments and in the flag lines it publishes (no payload follows; the peers
 #: consume nothing of the call and record the rejection).
@@ -246,9 +250,12 @@ QUANT_AMAX_FLOOR = 1e-4
 #: kind's ctrl line (u64 words, local only): word LL_CTRL_EXIT counts the kernel blocks that left, over all launches
 #: (a launch's sequence number is that count / grid + 1). Flag lines (dispatch, weights, partials): word LL_LINE_SEQ
 #: = blocks done (dispatch, partials) or the sequence number (weights), LL_LINE_N = the source's token count,
-#: LL_LINE_SIG = the call's row signature.
+#: LL_LINE_SIG = the call's row signature, LL_LINE_TAG = the weights line's dispatch id (the sequence number of the
+#: dispatch whose handle the combine uses; every rank compares every rank's), or in a line whose n is LL_REJECTED the
+#: announced token (``LowLatencyBuffer.announce``; 0 otherwise), LL_LINE_WHY = in a line whose n is LL_REJECTED the
+#: reason (``REJECT_ARGS``, ``REJECT_TOPK``, ``REJECT_SWITCH``).
 LL_CTRL_EXIT = 2
-LL_LINE_SEQ, LL_LINE_N, LL_LINE_SIG = range(3)
+LL_LINE_SEQ, LL_LINE_N, LL_LINE_SIG, LL_LINE_TAG, LL_LINE_WHY = range(5)
 #: Element types of ``x`` (the kernels' ``kind`` argument).
 LL_KIND_BF16, LL_KIND_F16, LL_KIND_F32 = range(3)
 #: Elements of x per work item of a warp (8 fp8 blocks).
