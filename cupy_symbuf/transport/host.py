@@ -314,7 +314,7 @@ class HostTransport:
             statics = plan.engine_data = self._statics(plan)
             logger.debug("%s: new plan: %s", op, plan)
         is_direct = plan.direct
-        sig = P.call_signature(plan.sig, tag)
+        sig = P.call_signature(plan.sig, tag) if tag else plan.sig
         tagged = sig != plan.sig  # the plan's headers carry plan.sig: this call's goes in as each is sent
         tr = self.trace
         if tr is not None:
@@ -323,8 +323,8 @@ class HostTransport:
         idle_t0 = None
         pulled = False
         sources = {}  # direct modes: peer -> where its whole run was copied from (_pull)
-        sends = [_Run(st, True) for st in statics[0]]
-        recvs = [_Run(st, False) for st in statics[1]]
+        sends = [x.start() for x in statics[0]]
+        recvs = [r.start() for r in statics[1]]
         if self.visit is not None:  # adaptive: the hot peers' runs first in every pass (stable: then channels)
             sw, rw = self.visit
             sends.sort(key=lambda x: -sw[x.p])
@@ -387,7 +387,7 @@ class HostTransport:
                 sync()  # tail before payload
                 if DEBUG:
                     self._check_ring(op, r, r.pos_counter, tail, "recv")
-                while r.pos_counter < tail and r.pending():
+                while r.pos_counter < tail and (not r.checked or r.pos < r.end or r.drain > 0):  # still to consume
                     slot, hdr = r.slots[r.pos_counter % num_slots]
                     if not r.checked:
                         hdr = hdr.tolist()
@@ -417,7 +417,7 @@ class HostTransport:
                 sync()  # reads of the slots (and of the peer's symmetric array) before head
                 r.remote[0] = r.pos_counter
                 progressed = True
-                if not r.pending():
+                if r.checked and r.pos >= r.end and r.drain <= 0:  # all consumed
                     r.state[P.STATE_COUNTER], r.state[P.STATE_SEQ] = r.pos_counter, r.seq
                     recvs.remove(r)
             if n_self:  # to ourselves, straight from the send rows to the receive rows (as on the GPU); after the
@@ -459,7 +459,7 @@ class HostTransport:
             # a torn one (raised, never returned).
             sync()
             self.check_abort(op)
-        return sorted(rejected)
+        return sorted(rejected) if rejected else []
 
     def _pull(self, op: str, plan, r: "_Run", hdr: list, recv: _Side, sources: dict) -> int:
         """Direct modes, at a checked call header of peer ``r.p`` (its words as Python ints): the first such header
@@ -517,7 +517,8 @@ class HostTransport:
         return n
 
     def _statics(self, plan) -> tuple:
-        """``(sends, recvs)``: the :class:`_Static` of every (channel, peer) run of ``plan`` on this rank."""
+        """``(sends, recvs)``: the :class:`_Run` of every (channel, peer) run of ``plan`` on this rank, made from
+        its :class:`_Static` (kept in ``plan.engine_data``; each call restarts them)."""
         L, me = self.layout, self.rank
         out = ([], [])
         for sender, units_of in ((True, plan.send_units), (False, plan.recv_units)):
@@ -537,7 +538,7 @@ class HostTransport:
                                      self._u64(me, L.tail_offset(c, p)), self._u64(p, L.head_offset(c, me)),
                                      self.views[me], L.ring_offset(c, p), None,
                                      self._slot_views(me, L.ring_offset(c, p)))
-                    out[0 if sender else 1].append(st)
+                    out[0 if sender else 1].append(_Run(st, sender))
         return out
 
     def _slot_views(self, rank: int, ring_off: int) -> list:
@@ -660,26 +661,32 @@ class HostTransport:
 
 
 class _Run:
-    """One (channel, peer) side of a call on the host: the call header slot, then payload chunks (none in direct
-    mode). Made per call from the plan's :class:`_Static`."""
+    """One (channel, peer) side of a plan on the host: the call header slot, then payload chunks (none in direct
+    mode). Made once per plan from its :class:`_Static` (kept in ``plan.engine_data``); every call restarts it
+    (:meth:`start`) from the counters in its state line, so nothing of an earlier call, finished or failed,
+    carries over."""
 
     __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "nchunks", "state", "counter", "remote",
-                 "ring", "ring_off", "header", "checked", "drain", "slots")
+                 "ring", "ring_off", "header", "checked", "drain", "slots", "lo", "hi", "sender_header")
 
     def __init__(self, st: _Static, sender: bool):
         self.c, self.p, self.per_chunk, self.nchunks, self.state = st.c, st.p, st.per_chunk, st.nchunks, st.state
         self.counter, self.remote, self.ring, self.ring_off = st.counter, st.remote, st.ring, st.ring_off
         self.slots = st.slots
-        self.pos_counter, self.seq = int(st.state[P.STATE_COUNTER]), int(st.state[P.STATE_SEQ]) + 1
-        self.pos, self.end = st.lo, st.hi
-        self.header = st.header if sender else None   # sender: the header still to send (None once sent)
-        self.checked = None if sender else False      # receiver: the peer's header checked
+        self.lo, self.hi = st.lo, st.hi
+        self.sender_header = st.header if sender else None  # (the plan's; a call that changes it sends a copy)
+        self.start()
+
+    def start(self) -> "_Run":
+        """Begin a call: counters from the state line, the share ``[lo, hi)`` still to move, the header (sender)
+        still to send or (receiver) to check. Returns itself."""
+        self.pos_counter, seq = self.state.tolist()
+        self.seq = seq + 1
+        self.pos, self.end = self.lo, self.hi
+        self.header = self.sender_header  # sender: the header still to send (None once sent)
+        self.checked = None if self.header is not None else False  # receiver: the peer's header checked
         self.drain = 0             # receiver of a rejecting rank: peer chunks still to skip
-
-    def pending(self) -> bool:
-        """Receiver: the header or chunks still to consume."""
-        return not self.checked or self.pos < self.end or self.drain > 0
-
+        return self
 
 def _yield(idle: int, waited_s: float) -> None:
     """Give the core away while waiting: ``sched_yield`` for the first ``SPIN_S`` seconds of a wait (a peer a chunk
