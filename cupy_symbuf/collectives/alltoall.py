@@ -152,11 +152,12 @@ def _checked(eng, key, check):
 
 
 def _counts_key(counts):
-    """The exact value of ``counts`` as a hashable key when it is a 1-D NumPy integer array (dtype with its byte
-    order, and bytes: the same bytes as ``'<i8'`` and ``'>i8'`` are other values), else None: lists and other
-    sequences are checked in full every call (their items' types matter)."""
+    """The exact value of ``counts`` as a hashable key when it is a 1-D NumPy integer array (its dtype object,
+    which compares with its byte order and width, and bytes: the same bytes as ``'<i8'`` and ``'>i8'`` are other
+    values), else None: lists and other sequences are checked in full every call (their items' types matter).
+    (The dtype object, not ``dtype.str``: that string is made anew on every access.)"""
     if type(counts) is np.ndarray and counts.ndim == 1 and counts.dtype.kind in "iu":
-        return counts.dtype.str, counts.tobytes()
+        return counts.dtype, counts.tobytes()
     return None
 
 
