@@ -22,6 +22,14 @@ def pulls(monkeypatch):
     return calls
 
 
+def _close_failed(c):
+    """Close a communicator a test made fail (its close may raise the failure again: already checked)."""
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
+
+
 def _a2a_reference(comm, x):
     everything = comm.allgather(x)
     return np.stack([everything[j][comm.rank] for j in range(comm.size)])
@@ -287,7 +295,8 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
             x[...] = 0x5A  # peers have finished reading
             ref = _a2a_reference(comm, keep)
             all_ranks(lambda: np.testing.assert_array_equal(y, ref))
-        assert reads["n"] == 3 * c.layout.num_channels * (W - 1)
+        assert c.layout.num_channels > 1  # one read per peer and call, however many channels carry the headers
+        assert reads["n"] == 3 * (W - 1)
         counts = rng.integers(0, 3000, W)
         send = random_rows(rng, int(counts.sum()), (257,), np.uint8)
         expected, expected_counts = reference_alltoallv(comm, send, counts)
@@ -301,6 +310,43 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
         x = random_rows(rng_for(comm, 10), comm.size, (P.CMA_MIN_BYTES,), np.uint8)
         np.testing.assert_array_equal(c.alltoall(x), _a2a_reference(comm, x))
         assert reads["n"] == before
+
+
+@pytest.mark.parametrize("sendbuf", ["symmetric", "plain"])
+def test_direct_headers_of_one_sender_must_name_one_place(comm, monkeypatch, sendbuf):
+    """A receiver copies a direct-mode sender's whole run at the first of its headers and checks that the sender's
+    other channels' headers name the same place: rank 1 reads rank 0's channel-1 header as pointing 16 bytes
+    earlier, still inside rank 0's array (a sender that cuts its runs otherwise). Rank 1 raises SymBufferMismatchError naming rank 0 and the
+    offset field; every other rank SymBufferAbortedError naming rank 1; nothing is returned."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = cs.Communicator(comm, cs.Config(num_sms=4, timeout_s=20), backend="host")
+    try:
+        from cupy_symbuf.wire import protocol as P
+        W = comm.size
+        if sendbuf == "plain" and c._transport.cma_pids is None:
+            pytest.skip("process_vm_readv not allowed here")
+        per_peer = 256 if sendbuf == "symmetric" else P.CMA_MIN_BYTES
+        x = random_rows(rng_for(comm, 23), W, (per_peer,), np.uint8)
+        src = c.array(x) if sendbuf == "symmetric" else x
+        np.testing.assert_array_equal(c.alltoall(src), _a2a_reference(comm, x))  # the two channels agree
+        if comm.rank == 1:
+            real = _host.HostTransport._check_header
+
+            def moved(self, op, plan, r, hdr, sig):
+                real(self, op, plan, r, hdr, sig)
+                if r.p == 0 and r.c == 1:
+                    hdr[P.HDR_DIRECT_OFFSET] -= 16  # the words the receiver goes on with (still inside the array)
+            monkeypatch.setattr(_host.HostTransport, "_check_header", moved)
+        with pytest.raises(cs.SymBufferError) as info:
+            c.alltoall(src)
+        if comm.rank == 1:
+            assert isinstance(info.value, cs.SymBufferMismatchError), info.value
+            assert info.value.peer == 0 and info.value.field == P.FIELD_NAMES[P.FIELD_OFFSET], info.value
+        else:
+            assert isinstance(info.value, cs.SymBufferAbortedError) and info.value.aborting_rank == 1, info.value
+    finally:
+        _close_failed(c)
 
 
 def test_reader_never_returns_rows_of_a_sender_that_failed(comm, monkeypatch):
@@ -343,10 +389,7 @@ def test_reader_never_returns_rows_of_a_sender_that_failed(comm, monkeypatch):
         else:
             assert isinstance(info.value, cs.SymBufferAbortedError) and info.value.aborting_rank == 0, info.value
     finally:
-        try:
-            c.close()
-        except cs.SymBufferError:
-            pass
+        _close_failed(c)
 
 
 # ---- GPU direct mode (the ring kernel's receivers copy straight out of the sender's symmetric block) ----------------
@@ -534,10 +577,7 @@ def test_gpu_direct_header_naming_an_unknown_allocation_fails_everywhere(comm):
         if comm.rank == 1:
             assert "transfer mode" in str(info.value)
     finally:
-        try:
-            c.close()
-        except cs.SymBufferError:
-            pass
+        _close_failed(c)
 
 
 # ---- copy engines (Config.mode="copy_engine") -------------------------------------------------------------------
@@ -604,10 +644,7 @@ def test_gpu_copy_engine_needs_the_same_offset_everywhere(comm):
         if comm.rank != 0:  # rank 0's rows are not where the others assume
             assert "transfer mode" in str(info.value) or "abort" in str(info.value)
     finally:
-        try:
-            c.close()
-        except cs.SymBufferError:
-            pass
+        _close_failed(c)
 
 
 def test_copy_engine_mode_must_agree(backend, comm):

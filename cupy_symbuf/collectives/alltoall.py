@@ -92,9 +92,12 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         try:
             relaxed = False if sync == "strong" else check_sync(op, sync)
             x = as_array(op, "sendbuf", sendbuf, eng.backend)
-            send_counts, recv_counts, sig, shape = _known_counts(eng, op, x, send_counts, recv_counts)
+            send_counts, recv_counts, sig, shape, plans = _known_counts(eng, op, x, send_counts, recv_counts)
             direct = eng.direct_source(op, [x], None)
-            plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
+            mode = direct is not None
+            plan = plans[mode]
+            if plan is None:  # (remembered with the counts: a repeated call builds no plan key)
+                plan = plans[mode] = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, mode)
             if out is None:
                 recv = eng.xp.empty(shape, dtype=x.dtype)
             else:
@@ -149,11 +152,12 @@ def _checked(eng, key, check):
 
 
 def _counts_key(counts):
-    """The exact value of ``counts`` as a hashable key when it is a 1-D NumPy integer array (dtype with its byte
-    order, and bytes: the same bytes as ``'<i8'`` and ``'>i8'`` are other values), else None: lists and other
-    sequences are checked in full every call (their items' types matter)."""
+    """The exact value of ``counts`` as a hashable key when it is a 1-D NumPy integer array (its dtype object,
+    which compares with its byte order and width, and bytes: the same bytes as ``'<i8'`` and ``'>i8'`` are other
+    values), else None: lists and other sequences are checked in full every call (their items' types matter).
+    (The dtype object, not ``dtype.str``: that string is made anew on every access.)"""
     if type(counts) is np.ndarray and counts.ndim == 1 and counts.dtype.kind in "iu":
-        return counts.dtype.str, counts.tobytes()
+        return counts.dtype, counts.tobytes()
     return None
 
 
@@ -176,9 +180,11 @@ def _send_counts(eng, op, x, send_counts):
 
 
 def _known_counts(eng, op, x, send_counts, recv_counts):
-    """alltoallv with ``recv_counts``: ``(send_counts, recv_counts, row signature, output shape)``, the counts
-    int64 ``[W]`` read only, checked as :func:`_send_counts` and ``recv_counts`` (shape, >= 0, addressable,
-    ``recv_counts[rank] == send_counts[rank]``), remembered per exact values, dtype and row shape."""
+    """alltoallv with ``recv_counts``: ``(send_counts, recv_counts, row signature, output shape, plans)``, the
+    counts int64 ``[W]`` read only, checked as :func:`_send_counts` and ``recv_counts`` (shape, >= 0, addressable,
+    ``recv_counts[rank] == send_counts[rank]``), remembered per exact values, dtype and row shape. ``plans``: the
+    exchange plans of these counts through the rings and in a direct mode (``[ring, direct]``, None until the
+    caller makes one; they depend on nothing else the key leaves out), remembered with them."""
     W = eng.world_size
 
     def check():
@@ -188,7 +194,7 @@ def _known_counts(eng, op, x, send_counts, recv_counts):
         if rc[rank] != sc[rank]:
             raise ValueError(f"{op}: recv_counts[{rank}] ({rc[rank]}) must equal send_counts[{rank}] "
                              f"({sc[rank]}): the rows this rank sends to itself")
-        return sc, rc, sig, (int(rc.sum()),) + tuple(x.shape[1:])
+        return sc, rc, sig, (int(rc.sum()),) + tuple(x.shape[1:]), [None, None]
 
     skey, rkey = _counts_key(send_counts), _counts_key(recv_counts)
     if skey is None or rkey is None:

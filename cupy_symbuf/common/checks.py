@@ -171,9 +171,9 @@ def check_out(op: str, out, backend: str, shape: tuple, dtype, *, inputs=()):
     ``inputs`` (a collective reads them while it writes). Raises ``TypeError`` (module, dtype) or ``ValueError``
     (shape, layout, overlap) naming ``out``."""
     out = as_array(op, "out", out, backend, min_ndim=0, contiguous=False)
-    if tuple(out.shape) != tuple(shape):
+    if out.shape != tuple(shape):  # (both array modules' shape is a tuple; a dtype compares with any dtype-like)
         raise ValueError(f"{op}: argument 'out' must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if np.dtype(out.dtype) != np.dtype(dtype):
+    if out.dtype != dtype:
         raise TypeError(f"{op}: argument 'out' must have dtype {np.dtype(dtype)}, got {out.dtype}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{op}: argument 'out' must be C-contiguous (the transport writes whole rows into it)")

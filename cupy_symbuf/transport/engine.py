@@ -454,8 +454,11 @@ class Engine:
         :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (see :meth:`exchange_rows`).
         ``direct``: :meth:`direct_source` (``plan.direct`` must say the same); ``relaxed``: see
         :func:`check_sync`."""
-        rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op,
-                             *(() if direct is None else (direct,)), **self._relaxed(relaxed, direct))
+        if direct is None:  # (the rings: no mode to pass, nothing a relaxed call defers)
+            rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op)
+        else:
+            rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op,
+                                 direct, **self._relaxed(relaxed, direct))
         self._count(plan)
         if rejected:
             self._raise_rejected(plan.op, rejected)

@@ -12,10 +12,11 @@ a byte. A rank's rows to itself are copied directly (no ring, no scratch), as on
 
 Direct mode (``plan.direct``: the send part is a symmetric array, ``Communicator.empty``): the sender's headers
 say ``MODE_DIRECT`` and carry where its run to that receiver lies in its symmetric segment; no payload
-follows. The receiver copies its channel's share straight out of the sender's array (one copy per byte, like
-MPI's cross-memory attach), then releases ``head`` past the header; the sender's call ends once every peer's
-``head`` has (so its array is not changed while a peer still reads it). The mode is the sender's: a receiver
-follows what each header says.
+follows. At the first of a sender's headers it reads, the receiver copies that sender's whole run straight out of
+the sender's array (one copy per byte and one read per peer, like MPI's cross-memory attach; the sender's other
+channels' headers must name the same place), then releases ``head`` past the header; the sender's call ends once
+every peer's ``head`` has passed every channel's header (so its array is not changed while a peer still reads
+it). The mode is the sender's: a receiver follows what each header says.
 
 One progress loop per rank drives every (channel, peer) send run and receive run without blocking on any
 one of them (the GPU gives each its own warp group; here a run that cannot move is skipped), so no peer can
@@ -313,7 +314,7 @@ class HostTransport:
             statics = plan.engine_data = self._statics(plan)
             logger.debug("%s: new plan: %s", op, plan)
         is_direct = plan.direct
-        sig = P.call_signature(plan.sig, tag)
+        sig = P.call_signature(plan.sig, tag) if tag else plan.sig
         tagged = sig != plan.sig  # the plan's headers carry plan.sig: this call's goes in as each is sent
         tr = self.trace
         if tr is not None:
@@ -321,8 +322,9 @@ class HostTransport:
         unit = plan.unit_bytes
         idle_t0 = None
         pulled = False
-        sends = [_Run(st, True) for st in statics[0]]
-        recvs = [_Run(st, False) for st in statics[1]]
+        sources = {}  # direct modes: peer -> where its whole run was copied from (_pull)
+        sends = [x.start() for x in statics[0]]
+        recvs = [r.start() for r in statics[1]]
         if self.visit is not None:  # adaptive: the hot peers' runs first in every pass (stable: then channels)
             sw, rw = self.visit
             sends.sort(key=lambda x: -sw[x.p])
@@ -385,7 +387,7 @@ class HostTransport:
                 sync()  # tail before payload
                 if DEBUG:
                     self._check_ring(op, r, r.pos_counter, tail, "recv")
-                while r.pos_counter < tail and r.pending():
+                while r.pos_counter < tail and (not r.checked or r.pos < r.end or r.drain > 0):  # still to consume
                     slot, hdr = r.slots[r.pos_counter % num_slots]
                     if not r.checked:
                         hdr = hdr.tolist()
@@ -398,8 +400,7 @@ class HostTransport:
                             r.drain = int(hdr[P.HDR_NCHUNKS])  # skip the peer's payload without copying
                         elif hdr[P.HDR_MODE] != P.MODE_RING:  # the sender's mode: copy out of its array
                             t0 = time.monotonic() if tr is not None else 0.0
-                            n = r.end - r.pos
-                            self._pull(op, plan, r, hdr, recv)
+                            n = self._pull(op, plan, r, hdr, recv, sources)
                             pulled = True
                             if tr is not None:
                                 tr.add(_trace.PULL, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
@@ -416,7 +417,7 @@ class HostTransport:
                 sync()  # reads of the slots (and of the peer's symmetric array) before head
                 r.remote[0] = r.pos_counter
                 progressed = True
-                if not r.pending():
+                if r.checked and r.pos >= r.end and r.drain <= 0:  # all consumed
                     r.state[P.STATE_COUNTER], r.state[P.STATE_SEQ] = r.pos_counter, r.seq
                     recvs.remove(r)
             if n_self:  # to ourselves, straight from the send rows to the receive rows (as on the GPU); after the
@@ -458,21 +459,39 @@ class HostTransport:
             # a torn one (raised, never returned).
             sync()
             self.check_abort(op)
-        return sorted(rejected)
+        return sorted(rejected) if rejected else []
 
-    def _pull(self, op: str, plan, r: "_Run", hdr: np.ndarray, recv: _Side) -> None:
-        """Direct modes: copy this channel's share ``[pos, end)`` of peer ``r.p``'s run straight out of the
-        peer's symmetric array (segment and offset from its header, checked to lie inside the segment) or,
-        ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the pid checked against the peer's)."""
-        n = r.end - r.pos
-        dst = int(plan.recv_first[r.p]) + r.pos
-        if hdr[P.HDR_MODE] == P.MODE_CMA:
-            pid, addr = int(hdr[P.HDR_DIRECT_ALLOC]), int(hdr[P.HDR_DIRECT_OFFSET])
+    def _pull(self, op: str, plan, r: "_Run", hdr: list, recv: _Side, sources: dict) -> int:
+        """Direct modes, at a checked call header of peer ``r.p`` (its words as Python ints): the first such header
+        of the call copies the peer's whole run (every channel's share: one copy of each byte, one read per peer)
+        straight out of the peer's symmetric array (segment and offset from the header, checked to lie inside the
+        segment) or, ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the pid checked against the
+        peer's); its other headers (the other channels) must name the same mode, segment or pid and offset, and
+        copy nothing (``sources``: peer -> the place copied from, per call). The run may not change before the
+        peer's call ends: the sender waits for every channel's ``head``, and this rank releases each header's slot
+        only after that header's step here. Returns the units copied."""
+        mode, where, base = hdr[P.HDR_MODE], hdr[P.HDR_DIRECT_ALLOC], hdr[P.HDR_DIRECT_OFFSET]
+        r.pos = r.end
+        seen = sources.get(r.p)
+        if seen is not None:
+            if seen != (mode, where, base):
+                self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+                raise SymBufferMismatchError(
+                    f"{op}: rank {r.p}'s call headers name different places for its rows (channel {r.c}: mode "
+                    f"{mode}, {where}, offset {base:#x}; an earlier channel: mode {seen[0]}, {seen[1]}, offset "
+                    f"{seen[2]:#x}): the ranks run different engines or builds", rank=self.rank, peer=r.p,
+                    channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_OFFSET], expected=seen[2], got=base)
+            return 0
+        sources[r.p] = (mode, where, base)
+        n = int(plan.recv_units[r.p])
+        dst = int(plan.recv_first[r.p])
+        if mode == P.MODE_CMA:
+            pid, addr = where, base
             try:
                 if pid != self.cma_pids[r.p]:
                     raise OSError(0, f"the header names pid {pid}, rank {r.p} is pid {self.cma_pids[r.p]}")
                 if n:
-                    _cma.read_into(pid, addr + r.pos, recv.flat[dst: dst + n])
+                    _cma.read_into(pid, addr, recv.flat[dst: dst + n])
             except OSError as exc:
                 gone = exc.errno == errno.ESRCH
                 self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
@@ -480,28 +499,26 @@ class HostTransport:
                        f"call" if gone else f"{exc}")
                 raise SymBufferError(
                     f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
-                    f"{r.c}, {n} bytes at {addr + r.pos:#x}): {why}. The communicator is unusable (the other ranks "
+                    f"{r.c}, {n} bytes at {addr:#x}): {why}. The communicator is unusable (the other ranks "
                     f"raise SymBufferAbortedError).") from None
-            r.pos = r.end
-            return
-        alloc = self.heap.by_id(int(hdr[P.HDR_DIRECT_ALLOC])) if self.heap is not None else None
-        off = int(hdr[P.HDR_DIRECT_OFFSET])
-        units = int(plan.recv_units[r.p])
-        if alloc is None or off < 0 or off + units > alloc.nbytes:
+            return n
+        alloc = self.heap.by_id(where) if self.heap is not None else None
+        if alloc is None or base < 0 or base + n > alloc.nbytes:
             self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
-            where = "no live symmetric segment" if alloc is None else f"{alloc.nbytes} bytes"
+            state = "no live symmetric segment" if alloc is None else f"{alloc.nbytes} bytes"
             raise SymBufferMismatchError(
-                f"{op}: rank {r.p}'s call header (channel {r.c}) points at {units} bytes at offset {off} of its "
-                f"symmetric segment {int(hdr[P.HDR_DIRECT_ALLOC])} ({where} here): the ranks' symmetric "
+                f"{op}: rank {r.p}'s call header (channel {r.c}) points at {n} bytes at offset {base} of its "
+                f"symmetric segment {where} ({state} here): the ranks' symmetric "
                 f"allocations differ (every rank must make the same Communicator.empty calls in the same order)",
                 rank=self.rank, peer=r.p, channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_OFFSET],
-                expected=units, got=off)
+                expected=n, got=base)
         if n:
-            recv.flat[dst: dst + n] = alloc.peer_bytes(r.p)[off + r.pos: off + r.pos + n]
-        r.pos = r.end
+            recv.flat[dst: dst + n] = alloc.peer_bytes(r.p)[base: base + n]
+        return n
 
     def _statics(self, plan) -> tuple:
-        """``(sends, recvs)``: the :class:`_Static` of every (channel, peer) run of ``plan`` on this rank."""
+        """``(sends, recvs)``: the :class:`_Run` of every (channel, peer) run of ``plan`` on this rank, made from
+        its :class:`_Static` (kept in ``plan.engine_data``; each call restarts them)."""
         L, me = self.layout, self.rank
         out = ([], [])
         for sender, units_of in ((True, plan.send_units), (False, plan.recv_units)):
@@ -521,7 +538,7 @@ class HostTransport:
                                      self._u64(me, L.tail_offset(c, p)), self._u64(p, L.head_offset(c, me)),
                                      self.views[me], L.ring_offset(c, p), None,
                                      self._slot_views(me, L.ring_offset(c, p)))
-                    out[0 if sender else 1].append(st)
+                    out[0 if sender else 1].append(_Run(st, sender))
         return out
 
     def _slot_views(self, rank: int, ring_off: int) -> list:
@@ -644,26 +661,32 @@ class HostTransport:
 
 
 class _Run:
-    """One (channel, peer) side of a call on the host: the call header slot, then payload chunks (none in direct
-    mode). Made per call from the plan's :class:`_Static`."""
+    """One (channel, peer) side of a plan on the host: the call header slot, then payload chunks (none in direct
+    mode). Made once per plan from its :class:`_Static` (kept in ``plan.engine_data``); every call restarts it
+    (:meth:`start`) from the counters in its state line, so nothing of an earlier call, finished or failed,
+    carries over."""
 
     __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "nchunks", "state", "counter", "remote",
-                 "ring", "ring_off", "header", "checked", "drain", "slots")
+                 "ring", "ring_off", "header", "checked", "drain", "slots", "lo", "hi", "sender_header")
 
     def __init__(self, st: _Static, sender: bool):
         self.c, self.p, self.per_chunk, self.nchunks, self.state = st.c, st.p, st.per_chunk, st.nchunks, st.state
         self.counter, self.remote, self.ring, self.ring_off = st.counter, st.remote, st.ring, st.ring_off
         self.slots = st.slots
-        self.pos_counter, self.seq = int(st.state[P.STATE_COUNTER]), int(st.state[P.STATE_SEQ]) + 1
-        self.pos, self.end = st.lo, st.hi
-        self.header = st.header if sender else None   # sender: the header still to send (None once sent)
-        self.checked = None if sender else False      # receiver: the peer's header checked
+        self.lo, self.hi = st.lo, st.hi
+        self.sender_header = st.header if sender else None  # (the plan's; a call that changes it sends a copy)
+        self.start()
+
+    def start(self) -> "_Run":
+        """Begin a call: counters from the state line, the share ``[lo, hi)`` still to move, the header (sender)
+        still to send or (receiver) to check. Returns itself."""
+        self.pos_counter, seq = self.state.tolist()
+        self.seq = seq + 1
+        self.pos, self.end = self.lo, self.hi
+        self.header = self.sender_header  # sender: the header still to send (None once sent)
+        self.checked = None if self.header is not None else False  # receiver: the peer's header checked
         self.drain = 0             # receiver of a rejecting rank: peer chunks still to skip
-
-    def pending(self) -> bool:
-        """Receiver: the header or chunks still to consume."""
-        return not self.checked or self.pos < self.end or self.drain > 0
-
+        return self
 
 def _yield(idle: int, waited_s: float) -> None:
     """Give the core away while waiting: ``sched_yield`` for the first ``SPIN_S`` seconds of a wait (a peer a chunk
