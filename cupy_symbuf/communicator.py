@@ -376,6 +376,11 @@ class Communicator:
             err = self._transport.close()  # GPU: waits for queued kernels; a recorded, unreported error or None
         except Exception as exc:
             err = exc
+        # what captured CUDA graphs read and wrote (the transport has waited for queued kernels): released now, not
+        # when the garbage collector finds this object
+        eng = self.__dict__.get("_engine_obj")
+        if eng is not None:
+            eng.graph_keep.clear()
         if err is not None and not self._broken:
             self._broken = f"{type(err).__name__}: {err}"
         if err is None and not self._broken and not leaving:

@@ -458,3 +458,20 @@ def test_atexit_closes_open_communicators_newest_first(comm, monkeypatch):
         monkeypatch.setattr(obj, "close", lambda real=real, name=name: (order.append(name), real()))
     _lifecycle._at_exit()
     assert order == ["b", "a"] and a._closed and b._closed
+
+
+def test_close_releases_what_captured_graphs_kept(backend, comm):
+    """What calls captured into CUDA graphs keep alive (``engine.graph_keep``: their temporaries, read by every
+    replay) is released by close(), not when the garbage collector finds the communicator."""
+    import weakref
+    c = cs.Communicator(comm, backend=backend)
+    kept = np.arange(5.0)
+    ref = weakref.ref(kept)
+    c.engine.graph_keep.append(kept)
+    del kept
+    gc.collect()
+    assert ref() is not None  # held for replays while the communicator is open
+    _check_alltoall(c)
+    c.close()
+    assert ref() is None, "close() kept a captured call's temporary alive"
+    del c
