@@ -305,6 +305,9 @@ def _bad_calls(c, backend):
         ("alltoallv count exchange", lambda: c.alltoallv(x, ones, sinc="strong"), lambda: c.alltoallv(x, ones)),
         ("alltoallv known counts", lambda: c.alltoallv(x, ones, recv_counts=ones, outt=None),
          lambda: c.alltoallv(x, ones, recv_counts=ones)),
+        # the misspelt keyword decides the call's form (the peers wait in the form it names)
+        ("alltoallv recv_counts misspelt", lambda: c.alltoallv(x, ones, recv_countz=ones),
+         lambda: c.alltoallv(x, ones, recv_counts=ones)),
         ("dispatch", lambda: c.dispatch(f32, idx, None, 2 * W, expert_alignmnt=1),
          lambda: c.dispatch(f32, idx, None, 2 * W)),
         ("empty", lambda: c.empty(4, dtyp=np.float32), lambda: c.empty(4)),

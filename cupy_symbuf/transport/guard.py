@@ -134,15 +134,23 @@ class CallGuard:
 
 
 def _lenient(sig: inspect.Signature, args: tuple, kwargs: dict) -> dict:
-    """The arguments of a call that did not bind, as far as they go (unknown keywords and surplus positionals
-    dropped; defaults filled in; a missing required argument absent)."""
+    """The arguments of a call that did not bind, as far as they go (surplus positionals dropped; defaults filled
+    in; a missing required argument absent). An unknown keyword that is a close misspelling of a keyword the call
+    did not get (``recv_countz`` for ``recv_counts``) counts as that keyword, else it is dropped: the rejection
+    then takes the form (say, a call with or without the count exchange) the caller meant, the one its peers wait
+    in."""
     params = list(sig.parameters.values())[1:]  # without self
     npos = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
     if not any(p.kind is p.VAR_POSITIONAL for p in params):
         args = args[:npos]
     taken = {p.name for p in params[:len(args)]}
-    named = {k: v for k, v in kwargs.items() if k in sig.parameters and k not in taken
-             and sig.parameters[k].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    named = {k: v for k, v in kwargs.items() if k in keywords and k not in taken}
+    for k, v in kwargs.items():
+        if k not in sig.parameters:
+            meant = difflib.get_close_matches(k, sorted(keywords - taken - named.keys()), n=1, cutoff=0.8)
+            if meant:
+                named[meant[0]] = v
     out = {p.name: p.default for p in params if p.default is not p.empty}
     try:
         out.update(sig.bind_partial(None, *args, **named).arguments)
