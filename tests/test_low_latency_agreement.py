@@ -303,3 +303,78 @@ def _check_shim_case(b, what):
     for seed, shape in ((5, base), (6, other), (7, base)):
         cnt, want = _shim_dispatch(b, **shape, seed=seed)
         all_ranks(lambda: cnt.tolist() == want or pytest.fail(f"{shape}: {cnt} != {want}"))
+
+
+# ---- the DeepEP shim: its own checks failing on one rank -----------------------------------------------------------
+
+@pytest.mark.parametrize("what", ["x_1d", "flags", "ue8m0_hidden", "combine_foreign_handle", "combine_flags"])
+def test_shim_own_check_failing_on_one_rank_is_told(backend, what):
+    """deepep.Buffer: a low-latency call that fails the shim's own checks on rank 1 only (x not 2-D; async_finish
+    with return_recv_hook; use_ue8m0 with hidden not a multiple of 512; a combine with a foreign handle or both
+    flags) is told to the peers through the LowLatencyBuffer their call uses: rank 1 raises its error, the others
+    SymBufferRejectedError at once, and the next dispatches pair up right on every rank (they did not pair the
+    peers' call with rank 1's next one: wrong rows without an error)."""
+    if WORLD.size < 2:
+        pytest.skip("needs 2 ranks")
+    b = _shim(backend)
+    base = dict(n_max=16, hidden=256, kind="bfloat16")
+    try:
+        cnt, want = _shim_dispatch(b, **base, seed=1)
+        all_ranks(lambda: cnt.tolist() == want or pytest.fail(f"{cnt} != {want}"))
+        err = None
+        start = time.monotonic()
+        try:
+            if what.startswith("combine"):
+                _shim_combine_case(b, base, bad=RANK == 1, what=what)
+            elif RANK == 1:
+                x = np.zeros((4, base["hidden"]), np.uint16)
+                idx = np.zeros((4, K), np.int64)
+                x, idx = (x, idx) if backend == "host" else (dev(b.communicator, x), dev(b.communicator, idx))
+                if what == "x_1d":
+                    b.low_latency_dispatch(x[0], idx, base["n_max"], LL_E)
+                elif what == "flags":
+                    b.low_latency_dispatch(x, idx, base["n_max"], LL_E, async_finish=True, return_recv_hook=True)
+                else:
+                    b.low_latency_dispatch(x, idx, base["n_max"], LL_E, use_fp8=True, use_ue8m0=True)
+            else:
+                _shim_dispatch(b, **base, seed=2)
+            if backend == "cuda":
+                b.communicator.synchronize()
+        except Exception as exc:  # noqa: BLE001 - checked below
+            err = exc
+        took = time.monotonic() - start
+
+        def check():
+            assert took < PROMPT_S, f"took {took:.1f} s: {err!r}"
+            if RANK == 1:
+                assert isinstance(err, (TypeError, ValueError)) and not isinstance(err, SymBufferRejectedError), \
+                    repr(err)
+            else:
+                assert isinstance(err, SymBufferRejectedError) and "rank 1" in str(err), repr(err)
+        all_ranks(check)
+        for seed in (3, 4):
+            cnt, want = _shim_dispatch(b, **base, seed=seed)
+            all_ranks(lambda: cnt.tolist() == want or pytest.fail(f"{cnt} != {want}"))
+    finally:
+        WORLD.Barrier()
+        b.destroy()
+
+
+def _shim_combine_case(b, base, bad: bool, what: str):
+    """A dispatch of ``base`` on every rank, then its combine: rank 1 (``bad``) with a foreign handle or both
+    flags, the others the right call."""
+    c = b.communicator
+    rng = np.random.default_rng([9, RANK])
+    n = base["n_max"] // 2
+    idx = np.argsort(rng.random((n, LL_E)), axis=1)[:, :K].astype(np.int64)
+    x = dt.float32_to_bf16_bits(np, rng.standard_normal((n, base["hidden"])).astype(np.float32))
+    w = rng.random((n, K)).astype(np.float32)
+    if c.backend != "host":
+        x, idx, w = (dev(c, a) for a in (x, idx, w))
+    recv_x, _, handle, _, _ = b.low_latency_dispatch(x, idx, base["n_max"], LL_E, use_fp8=False)
+    if not bad:
+        b.low_latency_combine(recv_x, idx, w, handle)
+    elif what == "combine_foreign_handle":
+        b.low_latency_combine(recv_x, idx, w, object())
+    else:
+        b.low_latency_combine(recv_x, idx, w, handle, async_finish=True, return_recv_hook=True)

@@ -894,6 +894,32 @@ class Buffer:
         numbers and block counts that only grow, never reset), so a no-op; kept for call compatibility."""
         return None
 
+    @staticmethod
+    def _ll_flags(op: str, async_finish, return_recv_hook) -> tuple:
+        """``(async_finish, return_recv_hook)`` checked (bools; not both, as DeepEP asserts)."""
+        async_finish = check_flag(op, "async_finish", async_finish)
+        return_recv_hook = check_flag(op, "return_recv_hook", return_recv_hook)
+        if async_finish and return_recv_hook:
+            raise ValueError(f"{op}: async_finish and return_recv_hook cannot both be set (as DeepEP: with the hook, "
+                             f"hook() orders the receive on the current stream)")
+        return async_finish, return_recv_hook
+
+    def _ll_reject(self, kind: str, ll: Optional[LowLatencyBuffer] = None) -> None:
+        """The shim's own check of a low-latency ``kind`` call failed on this rank: tell the peers through ``ll``
+        (default: the current LowLatencyBuffer, where the peers' call goes), in order on the comm stream, so that
+        they raise ``SymBufferRejectedError`` instead of pairing their call with this rank's next one. Without a
+        current buffer (this Buffer's first low-latency dispatch) there is nothing to tell through: the peers'
+        construction of one then waits ``timeout_s``."""
+        if ll is None:
+            ll = self._ll.get(self._ll_current) if self._ll_current is not None else None
+        if ll is None:
+            return
+        if self._comm_stream is None:
+            ll.reject_call(kind)
+        else:
+            with self._comm_stream:
+                ll.reject_call(kind)
+
     def _ll_run(self, op: str, torch_mode: bool, async_finish, return_recv_hook, call):
         """Run ``call(split)`` (a LowLatencyBuffer call, ``split``: with ``return_recv_hook``; it returns ``(result,
         native hook or None, finish)``, ``finish()`` completing ``result`` once the receive is done) on the comm
@@ -907,12 +933,7 @@ class Buffer:
           current stream wait for it. The hook runs once (a second call raises ``RuntimeError``), and must run
           before this Buffer's next low-latency call of that LowLatencyBuffer.
 
-        These flag checks are not told to the peers (validate them alike on every rank)."""
-        async_finish = check_flag(op, "async_finish", async_finish)
-        return_recv_hook = check_flag(op, "return_recv_hook", return_recv_hook)
-        if async_finish and return_recv_hook:
-            raise ValueError(f"{op}: async_finish and return_recv_hook cannot both be set (as DeepEP: with the hook, "
-                             f"hook() orders the receive on the current stream)")
+        The flags come checked by :meth:`_ll_flags`."""
         if self._comm_stream is None:  # host: the send in the call, the receive in the hook
             res, native_hook, finish = call(return_recv_hook)
             if not return_recv_hook:
@@ -995,18 +1016,25 @@ class Buffer:
         raise ``SymBufferRejectedError``); ``ValueError`` naming the values when this rank's
         ``(num_max_dispatch_tokens_per_rank, hidden, num_experts, dtype)`` differ from a peer's (told to the peers
         through the current LowLatencyBuffer, see the module docstring); the shim's own checks before it (``x`` not
-        2-D, the flags) are not told: validate those alike on every rank.
+        2-D, the flags) are told through the current LowLatencyBuffer too (on the first low-latency dispatch of a
+        Buffer there is none: the peers then wait ``timeout_s``).
         """
         op = "Buffer.low_latency_dispatch"
-        conv = _Tensors(_is_torch(x))
-        xn = conv.native(x, is_x=True)
-        idx = conv.native(topk_idx)
-        if getattr(xn, "ndim", 0) != 2:
-            raise ValueError(f"{op}: x must be [num_tokens, hidden], got shape {tuple(getattr(xn, 'shape', ()))}")
-        dtype = "bfloat16" if conv.bf16 or xn.dtype == np.uint16 else xn.dtype
-        if use_ue8m0 and use_fp8 and int(xn.shape[1]) % 512:
-            raise ValueError(f"{op}: use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, got "
-                             f"{int(xn.shape[1])}")
+        try:  # the shim's own checks: a failure is told to the peers through the current LowLatencyBuffer
+            conv = _Tensors(_is_torch(x))
+            xn = conv.native(x, is_x=True)
+            idx = conv.native(topk_idx)
+            if getattr(xn, "ndim", 0) != 2:
+                raise ValueError(f"{op}: x must be [num_tokens, hidden], got shape "
+                                 f"{tuple(getattr(xn, 'shape', ()))}")
+            dtype = "bfloat16" if conv.bf16 or xn.dtype == np.uint16 else xn.dtype
+            if use_ue8m0 and use_fp8 and int(xn.shape[1]) % 512:
+                raise ValueError(f"{op}: use_ue8m0 packs four scales per int32: hidden must be a multiple of 512, "
+                                 f"got {int(xn.shape[1])}")
+            async_finish, return_recv_hook = self._ll_flags(op, async_finish, return_recv_hook)
+        except BaseException:
+            self._ll_reject("dispatch")
+            raise
         ll = self._ll_buffer(op, num_max_dispatch_tokens_per_rank, int(xn.shape[1]), num_experts, dtype)
         stats = conv.native(cumulative_local_expert_recv_stats)
 
@@ -1084,14 +1112,20 @@ class Buffer:
             after the next one). event : EventOverlap; hook : callable or None.
         """
         op = "Buffer.low_latency_combine"
-        handle = self._ll_handle(op, handle)
-        ll = handle.owner
-        conv = _Tensors(_is_torch(x))
-        xn = conv.native(x, is_x=True)
-        if check_flag(op, "zero_copy", zero_copy):  # x was written into the combine buffer
-            xn = ll.next_combine_buffer()
-        idx, w = conv.native(topk_idx), conv.native(topk_weights)
-        outn = conv.native(out, is_x=True) if out is not None else None
+        ll = None
+        try:  # the shim's own checks: a failure is told to the peers (through the handle's LowLatencyBuffer)
+            handle = self._ll_handle(op, handle)
+            ll = handle.owner
+            conv = _Tensors(_is_torch(x))
+            xn = conv.native(x, is_x=True)
+            if check_flag(op, "zero_copy", zero_copy):  # x was written into the combine buffer
+                xn = ll.next_combine_buffer()
+            idx, w = conv.native(topk_idx), conv.native(topk_weights)
+            outn = conv.native(out, is_x=True) if out is not None else None
+            async_finish, return_recv_hook = self._ll_flags(op, async_finish, return_recv_hook)
+        except BaseException:
+            self._ll_reject("combine", ll)
+            raise
 
         def call(split):
             r = ll.combine(xn, idx, w, handle, return_recv_hook=split)

@@ -694,6 +694,32 @@ class LowLatencyBuffer:
             if rejected is not None:
                 raise self._status.rejected_error("synchronize", *rejected)
 
+    @guarded("LowLatencyBuffer.reject_call", guard=_GUARD)
+    def reject_call(self, kind: str) -> None:
+        """Take part in the peers' next ``kind`` call of this buffer as a call this rank rejected, for a check made
+        outside this buffer (a wrapper's own, as :class:`cupy_symbuf.deepep.Buffer`'s): the peers learn of it as of
+        this buffer's own argument errors (see the module docstring: they raise
+        :class:`~cupy_symbuf.SymBufferRejectedError` naming this rank, nothing is delivered, every rank stays at
+        the same call). The caller raises its own error afterwards.
+
+        Parameters
+        ----------
+        kind : ``"dispatch"`` or ``"combine"``
+
+        Raises
+        ------
+        ValueError
+            ``kind`` is neither (nothing moves).
+        SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError
+            Telling failed (the buffer is then unusable).
+
+        Nothing is told on one rank, on a closed or failed buffer, or while a receive hook of this buffer is
+        outstanding (the next call raises ``RuntimeError`` there anyway)."""
+        which = {"dispatch": 0, "combine": 1}.get(kind)
+        if which is None:
+            raise ValueError(f"LowLatencyBuffer.reject_call: kind must be 'dispatch' or 'combine', got {kind!r}")
+        self._tell_rejected(which)
+
     @guarded("LowLatencyBuffer.announce", guard=_GUARD)
     def announce(self, token: int) -> list:
         """Take part in this buffer's next dispatch without dispatching, telling every rank ``token``: the step
