@@ -36,8 +36,10 @@ Design (decided and measured: ``docs/perf-notes.md``, "low-latency mode")
   :class:`~cupy_symbuf.SymBufferTimeoutError` (rank, peer; ``head`` = the value awaited, ``tail`` = the one seen,
   channel -1: for combine's weights flag a sequence number, for dispatch's and the partials' flags a count of the
   peer's blocks, which add 1 each to every destination's line when their stores are done, so no block waits for
-  another before publishing), a peer's other call kind / dtype / top-k (the per-call signature in every flag line)
-  :class:`~cupy_symbuf.SymBufferMismatchError`, and :meth:`Communicator.abort` stops the waits. The kernels write
+  another before publishing), a peer's other dtype / top-k / fp8 options (the per-call signature in every flag
+  line) :class:`~cupy_symbuf.SymBufferMismatchError` (a peer making the other call kind, a combine against this
+  rank's dispatch, publishes in the other kind's flag lines: that wait ends at ``timeout_s``), and
+  :meth:`Communicator.abort` stops the waits. The kernels write
   the communicator's one error record and are numbered by its launch ledger (``transport/status.py``), so a
   failure is decoded and named exactly as a ring kernel's.
 * Host cost per call (GPU): the first call of each shape (shapes, dtypes, fp8 options) is validated in full and
