@@ -62,7 +62,7 @@
 # /tmp/cupy_symbuf_device); with $OUT set they are packed into $OUT/device_logs.tgz at the end (the device returns
 # few files). Each command is bounded by `timeout`, and the whole call by DEVICE_BUDGET_S (default 540 s; 0: no
 # bound): a stage that would not fit in what is left is cut to it, or skipped below 15 s, and says so.
-# Knobs: TESTS (default tests), FAULTS_K (the faults stage's -k, default "not soak"), SUITE_ARGS (default --ignore=tests/test_faults.py), TEST_TIMEOUT (per test, 120),
+# Knobs: TESTS (default tests), SUITE_BACKENDS (the suites' backends, e.g. cuda; default: host and cuda), FAULTS_K (the faults stage's -k, default "not soak"), SUITE_ARGS (default --ignore=tests/test_faults.py), TEST_TIMEOUT (per test, 120),
 # CUPY_SYMBUF_TIMEOUT_S (30), BENCH_SIZES, ITERS, TAIL (lines of a log shown), COMPARE_EXTRA (bench options added
 # to every compare run, e.g. a smoke test on a machine without GPUs: MPIRUN=mpiexec GPU0= COMPARE_BENCHES=alltoall
 # COMPARE_EXTRA="--backend host --sizes 64K --iters 5" bash .ci/device.sh compare 8f863c7).
@@ -187,10 +187,12 @@ set -- $STAGES
 while [ $# -gt 0 ]; do
   stage=$1; shift
   case $stage in
-    suite1) run suite1 ${SUITE_LIMIT:-240} $PYTEST $TESTS $SUITE_ARGS ;;
+    suite1) run suite1 ${SUITE_LIMIT:-240} env \
+      ${SUITE_BACKENDS:+CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} $PYTEST $TESTS $SUITE_ARGS ;;
     suite[0-9]*)
       n=${stage#suite}; mps_on
-      run "$stage" ${SUITE_LIMIT:-300} $MPIRUN -n "$n" $GPU0 $PYTEST $TESTS $SUITE_ARGS ;;
+      run "$stage" ${SUITE_LIMIT:-300} $MPIRUN -n "$n" $GPU0 ${SUITE_BACKENDS:+-x CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} \
+        $PYTEST $TESTS $SUITE_ARGS ;;
     multi|cvd)
       if [ "$NGPU" -lt 2 ]; then echo "== [$stage] skipped: $NGPU GPU"; continue; fi
       mps_off
