@@ -79,7 +79,7 @@ MPIRUN=${MPIRUN:-"mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONU
 -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_SYMBUF_ABORT_ON_FAILURE -x CUPY_SYMBUF_TIMEOUT_S"}
 GPU0=${GPU0-"-x CUDA_VISIBLE_DEVICES=0"}              # ranks under MPS share GPU 0
 CUDA_ONLY="-x CUPY_SYMBUF_TEST_BACKENDS=cuda"
-PYTEST="python3 -m pytest -q --color=no -p no:cacheprovider -rs --timeout=${TEST_TIMEOUT:-120}"
+PYTEST="python3 -m pytest -q --color=no -p no:cacheprovider -rs --timeout=${TEST_TIMEOUT:-120} -o faulthandler_timeout=$((${TEST_TIMEOUT:-120} + 15))"
 TESTS=${TESTS:-tests}
 SUITE_ARGS=${SUITE_ARGS:---ignore=tests/test_faults.py}
 BENCH="python3 -m cupy_symbuf.bench"

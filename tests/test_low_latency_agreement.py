@@ -241,6 +241,10 @@ def _shim_dispatch(b, n_max, hidden, kind="bfloat16", seed=0):
     x = xf if kind == "float32" else dt.float32_to_bf16_bits(np, xf)
     xd, idd = (x, idx) if b.communicator.backend == "host" else tuple(dev(b.communicator, a) for a in (x, idx))
     _, cnt, _, _, _ = b.low_latency_dispatch(xd, idd, n_max, LL_E, use_fp8=False)
+    if b.communicator.backend == "cuda":
+        # a peer's rejection of a queued GPU call surfaces here, so it is raised before this rank's allgather
+        # below (raised after it, this rank's next collective pairs with another call of that peer's)
+        b.communicator.synchronize()
     every = WORLD.allgather(idx)
     L = LL_E // W
     want = [sum(int((ids == RANK * L + el).any(axis=1).sum()) for ids in every) for el in range(L)]
