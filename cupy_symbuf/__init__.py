@@ -11,7 +11,7 @@ from .common.config import Config
 from .common.errors import (SymBufferAbortedError, SymBufferClosedError, SymBufferError, SymBufferMismatchError,
                      SymBufferLeakWarning, SymBufferRejectedError, SymBufferTimeoutError)
 from .wire.channel_layout import ChannelLayout
-from .moe.low_latency import LowLatencyBuffer, LowLatencyHandle, LowLatencyRecvHook, bench_low_latency  # noqa: F401
+from .moe.low_latency import LowLatencyBuffer, LowLatencyHandle, LowLatencyRecvHook  # noqa: F401
 from .transport.symbuffer import SymBuffer
 from .collectives.delta import DeltaExchange
 from .scaleout.hierarchical import HierarchicalCommunicator
@@ -23,3 +23,10 @@ __all__ = ["SymBuffer", "Communicator", "CollectiveEvent", "Config", "ChannelLay
            "SymBufferTimeoutError", "SymBufferClosedError", "SymBufferMismatchError", "SymBufferAbortedError",
            "SymBufferRejectedError", "SymBufferLeakWarning", "DeltaExchange", "HierarchicalCommunicator", "Topology", "info",
            "__version__"]
+
+
+def __getattr__(name):
+    if name == "bench_low_latency":  # the benchmark package imports mpi4py: loaded when first asked for
+        from .bench.low_latency import bench_low_latency
+        return bench_low_latency
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

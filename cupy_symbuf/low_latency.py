@@ -8,4 +8,7 @@ __doc__ = _layer.low_latency.__doc__  # help() and docs/api.md show the module's
 
 
 def __getattr__(name):
+    if name == "bench_low_latency":  # (cupy_symbuf.bench.low_latency; that package imports mpi4py: loaded on use)
+        from .bench.low_latency import bench_low_latency
+        return bench_low_latency
     return getattr(_layer.low_latency, name)

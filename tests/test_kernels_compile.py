@@ -342,18 +342,18 @@ def test_debug_env_adds_define(monkeypatch):
 
 def test_low_latency_dispatch_shared_memory_fits():
     """symbuf_ll_dispatch keeps its receive masks in dynamic shared memory (LowLatencyBuffer refuses more than
-    _SMEM_DYNAMIC_MAX bytes of them) next to its static block state, launched without the opt-in attribute: both
+    SMEM_DYNAMIC_MAX bytes of them) next to its static block state, launched without the opt-in attribute: both
     together must fit the default 48 KiB per block."""
     _nvrtc_or_skip()
-    from cupy_symbuf.moe import low_latency as _ll
+    from cupy_symbuf.moe import low_latency_cuda as _llc
     ptx = _kernels.compile_ptx("low_latency.cu")
     found = re.findall(r"\.shared \.align \d+ \.b8 (\w*(?:LLDispatchArgs|dispatch_body)\w*)\[(\d+)\];", ptx)
     state = [int(n) for name, n in found if "ll_prologue" in name]
     per_body = [int(n) for name, n in found if "dispatch_body" in name]
     assert state and per_body, f"the PTX pattern no longer matches: {found}"
     static = max(state) + max(per_body) + 16  # (alignment between the two)
-    assert static + _ll._SMEM_DYNAMIC_MAX <= 48 * 1024, (
-        f"symbuf_ll_dispatch: {static} static + {_ll._SMEM_DYNAMIC_MAX} dynamic bytes of shared memory exceed 48 KiB")
+    assert static + _llc.SMEM_DYNAMIC_MAX <= 48 * 1024, (
+        f"symbuf_ll_dispatch: {static} static + {_llc.SMEM_DYNAMIC_MAX} dynamic bytes of shared memory exceed 48 KiB")
 
 
 def test_moe_layout_shared_memory_fits_max_experts():

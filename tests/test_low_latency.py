@@ -23,7 +23,8 @@ from conftest import _gpu_for_rank, available_backends  # noqa: E402
 from cupy_symbuf import (Communicator, Config, LowLatencyBuffer, SymBufferAbortedError,  # noqa: E402
                          SymBufferError, SymBufferMismatchError, SymBufferRejectedError, SymBufferTimeoutError, quant)
 from cupy_symbuf.common import dtypes as dt  # noqa: E402
-from cupy_symbuf.moe.low_latency import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, bench_low_latency  # noqa: E402
+from cupy_symbuf.bench.low_latency import bench_low_latency  # noqa: E402
+from cupy_symbuf.moe.low_latency import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
@@ -570,7 +571,7 @@ def test_one_status_path(comm):
         pytest.skip("GPU error record")
     with LowLatencyBuffer(comm, 8, 256, 4 * W, max_topk=4) as b:
         st = comm.engine.transport.status
-        assert b._status is st
+        assert b._gpu.status is st
         before = st.ledger.seq
         run_case(comm, b, "full", 130)
         assert st.ledger.seq == before + 2 and st.ledger.op(before + 1) == "low_latency_dispatch"
@@ -636,7 +637,7 @@ def test_hot_path_cache(comm, ll):
         out = ll.combine(recv, iv, Wt, h)
         ll.synchronize()
         results.append((host(cnt).copy(), host(out).copy()))
-    assert ll._fastkeys[0] and ll._fastkeys[1]
+    assert ll._gpu.fastkeys[0] and ll._gpu.fastkeys[1]
     with pytest.raises(TypeError, match="dtype"):
         ll.dispatch(X.astype(cupy.float32), I)
     with pytest.raises(ValueError, match="topk_weights"):

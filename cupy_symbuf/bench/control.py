@@ -251,7 +251,7 @@ def _pass(c, comm, timer, args, data, skew_meter) -> list:
 
     # ---- low-latency mode
     try:
-        from ..moe.low_latency import bench_low_latency
+        from .low_latency import bench_low_latency
         ll = bench_low_latency(c, num_tokens=s, hidden=HIDDEN, num_experts=EXPERTS, topk=TOPK, iters=iters,
                                warmup=warm, graph=gpu)
         ll_bytes = {"dispatch": comm.allreduce(ll["bytes_dispatch"], op=MPI.SUM),

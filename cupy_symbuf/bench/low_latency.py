@@ -17,15 +17,24 @@ GPU every call is on one non-blocking stream (low-latency calls of a rank must n
 as the other rows (``nvl``: token bytes from / to other ranks; ``deepep``: all token bytes, a rank's own included;
 one copy per (token, destination rank) either way, which is what the low-latency kernels move). With ``--energy``
 the rows carry the same energy fields as the others.
+
+Also :func:`bench_low_latency`, the low-latency rows of the control table (``--control``, ``bench/control.py``):
+CUDA events around back-to-back calls, graph replays, host time per issue and the kernels' phase profile.
 """
 from __future__ import annotations
 
 import contextlib
+import time
+from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["run", "ll_tokens", "reference_dispatch", "reference_combine"]
+from ..common import backend as _compat
+from ..common import dtypes as _dt
+from ..wire import protocol as P
+
+__all__ = ["run", "ll_tokens", "reference_dispatch", "reference_combine", "bench_low_latency"]
 
 
 def reference_dispatch(all_x: list, all_idx: list, me: int, L: int) -> tuple:
@@ -182,3 +191,184 @@ def _run_one(c, comm, timer, args, tokens: int, iters: int) -> list:
                             e_comb, iters))
         ll.synchronize()
     return results
+
+
+class _BenchGroup:
+    """The benchmark's barrier, allgather and max over the ranks of ``buf`` (a SymBuffer): its MPI communicator's
+    blocking collectives, or, over a bootstrap that is not MPI, the bootstrap's bounded exchanges."""
+
+    def __init__(self, buf):
+        self.comm, self.boot, self.timeout_s = buf.comm, buf.bootstrap, buf.timeout_s
+
+    def Barrier(self) -> None:  # noqa: N802 - MPI's name
+        if self.comm is not None:
+            self.comm.Barrier()
+        else:
+            self.boot.barrier(self.timeout_s, "bench_low_latency (barrier)", role="construction")
+
+    def allgather(self, obj) -> list:
+        if self.comm is not None:
+            return self.comm.allgather(obj)
+        return self.boot.allgather(obj, self.timeout_s, "bench_low_latency (allgather)")
+
+    def allreduce_max(self, v: float) -> float:
+        if self.comm is not None:
+            from mpi4py import MPI
+            return self.comm.allreduce(v, op=MPI.MAX)
+        return max(self.allgather(v))
+
+
+def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -> dict:
+    """Phase ends of back-to-back calls from the kernels' ``%globaltimer`` stamps (``prof`` words), see
+    :func:`bench_low_latency`. Collective; the stamps of ranks on one GPU share a clock (on several GPUs the
+    cross-rank numbers mix clocks)."""
+    cp = _compat.cupy
+    out = {}
+    bufs = cp.zeros((iters, ll.grid, P.LL_PROF_STAMPS), np.uint64)
+    for name, call in (("dispatch", d_call), ("combine", c_call)):
+        fresh_handle()
+        bufs[...] = 0
+        with stream:
+            stream.synchronize()
+            mpi.Barrier()
+            for i in range(iters):
+                ll.set_profile(bufs[i].data.ptr)
+                call()
+            ll.set_profile(0)
+            stream.synchronize()
+            ll.synchronize()
+        st = bufs.get().astype(np.int64)                       # [iters, grid, LL_PROF_STAMPS] ns
+        starts = st[:, :, 0].min(axis=1)                        # per call: earliest block start of this rank
+        ends = st[:, :, 1:5].max(axis=1)                        # per call: latest block at each phase end
+        allv = mpi.allgather((starts, ends))
+        s_all = np.stack([a[0] for a in allv])                  # [ranks, iters]
+        e_all = np.stack([a[1] for a in allv])                  # [ranks, iters, 4]
+        ref = s_all.min(axis=0)                                 # earliest start of any rank per call
+        phases = (e_all.max(axis=0) - ref[:, None]) / 1e3       # [iters, 4] us
+        out[f"{name}_phases_us"] = [round(float(v), 2) for v in np.median(phases, axis=0)]
+        out[f"{name}_start_skew_us"] = round(float(np.median((s_all.max(axis=0) - ref) / 1e3)), 2)
+    return out
+
+
+def bench_low_latency(comm, num_tokens: int = 128, hidden: int = 7168, num_experts: int = 256, topk: int = 8,
+                      iters: int = 50, warmup: int = 5, use_fp8: bool = False, graph: bool = True,
+                      seed: int = 0, host_issue: int = 1000, profile: bool = False,
+                      num_blocks: Optional[int] = None) -> dict:
+    """Microseconds per low-latency dispatch and per combine (max over ranks), CUDA events around ``iters``
+    back-to-back calls on one stream after ``warmup`` calls; with ``graph`` also the same calls replayed from a
+    CUDA graph (kernel time without Python launch overhead). Host backend: wall clock. Collective.
+
+    Returns ``{"dispatch_us", "combine_us", "dispatch_graph_us", "combine_graph_us", "bytes_dispatch",
+    "bytes_combine"}`` (bytes a rank stores into peers' buffers per call, itself excluded); on the GPU also
+    ``"dispatch_host_us"`` / ``"combine_host_us"``: host time per call to issue (``time.perf_counter`` around
+    ``host_issue`` calls in batches of 200, no synchronisation inside a batch; max over ranks), and with
+    ``profile`` ``"dispatch_phases_us"`` / ``"combine_phases_us"``: medians over ``iters`` back-to-back calls of
+    the kernel's phase ends (``%globaltimer`` stamps of every block, max over blocks and ranks) measured from the
+    earliest block start of any rank (dispatch: sent, flags seen, layout built, end; combine: weights seen,
+    partials sent, partials seen, end), and ``"*_start_skew_us"``: latest minus earliest rank start."""
+    xp = comm.xp
+    W = comm.world_size
+    rng = np.random.default_rng(seed + comm.rank)
+    scores = rng.random((num_tokens, num_experts))
+    idx = np.argsort(-scores, axis=1)[:, :topk].astype(np.int64)
+    wts = rng.random((num_tokens, topk)).astype(np.float32)
+    xb = _dt.float32_to_bf16_bits(np, rng.standard_normal((num_tokens, hidden)).astype(np.float32))
+    L = num_experts // W
+    ranks = idx // L
+    sent = sum(int((ranks == d).any(axis=1).sum()) for d in range(W) if d != comm.rank)
+    row = hidden * 2
+    res = {"bytes_dispatch": sent * (hidden + hidden // 32 if use_fp8 else row), "bytes_combine": sent * row}
+    from ..moe.low_latency import LowLatencyBuffer
+    ll = LowLatencyBuffer(comm, num_tokens, hidden, num_experts, dtype="bfloat16", max_topk=topk,
+                          num_blocks=num_blocks)
+    mpi = _BenchGroup(ll.buffer)
+    # GPU: every call on one non-default stream (low-latency calls of a rank must not overlap; graphs need it)
+    stream = _compat.cupy.cuda.Stream(non_blocking=True) if comm.backend == "cuda" else None
+    try:
+      with (stream if stream is not None else contextlib.nullcontext()):
+          x, ti, tw = xp.asarray(xb), xp.asarray(idx), xp.asarray(wts)
+          y = ll.dispatch(x, ti)[0].copy()  # the experts' outputs: recv_x itself
+
+          def d_call():
+              return ll.dispatch(x, ti, use_fp8=use_fp8)
+
+          hs = {}
+
+          def c_call():
+              return ll.combine(y, ti, tw, hs["h"])
+
+          def fresh_handle():  # a handle lasts two dispatches: take one right before combine is timed
+              hs["h"] = ll.dispatch(x, ti, use_fp8=use_fp8)[2]
+
+          for _ in range(warmup):
+              h = d_call()[2]
+              ll.combine(y, ti, tw, h)
+          if comm.backend == "cuda":
+              cp = _compat.cupy
+  
+              def timed(fn, n):
+                  with stream:
+                      ll.synchronize()
+                      stream.synchronize()
+                      mpi.Barrier()
+                      e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+                      e0.record(stream)
+                      fn(n)
+                      e1.record(stream)
+                      e1.synchronize()
+                      ll.synchronize()
+                      return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n
+
+              def loop(call):
+                  return lambda n: [call() for _ in range(n)]
+
+              t_d = timed(loop(d_call), iters)
+              fresh_handle()
+              t_c = timed(loop(c_call), iters)
+              res["dispatch_us"], res["combine_us"] = t_d, t_c
+              res["grid"] = ll.grid
+              if host_issue:
+                  for name, call in (("dispatch_host_us", d_call), ("combine_host_us", c_call)):
+                      fresh_handle()
+                      total, done = 0.0, 0
+                      while done < host_issue:
+                          m = min(200, host_issue - done)
+                          stream.synchronize()
+                          mpi.Barrier()
+                          t0 = time.perf_counter()
+                          for _ in range(m):
+                              call()
+                          total += time.perf_counter() - t0
+                          done += m
+                      stream.synchronize()
+                      ll.synchronize()
+                      res[name] = total * 1e6 / done
+              if profile:
+                  res.update(_profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters))
+              if graph:
+                  for name, call in (("dispatch_graph_us", d_call), ("combine_graph_us", c_call)):
+                      fresh_handle()
+                      with stream:
+                          ll.synchronize()
+                          mpi.Barrier()
+                          stream.begin_capture()
+                          for _ in range(10):
+                              call()
+                          g = stream.end_capture()
+                          g.launch(stream)  # warm replay
+                          stream.synchronize()
+                          res[name] = timed(lambda n, g=g: [g.launch(stream) for _ in range(n // 10)],
+                                            max(10, iters // 10 * 10))
+          else:
+              for name, call in (("dispatch_us", d_call), ("combine_us", c_call)):
+                  fresh_handle()
+                  mpi.Barrier()
+                  t0 = time.perf_counter()
+                  for _ in range(iters):
+                      call()
+                  res[name] = (time.perf_counter() - t0) * 1e6 / iters
+          for k in [k for k in res if k.endswith("_us") and isinstance(res[k], float)]:
+              res[k] = mpi.allreduce_max(float(res[k]))
+    finally:
+        ll.close()
+    return res

@@ -109,25 +109,27 @@ read); the host path raises ``ValueError`` for them. Experts are placed contiguo
 """
 from __future__ import annotations
 
-import ctypes
 import operator
-import time
 from typing import Any, Optional
 
 import numpy as np
 
 from ..transport import agree as _agree
 from ..common import backend as _compat
-from ..wire import kernel_args as _kernel_args
 from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..collectives import quant as _quant
 from ..common.checks import as_array, check_int
-from ..common.errors import SymBufferError, SymBufferRejectedError, SymBufferTimeoutError, mismatch_error
+from ..common.errors import SymBufferError, SymBufferRejectedError
 from ..transport.symbuffer import SymBuffer
 from ..transport.guard import collective, guarded
 from ..transport.streams import check_flag as _check_flag
-from ..transport.status import low_latency_rejection
+from .low_latency_cuda import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, LL_SOURCE, SMEM_DYNAMIC_MAX, GpuLaunches
+from .low_latency_host import HostWire
+from .low_latency_regions import BOTH, ITEMSIZE, KINDS, OPS, RECV, REJECTED, SEND, kind_of, regions
+
+__all__ = ["LowLatencyBuffer", "LowLatencyHandle", "LowLatencyRecvHook", "LL_DISPATCH_FIELDS", "LL_COMBINE_FIELDS",
+           "LL_SOURCE"]
 
 #: a LowLatencyBuffer's calls take its communicator's guard: one thread at a time for both
 _GUARD = operator.attrgetter("comm.engine.guard")
@@ -145,77 +147,6 @@ def _reject_unbound(which: int):
         buf._tell_rejected(which)
         return "SymBufferRejectedError"
     return reject
-
-__all__ = ["LowLatencyBuffer", "LowLatencyHandle", "LowLatencyRecvHook", "bench_low_latency", "LL_DISPATCH_FIELDS",
-           "LL_COMBINE_FIELDS", "LL_SOURCE"]
-
-LL_SOURCE = "low_latency.cu"
-#: The kernels' argument structs (``wire/kernel_args.py``: ``LLDispatchArgs`` / ``LLCombineArgs``, int64 words by
-#: value) and their field names in order.
-_STRUCTS = ("LLDispatchArgs", "LLCombineArgs")
-LL_DISPATCH_FIELDS = _kernel_args.fields(_STRUCTS[0])
-LL_COMBINE_FIELDS = _kernel_args.fields(_STRUCTS[1])
-_THREADS = 512
-#: dynamic shared memory of the dispatch kernel's receive masks, at most: a block's 48 KiB less 1 KiB for the
-#: kernels' static shared memory (LLBlockState and the token counts, 600 bytes)
-_SMEM_DYNAMIC_MAX = 47 * 1024
-_LINE = P.LINE_BYTES
-_KINDS = {_dt.BFLOAT16: P.LL_KIND_BF16, _dt.FLOAT16: P.LL_KIND_F16, _dt.FLOAT32: P.LL_KIND_F32}
-_ITEMSIZE = {_dt.BFLOAT16: 2, _dt.FLOAT16: 2, _dt.FLOAT32: 4}
-#: ctrl words (u64) of each kind's ctrl line on the host path: the sequence number (calls completed). (The
-#: kernels count the blocks that left in word LL_CTRL_EXIT instead: seq = that count / grid + 1.)
-_CTRL_SEQ = 0
-#: words (u64) of a flag line: LL_LINE_SEQ .. LL_LINE_WHY
-_LINE_WORDS = P.LL_LINE_WHY + 1
-_OPS = ("low_latency_dispatch", "low_latency_combine")
-#: the n of a rejected call: in its kernel arguments and in the flag lines it publishes
-_REJECTED = P.LL_REJECTED
-_SEND, _RECV, _BOTH = P.LL_PHASE_SEND, P.LL_PHASE_RECV, P.LL_PHASE_BOTH
-
-
-class _Entry:
-    """Prebuilt kernel arguments (``ctypes`` structs of ``wire/kernel_args.py``) of one call shape, one per output
-    set, and the outputs the calls return."""
-
-    __slots__ = ("which", "fn", "smem", "args", "ptrs", "params", "outs", "n", "K", "use_fp8")
-
-    def __init__(self, which: int, fn: int, smem: int) -> None:
-        self.which, self.fn, self.smem = which, fn, smem
-        self.args, self.ptrs, self.params, self.outs = [], [], [], []
-        self.n = self.K = 0
-        self.use_fp8 = False
-
-    def add(self, a: ctypes.Structure) -> None:
-        ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(a))
-        self.args.append(a)
-        self.ptrs.append(ptrs)
-        self.params.append(ctypes.addressof(ptrs))
-
-
-def _align(v: int, a: int) -> int:
-    return (v + a - 1) // a * a
-
-
-def _regions(W: int, N: int, H: int, itemsize: int, K: int) -> dict:
-    """The low-latency regions: offsets (bytes) of the symmetric buffer's areas and its size; every area
-    128-aligned."""
-    R = _align(H * itemsize, 16)
-    meta = _align(W * N * K * 4, _LINE)
-    rows = _align(W * N * R, _LINE)
-    d = {"row_bytes": R, "d_flags": 0, "d_meta": W * _LINE, "d_rows": W * _LINE + meta}
-    d["d_half"] = d["d_rows"] + rows
-    d["c_wflags"], d["c_weights"] = 0, W * _LINE
-    d["c_pflags"] = d["c_weights"] + meta
-    d["c_prows"] = d["c_pflags"] + W * _LINE
-    d["c_half"] = d["c_prows"] + rows
-    d["d0"] = 2 * _LINE
-    d["c0"] = d["d0"] + 2 * d["d_half"]
-    d["nbytes"] = d["c0"] + 2 * d["c_half"]
-    return d
-
-
-def _kind_of(dtype) -> Optional[str]:
-    return _dt.float_kind(dtype, raw_uint16=_dt.BFLOAT16)
 
 
 class LowLatencyHandle:
@@ -355,19 +286,19 @@ class LowLatencyBuffer:
             H = check_int(op, "hidden", hidden, minimum=1)
             E = check_int(op, "num_experts", num_experts, minimum=1)
             K = check_int(op, "max_topk", max_topk, minimum=1, maximum=32)
-            kind = _kind_of(dtype)
-            if kind not in _KINDS:
+            kind = kind_of(dtype)
+            if kind not in KINDS:
                 raise TypeError(f"{op}: dtype must be bfloat16, float16 or float32, got {dtype!r}")
             if E % W:
                 raise ValueError(f"{op}: num_experts ({E}) must be a multiple of world_size ({W})")
             if W > 32:
                 raise ValueError(f"{op}: world_size must be <= 32, got {W}")
-            if (H * _ITEMSIZE[kind]) % 16:
-                raise ValueError(f"{op}: hidden * itemsize ({H} * {_ITEMSIZE[kind]}) must be a multiple of 16 bytes")
+            if (H * ITEMSIZE[kind]) % 16:
+                raise ValueError(f"{op}: hidden * itemsize ({H} * {ITEMSIZE[kind]}) must be a multiple of 16 bytes")
             smem = 4 * (E * ((N + 31) // 32) + E)
-            if smem > _SMEM_DYNAMIC_MAX:
+            if smem > SMEM_DYNAMIC_MAX:
                 raise ValueError(f"{op}: num_experts * ceil(N / 32) too large for the receive masks ({smem} bytes "
-                                 f"of shared memory > {_SMEM_DYNAMIC_MAX}): lower num_max_dispatch_tokens_per_rank "
+                                 f"of shared memory > {SMEM_DYNAMIC_MAX}): lower num_max_dispatch_tokens_per_rank "
                                  f"or num_experts")
             if num_blocks is not None:
                 num_blocks = check_int(op, "num_blocks", num_blocks, minimum=1, maximum=1024)
@@ -395,10 +326,10 @@ class LowLatencyBuffer:
         self.num_local_experts = self.L = E // W
         self.max_topk = K
         self.kind = kind
-        self.itemsize = _ITEMSIZE[kind]
+        self.itemsize = ITEMSIZE[kind]
         self.timeout_s = timeout
         # ---- the low-latency regions of the symmetric buffer (bytes; every area 128-aligned) ----
-        for k, v in _regions(W, N, H, self.itemsize, K).items():
+        for k, v in regions(W, N, H, self.itemsize, K).items():
             setattr(self, k, v)
         transport = getattr(comm, "transport", None)  # where the communicator's rings live (cuda: ipc / staged)
         self.buffer = SymBuffer(boot, self.nbytes, backend=self.backend, timeout_s=timeout,
@@ -408,7 +339,8 @@ class LowLatencyBuffer:
         #: the LowLatencyRecvHook of a call made with return_recv_hook=True whose receive has not run, else None
         self._pending = None
         self._broken = None
-        self._fast = None  # the GPU hot path's array type (set by _init_cuda)
+        #: the backend's part: the GPU launches (GpuLaunches) or the host wire (HostWire); the other is None
+        self._gpu = self._host = None
         self._sets = [dict(), dict()]
         self._combine_out = [None, None]
         self._combine_in = [None, None]
@@ -424,9 +356,10 @@ class LowLatencyBuffer:
             for i in range(2):
                 self._combine_out[i] = xp.zeros((N, H * self.itemsize), np.uint8)
             if self.backend == "cuda":
-                self._init_cuda(num_blocks, smem)
+                self._gpu = GpuLaunches(self, num_blocks, smem, self._failed)
+                self.grid = self._gpu.grid
             else:
-                self._views = [self.buffer.host_view(r) for r in range(W)]
+                self._host = HostWire(self)
         except BaseException:
             self.buffer.close()
             raise
@@ -437,11 +370,11 @@ class LowLatencyBuffer:
                         dtype="bfloat16", max_topk: int = 16) -> int:
         """Bytes of the symmetric buffer a ``LowLatencyBuffer`` of these parameters allocates on every rank
         (outputs not included: ``2 x num_local_experts x W x N x row`` more, on the device)."""
-        kind = _kind_of(dtype)
-        if kind not in _KINDS:
+        kind = kind_of(dtype)
+        if kind not in KINDS:
             raise TypeError(f"LowLatencyBuffer.symmetric_bytes: dtype must be bfloat16, float16 or float32, got "
                             f"{dtype!r}")
-        return _regions(int(world_size), int(num_max_dispatch_tokens_per_rank), int(hidden), _ITEMSIZE[kind],
+        return regions(int(world_size), int(num_max_dispatch_tokens_per_rank), int(hidden), ITEMSIZE[kind],
                        int(max_topk))["nbytes"]
 
     # ---- lifecycle ---------------------------------------------------------------------------------------------
@@ -495,9 +428,9 @@ class LowLatencyBuffer:
             return
         try:
             if self.backend == "cuda":
-                self._issue_rejected(which, why=why)
+                self._gpu.issue_rejected(which, why=why)
             else:
-                self._host_rejected(which, why=why)
+                self._host.rejected(which, why=why)
         except BaseException as exc:
             self._failed(exc)
             raise
@@ -509,174 +442,6 @@ class LowLatencyBuffer:
                 self._dispatch_calls += 1
             else:
                 self._combine_calls += 1
-
-    # ---- GPU ---------------------------------------------------------------------------------------------------
-    def _init_cuda(self, num_blocks, smem) -> None:
-        from cupy_backends.cuda.api import driver
-
-        from ..transport import kernels as _kernels
-        cp = _compat.cupy
-        sm = int(self.buffer.gpu_identities[self.rank].get("sm_count") or 132)
-        self.grid = num_blocks or max(1, min(128, sm // max(1, self.buffer.ranks_per_gpu)))
-        grids = _agree.exchange_all(self.buffer.bootstrap, self.grid, self.timeout_s, "LowLatencyBuffer grid")
-        self.grid = min(grids)  # every rank the same grid (counters compare against seq * grid)
-        #: the communicator's error record and launch ledger (transport/status.py): the kernels write the record,
-        #: their launches are numbered among the communicator's, and one decoder raises what they recorded
-        self._status = self._engine.transport.status
-        self._number_launch = self._status.ledger.next  # (bound once: the hot path's one call into the ledger)
-        self._ctrl_ptr = self.buffer.local_ptr
-        self._k = [_kernels.get_function(LL_SOURCE, "symbuf_ll_dispatch"),
-                   _kernels.get_function(LL_SOURCE, "symbuf_ll_combine")]
-        self._smem = [smem, 0]
-        self._args = [_kernel_args.host_struct(name)() for name in _STRUCTS]
-        self._idx = [frozenset(LL_DISPATCH_FIELDS), frozenset(LL_COMBINE_FIELDS)]
-        for s in self._sets:  # the id (sequence number) of the dispatch whose outputs the set holds, device-written
-            s["dispatch_id"] = cp.zeros(1, np.int64)
-        W, N = self.world_size, self.N
-        common = {"ll_bases": self.buffer.peer_ptrs_device.data.ptr, "N": N, "H": self.H, "L": self.L, "W": W,
-                  "rank": self.rank, "kind": _KINDS[self.kind], "status": self._status.ptr,
-                  "comm_bases": self.comm.buffer.peer_ptrs_device.data.ptr,
-                  "abort_offset": self.comm.layout.abort_offset, "timeout_ns": int(self.timeout_s * 1e9),
-                  "grid": self.grid, "row_bytes": self.row_bytes}
-        self._put(0, self._args[0], half0=self.d0, half_bytes=self.d_half, flags_off=self.d_flags,
-                  meta_off=self.d_meta, rows_off=self.d_rows, ctrl=self._ctrl_ptr, **common)
-        self._put(1, self._args[1], half0=self.c0, half_bytes=self.c_half, wflags_off=self.c_wflags,
-                  weights_off=self.c_weights, pflags_off=self.c_pflags, prows_off=self.c_prows,
-                  ctrl=self._ctrl_ptr + _LINE, d_half0=self.d0, d_half_bytes=self.d_half, d_meta_off=self.d_meta,
-                  **common)
-        # Hot path (see _issue): the kernel argument struct of every (call kind, argument shapes, output set) is
-        # built once (_Entry); a call rewrites only its input addresses and launch number, then cuLaunchKernel
-        # (the driver copies the struct at launch, so it may be rewritten while the launch is queued).
-        self._fns = [int(k.kernel.ptr) for k in self._k]
-        self._launch_kernel = driver.launchKernel
-        self._get_stream = cp.cuda.get_current_stream
-        self._entries = [{}, {}]     # normalised key -> _Entry (dispatch, combine)
-        self._fastkeys = [{}, {}]    # the caller's argument key (shapes, dtypes, flags) -> _Entry
-        self._fast = cp.ndarray      # fast path only for CuPy arrays (a DLPack import is a new CuPy array anyway)
-        self._dev = int(cp.cuda.Device().id)
-        self._st = self._status.words
-        self._hsets = [(s["recv_count"], s["src_info"], s["layout_range"], s["recv_ntok"], s["inv"]) for s in self._sets]
-        self._hptrs = [(s["inv"].data.ptr, s["recv_ntok"].data.ptr, s["dispatch_id"].data.ptr) for s in self._sets]
-        self._prof = 0
-        self._rejected_entries = [None, None]  # the argument struct of a rejected call, per kind (_issue_rejected)
-        cp.cuda.runtime.deviceSynchronize()
-
-    def _put(self, which: int, a: ctypes.Structure, **kw) -> None:
-        """Write the fields of ``kw`` that struct ``which`` has (the others are the other kind's)."""
-        names = self._idx[which]
-        for k, v in kw.items():
-            if k in names:
-                setattr(a, k, int(v))
-
-    def _entry(self, which: int, key: tuple, **kw) -> "_Entry":
-        """The prebuilt argument structs of one call shape (both output sets), made on first use."""
-        ent = self._entries[which].get(key)
-        if ent is None:
-            ent = _Entry(which, self._fns[which], self._smem[which])
-            for p in (0, 1):
-                a = type(self._args[which]).from_buffer_copy(self._args[which])
-                self._put(which, a, prof=self._prof, **kw)
-                self._put(which, a, **self._set_words(which, p, kw))
-                ent.add(a)
-            self._entries[which][key] = ent
-        return ent
-
-    def _set_words(self, which: int, p: int, kw: dict) -> dict:
-        s = self._sets[p]
-        if which == 1:
-            return {"out": self._combine_out[p].data.ptr}
-        fp8 = bool(kw.get("use_fp8"))
-        return {"recv_x": (s["recv_q"] if fp8 else s["recv_x"]).data.ptr,
-                "recv_scales": s["recv_scales"].data.ptr if fp8 else 0, "recv_count": s["recv_count"].data.ptr,
-                "src_info": s["src_info"].data.ptr, "layout_range": s["layout_range"].data.ptr,
-                "inv": s["inv"].data.ptr, "recv_ntok": s["recv_ntok"].data.ptr,
-                "dispatch_id": s["dispatch_id"].data.ptr}
-
-    def _same(self, given, checked) -> bool:
-        """``given`` (the caller's argument) is a contiguous CuPy array that validation passed through unchanged
-        (no copy, no dtype conversion): later calls with the same shapes and dtypes may skip validation."""
-        return (type(given) is self._fast and given._c_contiguous and given.dtype == checked.dtype
-                and given.shape == checked.shape and given.data.ptr == checked.data.ptr)
-
-    def _set_profile(self, ptr: int) -> None:
-        """Point every argument struct's ``prof`` word at a device array ``u64 [grid][LL_PROF_STAMPS]`` (0: off)."""
-        self._prof = int(ptr)
-        for which in (0, 1):
-            self._args[which].prof = self._prof
-            rejected = self._rejected_entries[which]
-            for ent in list(self._entries[which].values()) + ([rejected] if rejected is not None else []):
-                for a in ent.args:
-                    a.prof = self._prof
-
-    def _issue_dispatch(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, phase: int = _BOTH):
-        a = ent.args[p]
-        a.x = x_ptr
-        a.topk = topk_ptr
-        return self._issue(ent, p, a, _OPS[0], phase=phase)
-
-    def _issue_combine(self, ent: "_Entry", p: int, x_ptr: int, topk_ptr: int, w_ptr: int, hptrs: tuple,
-                       phase: int = _BOTH):
-        """``hptrs``: the handle's output set's (inv, recv_ntok, dispatch_id) addresses (``_hptrs``)."""
-        a = ent.args[p]
-        a.x = x_ptr
-        a.topk = topk_ptr
-        a.weights = w_ptr
-        a.inv, a.recv_ntok, a.dispatch_id = hptrs
-        return self._issue(ent, p, a, _OPS[1], phase=phase)
-
-    def _issue_rejected(self, which: int, tag: int = 0, why: int = P.REJECT_ARGS):
-        """Launch the kernel of kind ``which`` as a call this rank rejected (``n = LL_REJECTED``, no inputs): it
-        publishes this rank's flag lines marked rejected (dispatch: carrying ``tag`` and ``why``), waits for every
-        peer's, and writes no output. Returns the stream."""
-        ent = self._rejected_entries[which]
-        if ent is None:
-            ent = _Entry(which, self._fns[which], self._smem[which])
-            a = type(self._args[which]).from_buffer_copy(self._args[which])
-            self._put(which, a, prof=self._prof, n=_REJECTED, k=1, sig=0)
-            if which == 0:
-                self._put(which, a, **self._set_words(0, 0, {}))
-            else:  # valid addresses, never read by a rejected launch
-                self._put(which, a, out=self._combine_out[0].data.ptr, inv=self._sets[0]["inv"].data.ptr,
-                          recv_ntok=self._sets[0]["recv_ntok"].data.ptr,
-                          dispatch_id=self._sets[0]["dispatch_id"].data.ptr)
-            ent.add(a)
-            self._rejected_entries[which] = ent
-        a = ent.args[0]
-        if which == 0:  # (the driver copies the struct at launch: reset for the next rejection)
-            a.tag, a.why = tag, why
-        try:
-            return self._issue(ent, 0, a, _OPS[which], rejecting=True)
-        finally:
-            if which == 0:
-                a.tag, a.why = 0, P.REJECT_ARGS
-
-    def _issue(self, ent: "_Entry", p: int, a: ctypes.Structure, op: str, rejecting: bool = False,
-               phase: int = _BOTH, stream=None):
-        """Number the launch (for the error record) and launch ``ent``'s argument struct ``p`` (``a``) with the
-        kernel phase ``phase`` (``LL_PHASE_*``) on ``stream`` (default: the current stream); returns the stream.
-        With ``Config(blocking=True)`` wait for it and raise its failure, or (unless this rank is ``rejecting`` the
-        call: it raises its own error) a peer's rejection."""
-        a.launch_seq = self._number_launch(op)
-        a.phase = phase
-        if stream is None:
-            stream = self._get_stream()
-        self._launch_kernel(ent.fn, self.grid, 1, 1, _THREADS, 1, 1, ent.smem, stream.ptr, ent.params[p], 0)
-        if self.comm.config.blocking:
-            self._check_record(op, stream)
-            rejected = None if rejecting else self._status.take_rejected()
-            if rejected is not None:
-                raise self._status.rejected_error(op, *rejected)
-        return stream
-
-    def _check_record(self, op: str, stream=None) -> None:
-        """Raise the error a kernel of the communicator recorded (:meth:`DeviceStatus.check
-        <cupy_symbuf.transport.status.DeviceStatus.check>`, with ``stream``: after waiting for it); this buffer
-        and the communicator are then unusable."""
-        try:
-            self._status.check(op, stream)
-        except SymBufferError as exc:
-            self._failed(exc)
-            raise
 
     def synchronize(self) -> None:
         """Wait for this rank's queued low-latency kernels (the current stream) and raise what they recorded.
@@ -691,10 +456,10 @@ class LowLatencyBuffer:
         """
         self._check_usable()
         if self.backend == "cuda":
-            self._check_record("synchronize", _compat.cupy.cuda.get_current_stream())
-            rejected = self._status.take_rejected()
+            self._gpu.check_record("synchronize", _compat.cupy.cuda.get_current_stream())
+            rejected = self._gpu.status.take_rejected()
             if rejected is not None:
-                raise self._status.rejected_error("synchronize", *rejected)
+                raise self._gpu.status.rejected_error("synchronize", *rejected)
 
     @guarded("LowLatencyBuffer.reject_call", guard=_GUARD)
     def reject_call(self, kind: str) -> None:
@@ -765,23 +530,19 @@ class LowLatencyBuffer:
         if self.world_size == 1:
             return [token]
         if self.backend == "cuda":
-            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+            self._gpu.check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         try:
             if self.backend != "cuda":
-                lines = self._host_rejected(0, token, P.REJECT_SWITCH)
+                lines = self._host.rejected(0, token, P.REJECT_SWITCH)
             else:
-                stream = self._issue_rejected(0, token, P.REJECT_SWITCH)
+                stream = self._gpu.issue_rejected(0, token, P.REJECT_SWITCH)
                 self._dispatch_calls += 1  # (as any rejected launch: every rank counts it)
-                self._check_record(op, stream)
-                ctrl = self.buffer.peer_view(self.rank, np.uint64, (_LINE // 8,)).get()
-                seq = int(ctrl[P.LL_CTRL_EXIT]) // self.grid  # the launch that just completed
-                off = self.d0 + (seq & 1) * self.d_half + self.d_flags
-                words = self.buffer.peer_view(self.rank, np.int64, (self.world_size, _LINE // 8), off).get()
-                lines = [(int(w[P.LL_LINE_N]), int(w[P.LL_LINE_TAG])) for w in words]
+                self._gpu.check_record(op, stream)
+                lines = self._gpu.dispatch_lines()
         except BaseException as exc:
             self._failed(exc)
             raise
-        return [None if n != _REJECTED else tag for n, tag in lines]
+        return [None if n != REJECTED else tag for n, tag in lines]
 
     # ---- receive hooks -------------------------------------------------------------------------------------------
     def _check_no_pending(self, op: str) -> None:
@@ -809,13 +570,13 @@ class LowLatencyBuffer:
         which = hook.which
         try:
             if self.backend == "cuda":
-                self._check_record(op)  # a failure of the send phase (or earlier) surfaces before the launch
+                self._gpu.check_record(op)  # a failure of the send phase (or earlier) surfaces before the launch
                 ent, p = hook._ent, hook._p
-                self._issue(ent, p, ent.args[p], op, phase=_RECV, stream=hook._stream)
+                self._gpu.issue(ent, p, ent.args[p], op, phase=RECV, stream=hook._stream)
             elif which == 0:
-                self._host_dispatch_recv(op, *hook._state)
+                self._host.dispatch_recv(op, *hook._state)
             else:
-                self._host_combine_recv(op, *hook._state)
+                self._host.combine_recv(op, *hook._state)
         except SymBufferRejectedError:  # a peer rejected the call: nothing consumed, every rank past it, usable
             raise
         except BaseException as exc:
@@ -836,22 +597,17 @@ class LowLatencyBuffer:
         blocks counted in LL_CTRL_EXIT / grid, after waiting for the current stream). Between calls every rank of
         a buffer in step has the same four numbers, rejected calls included (the tests compare them across
         ranks)."""
-        if self.backend == "cuda":
-            _compat.cupy.cuda.get_current_stream().synchronize()
-            words = self.buffer.peer_view(self.rank, np.uint64, (2, _LINE // 8)).get()
-            done = [int(words[w, P.LL_CTRL_EXIT]) // self.grid for w in (0, 1)]
-        else:
-            done = [int(self._u64(self.rank, w * _LINE)[_CTRL_SEQ]) for w in (0, 1)]
+        done = (self._gpu or self._host).calls_done()
         return self._dispatch_calls, self._combine_calls, done[0], done[1]
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def _check_x(self, op: str, name: str, x, shape) -> Any:
         a = as_array(op, name, x, self.backend)
-        kind = _kind_of(a.dtype)
+        kind = kind_of(a.dtype)
         if kind != self.kind:
             raw = "; raw uint16 bits accepted" if self.kind == _dt.BFLOAT16 else ""
             how = f"create the buffer with LowLatencyBuffer(..., dtype={kind!r}) or pass {self.kind} rows" \
-                if kind in _KINDS else \
+                if kind in KINDS else \
                 f"pass {self.kind} rows (LowLatencyBuffer(..., dtype=...) takes bfloat16, float16 or float32)"
             raise TypeError(f"{op}: {name} must have this buffer's dtype ({self.kind}{raw}), got {a.dtype}: the "
                             f"buffer's dtype is fixed when it is made; {how}")
@@ -930,21 +686,21 @@ class LowLatencyBuffer:
         RuntimeError
             The receive hook of this buffer's previous call has not run (nothing is told to the peers).
         """
-        fast = self._fast
-        if (fast is not None and type(x) is fast and type(topk_idx) is fast and self._pending is None
+        g = self._gpu
+        if (g is not None and type(x) is g.fast and type(topk_idx) is g.fast and self._pending is None
                 and (return_recv_hook is False or return_recv_hook is True)):
             # hot path: a call shape seen before (validated then), CuPy arrays, contiguous, on this GPU
-            ent = self._fastkeys[0].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, use_fp8, round_scale,
-                                         use_ue8m0))
-            if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
-                    and x._c_contiguous and topk_idx._c_contiguous and x.data.device_id == self._dev
-                    and topk_idx.data.device_id == self._dev):
+            ent = g.fastkeys[0].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, use_fp8, round_scale,
+                                     use_ue8m0))
+            if (ent is not None and not self._closed and not self._broken and not g.st[P.STATUS_FLAG]
+                    and x._c_contiguous and topk_idx._c_contiguous and x.data.device_id == g.dev
+                    and topk_idx.data.device_id == g.dev):
                 self._engine.check_open()
                 call = self._dispatch_calls
                 p = call & 1
                 try:
-                    stream = self._issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr,
-                                                  _SEND if return_recv_hook else _BOTH)
+                    stream = g.issue_dispatch(ent, p, x.data.ptr, topk_idx.data.ptr,
+                                              SEND if return_recv_hook else BOTH)
                 except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero counts in set p)
                     self._dispatch_calls = call + 1
                     raise
@@ -952,19 +708,19 @@ class LowLatencyBuffer:
                     self._failed(exc)
                     raise
                 self._dispatch_calls = call + 1
-                h = self._hsets[p]
+                h = g.hsets[p]
                 handle = LowLatencyHandle(self, call, ent.n, ent.K, self.H, ent.use_fp8, h[1], h[2], h[3], h[4],
                                           self.N, self.num_experts, dispatch_id=call + 1)
                 if return_recv_hook:
-                    hook = self._pending = LowLatencyRecvHook(self, _OPS[0], 0, call, ent, p, stream,
+                    hook = self._pending = LowLatencyRecvHook(self, OPS[0], 0, call, ent, p, stream,
                                                               keep=(x, topk_idx))
                     return ent.outs[p], h[0], handle, hook
                 return ent.outs[p], h[0], handle
-        op = _OPS[0]
+        op = OPS[0]
         self._check_usable()
         self._check_no_pending(op)
         if self.backend == "cuda":
-            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+            self._gpu.check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         x_in, topk_in = x, topk_idx
         call = self._dispatch_calls
         s = self._sets[call & 1]
@@ -989,7 +745,7 @@ class LowLatencyBuffer:
             if self.backend == "cuda":
                 if use_fp8:
                     self._fp8_set(self._sets[1 - (call & 1)])  # both sets before the blocks are built
-                ent = self._entry(0, (n, K, use_fp8, ue8m0, x.dtype), x_stride=self.H * self.itemsize, n=n, k=K,
+                ent = self._gpu.entry(0, (n, K, use_fp8, ue8m0, x.dtype), x_stride=self.H * self.itemsize, n=n, k=K,
                                   use_fp8=int(use_fp8), ue8m0=int(ue8m0), sig=sig)
                 if not ent.outs:
                     ent.n, ent.K, ent.use_fp8 = n, K, use_fp8
@@ -1001,20 +757,20 @@ class LowLatencyBuffer:
         dispatch_id, sent = call + 1, None
         try:
             if self.backend == "cuda":
-                stream = self._issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr,
-                                              _SEND if return_recv_hook else _BOTH)
-                if self._same(x_in, x) and self._same(topk_in, topk):
-                    self._fastkeys[0][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, use_fp8, round_scale,
+                stream = self._gpu.issue_dispatch(ent, call & 1, x.data.ptr, topk.data.ptr,
+                                                  SEND if return_recv_hook else BOTH)
+                if self._gpu.same(x_in, x) and self._gpu.same(topk_in, topk):
+                    self._gpu.fastkeys[0][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, use_fp8, round_scale,
                                        use_ue8m0)] = ent
                 if return_recv_hook:
                     hook = LowLatencyRecvHook(self, op, 0, call, ent, call & 1, stream, keep=(x, topk))
             else:
-                state, sent = self._host_dispatch_send(op, x, topk, n, K, use_fp8, ue8m0, sig)
+                state, sent = self._host.dispatch_send(op, x, topk, n, K, use_fp8, ue8m0, sig)
                 dispatch_id = state[0]
                 if return_recv_hook:
                     hook = LowLatencyRecvHook(self, op, 0, call, state=state + (use_fp8, sig, s))
                 else:
-                    self._host_dispatch_recv(op, *state, use_fp8, sig, s)
+                    self._host.dispatch_recv(op, *state, use_fp8, sig, s)
         except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
             if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero counts in output set call & 1
                 self._dispatch_calls = call + 1
@@ -1099,23 +855,23 @@ class LowLatencyBuffer:
         SymBufferTimeoutError, SymBufferMismatchError, SymBufferAbortedError, RuntimeError
             As :meth:`dispatch`.
         """
-        fast = self._fast
-        if (fast is not None and type(x) is fast and type(topk_idx) is fast and type(topk_weights) is fast
+        g = self._gpu
+        if (g is not None and type(x) is g.fast and type(topk_idx) is g.fast and type(topk_weights) is g.fast
                 and self._pending is None and (return_recv_hook is False or return_recv_hook is True)
                 and type(handle) is LowLatencyHandle and handle.owner is self
                 and handle.call + 2 >= self._dispatch_calls):
-            ent = self._fastkeys[1].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, topk_weights.shape,
-                                         topk_weights.dtype))
-            if (ent is not None and not self._closed and not self._broken and not self._st[P.STATUS_FLAG]
+            ent = g.fastkeys[1].get((x.shape, x.dtype, topk_idx.shape, topk_idx.dtype, topk_weights.shape,
+                                     topk_weights.dtype))
+            if (ent is not None and not self._closed and not self._broken and not g.st[P.STATUS_FLAG]
                     and ent.n == handle.num_tokens and ent.K == handle.num_topk and x._c_contiguous
-                    and topk_idx._c_contiguous and topk_weights._c_contiguous and x.data.device_id == self._dev
-                    and topk_idx.data.device_id == self._dev and topk_weights.data.device_id == self._dev):
+                    and topk_idx._c_contiguous and topk_weights._c_contiguous and x.data.device_id == g.dev
+                    and topk_idx.data.device_id == g.dev and topk_weights.data.device_id == g.dev):
                 self._engine.check_open()
                 call = self._combine_calls
                 p = call & 1
                 try:
-                    stream = self._issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr,
-                                                 self._hptrs[handle.call & 1], _SEND if return_recv_hook else _BOTH)
+                    stream = g.issue_combine(ent, p, x.data.ptr, topk_idx.data.ptr, topk_weights.data.ptr,
+                                             g.hptrs[handle.call & 1], SEND if return_recv_hook else BOTH)
                 except SymBufferRejectedError:  # Config(blocking=True): a peer rejected it (zero rows in set p)
                     self._combine_calls = call + 1
                     raise
@@ -1124,15 +880,15 @@ class LowLatencyBuffer:
                     raise
                 self._combine_calls = call + 1
                 if return_recv_hook:
-                    hook = self._pending = LowLatencyRecvHook(self, _OPS[1], 1, call, ent, p, stream,
+                    hook = self._pending = LowLatencyRecvHook(self, OPS[1], 1, call, ent, p, stream,
                                                               keep=(x, topk_idx, topk_weights, handle))
                     return ent.outs[p], hook
                 return ent.outs[p]
-        op = _OPS[1]
+        op = OPS[1]
         self._check_usable()
         self._check_no_pending(op)
         if self.backend == "cuda":
-            self._check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+            self._gpu.check_record(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
         call = self._combine_calls
         out = self._combine_out[call & 1]
         ent = None
@@ -1168,7 +924,7 @@ class LowLatencyBuffer:
             sig = self._sig(op, K, False, False)
             return_recv_hook = _check_flag(op, "return_recv_hook", return_recv_hook)
             if self.backend == "cuda":
-                ent = self._entry(1, (n, K, x.dtype), n=n, k=K, sig=sig)
+                ent = self._gpu.entry(1, (n, K, x.dtype), n=n, k=K, sig=sig)
                 if not ent.outs:
                     ent.n, ent.K = n, K
                     ent.outs = [o[:n].view(x.dtype) for o in self._combine_out]
@@ -1178,19 +934,19 @@ class LowLatencyBuffer:
         hook = None
         try:
             if self.backend == "cuda":
-                stream = self._issue_combine(ent, call & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
-                                             self._hptrs[handle.call & 1], _SEND if return_recv_hook else _BOTH)
-                if self._same(x_in, x) and self._same(topk_in, topk) and self._same(w_in, w):
-                    self._fastkeys[1][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, w_in.shape,
+                stream = self._gpu.issue_combine(ent, call & 1, x.data.ptr, topk.data.ptr, w.data.ptr,
+                                                 self._gpu.hptrs[handle.call & 1], SEND if return_recv_hook else BOTH)
+                if self._gpu.same(x_in, x) and self._gpu.same(topk_in, topk) and self._gpu.same(w_in, w):
+                    self._gpu.fastkeys[1][(x_in.shape, x_in.dtype, topk_in.shape, topk_in.dtype, w_in.shape,
                                        w_in.dtype)] = ent
                 if return_recv_hook:
                     hook = LowLatencyRecvHook(self, op, 1, call, ent, call & 1, stream, keep=(x, topk, w, handle))
             else:
-                state = self._host_combine_send(op, x, topk, w, n, K, handle, sig)
+                state = self._host.combine_send(op, x, topk, w, n, K, handle, sig)
                 if return_recv_hook:
                     hook = LowLatencyRecvHook(self, op, 1, call, state=state + (topk, n, x.dtype, out))
                 else:
-                    self._host_combine_recv(op, *state, topk, n, x.dtype, out)
+                    self._host.combine_recv(op, *state, topk, n, x.dtype, out)
         except SymBufferRejectedError:  # a peer rejected the call: nothing moved, every rank is past it, usable
             if self.backend == "cuda":  # (Config(blocking=True)) the kernel left zero rows in output set call & 1
                 self._combine_calls = call + 1
@@ -1207,439 +963,22 @@ class LowLatencyBuffer:
 
     low_latency_combine = combine
 
-    # ---- host twin ---------------------------------------------------------------------------------------------------
-    def _u64(self, r: int, off: int, n: int = 1) -> np.ndarray:
-        return self._views[r][off: off + 8 * n].view(np.uint64)
+    def set_profile(self, ptr: int) -> None:
+        """GPU diagnostics: make every later launch of this buffer's kernels stamp ``%globaltimer`` at its phase
+        ends into the device array at address ``ptr`` (uint64 ``[grid][LL_PROF_STAMPS]``, one row per block; the
+        phases are listed in ``cuda_src/low_latency.cu``); ``ptr = 0`` turns the stamps off. Used by
+        :func:`cupy_symbuf.bench.low_latency.bench_low_latency` with ``profile=True``. Not collective; the array
+        must outlive the launches.
 
-    def _host_wait(self, op: str, line: np.ndarray, seq: int, peer: int, sig: Optional[int]) -> int:
-        """Bounded wait for ``line[LL_LINE_SEQ] == seq`` (the communicator's abort word polled); returns the line's n word
-        (``_REJECTED``: ``peer`` rejected the call). A line not marked rejected must carry ``sig`` (None: not
-        checked)."""
-        tr = self._engine.transport
-        sync = self.buffer.sync
-        start = time.monotonic()
-        spins = 0
-        while True:
-            sync()
-            v = int(line[P.LL_LINE_SEQ])
-            if v == seq:
-                break
-            if v > seq:
-                tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SEQ)
-                raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SEQ, seq, v)
-            tr.check_abort(op)
-            if time.monotonic() - start > self.timeout_s:
-                tr.set_abort(P.ERR_TIMEOUT, peer, -1)
-                raise SymBufferTimeoutError(rank=self.rank, peer=peer, channel=-1, role="recv", head=seq, tail=v,
-                                            timeout_s=self.timeout_s, op=op)
-            spins += 1
-            time.sleep(0 if spins < 100 else 1e-4)
-        words = line.view(np.int64)
-        ns, got = int(words[P.LL_LINE_N]), int(words[P.LL_LINE_SIG])
-        if ns != _REJECTED and sig is not None and got != sig:
-            tr.set_abort(P.ERR_MISMATCH, peer, -1, P.FIELD_SIG)
-            raise mismatch_error(op, self.rank, peer, -1, P.FIELD_SIG, sig, got)
-        return ns
-
-    def _line(self, r: int, off: int) -> np.ndarray:
-        """The words (u64 ``LL_LINE_*``) of the flag line at ``off`` of rank ``r``'s buffer."""
-        return self._u64(r, off, _LINE_WORDS)
-
-    def _rejected_by(self, op: str, who: int, why: int = P.REJECT_ARGS, own: int = 0,
-                     theirs: int = 0) -> SymBufferRejectedError:
-        """What a rank raises when rank ``who`` made the call rejected for reason ``why`` (``REJECT_*``, with the
-        words it names; host path: every rank is past the call)."""
-        return SymBufferRejectedError(
-            f"{op}: {low_latency_rejection(why, who, self.rank, own, theirs)}; nothing was delivered and the "
-            f"LowLatencyBuffer stays usable", rank=self.rank, rejecting_rank=who, op=op)
-
-    def _line_rejection(self, line: np.ndarray) -> tuple:
-        """``(why, token)`` of a flag line marked rejected."""
-        words = line.view(np.int64)
-        return int(words[P.LL_LINE_WHY]), int(words[P.LL_LINE_TAG])
-
-    def _host_rejected(self, which: int, tag: int = 0, why: int = P.REJECT_ARGS) -> list:
-        """The host twin of a rejected launch: this rank's flag lines of the call marked rejected (no payload;
-        carrying ``tag`` and ``why``), then every source's line awaited (so the halves stay free as for any call),
-        the sequence advanced. Returns every source's ``(n, tag)`` (n ``LL_REJECTED`` or its token count)."""
-        op, me = _OPS[which], self.rank
-        self._engine.transport.check_abort(op)
-        ctrl = self._u64(me, which * _LINE, 3)
-        seq = int(ctrl[_CTRL_SEQ]) + 1
-        flags = self.d0 + (seq & 1) * self.d_half + self.d_flags if which == 0 else \
-            self.c0 + (seq & 1) * self.c_half + self.c_wflags
-        self._publish(flags, seq, _REJECTED, 0, tag, why)
-        lines = []
-        for src in range(self.world_size):
-            line = self._line(me, flags + src * _LINE)
-            lines.append((self._host_wait(op, line, seq, src, None), self._line_rejection(line)[1]))
-        ctrl[_CTRL_SEQ] = seq
-        return lines
-
-    def _publish(self, off: int, seq: int, n: int, sig: int, tag: int = 0, why: int = 0) -> None:
-        """Flag line ``rank`` at ``off`` of every rank: [seq, n, sig, tag, why], the seq word last (after a memory
-        barrier)."""
-        self.buffer.sync()
-        for d in range(self.world_size):
-            line = self._line(d, off + self.rank * _LINE).view(np.int64)
-            line[P.LL_LINE_N], line[P.LL_LINE_SIG], line[P.LL_LINE_TAG], line[P.LL_LINE_WHY] = n, sig, tag, why
-        self.buffer.sync()
-        for d in range(self.world_size):
-            self._u64(d, off + self.rank * _LINE)[P.LL_LINE_SEQ] = seq
-        self.buffer.sync()
-
-    def _host_dispatch_send(self, op, x, topk, n, K, use_fp8, ue8m0, sig) -> tuple:
-        """Dispatch's send phase (host twin): payload and meta into every destination, then the flag lines;
-        returns ``(seq, half, K)`` for :meth:`_host_dispatch_recv` and the meta sent (int32 ``[n, K]``, for the
-        handle)."""
-        W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
-        self._engine.transport.check_abort(op)
-        ctrl = self._u64(me, 0, 3)
-        seq = int(ctrl[_CTRL_SEQ]) + 1
-        half = self.d0 + (seq & 1) * self.d_half
-        ranks = np.where(topk >= 0, topk // L, -1)
-        if use_fp8:
-            q, sc = _quant.quantize_fp8(_dt.to_float32(np, x, self.kind), ue8m0)
-            payload = np.concatenate([q, np.ascontiguousarray(sc).view(np.uint8)], axis=1) if n else \
-                np.zeros((0, H + H // 32), np.uint8)
-        else:
-            payload = np.ascontiguousarray(x).view(np.uint8).reshape(n, H * self.itemsize)
-        meta = topk.astype(np.int32).reshape(-1)
-        for d in range(W):
-            v = self._views[d]
-            mo = half + self.d_meta + me * N * K * 4
-            v[mo: mo + n * K * 4].view(np.int32)[:] = meta
-            rows = v[half + self.d_rows + me * N * R: half + self.d_rows + (me + 1) * N * R].reshape(N, R)
-            sel = np.nonzero((ranks == d).any(axis=1))[0]
-            rows[sel, : payload.shape[1]] = payload[sel]
-        self._publish(half + self.d_flags, seq, n, sig)
-        return (seq, half, K), meta.reshape(n, K)
-
-    def _host_dispatch_recv(self, op, seq, half, K, use_fp8, sig, s) -> None:
-        """Dispatch's receive phase (host twin): every source's flag line awaited, then the rows unpacked into
-        output set ``s``."""
-        W, me, N, H, L, R = self.world_size, self.rank, self.N, self.H, self.L, self.row_bytes
-        ctrl = self._u64(me, 0, 3)
-        ntok = np.zeros(W, np.int64)
-        rejecting = []
-        for src in range(W):
-            line = self._line(me, half + self.d_flags + src * _LINE)
-            ns = self._host_wait(op, line, seq, src, sig)
-            if ns == _REJECTED:
-                why, token = self._line_rejection(line)
-                rejecting.append((src, why, 0, token))
-            elif not 0 <= ns <= N:
-                self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
-                raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, N, ns)
-            else:
-                ntok[src] = ns
-        if rejecting:  # every rank saw the same lines: each is past the call, nothing is consumed
-            ctrl[_CTRL_SEQ] = seq
-            raise self._rejected_by(op, *rejecting[0])
-        self.buffer.sync()
-        v = self._views[me]
-        metas = v[half + self.d_meta: half + self.d_meta + W * N * K * 4].view(np.int32).reshape(W, N, K)
-        staging = v[half + self.d_rows: half + self.d_rows + W * N * R].reshape(W, N, R)
-        rowb = H if use_fp8 else H * self.itemsize
-        recv = s["recv_q"].reshape(L * W * N, H) if use_fp8 else s["recv_x"].reshape(L * W * N, rowb)
-        inv = s["inv"]
-        src_info = s["src_info"].reshape(-1)
-        counts = np.zeros((L, W), np.int64)
-        ent = []  # (el, s, t, j) of every entry naming a local expert
-        for src in range(W):
-            ns = int(ntok[src])
-            m = metas[src, :ns].astype(np.int64)
-            inv[src, :ns] = -1
-            local = (m >= 0) & (m < L * W) & (m // L == me)
-            t_idx, j_idx = np.nonzero(local)
-            ent.append((m[t_idx, j_idx] - me * L, np.full(t_idx.size, src), t_idx, j_idx))
-        el = np.concatenate([e[0] for e in ent]).astype(np.int64)
-        ss = np.concatenate([e[1] for e in ent]).astype(np.int64)
-        tt = np.concatenate([e[2] for e in ent]).astype(np.int64)
-        jj = np.concatenate([e[3] for e in ent]).astype(np.int64)
-        # one row per distinct (expert, source, token), ordered by (expert, source, token)
-        key = (el * W + ss) * N + tt
-        uniq, first_of = np.unique(key, return_inverse=True)
-        u_el, u_s, u_t = uniq // (W * N), (uniq // N) % W, uniq % N
-        np.add.at(counts, (u_el, u_s), 1)
-        starts = np.concatenate([[0], np.cumsum(np.bincount(u_el, minlength=L))[:-1]]).astype(np.int64)
-        pos = np.arange(uniq.size) - starts[u_el]
-        row = u_el * W * N + pos
-        inv[ss, tt, jj] = row[first_of]
-        src_info[row] = u_t
-        recv[row] = staging[u_s, u_t, :rowb]
-        if use_fp8:
-            nb = H // _quant.QUANT_BLOCK
-            sc_out = s["recv_scales"].reshape(L * W * N, nb)
-            sc_out[row] = staging[u_s, u_t, H: H + 4 * nb].copy().view(np.float32).reshape(-1, nb)
-        base = np.concatenate([np.zeros((L, 1), np.int64), np.cumsum(counts, axis=1)[:, :-1]], axis=1)
-        s["layout_range"][:] = (base << 32) | counts
-        s["recv_count"][:] = counts.sum(axis=1).astype(np.int32)
-        s["recv_ntok"][:] = ntok.astype(np.int32)
-        ctrl[_CTRL_SEQ] = seq
-
-    def _host_combine_send(self, op, x, topk, w, n, K, handle, sig) -> tuple:
-        """Combine's send phase (host twin): the weights to every rank (their flag line carrying the handle's
-        dispatch id), every source's weights awaited, then this rank's partial rows to their sources and the
-        partials flag lines; returns ``(seq, half, rejecting)`` for :meth:`_host_combine_recv` (``rejecting``:
-        :meth:`_rejected_by`'s arguments after ``op`` for the lowest rank that made the call rejected (it rejected
-        its arguments, or its handle's dispatch id differs from this rank's), else None: nothing was sent)."""
-        W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
-        self._engine.transport.check_abort(op)
-        seq = int(self._u64(me, _LINE)[_CTRL_SEQ]) + 1
-        half = self.c0 + (seq & 1) * self.c_half
-        RC = self.row_bytes
-        for d in range(W):
-            o = half + self.c_weights + me * N * K * 4
-            self._views[d][o: o + n * K * 4].view(np.float32)[:] = np.ascontiguousarray(w).reshape(-1)
-        did = handle.dispatch_id
-        self._publish(half + self.c_wflags, seq, n, sig, did)
-        ntok = handle.recv_tokens_per_rank
-        rejecting = []
-        for src in range(W):
-            line = self._line(me, half + self.c_wflags + src * _LINE)
-            ns = self._host_wait(op, line, seq, src, sig)
-            why, theirs = self._line_rejection(line)
-            if ns == _REJECTED:
-                rejecting.append((src, why, did, theirs))
-            elif theirs != did:  # the ranks' handles come from different dispatches: every rank sees it alike
-                rejecting.append((src, P.REJECT_HANDLE, did, theirs))
-            elif ns != int(ntok[src]):  # one dispatch, other counts: broken
-                self._engine.transport.set_abort(P.ERR_MISMATCH, src, -1, P.FIELD_UNITS)
-                raise mismatch_error(op, me, src, -1, P.FIELD_UNITS, int(ntok[src]), ns)
-        if rejecting:  # decided alike on every rank (from the lines every rank reads) before any partial is sent
-            return seq, half, rejecting[0]
-        self.buffer.sync()
-        v = self._views[me]
-        wts = v[half + self.c_weights: half + self.c_weights + W * N * K * 4].view(np.float32).reshape(W, N, K)
-        xf = _dt.to_float32(np, x.reshape(L * W * N, H), self.kind)
-        for src in range(W):
-            ns = int(ntok[src])
-            inv = handle.inv[src, :ns]
-            has = (inv >= 0).any(axis=1)
-            acc = np.zeros((ns, H), np.float32)
-            for j in range(K):
-                ok = inv[:, j] >= 0
-                acc[ok] = acc[ok] + wts[src, :ns, j, None][ok] * xf[inv[ok, j]]
-            bits = _dt.from_float32(np, acc, self.kind, np.dtype(x.dtype)).view(np.uint8).reshape(ns, H * self.itemsize)
-            dst = self._views[src]
-            o = half + self.c_prows + me * N * RC
-            prow = dst[o: o + N * RC].reshape(N, RC)
-            sel = np.nonzero(has)[0]
-            prow[sel, : bits.shape[1]] = bits[sel]
-        self._publish(half + self.c_pflags, seq, 0, sig)
-        return seq, half, None
-
-    def _host_combine_recv(self, op, seq, half, rejecting, topk, n, dtype, out) -> None:
-        """Combine's receive phase (host twin): every rank's partials flag line awaited, the partial rows summed in
-        rank order into ``out``; a call rejected by rank ``rejecting`` raises here."""
-        W, me, N, H, L = self.world_size, self.rank, self.N, self.H, self.L
-        ctrl = self._u64(me, _LINE, 3)
-        if rejecting is not None:
-            ctrl[_CTRL_SEQ] = seq
-            raise self._rejected_by(op, *rejecting)
-        sig = self._sig(op, topk.shape[1], False, False)
-        v = self._views[me]
-        RC = self.row_bytes
-        for d in range(W):
-            self._host_wait(op, self._line(me, half + self.c_pflags + d * _LINE), seq, d, sig)
-        self.buffer.sync()
-        ranks = np.where((topk >= 0) & (topk < L * W), topk // L, -1)
-        acc = np.zeros((n, H), np.float32)
-        rb = H * self.itemsize
-        for d in range(W):
-            ok = (ranks == d).any(axis=1)
-            o = half + self.c_prows + d * N * RC
-            prow = v[o: o + N * RC].reshape(N, RC)[:n, :rb][ok]
-            acc[ok] = acc[ok] + _dt.to_float32(np, prow.copy().view(np.dtype(dtype)), self.kind)
-        out[:n] = _dt.from_float32(np, acc, self.kind, np.dtype(dtype)).view(np.uint8).reshape(n, rb)
-        ctrl[_CTRL_SEQ] = seq
+        Raises
+        ------
+        RuntimeError
+            On the host backend (no kernels).
+        """
+        if self._gpu is None:
+            raise RuntimeError("LowLatencyBuffer.set_profile: the host backend has no kernels to profile")
+        self._gpu.set_profile(ptr)
 
     def __repr__(self) -> str:
         return (f"LowLatencyBuffer(backend={self.backend!r}, rank={self.rank}/{self.world_size}, N={self.N}, "
                 f"hidden={self.H}, num_experts={self.num_experts}, dtype={self.kind}, nbytes={self.nbytes})")
-
-
-# ------------------------------------------------------------------------------------------------ benchmark
-
-
-class _BenchGroup:
-    """The benchmark's barrier, allgather and max over the ranks of ``buf`` (a SymBuffer): its MPI communicator's
-    blocking collectives, or, over a bootstrap that is not MPI, the bootstrap's bounded exchanges."""
-
-    def __init__(self, buf):
-        self.comm, self.boot, self.timeout_s = buf.comm, buf.bootstrap, buf.timeout_s
-
-    def Barrier(self) -> None:  # noqa: N802 - MPI's name
-        if self.comm is not None:
-            self.comm.Barrier()
-        else:
-            self.boot.barrier(self.timeout_s, "bench_low_latency (barrier)", role="construction")
-
-    def allgather(self, obj) -> list:
-        if self.comm is not None:
-            return self.comm.allgather(obj)
-        return self.boot.allgather(obj, self.timeout_s, "bench_low_latency (allgather)")
-
-    def allreduce_max(self, v: float) -> float:
-        if self.comm is not None:
-            from mpi4py import MPI
-            return self.comm.allreduce(v, op=MPI.MAX)
-        return max(self.allgather(v))
-
-
-def _profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters: int) -> dict:
-    """Phase ends of back-to-back calls from the kernels' ``%globaltimer`` stamps (``prof`` words), see
-    :func:`bench_low_latency`. Collective; the stamps of ranks on one GPU share a clock (on several GPUs the
-    cross-rank numbers mix clocks)."""
-    cp = _compat.cupy
-    out = {}
-    bufs = cp.zeros((iters, ll.grid, P.LL_PROF_STAMPS), np.uint64)
-    for name, call in (("dispatch", d_call), ("combine", c_call)):
-        fresh_handle()
-        bufs[...] = 0
-        with stream:
-            stream.synchronize()
-            mpi.Barrier()
-            for i in range(iters):
-                ll._set_profile(bufs[i].data.ptr)
-                call()
-            ll._set_profile(0)
-            stream.synchronize()
-            ll.synchronize()
-        st = bufs.get().astype(np.int64)                       # [iters, grid, LL_PROF_STAMPS] ns
-        starts = st[:, :, 0].min(axis=1)                        # per call: earliest block start of this rank
-        ends = st[:, :, 1:5].max(axis=1)                        # per call: latest block at each phase end
-        allv = mpi.allgather((starts, ends))
-        s_all = np.stack([a[0] for a in allv])                  # [ranks, iters]
-        e_all = np.stack([a[1] for a in allv])                  # [ranks, iters, 4]
-        ref = s_all.min(axis=0)                                 # earliest start of any rank per call
-        phases = (e_all.max(axis=0) - ref[:, None]) / 1e3       # [iters, 4] us
-        out[f"{name}_phases_us"] = [round(float(v), 2) for v in np.median(phases, axis=0)]
-        out[f"{name}_start_skew_us"] = round(float(np.median((s_all.max(axis=0) - ref) / 1e3)), 2)
-    return out
-
-
-
-def bench_low_latency(comm, num_tokens: int = 128, hidden: int = 7168, num_experts: int = 256, topk: int = 8,
-                      iters: int = 50, warmup: int = 5, use_fp8: bool = False, graph: bool = True,
-                      seed: int = 0, host_issue: int = 1000, profile: bool = False,
-                      num_blocks: Optional[int] = None) -> dict:
-    """Microseconds per low-latency dispatch and per combine (max over ranks), CUDA events around ``iters``
-    back-to-back calls on one stream after ``warmup`` calls; with ``graph`` also the same calls replayed from a
-    CUDA graph (kernel time without Python launch overhead). Host backend: wall clock. Collective.
-
-    Returns ``{"dispatch_us", "combine_us", "dispatch_graph_us", "combine_graph_us", "bytes_dispatch",
-    "bytes_combine"}`` (bytes a rank stores into peers' buffers per call, itself excluded); on the GPU also
-    ``"dispatch_host_us"`` / ``"combine_host_us"``: host time per call to issue (``time.perf_counter`` around
-    ``host_issue`` calls in batches of 200, no synchronisation inside a batch; max over ranks), and with
-    ``profile`` ``"dispatch_phases_us"`` / ``"combine_phases_us"``: medians over ``iters`` back-to-back calls of
-    the kernel's phase ends (``%globaltimer`` stamps of every block, max over blocks and ranks) measured from the
-    earliest block start of any rank (dispatch: sent, flags seen, layout built, end; combine: weights seen,
-    partials sent, partials seen, end), and ``"*_start_skew_us"``: latest minus earliest rank start."""
-    xp = comm.xp
-    W = comm.world_size
-    rng = np.random.default_rng(seed + comm.rank)
-    scores = rng.random((num_tokens, num_experts))
-    idx = np.argsort(-scores, axis=1)[:, :topk].astype(np.int64)
-    wts = rng.random((num_tokens, topk)).astype(np.float32)
-    xb = _dt.float32_to_bf16_bits(np, rng.standard_normal((num_tokens, hidden)).astype(np.float32))
-    L = num_experts // W
-    ranks = idx // L
-    sent = sum(int((ranks == d).any(axis=1).sum()) for d in range(W) if d != comm.rank)
-    row = hidden * 2
-    res = {"bytes_dispatch": sent * (hidden + hidden // 32 if use_fp8 else row), "bytes_combine": sent * row}
-    import contextlib
-    ll = LowLatencyBuffer(comm, num_tokens, hidden, num_experts, dtype="bfloat16", max_topk=topk,
-                          num_blocks=num_blocks)
-    mpi = _BenchGroup(ll.buffer)
-    # GPU: every call on one non-default stream (low-latency calls of a rank must not overlap; graphs need it)
-    stream = _compat.cupy.cuda.Stream(non_blocking=True) if comm.backend == "cuda" else None
-    try:
-      with (stream if stream is not None else contextlib.nullcontext()):
-          x, ti, tw = xp.asarray(xb), xp.asarray(idx), xp.asarray(wts)
-          y = ll.dispatch(x, ti)[0].copy()  # the experts' outputs: recv_x itself
-
-          def d_call():
-              return ll.dispatch(x, ti, use_fp8=use_fp8)
-
-          hs = {}
-
-          def c_call():
-              return ll.combine(y, ti, tw, hs["h"])
-
-          def fresh_handle():  # a handle lasts two dispatches: take one right before combine is timed
-              hs["h"] = ll.dispatch(x, ti, use_fp8=use_fp8)[2]
-
-          for _ in range(warmup):
-              h = d_call()[2]
-              ll.combine(y, ti, tw, h)
-          if comm.backend == "cuda":
-              cp = _compat.cupy
-  
-              def timed(fn, n):
-                  with stream:
-                      ll.synchronize()
-                      stream.synchronize()
-                      mpi.Barrier()
-                      e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-                      e0.record(stream)
-                      fn(n)
-                      e1.record(stream)
-                      e1.synchronize()
-                      ll.synchronize()
-                      return cp.cuda.get_elapsed_time(e0, e1) * 1e3 / n
-
-              def loop(call):
-                  return lambda n: [call() for _ in range(n)]
-
-              t_d = timed(loop(d_call), iters)
-              fresh_handle()
-              t_c = timed(loop(c_call), iters)
-              res["dispatch_us"], res["combine_us"] = t_d, t_c
-              res["grid"] = ll.grid
-              if host_issue:
-                  for name, call in (("dispatch_host_us", d_call), ("combine_host_us", c_call)):
-                      fresh_handle()
-                      total, done = 0.0, 0
-                      while done < host_issue:
-                          m = min(200, host_issue - done)
-                          stream.synchronize()
-                          mpi.Barrier()
-                          t0 = time.perf_counter()
-                          for _ in range(m):
-                              call()
-                          total += time.perf_counter() - t0
-                          done += m
-                      stream.synchronize()
-                      ll.synchronize()
-                      res[name] = total * 1e6 / done
-              if profile:
-                  res.update(_profile_phases(ll, mpi, stream, d_call, c_call, fresh_handle, iters))
-              if graph:
-                  for name, call in (("dispatch_graph_us", d_call), ("combine_graph_us", c_call)):
-                      fresh_handle()
-                      with stream:
-                          ll.synchronize()
-                          mpi.Barrier()
-                          stream.begin_capture()
-                          for _ in range(10):
-                              call()
-                          g = stream.end_capture()
-                          g.launch(stream)  # warm replay
-                          stream.synchronize()
-                          res[name] = timed(lambda n, g=g: [g.launch(stream) for _ in range(n // 10)],
-                                            max(10, iters // 10 * 10))
-          else:
-              for name, call in (("dispatch_us", d_call), ("combine_us", c_call)):
-                  fresh_handle()
-                  mpi.Barrier()
-                  t0 = time.perf_counter()
-                  for _ in range(iters):
-                      call()
-                  res[name] = (time.perf_counter() - t0) * 1e6 / iters
-          for k in [k for k in res if k.endswith("_us") and isinstance(res[k], float)]:
-              res[k] = mpi.allreduce_max(float(res[k]))
-    finally:
-        ll.close()
-    return res
