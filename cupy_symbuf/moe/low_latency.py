@@ -106,6 +106,11 @@ call protocol:
 On the GPU, ``topk_idx`` entries outside ``[-1, num_experts)`` are ignored like -1 (a check would need a host
 read); the host path raises ``ValueError`` for them. Experts are placed contiguously (expert ``e`` on rank
 ``e // num_local_experts``), as in :mod:`cupy_symbuf.moe`.
+
+This module is the public face and the call protocol (checks made, handles, hooks, call counters, rejections told,
+failures); its parts: ``low_latency_checks`` (the argument checks), ``low_latency_regions`` (the buffer map),
+``low_latency_host`` (the host backend's wire) and ``low_latency_cuda`` (the kernels' argument structs and
+launches). The benchmark is :func:`cupy_symbuf.bench.low_latency.bench_low_latency`.
 """
 from __future__ import annotations
 
@@ -119,12 +124,13 @@ from ..common import backend as _compat
 from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..collectives import quant as _quant
-from ..common.checks import as_array, check_int
+from ..common.checks import check_int
 from ..common.errors import SymBufferError, SymBufferRejectedError
 from ..transport.symbuffer import SymBuffer
 from ..transport.guard import collective, guarded
 from ..transport.streams import check_flag as _check_flag
-from .low_latency_cuda import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, LL_SOURCE, SMEM_DYNAMIC_MAX, GpuLaunches
+from .low_latency_checks import check_params, check_topk, check_weights, check_x
+from .low_latency_cuda import LL_COMBINE_FIELDS, LL_DISPATCH_FIELDS, LL_SOURCE, GpuLaunches
 from .low_latency_host import HostWire
 from .low_latency_regions import BOTH, ITEMSIZE, KINDS, OPS, RECV, REJECTED, SEND, kind_of, regions
 
@@ -281,27 +287,8 @@ class LowLatencyBuffer:
         W = comm.world_size
         err = None
         try:
-            N = check_int(op, "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1,
-                          maximum=4096)
-            H = check_int(op, "hidden", hidden, minimum=1)
-            E = check_int(op, "num_experts", num_experts, minimum=1)
-            K = check_int(op, "max_topk", max_topk, minimum=1, maximum=32)
-            kind = kind_of(dtype)
-            if kind not in KINDS:
-                raise TypeError(f"{op}: dtype must be bfloat16, float16 or float32, got {dtype!r}")
-            if E % W:
-                raise ValueError(f"{op}: num_experts ({E}) must be a multiple of world_size ({W})")
-            if W > 32:
-                raise ValueError(f"{op}: world_size must be <= 32, got {W}")
-            if (H * ITEMSIZE[kind]) % 16:
-                raise ValueError(f"{op}: hidden * itemsize ({H} * {ITEMSIZE[kind]}) must be a multiple of 16 bytes")
-            smem = 4 * (E * ((N + 31) // 32) + E)
-            if smem > SMEM_DYNAMIC_MAX:
-                raise ValueError(f"{op}: num_experts * ceil(N / 32) too large for the receive masks ({smem} bytes "
-                                 f"of shared memory > {SMEM_DYNAMIC_MAX}): lower num_max_dispatch_tokens_per_rank "
-                                 f"or num_experts")
-            if num_blocks is not None:
-                num_blocks = check_int(op, "num_blocks", num_blocks, minimum=1, maximum=1024)
+            N, H, E, K, kind, smem, num_blocks = check_params(op, W, num_max_dispatch_tokens_per_rank, hidden,
+                                                              num_experts, max_topk, dtype, num_blocks)
         except (TypeError, ValueError) as exc:
             err = exc
         boot = comm.buffer.bootstrap  # the communicator's (MPI or torch.distributed)
@@ -602,35 +589,10 @@ class LowLatencyBuffer:
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def _check_x(self, op: str, name: str, x, shape) -> Any:
-        a = as_array(op, name, x, self.backend)
-        kind = kind_of(a.dtype)
-        if kind != self.kind:
-            raw = "; raw uint16 bits accepted" if self.kind == _dt.BFLOAT16 else ""
-            how = f"create the buffer with LowLatencyBuffer(..., dtype={kind!r}) or pass {self.kind} rows" \
-                if kind in KINDS else \
-                f"pass {self.kind} rows (LowLatencyBuffer(..., dtype=...) takes bfloat16, float16 or float32)"
-            raise TypeError(f"{op}: {name} must have this buffer's dtype ({self.kind}{raw}), got {a.dtype}: the "
-                            f"buffer's dtype is fixed when it is made; {how}")
-        if a.ndim != len(shape) or any(want is not None and got != want for got, want in zip(a.shape, shape)):
-            spec = tuple("n" if w is None else w for w in shape)
-            raise ValueError(f"{op}: {name} must have shape {spec}, got {tuple(a.shape)}")
-        return a
+        return check_x(op, name, x, shape, self.backend, self.kind)
 
     def _check_topk(self, op: str, topk_idx, n: Optional[int]) -> Any:
-        t = as_array(op, "topk_idx", topk_idx, self.backend)
-        if t.ndim != 2 or (n is not None and t.shape[0] != n):
-            raise ValueError(f"{op}: topk_idx must be 2-D [num_tokens, num_topk] with num_tokens = {n}, got shape "
-                             f"{tuple(t.shape)}")
-        if not 1 <= t.shape[1] <= self.max_topk:
-            raise ValueError(f"{op}: topk_idx.shape[1] (num_topk) must be in [1, max_topk={self.max_topk}], got "
-                             f"{t.shape[1]}")
-        if t.dtype not in (np.int64, np.int32):
-            raise TypeError(f"{op}: topk_idx must be int64 (or int32), got {t.dtype}")
-        t = t.astype(np.int64, copy=False)
-        if self.backend == "host" and t.size and (int(t.min()) < -1 or int(t.max()) >= self.num_experts):
-            raise ValueError(f"{op}: topk_idx entries must be -1 or expert ids in [0, {self.num_experts}), got "
-                             f"min {int(t.min())}, max {int(t.max())}")
-        return t
+        return check_topk(op, topk_idx, n, self.backend, self.max_topk, self.num_experts)
 
     def _sig(self, op: str, K: int, use_fp8: bool, ue8m0: bool) -> int:
         return P.signature(op, self.kind, self.H, K, int(use_fp8), int(ue8m0))
@@ -915,12 +877,7 @@ class LowLatencyBuffer:
                                  f"(#{handle.dispatch_id}) sent (first at token {t}, slot {j}: {int(topk[t, j])} "
                                  f"here, {int(handle._sent[t, j])} sent): combine takes that dispatch's topk_idx "
                                  f"(equal values; a copy is fine)")
-            w = as_array(op, "topk_weights", topk_weights, self.backend)
-            if w.dtype != np.float32:
-                raise TypeError(f"{op}: topk_weights must be float32, got {w.dtype}")
-            if tuple(w.shape) != (n, K):
-                raise ValueError(f"{op}: topk_weights must have shape ({n}, {K}) like topk_idx, got "
-                                 f"{tuple(w.shape)}")
+            w = check_weights(op, topk_weights, n, K, self.backend)
             sig = self._sig(op, K, False, False)
             return_recv_hook = _check_flag(op, "return_recv_hook", return_recv_hook)
             if self.backend == "cuda":
