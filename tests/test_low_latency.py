@@ -544,8 +544,10 @@ def test_exception_inside_a_call_aborts_the_peers(comm, kind, exc_type):
         if RANK == 0:
             def injected(*a, **k):
                 raise exc_type("injected inside a low-latency call")
-            step = f"_issue_{kind}" if c.backend == "cuda" else f"_host_{kind}_send"
-            setattr(b, step, injected)
+            if c.backend == "cuda":  # the GPU launches (GpuLaunches) / the host wire (HostWire) of the buffer
+                setattr(b._gpu, f"issue_{kind}", injected)
+            else:
+                setattr(b._host, f"{kind}_send", injected)
             time.sleep(0.3)
             t_fault = time.time()
             with pytest.raises(exc_type):

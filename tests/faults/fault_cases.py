@@ -634,7 +634,10 @@ def case_ll_interrupt():
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt(f"injected Ctrl-C on rank {R} inside low_latency_dispatch")
         # the step after the checks: the kernel launch (GPU) or the host twin's stores and waits
-        setattr(ll, "_issue_dispatch" if BACKEND == "cuda" else "_host_dispatch_send", interrupted)
+        if BACKEND == "cuda":  # (the buffer's GpuLaunches / HostWire)
+            setattr(ll._gpu, "issue_dispatch", interrupted)
+        else:
+            setattr(ll._host, "dispatch_send", interrupted)
         fault("KeyboardInterrupt inside low_latency_dispatch")
         try:
             ll.dispatch(dev(x), dev(idx))
