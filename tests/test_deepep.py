@@ -617,6 +617,35 @@ def test_dispatch_mask_disagreeing_with_per_rank_is_rejected(buf):
     all_ranks(check)
 
 
+@pytest.mark.skipif(W == 1, reason="every length is a multiple of world_size 1")
+def test_dispatch_mask_short_per_expert_names_its_length(buf):
+    """A num_tokens_per_expert one entry short on rank 0 (its length, num_experts, no longer a multiple of
+    world_size): rank 0's ValueError names that argument, its length and what the length must be (not num_experts,
+    which the caller did not pass), the peers raise SymBufferRejectedError, and a right dispatch right after returns
+    the reference rows."""
+    x, idx, w, n_exp = inputs(("maskshort", buf.communicator.backend))
+    lay = buf.get_dispatch_layout(dev(buf, idx), n_exp)
+    per_expert = np_(lay[2])[: n_exp - 1].copy() if RANK == 0 else np_(lay[2])
+
+    def check():
+        if RANK == 0:
+            ctx = pytest.raises(ValueError, match=rf"argument 'num_tokens_per_expert' must have one entry per expert "
+                                                  rf"\(num_experts, a multiple of world_size \({W}\)\), got "
+                                                  rf"{n_exp - 1} entries")
+        else:
+            ctx = pytest.raises(SymBufferRejectedError)
+        with ctx:
+            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                         num_tokens_per_expert=dev(buf, per_expert))
+            if buf.communicator.backend == "cuda":
+                buf.communicator.synchronize()
+        out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
+                           num_tokens_per_expert=lay[2])
+        np.testing.assert_array_equal(np_(out[0]), ref(x, idx, w, n_exp)[0])
+
+    all_ranks(check)
+
+
 @pytest.mark.parametrize("worst", [False, True], ids=["eager", "worst"])
 def test_dispatch_mask_negative_per_expert_is_rejected(buf, worst):
     """A negative num_tokens_per_expert entry on rank 0 (its mask and num_tokens_per_rank right): rank 0 raises

@@ -654,6 +654,9 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
                              dims=(("num_experts", None),), dtypes=(np.int32, np.int64))
     if not cuda:  # the GPU checks its entries on the device (the count exchange's reject word, below)
         check_counts(op, "num_tokens_per_expert", per_expert)
+    if per_expert.shape[0] % w_size:  # (its length is num_experts: name the argument that has it wrong)
+        raise ValueError(f"{op}: argument 'num_tokens_per_expert' must have one entry per expert (num_experts, a "
+                         f"multiple of world_size ({w_size})), got {int(per_expert.shape[0])} entries")
     n_exp = check_num_experts(op, comm, int(per_expert.shape[0]))
     if num_experts is not None and check_int(op, "num_experts", num_experts, minimum=1) != n_exp:
         raise ValueError(f"{op}: argument 'num_experts' must equal len(num_tokens_per_expert) ({n_exp}), got "
