@@ -262,7 +262,9 @@ def test_handle_survives_one_more_dispatch(comm, ll):
     all_ranks(lambda: np.testing.assert_array_equal(out1.view(np.uint16), out2.view(np.uint16)))
     ll.dispatch(dev(comm, xb), dev(comm, ib))
     ll.dispatch(dev(comm, xb), dev(comm, ib))
-    with pytest.raises(ValueError, match="stale"):
+    with pytest.raises(ValueError, match=rf"handle is stale: it is from dispatch #{ha.dispatch_id} "
+                                         rf"\(LowLatencyHandle.dispatch_id\), and 2 more dispatches have been made "
+                                         rf"since"):
         ll.combine(dev(comm, y), dev(comm, ia), dev(comm, wa), ha)
 
 

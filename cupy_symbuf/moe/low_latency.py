@@ -861,9 +861,9 @@ class LowLatencyBuffer:
             if handle.owner is not self:
                 raise ValueError(f"{op}: handle belongs to another LowLatencyBuffer")
             if handle.call + 2 < self._dispatch_calls:
-                raise ValueError(f"{op}: handle is stale: it is from dispatch call {handle.call}, and "
-                                 f"{self._dispatch_calls} dispatches have been made (a handle lasts until two more "
-                                 f"dispatches)")
+                raise ValueError(f"{op}: handle is stale: it is from dispatch #{handle.dispatch_id} "
+                                 f"(LowLatencyHandle.dispatch_id), and {self._dispatch_calls - handle.call - 1} more "
+                                 f"dispatches have been made since (a handle lasts until two more dispatches)")
             x_in, topk_in, w_in = x, topk_idx, topk_weights
             x = self._check_x(op, "x", x, (self.L, self.world_size * self.N, self.H))
             n, K = handle.num_tokens, handle.num_topk
