@@ -387,7 +387,11 @@ def test_peer_that_never_calls_times_out(fresh_pair):
             b.dispatch(dev(c, x), dev(c, i))
             if c.backend == "cuda":
                 b.synchronize()
-        assert ei.value.rank == 0 and ei.value.peer >= 1 and "low_latency_dispatch" in str(ei.value)
+        msg = str(ei.value)
+        assert ei.value.rank == 0 and ei.value.peer >= 1 and "low_latency_dispatch" in msg
+        # the hint fits the call (not the ring collectives' alltoallv recv_counts)
+        assert "waiting for the peer's flag line of this call" in msg and "alltoallv" not in msg, msg
+        assert "is not making the same calls of this LowLatencyBuffer" in msg, msg
 
 
 # ---- the shared call protocol: rejections and aborts --------------------------------------------------------------

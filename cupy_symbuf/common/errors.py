@@ -21,7 +21,9 @@ class SymBufferTimeoutError(SymBufferError):
     Attributes ``rank``, ``peer``, ``channel``, ``role`` ("send", "recv" or "notify"), ``head`` and ``tail``
     (ring counters in chunks; for notify, ``head`` is the epoch awaited and ``tail`` the epoch seen) say which
     wait expired. The ring counters of this communicator (and of its peers) are then inconsistent: it refuses
-    further calls; close it on every rank and build a new Communicator.
+    further calls; close it on every rank and build a new Communicator. A LowLatencyBuffer's wait for a peer's flag
+    line (``op`` ``low_latency_dispatch`` / ``low_latency_combine``, channel -1) raises it too, ``head`` the value
+    awaited and ``tail`` the one seen.
     """
 
     def __init__(self, *, rank: int, peer: int, channel: int, role: str, head: int, tail: int,
@@ -34,10 +36,14 @@ class SymBufferTimeoutError(SymBufferError):
                 "recv": "receiver waiting for data (tail == head)",
                 "notify": "notify waiting for the peer's count (head = epoch awaited, tail = epoch seen)"}
         what = what.get(role, role)
+        hint = "is not calling the same collective (or recv_counts given to alltoallv differ from what the peers send)"
+        if op.startswith("low_latency_"):  # a LowLatencyBuffer's flag lines (channel -1)
+            what = "waiting for the peer's flag line of this call (head = the value awaited, tail = the value seen)"
+            hint = ("is not making the same calls of this LowLatencyBuffer in the same order (a combine where the "
+                    "peer dispatches, or the other way round, waits here)")
         super().__init__(
             f"{op + ': ' if op else ''}timeout after {timeout_s:g} s on rank {rank}, peer {peer}, channel {channel}: "
-            f"{what}; head={head} tail={tail}. A peer rank probably failed or is not calling the same collective (or "
-            f"recv_counts given to alltoallv differ from what the peers send).")
+            f"{what}; head={head} tail={tail}. A peer rank probably failed or {hint}.")
 
 
 class SymBufferMismatchError(SymBufferError):
