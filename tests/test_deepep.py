@@ -605,16 +605,22 @@ def test_dispatch_mask_disagreeing_with_per_rank_is_rejected(buf):
 
     def check():
         err = ValueError if RANK == 0 else SymBufferRejectedError
-        with pytest.raises(err):
-            buf.dispatch(dev(buf, x), num_tokens_per_rank=dev(buf, per_rank), is_token_in_rank=lay[3],
-                         num_tokens_per_expert=lay[2])
-            if buf.communicator.backend == "cuda":
-                buf.communicator.synchronize()
-        out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                           num_tokens_per_expert=lay[2])
-        np.testing.assert_array_equal(np_(out[0]), ref(x, idx, w, n_exp)[0])
+        _rejected_then_right(buf, pytest.raises(err), (x, idx, w, n_exp), lay, num_tokens_per_rank=dev(buf, per_rank))
 
     all_ranks(check)
+
+
+def _rejected_then_right(buf, ctx, case, lay, **bad):
+    """A mask dispatch of ``case`` (``inputs()``' result) with the layout ``lay`` but the arguments ``bad`` raises
+    what ``ctx`` expects (GPU: by synchronize()); the right dispatch right after returns the reference rows."""
+    x, idx, w, n_exp = case
+    right = dict(num_tokens_per_rank=lay[0], is_token_in_rank=lay[3], num_tokens_per_expert=lay[2])
+    with ctx:
+        buf.dispatch(dev(buf, x), **{**right, **bad})
+        if buf.communicator.backend == "cuda":
+            buf.communicator.synchronize()
+    out = buf.dispatch(dev(buf, x), **right)
+    np.testing.assert_array_equal(np_(out[0]), ref(x, idx, w, n_exp)[0])
 
 
 @pytest.mark.skipif(W == 1, reason="every length is a multiple of world_size 1")
@@ -634,14 +640,7 @@ def test_dispatch_mask_short_per_expert_names_its_length(buf):
                                                   rf"{n_exp - 1} entries")
         else:
             ctx = pytest.raises(SymBufferRejectedError)
-        with ctx:
-            buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                         num_tokens_per_expert=dev(buf, per_expert))
-            if buf.communicator.backend == "cuda":
-                buf.communicator.synchronize()
-        out = buf.dispatch(dev(buf, x), num_tokens_per_rank=lay[0], is_token_in_rank=lay[3],
-                           num_tokens_per_expert=lay[2])
-        np.testing.assert_array_equal(np_(out[0]), ref(x, idx, w, n_exp)[0])
+        _rejected_then_right(buf, ctx, (x, idx, w, n_exp), lay, num_tokens_per_expert=dev(buf, per_expert))
 
     all_ranks(check)
 
