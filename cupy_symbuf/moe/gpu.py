@@ -74,29 +74,48 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
 _REDUCE_LAUNCHERS: dict = {}
 
 
-def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_rows=None, table_ptr: int = 0,
-           rank: int = 0) -> None:
-    """Launch a combine reduction (``symbuf_combine_reduce_*``): ``out[t] = sum_r row(t, r)`` in float32, ranks in
-    order, where ``row(t, r)`` is ``back[pos[t, r]]``, or with ``self_rows`` (the combine's input, rows of
-    ``back``'s dtype, any row stride) this rank's own row read straight from it (the ring moved none: the reverse
-    counts table has no units to itself; ``table_ptr``: the dispatch's counts table)."""
-    item = back.dtype.itemsize
-    row = hidden * item
-    self_ptr = self_stride = 0
-    if self_rows is not None:
-        self_ptr = self_rows.data.ptr if self_rows.shape[0] else 0
-        self_stride = self_rows.strides[0] // item if self_rows.shape[0] > 1 else hidden
-    vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 and self_ptr % 16 == 0 and \
-        (self_stride * item) % 16 == 0  # 16 bytes per load
-    lanes = row // 16 if vec else hidden
+def reduce_launcher(kernel: str):
+    """The :class:`~cupy_symbuf.transport.kernels.Launcher` of the combine reduction ``kernel``
+    (``symbuf_combine_reduce_*``) on the current device (a caller may keep it for repeated calls)."""
     key = (kernel, _compat.cupy.cuda.runtime.getDevice())
     launch = _REDUCE_LAUNCHERS.get(key)
     if launch is None:
         launch = _REDUCE_LAUNCHERS[key] = _kernels.get_launcher(SOURCE, kernel)
-    launch.fill(back=back.data.ptr, pos=pos.data.ptr, out=out.data.ptr, num_tokens=num_tokens, hidden=hidden,
+    return launch
+
+
+def _self_rows(a, width: int) -> tuple:
+    """``(address or 0, row stride in elements)`` of a combine input read for this rank's own rows (None: (0, 0))."""
+    if a is None:
+        return 0, 0
+    return (a.data.ptr if a.shape[0] else 0), (a.strides[0] // a.dtype.itemsize if a.shape[0] > 1 else width)
+
+
+def reduce(back, pos, out, num_tokens: int, hidden: int, kernel, *, self_rows=None, table_ptr: int = 0,
+           rank: int = 0, w_back=None, w_out=None, w_self_rows=None, stream=None) -> None:
+    """Launch a combine reduction (``symbuf_combine_reduce_*``, one launch for x and the top-k weights):
+    ``out[t] = sum_r row(t, r)`` in float32, ranks in order, where ``row(t, r)`` is ``back[pos[t, r]]``, or with
+    ``self_rows`` (the combine's input, rows of ``back``'s dtype, any row stride) this rank's own row read straight
+    from it (the ring moved none: the reverse counts table has no units to itself; ``table_ptr``: the dispatch's
+    counts table); with ``w_out`` (float32 ``[num_tokens, num_topk]``) the same sum of the weights' rows
+    ``w_back`` (float32 ``[rows, num_topk]``, C-contiguous) and ``w_self_rows`` in the same launch. ``kernel``: its
+    name or its :func:`reduce_launcher`; ``stream``: the current stream (None: asked)."""
+    launch = reduce_launcher(kernel) if isinstance(kernel, str) else kernel
+    item = back.dtype.itemsize
+    row = hidden * item
+    self_ptr, self_stride = _self_rows(self_rows, hidden)
+    k = 0 if w_out is None else w_out.shape[1]
+    w_self_ptr, w_self_stride = _self_rows(w_self_rows, k)
+    back_ptr, out_ptr = back.data.ptr, out.data.ptr
+    vec = row % 16 == 0 and back_ptr % 16 == 0 and out_ptr % 16 == 0 and self_ptr % 16 == 0 and \
+        (self_stride * item) % 16 == 0  # 16 bytes per load
+    lanes = max(row // 16 if vec else hidden, k)
+    launch.fill(back=back_ptr, pos=pos.data.ptr, out=out_ptr, num_tokens=num_tokens, hidden=hidden,
                 world_size=pos.shape[1], vec=1 if vec else 0, self_rows=self_ptr, self_stride=self_stride,
-                table=table_ptr, rank=rank)
-    launch(min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)))
+                table=table_ptr, rank=rank, w_back=0 if w_out is None else w_back.data.ptr,
+                w_out=0 if w_out is None else w_out.data.ptr, w_self_rows=w_self_ptr, w_self_stride=w_self_stride,
+                num_topk=k)
+    launch(min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)), stream=stream)
 
 
 def get_dispatch_layout(eng, op: str, idx, num_experts: int):
