@@ -167,6 +167,25 @@ def engine(launches, world_size: int = 2, rank: int = 0, **config):
     tr.direct_calls = tr.push_calls = tr.ce_calls = 0
     tr.trace = tr.load = None
 
+    from cupy_symbuf.transport import kernels as _kernels
+    from cupy_symbuf.transport.status import Pinned
+    tr._l_notify = _kernels.get_launcher("ring_exchange.cu", "symbuf_notify")
+    tr._meta_in = Pinned(world_size * layout.max_notify_ints)
+    tr._ticket = 0
+    tr.layout_error = Pinned(2)
+    tr._notify_done = Pinned(1)
+
+    def notify_result(op, M):  # every rank's header as this one's, and these values as every rank's
+        a = tr._l_notify.args
+        out = np.zeros((world_size, P.NOTIFY_HDR_WORDS - 1 + M), np.int64)
+        out[:, 0], out[:, 1], out[:, 2] = a.op, a.call_status, a.sig
+        out[:, 3:] = tr._meta_in.array[: world_size * M].reshape(world_size, M)
+        out[:, 3] = notify_rows
+        return out
+
+    notify_rows = 32
+    tr.notify_result = notify_result
+
     def launch(stream_ptr):
         if launches.record:
             launches.log.append(("ring", ctypes.cast(tr._arg_ptrs[0], ctypes.POINTER(ctypes.c_int64 * P.DESC_WORDS))
@@ -220,7 +239,10 @@ def main() -> None:
         w = cupy.empty((h.num_recv_tokens, h.num_topk), np.float32)
         xs = cupy.empty((h.num_tokens, h.hidden), dt)
         a64 = cupy.empty((2, 32 << 10), np.uint8)
+        idx = cupy.empty((h.num_tokens, h.num_topk), np.int64)
+        ws = cupy.empty((h.num_tokens, h.num_topk), np.float32)
         rows = [("alltoall 64 KiB", lambda: alltoall(eng, a64)),
+                ("eager dispatch, 128 tokens (no wait)", lambda: normal.dispatch(eng, xs, idx, ws, h.num_experts)),
                 ("cached dispatch, 128 tokens", lambda: normal.dispatch(eng, xs, handle=h)),
                 ("combine with weights, 128 tokens", lambda: normal.combine(eng, x, h, w)),
                 ("combine without weights, 128 tokens", lambda: normal.combine(eng, x, h))]

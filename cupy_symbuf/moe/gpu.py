@@ -149,12 +149,20 @@ class Routing:
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
-        self.block = cp.empty(2 * CT + M + 2 + W * M, np.int64)  # (+ the count exchange's values, [W, M])
+        # the four arrays from one allocation (they live as long as the handle, together): one pool call, not four
+        words = 2 * CT + M + 2 + W * M  # (+ the count exchange's values, [W, M])
+        sizes = (8 * words, 8 * n * W, 8 * max(1, n * W), n * W)
+        offs, total = [], 0
+        for size in sizes:
+            offs.append(total)
+            total += (size + 255) // 256 * 256
+        mem = cp.cuda.alloc(total)
+        self.block = cp.ndarray((words,), np.int64, memptr=mem)
         self.M = M
         self.table_ptr = self.block.data.ptr  # the parts by address on the hot path (views cost us each)
-        self.pos = cp.empty((n, W), np.int64)
-        self.send_idx = cp.empty(max(1, n * W), np.int64)
-        self.in_rank = cp.empty((n, W), dtype=bool)
+        self.pos = cp.ndarray((n, W), np.int64, memptr=mem + offs[1])
+        self.send_idx = cp.ndarray((max(1, n * W),), np.int64, memptr=mem + offs[2])
+        self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + offs[3])
 
     # addresses of the parts (hot path) and views of them (errors, worst-case counts)
     @property

@@ -69,6 +69,7 @@ from ..common import dtypes as _dt
 from ..common.checks import check_array, check_int, check_out
 from ..common.errors import SymBufferMismatchError
 from ..wire.channel_layout import check_row_fits
+from ..transport.engine import check_sync
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
 
@@ -278,6 +279,7 @@ def _to_host(comm, a) -> np.ndarray:
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
 
 # ------------------------------------------------------------------------------------------------ API
@@ -1055,10 +1057,21 @@ def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, s
     """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None; the first
     rows of dispatch's ``out`` arrays where given)."""
     mine = list(user_outs or ())
-    outs = [mine[0][:n_recv] if mine else xp.empty((n_recv, xv.shape[1]), dtype=xv.dtype)]
-    for k, (a, dt) in enumerate(((scales, np.float32), (idx, np.int64), (weights, np.float32), (src, np.int64))):
+    parts = [(xv.shape[1], xv.dtype, mine[0] if mine else None)]
+    for k, (a, dt) in enumerate(((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64))):
         if a is not None:
-            outs.append(mine[1][:n_recv] if k == 0 and mine[1:] else xp.empty((n_recv, a.shape[1]), dtype=dt))
+            parts.append((a.shape[1], dt, mine[1] if k == 0 and mine[1:] else None))
+    # the arrays this call makes, from one allocation (one pool call; each array is new on every call)
+    sizes = [0 if given is not None else (n_recv * n * dt.itemsize + 255) & ~255 for n, dt, given in parts]
+    total = sum(sizes)
+    mem = xp.cuda.alloc(total) if total else None
+    outs, off = [], 0
+    for (n, dt, given), size in zip(parts, sizes):
+        if given is not None:
+            outs.append(given[:n_recv])
+        else:
+            outs.append(xp.ndarray((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
+            off += size
     return outs
 
 
@@ -1193,7 +1206,6 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     three launches, and a combine of a worst-case handle can be captured in a CUDA graph.
     """
     op = "combine"
-    from ..transport.engine import check_sync
     with comm.call(op, notify=False):
         stream, capturing = comm.capture_state()  # (once per call: handed down)
         # captured: the copies, the returned rows and the outputs live as long as the communicator (see dispatch)
