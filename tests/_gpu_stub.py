@@ -39,10 +39,25 @@ class FakeStream:
     def synchronize(self) -> None:
         pass
 
+    def wait_event(self, event) -> None:
+        self.waited = getattr(self, "waited", []) + [event.stream_ptr]
+
+
+class FakeEvent:
+    """A CuPy-event stand-in: remembers the stream it was recorded on."""
+
+    def __init__(self, *args, **kwargs):
+        self.stream_ptr = None
+        self.done = True
+
+    def record(self, stream=None) -> None:
+        self.stream_ptr = None if stream is None else stream.ptr
+
 
 class Launches:
-    """Every stubbed kernel launch: ``(kind, args)``; ``kind`` "ring" (args: a copy of the descriptor words) or a
-    kernel name (args: a dict of its argument struct's fields)."""
+    """Every stubbed kernel launch: ``(kind, args, grid, block, stream ptr)``; ``kind`` "ring" (args: a copy of the
+    descriptor words) or a kernel name (args: a dict of its argument struct's fields). ``use_stream(s)``: the
+    stream ``cupy.cuda.get_current_stream()`` returns from then on."""
 
     def __init__(self):
         self.log = []
@@ -69,6 +84,8 @@ def stubbed(stream: FakeStream = None):
     from cupy_symbuf.wire import kernel_args as _kargs
     stream = stream or FakeStream()
     launches = Launches()
+    current = [stream]
+    launches.use_stream = lambda s: current.__setitem__(0, s)  # what get_current_stream() returns from now on
     addr = itertools.count(1 << 40, 1 << 20)  # 1 MiB apart, 512-byte aligned, never dereferenced
     saved = []
 
@@ -81,6 +98,11 @@ def stubbed(stream: FakeStream = None):
 
     def empty(shape, dtype=float, order="C"):
         return cupy.ndarray(shape, dtype, memptr=alloc(int(np.prod(shape)) * np.dtype(dtype).itemsize))
+
+    def ascontiguousarray(a, dtype=None):  # the copy's values are not made (no kernel runs)
+        if a._c_contiguous and (dtype is None or a.dtype == dtype):
+            return a
+        return empty(a.shape, a.dtype if dtype is None else dtype)
 
     def pinned_init(self, count):
         self.nbytes = 8 * count
@@ -103,7 +125,8 @@ def stubbed(stream: FakeStream = None):
                 stream = cupy.cuda.get_current_stream()
             if launches.record:
                     launches.log.append((self.function.name,
-                                     {f: getattr(self.args, f) for f in _kargs.fields(self._struct)}, grid, block))
+                                     {f: getattr(self.args, f) for f in _kargs.fields(self._struct)}, grid, block,
+                                     stream.ptr))
 
     launchers = {}
 
@@ -114,9 +137,11 @@ def stubbed(stream: FakeStream = None):
         return fn
 
     patch(cupy.cuda.runtime, "getDevice", lambda: 0)
-    patch(cupy.cuda, "get_current_stream", lambda: stream)
+    patch(cupy.cuda, "get_current_stream", lambda: current[0])
     patch(cupy.cuda, "alloc", alloc)
+    patch(cupy.cuda, "Event", FakeEvent)
     patch(cupy, "empty", empty)
+    patch(cupy, "ascontiguousarray", ascontiguousarray)
     patch(_status.Pinned, "__init__", pinned_init)
     patch(_status.Pinned, "free", lambda self: None)
     patch(_kernels, "get_launcher", get_launcher)
@@ -189,7 +214,7 @@ def engine(launches, world_size: int = 2, rank: int = 0, **config):
     def launch(stream_ptr):
         if launches.record:
             launches.log.append(("ring", ctypes.cast(tr._arg_ptrs[0], ctypes.POINTER(ctypes.c_int64 * P.DESC_WORDS))
-                                 .contents[:], 1, 1))
+                                 .contents[:], 1, 1, stream_ptr))
     tr._launch = launch
     state = {"broken": None}
     eng = Engine(tr, layout, cfg, rank=rank, world_size=world_size, backend="cuda", heap=_Heap(),
