@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import math
 import sys
 import timeit
 from pathlib import Path
@@ -97,7 +98,8 @@ def stubbed(stream: FakeStream = None):
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(next(addr), max(int(nbytes), 1), None, 0), 0)
 
     def empty(shape, dtype=float, order="C"):
-        return cupy.ndarray(shape, dtype, memptr=alloc(int(np.prod(shape)) * np.dtype(dtype).itemsize))
+        n = shape if isinstance(shape, int) else math.prod(shape)
+        return cupy.ndarray(shape, dtype, memptr=alloc(n * np.dtype(dtype).itemsize))
 
     def ascontiguousarray(a, dtype=None):  # the copy's values are not made (no kernel runs)
         if a._c_contiguous and (dtype is None or a.dtype == dtype):
@@ -266,7 +268,9 @@ def main() -> None:
         a64 = cupy.empty((2, 32 << 10), np.uint8)
         idx = cupy.empty((h.num_tokens, h.num_topk), np.int64)
         ws = cupy.empty((h.num_tokens, h.num_topk), np.float32)
+        idx4k = cupy.empty((4096, h.num_topk), np.int64)
         rows = [("alltoall 64 KiB", lambda: alltoall(eng, a64)),
+                ("get_dispatch_layout, 4096 tokens", lambda: normal.get_dispatch_layout(eng, idx4k, h.num_experts)),
                 ("eager dispatch, 128 tokens (no wait)", lambda: normal.dispatch(eng, xs, idx, ws, h.num_experts)),
                 ("cached dispatch, 128 tokens", lambda: normal.dispatch(eng, xs, handle=h)),
                 ("combine with weights, 128 tokens", lambda: normal.combine(eng, x, h, w)),

@@ -125,9 +125,13 @@ def get_dispatch_layout(eng, op: str, idx, num_experts: int):
     cp = _compat.cupy
     W = eng.world_size
     n = idx.shape[0]
-    counts = cp.empty(W + num_experts, np.int32)  # one allocation: [per rank | per expert]
-    per_rank, per_expert = counts[:W], counts[W:]
-    in_rank = cp.empty((n, W), dtype=bool)
+    # one allocation for the three outputs (one pool call; new arrays on every call): [per rank | per expert], then
+    # is_token_in_rank at the next 256 bytes
+    off = (4 * (W + num_experts) + 255) // 256 * 256
+    mem = cp.cuda.alloc(off + n * W)
+    per_rank = cp.ndarray((W,), np.int32, memptr=mem)
+    per_expert = cp.ndarray((num_experts,), np.int32, memptr=mem + 4 * W)
+    in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + off)
     eng.transport.layout_error_what = (idx.shape, num_experts)
     layout(eng, contiguous(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
            sticky=True)
