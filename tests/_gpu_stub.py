@@ -147,14 +147,11 @@ def stubbed(stream: FakeStream = None):
     patch(_status.Pinned, "__init__", pinned_init)
     patch(_status.Pinned, "free", lambda self: None)
     patch(_kernels, "get_launcher", get_launcher)
-    from cupy_symbuf.moe import gpu as _gpu
-    saved_reduce = dict(_gpu._REDUCE_LAUNCHERS)
-    _gpu._REDUCE_LAUNCHERS.clear()
+    patch(_kernels, "new_launcher", lambda source, name, defines=(): FakeLauncher(_FakeFunction(name),
+                                                                                  _kargs.KERNELS[name]))
     try:
         yield launches, stream
     finally:
-        _gpu._REDUCE_LAUNCHERS.clear()
-        _gpu._REDUCE_LAUNCHERS.update(saved_reduce)
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
 

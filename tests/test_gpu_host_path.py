@@ -239,3 +239,16 @@ def test_shape_or_device_off_the_record_checked_in_full(stub):
     launches.clear()
     normal.combine(eng, x, h)  # still usable, from the record
     assert [e[0] for e in launches.log] == ["ring", "symbuf_combine_reduce_f32"]
+
+
+def test_launchers_are_per_communicator():
+    """The MoE kernels' argument structs (layout, fix-up, reduction) belong to one communicator: two threads with
+    two communicators on one GPU never fill the same struct (one thread's fields launched by the other)."""
+    from cupy_symbuf.moe import gpu as _gpu
+    with S.stubbed() as (launches, stream):
+        e1, e2 = S.engine(launches), S.engine(launches)
+        for name in (_gpu.LAYOUT_KERNEL, _gpu.FIXUP_KERNEL):
+            assert _gpu._launcher(e1, name) is _gpu._launcher(e1, name)
+            assert _gpu._launcher(e1, name).args is not _gpu._launcher(e2, name).args
+        k = "symbuf_combine_reduce_bf16"
+        assert _gpu.reduce_launcher(e1, k).args is not _gpu.reduce_launcher(e2, k).args

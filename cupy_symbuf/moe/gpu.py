@@ -42,12 +42,13 @@ def _ptr(a) -> int:
 
 
 def _launcher(eng, name: str):
-    """The engine's cached :class:`~cupy_symbuf.transport.kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU
-    is fixed: no device lookup per call; its argument struct: ``wire/kernel_args.py`` ``KERNELS[name]``)."""
+    """The engine's own :class:`~cupy_symbuf.transport.kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU
+    is fixed: no device lookup per call; its argument struct: ``wire/kernel_args.py`` ``KERNELS[name]``; shared with
+    no other communicator, so two threads with two communicators never fill one struct at once)."""
     cache = eng.__dict__.setdefault("_moe_launchers", {})
     fn = cache.get(name)
     if fn is None:
-        fn = cache[name] = _kernels.get_launcher(SOURCE, name)
+        fn = cache[name] = _kernels.new_launcher(SOURCE, name)
     return fn
 
 
@@ -70,18 +71,10 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     launch(1, threads, shared_mem=4 * num_experts)
 
 
-#: (kernel name, device) -> the reductions' Launcher (kernels.get_launcher, without its Device object per call)
-_REDUCE_LAUNCHERS: dict = {}
-
-
-def reduce_launcher(kernel: str):
-    """The :class:`~cupy_symbuf.transport.kernels.Launcher` of the combine reduction ``kernel``
-    (``symbuf_combine_reduce_*``) on the current device (a caller may keep it for repeated calls)."""
-    key = (kernel, _compat.cupy.cuda.runtime.getDevice())
-    launch = _REDUCE_LAUNCHERS.get(key)
-    if launch is None:
-        launch = _REDUCE_LAUNCHERS[key] = _kernels.get_launcher(SOURCE, kernel)
-    return launch
+def reduce_launcher(eng, kernel: str):
+    """The engine's :class:`~cupy_symbuf.transport.kernels.Launcher` of the combine reduction ``kernel``
+    (``symbuf_combine_reduce_*``; a caller may keep it for repeated calls)."""
+    return _launcher(eng, kernel)
 
 
 def _self_rows(a, width: int) -> tuple:
@@ -91,16 +84,15 @@ def _self_rows(a, width: int) -> tuple:
     return (a.data.ptr if a.shape[0] else 0), (a.strides[0] // a.dtype.itemsize if a.shape[0] > 1 else width)
 
 
-def reduce(back, pos, out, num_tokens: int, hidden: int, kernel, *, self_rows=None, table_ptr: int = 0,
+def reduce(back, pos, out, num_tokens: int, hidden: int, launch, *, self_rows=None, table_ptr: int = 0,
            rank: int = 0, w_back=None, w_out=None, w_self_rows=None, stream=None) -> None:
     """Launch a combine reduction (``symbuf_combine_reduce_*``, one launch for x and the top-k weights):
     ``out[t] = sum_r row(t, r)`` in float32, ranks in order, where ``row(t, r)`` is ``back[pos[t, r]]``, or with
     ``self_rows`` (the combine's input, rows of ``back``'s dtype, any row stride) this rank's own row read straight
     from it (the ring moved none: the reverse counts table has no units to itself; ``table_ptr``: the dispatch's
     counts table); with ``w_out`` (float32 ``[num_tokens, num_topk]``) the same sum of the weights' rows
-    ``w_back`` (float32 ``[rows, num_topk]``, C-contiguous) and ``w_self_rows`` in the same launch. ``kernel``: its
-    name or its :func:`reduce_launcher`; ``stream``: the current stream (None: asked)."""
-    launch = reduce_launcher(kernel) if isinstance(kernel, str) else kernel
+    ``w_back`` (float32 ``[rows, num_topk]``, C-contiguous) and ``w_self_rows`` in the same launch. ``launch``: the
+    kernel's :func:`reduce_launcher`; ``stream``: the current stream (None: asked)."""
     item = back.dtype.itemsize
     row = hidden * item
     self_ptr, self_stride = _self_rows(self_rows, hidden)

@@ -26,8 +26,10 @@ On the host the rows are packed with NumPy, sent through the same ring protocol 
 ``combine`` = the row exchange back (rows ``x`` | ``topk_weights``) with both count vectors taken from the handle
 -> float32 accumulation, one source rank at a time in rank order (a token appears at most once per rank, so the
 summation order is fixed: results are bitwise reproducible) -> rounded once to ``x``'s dtype. On the GPU the
-accumulation is one kernel per part (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``); on the host NumPy
-scatter-adds.
+accumulation of ``x`` and ``topk_weights`` is one kernel launch (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``);
+on the host NumPy scatter-adds. A repeated GPU combine or cached dispatch of one call shape (handle, dtype, strides)
+runs from a record its first call kept on the handle (the checked kind, the row signature, the exchange plan),
+checking only the arrays' type, shape and device.
 
 Expert placement
 ----------------
@@ -1129,7 +1131,7 @@ def _combine_positions(xp, h: "DispatchHandle"):
     return xp.ascontiguousarray(xp.where(in_rank, rank_pos + offs[None, :], -1))
 
 
-def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, out=None, w_back=None):
+def _reduce_cuda(comm, back, pos, kind: str, out_dtype, num_tokens: int, *, out=None, w_back=None):
     """``(out, w_out)``: ``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as
     ``out_dtype``, and with ``w_back`` (float32 rows) the same sum of its rows in the same launch (else None)."""
     from ..common import backend as _compat
@@ -1141,7 +1143,8 @@ def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, out=None, 
     if num_tokens and (hidden or w_out is not None):
         if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
             back = cp.empty((1, hidden), back.dtype)
-        _gpu.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind], w_back=w_back, w_out=w_out)
+        _gpu.reduce(back, pos, out, num_tokens, hidden, _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind]),
+                    w_back=w_back, w_out=w_out)
     return out, w_out
 
 
@@ -1202,8 +1205,9 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     Notes
     -----
     GPU: the row exchange takes its per-peer counts from the dispatch's device counts table (the reverse of the
-    dispatch's) and the reduction reads the send positions the layout kernel made: no host work beyond the two or
-    three launches, and a combine of a worst-case handle can be captured in a CUDA graph.
+    dispatch's) and the reduction reads the send positions the layout kernel made: no host work beyond the two
+    launches (the rows back; x and the weights reduced in one), and a combine of a worst-case handle can be
+    captured in a CUDA graph.
     """
     op = "combine"
     with comm.call(op, notify=False):
@@ -1267,7 +1271,7 @@ def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     rec.send_w = weights is not None and cw.shape[1] > 0
     parts = ([cx] if rec.send_x else []) + ([cw] if rec.send_w else [])
     rec.plan = comm.device_plan(op, rec.sig, parts, False) if parts else None
-    rec.reduce = _gpu.reduce_launcher(_REDUCE_KERNELS[kind])
+    rec.reduce = _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind])
     # the rows that come back (x's, then the weights') in one allocation, the outputs in another (the returned
     # arrays are new on every call: nothing is handed out twice)
     rows, n = h.send_rows, h.num_tokens
@@ -1367,7 +1371,8 @@ def _combine(comm, op, x, h, topk_weights, dtype, out=None):
 
     num_tokens = h.num_tokens
     if comm.backend == "cuda":  # (a GPU handle without device routing: the reduction kernel over host positions)
-        return _reduce_cuda(back_x, _combine_positions(xp, h), kind, x.dtype, num_tokens, out=out, w_back=back_w)
+        return _reduce_cuda(comm, back_x, _combine_positions(xp, h), kind, x.dtype, num_tokens, out=out,
+                            w_back=back_w)
     acc = xp.zeros((num_tokens, h.hidden), dtype=np.float32)
     acc_w = xp.zeros((num_tokens, h.num_topk), dtype=np.float32) if weights is not None else None
     if back_x.shape[0]:

@@ -645,6 +645,6 @@ class CudaTransport:
         negative or they do not sum to ``num_rows``, else 0; the first negative count's rank or -1)."""
         fn = self._l_counts_meta
         if fn is None:
-            fn = self._l_counts_meta = _kernels.get_launcher(RING_SOURCE, "symbuf_counts_meta")
+            fn = self._l_counts_meta = _kernels.new_launcher(RING_SOURCE, "symbuf_counts_meta")
         fn.fill(counts=counts_ptr, world_size=self.world_size, rows=num_rows, meta=meta_ptr, bad=bad_ptr)
         fn(1, 32)
