@@ -621,15 +621,17 @@ def test_combine_and_cached_dispatch_repeats_alternating_call_shapes(moe_comm):
         cx = make_values(rng, (n, hidden), dt)
         cw = rng.uniform(0.05, 1.0, size=(n, topk)).astype(np.float32) if with_w else None
         xs = make_values(rng, (idx.shape[0], hidden), dt)  # for the cached dispatch
-        cx_dev, xs_dev = to_dev(comm, cx), to_dev(comm, xs)
-        if strided:
-            wide = xp.zeros((n, hidden + 8), cx_dev.dtype)
-            wide[:, :hidden] = cx_dev
-            cx_dev = wide[:, :hidden]
+        xs_dev = to_dev(comm, xs)
+        if strided:  # rows 8 elements apart (built on the host: no device arithmetic in any dtype)
+            wide = make_values(rng, (n, hidden + 8), dt)
+            wide[:, :hidden] = cx
+            cx_dev = to_dev(comm, wide)[:, :hidden]
+        else:
+            cx_dev = to_dev(comm, cx)
         kw = {"dtype": "bfloat16"} if dt == "bf16" and cx_dev.dtype == np.uint16 else {}
         out = None
         if use_out:  # garbage bits in the caller's out
-            out = xp.full((idx.shape[0], hidden * cx_dev.dtype.itemsize), 0x7B, np.uint8).view(cx_dev.dtype)
+            out = to_dev(comm, np.full((idx.shape[0], hidden * cx.dtype.itemsize), 0x7B, np.uint8).view(cx.dtype))
         _dirty_pool(comm, 4 * (n + idx.shape[0]) * (hidden + topk) * 4)
         ctx = stream if stream is not None else _Null()
         if stream is not None:  # the inputs were made on the default stream, which the side stream does not wait for
