@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import math
 import sys
 import timeit
@@ -87,7 +86,7 @@ def stubbed(stream: FakeStream = None):
     launches = Launches()
     current = [stream]
     launches.use_stream = lambda s: current.__setitem__(0, s)  # what get_current_stream() returns from now on
-    addr = itertools.count(1 << 40, 1 << 20)  # 1 MiB apart, 512-byte aligned, never dereferenced
+    top = [1 << 40]  # the next made-up address: allocations never overlap, 1 MiB aligned, never dereferenced
     saved = []
 
     def patch(obj, name, value):
@@ -95,7 +94,10 @@ def stubbed(stream: FakeStream = None):
         setattr(obj, name, value)
 
     def alloc(nbytes):
-        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(next(addr), max(int(nbytes), 1), None, 0), 0)
+        size = max(int(nbytes), 1)
+        ptr = top[0]
+        top[0] += (size + (1 << 20) - 1) >> 20 << 20
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, size, None, 0), 0)
 
     def empty(shape, dtype=float, order="C"):
         n = shape if isinstance(shape, int) else math.prod(shape)
