@@ -252,3 +252,40 @@ def test_launchers_are_per_communicator():
             assert _gpu._launcher(e1, name).args is not _gpu._launcher(e2, name).args
         k = "symbuf_combine_reduce_bf16"
         assert _gpu.reduce_launcher(e1, k).args is not _gpu.reduce_launcher(e2, k).args
+
+
+def test_capture_keeps_what_replays_read(stub):
+    """While the stream is being captured: a combine keeps the caller's x and weights and the received rows'
+    allocation (every replay reads them), a cached dispatch keeps x and recv_x; an eager dispatch is refused before
+    its first communication step (every rank alike: nothing told; its local layout kernel may be queued), a
+    worst-case one is not."""
+    eng, launches, stream = stub
+    h = S.handle(eng, num_tokens=16, hidden=64, num_topk=2)
+    x = cupy.empty((h.num_recv_tokens, 64), np.float32)
+    w = cupy.empty((h.num_recv_tokens, 2), np.float32)
+    xs = cupy.empty((16, 64), np.float32)
+    idx = cupy.empty((16, 2), np.int64)
+    normal.combine(eng, x, h, w)  # a record made outside the capture serves inside it
+    stream.capturing = True
+    try:
+        eng.graph_keep.clear()
+        launches.clear()
+        normal.combine(eng, x, h, w)
+        kept = [id(o) for o in eng.graph_keep]
+        assert id(x) in kept and id(w) in kept, "the combine's inputs must be kept for the replays"
+        back = launches.log[1][1]["back"]
+        assert any(isinstance(o, cupy.cuda.MemoryPointer) and o.ptr == back for o in eng.graph_keep)
+        eng.graph_keep.clear()
+        recv_x = normal.dispatch(eng, xs, handle=h)[0]
+        kept = [id(o) for o in eng.graph_keep]
+        assert id(xs) in kept and id(recv_x) in kept
+        launches.clear()
+        with pytest.raises(RuntimeError, match=r"dispatch: this call reads its receive counts on the host"):
+            normal.dispatch(eng, xs, idx, None, h.num_experts)
+        assert not [e for e in launches.log if e[0] in ("ring", "symbuf_notify")], \
+            "a refused capture must take no communication step (every rank refuses alike)"
+        launches.clear()
+        normal.dispatch(eng, xs, idx, None, h.num_experts, num_worst_tokens=16 * eng.world_size)
+        assert [e[0] for e in launches.log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"]
+    finally:
+        stream.capturing = False
