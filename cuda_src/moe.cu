@@ -51,29 +51,17 @@ struct ReduceRows {
   }
 };
 
-template <class T>
-__device__ __forceinline__ ReduceRows<T> reduce_rows(const T* back, i64 row, const T* self_rows, i64 self_stride,
-                                                     const i64* table, int rank, int world_size) {
-  const i64 delta = self_rows != nullptr ? table[CT_PEERS + 2 * world_size + rank] - table[CT_PEERS + rank] : 0;
-  const bool skip = table != nullptr && table[CT_SKIP] != 0;
-  return ReduceRows<T>{back, row, self_rows, self_stride, delta, rank, skip};
-}
-
-// out [num_tokens, hidden] C-contiguous, pos [num_tokens, world_size] int64.
+// out [num_tokens, hidden] C-contiguous, pos [num_tokens, world_size] int64: token t's row (elements).
 template <class E>
-__device__ __forceinline__ void combine_reduce(const ReduceRows<typename E::bits> src, const i64* __restrict__ pos,
-                                               typename E::bits* __restrict__ out, i64 num_tokens, i64 hidden,
-                                               int world_size) {
-  for (i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-    const i64* pt = pos + t * world_size;
-    for (i64 h = threadIdx.x; h < hidden; h += blockDim.x) {
-      float acc = 0.0f;
-      for (int r = 0; r < world_size; ++r) {
-        const i64 p = __ldg(pt + r);
-        if (p >= 0 && !src.skip) acc = __fadd_rn(acc, E::load(src.at(r, p)[h]));
-      }
-      out[t * hidden + h] = E::store(acc);
+__device__ __forceinline__ void combine_row(const ReduceRows<typename E::bits> src, const i64* __restrict__ pt,
+                                            typename E::bits* __restrict__ out, i64 t, i64 hidden, int world_size) {
+  for (i64 h = threadIdx.x; h < hidden; h += blockDim.x) {
+    float acc = 0.0f;
+    for (int r = 0; r < world_size; ++r) {
+      const i64 p = __ldg(pt + r);
+      if (p >= 0 && !src.skip) acc = __fadd_rn(acc, E::load(src.at(r, p)[h]));
     }
+    out[t * hidden + h] = E::store(acc);
   }
 }
 
@@ -81,50 +69,59 @@ __device__ __forceinline__ void combine_reduce(const ReduceRows<typename E::bits
 // bytes, a multiple of 16, 16-byte aligned arrays and row strides (the launcher checks). Same order, same rounding:
 // bitwise equal.
 template <class E>
-__device__ __forceinline__ void combine_reduce_vec(const ReduceRows<uint4> src, const i64* __restrict__ pos,
-                                                   uint4* __restrict__ out, i64 num_tokens, i64 hvec,
-                                                   int world_size) {
+__device__ __forceinline__ void combine_row_vec(const ReduceRows<uint4> src, const i64* __restrict__ pt,
+                                                uint4* __restrict__ out, i64 t, i64 hvec, int world_size) {
   typedef typename E::bits B;
   constexpr int V = 16 / sizeof(B);
-  for (i64 t = blockIdx.x; t < num_tokens; t += gridDim.x) {
-    const i64* pt = pos + t * world_size;
-    for (i64 h = threadIdx.x; h < hvec; h += blockDim.x) {
-      float acc[V];
+  for (i64 h = threadIdx.x; h < hvec; h += blockDim.x) {
+    float acc[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] = 0.0f;
-      for (int r = 0; r < world_size; ++r) {
-        const i64 p = __ldg(pt + r);
-        if (p < 0 || src.skip) continue;
-        const uint4 v = __ldg(src.at(r, p) + h);
-        const B* e = reinterpret_cast<const B*>(&v);
+    for (int j = 0; j < V; ++j) acc[j] = 0.0f;
+    for (int r = 0; r < world_size; ++r) {
+      const i64 p = __ldg(pt + r);
+      if (p < 0 || src.skip) continue;
+      const uint4 v = __ldg(src.at(r, p) + h);
+      const B* e = reinterpret_cast<const B*>(&v);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] = __fadd_rn(acc[j], E::load(e[j]));
-      }
-      uint4 o;
-      B* e = reinterpret_cast<B*>(&o);
-#pragma unroll
-      for (int j = 0; j < V; ++j) e[j] = E::store(acc[j]);
-      out[t * hvec + h] = o;
+      for (int j = 0; j < V; ++j) acc[j] = __fadd_rn(acc[j], E::load(e[j]));
     }
+    uint4 o;
+    B* e = reinterpret_cast<B*>(&o);
+#pragma unroll
+    for (int j = 0; j < V; ++j) e[j] = E::store(acc[j]);
+    out[t * hvec + h] = o;
   }
 }
 
-// CombineReduceArgs (cupy_symbuf/wire/kernel_args.py): back, pos, out (rows of E::bits), num_tokens, hidden
-// (elements per row), world_size, vec != 0: the 16-byte form; self_rows (or null), self_stride (elements), table
-// (the dispatch's counts table, read only with self_rows), rank: see ReduceRows.
+// CombineReduceArgs (cupy_symbuf/wire/kernel_args.py), one launch for both parts of a combine:
+//   x:       back, out (rows of E::bits), hidden (elements per row), vec != 0: the 16-byte form; self_rows (or
+//            null), self_stride (elements);
+//   weights: w_back, w_out (float32 rows of num_topk; w_out null: no weights), w_self_rows (or null),
+//            w_self_stride (elements);
+//   shared:  pos, num_tokens, world_size, table (the dispatch's counts table, read only with self rows, and its
+//            skip word), rank: see ReduceRows. Block b reduces tokens b, b + gridDim.x, ...: x's row, then the
+//            weights' row.
 #define SYMBUF_COMBINE_REDUCE(NAME, E)                                                                            \
   extern "C" __global__ void NAME(const __grid_constant__ CombineReduceArgs a) {                                 \
     typedef E::bits B;                                                                                            \
-    if (a.vec) {                                                                                                  \
-      constexpr i64 per = 16 / sizeof(B);                                                                         \
-      combine_reduce_vec<E>(reduce_rows(static_cast<const uint4*>(a.back), a.hidden / per,                       \
-                                        static_cast<const uint4*>(a.self_rows), a.self_stride / per, a.table,    \
-                                        a.rank, a.world_size),                                                    \
-                            a.pos, static_cast<uint4*>(a.out), a.num_tokens, a.hidden / per, a.world_size);       \
-    } else {                                                                                                      \
-      combine_reduce<E>(reduce_rows(static_cast<const B*>(a.back), a.hidden, static_cast<const B*>(a.self_rows), \
-                                    a.self_stride, a.table, a.rank, a.world_size),                               \
-                        a.pos, static_cast<B*>(a.out), a.num_tokens, a.hidden, a.world_size);                     \
+    constexpr i64 per = 16 / sizeof(B);                                                                           \
+    const bool own = a.self_rows != nullptr || a.w_self_rows != nullptr;                                          \
+    const i64 delta = own ? a.table[CT_PEERS + 2 * a.world_size + a.rank] - a.table[CT_PEERS + a.rank] : 0;       \
+    const bool skip = a.table != nullptr && a.table[CT_SKIP] != 0;                                                \
+    const ReduceRows<B> xs{static_cast<const B*>(a.back), a.hidden, static_cast<const B*>(a.self_rows),          \
+                           a.self_stride, delta, a.rank, skip};                                                   \
+    const ReduceRows<uint4> xv{static_cast<const uint4*>(a.back), a.hidden / per,                                \
+                               static_cast<const uint4*>(a.self_rows), a.self_stride / per, delta, a.rank, skip}; \
+    const ReduceRows<u32> ws{reinterpret_cast<const u32*>(a.w_back), a.num_topk,                                 \
+                             reinterpret_cast<const u32*>(a.w_self_rows), a.w_self_stride, delta, a.rank, skip};  \
+    for (i64 t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {                                                  \
+      const i64* pt = a.pos + t * a.world_size;                                                                   \
+      if (a.vec)                                                                                                  \
+        combine_row_vec<E>(xv, pt, static_cast<uint4*>(a.out), t, a.hidden / per, a.world_size);                 \
+      else                                                                                                        \
+        combine_row<E>(xs, pt, static_cast<B*>(a.out), t, a.hidden, a.world_size);                               \
+      if (a.w_out != nullptr)                                                                                     \
+        combine_row<F32>(ws, pt, reinterpret_cast<u32*>(a.w_out), t, a.num_topk, a.world_size);                  \
     }                                                                                                             \
   }
 SYMBUF_COMBINE_REDUCE(symbuf_combine_reduce_bf16, Bf16)

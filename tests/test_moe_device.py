@@ -15,8 +15,8 @@ import pytest
 
 MPI = pytest.importorskip("mpi4py.MPI")
 
-from test_moe import (RANK, W, WORLD, all_ranks, local_idx, make_routing, moe_comm, ref_routes,  # noqa: E402,F401
-                      rng_for, to_dev, to_np)
+from test_moe import (RANK, W, WORLD, all_ranks, assert_bitwise, from_f32, local_idx, make_routing,  # noqa: E402,F401
+                      make_values, moe_comm, ref_routes, rng_for, to_dev, to_f32, to_np)
 from cupy_symbuf import SymBufferRejectedError  # noqa: E402
 
 UNEVEN = (0, 1, 7, 33)   # tokens on rank r: UNEVEN[r % 4]
@@ -585,3 +585,97 @@ def test_bad_out_rejected_then_usable(moe_comm):
     got = c.alltoall(x)
     every = WORLD.allgather(to_np(x))
     all_ranks(lambda: np.testing.assert_array_equal(to_np(got), np.stack([every[j][RANK] for j in range(W)])))
+
+
+def test_combine_and_cached_dispatch_repeats_alternating_call_shapes(moe_comm):
+    """Repeated combines and cached dispatches alternating the handle (two dispatches of other routing, hidden and
+    top-k), the dtype (fp32 / fp16 / bf16), the row strides of x (a column slice of a wider buffer), weights or
+    none, out= or none and (GPU) the stream: every result bitwise equal to a NumPy reference of fresh random data,
+    outputs on poisoned memory (the pool's blocks filled with garbage; out= prefilled), and every earlier result
+    still intact at the end (a later call never writes into an array an earlier one returned). On the GPU a
+    repeated call of one shape runs from the record its first call kept (x and the weights reduced in one
+    launch): a record serving a call of another shape would show here as wrong values."""
+    comm = moe_comm
+    xp = comm.xp
+    cuda = comm.backend == "cuda"
+    n_exp = 4 * W
+    handles = []
+    for j, (tokens, hidden, topk) in enumerate(((UNEVEN[RANK % 4] + 5, 48, 3), (40, 64, 2))):
+        rng = rng_for("repeat-shapes-dispatch", j, comm.backend)
+        idx = make_routing("random", rng, tokens, n_exp, topk)
+        x0 = rng.standard_normal((tokens, hidden)).astype(np.float32)
+        h = comm.dispatch(to_dev(comm, x0), to_dev(comm, idx), None, n_exp)[4]
+        handles.append((h, idx, hidden, topk, ref_routes(WORLD.allgather(idx), n_exp)))
+    streams = [None]
+    if cuda:
+        import cupy
+        streams.append(cupy.cuda.Stream(non_blocking=True))
+    kept = []  # (device array, expected host array, name): checked again at the end
+    for i in range(18):
+        h, idx, hidden, topk, routes = handles[i % 2]
+        dt = ("fp32", "fp16", "bf16")[(i // 2) % 3]
+        with_w, strided, use_out = i % 3 != 1, i % 4 == 3, i % 5 == 2
+        stream = streams[(i // 3) % len(streams)]
+        rng = rng_for("repeat-shapes-call", i, comm.backend)
+        n = h.num_recv_tokens
+        cx = make_values(rng, (n, hidden), dt)
+        cw = rng.uniform(0.05, 1.0, size=(n, topk)).astype(np.float32) if with_w else None
+        xs = make_values(rng, (idx.shape[0], hidden), dt)  # for the cached dispatch
+        xs_dev = to_dev(comm, xs)
+        if strided:  # rows 8 elements apart (built on the host: no device arithmetic in any dtype)
+            wide = make_values(rng, (n, hidden + 8), dt)
+            wide[:, :hidden] = cx
+            cx_dev = to_dev(comm, wide)[:, :hidden]
+        else:
+            cx_dev = to_dev(comm, cx)
+        kw = {"dtype": "bfloat16"} if dt == "bf16" and cx_dev.dtype == np.uint16 else {}
+        out = None
+        if use_out:  # garbage bits in the caller's out
+            out = to_dev(comm, np.full((idx.shape[0], hidden * cx.dtype.itemsize), 0x7B, np.uint8).view(cx.dtype))
+        _dirty_pool(comm, 4 * (n + idx.shape[0]) * (hidden + topk) * 4)
+        ctx = stream if stream is not None else _Null()
+        if stream is not None:  # the inputs were made on the default stream, which the side stream does not wait for
+            cupy.cuda.Device().synchronize()
+        with ctx:
+            combined, combined_w = comm.combine(cx_dev, h, to_dev(comm, cw) if with_w else None, out=out, **kw)
+            recv_x = comm.dispatch(xs_dev, handle=h)[0]
+            if stream is not None:
+                stream.synchronize()
+        every = WORLD.allgather((cx, cw, xs))
+        acc = np.zeros((idx.shape[0], hidden), np.float32)
+        acc_w = np.zeros((idx.shape[0], topk), np.float32)
+        for r in range(W):
+            for row, (s, t) in enumerate(routes[r]):
+                if s == RANK:
+                    acc[t] += to_f32(every[r][0][row], dt)
+                    if with_w:
+                        acc_w[t] += every[r][1][row]
+        want = from_f32(acc, dt)
+        want_recv = np.array([every[s][2][t] for s, t in routes[RANK]], xs.dtype).reshape(-1, hidden)
+
+        def check():
+            assert_bitwise(f"call {i}: combined_x", combined, want)
+            assert out is None or combined is out, f"call {i}: combined_x is not the out array"
+            if with_w:
+                assert_bitwise(f"call {i}: combined_topk_weights", combined_w, acc_w)
+            else:
+                assert combined_w is None
+            assert_bitwise(f"call {i}: cached dispatch recv_x", recv_x, want_recv)
+        all_ranks(check)
+        kept += [(combined, want, f"call {i}: combined_x"), (recv_x, want_recv, f"call {i}: recv_x")]
+        if with_w:
+            kept.append((combined_w, acc_w, f"call {i}: combined_topk_weights"))
+    comm.synchronize()
+
+    def intact():
+        for got, want, name in kept:
+            assert_bitwise(name + " (at the end)", got, want)
+    all_ranks(intact)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

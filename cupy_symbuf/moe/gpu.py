@@ -42,12 +42,13 @@ def _ptr(a) -> int:
 
 
 def _launcher(eng, name: str):
-    """The engine's cached :class:`~cupy_symbuf.transport.kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU
-    is fixed: no device lookup per call; its argument struct: ``wire/kernel_args.py`` ``KERNELS[name]``)."""
+    """The engine's own :class:`~cupy_symbuf.transport.kernels.Launcher` of ``moe.cu``'s kernel ``name`` (its GPU
+    is fixed: no device lookup per call; its argument struct: ``wire/kernel_args.py`` ``KERNELS[name]``; shared with
+    no other communicator, so two threads with two communicators never fill one struct at once)."""
     cache = eng.__dict__.setdefault("_moe_launchers", {})
     fn = cache.get(name)
     if fn is None:
-        fn = cache[name] = _kernels.get_launcher(SOURCE, name)
+        fn = cache[name] = _kernels.new_launcher(SOURCE, name)
     return fn
 
 
@@ -70,33 +71,43 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     launch(1, threads, shared_mem=4 * num_experts)
 
 
-#: (kernel name, device) -> the reductions' Launcher (kernels.get_launcher, without its Device object per call)
-_REDUCE_LAUNCHERS: dict = {}
+def reduce_launcher(eng, kernel: str):
+    """The engine's :class:`~cupy_symbuf.transport.kernels.Launcher` of the combine reduction ``kernel``
+    (``symbuf_combine_reduce_*``; a caller may keep it for repeated calls)."""
+    return _launcher(eng, kernel)
 
 
-def reduce(back, pos, out, num_tokens: int, hidden: int, kernel: str, *, self_rows=None, table_ptr: int = 0,
-           rank: int = 0) -> None:
-    """Launch a combine reduction (``symbuf_combine_reduce_*``): ``out[t] = sum_r row(t, r)`` in float32, ranks in
-    order, where ``row(t, r)`` is ``back[pos[t, r]]``, or with ``self_rows`` (the combine's input, rows of
-    ``back``'s dtype, any row stride) this rank's own row read straight from it (the ring moved none: the reverse
-    counts table has no units to itself; ``table_ptr``: the dispatch's counts table)."""
+def _self_rows(a, width: int) -> tuple:
+    """``(address or 0, row stride in elements)`` of a combine input read for this rank's own rows (None: (0, 0))."""
+    if a is None:
+        return 0, 0
+    return (a.data.ptr if a.shape[0] else 0), (a.strides[0] // a.dtype.itemsize if a.shape[0] > 1 else width)
+
+
+def reduce(back, pos, out, num_tokens: int, hidden: int, launch, *, self_rows=None, table_ptr: int = 0,
+           rank: int = 0, w_back=None, w_out=None, w_self_rows=None, stream=None) -> None:
+    """Launch a combine reduction (``symbuf_combine_reduce_*``, one launch for x and the top-k weights):
+    ``out[t] = sum_r row(t, r)`` in float32, ranks in order, where ``row(t, r)`` is ``back[pos[t, r]]``, or with
+    ``self_rows`` (the combine's input, rows of ``back``'s dtype, any row stride) this rank's own row read straight
+    from it (the ring moved none: the reverse counts table has no units to itself; ``table_ptr``: the dispatch's
+    counts table); with ``w_out`` (float32 ``[num_tokens, num_topk]``) the same sum of the weights' rows
+    ``w_back`` (float32 ``[rows, num_topk]``, C-contiguous) and ``w_self_rows`` in the same launch. ``launch``: the
+    kernel's :func:`reduce_launcher`; ``stream``: the current stream (None: asked)."""
     item = back.dtype.itemsize
     row = hidden * item
-    self_ptr = self_stride = 0
-    if self_rows is not None:
-        self_ptr = self_rows.data.ptr if self_rows.shape[0] else 0
-        self_stride = self_rows.strides[0] // item if self_rows.shape[0] > 1 else hidden
-    vec = row % 16 == 0 and back.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 and self_ptr % 16 == 0 and \
+    self_ptr, self_stride = _self_rows(self_rows, hidden)
+    k = 0 if w_out is None else w_out.shape[1]
+    w_self_ptr, w_self_stride = _self_rows(w_self_rows, k)
+    back_ptr, out_ptr = back.data.ptr, out.data.ptr
+    vec = row % 16 == 0 and back_ptr % 16 == 0 and out_ptr % 16 == 0 and self_ptr % 16 == 0 and \
         (self_stride * item) % 16 == 0  # 16 bytes per load
-    lanes = row // 16 if vec else hidden
-    key = (kernel, _compat.cupy.cuda.runtime.getDevice())
-    launch = _REDUCE_LAUNCHERS.get(key)
-    if launch is None:
-        launch = _REDUCE_LAUNCHERS[key] = _kernels.get_launcher(SOURCE, kernel)
-    launch.fill(back=back.data.ptr, pos=pos.data.ptr, out=out.data.ptr, num_tokens=num_tokens, hidden=hidden,
+    lanes = max(row // 16 if vec else hidden, k)
+    launch.fill(back=back_ptr, pos=pos.data.ptr, out=out_ptr, num_tokens=num_tokens, hidden=hidden,
                 world_size=pos.shape[1], vec=1 if vec else 0, self_rows=self_ptr, self_stride=self_stride,
-                table=table_ptr, rank=rank)
-    launch(min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)))
+                table=table_ptr, rank=rank, w_back=0 if w_out is None else w_back.data.ptr,
+                w_out=0 if w_out is None else w_out.data.ptr, w_self_rows=w_self_ptr, w_self_stride=w_self_stride,
+                num_topk=k)
+    launch(min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)), stream=stream)
 
 
 def get_dispatch_layout(eng, op: str, idx, num_experts: int):
@@ -106,9 +117,13 @@ def get_dispatch_layout(eng, op: str, idx, num_experts: int):
     cp = _compat.cupy
     W = eng.world_size
     n = idx.shape[0]
-    counts = cp.empty(W + num_experts, np.int32)  # one allocation: [per rank | per expert]
-    per_rank, per_expert = counts[:W], counts[W:]
-    in_rank = cp.empty((n, W), dtype=bool)
+    # one allocation for the three outputs (one pool call; new arrays on every call): [per rank | per expert], then
+    # is_token_in_rank at the next 256 bytes
+    off = (4 * (W + num_experts) + 255) // 256 * 256
+    mem = cp.cuda.alloc(off + n * W)
+    per_rank = cp.ndarray((W,), np.int32, memptr=mem)
+    per_expert = cp.ndarray((num_experts,), np.int32, memptr=mem + 4 * W)
+    in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + off)
     eng.transport.layout_error_what = (idx.shape, num_experts)
     layout(eng, contiguous(idx), num_experts, per_rank=per_rank, per_expert=per_expert, in_rank=in_rank,
            sticky=True)
@@ -130,12 +145,20 @@ class Routing:
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
-        self.block = cp.empty(2 * CT + M + 2 + W * M, np.int64)  # (+ the count exchange's values, [W, M])
+        # the four arrays from one allocation (they live as long as the handle, together): one pool call, not four
+        words = 2 * CT + M + 2 + W * M  # (+ the count exchange's values, [W, M])
+        sizes = (8 * words, 8 * n * W, 8 * max(1, n * W), n * W)
+        offs, total = [], 0
+        for size in sizes:
+            offs.append(total)
+            total += (size + 255) // 256 * 256
+        mem = cp.cuda.alloc(total)
+        self.block = cp.ndarray((words,), np.int64, memptr=mem)
         self.M = M
         self.table_ptr = self.block.data.ptr  # the parts by address on the hot path (views cost us each)
-        self.pos = cp.empty((n, W), np.int64)
-        self.send_idx = cp.empty(max(1, n * W), np.int64)
-        self.in_rank = cp.empty((n, W), dtype=bool)
+        self.pos = cp.ndarray((n, W), np.int64, memptr=mem + offs[1])
+        self.send_idx = cp.ndarray((max(1, n * W),), np.int64, memptr=mem + offs[2])
+        self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + offs[3])
 
     # addresses of the parts (hot path) and views of them (errors, worst-case counts)
     @property

@@ -26,8 +26,10 @@ On the host the rows are packed with NumPy, sent through the same ring protocol 
 ``combine`` = the row exchange back (rows ``x`` | ``topk_weights``) with both count vectors taken from the handle
 -> float32 accumulation, one source rank at a time in rank order (a token appears at most once per rank, so the
 summation order is fixed: results are bitwise reproducible) -> rounded once to ``x``'s dtype. On the GPU the
-accumulation is one kernel per part (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``); on the host NumPy
-scatter-adds.
+accumulation of ``x`` and ``topk_weights`` is one kernel launch (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``);
+on the host NumPy scatter-adds. A repeated GPU combine or cached dispatch of one call shape (handle, dtype, strides)
+runs from a record its first call kept on the handle (the checked kind, the row signature, the exchange plan),
+checking only the arrays' type, shape and device.
 
 Expert placement
 ----------------
@@ -69,6 +71,7 @@ from ..common import dtypes as _dt
 from ..common.checks import check_array, check_int, check_out
 from ..common.errors import SymBufferMismatchError
 from ..wire.channel_layout import check_row_fits
+from ..transport.engine import check_sync
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
 
@@ -278,6 +281,7 @@ def _to_host(comm, a) -> np.ndarray:
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
 
 # ------------------------------------------------------------------------------------------------ API
@@ -475,9 +479,10 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable.
     """
     op = "dispatch"
+    stream, capturing = comm.capture_state()  # (once per call: handed down)
     # captured in a CUDA graph: every array the call allocates (copies, routing, outputs, CuPy's workspaces) lives
     # as long as the communicator, since each replay reads and writes them
-    with comm.keep_allocations_for_graph():
+    with comm.keep_allocations_for_graph(capturing):
         # the count exchange comes first without a handle; a call rejected here is told to the peers (Engine.call)
         with comm.call(op, notify=handle is None):
             back = None
@@ -495,7 +500,7 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
                     raise ValueError(f"{op}: num_tokens_per_rank / num_tokens_per_expert go with is_token_in_rank "
                                      f"(routing by a rank mask), without handle")
                 res = _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment,
-                                num_worst_tokens, out)
+                                num_worst_tokens, out, stream=stream, capturing=capturing)
         if back is not None:
             res = (back(*res[0]),) + tuple(res[1:])
     return res
@@ -520,8 +525,52 @@ def _wire_fp8(op, comm, x, wire_dtype):
     return (q, scales), back
 
 
+class _CachedRecord:
+    """What a GPU cached dispatch of one call shape (handle, ``x``'s dtype and strides, no ``out``) derives before
+    its launch, kept on the handle for the next call of that shape: the checked kind, the row signature, the
+    exchange plan, whether ``x``'s rows need a contiguous copy, and the per-expert counts of an eager handle at each
+    alignment asked (a new list is returned on every call)."""
+
+    __slots__ = ("x_shape", "kind", "sig", "plan", "copy_x", "counts")
+
+
+def _cached_device(comm, op, x, h, align: int, stream, capturing: bool):
+    """A cached dispatch on the GPU without ``out`` for a plain CuPy ``x`` (the handle's routing on the device): the
+    argument checks made in full on the first call of a shape and remembered (:class:`_CachedRecord`), one
+    allocation (``recv_x``) and one ring launch per call. Returns dispatch's tuple."""
+    cp = comm.xp
+    key = ("cached", x.dtype, x.strides)
+    rec = h.__dict__.get("_records", {}).get(key)
+    if rec is not None and (x.shape != rec.x_shape or x.data.device_id != cp.cuda.runtime.getDevice()):
+        rec = None  # (the full checks below say what is wrong)
+    if rec is None:
+        xv, _, kind = check_x(op, comm, x, h.num_tokens, None)
+        rec = _CachedRecord()
+        rec.x_shape, rec.kind, rec.sig = xv.shape, kind, f"cached|{kind}"
+        cx = _rows_contiguous(cp, xv)
+        rec.copy_x = cx is not xv
+        rec.plan = comm.device_plan(op, rec.sig, [cx], True) if cx.shape[1] else None
+        rec.counts = {}
+        _records(h)[key] = rec
+        x = xv
+    if rec.copy_x:
+        x = cp.ascontiguousarray(x)
+    recv_x = cp.empty((h.num_recv_tokens, x.shape[1]), dtype=x.dtype)
+    if rec.plan is not None:
+        if capturing:  # read / written by every replay (the caller's x too)
+            comm.keep_for_graph(x, recv_x, capturing=True)
+        comm.exchange_rows_device(op, [x], h.send_token_idx, [recv_x], rec.sig, h.routing.table_ptr,
+                                  tag=h.dispatch_id, plan=rec.plan, stream=stream)
+    if h.num_worst_tokens:  # an int64 device array, made anew (a returned array is never handed out twice)
+        return recv_x, None, None, h.num_recv_tokens_per_expert(align), h
+    counts = rec.counts.get(align)
+    if counts is None:
+        counts = rec.counts[align] = h.num_recv_tokens_per_expert(align)
+    return recv_x, None, None, list(counts), h
+
+
 def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
-              out=None):
+              out=None, *, stream=None, capturing=None):
     xp = comm.xp
     align = check_expert_alignment(op, expert_alignment)
     worst = check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
@@ -532,6 +581,8 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         if worst and worst != h.num_worst_tokens:
             raise ValueError(f"{op}: argument 'num_worst_tokens' must be 0 or the handle's ({h.num_worst_tokens}) "
                              f"with handle, got {worst}")
+        if h.routing is not None and out is None and type(x) is xp.ndarray and capturing is not None:
+            return _cached_device(comm, op, x, h, align, stream, capturing)
         xv, scales, kind = check_x(op, comm, x, h.num_tokens, None)
         outs = _check_out(op, comm, out, xv, scales)
         if outs is not None:
@@ -540,7 +591,8 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         if h.routing is not None:  # GPU: the units come from the handle's device counts table
             recv_x, recv_scales, _, _ = _exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
                                                          h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr,
-                                                         user_outs=outs, tag=h.dispatch_id)
+                                                         user_outs=outs, tag=h.dispatch_id, stream=stream,
+                                                         capturing=capturing)
         else:
             recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx,
                                                   h.send_counts, h.recv_counts, f"cached|{kind}", user_outs=outs,
@@ -567,7 +619,8 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         _check_capacity(op, outs, worst, "num_worst_tokens")
     if cuda:
         check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
-        return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs)
+        return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs, stream=stream,
+                              capturing=capturing)
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank
@@ -855,7 +908,8 @@ def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
             f"weights={weights is not None}|num_experts={n_exp}")
 
 
-def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None):
+def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None, *,
+                   stream=None, capturing=None):
     """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
     tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
     -> receive fix-up. With ``worst`` nothing is read on the host."""
@@ -893,7 +947,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
                                  f"+ top-k), on num_experts or on where out lies: rank {rank} has {rb} bytes "
                                  f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
                                  f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
-                                 f"the same offset on every rank"))
+                                 f"the same offset on every rank"), capturing=capturing)
     dispatch_id = comm.epoch  # this dispatch's count exchange (in a capture: the capture's, kept by every replay)
     if worst:
         send_counts = recv_counts = raw = None
@@ -911,7 +965,7 @@ def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: 
         recv_counts.setflags(write=False)
     recv_x, recv_scales, recv_gidx, recv_w = _exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
                                                               sig, rt.table_ptr, outs, user_outs=user_outs,
-                                                              push=push)
+                                                              push=push, stream=stream, capturing=capturing)
     counts_out = cp.empty(epr, np.int64) if worst else None
     _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
                     counts_out=counts_out, align=align)
@@ -1008,20 +1062,32 @@ def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, s
     """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None; the first
     rows of dispatch's ``out`` arrays where given)."""
     mine = list(user_outs or ())
-    outs = [mine[0][:n_recv] if mine else xp.empty((n_recv, xv.shape[1]), dtype=xv.dtype)]
-    for k, (a, dt) in enumerate(((scales, np.float32), (idx, np.int64), (weights, np.float32), (src, np.int64))):
+    parts = [(xv.shape[1], xv.dtype, mine[0] if mine else None)]
+    for k, (a, dt) in enumerate(((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64))):
         if a is not None:
-            outs.append(mine[1][:n_recv] if k == 0 and mine[1:] else xp.empty((n_recv, a.shape[1]), dtype=dt))
+            parts.append((a.shape[1], dt, mine[1] if k == 0 and mine[1:] else None))
+    # the arrays this call makes, from one allocation (one pool call; each array is new on every call)
+    sizes = [0 if given is not None else (n_recv * n * dt.itemsize + 255) & ~255 for n, dt, given in parts]
+    total = sum(sizes)
+    mem = xp.cuda.alloc(total) if total else None
+    outs, off = [], 0
+    for (n, dt, given), size in zip(parts, sizes):
+        if given is not None:
+            outs.append(given[:n_recv])
+        else:
+            outs.append(xp.ndarray((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
+            off += size
     return outs
 
 
 def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
-                     outs=None, *, user_outs=None, push=None, tag: int = 0, src=None):
+                     outs=None, *, user_outs=None, push=None, tag: int = 0, src=None, stream=None, capturing=None):
     """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
     capacity; ``outs``: already allocated by :func:`_device_outputs`), the per-peer units read by the ring kernel
     from the counts table at ``table_ptr``. ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
     :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
-    ``tag``, ``src``: as in :func:`_exchange`."""
+    ``tag``, ``src``: as in :func:`_exchange`; ``stream``, ``capturing``: :meth:`Engine.capture_state` when the caller
+    has it (None: asked)."""
     xp = comm.xp
     if outs is None:
         outs = _device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src)
@@ -1041,10 +1107,10 @@ def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv:
         push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
     # read / written by every replay of a captured call: the caller's arrays among them too (what the call allocates
     # is kept by dispatch's and combine's keep_allocations_for_graph)
-    comm.keep_for_graph(*send_parts, *outs)
+    comm.keep_for_graph(*send_parts, *outs, capturing=capturing)
     if send_parts:
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
-                                  push=(push_ids, push[1]) if push is not None else None, tag=tag)
+                                  push=(push_ids, push[1]) if push is not None else None, tag=tag, stream=stream)
     it = iter(outs[1:])
     recv_x = outs[0]
     recv_scales = next(it) if scales is not None else None
@@ -1055,7 +1121,6 @@ def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv:
     return recv_x, recv_scales, recv_idx, recv_w
 
 
-FLOAT32_KIND = _dt.FLOAT32
 _REDUCE_KERNELS = {_dt.BFLOAT16: "symbuf_combine_reduce_bf16", _dt.FLOAT16: "symbuf_combine_reduce_f16",
                    _dt.FLOAT32: "symbuf_combine_reduce_f32"}
 
@@ -1069,23 +1134,21 @@ def _combine_positions(xp, h: "DispatchHandle"):
     return xp.ascontiguousarray(xp.where(in_rank, rank_pos + offs[None, :], -1))
 
 
-def _reduce_cuda(back, pos, kind: str, out_dtype, num_tokens: int, *, self_rows=None, table_ptr: int = 0,
-                 rank: int = 0, out=None):
-    """``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as ``out_dtype``; with
-    ``self_rows`` this rank's own rows come from there (see :func:`cupy_symbuf.moe.gpu.reduce`)."""
+def _reduce_cuda(comm, back, pos, kind: str, out_dtype, num_tokens: int, *, out=None, w_back=None):
+    """``(out, w_out)``: ``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as
+    ``out_dtype``, and with ``w_back`` (float32 rows) the same sum of its rows in the same launch (else None)."""
     from ..common import backend as _compat
     cp = _compat.cupy
     hidden = back.shape[1]
     if out is None:
         out = cp.empty((num_tokens, hidden), dtype=out_dtype)
-    if num_tokens and hidden:
+    w_out = None if w_back is None else cp.empty((num_tokens, w_back.shape[1]), np.float32)
+    if num_tokens and (hidden or w_out is not None):
         if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
             back = cp.empty((1, hidden), back.dtype)
-        if self_rows is not None and self_rows.dtype != back.dtype:  # (raw bf16 bits: the same bytes)
-            self_rows = self_rows.view(back.dtype)
-        _gpu.reduce(back, pos, out, num_tokens, hidden, _REDUCE_KERNELS[kind], self_rows=self_rows,
-                         table_ptr=table_ptr, rank=rank)
-    return out
+        _gpu.reduce(back, pos, out, num_tokens, hidden, _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind]),
+                    w_back=w_back, w_out=w_out)
+    return out, w_out
 
 
 def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, out=None, sync: str = "strong"):
@@ -1145,20 +1208,154 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     Notes
     -----
     GPU: the row exchange takes its per-peer counts from the dispatch's device counts table (the reverse of the
-    dispatch's) and the reduction reads the send positions the layout kernel made: no host work beyond the two or
-    three launches, and a combine of a worst-case handle can be captured in a CUDA graph.
+    dispatch's) and the reduction reads the send positions the layout kernel made: no host work beyond the two
+    launches (the rows back; x and the weights reduced in one), and a combine of a worst-case handle can be
+    captured in a CUDA graph.
     """
     op = "combine"
-    from ..transport.engine import check_sync
-    # captured: the copies, the returned rows and the outputs live as long as the communicator (see dispatch)
-    with comm.call(op, notify=False), comm.keep_allocations_for_graph():
-        check_sync(op, sync)
-        return _combine(comm, op, x, handle, topk_weights, dtype, out)
+    with comm.call(op, notify=False):
+        stream, capturing = comm.capture_state()  # (once per call: handed down)
+        # captured: the copies, the returned rows and the outputs live as long as the communicator (see dispatch)
+        with comm.keep_allocations_for_graph(capturing):
+            if sync != "strong":
+                check_sync(op, sync)
+            h = check_handle(op, handle, DispatchHandle, comm, "dispatch")
+            if h.routing is not None:  # GPU
+                return _combine_device(comm, op, x, h, topk_weights, dtype, out, stream, capturing)
+            return _combine(comm, op, x, h, topk_weights, dtype, out)
 
 
-def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
+class _CombineRecord:
+    """What a GPU combine of one call shape (handle, ``x``'s dtype and strides, ``dtype``, the weights' dtype and
+    strides, whether ``out`` is given) derives before its launches, kept on the handle for the next call of that
+    shape: the checked kind, the row signature, the exchange plan, the reduction's launcher and the byte layout of
+    the call's allocations. A repeated call then checks the arrays' type, shape and device only (the dtype and
+    strides are the key)."""
+
+    __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "reduce", "send_x", "send_w",
+                 "x_dtype", "back_x_bytes", "back_w_off", "back_bytes", "out_x_bytes", "out_w_off", "out_bytes")
+
+
+#: per handle: at most this many combine / cached-dispatch records (a new one past it clears them)
+_RECORDS_MAX = 16
+
+
+def _records(h) -> dict:
+    """The handle's dict of call records (:class:`_CombineRecord`, :class:`_CachedRecord`): made on first use, kept
+    with the handle (it dies with it); bounded by :data:`_RECORDS_MAX`."""
+    recs = h.__dict__.get("_records")
+    if recs is None:
+        recs = h.__dict__["_records"] = {}
+    elif len(recs) >= _RECORDS_MAX:
+        recs.clear()
+    return recs
+
+
+def _round_up(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
+    """Check a GPU combine's arguments in full and make its :class:`_CombineRecord` (remembered under ``key``
+    when there is one). Returns ``(record, x, weights)`` (the arrays as checked)."""
+    cp = comm.xp
+    n_recv = h.num_recv_tokens
+    x = check_array(op, "x", x, comm.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
+    kind = combine_kind(op, x, dtype)
+    weights = check_weights(op, comm, weights, n_recv, h.num_topk, "num_recv_tokens")
+    rec = _CombineRecord()
+    rec.x_shape, rec.w_shape = x.shape, None if weights is None else weights.shape
+    rec.kind, rec.x_dtype = kind, x.dtype
+    # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
+    cx, cw = _rows_contiguous(cp, x), _rows_contiguous(cp, weights)
+    rec.copy_x, rec.copy_w = cx is not x, cw is not weights
+    rec.sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
+    rec.send_x = cx.shape[1] > 0
+    rec.send_w = weights is not None and cw.shape[1] > 0
+    parts = ([cx] if rec.send_x else []) + ([cw] if rec.send_w else [])
+    rec.plan = comm.device_plan(op, rec.sig, parts, False) if parts else None
+    rec.reduce = _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind])
+    # the rows that come back (x's, then the weights') in one allocation, the outputs in another (the returned
+    # arrays are new on every call: nothing is handed out twice)
+    rows, n = h.send_rows, h.num_tokens
+    k = 0 if weights is None else h.num_topk
+    rec.back_x_bytes = rows * h.hidden * x.dtype.itemsize
+    rec.back_w_off = _round_up(rec.back_x_bytes)
+    rec.back_bytes = rec.back_w_off + rows * k * 4
+    rec.out_x_bytes = 0 if out is not None else n * h.hidden * x.dtype.itemsize
+    rec.out_w_off = _round_up(rec.out_x_bytes)
+    rec.out_bytes = rec.out_w_off + n * k * 4
+    if key is not None:
+        _records(h)[key] = rec
+    return rec, x, weights
+
+
+def _two_arrays(cp, shape, dtype, w_off: int, nbytes: int, w_shape) -> tuple:
+    """``(a, w, memory)``: C-contiguous ``a`` (``shape`` of ``dtype``; None: none) and float32 ``w`` (``w_shape``;
+    None: none) from one allocation of ``nbytes``, ``w`` at byte ``w_off`` (a multiple of 256); ``memory`` the
+    allocation (None where there is none)."""
+    if not nbytes:  # (nothing to hold: empty arrays)
+        return (None if shape is None else cp.empty(shape, dtype), None if w_shape is None else
+                cp.empty(w_shape, np.float32), None)
+    mem = cp.cuda.alloc(nbytes)
+    a = None if shape is None else cp.ndarray(shape, dtype, memptr=mem)
+    w = None if w_shape is None else cp.ndarray(w_shape, np.float32, memptr=mem + w_off)
+    return a, w, mem
+
+
+def _combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool):
+    """The GPU combine (a handle with device routing): one ring launch (the rows back, per-peer units from the
+    dispatch's reverse counts table), one reduction launch (x and the weights); a repeated call of one shape uses
+    its :class:`_CombineRecord`."""
+    cp = comm.xp
+    nd = cp.ndarray
+    rec = key = None
+    if type(x) is nd and (weights is None or type(weights) is nd):
+        try:
+            key = ("combine", x.dtype, x.strides, dtype,
+                   None if weights is None else (weights.dtype, weights.strides), out is None)
+            rec = h.__dict__.get("_records", {}).get(key)
+        except TypeError:  # an unhashable dtype argument: checked in full every call
+            key = None
+        if rec is not None:
+            dev = cp.cuda.runtime.getDevice()
+            if x.shape != rec.x_shape or x.data.device_id != dev or (weights is not None and (
+                    weights.shape != rec.w_shape or weights.data.device_id != dev)):
+                rec = None  # (the full checks below say what is wrong)
+    if rec is None:
+        rec, x, weights = _combine_record(comm, op, x, h, weights, dtype, out, key)
+    if out is not None:
+        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
+    if rec.copy_x:
+        x = cp.ascontiguousarray(x)
+    if rec.copy_w:
+        weights = cp.ascontiguousarray(weights)
+    rows, n = h.send_rows, h.num_tokens
+    back_x, back_w, mem = _two_arrays(cp, (rows, h.hidden), x.dtype, rec.back_w_off, rec.back_bytes,
+                                      None if weights is None else (rows, h.num_topk))
+    if rec.plan is not None:
+        send = ([x] if rec.send_x else []) + ([weights] if rec.send_w else [])
+        recv = ([back_x] if rec.send_x else []) + ([back_w] if rec.send_w else [])
+        if capturing:  # read / written by every replay (the caller's arrays too)
+            comm.keep_for_graph(x, weights, mem, capturing=True)
+        comm.exchange_rows_device(op, send, None, recv, rec.sig, h.routing.rev_table_ptr, tag=h.dispatch_id,
+                                  plan=rec.plan, stream=stream)
+    combined, acc_w, _ = _two_arrays(cp, None if out is not None else (n, h.hidden), x.dtype, rec.out_w_off,
+                                     rec.out_bytes, None if weights is None else (n, h.num_topk))
+    if out is not None:
+        combined = out
+    if n and (h.hidden or acc_w is not None):
+        rt = h.routing
+        if not rows:  # nothing came back (every token sent nowhere): the kernel reads no row
+            back_x = nd((1, h.hidden), x.dtype, memptr=cp.cuda.alloc(max(16, h.hidden * x.dtype.itemsize)))
+        _gpu.reduce(back_x, rt.pos, combined, n, h.hidden, rec.reduce, self_rows=x, table_ptr=rt.table_ptr,
+                    rank=h.rank, w_back=back_w, w_out=acc_w, w_self_rows=weights, stream=stream)
+    return combined, acc_w
+
+
+def _combine(comm, op, x, h, topk_weights, dtype, out=None):
+    """combine of a handle without device routing (the host path)."""
     xp = comm.xp
-    h = check_handle(op, handle, DispatchHandle, comm, "dispatch")
     n_recv = h.num_recv_tokens
     x = check_array(op, "x", x, comm.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
     kind = combine_kind(op, x, dtype)
@@ -1168,34 +1365,17 @@ def _combine(comm, op, x, handle, topk_weights, dtype, out=None):
 
     # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
     sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
-    if h.routing is not None:  # GPU: the reverse counts table of the dispatch; no host work beyond the launches
-        # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
-        x, weights = _rows_contiguous(xp, x), _rows_contiguous(xp, weights)
-        back_x, _, _, back_w = _exchange_device(comm, op, x, None, None, weights, None, h.send_rows, sig,
-                                                h.routing.rev_table_ptr, tag=h.dispatch_id)
-    else:
-        n_real = int(h.recv_counts.sum())
-        if n_real != n_recv:  # worst-case mode (host): the rows past the real count stay here
-            x = x[:n_real]
-            weights = None if weights is None else weights[:n_real]
-        back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts, sig,
-                                         tag=h.dispatch_id)
+    n_real = int(h.recv_counts.sum())
+    if n_real != n_recv:  # worst-case mode (host): the rows past the real count stay here
+        x = x[:n_real]
+        weights = None if weights is None else weights[:n_real]
+    back_x, _, _, back_w = _exchange(comm, op, x, None, None, weights, None, h.recv_counts, h.send_counts, sig,
+                                     tag=h.dispatch_id)
 
     num_tokens = h.num_tokens
-    if comm.backend == "cuda":
-        # one reduction kernel per part (cuda_src/moe.cu): the same float32 sum, ranks in ascending order
-        if h.routing is not None:  # this rank's own rows did not travel: the reduction reads them from x
-            rt = h.routing
-            combined = _reduce_cuda(back_x, rt.pos, kind, x.dtype, num_tokens, self_rows=x,
-                                    table_ptr=rt.table_ptr, rank=h.rank, out=out)
-            acc_w = None if weights is None else _reduce_cuda(back_w, rt.pos, FLOAT32_KIND, np.float32, num_tokens,
-                                                              self_rows=weights, table_ptr=rt.table_ptr,
-                                                              rank=h.rank)
-            return combined, acc_w
-        pos = _combine_positions(xp, h)
-        combined = _reduce_cuda(back_x, pos, kind, x.dtype, num_tokens, out=out)
-        acc_w = _reduce_cuda(back_w, pos, FLOAT32_KIND, np.float32, num_tokens) if weights is not None else None
-        return combined, acc_w
+    if comm.backend == "cuda":  # (a GPU handle without device routing: the reduction kernel over host positions)
+        return _reduce_cuda(comm, back_x, _combine_positions(xp, h), kind, x.dtype, num_tokens, out=out,
+                            w_back=back_w)
     acc = xp.zeros((num_tokens, h.hidden), dtype=np.float32)
     acc_w = xp.zeros((num_tokens, h.num_topk), dtype=np.float32) if weights is not None else None
     if back_x.shape[0]:

@@ -438,7 +438,7 @@ class CudaTransport:
 
     # ---- row exchange ---------------------------------------------------------------------------------------
     def exchange_rows(self, plan, send_parts, send_index, recv_parts, op: str, direct=None, counts: int = 0,
-                      push=None, *, tag: int = 0) -> list:
+                      push=None, *, tag: int = 0, stream=None) -> list:
         """Run one call of ``plan`` (:class:`~cupy_symbuf.wire.plan.ExchangePlan`) in one kernel launch on the current
         stream: every (channel, peer) run sends its call header and its chunks and receives the peer's.
 
@@ -450,7 +450,8 @@ class CudaTransport:
         ``push``: ``(segment id or -1 per receive part, rows of the receive parts)`` (``Engine.push_targets``):
         MODE_PUSH, the peers write those parts of their rows straight into ``recv_parts`` (symmetric outputs).
         ``tag``: folded into the signature of this call's headers (``protocol.call_signature``; every peer must
-        pass the same; a captured launch keeps the tag it was captured with).
+        pass the same; a captured launch keeps the tag it was captured with). ``stream``: the current CuPy stream
+        when the caller has it already (None: asked here).
         Returns once the kernel is queued, with ``[]``; with ``self.blocking`` once it ended, with the ranks that
         rejected the call. Raises an error an earlier kernel recorded, before anything else.
         """
@@ -504,7 +505,8 @@ class CudaTransport:
         d[DESC_SIG] = P.call_signature(plan.sig, tag)
         if self._home is not None:  # adaptive: the current home map (plans keep no copy of their own)
             d[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
-        stream = cp.cuda.get_current_stream()
+        if stream is None:
+            stream = cp.cuda.get_current_stream()
         if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
             self.graph_keep.extend(copies)
         d[DESC_SEQ] = self._next_launch(op, stream, plan)
@@ -643,6 +645,6 @@ class CudaTransport:
         negative or they do not sum to ``num_rows``, else 0; the first negative count's rank or -1)."""
         fn = self._l_counts_meta
         if fn is None:
-            fn = self._l_counts_meta = _kernels.get_launcher(RING_SOURCE, "symbuf_counts_meta")
+            fn = self._l_counts_meta = _kernels.new_launcher(RING_SOURCE, "symbuf_counts_meta")
         fn.fill(counts=counts_ptr, world_size=self.world_size, rows=num_rows, meta=meta_ptr, bad=bad_ptr)
         fn(1, 32)

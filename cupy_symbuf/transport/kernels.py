@@ -22,7 +22,8 @@ from ..common import backend as _compat
 from ..wire import kernel_args as _kernel_args
 from ..wire import protocol as _protocol
 
-__all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "get_launcher", "Launcher", "compile_ptx",
+__all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "get_launcher", "new_launcher", "Launcher",
+           "compile_ptx",
            "build_id", "source_text", "generated_header"]
 
 _OPTIONS = ("-std=c++17",)
@@ -168,6 +169,13 @@ def get_launcher(source: str, name: str, defines: tuple = ()) -> Launcher:
     argument struct: ``kernel_args.KERNELS[name]``). Shared by every caller of that kernel on the device: a call
     writes every field (:attr:`Launcher.fill`) before it launches."""
     return _launcher(source, name, _compat.cupy.cuda.Device().id, tuple(defines))
+
+
+def new_launcher(source: str, name: str, defines: tuple = ()) -> Launcher:
+    """A :class:`Launcher` of kernel ``name`` of ``cuda_src/<source>`` on the current CuPy device that is the
+    caller's own (its argument struct shared with no one): for a launcher kept per communicator, which two threads
+    using two communicators on one GPU must not fill at once (one thread's fields could be launched by the other)."""
+    return Launcher(get_function(source, name, tuple(defines)), _kernel_args.KERNELS[name])
 
 
 def _default_include_dirs() -> list:

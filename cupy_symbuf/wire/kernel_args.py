@@ -80,11 +80,14 @@ MOE_FIXUP_ARGS = (
     ("table", "const i64*"), ("sums", "const i64*"), ("counts_out", "i64*"), ("align", "i64"),
 )
 
-#: The MoE combine's reduction (``symbuf_combine_reduce_{bf16,f16,f32}``): rows of the entry's element type.
+#: The MoE combine's reduction (``symbuf_combine_reduce_{bf16,f16,f32}``), x and the top-k weights in one launch:
+#: x's rows of the entry's element type (``back``, ``out``, ``self_rows``), the weights' float32 rows of ``num_topk``
+#: (``w_back``, ``w_out``: null without weights, ``w_self_rows``).
 COMBINE_REDUCE_ARGS = (
     ("back", "const void*"), ("pos", "const i64*"), ("out", "void*"), ("num_tokens", "i64"), ("hidden", "i64"),
     ("world_size", "i32"), ("vec", "i32"), ("self_rows", "const void*"), ("self_stride", "i64"),
-    ("table", "const i64*"), ("rank", "i32"),
+    ("table", "const i64*"), ("rank", "i32"), ("w_back", "const f32*"), ("w_out", "f32*"),
+    ("w_self_rows", "const f32*"), ("w_self_stride", "i64"), ("num_topk", "i64"),
 )
 
 #: The fp8 block quantiser and dequantiser (``cuda_src/quant.cu``, one entry per element type).

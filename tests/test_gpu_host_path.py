@@ -1,0 +1,291 @@
+"""The GPU path's host code, run here without a GPU (``tests/_gpu_stub.py``: CuPy arrays over made-up addresses,
+launches recorded instead of made): what a combine, a cached dispatch and an eager dispatch hand their kernels.
+
+* A repeated call of one shape runs from the record its first call kept (per handle: kind, signature, plan,
+  reduction launcher, allocation layout): its launches must equal, word for word (addresses of the call's new
+  allocations aside), those of the same call made with no record, while calls alternate the handle, the dtype, the
+  row strides, the weights, ``out=`` and the stream.
+* The combine reduces x and the weights in one launch; every call asks ``cudaStreamIsCapturing`` once.
+* A call whose arguments differ from its record's in shape or device is checked in full (the same errors, told to
+  the peers); records are bounded per handle.
+
+Values are checked on a GPU by tests/test_moe_device.py (``..._repeats_alternating_call_shapes``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import _gpu_stub as S  # noqa: E402  (tests/ is on sys.path under pytest)
+from cupy_symbuf.moe import normal  # noqa: E402
+from cupy_symbuf.wire import protocol as P  # noqa: E402
+
+# descriptor words holding this call's own allocations or its launch number (differ between two equal calls)
+_CALL_WORDS = {P.DESC_SEQ} | {P.DESC_SEND_PARTS + 4 * i for i in range(P.MAX_PARTS)} | \
+    {P.DESC_RECV_PARTS + 4 * i for i in range(P.MAX_PARTS)}
+_REDUCE_ALLOCS = ("back", "out", "w_back", "w_out")
+
+
+@pytest.fixture
+def stub():
+    with S.stubbed() as (launches, stream):
+        eng = S.engine(launches)
+        yield eng, launches, stream
+
+
+def _canon(log, fresh_out: bool = True, x_ptr: int = -1):
+    """The launches without what differs between two equal calls (their new allocations, the launch number;
+    ``x_ptr``: the caller's x, whose contiguous copy, where one is made, is new on every call)."""
+    out = []
+    for kind, args, grid, block, stream_ptr in log:
+        if kind == "ring":
+            args = tuple(0 if i in _CALL_WORDS else v for i, v in enumerate(args))
+        else:
+            args = {k: (v if k not in _REDUCE_ALLOCS or (k == "out" and not fresh_out) else bool(v))
+                    for k, v in args.items()}
+            args["self_rows"] = "x" if args["self_rows"] == x_ptr else bool(args["self_rows"])
+        out.append((kind, args, grid, block, stream_ptr))
+    return out
+
+
+def _bf16():
+    try:
+        return cupy.dtype(cupy.bfloat16) if hasattr(cupy, "bfloat16") else None
+    except TypeError:  # pragma: no cover
+        return None
+
+
+def test_combine_reduces_x_and_weights_in_one_launch(stub):
+    eng, launches, stream = stub
+    h = S.handle(eng, num_tokens=32, hidden=256, num_topk=4)
+    x = cupy.empty((h.num_recv_tokens, h.hidden), np.float16)
+    w = cupy.empty((h.num_recv_tokens, h.num_topk), np.float32)
+    for _ in range(2):  # the first call makes the record, the second runs from it
+        launches.clear()
+        combined, cw = normal.combine(eng, x, h, w)
+        kinds = [e[0] for e in launches.log]
+        assert kinds == ["ring", "symbuf_combine_reduce_f16"], kinds
+        a = launches.log[1][1]
+        assert a["out"] == combined.data.ptr and a["w_out"] == cw.data.ptr
+        assert a["self_rows"] == x.data.ptr and a["w_self_rows"] == w.data.ptr
+        assert a["table"] == h.routing.table_ptr and a["pos"] == h.routing.pos.data.ptr
+        assert (a["num_topk"], a["hidden"], a["num_tokens"], a["world_size"], a["rank"]) == \
+            (4, 256, 32, eng.world_size, eng.rank)
+        assert a["self_stride"] == 256 and a["w_self_stride"] == 4 and a["vec"] == 1
+        assert combined.shape == (32, 256) and combined.dtype == np.float16
+        assert cw.shape == (32, 4) and cw.dtype == np.float32
+        # the outputs do not overlap (one allocation, two arrays) and neither overlaps the received rows
+        spans = sorted([(combined.data.ptr, combined.nbytes), (cw.data.ptr, cw.nbytes),
+                        (a["back"], h.send_rows * 256 * 2), (a["w_back"], h.send_rows * 16)])
+        assert all(p + n <= q for (p, n), (q, _) in zip(spans, spans[1:])), spans
+    launches.clear()
+    combined, cw = normal.combine(eng, x, h)
+    a = launches.log[1][1]
+    assert cw is None and a["w_out"] == 0 and a["w_back"] == 0 and a["num_topk"] == 0
+
+
+def test_capture_state_asked_once_per_call(stub):
+    eng, launches, stream = stub
+    h = S.handle(eng, num_tokens=16, hidden=128, num_topk=4)
+    x = cupy.empty((h.num_recv_tokens, h.hidden), np.float32)
+    w = cupy.empty((h.num_recv_tokens, h.num_topk), np.float32)
+    xs = cupy.empty((h.num_tokens, h.hidden), np.float32)
+    idx = cupy.empty((h.num_tokens, h.num_topk), np.int64)
+    calls = {"combine": lambda: normal.combine(eng, x, h, w),
+             "cached dispatch": lambda: normal.dispatch(eng, xs, handle=h),
+             "eager dispatch": lambda: normal.dispatch(eng, xs, idx, None, h.num_experts)}
+    for name, fn in calls.items():
+        for _ in range(2):
+            stream.capture_queries = 0
+            fn()
+            assert stream.capture_queries == 1, f"{name}: cudaStreamIsCapturing {stream.capture_queries} times"
+
+
+def test_records_follow_the_call_shape(stub):
+    """Calls alternating handle, dtype, strides, weights, out and stream: each call's launches equal those of the
+    same call made with no record (the records dropped first)."""
+    eng, launches, stream = stub
+    other = S.FakeStream(ptr=0x5000)
+    hs = [S.handle(eng, num_tokens=24, hidden=128, num_topk=4, dispatch_id=3),
+          S.handle(eng, num_tokens=40, hidden=96, num_topk=2, send_rows=50, dispatch_id=7)]
+    dtypes = [(np.float32, None), (np.float16, None), (np.uint16, "bfloat16")]
+    if _bf16() is not None:
+        dtypes.append((_bf16(), None))
+    cases = []
+    for i in range(2 * len(dtypes) * 3 * 2):
+        h = hs[i % 2]
+        dt, dtype_arg = dtypes[(i // 2) % len(dtypes)]
+        strided = ("rows", "elements", None)[(i // (2 * len(dtypes))) % 3]
+        with_w = i % 3 != 2
+        use_out = i % 5 == 4
+        st = other if i % 4 == 1 else stream
+        cases.append((h, dt, dtype_arg, strided, with_w, use_out, st))
+
+    def make(case):
+        h, dt, dtype_arg, strided, with_w, use_out, st = case
+        n = h.num_recv_tokens
+
+        def rows(m, pad):  # "rows": a column slice (rows strided, elements not); "elements": every other element
+            if strided == "rows":
+                return cupy.empty((m, h.hidden + pad), dt)[:, :h.hidden]
+            if strided == "elements":
+                return cupy.empty((m, 2 * h.hidden), dt)[:, ::2]
+            return cupy.empty((m, h.hidden), dt)
+        w = cupy.empty((n, h.num_topk), np.float32) if with_w else None
+        out = cupy.empty((h.num_tokens, h.hidden), dt) if use_out else None
+        return rows(n, 8), w, out, rows(h.num_tokens, 4)
+
+    arrays = [make(c) for c in cases]
+
+    def run(case, arrs):
+        h, dt, dtype_arg, strided, with_w, use_out, st = case
+        x, w, out, xs = arrs
+        launches.use_stream(st)
+        launches.clear()
+        kw = {} if dtype_arg is None else {"dtype": dtype_arg}
+        normal.combine(eng, x, h, w, out=out, **kw)
+        if dtype_arg is None:
+            normal.dispatch(eng, xs, handle=h)
+        for kind, a, *_ in launches.log:  # the reduction's two outputs never overlap
+            if kind != "ring" and a["w_out"]:
+                spans = sorted([(a["out"], h.num_tokens * h.hidden * np.dtype(dt).itemsize),
+                                (a["w_out"], h.num_tokens * h.num_topk * 4)])
+                assert spans[0][0] + spans[0][1] <= spans[1][0], f"{case}: the outputs overlap"
+        got = _canon(launches.log, fresh_out=out is None, x_ptr=x.data.ptr)
+        launches.use_stream(stream)
+        return got
+
+    for rep in range(3):  # rep 0 makes the records, 1 and 2 run from them
+        for case, arrs in zip(cases, arrays):
+            warm = run(case, arrs)
+            kept = [h.__dict__.pop("_records", None) for h in hs]  # the same call with no record, then put back
+            cold = run(case, arrs)
+            for h, recs in zip(hs, kept):
+                h.__dict__.pop("_records", None)
+                if recs is not None:
+                    h.__dict__["_records"] = recs
+            assert warm == cold, f"{case}: launches from the record differ from a fresh call's"
+            assert all(e[4] == case[6].ptr for e in launches.log) or not launches.log
+    # strided x: the ring reads the rows in place (no copy) at their stride, the reduction reads its own rows there
+    h = hs[0]
+    x = cupy.empty((h.num_recv_tokens, h.hidden + 8), np.float32)[:, :h.hidden]
+    launches.clear()
+    normal.combine(eng, x, h)
+    ring, red = launches.log[0][1], launches.log[1][1]
+    assert ring[P.DESC_SEND_PARTS] == x.data.ptr and ring[P.DESC_SEND_PARTS + 1] == (h.hidden + 8) * 4
+    assert red["self_rows"] == x.data.ptr and red["self_stride"] == h.hidden + 8
+
+
+def test_handles_and_tags_not_mixed(stub):
+    """Two handles of the same shapes: each call carries its own handle's tag (dispatch id) and tables."""
+    eng, launches, stream = stub
+    h1 = S.handle(eng, num_tokens=16, hidden=64, num_topk=2, dispatch_id=11)
+    h2 = S.handle(eng, num_tokens=16, hidden=64, num_topk=2, dispatch_id=12)
+    x = cupy.empty((h1.num_recv_tokens, 64), np.float32)
+    xs = cupy.empty((16, 64), np.float32)
+    for rep in range(2):
+        for h in (h1, h2):
+            launches.clear()
+            normal.combine(eng, x, h)
+            normal.dispatch(eng, xs, handle=h)
+            (c_ring, red, d_ring) = [e[1] for e in launches.log]
+            plan = eng.device_plan("combine", "float32|hidden=64|weights=False", [x], False)
+            assert c_ring[P.DESC_SIG] == P.call_signature(plan.sig, h.dispatch_id)
+            assert c_ring[P.DESC_COUNTS] == h.routing.rev_table_ptr and d_ring[P.DESC_COUNTS] == h.routing.table_ptr
+            assert red["table"] == h.routing.table_ptr and red["pos"] == h.routing.pos.data.ptr
+            assert d_ring[P.DESC_SEND_INDEX] == h.send_token_idx.data.ptr
+
+
+def test_records_bounded(stub):
+    eng, launches, stream = stub
+    h = S.handle(eng, num_tokens=8, hidden=32, num_topk=2)
+    for pad in range(40):
+        x = cupy.empty((h.num_recv_tokens, 32 + pad), np.float32)[:, :32]
+        normal.combine(eng, x, h)
+    assert 0 < len(h.__dict__["_records"]) <= normal._RECORDS_MAX
+
+
+def test_shape_or_device_off_the_record_checked_in_full(stub):
+    """After a record exists: x with one row too many (same dtype and strides: the record's key), x on another GPU,
+    raw bfloat16 bits without dtype= and a dtype= that differs from x's (records exist for the other choice) raise
+    the full check's errors, and the peers are told (a rejected call's ring launch)."""
+    eng, launches, stream = stub
+    h = S.handle(eng, num_tokens=8, hidden=32, num_topk=2)
+    x = cupy.empty((h.num_recv_tokens, 32), np.float32)
+    raw = cupy.empty((h.num_recv_tokens, 32), np.uint16)
+    normal.combine(eng, x, h)
+    normal.combine(eng, raw, h, dtype="bfloat16")
+    normal.dispatch(eng, cupy.empty((8, 32), np.float32), handle=h)
+    bad_rows = cupy.empty((h.num_recv_tokens + 1, 32), np.float32)
+    other_gpu = cupy.ndarray(x.shape, x.dtype, memptr=cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(1 << 41, x.nbytes, None, 1), 0))
+    cases = [(lambda: normal.combine(eng, bad_rows, h), ValueError, r"combine: argument 'x' .*num_recv_tokens"),
+             (lambda: normal.combine(eng, other_gpu, h), TypeError, r"combine: argument 'x' lives on GPU 1"),
+             (lambda: normal.combine(eng, raw, h), TypeError, r"combine: argument 'x' must be bfloat16, float16 or "
+              r"float32 \(for raw bfloat16 bits pass dtype='bfloat16'\)"),
+             (lambda: normal.combine(eng, x, h, dtype=np.float16), TypeError, r"combine: argument 'dtype' must match"),
+             (lambda: normal.dispatch(eng, cupy.empty((9, 32), np.float32), handle=h), ValueError,
+              r"dispatch: argument 'x' .*num_tokens"),
+             (lambda: normal.dispatch(eng, cupy.ndarray((8, 32), np.float32, memptr=other_gpu.data), handle=h),
+              TypeError, r"dispatch: argument 'x' lives on GPU 1")]
+    for fn, exc, pattern in cases:
+        launches.clear()
+        with pytest.raises(exc, match=pattern):
+            fn()
+        told = [e for e in launches.log if e[0] == "ring"]
+        assert len(told) == 1 and told[0][1][P.DESC_FLAGS] & P.FLAG_REJECT, "the peers must be told"
+    launches.clear()
+    normal.combine(eng, x, h)  # still usable, from the record
+    assert [e[0] for e in launches.log] == ["ring", "symbuf_combine_reduce_f32"]
+
+
+def test_launchers_are_per_communicator():
+    """The MoE kernels' argument structs (layout, fix-up, reduction) belong to one communicator: two threads with
+    two communicators on one GPU never fill the same struct (one thread's fields launched by the other)."""
+    from cupy_symbuf.moe import gpu as _gpu
+    with S.stubbed() as (launches, stream):
+        e1, e2 = S.engine(launches), S.engine(launches)
+        for name in (_gpu.LAYOUT_KERNEL, _gpu.FIXUP_KERNEL):
+            assert _gpu._launcher(e1, name) is _gpu._launcher(e1, name)
+            assert _gpu._launcher(e1, name).args is not _gpu._launcher(e2, name).args
+        k = "symbuf_combine_reduce_bf16"
+        assert _gpu.reduce_launcher(e1, k).args is not _gpu.reduce_launcher(e2, k).args
+
+
+def test_capture_keeps_what_replays_read(stub):
+    """While the stream is being captured: a combine keeps the caller's x and weights and the received rows'
+    allocation (every replay reads them), a cached dispatch keeps x and recv_x; an eager dispatch is refused before
+    its first communication step (every rank alike: nothing told; its local layout kernel may be queued), a
+    worst-case one is not."""
+    eng, launches, stream = stub
+    h = S.handle(eng, num_tokens=16, hidden=64, num_topk=2)
+    x = cupy.empty((h.num_recv_tokens, 64), np.float32)
+    w = cupy.empty((h.num_recv_tokens, 2), np.float32)
+    xs = cupy.empty((16, 64), np.float32)
+    idx = cupy.empty((16, 2), np.int64)
+    normal.combine(eng, x, h, w)  # a record made outside the capture serves inside it
+    stream.capturing = True
+    try:
+        eng.graph_keep.clear()
+        launches.clear()
+        normal.combine(eng, x, h, w)
+        kept = [id(o) for o in eng.graph_keep]
+        assert id(x) in kept and id(w) in kept, "the combine's inputs must be kept for the replays"
+        back = launches.log[1][1]["back"]
+        assert any(isinstance(o, cupy.cuda.MemoryPointer) and o.ptr == back for o in eng.graph_keep)
+        eng.graph_keep.clear()
+        recv_x = normal.dispatch(eng, xs, handle=h)[0]
+        kept = [id(o) for o in eng.graph_keep]
+        assert id(xs) in kept and id(recv_x) in kept
+        launches.clear()
+        with pytest.raises(RuntimeError, match=r"dispatch: this call reads its receive counts on the host"):
+            normal.dispatch(eng, xs, idx, None, h.num_experts)
+        assert not [e for e in launches.log if e[0] in ("ring", "symbuf_notify")], \
+            "a refused capture must take no communication step (every rank refuses alike)"
+        launches.clear()
+        normal.dispatch(eng, xs, idx, None, h.num_experts, num_worst_tokens=16 * eng.world_size)
+        assert [e[0] for e in launches.log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"]
+    finally:
+        stream.capturing = False
