@@ -387,7 +387,8 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
       for (i64 i = threadIdx.x; i < L * W; i += blockDim.x) reinterpret_cast<i64*>(a.layout_range)[i] = 0;
       for (i64 i = threadIdx.x; i < L; i += blockDim.x) reinterpret_cast<int*>(a.recv_count)[i] = 0;
       if (threadIdx.x < W) reinterpret_cast<int*>(a.recv_ntok)[threadIdx.x] = 0;
-      if (threadIdx.x == 0) *reinterpret_cast<i64*>(a.dispatch_id) = static_cast<i64>(seq);
+      // -seq: the id of a rejected dispatch, so a combine with its handle publishes a rejected line (below)
+      if (threadIdx.x == 0) *reinterpret_cast<i64*>(a.dispatch_id) = -static_cast<i64>(seq);
     }
     __syncthreads();
     if (threadIdx.x == 0) block_exit(l.ctrl);
@@ -527,13 +528,16 @@ __device__ void combine_body(const LLCombineArgs& a) {
 
   prof_stamp(a.prof, 0);
   const bool sending = (a.phase & LL_PHASE_SEND) != 0;
-  // The id of the dispatch whose handle this call uses (a rejecting rank has no handle).
+  // The id of the dispatch whose handle this call uses (a rejecting rank has no handle); negative: that dispatch was
+  // rejected (it delivered nothing; its handle is refused on every rank, REJECT_HANDLE, never a count mismatch).
   const i64 did = n >= 0 ? ld_volatile_global(reinterpret_cast<const i64*>(a.dispatch_id)) : 0;
+  const bool handle_rejected = did < 0;
   // ---- A: topk_idx check, weights ----
   if (sending && blockIdx.x == 0) {
     // this rank's meta lines of the handle's dispatch: what that dispatch sent (ignored entries -1); read with the
     // weights, so the check adds no round trip (a rejecting rank, n < 0, reads nothing)
-    const u32* sent = at<u32>(ll_bases[me], a.d_half0 + (did & 1) * a.d_half_bytes + a.d_meta_off +
+    const i64 did_half = (handle_rejected ? -did : did) & 1;
+    const u32* sent = at<u32>(ll_bases[me], a.d_half0 + did_half * a.d_half_bytes + a.d_meta_off +
                                                 static_cast<i64>(me) * N * K * 4);
     const u32* w = reinterpret_cast<const u32*>(a.weights);
     int differs = 0;
@@ -547,7 +551,8 @@ __device__ void combine_body(const LLCombineArgs& a) {
     }
     // (the barrier also orders every thread's weights stores before the flag below)
     const bool topk_differs = __syncthreads_or(differs) != 0;
-    const i64 n_line = topk_differs ? LL_REJECTED : n, why = topk_differs ? REJECT_TOPK : REJECT_ARGS;
+    const i64 n_line = topk_differs || handle_rejected ? LL_REJECTED : n;
+    const i64 why = handle_rejected ? REJECT_HANDLE : topk_differs ? REJECT_TOPK : REJECT_ARGS;
     if (threadIdx.x < W) {
       const int d = threadIdx.x;
       __threadfence_system();

@@ -160,6 +160,47 @@ def test_right_handles_and_equal_topk_copies_still_work(comm, ll):
     all_ranks(lambda: [np.testing.assert_array_equal(g.view(np.uint16), want.view(np.uint16)) for g in got])
 
 
+def test_combine_with_handle_of_a_dispatch_a_peer_rejected(comm, ll):
+    """GPU, nothing synchronised: rank 1's dispatch fails its checks (one token too many: ValueError there), the
+    others' dispatch is queued and returns a handle of a dispatch that delivered nothing. They combine with it at
+    once while rank 1 combines with its previous handle: the combine is rejected on every rank (was: the fatal count
+    mismatch, the communicator unusable). The others' synchronize() raises the first rejection it recorded (rank 1's
+    dispatch), rank 1's names the rejected dispatch's handle; nobody gets rows; the buffer stays usable."""
+    c = comm
+    if c.backend != "cuda":
+        pytest.skip("on the host path the rejected dispatch raises on every rank, so no rank holds its handle")
+    bad = 1
+    x, idx, w, _ = _same_counts_other_order(340)
+    y = dev(c, expert_outputs(340, RANK, ll.L, W * N, H, "bfloat16"))
+    _, _, h_old = ll.dispatch(dev(c, x), dev(c, idx))
+    ll.synchronize()
+    err_d, h = None, h_old
+    try:
+        if RANK == bad:
+            ll.dispatch(dev(c, np.zeros((N + 1, H), np.uint16)), dev(c, np.zeros((N + 1, K), np.int64)))
+        else:
+            _, _, h = ll.dispatch(dev(c, x), dev(c, idx))
+    except ValueError as exc:
+        err_d = exc
+    all_ranks(lambda: (err_d is not None) == (RANK == bad) or pytest.fail(repr(err_d)))
+    start = time.monotonic()
+    err, out = _outcome(c, ll, y, idx, w, h, False)
+    took = time.monotonic() - start
+    seen = WORLD.allgather(None if err is None else f"{type(err).__name__}: {err}")
+
+    def check():
+        assert all(s is not None for s in seen), f"a rank returned without an error: {seen}"
+        assert isinstance(err, SymBufferRejectedError), repr(err)
+        assert took < PROMPT_S, f"took {took:.1f} s"
+        assert out is not None and not out.any(), "a rejected combine leaves zero rows"
+        if RANK == bad:
+            assert f"dispatch #{h_old.dispatch_id + 1}, which a rank rejected" in str(err), str(err)
+        else:
+            assert f"rank {bad} rejected this call" in str(err), str(err)
+    all_ranks(check)
+    _still_right(c, ll, 341)
+
+
 # ---- combine: another topk_idx than the dispatch's ----------------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["one_entry", "tokens_reordered", "recv_hook"])

@@ -95,8 +95,10 @@ call protocol:
   the host path from the call itself; on the GPU (queued, like any collective) from :meth:`synchronize` (or at
   once with ``Config(blocking=True)``), the call's outputs then being empty (dispatch: zero ``recv_count``,
   ``layout_range`` and token counts; combine: zero rows). A GPU caller that goes on to ``combine`` before
-  synchronising runs ahead of the rejecting rank (which never got a handle): the ranks fall out of step and the
-  next flag lines disagree (a fatal mismatch or timeout): synchronise after a dispatch before trusting it. On the
+  synchronising holds the handle of a dispatch that delivered nothing: that dispatch stored its id negated, so a
+  combine with its handle is rejected on every rank (``SymBufferRejectedError``, "which a rank rejected"), whatever
+  handle the rejecting rank combines with; if the rejecting rank makes another kind of call instead, the ranks fall
+  out of step and the call times out. Synchronise after a dispatch before trusting its handle. On the
   GPU a rejected call counts as a call on every rank, the rejecting one too (for "valid until the call after the
   next one" and a handle's two dispatches); on the host path it counts on none.
 * Any exception inside a call once it started moving data (``KeyboardInterrupt`` too) makes this buffer and its

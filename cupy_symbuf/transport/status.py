@@ -33,6 +33,11 @@ def low_latency_rejection(why: int, who: int, rank: int, own: int = 0, theirs: i
     ``REJECT_*`` reason (host path: decided from the flag lines; GPU: ``STATUS_REJECTED_WHY``), ``who`` the rank it
     names, ``own`` / ``theirs`` the words the reason compares (``REJECT_HANDLE``: this rank's and ``who``'s
     dispatch ids; ``REJECT_TOPK``: ``who``'s dispatch id). The one wording of both backends."""
+    if why == P.REJECT_HANDLE and min(own, theirs) < 0:  # (a rejected dispatch stores its id negated)
+        whose, d = (f"rank {who}'s", -theirs) if theirs < 0 and who != rank else ("this rank's", -min(own, theirs))
+        return (f"{whose} combine handle is of dispatch #{d}, which a rank rejected (it delivered nothing, so its "
+                f"handle cannot be combined; on the GPU synchronize() after a dispatch raises that rejection before "
+                f"its handle is used)")
     if why == P.REJECT_HANDLE:
         return (f"the ranks passed combine handles of different dispatches: this rank's handle is of dispatch #{own}, "
                 f"rank {who}'s of dispatch #{theirs} (LowLatencyHandle.dispatch_id): every rank must combine with "
