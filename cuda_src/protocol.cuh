@@ -42,6 +42,22 @@
 // wait of this rank (atomicCAS of STATUS_SEQ), its fields, then STATUS_FLAG = 1 with st.release.sys. Read by the
 // host. STATUS_REJECTED_BY / STATUS_REJECTED_SEQ (a peer rejected a call) are not fatal and never set the flag.
 
+// ---- the small-message protocol's words (wire/protocol.py SMALL_*; the kernel is small_exchange.cu) ---------------
+// In d's buffer, the small region (DESC_SMALL_OFFSET / ChannelLayout.small_offset): control words (local: the
+// launch's finished blocks per peer), then half h = seq & 1, slot of source s: header words SMALL_H_*, then one
+// word per 4 payload bytes from SMALL_DATA_WORD on. Writer: s's small kernel (REMOTE, st.relaxed.sys, 8 bytes:
+// datum | flag << 32). Reader: d's small kernel (LOCAL, ld.relaxed.sys until the flag is the call's), and a
+// rejecting d's ring kernel (the header word only: the peer's call went by the small protocol).
+// The call's sequence number seq is the ring's (STATE_SEQ + 1 of the (channel, peer) state lines, equal on both
+// ends of every pair); its flag is never 0 (a zeroed word never matches) and differs from seq - 2's (the previous
+// user of the half).
+__host__ __device__ __forceinline__ u32 small_flag(u64 seq) { return static_cast<u32>(seq % SMALL_FLAG_MOD) + 1u; }
+// Byte offset (in a rank's buffer) of the slot source `source` writes for call `seq`.
+__host__ __device__ __forceinline__ i64 small_slot(i64 small_offset, i64 slot_bytes, u64 seq, int source,
+                                                  int world_size) {
+  return small_offset + SMALL_CTRL_BYTES + (static_cast<i64>(seq & 1ull) * world_size + source) * slot_bytes;
+}
+
 // What every bounded wait of a launch needs; one per block in shared memory (the copy loops keep their registers).
 struct WaitCtx {
   i64* status;            // the error record

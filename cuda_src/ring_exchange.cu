@@ -19,7 +19,8 @@
 //   direct pull  (MODE_DIRECT) sender: the header alone, then wait for the hand-back; receiver: its copy warps
 //                pull_direct_share (and our sender group's helpers help_pull_direct), the leader direct_done.
 //   copy engine  (FLAG_CE) headers only; the host's copy engine moves the rows, symbuf_ce_finish hands back.
-//   reject       (FLAG_REJECT) headers only: HDR_REJECTED out, drain_rejected in.
+//   reject       (FLAG_REJECT) headers only: HDR_REJECTED out, drain_rejected in (an alltoall: or a peer's small
+//                header in, accept_small_rejected, when its call went by the small protocol, small_exchange.cu).
 // Every wait is bounded by DESC_TIMEOUT_NS and polls this rank's abort word (protocol.cuh, SpinBudget); the first
 // failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
 #define SYMBUF_BULK_KERNEL 1  // the ring kernel may copy with cp.async.bulk (SYMBUF_BULK, primitives.cuh)
@@ -505,6 +506,14 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
 
   u64 verdict = kGateAbort;  // the leader's: header sent (sender) / checked (receiver)
   if (leader) {
+    // rejecting an alltoall with the small protocol on: a peer whose call would go by it sends its small header
+    // instead of ring headers (HeaderStep::small_hdr)
+    const u64* small_hdr = nullptr;
+    if (reject && !is_sender && s_desc[DESC_OP] == OP_ALLTOALL && s_desc[DESC_SMALL_OFFSET] != 0)
+      small_hdr = reinterpret_cast<const u64*>(reinterpret_cast<const u8*>(peer_bases[rank]) +
+                                               small_slot(s_desc[DESC_SMALL_OFFSET], s_desc[DESC_SMALL_SLOT_BYTES],
+                                                          call_seq, peer, world_size)) +
+                  SMALL_H_OP;
     const HeaderStep h{&s_ctx, ring_region, remote_counter, local_counter, abort_flag, &s_gate[peer], &s_src[peer],
                        reinterpret_cast<const i64*>(s_desc[DESC_SYM_TABLE]),
                        ce ? s_desc[DESC_DIRECT_ALLOC] : -1, ce ? s_desc[DESC_DIRECT_OFFSET] + peers[rank] : 0,
@@ -516,7 +525,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
                        push_mask, s_desc + DESC_PUSH_ALLOC, s_push_delta + peer * MAX_PARTS, recv.row0,
                        s_desc[DESC_PUSH_ROWS],
                        first, static_cast<u64>(num_slots), chunk_bytes, L.region_bytes, row_bytes, peer, role,
-                       is_sender, reject};
+                       is_sender, reject, small_hdr};
     verdict = call_header_step(h, end);
     if (!is_sender && num_help > 0) {  // tell our sender group's helpers (STATE_HELP_*) what to copy
       state[STATE_HELP_SRC] = verdict == kGateDirect ? s_src[peer] : 0ull;
