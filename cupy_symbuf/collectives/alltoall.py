@@ -71,7 +71,10 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
     except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
         eng.reject(op, notify=False)
         raise
-    eng.run(plan, [x], None, [recv], direct, relaxed)
+    if x.nbytes <= eng.small_total:  # the small-message protocol (GPU): the size decides, alike on every rank
+        eng.run_small(plan, x, recv)
+    else:
+        eng.run(plan, [x], None, [recv], direct, relaxed)
     return recv
 
 

@@ -35,6 +35,9 @@ RING_SOURCE = "ring_exchange.cu"
 RING_KERNEL = "symbuf_ring_exchange"
 NOTIFY_KERNEL = "symbuf_notify"
 CE_KERNEL = "symbuf_ce_finish"
+#: The small-message alltoall (``cuda_src/small_exchange.cu``).
+SMALL_SOURCE = "small_exchange.cu"
+SMALL_KERNEL = "symbuf_small_alltoall"
 
 # re-exported for tests and tools that read descriptor words
 DESC = {n: getattr(P, n) for n in dir(P) if n.startswith("DESC_")}
@@ -138,6 +141,14 @@ class CudaTransport:
         self._sym_rows = [None] * P.SYM_TABLE_ROWS  # segment id per row
         d[DESC_SYM_TABLE], d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = int(self.sym_table.data.ptr), -1, 0
         d[P.DESC_PUSH_ALLOC: P.DESC_PUSH_ALLOC + MAX_PARTS] = -1
+        #: the small-message protocol (Config.small_bytes): an alltoall of at most this many bytes per peer goes by
+        #: it (``exchange_small``); 0: off. A rejected alltoall's ring kernel watches the peers' small headers.
+        self.small_peer_bytes = layout.small_peer_bytes if self.world_size > 1 else 0
+        d[P.DESC_SMALL_OFFSET] = layout.small_offset if self.small_peer_bytes else 0
+        d[P.DESC_SMALL_SLOT_BYTES] = layout.small_slot_bytes if self.small_peer_bytes else 0
+        #: calls that went by the small-message protocol (tests, stats)
+        self.small_calls = 0
+        self._l_small = None
         #: calls this rank sent in direct mode, and dispatches whose outputs its peers pushed into (tests, stats)
         self.direct_calls = 0
         self.push_calls = 0
@@ -169,6 +180,15 @@ class CudaTransport:
             self.world_size, layout.num_channels
         a.region_bytes, a.channel_bytes, a.abort_offset, a.timeout_ns, a.status = layout.region_bytes, \
             layout.channel_bytes, layout.abort_offset, int(self.timeout_ns), self.status.ptr
+        if self.small_peer_bytes:
+            self._l_small = _kernels.Launcher(_kernels.get_function(SMALL_SOURCE, SMALL_KERNEL), "SmallArgs")
+            a = self._l_small.args
+            a.peer_bases, a.rank, a.world_size, a.num_channels = int(buf.peer_ptrs_device.data.ptr), self.rank, \
+                self.world_size, layout.num_channels
+            a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes = layout.region_bytes, layout.channel_bytes, \
+                layout.num_slots, layout.chunk_bytes
+            a.small_offset, a.slot_bytes, a.abort_offset, a.timeout_ns, a.status = layout.small_offset, \
+                layout.small_slot_bytes, layout.abort_offset, int(self.timeout_ns), self.status.ptr
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
@@ -518,6 +538,41 @@ class CudaTransport:
             self._copy_engine_pull(plan, direct, recv_parts[0], stream, int(d[DESC_SEQ]))
         if self.kernel_events is not None:
             self.kernel_events[1].record(stream)
+        if self.blocking:
+            self.check(op, stream)
+            rejected = self.take_rejected()
+            return [] if rejected is None else [rejected[0]]
+        return []
+
+    def exchange_small(self, plan, x, recv) -> list:
+        """One ``alltoall`` of ``plan`` by the small-message protocol (``cuda_src/small_exchange.cu``): ``x`` and
+        ``recv`` are CuPy arrays of the same shape ``[world_size, ...]`` and dtype, ``recv`` C-contiguous, at most
+        :attr:`small_peer_bytes` per peer (the caller checked it: every rank decides from the same agreed size).
+        One launch on the current stream, nothing read on the host (graph-capturable). Returns ``[]`` once queued;
+        with ``self.blocking`` once it ended, with the rank that rejected the call (its rows in ``recv`` are not
+        delivered). Raises an error an earlier kernel recorded, before anything else."""
+        cp = _compat.cupy
+        op = plan.op
+        self.check(op)
+        stream = cp.cuda.get_current_stream()
+        if not x.flags.c_contiguous:  # the kernel reads one byte run per peer
+            x = cp.ascontiguousarray(x)
+            if stream.is_capturing():  # a captured kernel reads it at every replay
+                self.graph_keep.append(x)
+        W = self.world_size
+        n = x.nbytes // W
+        words = -(-n // 4)
+        per = max(1, min(-(-words // P.SMALL_WORDS_PER_BLOCK), P.SMALL_MAX_BLOCKS // W))
+        a = self._l_small.args
+        a.send, a.recv, a.bytes, a.op, a.sig = x.data.ptr, recv.data.ptr, n, plan.op_code, plan.sig
+        a.blocks_per_peer = per
+        a.seq = self._next_launch(op, stream, plan)
+        if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
+            self.kernel_events[0].record(stream)
+        self._l_small(W * per, P.SMALL_THREADS, stream=stream)
+        if self.kernel_events is not None:
+            self.kernel_events[1].record(stream)
+        self.small_calls += 1
         if self.blocking:
             self.check(op, stream)
             rejected = self.take_rejected()
