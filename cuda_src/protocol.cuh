@@ -58,6 +58,25 @@ __host__ __device__ __forceinline__ i64 small_slot(i64 small_offset, i64 slot_by
   return small_offset + SMALL_CTRL_BYTES + (static_cast<i64>(seq & 1ull) * world_size + source) * slot_bytes;
 }
 
+// ---- channel telemetry (Config(trace=True), wire/protocol.py DESC_TRACE) -----------------------------------------
+// One record of an event that began at t0 (ns) and ends now into the trace buffer `buf` of `cap` records (nullptr:
+// none): word 0 counts the events (records past the capacity are counted, not kept).
+__device__ __noinline__ void trace_record(i64* buf, i64 cap, i64 seq, i64 op, int kind, u64 t0, int channel, int peer,
+                                         i64 bytes, u64 head, u64 tail) {
+  if (buf == nullptr) return;
+  const u64 i = atomicAdd(reinterpret_cast<unsigned long long*>(buf), 1ull);
+  if (i >= static_cast<u64>(cap)) return;  // counted, not kept
+  i64* r = buf + TRACE_HDR_WORDS + static_cast<i64>(i) * TRACE_WORDS;
+  r[0] = static_cast<i64>(t0);
+  r[1] = static_cast<i64>(globaltimer_ns());
+  r[2] = seq;
+  r[3] = (op & 0xFF) | (static_cast<i64>(kind) << 8) | (static_cast<i64>(channel & 0xFFFF) << 16) |
+         (static_cast<i64>(peer + 1) << 32);
+  r[4] = bytes;
+  r[5] = static_cast<i64>(head);
+  r[6] = static_cast<i64>(tail);
+}
+
 // What every bounded wait of a launch needs; one per block in shared memory (the copy loops keep their registers).
 struct WaitCtx {
   i64* status;            // the error record

@@ -39,21 +39,10 @@
 
 #if SYMBUF_TRACE
 // One trace record (layout: wire/protocol.py DESC_TRACE) of an event that began at t0 (ns) and ends now.
-__device__ __noinline__ void trace_event(const i64* desc, int kind, u64 t0, int channel, int peer, i64 bytes,
-                                         u64 head, u64 tail) {
-  i64* buf = reinterpret_cast<i64*>(desc[DESC_TRACE]);
-  if (buf == nullptr) return;
-  const u64 i = atomicAdd(reinterpret_cast<unsigned long long*>(buf), 1ull);
-  if (i >= static_cast<u64>(desc[DESC_TRACE_CAP])) return;  // counted, not kept
-  i64* r = buf + TRACE_HDR_WORDS + static_cast<i64>(i) * TRACE_WORDS;
-  r[0] = static_cast<i64>(t0);
-  r[1] = static_cast<i64>(globaltimer_ns());
-  r[2] = desc[DESC_SEQ];
-  r[3] = (desc[DESC_OP] & 0xFF) | (static_cast<i64>(kind) << 8) | (static_cast<i64>(channel & 0xFFFF) << 16) |
-         (static_cast<i64>(peer + 1) << 32);
-  r[4] = bytes;
-  r[5] = static_cast<i64>(head);
-  r[6] = static_cast<i64>(tail);
+__device__ __forceinline__ void trace_event(const i64* desc, int kind, u64 t0, int channel, int peer, i64 bytes,
+                                           u64 head, u64 tail) {
+  trace_record(reinterpret_cast<i64*>(desc[DESC_TRACE]), desc[DESC_TRACE_CAP], desc[DESC_SEQ], desc[DESC_OP], kind,
+               t0, channel, peer, bytes, head, tail);
 }
 #define SYMBUF_TRACE_T0(var) const u64 var = globaltimer_ns()
 #define SYMBUF_TRACE_EVENT(...) trace_event(__VA_ARGS__)

@@ -8,16 +8,18 @@
 // and is naturally aligned, so it is single-copy atomic (never torn): a word with the call's flag holds the call's
 // datum, whatever order the words arrive in, so no fence and no release / acquire pair is needed for the payload.
 //
-// Grid: world_size * blocks_per_peer blocks of SMALL_THREADS; block b serves peer b / blocks_per_peer and its share
-// b % blocks_per_peer of the words (both directions: it stores its share of our run into the peer's slot, then polls
-// its share of the peer's run in ours); the blocks of our own rank copy our own rows. Each block stores before it
-// waits, so a block waits only for its counterpart on the peer, which stores as soon as it runs.
+// Work: world_size * items_per_peer items, item k = (peer k / items_per_peer, share k % items_per_peer of the
+// words), both directions (our share of the run to the peer stored into its slot, its share of the run to us polled
+// in ours; our own rank's items copy our own rows). Grid: at most the rank's SM share (Config.num_sms, as the ring
+// kernel) blocks of SMALL_THREADS, block b taking items b, b + gridDim.x, ...: first it stores every item of its
+// own, then it waits for every item's words, so no block ever waits before its own stores are done and a wait
+// depends only on the peer's blocks having been scheduled (as the ring kernel's sender / receiver blocks do).
 //
-// Sequence numbers: the ring's. Every block of peer p reads seq = STATE_SEQ + 1 of (channel 0, p)'s send and
-// receive state lines (send: our flag; receive: the flag we expect); the last block of p to finish (a count per
+// Sequence numbers: the ring's. Every item of peer p reads seq = STATE_SEQ + 1 of (channel 0, p)'s send and
+// receive state lines (send: our flag; receive: the flag we expect); the last item of p to finish (a count per
 // peer in the control words, atomicAdd) advances STATE_SEQ of every channel's state lines for p, both directions, and
 // leaves STATE_COUNTER alone, so ring calls before and after this one carry the sequence numbers their peers expect.
-// All blocks read the lines before any counts itself finished, so none reads an advanced line.
+// Every item reads the lines before it counts itself finished, so none reads an advanced line.
 //
 // Reuse of a half without acknowledgements: call seq writes half seq & 1 of the peer's slot; the next writer of that
 // half is call seq + 2. For s to launch call seq + 2 its call seq + 1 must have ended, and every call (small or ring,
@@ -36,7 +38,8 @@
 // fatal FIELD_MODE mismatch (the peer's call is another size or operation). A header of a LATER call (the peer
 // finished this one, our words are visible after its acquire) is no news. Every wait is bounded by timeout_ns and
 // polls the abort word (SpinBudget); the first failure writes the error record (role recv, rank, peer, channel 0,
-// head / tail = expected / received).
+// head / tail = expected / received). Telemetry (trace != nullptr, Config(trace=True)): a record per item and
+// direction (TRACE_SEND / TRACE_RECV / TRACE_SELF, channel 0, the payload bytes).
 #include "ring_prims.cuh"
 
 static_assert(SMALL_H_OP == 0 && SMALL_H_SIG == 1 && SMALL_H_BYTES == 2 && SMALL_DATA_WORD >= 3,
@@ -44,7 +47,7 @@ static_assert(SMALL_H_OP == 0 && SMALL_H_SIG == 1 && SMALL_H_BYTES == 2 && SMALL
 static_assert(MAX_PEERS * 4 <= SMALL_CTRL_BYTES, "an int32 per peer in the control words");
 
 // The header step's verdict when the peer rejected this call through the rings (its ring headers are consumed by
-// the peer's last block); kGateCopy / kGateSkip (a small header saying HDR_REJECTED) / kGateAbort otherwise.
+// the peer's last item); kGateCopy / kGateSkip (a small header saying HDR_REJECTED) / kGateAbort otherwise.
 constexpr u64 kSmallRingRejected = 5;
 
 // 4 payload bytes (word i) of an n-byte run of our sendbuf (read-only during the kernel); the last word of a run
@@ -170,21 +173,21 @@ __device__ __noinline__ bool small_consume_rejection(const WaitCtx* c, const Sma
   return true;
 }
 
-// Thread 0 of every block of a peer, at its end: count the block finished (or failed) in the peer's control word;
-// the last block of the peer does the call's bookkeeping: the control word back to 0 for the next launch, and
-// unless a block of the peer failed (the record says why; nothing moves: the communicator is broken anyway) the
+// Thread 0 of a block at the end of an item of a peer: count the item finished (or failed) in the peer's control
+// word; the last item of the peer does the call's bookkeeping: the control word back to 0 for the next launch, and
+// unless an item of the peer failed (the record says why; nothing moves: the communicator is broken anyway) the
 // rejection's ring headers consumed, every channel's state lines of the peer advanced to call qs (send) / qr
 // (receive) with their counters unchanged, and a rejection recorded (STATUS_REJECTED_BY, not fatal).
 __device__ __noinline__ void small_finish(const WaitCtx* c, const SmallArgs& a, const Layout& L, int peer,
                                           u64 verdict, bool failed, u64 qs, u64 qr) {
   u8* my_base = reinterpret_cast<u8*>(a.peer_bases[a.rank]);
   unsigned int* ctrl = reinterpret_cast<unsigned int*>(my_base + a.small_offset) + peer;
-  __threadfence();  // this block's reads of the state lines (and its loads) before its count
+  __threadfence();  // this item's reads of the state lines (and its loads) before its count
   const unsigned int inc = failed ? 0x10000u : 1u;
   const unsigned int now = atomicAdd(ctrl, inc) + inc;
-  if (static_cast<int>((now & 0xFFFFu) + (now >> 16)) != a.blocks_per_peer) return;  // not the last one
+  if (static_cast<int>((now & 0xFFFFu) + (now >> 16)) != a.items_per_peer) return;  // not the last one
   atomicExch(ctrl, 0u);
-  __threadfence();  // every block's count (after its reads of the state lines) before the lines change
+  __threadfence();  // every item's count (after its reads of the state lines) before the lines change
   if (now >> 16) return;
   if (verdict == kSmallRingRejected && !small_consume_rejection(c, a, L, peer, qr)) return;
   for (int ch = 0; ch < a.num_channels; ++ch) {
@@ -197,35 +200,39 @@ __device__ __noinline__ void small_finish(const WaitCtx* c, const SmallArgs& a, 
 
 extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoall(const __grid_constant__ SmallArgs a) {
   __shared__ WaitCtx s_ctx;
-  __shared__ u64 s_qs, s_qr, s_first0, s_verdict;
+  __shared__ u64 s_seq, s_first0, s_verdict;
   __shared__ int s_abort;
-  const int rank = a.rank, world_size = a.world_size, per = a.blocks_per_peer;
-  const int peer = static_cast<int>(blockIdx.x) / per, part = static_cast<int>(blockIdx.x) % per;
-  if (peer >= world_size) return;
-  const i64 n = a.bytes;  // per peer
+  const int rank = a.rank, world_size = a.world_size, per = a.items_per_peer;
+  const int items = world_size * per;  // (peer, share) items, item k = peer k / per, share k % per
+  const i64 n = a.bytes;               // per peer
   const i64 nw = (n + 3) / 4;
-  const i64 w0 = nw * part / per, w1 = nw * (part + 1) / per;  // this block's words
-  if (peer == rank) {  // our own rows: this block's share, a plain copy (warp slices, 16-byte cuts)
-    const i64 b0 = min(4 * w0, n), b1 = min(4 * w1, n);
-    copy_slice<false>(a.recv + rank * n + b0, a.send + rank * n + b0, b1 - b0, static_cast<int>(threadIdx.x >> 5),
-                      static_cast<int>(blockDim.x >> 5), static_cast<int>(threadIdx.x & 31));
-    return;
-  }
   const Layout L{a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, 0, 0};
   u8* const my_base = reinterpret_cast<u8*>(a.peer_bases[rank]);
-  const u8* const local0 = my_base + L.region(0, peer);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0)
     s_ctx = make_wait_ctx(a.status, a.peer_bases, rank, world_size, 0, a.abort_offset, a.timeout_ns, a.seq);
-    s_qs = reinterpret_cast<const u64*>(local0 + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
-    s_qr = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_SEQ] + 1;
-    s_first0 = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_COUNTER];
-    s_abort = 0;
-  }
-  __syncthreads();
-  const u64 qs = s_qs, qr = s_qr;
 
-  // send: our share of the run to the peer into its slot for call qs
-  {
+  // Phase 1, every item of this block: send (or copy our own rows). No wait here, so every block's stores are
+  // done before any of its waits: a wait depends only on the peer's blocks having run, never on another wait.
+  for (int k = blockIdx.x; k < items; k += gridDim.x) {
+    const int peer = k / per, part = k % per;
+    const i64 w0 = nw * part / per, w1 = nw * (part + 1) / per;  // this item's words
+    if (peer == rank) {  // our own rows: the item's share, a plain copy (warp slices, 16-byte cuts)
+      const i64 b0 = min(4 * w0, n), b1 = min(4 * w1, n);
+      const u64 t0 = globaltimer_ns();
+      copy_slice<false>(a.recv + rank * n + b0, a.send + rank * n + b0, b1 - b0, static_cast<int>(threadIdx.x >> 5),
+                        static_cast<int>(blockDim.x >> 5), static_cast<int>(threadIdx.x & 31));
+      if (a.trace != nullptr) {
+        __syncthreads();
+        if (threadIdx.x == 0 && b1 > b0) trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_SELF, t0, 0, -1, b1 - b0, 0, 0);
+      }
+      continue;
+    }
+    __syncthreads();  // the previous item's reads of s_seq are done
+    if (threadIdx.x == 0)
+      s_seq = reinterpret_cast<const u64*>(my_base + L.region(0, peer) + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
+    __syncthreads();
+    const u64 t0 = globaltimer_ns();
+    const u64 qs = s_seq;
     u64* out = reinterpret_cast<u64*>(reinterpret_cast<u8*>(a.peer_bases[peer]) +
                                       small_slot(a.small_offset, a.slot_bytes, qs, rank, world_size));
     const u64 fs = static_cast<u64>(small_flag(qs)) << 32;
@@ -239,40 +246,68 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     const bool aligned = (reinterpret_cast<u64>(src) & 3) == 0;
     for (i64 i = w0 + threadIdx.x; i < w1; i += blockDim.x)
       st_relaxed_sys_global(out + SMALL_DATA_WORD + i, fs | small_pack(src, i, n, aligned));
-  }
-
-  // receive: the header (thread 0), then every thread its words
-  const u64* in = reinterpret_cast<const u64*>(my_base + small_slot(a.small_offset, a.slot_bytes, qr, peer, world_size));
-  if (threadIdx.x == 0) {
-    s_verdict = small_header_step(&s_ctx, in, local0, L.num_slots, L.chunk_bytes, qr, s_first0, peer, a.op, a.sig, n);
-    if (s_verdict == kGateAbort) s_abort = 1;
-  }
-  __syncthreads();
-  const u64 verdict = s_verdict;
-  volatile int* abort_flag = &s_abort;
-  if (verdict == kGateCopy) {
-    u8* dst = a.recv + peer * n;
-    const bool aligned = (reinterpret_cast<u64>(dst) & 3) == 0;
-    const u32 flag = small_flag(qr);
-    const u64* words = in + SMALL_DATA_WORD;
-    constexpr int kBatch = 4;  // loads in flight per thread before the first flag is looked at
-    const i64 stride = blockDim.x;
-    for (i64 i = w0 + threadIdx.x; i < w1 && !*abort_flag; i += kBatch * stride) {
-      u64 v[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) v[u] = i + u * stride < w1 ? ld_relaxed_sys_global(words + i + u * stride) : 0;
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const i64 j = i + u * stride;
-        if (j >= w1) break;
-        if (static_cast<u32>(v[u] >> 32) != flag) {
-          v[u] = small_spin_word(&s_ctx, words + j, flag, peer, abort_flag);
-          if (*abort_flag) break;
-        }
-        small_unpack(dst, j, n, aligned, static_cast<u32>(v[u]));
-      }
+    if (a.trace != nullptr) {  // the item's payload bytes (the words: twice as many on the wire)
+      __syncthreads();
+      if (threadIdx.x == 0)
+        trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_SEND, t0, 0, peer, min(4 * w1, n) - min(4 * w0, n), qs, qs);
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0) small_finish(&s_ctx, a, L, peer, verdict, *abort_flag != 0, qs, qr);
+
+  // Phase 2, every item of this block: the peer's header (thread 0), then every thread its words, then the count.
+  for (int k = blockIdx.x; k < items; k += gridDim.x) {
+    const int peer = k / per, part = k % per;
+    if (peer == rank) continue;
+    const i64 w0 = nw * part / per, w1 = nw * (part + 1) / per;
+    const u8* const local0 = my_base + L.region(0, peer);
+    __syncthreads();  // the previous item is finished with the shared words
+    if (threadIdx.x == 0) {
+      s_seq = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_SEQ] + 1;
+      s_first0 = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_COUNTER];
+      s_abort = 0;
+    }
+    __syncthreads();
+    const u64 qr = s_seq;
+    const u64 t0 = globaltimer_ns();
+    const u64* in =
+        reinterpret_cast<const u64*>(my_base + small_slot(a.small_offset, a.slot_bytes, qr, peer, world_size));
+    if (threadIdx.x == 0) {
+      s_verdict = small_header_step(&s_ctx, in, local0, L.num_slots, L.chunk_bytes, qr, s_first0, peer, a.op, a.sig, n);
+      if (s_verdict == kGateAbort) s_abort = 1;
+    }
+    __syncthreads();
+    const u64 verdict = s_verdict;
+    volatile int* abort_flag = &s_abort;
+    if (verdict == kGateCopy) {
+      u8* dst = a.recv + peer * n;
+      const bool aligned = (reinterpret_cast<u64>(dst) & 3) == 0;
+      const u32 flag = small_flag(qr);
+      const u64* words = in + SMALL_DATA_WORD;
+      constexpr int kBatch = 4;  // loads in flight per thread before the first flag is looked at
+      const i64 stride = blockDim.x;
+      for (i64 i = w0 + threadIdx.x; i < w1 && !*abort_flag; i += kBatch * stride) {
+        u64 v[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) v[u] = i + u * stride < w1 ? ld_relaxed_sys_global(words + i + u * stride) : 0;
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const i64 j = i + u * stride;
+          if (j >= w1) break;
+          if (static_cast<u32>(v[u] >> 32) != flag) {
+            v[u] = small_spin_word(&s_ctx, words + j, flag, peer, abort_flag);
+            if (*abort_flag) break;
+          }
+          small_unpack(dst, j, n, aligned, static_cast<u32>(v[u]));
+        }
+      }
+    }
+    __syncthreads();
+    // the send state line is read in phase 1 by the item's block before this count (program order), the receive
+    // line above: the last item's bookkeeping comes after every item's reads of both
+    if (threadIdx.x == 0 && verdict == kGateCopy && !*abort_flag)
+      trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_RECV, t0, 0, peer, min(4 * w1, n) - min(4 * w0, n), qr, qr);
+    if (threadIdx.x == 0) {
+      const u64 qs = reinterpret_cast<const u64*>(local0 + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
+      small_finish(&s_ctx, a, L, peer, verdict, *abort_flag != 0, qs, qr);
+    }
+  }
 }

@@ -304,6 +304,8 @@ class CudaTransport:
         from .trace import DeviceRecorder
         self.trace = DeviceRecorder(capacity)
         self._desc[P.DESC_TRACE], self._desc[P.DESC_TRACE_CAP] = self.trace.ptr, self.trace.capacity
+        if self._l_small is not None:  # the small-message kernel records its items too (a runtime check, no build)
+            self._l_small.args.trace, self._l_small.args.trace_cap = self.trace.ptr, self.trace.capacity
         self._bind_ring(self._variant())
         return self.trace
 
@@ -561,15 +563,18 @@ class CudaTransport:
                 self.graph_keep.append(x)
         W = self.world_size
         n = x.nbytes // W
+        # items of SMALL_WORDS_PER_ITEM words per peer, on at most the rank's SM share of blocks (the ring kernel's
+        # grid): a block takes several items when there are more
+        blocks = 2 * self.layout.num_channels
         words = -(-n // 4)
-        per = max(1, min(-(-words // P.SMALL_WORDS_PER_BLOCK), P.SMALL_MAX_BLOCKS // W))
+        per = max(1, min(-(-words // P.SMALL_WORDS_PER_ITEM), blocks // W))
         a = self._l_small.args
         a.send, a.recv, a.bytes, a.op, a.sig = x.data.ptr, recv.data.ptr, n, plan.op_code, plan.sig
-        a.blocks_per_peer = per
+        a.items_per_peer = per
         a.seq = self._next_launch(op, stream, plan)
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
-        self._l_small(W * per, P.SMALL_THREADS, stream=stream)
+        self._l_small(min(W * per, blocks), P.SMALL_THREADS, stream=stream)
         if self.kernel_events is not None:
             self.kernel_events[1].record(stream)
         self.small_calls += 1

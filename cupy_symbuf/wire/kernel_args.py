@@ -64,13 +64,13 @@ CE_FINISH_ARGS = (
 
 #: The small-message alltoall (``symbuf_small_alltoall``, ``cuda_src/small_exchange.cu``): ``bytes`` per peer, the
 #: layout fields of ``struct Layout`` it needs, the small region (``ChannelLayout.small_offset`` /
-#: ``small_slot_bytes``).
+#: ``small_slot_bytes``), the telemetry buffer (``Config(trace=True)``; 0: none) and its capacity in records.
 SMALL_ARGS = (
     ("send", "const u8*"), ("recv", "u8*"), ("bytes", "i64"), ("op", "i64"), ("sig", "i64"),
     ("peer_bases", "const u64*"), ("rank", "i32"), ("world_size", "i32"), ("num_channels", "i32"),
-    ("blocks_per_peer", "i32"), ("region_bytes", "i64"), ("channel_bytes", "i64"), ("num_slots", "i64"),
+    ("items_per_peer", "i32"), ("region_bytes", "i64"), ("channel_bytes", "i64"), ("num_slots", "i64"),
     ("chunk_bytes", "i64"), ("small_offset", "i64"), ("slot_bytes", "i64"), ("abort_offset", "i64"),
-    ("timeout_ns", "u64"), ("status", "i64*"), ("seq", "u64"),
+    ("timeout_ns", "u64"), ("status", "i64*"), ("seq", "u64"), ("trace", "i64*"), ("trace_cap", "i64"),
 )
 
 #: alltoallv with device counts: the counts become the count exchange's values (``symbuf_counts_meta``).

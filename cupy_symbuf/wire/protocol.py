@@ -255,11 +255,11 @@ SMALL_H_OP, SMALL_H_SIG, SMALL_H_BYTES = range(3)
 SMALL_HDR_WORDS = 16
 SMALL_DATA_WORD = SMALL_HDR_WORDS
 SMALL_FLAG_MOD = 0xFFFFFFFF
-#: Threads per block of the small kernel, payload words per block (a thread stores / polls this / SMALL_THREADS words),
-#: and the most blocks one rank launches for its peers together (the blocks per peer shrink as peers grow).
+#: Threads per block of the small kernel, and payload words per work item (a (peer, share) pair; a thread stores and
+#: polls this / SMALL_THREADS words of it): a run of w words is cut into ceil(w / SMALL_WORDS_PER_ITEM) items, at most
+#: as many as the rank's blocks (``Config.num_sms``) allow per peer.
 SMALL_THREADS = 512
-SMALL_WORDS_PER_BLOCK = 4096
-SMALL_MAX_BLOCKS = 64
+SMALL_WORDS_PER_ITEM = 4096
 
 #: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
 #: a warp; keeps byte runs 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
