@@ -37,8 +37,8 @@
 // and its receivers consume our small header instead of a ring one: ring_prims.cuh accept_small_rejected) or a
 // fatal FIELD_MODE mismatch (the peer's call is another size or operation). A header of a LATER call (the peer
 // finished this one, our words are visible after its acquire) is no news. Every wait is bounded by timeout_ns and
-// polls the abort word (SpinBudget); the first failure writes the error record (role recv, rank, peer, channel 0,
-// head / tail = expected / received). Telemetry (trace != nullptr, Config(trace=True)): a record per item and
+// polls the abort word (SpinBudget); the first failure writes the error record (role recv, rank, peer, channel 0;
+// a timeout: head = the flag waited for, tail = the flag found; a mismatch: head / tail = expected / received). Telemetry (trace != nullptr, Config(trace=True)): a record per item and
 // direction (TRACE_SEND / TRACE_RECV / TRACE_SELF, channel 0, the payload bytes).
 #include "ring_prims.cuh"
 
@@ -108,7 +108,7 @@ __device__ __noinline__ u64 small_header_step(const WaitCtx* c, const u64* in, c
       }
       later = true;
     }
-    if (!spin.ok(ROLE_RECV, peer, static_cast<u64>(flag), static_cast<u64>(got))) return kGateAbort;
+    if (!spin.ok(ROLE_RECV, peer, static_cast<u64>(flag), h[SMALL_H_OP] >> 32)) return kGateAbort;
   }
   const u32 hop = static_cast<u32>(h[SMALL_H_OP]);
   if (static_cast<i64>(hop & 0xFFu) != op) return small_fatal(c, peer, op, hop & 0xFFu, FIELD_OP);
