@@ -45,18 +45,6 @@ __device__ __forceinline__ void st_volatile_global(i64* ptr, i64 v) {
   asm volatile("st.volatile.global.s64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
 }
 
-// Flag-in-data words (the small-message protocol, small_exchange.cu): one 8-byte access at system scope, relaxed
-// (it orders nothing but itself). A naturally aligned 8-byte access is single-copy atomic, so a reader sees either
-// the whole old word or the whole new one, never a torn mix of a new flag with old data.
-__device__ __forceinline__ void st_relaxed_sys_global(u64* ptr, u64 v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(ptr), "l"(v) : "memory");
-}
-__device__ __forceinline__ u64 ld_relaxed_sys_global(const u64* ptr) {
-  u64 v;
-  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(ptr) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ u64 globaltimer_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

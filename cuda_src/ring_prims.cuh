@@ -445,7 +445,7 @@ __device__ __noinline__ bool wait_ring_or_small(const HeaderStep& g, u64& tail, 
       ring = true;
       return true;
     }
-    if (static_cast<u32>(ld_relaxed_sys_global(g.small_hdr) >> 32) == flag) {
+    if (static_cast<u32>(small_load(g.small_hdr) >> 32) == flag) {
       ring = false;
       return true;
     }
@@ -461,7 +461,7 @@ __device__ __noinline__ bool wait_ring_or_small(const HeaderStep& g, u64& tail, 
 // size: nothing moves). No ring slot is consumed: our state line keeps its counter (end = first) and counts the
 // call, as the peer's small kernel does with its own; the peer's payload words are never read.
 __device__ __forceinline__ u64 accept_small_rejected(const HeaderStep& g, u64& end) {
-  const i64 op = static_cast<i64>(static_cast<u32>(ld_relaxed_sys_global(g.small_hdr)) & 0xFFu);
+  const i64 op = static_cast<i64>(static_cast<u32>(small_load(g.small_hdr)) & 0xFFu);
   if (op != g.mine.op) return header_fatal(g, g.mine.op, op, ERR_MISMATCH, FIELD_OP);
   end = g.first;
   return kGateSkip;

@@ -3,10 +3,11 @@
 //
 // Words (protocol.cuh, "the small-message protocol's words"): for call seq, rank s writes into rank d's small
 // region, slot (half seq & 1, source s), three header words (op | status << 8, signature, bytes per peer) and one
-// word per 4 payload bytes, each an 8-byte st.relaxed.sys of datum | small_flag(seq) << 32. d polls its words with
-// ld.relaxed.sys until each carries the flag and keeps the datum. Memory ordering: every word carries its own flag
-// and is naturally aligned, so it is single-copy atomic (never torn): a word with the call's flag holds the call's
-// datum, whatever order the words arrive in, so no fence and no release / acquire pair is needed for the payload.
+// word per 4 payload bytes, each one 8-byte relaxed system-scope store (small_store: st.volatile) of
+// datum | small_flag(seq) << 32. d polls its words (small_load) until each carries the flag and keeps the datum.
+// Memory ordering: every word carries its own flag and is naturally aligned, so it is single-copy atomic (never
+// torn): a word with the call's flag holds the call's datum, whatever order the words arrive in, so no fence and no
+// release / acquire pair is needed for the payload.
 //
 // Work: world_size * items_per_peer items, item k = (peer k / items_per_peer, share k % items_per_peer of the
 // words), both directions (our share of the run to the peer stored into its slot, its share of the run to us polled
@@ -38,8 +39,9 @@
 // fatal FIELD_MODE mismatch (the peer's call is another size or operation). A header of a LATER call (the peer
 // finished this one, our words are visible after its acquire) is no news. Every wait is bounded by timeout_ns and
 // polls the abort word (SpinBudget); the first failure writes the error record (role recv, rank, peer, channel 0;
-// a timeout: head = the flag waited for, tail = the flag found; a mismatch: head / tail = expected / received). Telemetry (trace != nullptr, Config(trace=True)): a record per item and
-// direction (TRACE_SEND / TRACE_RECV / TRACE_SELF, channel 0, the payload bytes).
+// a timeout: head = the flag waited for, tail = the flag found; a mismatch: head / tail = expected / received).
+// Telemetry (trace != nullptr, Config(trace=True)): a record per item and direction (TRACE_SEND / TRACE_RECV /
+// TRACE_SELF, channel 0, the payload bytes).
 #include "ring_prims.cuh"
 
 static_assert(SMALL_H_OP == 0 && SMALL_H_SIG == 1 && SMALL_H_BYTES == 2 && SMALL_DATA_WORD >= 3,
@@ -89,7 +91,7 @@ __device__ __noinline__ u64 small_header_step(const WaitCtx* c, const u64* in, c
   while (true) {
     int got = 0;
     for (int k = 0; k < 3; ++k) {
-      h[k] = ld_relaxed_sys_global(in + k);
+      h[k] = small_load(in + k);
       got += static_cast<u32>(h[k] >> 32) == flag ? 1 : 0;
     }
     if (got == 3) break;
@@ -126,7 +128,7 @@ __device__ __noinline__ u64 small_spin_word(const WaitCtx* c, const u64* w, u32 
                                             volatile int* abort_flag) {
   SpinBudget spin(c);
   while (true) {
-    const u64 v = ld_relaxed_sys_global(w);
+    const u64 v = small_load(w);
     if (static_cast<u32>(v >> 32) == flag) return v;
     if (*abort_flag || !spin.ok(ROLE_RECV, peer, static_cast<u64>(flag), v >> 32)) {
       *abort_flag = 1;
@@ -158,7 +160,8 @@ __device__ __noinline__ bool small_consume_rejection(const WaitCtx* c, const Sma
         read_call_header(local + RING_OFFSET + static_cast<i64>(first % static_cast<u64>(L.num_slots)) * L.chunk_bytes);
     int field = 0;
     i64 expected = 0, received = 0;
-    if (h.magic != static_cast<i64>(HDR_MAGIC_VALUE)) field = FIELD_MAGIC, expected = HDR_MAGIC_VALUE, received = h.magic;
+    if (h.magic != static_cast<i64>(HDR_MAGIC_VALUE))
+      field = FIELD_MAGIC, expected = static_cast<i64>(HDR_MAGIC_VALUE), received = h.magic;
     else if (h.seq != static_cast<i64>(qr)) field = FIELD_SEQ, expected = static_cast<i64>(qr), received = h.seq;
     else if (h.op != a.op) field = FIELD_OP, expected = a.op, received = h.op;
     else if (h.status != HDR_REJECTED || h.nchunks != 0) field = FIELD_MODE, expected = MODE_SMALL, received = h.mode;
@@ -223,7 +226,8 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
                         static_cast<int>(blockDim.x >> 5), static_cast<int>(threadIdx.x & 31));
       if (a.trace != nullptr) {
         __syncthreads();
-        if (threadIdx.x == 0 && b1 > b0) trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_SELF, t0, 0, -1, b1 - b0, 0, 0);
+        if (threadIdx.x == 0 && b1 > b0)
+          trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_SELF, t0, 0, -1, b1 - b0, 0, 0);
       }
       continue;
     }
@@ -237,19 +241,21 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
                                       small_slot(a.small_offset, a.slot_bytes, qs, rank, world_size));
     const u64 fs = static_cast<u64>(small_flag(qs)) << 32;
     if (part == 0 && threadIdx.x < 3) {
-      const u64 info = threadIdx.x == SMALL_H_OP    ? (static_cast<u64>(a.op) & 0xFFull) | (static_cast<u64>(HDR_OK) << 8)
+      const u64 op_status = (static_cast<u64>(a.op) & 0xFFull) | (static_cast<u64>(HDR_OK) << 8);
+      const u64 info = threadIdx.x == SMALL_H_OP    ? op_status
                        : threadIdx.x == SMALL_H_SIG ? static_cast<u64>(a.sig) & 0xFFFFFFFFull
                                                     : static_cast<u64>(n);
-      st_relaxed_sys_global(out + threadIdx.x, fs | info);
+      small_store(out + threadIdx.x, fs | info);
     }
     const u8* src = a.send + peer * n;
     const bool aligned = (reinterpret_cast<u64>(src) & 3) == 0;
     for (i64 i = w0 + threadIdx.x; i < w1; i += blockDim.x)
-      st_relaxed_sys_global(out + SMALL_DATA_WORD + i, fs | small_pack(src, i, n, aligned));
+      small_store(out + SMALL_DATA_WORD + i, fs | small_pack(src, i, n, aligned));
     if (a.trace != nullptr) {  // the item's payload bytes (the words: twice as many on the wire)
       __syncthreads();
       if (threadIdx.x == 0)
-        trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_SEND, t0, 0, peer, min(4 * w1, n) - min(4 * w0, n), qs, qs);
+        trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_SEND, t0, 0, peer, min(4 * w1, n) - min(4 * w0, n), qs,
+                     qs);
     }
   }
 
@@ -287,7 +293,7 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
       for (i64 i = w0 + threadIdx.x; i < w1 && !*abort_flag; i += kBatch * stride) {
         u64 v[kBatch];
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) v[u] = i + u * stride < w1 ? ld_relaxed_sys_global(words + i + u * stride) : 0;
+        for (int u = 0; u < kBatch; ++u) v[u] = i + u * stride < w1 ? small_load(words + i + u * stride) : 0;
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           const i64 j = i + u * stride;

@@ -197,7 +197,10 @@ class Config:
         bytes on the wire, a fraction of the latency). The choice follows the call's size, which every rank agrees
         on. ``0``: off (every call through the rings). ``None``: ``CUPY_SYMBUF_SMALL_BYTES`` if set, else
         ``DEFAULT_SMALL_BYTES`` (1 MiB) on the GPU; the host backend has no small protocol (0). The region takes
-        about ``4 * small_bytes`` per rank. Must be the same on every rank (it shapes the buffer).
+        about ``4 * small_bytes`` per rank. Must be the same on every rank (it shapes the buffer). A symmetric
+        ``sendbuf`` of that size takes it too (the choice may not depend on one rank's buffer; ``mode`` applies
+        above it); telemetry (``trace``) records its calls; the device load counters of ``adaptive`` count ring
+        traffic only.
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
     ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``, ``adaptive_interval <= 2**31``,
@@ -225,7 +228,8 @@ class Config:
     small_bytes: Optional[int] = dataclasses.field(default_factory=_env_small_bytes)
 
     def __post_init__(self) -> None:
-        for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints", "small_bytes"):  # accept NumPy integers too
+        # accept NumPy integers too
+        for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints", "small_bytes"):
             value = getattr(self, name)
             if _is_int(value):
                 object.__setattr__(self, name, int(value))

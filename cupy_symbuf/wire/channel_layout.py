@@ -20,7 +20,7 @@ Every rank's buffer has the same map. It is carved in order, channel first, then
                          (cupy_symbuf.wire.protocol SMALL_*): SMALL_CTRL_BYTES of local control words, then for
                          half h in (0, 1) (call sequence number & 1), for source rank s: slot of small_slot_bytes =
                          [header line | one 8-byte word (4 payload bytes + the call's flag) per 4 bytes, up to
-                         small_peer_bytes], written by s (remote, st.relaxed.sys), polled by us.
+                         small_peer_bytes], written by s (remote, 8-byte st.volatile), polled by us.
     abort:               one line: [flag, aborting rank, reason, peer, channel, detail], written by whoever aborts
                          into every rank's buffer (cupy_symbuf.wire.protocol).
 
@@ -235,7 +235,8 @@ class ChannelLayout:
                 f"{self.small_peer_bytes} B per peer: header line + one 8-byte word per 4 payload bytes, flag in data)")
         else:
             lines.append("  small: none (small-message protocol off)")
-        lines.append(f"  abort line at {self.abort_offset}: {LINE_BYTES} B (flag, aborting rank, reason, peer, channel)")
+        lines.append(f"  abort line at {self.abort_offset}: {LINE_BYTES} B (flag, aborting rank, reason, peer, "
+                     f"channel)")
         return "\n".join(lines)
 
 

@@ -237,15 +237,16 @@ FLAG_PUSH = 4
 #: 2 ranks: 149 against 159): the kernel boundaries and the two cross-rank hand-offs cost ~40 us a call.
 CE_MIN_BYTES = 16 << 20
 
-#: The small-message protocol (flag in data, NCCL's LL idea; ``cuda_src/small_exchange.cu`` ``symbuf_small_alltoall``).
-#: A GPU ``alltoall`` of at most ``ChannelLayout.small_peer_bytes`` per peer (decided from the call's size, which is
-#: part of the agreed call, so alike on every rank) moves through the small region of the RECEIVER's buffer
-#: (``ChannelLayout.small_offset``): SMALL_CTRL_BYTES of control words (int32 per peer: the blocks of the current
-#: launch that finished with that peer, local), then two halves (h = call sequence number & 1), each with one slot of
-#: ``small_slot_bytes`` per source rank. A slot: a header line of SMALL_HDR_WORDS words, then one word per 4 bytes
-#: of payload from word SMALL_DATA_WORD on. Every word is 8 bytes stored at once (st.relaxed.sys, naturally
-#: aligned, so single-copy atomic): low 32 bits the datum, high 32 bits the flag of the call, ``small_flag(seq)``,
-#: never 0 (so a zeroed word never matches) and different for seq and seq - 2 (the previous user of the half).
+#: The small-message protocol (flag in data, NCCL's LL idea; ``cuda_src/small_exchange.cu``,
+#: ``symbuf_small_alltoall``). A GPU ``alltoall`` of at most ``ChannelLayout.small_peer_bytes`` per peer (decided
+#: from the call's size, which is part of the agreed call, so alike on every rank) moves through the small region of
+#: the RECEIVER's buffer (``ChannelLayout.small_offset``): SMALL_CTRL_BYTES of control words (int32 per peer: the
+#: work items of the current launch that finished with that peer, local), then two halves (h = call sequence number
+#: & 1), each with one slot of ``small_slot_bytes`` per source rank. A slot: a header line of SMALL_HDR_WORDS words,
+#: then one word per 4 bytes of payload from word SMALL_DATA_WORD on. Every word is 8 bytes stored at once (a
+#: relaxed system-scope st.volatile, naturally aligned, so single-copy atomic): low 32 bits the datum, high 32 bits
+#: the flag of the call, ``small_flag(seq)``, never 0 (so a zeroed word never matches) and different for seq and
+#: seq - 2 (the previous user of the half).
 #: Header words: SMALL_H_OP = op | status << 8, SMALL_H_SIG = the call's row signature, SMALL_H_BYTES = bytes per
 #: peer. The call's sequence number is the ring's: a small call advances STATE_SEQ of every (channel, peer) state
 #: line on both sides and leaves STATE_COUNTER alone, so ring calls before and after it carry the same numbers as
