@@ -367,3 +367,13 @@ def test_config_small_bytes(monkeypatch):
     monkeypatch.setenv("CUPY_SYMBUF_SMALL_BYTES", "lots")
     with pytest.raises(ValueError, match="CUPY_SYMBUF_SMALL_BYTES"):
         cs.Config()
+
+
+def test_mode_mismatch_message_names_the_small_protocol():
+    """The error a small receiver raises when a peer sent the same call through the rings (another size)."""
+    from cupy_symbuf.common.errors import mismatch_error
+    err = mismatch_error("alltoall", 0, 1, 0, P.FIELD_MODE, P.MODE_SMALL, P.MODE_RING)
+    assert isinstance(err, cs.SymBufferMismatchError) and err.peer == 1 and "mode" in err.field
+    assert "small-message protocol" in str(err) and "another size" in str(err)
+    other = mismatch_error("alltoall", 0, 1, 0, P.FIELD_MODE, P.MODE_RING, 7)
+    assert "none of ring" in str(other)
