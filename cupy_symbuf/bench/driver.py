@@ -524,7 +524,8 @@ def main(argv=None) -> int:
         if me == 0:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
                   f"chunk={c.config.chunk_bytes} slots={c.config.num_slots} transport={c.transport}"
-                  + (f" ({c.transport_reason})" if c.transport == "staged" else ""))
+                  + (f" ({c.transport_reason})" if c.transport == "staged" else "")
+                  + (f" small_bytes={c.layout.small_bytes}" if c.backend == "cuda" else ""))
             if c.backend == "cuda":
                 tr = c.engine.transport
                 k = tr.ring_kernel
