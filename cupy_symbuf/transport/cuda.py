@@ -557,7 +557,7 @@ class CudaTransport:
         op = plan.op
         self.check(op)
         stream = cp.cuda.get_current_stream()
-        if not x.flags.c_contiguous:  # the kernel reads one byte run per peer
+        if not x._c_contiguous:  # the kernel reads one byte run per peer
             x = cp.ascontiguousarray(x)
             if stream.is_capturing():  # a captured kernel reads it at every replay
                 self.graph_keep.append(x)
