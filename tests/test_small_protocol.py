@@ -377,3 +377,95 @@ def test_mode_mismatch_message_names_the_small_protocol():
     assert "small-message protocol" in str(err) and "another size" in str(err)
     other = mismatch_error("alltoall", 0, 1, 0, P.FIELD_MODE, P.MODE_RING, 7)
     assert "none of ring" in str(other)
+
+
+# ---- the GPU path's host code without a GPU (tests/_gpu_stub.py: launches recorded, addresses made up) -------------
+
+def _stub():
+    pytest.importorskip("cupy")
+    import _gpu_stub as S
+    return S
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_host_picks_the_protocol_by_size_and_fills_its_launch(world_size):
+    """At or under small_bytes // world_size per peer one symbuf_small_alltoall launch whose arguments say this call
+    (bytes per peer, op, the plan's signature, the send and receive arrays, items per peer, at most the rank's
+    num_sms blocks of SMALL_THREADS); one byte more per peer: the ring kernel. Decided from the size alone."""
+    S = _stub()
+    cp = S.cupy
+    from cupy_symbuf.collectives.alltoall import alltoall
+    with S.stubbed() as (launches, stream):
+        eng = S.engine(launches, world_size=world_size)
+        tr = eng.transport
+        T = eng.layout.small_peer_bytes
+        assert T == (1 << 20) // world_size and eng.small_total == T * world_size
+        blocks = 2 * eng.layout.num_channels
+        for per_peer, small in ((1, True), (4095, True), (T, True), (T + 1, False)):
+            x = cp.empty((world_size, per_peer), np.uint8)
+            launches.clear()
+            y = alltoall(eng, x)
+            assert [e[0] for e in launches.log] == ["symbuf_small_alltoall" if small else "ring"], per_peer
+            if not small:
+                continue
+            _, args, grid, block, _ = launches.log[0]
+            plan = eng.rows_plan("alltoall", x, np.ones(world_size, np.int64))
+            per = max(1, min(-(-(-(-per_peer // 4)) // P.SMALL_WORDS_PER_ITEM), blocks // world_size))
+            assert (args["bytes"], args["op"], args["sig"]) == (per_peer, P.OPS["alltoall"], plan.sig)
+            assert (args["send"], args["recv"]) == (x.data.ptr, y.data.ptr)
+            assert args["items_per_peer"] == per and grid == min(world_size * per, blocks)
+            assert block == P.SMALL_THREADS and grid <= blocks
+            assert (args["small_offset"], args["slot_bytes"]) == (eng.layout.small_offset, eng.layout.small_slot_bytes)
+        assert tr.small_calls == 3
+
+
+def test_host_small_protocol_off_and_the_rejection_form():
+    """small_bytes=0: every alltoall through the rings. A rejected alltoall is the ring kernel's FLAG_REJECT launch
+    whatever the size, with the small region in its descriptor (its receivers watch the peers' small headers)."""
+    S = _stub()
+    cp = S.cupy
+    from cupy_symbuf.collectives.alltoall import alltoall
+    with S.stubbed() as (launches, stream):
+        off = S.engine(launches, small_bytes=0)
+        assert off.small_total == -1 and off.transport._l_small is None
+        alltoall(off, cp.empty((2, 8), np.float32))
+        assert [e[0] for e in launches.log] == ["ring"]
+        assert launches.log[0][1][P.DESC_SMALL_OFFSET] == 0
+        eng = S.engine(launches)
+        launches.clear()
+        with pytest.raises(ValueError, match="world_size"):
+            alltoall(eng, cp.empty((3, 8), np.float32))
+        assert [e[0] for e in launches.log] == ["ring"]
+        words = launches.log[0][1]
+        assert words[P.DESC_FLAGS] & P.FLAG_REJECT and words[P.DESC_OP] == P.OPS["alltoall"]
+        assert (words[P.DESC_SMALL_OFFSET], words[P.DESC_SMALL_SLOT_BYTES]) == \
+            (eng.layout.small_offset, eng.layout.small_slot_bytes)
+
+
+@pytest.mark.parametrize("small_bytes", [None, 0], ids=["small", "ring"])
+def test_host_strided_sendbuf_copied_and_kept_while_capturing(small_bytes):
+    """A sendbuf with a row stride goes as a contiguous copy; while the stream is being captured the copy is kept
+    for the replays (the engine's graph_keep, released by close()), by either protocol: else the pool could hand
+    its memory to another array after the capture and every replay would write the copy over that array."""
+    S = _stub()
+    cp = S.cupy
+    from cupy_symbuf.collectives.alltoall import alltoall
+    with S.stubbed() as (launches, stream):
+        eng = S.engine(launches, **({} if small_bytes is None else {"small_bytes": small_bytes}))
+        kind = "symbuf_small_alltoall" if small_bytes is None else "ring"
+
+        def sent():
+            k, args = launches.log[-1][:2]
+            assert k == kind
+            return args["send"] if k != "ring" else args[P.DESC_SEND_PARTS]
+
+        wide = cp.empty((2, 64), np.uint8)
+        x = wide[:, :32]
+        alltoall(eng, x)
+        assert sent() != x.data.ptr and not eng.graph_keep  # outside a capture nothing is kept
+        stream.capturing = True
+        try:
+            alltoall(eng, x)
+            assert sent() in [a.data.ptr for a in eng.graph_keep if hasattr(a, "data")]
+        finally:
+            stream.capturing = False

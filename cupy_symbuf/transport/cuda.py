@@ -141,14 +141,6 @@ class CudaTransport:
         self._sym_rows = [None] * P.SYM_TABLE_ROWS  # segment id per row
         d[DESC_SYM_TABLE], d[DESC_DIRECT_ALLOC], d[DESC_DIRECT_OFFSET] = int(self.sym_table.data.ptr), -1, 0
         d[P.DESC_PUSH_ALLOC: P.DESC_PUSH_ALLOC + MAX_PARTS] = -1
-        #: the small-message protocol (Config.small_bytes): an alltoall of at most this many bytes per peer goes by
-        #: it (``exchange_small``); 0: off. A rejected alltoall's ring kernel watches the peers' small headers.
-        self.small_peer_bytes = layout.small_peer_bytes if self.world_size > 1 else 0
-        d[P.DESC_SMALL_OFFSET] = layout.small_offset if self.small_peer_bytes else 0
-        d[P.DESC_SMALL_SLOT_BYTES] = layout.small_slot_bytes if self.small_peer_bytes else 0
-        #: calls that went by the small-message protocol (tests, stats)
-        self.small_calls = 0
-        self._l_small = None
         #: calls this rank sent in direct mode, and dispatches whose outputs its peers pushed into (tests, stats)
         self.direct_calls = 0
         self.push_calls = 0
@@ -180,15 +172,7 @@ class CudaTransport:
             self.world_size, layout.num_channels
         a.region_bytes, a.channel_bytes, a.abort_offset, a.timeout_ns, a.status = layout.region_bytes, \
             layout.channel_bytes, layout.abort_offset, int(self.timeout_ns), self.status.ptr
-        if self.small_peer_bytes:
-            self._l_small = _kernels.Launcher(_kernels.get_function(SMALL_SOURCE, SMALL_KERNEL), "SmallArgs")
-            a = self._l_small.args
-            a.peer_bases, a.rank, a.world_size, a.num_channels = int(buf.peer_ptrs_device.data.ptr), self.rank, \
-                self.world_size, layout.num_channels
-            a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes = layout.region_bytes, layout.channel_bytes, \
-                layout.num_slots, layout.chunk_bytes
-            a.small_offset, a.slot_bytes, a.abort_offset, a.timeout_ns, a.status = layout.small_offset, \
-                layout.small_slot_bytes, layout.abort_offset, int(self.timeout_ns), self.status.ptr
+        self._init_small(int(buf.peer_ptrs_device.data.ptr))
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
@@ -213,6 +197,32 @@ class CudaTransport:
         self.graph_keep = []
         #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
         self.pending_rejection = None
+
+    def _init_small(self, peer_bases: int) -> None:
+        """The small-message protocol (``Config.small_bytes``, at construction): :attr:`small_peer_bytes` (an
+        ``alltoall`` of at most this many bytes per peer goes by it, :meth:`exchange_small`; 0: off), the static
+        fields of its kernel's argument (this communicator's own launcher), and the descriptor words with which a
+        rejected alltoall's ring kernel watches the peers' small headers. ``peer_bases``: device address of every
+        rank's buffer base."""
+        layout = self.layout
+        #: an alltoall of at most this many bytes per peer goes by the small-message protocol; 0: off
+        self.small_peer_bytes = layout.small_peer_bytes if self.world_size > 1 else 0
+        #: calls that went by the small-message protocol (tests, stats)
+        self.small_calls = 0
+        self._l_small = None
+        on = bool(self.small_peer_bytes)
+        self._desc[P.DESC_SMALL_OFFSET] = layout.small_offset if on else 0
+        self._desc[P.DESC_SMALL_SLOT_BYTES] = layout.small_slot_bytes if on else 0
+        if not on:
+            return
+        self._l_small = _kernels.new_launcher(SMALL_SOURCE, SMALL_KERNEL)
+        a = self._l_small.args
+        a.peer_bases, a.rank, a.world_size, a.num_channels = peer_bases, self.rank, self.world_size, \
+            layout.num_channels
+        a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes = layout.region_bytes, layout.channel_bytes, \
+            layout.num_slots, layout.chunk_bytes
+        a.small_offset, a.slot_bytes, a.abort_offset = layout.small_offset, layout.small_slot_bytes, layout.abort_offset
+        a.timeout_ns, a.status = int(self.timeout_s * 1e9), self.status.ptr
 
     def _bind_ring(self, defines) -> None:
         """Compile (or fetch) the ring kernel variant ``defines`` and make it the one every call launches."""
