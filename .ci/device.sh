@@ -11,6 +11,10 @@
 #                   rank sees ordinal 0. Skipped on one GPU.
 #   faults          tests/test_faults.py on the GPU path (single-process pytest that launches mpirun per case)
 #   ll              tests/test_low_latency.py and tests/test_deepep.py at 1, 2 and 4 ranks (MPS)
+#   small           the small-message alltoall's tests: SMALL_TESTS (default tests/test_small_protocol.py,
+#                   test_alltoall.py, test_agreement.py; cuda only) at 1 rank and at SMALL_RANKS (default 2 4; MPS)
+#   small-bench     --control with the small-message alltoall on and off (--small-bytes 0), one after the other, at
+#                   SMALL_BENCH_RANKS (default 2; MPS), ITERS (30) calls a row
 #   deepep          DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unmodified, over the shim
 #                   (tests/external/run_deepep.py; needs .external/DeepEP carried: tests/external/README.md) at
 #                   DEEPEP_RANKS (default 2 4; MPS); DEEPEP_TESTS (default "intranode low_latency"), DEEPEP_ARGS
@@ -175,7 +179,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 multi cvd faults ll deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
+STAGE_NAMES="suite1 multi cvd faults ll small small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -209,6 +213,21 @@ while [ $# -gt 0 ]; do
       run ll1 90 env CUPY_SYMBUF_TEST_BACKENDS=cuda $PYTEST -x $LL
       run ll2 150 $MPIRUN -n 2 $GPU0 $CUDA_ONLY $PYTEST -x $LL
       run ll4 100 $MPIRUN -n 4 $GPU0 $CUDA_ONLY $PYTEST -x tests/test_low_latency.py ;;
+    small)
+      SMALL_TESTS=${SMALL_TESTS:-"tests/test_small_protocol.py tests/test_alltoall.py tests/test_agreement.py"}
+      run small1 ${SMALL_LIMIT:-120} env CUPY_SYMBUF_TEST_BACKENDS=cuda $PYTEST $SMALL_TESTS
+      mps_on
+      for n in ${SMALL_RANKS:-2 4}; do
+        run small$n ${SMALL_LIMIT:-180} $MPIRUN -n "$n" $GPU0 $CUDA_ONLY $PYTEST $SMALL_TESTS
+      done ;;
+    small-bench)
+      mps_on
+      for n in ${SMALL_BENCH_RANKS:-2}; do
+        for sb in on off; do
+          TAIL=30 run "small-control$n-$sb" 150 $MPIRUN -n "$n" $GPU0 $BENCH --control --iters "${ITERS:-30}" \
+            --warmup 5 $([ $sb = off ] && echo --small-bytes 0)
+        done
+      done ;;
     deepep)
       if [ ! -f .external/DeepEP/tests/test_intranode.py ]; then
         echo "== [deepep] no .external/DeepEP/tests (fetch DeepEP and carry .external: tests/external/README.md)"

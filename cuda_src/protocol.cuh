@@ -42,6 +42,51 @@
 // wait of this rank (atomicCAS of STATUS_SEQ), its fields, then STATUS_FLAG = 1 with st.release.sys. Read by the
 // host. STATUS_REJECTED_BY / STATUS_REJECTED_SEQ (a peer rejected a call) are not fatal and never set the flag.
 
+// ---- the small-message protocol's words (wire/protocol.py SMALL_*; the kernel is small_exchange.cu) ---------------
+// In d's buffer, the small region (DESC_SMALL_OFFSET / ChannelLayout.small_offset): control words (local: the
+// launch's finished blocks per peer), then half h = seq & 1, slot of source s: header words SMALL_H_*, then one
+// word per 4 payload bytes from SMALL_DATA_WORD on. Writer: s's small kernel (REMOTE, small_store, 8 bytes:
+// datum | flag << 32). Reader: d's small kernel (LOCAL, small_load until the flag is the call's), and a
+// rejecting d's ring kernel (the header word only: the peer's call went by the small protocol).
+// The call's sequence number seq is the ring's (STATE_SEQ + 1 of the (channel, peer) state lines, equal on both
+// ends of every pair); its flag is never 0 (a zeroed word never matches) and differs from seq - 2's (the previous
+// user of the half).
+__host__ __device__ __forceinline__ u32 small_flag(u64 seq) { return static_cast<u32>(seq % SMALL_FLAG_MOD) + 1u; }
+// One word: a single 8-byte st.volatile / ld.volatile, which the PTX memory model treats as a relaxed access at
+// system scope (sm_70 and later: visible to a peer without a fence, never merged or kept in a register). Naturally
+// aligned, it is single-copy atomic: a reader sees the whole old word or the whole new one, never a new flag with
+// old data.
+__device__ __forceinline__ void small_store(u64* word, u64 v) {
+  st_volatile_global(reinterpret_cast<i64*>(word), static_cast<i64>(v));
+}
+__device__ __forceinline__ u64 small_load(const u64* word) {
+  return static_cast<u64>(ld_volatile_global(reinterpret_cast<const i64*>(word)));
+}
+// Byte offset (in a rank's buffer) of the slot source `source` writes for call `seq`.
+__host__ __device__ __forceinline__ i64 small_slot(i64 small_offset, i64 slot_bytes, u64 seq, int source,
+                                                  int world_size) {
+  return small_offset + SMALL_CTRL_BYTES + (static_cast<i64>(seq & 1ull) * world_size + source) * slot_bytes;
+}
+
+// ---- channel telemetry (Config(trace=True), wire/protocol.py DESC_TRACE) -----------------------------------------
+// One record of an event that began at t0 (ns) and ends now into the trace buffer `buf` of `cap` records (nullptr:
+// none): word 0 counts the events (records past the capacity are counted, not kept).
+__device__ __noinline__ void trace_record(i64* buf, i64 cap, i64 seq, i64 op, int kind, u64 t0, int channel, int peer,
+                                         i64 bytes, u64 head, u64 tail) {
+  if (buf == nullptr) return;
+  const u64 i = atomicAdd(reinterpret_cast<unsigned long long*>(buf), 1ull);
+  if (i >= static_cast<u64>(cap)) return;  // counted, not kept
+  i64* r = buf + TRACE_HDR_WORDS + static_cast<i64>(i) * TRACE_WORDS;
+  r[0] = static_cast<i64>(t0);
+  r[1] = static_cast<i64>(globaltimer_ns());
+  r[2] = seq;
+  r[3] = (op & 0xFF) | (static_cast<i64>(kind) << 8) | (static_cast<i64>(channel & 0xFFFF) << 16) |
+         (static_cast<i64>(peer + 1) << 32);
+  r[4] = bytes;
+  r[5] = static_cast<i64>(head);
+  r[6] = static_cast<i64>(tail);
+}
+
 // What every bounded wait of a launch needs; one per block in shared memory (the copy loops keep their registers).
 struct WaitCtx {
   i64* status;            // the error record

@@ -19,7 +19,8 @@
 //   direct pull  (MODE_DIRECT) sender: the header alone, then wait for the hand-back; receiver: its copy warps
 //                pull_direct_share (and our sender group's helpers help_pull_direct), the leader direct_done.
 //   copy engine  (FLAG_CE) headers only; the host's copy engine moves the rows, symbuf_ce_finish hands back.
-//   reject       (FLAG_REJECT) headers only: HDR_REJECTED out, drain_rejected in.
+//   reject       (FLAG_REJECT) headers only: HDR_REJECTED out, drain_rejected in (an alltoall: or a peer's small
+//                header in, accept_small_rejected, when its call went by the small protocol, small_exchange.cu).
 // Every wait is bounded by DESC_TIMEOUT_NS and polls this rank's abort word (protocol.cuh, SpinBudget); the first
 // failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
 #define SYMBUF_BULK_KERNEL 1  // the ring kernel may copy with cp.async.bulk (SYMBUF_BULK, primitives.cuh)
@@ -38,21 +39,10 @@
 
 #if SYMBUF_TRACE
 // One trace record (layout: wire/protocol.py DESC_TRACE) of an event that began at t0 (ns) and ends now.
-__device__ __noinline__ void trace_event(const i64* desc, int kind, u64 t0, int channel, int peer, i64 bytes,
-                                         u64 head, u64 tail) {
-  i64* buf = reinterpret_cast<i64*>(desc[DESC_TRACE]);
-  if (buf == nullptr) return;
-  const u64 i = atomicAdd(reinterpret_cast<unsigned long long*>(buf), 1ull);
-  if (i >= static_cast<u64>(desc[DESC_TRACE_CAP])) return;  // counted, not kept
-  i64* r = buf + TRACE_HDR_WORDS + static_cast<i64>(i) * TRACE_WORDS;
-  r[0] = static_cast<i64>(t0);
-  r[1] = static_cast<i64>(globaltimer_ns());
-  r[2] = desc[DESC_SEQ];
-  r[3] = (desc[DESC_OP] & 0xFF) | (static_cast<i64>(kind) << 8) | (static_cast<i64>(channel & 0xFFFF) << 16) |
-         (static_cast<i64>(peer + 1) << 32);
-  r[4] = bytes;
-  r[5] = static_cast<i64>(head);
-  r[6] = static_cast<i64>(tail);
+__device__ __forceinline__ void trace_event(const i64* desc, int kind, u64 t0, int channel, int peer, i64 bytes,
+                                           u64 head, u64 tail) {
+  trace_record(reinterpret_cast<i64*>(desc[DESC_TRACE]), desc[DESC_TRACE_CAP], desc[DESC_SEQ], desc[DESC_OP], kind,
+               t0, channel, peer, bytes, head, tail);
 }
 #define SYMBUF_TRACE_T0(var) const u64 var = globaltimer_ns()
 #define SYMBUF_TRACE_EVENT(...) trace_event(__VA_ARGS__)
@@ -505,6 +495,14 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
 
   u64 verdict = kGateAbort;  // the leader's: header sent (sender) / checked (receiver)
   if (leader) {
+    // rejecting an alltoall with the small protocol on: a peer whose call would go by it sends its small header
+    // instead of ring headers (HeaderStep::small_hdr)
+    const u64* small_hdr = nullptr;
+    if (reject && !is_sender && s_desc[DESC_OP] == OP_ALLTOALL && s_desc[DESC_SMALL_OFFSET] != 0)
+      small_hdr = reinterpret_cast<const u64*>(reinterpret_cast<const u8*>(peer_bases[rank]) +
+                                               small_slot(s_desc[DESC_SMALL_OFFSET], s_desc[DESC_SMALL_SLOT_BYTES],
+                                                          call_seq, peer, world_size)) +
+                  SMALL_H_OP;
     const HeaderStep h{&s_ctx, ring_region, remote_counter, local_counter, abort_flag, &s_gate[peer], &s_src[peer],
                        reinterpret_cast<const i64*>(s_desc[DESC_SYM_TABLE]),
                        ce ? s_desc[DESC_DIRECT_ALLOC] : -1, ce ? s_desc[DESC_DIRECT_OFFSET] + peers[rank] : 0,
@@ -516,7 +514,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
                        push_mask, s_desc + DESC_PUSH_ALLOC, s_push_delta + peer * MAX_PARTS, recv.row0,
                        s_desc[DESC_PUSH_ROWS],
                        first, static_cast<u64>(num_slots), chunk_bytes, L.region_bytes, row_bytes, peer, role,
-                       is_sender, reject};
+                       is_sender, reject, small_hdr};
     verdict = call_header_step(h, end);
     if (!is_sender && num_help > 0) {  // tell our sender group's helpers (STATE_HELP_*) what to copy
       state[STATE_HELP_SRC] = verdict == kGateDirect ? s_src[peer] : 0ull;

@@ -275,6 +275,10 @@ struct HeaderStep {
   i64 chunk_bytes, region_bytes, row_bytes;
   int peer, role;
   bool is_sender, reject;
+  // receiver of a rank that rejects an alltoall (FLAG_REJECT) while the small protocol is on: the peer's small header
+  // word of this call (SMALL_H_OP of its slot in our small region; nullptr otherwise). A peer whose call would go by
+  // the small protocol sends that instead of ring headers; we consume it and leave our ring counters alone.
+  const u64* small_hdr;
 };
 
 // A fatal difference found by the receiver's leader: recorded, the abort word set on every rank.
@@ -429,6 +433,40 @@ __device__ __forceinline__ u64 accept_ring(const HeaderStep& g, const CallHeader
   return kGateCopy;
 }
 
+// Receiver with g.small_hdr (a rejecting rank, see HeaderStep): wait for the peer's call header in the ring (tail >=
+// first + 1: *ring = true) or for its small header of this call (its flag is the call's: *ring = false); bounded,
+// polling the abort word. `tail` = the last tail read. False (abort set) when the wait failed.
+__device__ __noinline__ bool wait_ring_or_small(const HeaderStep& g, u64& tail, bool& ring) {
+  const u32 flag = small_flag(static_cast<u64>(g.mine.seq));
+  SpinBudget spin(g.ctx);
+  while (true) {
+    tail = ld_acquire_sys_global(g.local_counter);
+    if (tail >= g.first + 1) {
+      ring = true;
+      return true;
+    }
+    if (static_cast<u32>(small_load(g.small_hdr) >> 32) == flag) {
+      ring = false;
+      return true;
+    }
+    if (*g.abort_flag || !spin.ok(ROLE_RECV, g.peer, g.first, tail)) {
+      *g.abort_flag = 1;
+      return false;
+    }
+  }
+}
+
+// Receiver of a rejecting rank, the peer's call went by the small protocol (its small header of this call arrived):
+// the same operation or a fatal FIELD_OP mismatch, as a ring header is checked under a rejection (no signature or
+// size: nothing moves). No ring slot is consumed: our state line keeps its counter (end = first) and counts the
+// call, as the peer's small kernel does with its own; the peer's payload words are never read.
+__device__ __forceinline__ u64 accept_small_rejected(const HeaderStep& g, u64& end) {
+  const i64 op = static_cast<i64>(static_cast<u32>(small_load(g.small_hdr)) & 0xFFu);
+  if (op != g.mine.op) return header_fatal(g, g.mine.op, op, ERR_MISMATCH, FIELD_OP);
+  end = g.first;
+  return kGateSkip;
+}
+
 // The call header, by the leader of a ring group, every call. Sender: send_call_header. Receiver: waits for tail
 // >= first + 1, checks the header (header_agrees), then: the call rejected on either side -> drain_rejected;
 // FLAG_CE -> accept_ce; else the mode the peer's header says: accept_direct, accept_push, accept_ring. Publishes the
@@ -456,7 +494,14 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
     verdict = send_call_header(g, slot);
   } else {  // wait for the header, check it, consume it
     u64 tail = 0;
-    if (wait_for_data(&c, g.peer, g.local_counter, g.first + 1, g.first, g.first, g.num_slots, tail, abort_flag)) {
+    bool ring = true;
+    const bool arrived =
+        g.small_hdr != nullptr
+            ? wait_ring_or_small(g, tail, ring)
+            : wait_for_data(&c, g.peer, g.local_counter, g.first + 1, g.first, g.first, g.num_slots, tail, abort_flag);
+    if (arrived && !ring) {
+      verdict = accept_small_rejected(g, end);
+    } else if (arrived) {
       const CallHeader got = read_call_header(slot);  // after the acquire of tail >= first + 1
       const bool peer_rejects = got.status == HDR_REJECTED;
       if (!header_agrees(g, got, peer_rejects)) verdict = kGateAbort;

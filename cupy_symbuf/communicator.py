@@ -855,6 +855,10 @@ class Communicator:
         before it takes a byte (a difference raises :class:`~cupy_symbuf.SymBufferMismatchError` on every rank
         involved and the communicator is unusable).
 
+        On the GPU a call of at most ``Config.small_bytes`` (default 1 MiB) of ``sendbuf`` goes by the
+        small-message protocol: one kernel, each 4 bytes stored with the call's flag into the receiver's buffer,
+        no ring round trips; the same agreement checks (its header words), rejections and bounded waits.
+
         Raises
         ------
         TypeError

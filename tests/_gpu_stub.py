@@ -192,6 +192,7 @@ def engine(launches, world_size: int = 2, rank: int = 0, **config):
     tr.graph_keep = []
     tr.direct_calls = tr.push_calls = tr.ce_calls = 0
     tr.trace = tr.load = None
+    tr._init_small(0)  # Config.small_bytes: the small-message alltoall's launcher (stubbed) and descriptor words
 
     from cupy_symbuf.transport import kernels as _kernels
     from cupy_symbuf.transport.status import Pinned

@@ -6,7 +6,9 @@ from mpi4py import MPI
 import cupy_symbuf as cs
 from _util import SymmetricSend, random_rows, reference_alltoallv, rng_for, to_backend, to_numpy
 
-SMALL_RING = cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=60)
+# (small_bytes=0: on the GPU every alltoall goes through these rings, not by the small-message protocol, which the
+# `default` fixture's communicator uses for its alltoalls up to 1 MiB and tests/test_small_protocol.py tests)
+SMALL_RING = cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=60, small_bytes=0)
 
 
 # Every test on these fixtures runs three times: with plain sendbufs through the rings (two copies per off-rank

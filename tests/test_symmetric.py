@@ -1,6 +1,8 @@
 """Symmetric arrays (Communicator.empty / zeros / array / free) and direct mode (the receivers copy straight out of
 the sender's symmetric array), against NumPy references; the whole alltoall suite also runs with symmetric
 sendbufs (tests/test_alltoall.py, SymmetricSend)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -407,7 +409,10 @@ def _cuda_comm(comm, config=None):
         pytest.skip("needs a GPU")
     from cupy_symbuf.utils import select_device
     select_device(comm)
-    return cs.Communicator(comm, config or cs.Config(), backend="cuda")
+    config = config or cs.Config()
+    if config.small_bytes is None:  # these tests are about the direct modes: the small-message protocol, which takes
+        config = dataclasses.replace(config, small_bytes=0)  # every alltoall up to its size whatever the sendbuf, off
+    return cs.Communicator(comm, config, backend="cuda")
 
 
 def _send_counters(c):

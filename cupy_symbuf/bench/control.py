@@ -334,6 +334,12 @@ def run(c, comm, timer, args) -> list:
         rate = "" if data["rate"] is None else f"; copy rate {data['rate'] / 1e9:.0f} GB/s (all ranks, {COPY_BYTES >> 20} MiB each)"
         print(f"# control path: {n} tokens x {HIDDEN} float16, top-{TOPK} of {EXPERTS} experts, world_size {W}, "
               f"loop timing over {args.iters} calls (max over ranks), {repeat} pass(es), medians{rate}", flush=True)
+        small = c.layout.small_peer_bytes if c.backend == "cuda" else 0
+        way = {True: "by it", False: "rings"}
+        print("# alltoall rows: " + (f"small-message protocol up to {small} B per peer (Config.small_bytes = "
+                                     f"{c.layout.small_bytes}): 64 KiB row {way[(64 << 10) // W <= small]}, "
+                                     f"1 MiB row {way[(1 << 20) // W <= small]}" if small else
+                                     "through the rings (small-message protocol off)"), flush=True)
     passes = []
     for r in range(repeat):
         passes.append(_pass(c, comm, timer, args, data, skew))

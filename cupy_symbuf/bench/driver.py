@@ -351,6 +351,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="timed calls per size (call timing: median; loop: mean; default 20)")
     ap.add_argument("--warmup", type=_int_at_least(0), default=5, help="untimed calls before timing (default 5)")
     ap.add_argument("--num-sms", type=_int_at_least(2), default=None, help="Config.num_sms (default: per device)")
+    ap.add_argument("--small-bytes", type=_int_at_least(0), default=None,
+                    help="Config.small_bytes: GPU alltoalls up to this many bytes per rank go by the small-message "
+                         "protocol (0: off, every call through the rings; default: CUPY_SYMBUF_SMALL_BYTES, else 1 MiB)")
     ap.add_argument("--chunk-bytes", type=parse_size, default=None,
                     help="Config.chunk_bytes, e.g. 64K (default: per backend)")
     ap.add_argument("--num-slots", type=_int_at_least(2), default=None, help="Config.num_slots (default: Config's)")
@@ -492,6 +495,7 @@ def main(argv=None) -> int:
         cfg = Config(num_sms=args.num_sms, chunk_bytes=args.chunk_bytes, mode=args.mode,
                      adaptive=args.adaptive and args.op != "adaptive",
                      **({} if args.num_slots is None else {"num_slots": args.num_slots}),
+                     **({} if args.small_bytes is None else {"small_bytes": args.small_bytes}),
                      **({} if args.transport is None else {"transport": args.transport}))
     except (TypeError, ValueError) as exc:  # e.g. a bad CUPY_SYMBUF_TRANSPORT / CUPY_SYMBUF_TIMEOUT_S
         ap.error(str(exc))
@@ -520,7 +524,8 @@ def main(argv=None) -> int:
         if me == 0:
             print(f"# cupy_symbuf.bench: backend={c.backend} world_size={W} num_channels={c.layout.num_channels} "
                   f"chunk={c.config.chunk_bytes} slots={c.config.num_slots} transport={c.transport}"
-                  + (f" ({c.transport_reason})" if c.transport == "staged" else ""))
+                  + (f" ({c.transport_reason})" if c.transport == "staged" else "")
+                  + (f" small_bytes={c.layout.small_bytes}" if c.backend == "cuda" else ""))
             if c.backend == "cuda":
                 tr = c.engine.transport
                 k = tr.ring_kernel

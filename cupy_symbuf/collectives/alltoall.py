@@ -71,7 +71,12 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
     except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
         eng.reject(op, notify=False)
         raise
-    eng.run(plan, [x], None, [recv], direct, relaxed)
+    if x is not sendbuf:  # a copy (a strided sendbuf) or an import: a captured launch reads it at every replay
+        eng.keep_for_graph(x)
+    if x.nbytes <= eng.small_total:  # the small-message protocol (GPU): the size decides, alike on every rank
+        eng.run_small(plan, x, recv)
+    else:
+        eng.run(plan, [x], None, [recv], direct, relaxed)
     return recv
 
 

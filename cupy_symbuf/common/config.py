@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["Config", "DEFAULT_GPU_NUM_SMS", "DEFAULT_HOST_NUM_SMS", "MAX_NUM_SMS", "MAX_CHUNK_BYTES", "MAX_NUM_SLOTS",
-           "MAX_NOTIFY_INTS", "MAX_TIMEOUT_S", "TRANSPORTS"]
+           "MAX_NOTIFY_INTS", "MAX_TIMEOUT_S", "TRANSPORTS", "DEFAULT_SMALL_BYTES", "MAX_SMALL_BYTES"]
 
 #: Default SMs for the GPU path when one rank owns a GPU. More SMs keep more bytes in flight over NVLink
 #: (measured on H200: 8 sender blocks with 4 loads in flight per thread already reach ~355 GB/s of SM stores),
@@ -57,6 +57,25 @@ def _env_transport() -> str:
     if value not in TRANSPORTS:
         raise ValueError(f"environment variable CUPY_SYMBUF_TRANSPORT must be one of {TRANSPORTS}, got {value!r}")
     return value
+
+
+#: ``small_bytes`` default on the GPU: alltoalls of up to 1 MiB per rank go by the small-message protocol (the
+#: region costs about 4 MiB per rank whatever the world size).
+DEFAULT_SMALL_BYTES = 1 << 20
+#: ``small_bytes``: the protocol's words carry 4 payload bytes each, so its region is about 4x this per rank.
+MAX_SMALL_BYTES = 64 << 20
+
+
+def _env_small_bytes():
+    """``CUPY_SYMBUF_SMALL_BYTES`` (an int; 0 turns the small-message protocol off), else None (the default)."""
+    value = os.environ.get("CUPY_SYMBUF_SMALL_BYTES", "").strip()
+    if not value:
+        return None
+    try:
+        return int(value, 0)
+    except ValueError:
+        raise ValueError(f"environment variable CUPY_SYMBUF_SMALL_BYTES must be an int (bytes per rank; 0: off), "
+                         f"got {value!r}") from None
 
 
 def env_abort_default() -> bool:
@@ -170,13 +189,26 @@ class Config:
         variable ``CUPY_SYMBUF_TRANSPORT``, else ``"auto"``. Must be the same on every rank (it is compared at
         construction). The host backend ignores it (its buffer is always shared memory). Design: NCCL's SHM
         transport for GPUs without P2P (``NCCL_P2P_DISABLE``), a host-memory staging buffer.
+    small_bytes : int or None
+        GPU path: an ``alltoall`` whose ``sendbuf`` holds at most this many bytes (at most ``small_bytes //
+        world_size`` per peer) goes by the small-message protocol (NCCL's LL idea): each 4 bytes travel with the
+        call's flag in one 8-byte store into the receiver's buffer, and the receiver polls the words themselves, so
+        the call needs no ring header, tail or head round trip and no second copy out of a ring slot (twice the
+        bytes on the wire, a fraction of the latency). The choice follows the call's size, which every rank agrees
+        on. ``0``: off (every call through the rings). ``None``: ``CUPY_SYMBUF_SMALL_BYTES`` if set, else
+        ``DEFAULT_SMALL_BYTES`` (1 MiB) on the GPU; the host backend has no small protocol (0). The region takes
+        about ``4 * small_bytes`` per rank. Must be the same on every rank (it shapes the buffer). A symmetric
+        ``sendbuf`` of that size takes it too (the choice may not depend on one rank's buffer; ``mode`` applies
+        above it); telemetry (``trace``) records its calls; the device load counters of ``adaptive`` count ring
+        traffic only.
 
     Bounds: ``num_sms <= 1024`` (and ``<= 2 *`` the GPU's SM count on cuda), ``chunk_bytes <= 64 MiB``,
-    ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``, ``adaptive_interval <= 2**31``; the resulting buffer must also fit
+    ``num_slots <= 4096``, ``max_notify_ints <= 2**20``, ``timeout_s <= 1e9``, ``adaptive_interval <= 2**31``,
+    ``small_bytes <= 64 MiB``; the resulting buffer must also fit
     in free memory (checked before allocating).
 
     Agreement: every rank of a Communicator must have the same resolved values of ``num_sms``, ``chunk_bytes``,
-    ``num_slots``, ``max_notify_ints`` and ``transport`` (they shape the wire); construction raises ``ValueError`` on
+    ``num_slots``, ``max_notify_ints``, ``small_bytes`` and ``transport`` (they shape the wire); construction raises ``ValueError`` on
     every rank naming the field otherwise. ``timeout_s``, ``blocking``, ``abort_on_failure``, ``mode``, ``trace``,
     ``adaptive`` and ``adaptive_interval`` are local policy and may differ between ranks.
     """
@@ -193,9 +225,11 @@ class Config:
     adaptive: bool = False
     adaptive_interval: int = 100
     transport: str = dataclasses.field(default_factory=_env_transport)
+    small_bytes: Optional[int] = dataclasses.field(default_factory=_env_small_bytes)
 
     def __post_init__(self) -> None:
-        for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints"):  # accept NumPy integers too
+        # accept NumPy integers too
+        for name in ("num_sms", "chunk_bytes", "num_slots", "max_notify_ints", "small_bytes"):
             value = getattr(self, name)
             if _is_int(value):
                 object.__setattr__(self, name, int(value))
@@ -245,6 +279,10 @@ class Config:
         if not _is_int(self.adaptive_interval) or not 1 <= self.adaptive_interval <= 2 ** 31:
             raise ValueError(f"Config: adaptive_interval must be an int >= 1 and <= 2**31 (eager calls between "
                              f"re-balances), got {self.adaptive_interval!r}")
+        if self.small_bytes is not None and (not isinstance(self.small_bytes, int) or
+                                             not 0 <= self.small_bytes <= MAX_SMALL_BYTES):
+            raise ValueError(f"Config: small_bytes must be None or an int in [0, {MAX_SMALL_BYTES}] (bytes per rank of "
+                             f"an alltoall that goes by the small-message protocol; 0: off), got {self.small_bytes!r}")
         if self.mode not in MODES:
             raise ValueError(f"Config: mode must be one of {MODES}, got {self.mode!r}")
         if self.transport not in TRANSPORTS:
@@ -259,8 +297,8 @@ class Config:
 
     def resolved(self, backend: str, *, ranks_per_gpu: int = 1, gpu_sm_count: int = 132,
                  world_size: int = 1) -> "Config":
-        """Return a copy with ``num_sms``, ``chunk_bytes`` and ``num_slots`` filled in for ``backend`` ("cuda" or
-        "host") and ``world_size`` ranks."""
+        """Return a copy with ``num_sms``, ``chunk_bytes``, ``num_slots`` and ``small_bytes`` filled in for
+        ``backend`` ("cuda" or "host") and ``world_size`` ranks."""
         num_sms = self.num_sms
         chunk = self.chunk_bytes
         slots = self.num_slots
@@ -285,4 +323,5 @@ class Config:
                 num_sms = DEFAULT_HOST_NUM_SMS
             if chunk is None:
                 chunk = 256 * 1024
-        return dataclasses.replace(self, num_sms=num_sms, chunk_bytes=chunk, num_slots=slots)
+        small = 0 if backend != "cuda" else (DEFAULT_SMALL_BYTES if self.small_bytes is None else self.small_bytes)
+        return dataclasses.replace(self, num_sms=num_sms, chunk_bytes=chunk, num_slots=slots, small_bytes=small)

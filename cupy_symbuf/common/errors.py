@@ -135,6 +135,9 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
                     f"{units} bytes"
             return f"{units} rows"
         detail = f"this rank expects {rows(expected)} from rank {peer} (its recv_counts), rank {peer} sends {rows(got)}"
+    elif field == P.FIELD_MODE and expected == P.MODE_SMALL:
+        detail = (f"this rank's call goes by the small-message protocol (at most Config.small_bytes per rank), rank "
+                  f"{peer} sent this call through the rings (transfer mode {got}): its call has another size")
     elif field == P.FIELD_MODE:
         detail = (f"transfer mode {got} is none of ring ({P.MODE_RING}), direct ({P.MODE_DIRECT}) or cross-memory "
                   f"attach ({P.MODE_CMA}): not this protocol")

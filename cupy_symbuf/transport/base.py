@@ -87,6 +87,11 @@ class DeviceTransport(Transport, Protocol):
         """Wait for the last queued count exchange; int64 ``[world_size, 3 + M]``."""
         ...
 
+    def exchange_small(self, plan, x, recv) -> list:
+        """One ``alltoall`` by the small-message protocol (flag in data; at most ``small_peer_bytes`` per peer,
+        attribute ``small_peer_bytes``, 0: off); returns the ranks that rejected it when it waited (``blocking``)."""
+        ...
+
     def sent_meta(self, M: int) -> np.ndarray:
         """int64 ``[world_size, M]``: what the last echoed count exchange sent."""
         ...

@@ -35,6 +35,9 @@ RING_SOURCE = "ring_exchange.cu"
 RING_KERNEL = "symbuf_ring_exchange"
 NOTIFY_KERNEL = "symbuf_notify"
 CE_KERNEL = "symbuf_ce_finish"
+#: The small-message alltoall (``cuda_src/small_exchange.cu``).
+SMALL_SOURCE = "small_exchange.cu"
+SMALL_KERNEL = "symbuf_small_alltoall"
 
 # re-exported for tests and tools that read descriptor words
 DESC = {n: getattr(P, n) for n in dir(P) if n.startswith("DESC_")}
@@ -169,6 +172,7 @@ class CudaTransport:
             self.world_size, layout.num_channels
         a.region_bytes, a.channel_bytes, a.abort_offset, a.timeout_ns, a.status = layout.region_bytes, \
             layout.channel_bytes, layout.abort_offset, int(self.timeout_ns), self.status.ptr
+        self._init_small(int(buf.peer_ptrs_device.data.ptr))
         if int(self._k_ring.max_threads_per_block) < geo.max_threads:
             raise RuntimeError(f"{RING_KERNEL}: compiled for {self._k_ring.max_threads_per_block} threads per "
                                f"block, fewer than its variant's {geo.max_threads} (register limit?)")
@@ -193,6 +197,32 @@ class CudaTransport:
         self.graph_keep = []
         #: set by close(): a peer's rejection of a queued call never reported (Communicator.close raises it)
         self.pending_rejection = None
+
+    def _init_small(self, peer_bases: int) -> None:
+        """The small-message protocol (``Config.small_bytes``, at construction): :attr:`small_peer_bytes` (an
+        ``alltoall`` of at most this many bytes per peer goes by it, :meth:`exchange_small`; 0: off), the static
+        fields of its kernel's argument (this communicator's own launcher), and the descriptor words with which a
+        rejected alltoall's ring kernel watches the peers' small headers. ``peer_bases``: device address of every
+        rank's buffer base."""
+        layout = self.layout
+        #: an alltoall of at most this many bytes per peer goes by the small-message protocol; 0: off
+        self.small_peer_bytes = layout.small_peer_bytes if self.world_size > 1 else 0
+        #: calls that went by the small-message protocol (tests, stats)
+        self.small_calls = 0
+        self._l_small = None
+        on = bool(self.small_peer_bytes)
+        self._desc[P.DESC_SMALL_OFFSET] = layout.small_offset if on else 0
+        self._desc[P.DESC_SMALL_SLOT_BYTES] = layout.small_slot_bytes if on else 0
+        if not on:
+            return
+        self._l_small = _kernels.new_launcher(SMALL_SOURCE, SMALL_KERNEL)
+        a = self._l_small.args
+        a.peer_bases, a.rank, a.world_size, a.num_channels = peer_bases, self.rank, self.world_size, \
+            layout.num_channels
+        a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes = layout.region_bytes, layout.channel_bytes, \
+            layout.num_slots, layout.chunk_bytes
+        a.small_offset, a.slot_bytes, a.abort_offset = layout.small_offset, layout.small_slot_bytes, layout.abort_offset
+        a.timeout_ns, a.status = int(self.timeout_s * 1e9), self.status.ptr
 
     def _bind_ring(self, defines) -> None:
         """Compile (or fetch) the ring kernel variant ``defines`` and make it the one every call launches."""
@@ -284,6 +314,8 @@ class CudaTransport:
         from .trace import DeviceRecorder
         self.trace = DeviceRecorder(capacity)
         self._desc[P.DESC_TRACE], self._desc[P.DESC_TRACE_CAP] = self.trace.ptr, self.trace.capacity
+        if self._l_small is not None:  # the small-message kernel records its items too (a runtime check, no build)
+            self._l_small.args.trace, self._l_small.args.trace_cap = self.trace.ptr, self.trace.capacity
         self._bind_ring(self._variant())
         return self.trace
 
@@ -518,6 +550,44 @@ class CudaTransport:
             self._copy_engine_pull(plan, direct, recv_parts[0], stream, int(d[DESC_SEQ]))
         if self.kernel_events is not None:
             self.kernel_events[1].record(stream)
+        if self.blocking:
+            self.check(op, stream)
+            rejected = self.take_rejected()
+            return [] if rejected is None else [rejected[0]]
+        return []
+
+    def exchange_small(self, plan, x, recv) -> list:
+        """One ``alltoall`` of ``plan`` by the small-message protocol (``cuda_src/small_exchange.cu``): ``x`` and
+        ``recv`` are CuPy arrays of the same shape ``[world_size, ...]`` and dtype, ``recv`` C-contiguous, at most
+        :attr:`small_peer_bytes` per peer (the caller checked it: every rank decides from the same agreed size).
+        One launch on the current stream, nothing read on the host (graph-capturable). Returns ``[]`` once queued;
+        with ``self.blocking`` once it ended, with the rank that rejected the call (its rows in ``recv`` are not
+        delivered). Raises an error an earlier kernel recorded, before anything else."""
+        cp = _compat.cupy
+        op = plan.op
+        self.check(op)
+        stream = cp.cuda.get_current_stream()
+        if not x._c_contiguous:  # the kernel reads one byte run per peer
+            x = cp.ascontiguousarray(x)
+            if stream.is_capturing():  # a captured kernel reads it at every replay
+                self.graph_keep.append(x)
+        W = self.world_size
+        n = x.nbytes // W
+        # items of SMALL_WORDS_PER_ITEM words per peer, on at most the rank's SM share of blocks (the ring kernel's
+        # grid): a block takes several items when there are more
+        blocks = 2 * self.layout.num_channels
+        words = -(-n // 4)
+        per = max(1, min(-(-words // P.SMALL_WORDS_PER_ITEM), blocks // W))
+        a = self._l_small.args
+        a.send, a.recv, a.bytes, a.op, a.sig = x.data.ptr, recv.data.ptr, n, plan.op_code, plan.sig
+        a.items_per_peer = per
+        a.seq = self._next_launch(op, stream, plan)
+        if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
+            self.kernel_events[0].record(stream)
+        self._l_small(min(W * per, blocks), P.SMALL_THREADS, stream=stream)
+        if self.kernel_events is not None:
+            self.kernel_events[1].record(stream)
+        self.small_calls += 1
         if self.blocking:
             self.check(op, stream)
             rejected = self.take_rejected()

@@ -136,6 +136,11 @@ class Engine:
                                 interval=config.adaptive_interval)
         #: the GPU's work-sharing kernel counts the loads itself (device counters, device-count calls included)
         self._device_load = backend == "cuda" and config.adaptive and world_size > 1
+        #: the largest ``alltoall`` (bytes of one rank's sendbuf) that goes by the small-message protocol
+        #: (:meth:`run_small`), or -1: off (the host backend, one rank, ``Config.small_bytes=0``). Decided from the
+        #: call's size alone, which every rank agrees on, and from the layout, which they agreed on at construction.
+        peer_bytes = getattr(transport, "small_peer_bytes", 0)
+        self.small_total = peer_bytes * world_size if peer_bytes else -1
 
     def __repr__(self) -> str:
         return f"the communicator of rank {self.rank} (world_size {self.world_size}, backend {self.backend!r})"
@@ -507,6 +512,17 @@ class Engine:
         else:
             rejected = self._run(self.transport.exchange_rows, plan, send_parts, send_index, recv_parts, plan.op,
                                  direct, **self._relaxed(relaxed, direct))
+        self._count(plan)
+        if rejected:
+            self._raise_rejected(plan.op, rejected)
+
+    def run_small(self, plan, x, recv) -> None:
+        """Run the ``alltoall`` ``plan`` of ``x`` (``[world_size, ...]``, at most :attr:`small_total` bytes) into
+        ``recv`` (C-contiguous, its shape and dtype) by the small-message protocol (GPU,
+        ``transport.exchange_small``): one launch, no ring. Raises
+        :class:`~cupy_symbuf.SymBufferRejectedError` when a peer rejected the call (``Config.blocking``; a queued
+        call reports it from ``synchronize``)."""
+        rejected = self._run(self.transport.exchange_small, plan, x, recv)
         self._count(plan)
         if rejected:
             self._raise_rejected(plan.op, rejected)

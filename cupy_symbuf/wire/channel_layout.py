@@ -16,6 +16,11 @@ Every rank's buffer has the same map. It is carved in order, channel first, then
     notify:                                         # count exchange (notify step), double-buffered by call parity
       for parity in (0, 1): for source rank s: slot of notify_slot_bytes =
                          [epoch, op, status, signature | values int64 * max_notify_ints]
+    small:               (GPU, Config.small_bytes > 0 and world_size > 1) the small-message protocol's words
+                         (cupy_symbuf.wire.protocol SMALL_*): SMALL_CTRL_BYTES of local control words, then for
+                         half h in (0, 1) (call sequence number & 1), for source rank s: slot of small_slot_bytes =
+                         [header line | one 8-byte word (4 payload bytes + the call's flag) per 4 bytes, up to
+                         small_peer_bytes], written by s (remote, 8-byte st.volatile), polled by us.
     abort:               one line: [flag, aborting rank, reason, peer, channel, detail], written by whoever aborts
                          into every rank's buffer (cupy_symbuf.wire.protocol).
 
@@ -57,6 +62,9 @@ class ChannelLayout:
         Ring capacity per (channel, peer) in slots, and bytes per slot (multiple of 128).
     max_notify_ints : int
         int64 values per (source rank) notify slot.
+    small_bytes : int
+        Largest ``alltoall`` (bytes of one rank's sendbuf) that goes by the small-message protocol
+        (``Config.small_bytes``; 0: none, and no small region).
     """
 
     world_size: int
@@ -64,12 +72,15 @@ class ChannelLayout:
     num_slots: int
     chunk_bytes: int
     max_notify_ints: int = 1024
+    small_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("world_size", "num_channels", "num_slots", "chunk_bytes", "max_notify_ints"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ChannelLayout: {name} must be a positive int, got {value!r}")
+        if not isinstance(self.small_bytes, int) or not 0 <= self.small_bytes < 1 << 31:  # (a header word's 32 bits)
+            raise ValueError(f"ChannelLayout: small_bytes must be an int in [0, 2**31), got {self.small_bytes!r}")
         if self.chunk_bytes % LINE_BYTES:
             raise ValueError(f"ChannelLayout: chunk_bytes must be a multiple of {LINE_BYTES}, got {self.chunk_bytes}")
 
@@ -77,7 +88,8 @@ class ChannelLayout:
     def from_config(cls, config, world_size: int) -> "ChannelLayout":
         """Layout for a resolved :class:`~cupy_symbuf.Config` and ``world_size`` ranks."""
         return cls(world_size=world_size, num_channels=config.num_channels, num_slots=config.num_slots,
-                   chunk_bytes=config.chunk_bytes, max_notify_ints=config.max_notify_ints)
+                   chunk_bytes=config.chunk_bytes, max_notify_ints=config.max_notify_ints,
+                   small_bytes=getattr(config, "small_bytes", None) or 0)
 
     # ---- sizes -------------------------------------------------------------------------------------------
     @property
@@ -112,9 +124,40 @@ class ChannelLayout:
         return 2 * self.world_size * self.notify_slot_bytes
 
     @property
-    def abort_offset(self) -> int:
-        """The abort line, after the notify region (``protocol.ABORT_*`` words)."""
+    def small_peer_bytes(self) -> int:
+        """Largest payload per peer of a small-protocol ``alltoall``: ``small_bytes // world_size`` (0: the
+        protocol is off, also for one rank)."""
+        return self.small_bytes // self.world_size if self.world_size > 1 else 0
+
+    @property
+    def small_slot_bytes(self) -> int:
+        """One source's slot in one half of the small region: the header line, then one 8-byte word per 4
+        payload bytes, 128-byte aligned."""
+        return _align(8 * P.SMALL_DATA_WORD + 8 * (-(-self.small_peer_bytes // 4)))
+
+    @property
+    def small_offset(self) -> int:
+        """Start of the small region, after the notify region (its size is 0 when the protocol is off)."""
         return self.notify_offset + self.notify_bytes
+
+    @property
+    def small_region_bytes(self) -> int:
+        """Control words + 2 halves x ``world_size`` source slots; 0 when ``small_peer_bytes`` is 0."""
+        if not self.small_peer_bytes:
+            return 0
+        return P.SMALL_CTRL_BYTES + 2 * self.world_size * self.small_slot_bytes
+
+    def small_slot_offset(self, half: int, source: int) -> int:
+        """The slot rank ``source`` writes into for calls whose sequence number has parity ``half``."""
+        if not self.small_peer_bytes or half not in (0, 1) or not 0 <= source < self.world_size:
+            raise IndexError(f"ChannelLayout: small slot (half={half}, source={source}) out of range (small region "
+                             f"{'off' if not self.small_peer_bytes else 'on'})")
+        return self.small_offset + P.SMALL_CTRL_BYTES + (half * self.world_size + source) * self.small_slot_bytes
+
+    @property
+    def abort_offset(self) -> int:
+        """The abort line, after the notify and small regions (``protocol.ABORT_*`` words)."""
+        return self.small_offset + self.small_region_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -184,8 +227,16 @@ class ChannelLayout:
             f"(each call: one call-header slot, then its payload chunks)",
             f"  notify at {self.notify_offset}: 2 parities x {self.world_size} slots x {self.notify_slot_bytes} B "
             f"= {self.notify_bytes} B (epoch, op, status, signature + {self.max_notify_ints} int64)",
-            f"  abort line at {self.abort_offset}: {LINE_BYTES} B (flag, aborting rank, reason, peer, channel)",
         ]
+        if self.small_region_bytes:
+            lines.append(
+                f"  small at {self.small_offset}: {P.SMALL_CTRL_BYTES} B control + 2 halves x {self.world_size} "
+                f"slots x {self.small_slot_bytes} B = {self.small_region_bytes} B (alltoall up to "
+                f"{self.small_peer_bytes} B per peer: header line + one 8-byte word per 4 payload bytes, flag in data)")
+        else:
+            lines.append("  small: none (small-message protocol off)")
+        lines.append(f"  abort line at {self.abort_offset}: {LINE_BYTES} B (flag, aborting rank, reason, peer, "
+                     f"channel)")
         return "\n".join(lines)
 
 

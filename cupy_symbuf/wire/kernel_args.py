@@ -62,6 +62,17 @@ CE_FINISH_ARGS = (
     ("status", "i64*"), ("seq", "u64"),
 )
 
+#: The small-message alltoall (``symbuf_small_alltoall``, ``cuda_src/small_exchange.cu``): ``bytes`` per peer, the
+#: layout fields of ``struct Layout`` it needs, the small region (``ChannelLayout.small_offset`` /
+#: ``small_slot_bytes``), the telemetry buffer (``Config(trace=True)``; 0: none) and its capacity in records.
+SMALL_ARGS = (
+    ("send", "const u8*"), ("recv", "u8*"), ("bytes", "i64"), ("op", "i64"), ("sig", "i64"),
+    ("peer_bases", "const u64*"), ("rank", "i32"), ("world_size", "i32"), ("num_channels", "i32"),
+    ("items_per_peer", "i32"), ("region_bytes", "i64"), ("channel_bytes", "i64"), ("num_slots", "i64"),
+    ("chunk_bytes", "i64"), ("small_offset", "i64"), ("slot_bytes", "i64"), ("abort_offset", "i64"),
+    ("timeout_ns", "u64"), ("status", "i64*"), ("seq", "u64"), ("trace", "i64*"), ("trace_cap", "i64"),
+)
+
 #: alltoallv with device counts: the counts become the count exchange's values (``symbuf_counts_meta``).
 COUNTS_META_ARGS = (
     ("counts", "const i64*"), ("world_size", "i32"), ("rows", "i64"), ("meta", "i64*"), ("bad", "i64*"),
@@ -112,7 +123,7 @@ LL_COMBINE_ARGS = tuple((f, "i64") for f in (
 
 #: C struct name -> its fields, in order.
 STRUCTS = {
-    "RingArgs": RING_ARGS, "NotifyArgs": NOTIFY_ARGS, "CeFinishArgs": CE_FINISH_ARGS,
+    "RingArgs": RING_ARGS, "NotifyArgs": NOTIFY_ARGS, "CeFinishArgs": CE_FINISH_ARGS, "SmallArgs": SMALL_ARGS,
     "CountsMetaArgs": COUNTS_META_ARGS, "MoeLayoutArgs": MOE_LAYOUT_ARGS, "MoeFixupArgs": MOE_FIXUP_ARGS,
     "CombineReduceArgs": COMBINE_REDUCE_ARGS, "QuantArgs": QUANT_ARGS, "DequantArgs": DEQUANT_ARGS,
     "LLDispatchArgs": LL_DISPATCH_ARGS, "LLCombineArgs": LL_COMBINE_ARGS,
@@ -121,6 +132,7 @@ STRUCTS = {
 #: Every kernel entry of cuda_src/ -> the struct it takes.
 KERNELS = {
     "symbuf_ring_exchange": "RingArgs", "symbuf_notify": "NotifyArgs", "symbuf_ce_finish": "CeFinishArgs",
+    "symbuf_small_alltoall": "SmallArgs",
     "symbuf_counts_meta": "CountsMetaArgs", "symbuf_moe_layout": "MoeLayoutArgs",
     "symbuf_moe_recv_fixup": "MoeFixupArgs", "symbuf_combine_reduce_bf16": "CombineReduceArgs",
     "symbuf_combine_reduce_f16": "CombineReduceArgs", "symbuf_combine_reduce_f32": "CombineReduceArgs",

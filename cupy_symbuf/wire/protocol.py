@@ -34,7 +34,7 @@ from __future__ import annotations
 import struct as _struct
 import zlib
 
-__all__ = ["cuda_header", "op_code", "op_name", "signature", "float32"]
+__all__ = ["cuda_header", "op_code", "op_name", "signature", "float32", "small_flag"]
 
 #: Bytes per metadata line: every counter alone on a 128-byte line (two GPU L2 sectors; no false sharing).
 LINE_BYTES = 128
@@ -79,13 +79,17 @@ MODE_RING, MODE_DIRECT, MODE_CMA = 0, 1, 2
 #: head also orders the pushes after the receiver's previous use of its outputs (its kernel runs in stream order).
 MODE_PUSH = 3
 HEAD_PUSH_ROW = 1
+#: MODE_SMALL (GPU ``alltoall`` of at most ``ChannelLayout.small_peer_bytes`` per peer, ``Config.small_bytes``): no
+#: ring at all; the words travel in the small region (below). Never in a call header: the mode a receiver names
+#: in a FIELD_MODE mismatch when it expected small words and found a ring header of the same call.
+MODE_SMALL = 4
 #: A plain sendbuf goes MODE_CMA from this many bytes per peer (on average) up: below it the rings measured as fast
 #: or faster on the 2-core machine (64 KiB: 26 vs 31 us; 256 KiB - 1 MiB equal; 4 MiB: 414 vs 288 us; 16 MiB:
 #: 2889 vs 2157 us; docs/perf-notes.md v10).
 CMA_MIN_BYTES = 256 * 1024
 HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
 #: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 HDR_MAGIC_VALUE = (0x53594D42 << 32) | PROTOCOL_VERSION
 HDR_OK = 0
 HDR_REJECTED = 1
@@ -122,7 +126,7 @@ FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIEL
                FIELD_RING: "ring counters (head <= tail <= head + capacity)",
                FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)",
                FIELD_MODE: "transfer mode (through the rings, from a symmetric array, by cross-memory attach, or "
-                           "pushed into symmetric outputs)"}
+                           "pushed into symmetric outputs, or by the small-message protocol)"}
 
 #: GPU error record (int64 words, host-mapped).
 STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
@@ -187,7 +191,12 @@ HOME_OWN = 0xFF
 #: error record (``STATUS_*``): the descriptor is the kernel's one argument (``wire/kernel_args.py`` ``RingArgs``).
 DESC_PEER_BASES = DESC_LOAD + 1
 DESC_STATUS = DESC_PEER_BASES + 1
-DESC_WORDS = DESC_STATUS + 1
+#: The small region (``ChannelLayout.small_offset``, 0: none) and its slot bytes: a rank rejecting an ``alltoall``
+#: (FLAG_REJECT) also watches each peer's small header of the call, since a peer whose call would go by the small
+#: protocol sends that instead of ring headers (``call_header_step``).
+DESC_SMALL_OFFSET = DESC_STATUS + 1
+DESC_SMALL_SLOT_BYTES = DESC_SMALL_OFFSET + 1
+DESC_WORDS = DESC_SMALL_SLOT_BYTES + 1
 TRACE_HDR_WORDS = 16
 TRACE_WORDS = 8
 #: Trace event kinds (``transport/trace.py``): a chunk written into a peer's ring (or pushed into its outputs), a
@@ -227,6 +236,31 @@ FLAG_PUSH = 4
 #: against 66), 16 MiB per peer and more win (8 ranks x 128 MiB: 582 against 608 us; 4 ranks: 292 against 327;
 #: 2 ranks: 149 against 159): the kernel boundaries and the two cross-rank hand-offs cost ~40 us a call.
 CE_MIN_BYTES = 16 << 20
+
+#: The small-message protocol (flag in data, NCCL's LL idea; ``cuda_src/small_exchange.cu``,
+#: ``symbuf_small_alltoall``). A GPU ``alltoall`` of at most ``ChannelLayout.small_peer_bytes`` per peer (decided
+#: from the call's size, which is part of the agreed call, so alike on every rank) moves through the small region of
+#: the RECEIVER's buffer (``ChannelLayout.small_offset``): SMALL_CTRL_BYTES of control words (int32 per peer: the
+#: work items of the current launch that finished with that peer, local), then two halves (h = call sequence number
+#: & 1), each with one slot of ``small_slot_bytes`` per source rank. A slot: a header line of SMALL_HDR_WORDS words,
+#: then one word per 4 bytes of payload from word SMALL_DATA_WORD on. Every word is 8 bytes stored at once (a
+#: relaxed system-scope st.volatile, naturally aligned, so single-copy atomic): low 32 bits the datum, high 32 bits
+#: the flag of the call, ``small_flag(seq)``, never 0 (so a zeroed word never matches) and different for seq and
+#: seq - 2 (the previous user of the half).
+#: Header words: SMALL_H_OP = op | status << 8, SMALL_H_SIG = the call's row signature, SMALL_H_BYTES = bytes per
+#: peer. The call's sequence number is the ring's: a small call advances STATE_SEQ of every (channel, peer) state
+#: line on both sides and leaves STATE_COUNTER alone, so ring calls before and after it carry the same numbers as
+#: their peers expect.
+SMALL_CTRL_BYTES = 2 * LINE_BYTES
+SMALL_H_OP, SMALL_H_SIG, SMALL_H_BYTES = range(3)
+SMALL_HDR_WORDS = 16
+SMALL_DATA_WORD = SMALL_HDR_WORDS
+SMALL_FLAG_MOD = 0xFFFFFFFF
+#: Threads per block of the small kernel, and payload words per work item (a (peer, share) pair; a thread stores and
+#: polls this / SMALL_THREADS words of it): a run of w words is cut into ceil(w / SMALL_WORDS_PER_ITEM) items, at most
+#: as many as the rank's blocks (``Config.num_sms``) allow per peer.
+SMALL_THREADS = 512
+SMALL_WORDS_PER_ITEM = 4096
 
 #: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
 #: a warp; keeps byte runs 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
@@ -303,6 +337,12 @@ def call_tag(sig: int, call_sig: int) -> int:
     """The tag :func:`call_signature` folded into ``sig`` to give ``call_sig`` (modulo 2**31); meaningful only when
     ``call_sig`` was made from this very ``sig`` (a peer with other rows gives an arbitrary number)."""
     return (((sig ^ call_sig) & 0x7FFFFFFF) * _TAG_UNMIX) & 0x7FFFFFFF
+
+
+def small_flag(seq: int) -> int:
+    """The flag of call ``seq`` (>= 1) in every word of the small protocol: ``seq % SMALL_FLAG_MOD + 1``, never 0
+    and never the flag of ``seq - 2`` (the same in ``cuda_src/protocol.cuh``)."""
+    return seq % SMALL_FLAG_MOD + 1
 
 
 def _constants() -> list:
