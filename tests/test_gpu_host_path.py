@@ -289,3 +289,33 @@ def test_capture_keeps_what_replays_read(stub):
         assert [e[0] for e in launches.log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"]
     finally:
         stream.capturing = False
+
+
+def _over(ptr: int, shape, dtype, strides=None):
+    """A CuPy array over the made-up address ``ptr`` (never dereferenced)."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    mem = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(ptr, 1 << 24, None, 0), 0)
+    return cupy.ndarray(shape, dtype, memptr=mem, strides=strides) if n else cupy.ndarray(shape, dtype)
+
+
+@pytest.mark.parametrize("where", ["right_after_x", "inside_last_row", "before_reversed_x", "under_reversed_x"])
+def test_out_overlap_uses_the_bytes_strided_x_spans(stub, where):
+    """check_out on the GPU path: an ``out`` that starts right after a row-strided x's last element is accepted (the
+    old bound, first row + (rows - 1) * stride + x.nbytes, reached rows - 1 rows too far: a combine with ``out=``
+    then failed with a false 'overlaps an input' whenever the pool placed out there, seen on the device); one that
+    overlaps x's last row is refused, and so is one overlapping a reversed view below its first element."""
+    from cupy_symbuf.common.checks import check_out
+    base, n, h, pad = 1 << 40, 6, 16, 8
+    row = (h + pad) * 4
+    x = _over(base, (n, h), np.float32, strides=(row, 4))
+    if where.endswith("reversed_x"):  # rows in reverse: x.data.ptr is its last row, the highest address
+        x = _over(base + (n - 1) * row, (n, h), np.float32, strides=(-row, 4))
+    end = base + (n - 1) * row + h * 4  # one past x's last element
+    at = {"right_after_x": end, "inside_last_row": end - 4, "before_reversed_x": base - 3 * h * 4,
+          "under_reversed_x": base + row}[where]
+    out = _over(at, (3, h), np.float32)
+    if where in ("right_after_x", "before_reversed_x"):
+        assert check_out("combine", out, "cuda", (3, h), np.float32, inputs=(x,)) is out
+    else:
+        with pytest.raises(ValueError, match="'out' overlaps an input"):
+            check_out("combine", out, "cuda", (3, h), np.float32, inputs=(x,))

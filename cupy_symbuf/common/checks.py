@@ -165,6 +165,18 @@ def check_counts(op: str, name: str, counts, world_size: int, total: Optional[in
     return arr
 
 
+def byte_extent(a) -> tuple:
+    """``[lo, hi)``: the device addresses a CuPy array's elements span, for any strides (negative too: ``a.data.ptr``
+    is the first element's address, not the lowest); NumPy's ``may_share_memory`` bounds, for the GPU path."""
+    lo = hi = a.data.ptr
+    for n, st in zip(a.shape, a.strides):
+        if st < 0:
+            lo += (n - 1) * st
+        else:
+            hi += (n - 1) * st
+    return lo, hi + a.itemsize
+
+
 def check_out(op: str, out, backend: str, shape: tuple, dtype, *, inputs=()):
     """Validate a caller's output array ``out=`` (returned as the backend's array): the backend's module, exactly
     ``shape`` and ``dtype``, C-contiguous (the kernels write rows in place), and sharing no memory with any of
@@ -190,8 +202,7 @@ def check_out(op: str, out, backend: str, shape: tuple, dtype, *, inputs=()):
         for a in inputs:
             if a is None or not a.size:
                 continue
-            alo = a.data.ptr
-            ahi = alo + (a.nbytes if a.flags.c_contiguous else (a.shape[0] - 1) * abs(a.strides[0]) + a.nbytes)
+            alo, ahi = (a.data.ptr, a.data.ptr + a.nbytes) if a.flags.c_contiguous else byte_extent(a)
             if alo < hi and lo < ahi:
                 raise ValueError(f"{op}: argument 'out' overlaps an input in memory; the collective reads its "
                                  f"inputs while it writes 'out'")
