@@ -469,3 +469,17 @@ def test_host_strided_sendbuf_copied_and_kept_while_capturing(small_bytes):
             assert sent() in [a.data.ptr for a in eng.graph_keep if hasattr(a, "data")]
         finally:
             stream.capturing = False
+
+
+def test_host_small_protocol_off_on_the_staged_transport():
+    """The staged transport (the symmetric buffer in registered host memory; chosen alike on every rank) runs every
+    alltoall through the rings: the small kernel's control-word atomics on host memory have not run on a GPU."""
+    S = _stub()
+    import types
+    with S.stubbed() as (launches, stream):
+        eng = S.engine(launches)
+        assert eng.transport.small_peer_bytes > 0
+        eng.transport.buf = types.SimpleNamespace(transport="staged")
+        eng.transport._init_small(0)
+        assert eng.transport.small_peer_bytes == 0
+

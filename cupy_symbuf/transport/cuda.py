@@ -205,8 +205,11 @@ class CudaTransport:
         rejected alltoall's ring kernel watches the peers' small headers. ``peer_bases``: device address of every
         rank's buffer base."""
         layout = self.layout
-        #: an alltoall of at most this many bytes per peer goes by the small-message protocol; 0: off
-        self.small_peer_bytes = layout.small_peer_bytes if self.world_size > 1 else 0
+        #: an alltoall of at most this many bytes per peer goes by the small-message protocol; 0: off. Off on the
+        #: staged transport (the same choice on every rank): its control words' atomics on registered host memory
+        #: have not been run on a GPU there
+        staged = getattr(getattr(self, "buf", None), "transport", "ipc") == "staged"
+        self.small_peer_bytes = layout.small_peer_bytes if self.world_size > 1 and not staged else 0
         #: calls that went by the small-message protocol (tests, stats)
         self.small_calls = 0
         self._l_small = None
