@@ -229,7 +229,7 @@ def handle(eng, num_tokens: int = 128, hidden: int = 7168, num_topk: int = 8, nu
            send_rows=None, recv_rows=None, dispatch_id: int = 1, worst: int = 0):
     """A GPU DispatchHandle of ``eng`` with device routing (its arrays at fake addresses)."""
     from cupy_symbuf.moe import gpu as _gpu
-    from cupy_symbuf.moe.normal import DispatchHandle, _make_ref
+    from cupy_symbuf.moe.normal_handle import DispatchHandle, make_ref
     W = eng.world_size
     epr = num_experts // W
     rt = _gpu.Routing(num_tokens, num_topk, W, 1 + epr)
@@ -241,7 +241,7 @@ def handle(eng, num_tokens: int = 128, hidden: int = 7168, num_topk: int = 8, nu
     rcounts[0] += recv_rows - rcounts.sum()
     for a in (counts, rcounts):
         a.setflags(write=False)
-    return DispatchHandle(_comm_ref=_make_ref(eng), rank=eng.rank, world_size=W, backend="cuda",
+    return DispatchHandle(_comm_ref=make_ref(eng), rank=eng.rank, world_size=W, backend="cuda",
                           num_experts=num_experts, num_tokens=num_tokens, num_topk=num_topk, hidden=hidden,
                           is_token_in_rank=rt.in_rank, send_token_idx=rt.send_idx[:send_rows], send_counts=counts,
                           recv_counts=None if worst else rcounts,

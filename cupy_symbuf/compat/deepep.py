@@ -79,7 +79,7 @@ from ..transport.streams import CollectiveEvent, check_flag, reject_call
 from ..communicator import Communicator
 from ..transport.bootstrap import is_group
 from ..moe.low_latency import LowLatencyBuffer, LowLatencyHandle
-from ..moe.normal import DispatchHandle
+from ..moe.normal_handle import DispatchHandle
 
 __all__ = ["Buffer", "EventOverlap", "Config", "IntranodeHandle", "LowLatencyHandleView"]
 

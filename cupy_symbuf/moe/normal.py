@@ -8,6 +8,10 @@ writing device counts tables, the ring kernel reading its counts from them, a re
 only the receive counts on the host, once, through host-mapped memory; in worst-case mode (``num_worst_tokens``)
 nothing at all.
 
+This module holds the public calls, their argument checks and the host path; the GPU half (the device-routing
+dispatch, cached dispatch and combine, and their launches) is :mod:`cupy_symbuf.moe.normal_cuda`, the handle
+:mod:`cupy_symbuf.moe.normal_handle` (:class:`DispatchHandle`, re-exported here).
+
 Data flow
 ---------
 The functions take the communicator's internal interface (``cupy_symbuf.transport.engine.Engine``: ``call``, ``notify``,
@@ -54,19 +58,18 @@ handle from another communicator. Messages name the operation, the argument and 
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Optional
 
 import numpy as np
 
 from . import gpu as _gpu
 from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_counts, check_device_experts, check_expert_alignment,
                      check_handle, check_num_experts, check_topk_idx, check_weights, check_x, combine_kind,
-                     count_value_error, row_bytes, topk_value_error)
-from .routing import align_counts, token_layout
+                     count_value_error, row_bytes)
+from .normal_cuda import cached_device, combine_device, device_outputs, dispatch_cuda, exchange_device, reduce_cuda
+from .normal_handle import DispatchHandle, make_ref
+from .routing import token_layout
 from ..collectives import wire_dtype as _wire
-from ..wire import protocol as P
 from ..common import dtypes as _dt
 from ..common.checks import check_array, check_int, check_out
 from ..common.errors import SymBufferMismatchError
@@ -74,154 +77,6 @@ from ..wire.channel_layout import check_row_fits
 from ..transport.engine import check_sync
 
 __all__ = ["DispatchHandle", "get_dispatch_layout", "dispatch", "combine", "FP8_BLOCK"]
-
-
-# ------------------------------------------------------------------------------------------------ handle
-
-
-def _make_ref(comm) -> Callable[[], Any]:
-    try:
-        return weakref.ref(comm)
-    except TypeError:  # a class without __weakref__: keep it alive instead
-        return lambda: comm
-
-
-@dataclass(frozen=True, eq=False)
-class DispatchHandle:
-    """The cached layout of one :func:`dispatch`, needed by :func:`combine` and by a cached dispatch.
-
-    Immutable (frozen dataclass; its NumPy arrays are read-only). Counterpart of DeepEP's intranode handle
-    ``(rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
-    send_head)`` in ``deep_ep/buffer.py``. It belongs to the communicator that made it; passing it to another one
-    raises ``ValueError``.
-
-    Attributes
-    ----------
-    rank, world_size : int
-        Of the communicator that made the handle.
-    backend : str
-        ``"host"`` or ``"cuda"``.
-    num_experts : int
-        Global number of experts; ``num_local_experts = num_experts // world_size``.
-    num_tokens : int
-        Tokens this rank dispatched (rows of ``x`` / ``topk_idx``; rows of ``combined_x``).
-    num_topk : int
-        Columns of ``topk_idx``.
-    hidden : int
-        Columns of the dispatched ``x`` (``combine``'s ``x`` must have the same).
-    is_token_in_rank : xp.ndarray, bool ``[num_tokens, world_size]``
-        Whether token ``t`` was sent to rank ``r`` (at least one of its experts lives there).
-    send_token_idx : xp.ndarray, int64 ``[sum(send_counts)]``
-        Source token indices of the sent rows, grouped by destination rank (rank 0's first), ascending within a
-        rank: rows ``send_offsets[r]:send_offsets[r + 1]`` went to rank ``r``.
-    send_counts : numpy.ndarray, int64 ``[world_size]``
-        Tokens sent to each rank (= ``num_tokens_per_rank`` of the layout).
-    recv_counts : numpy.ndarray, int64 ``[world_size]``
-        Tokens received from each rank; ``recv_x`` rows ``recv_offsets[s]:recv_offsets[s + 1]`` came from rank
-        ``s``.
-    num_recv_tokens_per_expert_raw : tuple of int ``[num_local_experts]``
-        Received (token, local expert) pairs per local expert, not aligned.
-    expert_alignment : int
-        The alignment the dispatch that made the handle used.
-    dispatch_id : int
-        Which dispatch of its communicator made it: the number of its count exchange (increasing, not consecutive:
-        every count exchange counts, e.g. an ``alltoallv`` without ``recv_counts``; the same on every rank, since
-        every rank takes part in each). :func:`combine` and a cached
-        :func:`dispatch` fold it into the signature of their call headers, which every receiver checks: ranks
-        passing handles of different dispatches fail the call on every rank
-        (:class:`~cupy_symbuf.SymBufferMismatchError` on the ranks that receive a header with another id,
-        :class:`~cupy_symbuf.SymBufferAbortedError` on any other) instead of returning rows of the wrong tokens.
-        A dispatch captured in a CUDA graph keeps the id of its capture in every replay, and so do a combine or
-        cached dispatch captured with its handle.
-    recv_src_idx : xp.ndarray int64 ``[num_recv_tokens]`` or None
-        Source token index of each received row (a dispatch routed by ``is_token_in_rank``; None otherwise).
-    count_matrix : numpy.ndarray int64 ``[world_size, world_size]`` or None
-        ``count_matrix[s, r]``: tokens rank ``s`` sent to rank ``r`` (every rank's ``num_tokens_per_rank``), from
-        the count exchange of a dispatch routed by ``is_token_in_rank``; None otherwise and in worst-case mode on
-        the GPU (the counts never reach the host there).
-    src_num_tokens : numpy.ndarray int64 ``[world_size]`` or None
-        ``num_tokens`` of every rank's dispatch (same availability as ``count_matrix``).
-    """
-
-    _comm_ref: Callable[[], Any] = field(repr=False)
-    rank: int
-    world_size: int
-    backend: str
-    num_experts: int
-    num_tokens: int
-    num_topk: int
-    hidden: int
-    is_token_in_rank: Any = field(repr=False)
-    send_token_idx: Any = field(repr=False)
-    send_counts: np.ndarray = field(repr=False)
-    recv_counts: np.ndarray = field(repr=False)
-    num_recv_tokens_per_expert_raw: Optional[Tuple[int, ...]] = field(repr=False)
-    expert_alignment: int = 1
-    num_worst_tokens: int = 0
-    routing: Any = field(default=None, repr=False)
-    send_rows: int = 0
-    dispatch_id: int = 0
-    recv_src_idx: Any = field(default=None, repr=False)
-    count_matrix: Optional[np.ndarray] = field(default=None, repr=False)
-    src_num_tokens: Optional[np.ndarray] = field(default=None, repr=False)
-
-    @property
-    def num_local_experts(self) -> int:
-        """``num_experts // world_size``."""
-        return self.num_experts // self.world_size
-
-    @property
-    def num_recv_tokens(self) -> int:
-        """Rows of ``recv_x`` (``sum(recv_counts)``, or ``num_worst_tokens`` in worst-case mode); rows
-        ``combine``'s ``x`` must have."""
-        if self.num_worst_tokens:
-            return self.num_worst_tokens
-        counts = self.recv_counts
-        got = self.__dict__.get("_recv_total")  # (counts, their sum): a combine's shape check costs no NumPy sum
-        if got is None or got[0] is not counts:
-            got = self.__dict__["_recv_total"] = (counts, int(counts.sum()))
-        return got[1]
-
-    @property
-    def num_recv_tokens_device(self):
-        """0-d int64 array (``xp``): rows really received (``<= num_recv_tokens``). On the GPU it lives in device
-        memory and is read without a host synchronisation only in stream order (``int()`` of it waits)."""
-        if self.routing is not None:
-            return self.routing.num_recv_tokens
-        return np.asarray(int(self.recv_counts.sum()), dtype=np.int64)
-
-    def _host_counts(self, name: str) -> np.ndarray:
-        counts = self.send_counts if name == "send" else self.recv_counts
-        if counts is None:
-            raise ValueError(f"DispatchHandle.{name}_offsets: a worst-case (num_worst_tokens) GPU dispatch keeps its "
-                             f"counts on the device (handle.routing.table, num_recv_tokens_device); they never "
-                             f"reach the host")
-        return counts
-
-    @property
-    def send_offsets(self) -> np.ndarray:
-        """int64 ``[world_size + 1]``: exclusive prefix sum of ``send_counts``."""
-        return np.concatenate([[0], np.cumsum(self._host_counts("send"))]).astype(np.int64)
-
-    @property
-    def recv_offsets(self) -> np.ndarray:
-        """int64 ``[world_size + 1]``: exclusive prefix sum of ``recv_counts``."""
-        return np.concatenate([[0], np.cumsum(self._host_counts("recv"))]).astype(np.int64)
-
-    def num_recv_tokens_per_expert(self, expert_alignment: Optional[int] = None):
-        """Received tokens per local expert, each rounded up to ``expert_alignment`` (default: the handle's): a
-        list of int, or for a worst-case GPU handle an int64 device array (computed without a host read)."""
-        a = self.expert_alignment if expert_alignment is None else expert_alignment
-        if self.num_recv_tokens_per_expert_raw is None:
-            raw = self.routing.sums[1:1 + self.num_local_experts]
-            skip = self.routing.table[P.CT_SKIP] != 0
-            return (raw + (a - 1)) // a * a * (~skip)
-        return align_counts(self.num_recv_tokens_per_expert_raw, a)
-
-    def belongs_to(self, comm) -> bool:
-        """True when ``comm`` is the communicator that made this handle (or its internal engine)."""
-        owner = self._comm_ref()
-        return owner is comm or owner is getattr(comm, "__dict__", {}).get("_engine_obj")
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -281,7 +136,6 @@ def _to_host(comm, a) -> np.ndarray:
 
 
 _UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
 
 # ------------------------------------------------------------------------------------------------ API
@@ -525,50 +379,6 @@ def _wire_fp8(op, comm, x, wire_dtype):
     return (q, scales), back
 
 
-class _CachedRecord:
-    """What a GPU cached dispatch of one call shape (handle, ``x``'s dtype and strides, no ``out``) derives before
-    its launch, kept on the handle for the next call of that shape: the checked kind, the row signature, the
-    exchange plan, whether ``x``'s rows need a contiguous copy, and the per-expert counts of an eager handle at each
-    alignment asked (a new list is returned on every call)."""
-
-    __slots__ = ("x_shape", "kind", "sig", "plan", "copy_x", "counts")
-
-
-def _cached_device(comm, op, x, h, align: int, stream, capturing: bool):
-    """A cached dispatch on the GPU without ``out`` for a plain CuPy ``x`` (the handle's routing on the device): the
-    argument checks made in full on the first call of a shape and remembered (:class:`_CachedRecord`), one
-    allocation (``recv_x``) and one ring launch per call. Returns dispatch's tuple."""
-    cp = comm.xp
-    key = ("cached", x.dtype, x.strides)
-    rec = h.__dict__.get("_records", {}).get(key)
-    if rec is not None and (x.shape != rec.x_shape or x.data.device_id != cp.cuda.runtime.getDevice()):
-        rec = None  # (the full checks below say what is wrong)
-    if rec is None:
-        xv, _, kind = check_x(op, comm, x, h.num_tokens, None)
-        rec = _CachedRecord()
-        rec.x_shape, rec.kind, rec.sig = xv.shape, kind, f"cached|{kind}"
-        cx = _rows_contiguous(cp, xv)
-        rec.copy_x = cx is not xv
-        rec.plan = comm.device_plan(op, rec.sig, [cx], True) if cx.shape[1] else None
-        rec.counts = {}
-        _records(h)[key] = rec
-        x = xv
-    if rec.copy_x:
-        x = cp.ascontiguousarray(x)
-    recv_x = cp.empty((h.num_recv_tokens, x.shape[1]), dtype=x.dtype)
-    if rec.plan is not None:
-        if capturing:  # read / written by every replay (the caller's x too)
-            comm.keep_for_graph(x, recv_x, capturing=True)
-        comm.exchange_rows_device(op, [x], h.send_token_idx, [recv_x], rec.sig, h.routing.table_ptr,
-                                  tag=h.dispatch_id, plan=rec.plan, stream=stream)
-    if h.num_worst_tokens:  # an int64 device array, made anew (a returned array is never handed out twice)
-        return recv_x, None, None, h.num_recv_tokens_per_expert(align), h
-    counts = rec.counts.get(align)
-    if counts is None:
-        counts = rec.counts[align] = h.num_recv_tokens_per_expert(align)
-    return recv_x, None, None, list(counts), h
-
-
 def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
               out=None, *, stream=None, capturing=None):
     xp = comm.xp
@@ -582,17 +392,17 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
             raise ValueError(f"{op}: argument 'num_worst_tokens' must be 0 or the handle's ({h.num_worst_tokens}) "
                              f"with handle, got {worst}")
         if h.routing is not None and out is None and type(x) is xp.ndarray and capturing is not None:
-            return _cached_device(comm, op, x, h, align, stream, capturing)
+            return cached_device(comm, op, x, h, align, stream, capturing)
         xv, scales, kind = check_x(op, comm, x, h.num_tokens, None)
         outs = _check_out(op, comm, out, xv, scales)
         if outs is not None:
             _check_capacity(op, outs, h.num_worst_tokens or h.num_recv_tokens,
                             "num_worst_tokens" if h.num_worst_tokens else "the handle's count")
         if h.routing is not None:  # GPU: the units come from the handle's device counts table
-            recv_x, recv_scales, _, _ = _exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
-                                                         h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr,
-                                                         user_outs=outs, tag=h.dispatch_id, stream=stream,
-                                                         capturing=capturing)
+            recv_x, recv_scales, _, _ = exchange_device(comm, op, xv, scales, None, None, h.send_token_idx,
+                                                        h.num_recv_tokens, f"cached|{kind}", h.routing.table_ptr,
+                                                        user_outs=outs, tag=h.dispatch_id, stream=stream,
+                                                        capturing=capturing)
         else:
             recv_x, recv_scales, _, _ = _exchange(comm, op, xv, scales, None, None, h.send_token_idx,
                                                   h.send_counts, h.recv_counts, f"cached|{kind}", user_outs=outs,
@@ -619,8 +429,8 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         _check_capacity(op, outs, worst, "num_worst_tokens")
     if cuda:
         check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
-        return _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs, stream=stream,
-                              capturing=capturing)
+        return dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs, stream=stream,
+                             capturing=capturing)
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank
@@ -675,7 +485,7 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         recv_topk_weights = _pad_rows(xp, recv_topk_weights, worst, 0)
     send_counts.setflags(write=False)
     recv_counts.setflags(write=False)
-    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+    h = DispatchHandle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
                        num_experts=n_exp, num_tokens=num_tokens, num_topk=int(idx.shape[1]),
                        hidden=int(xv.shape[1]), is_token_in_rank=in_rank, send_token_idx=send_token_idx,
                        send_counts=send_counts, recv_counts=recv_counts,
@@ -803,7 +613,7 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
             recv_src = _pad_rows(xp, recv_src.reshape(-1, 1), worst, -1).reshape(-1)
         send_counts.setflags(write=False)
         recv_counts.setflags(write=False)
-        h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+        h = DispatchHandle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
                            num_experts=n_exp, num_tokens=num_tokens, num_topk=num_topk, hidden=int(xv.shape[1]),
                            is_token_in_rank=in_rank, send_token_idx=send_token_idx, send_counts=send_counts,
                            recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw, expert_alignment=align,
@@ -839,7 +649,7 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
     if idx is not None:
         idx = _gpu.contiguous(idx)
     idx_src, src_alone = _with_src(cp, idx, src)
-    outs_dev = _device_outputs(cp, worst, xv, scales, idx_src, weights, outs, src_alone) if worst else None
+    outs_dev = device_outputs(cp, worst, xv, scales, idx_src, weights, outs, src_alone) if worst else None
     comm.keep_for_graph(idx, in_rank, per_rank, per_expert)  # the caller's arrays (or copies) a replay reads
 
     def bad_error():  # which rule the reject word broke, read on the host once the call was rejected
@@ -872,7 +682,7 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
         send_idx = rt.send_idx[:send_rows]
         send_counts.setflags(write=False)
         recv_counts.setflags(write=False)
-    recv_x, recv_scales, recv_gidx, recv_w, *rest = _exchange_device(
+    recv_x, recv_scales, recv_gidx, recv_w, *rest = exchange_device(
         comm, op, xv, scales, idx_src, weights, send_idx, n_recv, sig, rt.table_ptr, outs_dev, user_outs=outs,
         src=src_alone)
     recv_gidx, recv_src = _split_src(cp, recv_gidx, rest)
@@ -880,7 +690,7 @@ def _dispatch_mask(comm, op, x, topk_idx, topk_weights, num_experts, is_token_in
     if recv_gidx is not None:
         _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
                    counts_out=counts_out, align=align)
-    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+    h = DispatchHandle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
                        num_experts=n_exp, num_tokens=num_tokens, num_topk=num_topk, hidden=int(xv.shape[1]),
                        is_token_in_rank=rt.in_rank, send_token_idx=send_idx, send_counts=send_counts,
                        recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw, expert_alignment=align,
@@ -901,90 +711,6 @@ def _pad_rows(xp, a, rows: int, fill, outs=None, k: int = 0):
     out = xp.full((rows,) + tuple(a.shape[1:]), fill, dtype=a.dtype)
     out[:a.shape[0]] = a
     return out
-
-
-def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
-    return (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|"
-            f"weights={weights is not None}|num_experts={n_exp}")
-
-
-def _dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None, *,
-                   stream=None, capturing=None):
-    """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
-    tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
-    -> receive fix-up. With ``worst`` nothing is read on the host."""
-    cp = comm.xp
-    w_size, rank = comm.world_size, comm.rank
-    epr = n_exp // w_size
-    num_tokens, num_topk = idx.shape
-    M = 1 + epr
-    rb = row_bytes(xv, scales, num_topk, weights is not None)
-    check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
-    sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
-    push = comm.push_targets(user_outs) if user_outs is not None else None
-    if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
-        sig += push[2]
-    idx = _gpu.contiguous(idx)
-    rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
-    meta = rt.meta_ptr
-    _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
-                     send_idx=rt.send_idx)
-
-    def bad_error():
-        flat = int(rt.bad[1].get())
-        t, k = divmod(flat, num_topk)
-        return ValueError(topk_value_error(op, n_exp, int(idx[t, k].get()), t, k,
-                                           " (found by the layout kernel; nothing was sent)"))
-
-    # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
-    # failure between the steps)
-    outs = _device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
-    res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
-                             capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
-                             worst=bool(worst), self_error=bad_error,
-                             sig_what=lambda: (
-                                 f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
-                                 f"+ top-k), on num_experts or on where out lies: rank {rank} has {rb} bytes "
-                                 f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
-                                 f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
-                                 f"the same offset on every rank"), capturing=capturing)
-    dispatch_id = comm.epoch  # this dispatch's count exchange (in a capture: the capture's, kept by every replay)
-    if worst:
-        send_counts = recv_counts = raw = None
-        n_recv = worst
-        send_rows = num_tokens * min(w_size, num_topk)
-        send_idx = rt.send_idx
-    else:
-        recv_vals, sent_vals = res
-        recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
-        raw = tuple(recv_vals[:, 1:1 + epr].sum(axis=0).tolist())
-        n_recv = int(recv_counts.sum())
-        send_rows = int(send_counts.sum())
-        send_idx = rt.send_idx[:send_rows]
-        send_counts.setflags(write=False)
-        recv_counts.setflags(write=False)
-    recv_x, recv_scales, recv_gidx, recv_w = _exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
-                                                              sig, rt.table_ptr, outs, user_outs=user_outs,
-                                                              push=push, stream=stream, capturing=capturing)
-    counts_out = cp.empty(epr, np.int64) if worst else None
-    _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
-                    counts_out=counts_out, align=align)
-    h = DispatchHandle(_comm_ref=_make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
-                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
-                       hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
-                       send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
-                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows,
-                       dispatch_id=dispatch_id)
-    out_x = (recv_x, recv_scales) if scales is not None else recv_x
-    counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
-    return out_x, recv_gidx, recv_w, counts, h
-
-
-def _rows_contiguous(xp, a):
-    """``a`` (2-D or None) itself when its rows are contiguous runs of elements, else a C-contiguous copy."""
-    if a is not None and a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
-        return xp.ascontiguousarray(a)
-    return a
 
 
 def _rows_part(xp, a):
@@ -1058,73 +784,6 @@ def _exchange(comm, op, xv, scales, idx, weights, send_token_idx, send_counts, r
     return recv_x, recv_scales, recv_idx, recv_w
 
 
-def _device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, src=None) -> list:
-    """The receive arrays of :func:`_exchange_device` (``n_recv`` rows; one per part that is not None; the first
-    rows of dispatch's ``out`` arrays where given)."""
-    mine = list(user_outs or ())
-    parts = [(xv.shape[1], xv.dtype, mine[0] if mine else None)]
-    for k, (a, dt) in enumerate(((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64))):
-        if a is not None:
-            parts.append((a.shape[1], dt, mine[1] if k == 0 and mine[1:] else None))
-    # the arrays this call makes, from one allocation (one pool call; each array is new on every call)
-    sizes = [0 if given is not None else (n_recv * n * dt.itemsize + 255) & ~255 for n, dt, given in parts]
-    total = sum(sizes)
-    mem = xp.cuda.alloc(total) if total else None
-    outs, off = [], 0
-    for (n, dt, given), size in zip(parts, sizes):
-        if given is not None:
-            outs.append(given[:n_recv])
-        else:
-            outs.append(xp.ndarray((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
-            off += size
-    return outs
-
-
-def _exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
-                     outs=None, *, user_outs=None, push=None, tag: int = 0, src=None, stream=None, capturing=None):
-    """:func:`_exchange` of a device-count call (GPU): ``n_recv`` output rows (the real count, or the worst-case
-    capacity; ``outs``: already allocated by :func:`_device_outputs`), the per-peer units read by the ring kernel
-    from the counts table at ``table_ptr``. ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
-    :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
-    ``tag``, ``src``: as in :func:`_exchange`; ``stream``, ``capturing``: :meth:`Engine.capture_state` when the caller
-    has it (None: asked)."""
-    xp = comm.xp
-    if outs is None:
-        outs = _device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src)
-    if user_outs is not None and push is None:
-        push = comm.push_targets(user_outs)
-        if push is not None:
-            sig += push[2]
-    ids = list(push[0]) if push is not None else None
-    send_parts, recv_parts, push_ids = [], [], []
-    # the GPU transport reads parts by address, row stride and row bytes only: no unsigned-int views (a CuPy view
-    # costs about a microsecond each); rows are copied only where their elements are not contiguous
-    for k, (a, out) in enumerate(zip([p for p in (xv, scales, idx, weights, src) if p is not None], outs)):
-        if out.shape[1] == 0:
-            continue
-        send_parts.append(_rows_contiguous(xp, a))
-        recv_parts.append(out)
-        push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
-    # read / written by every replay of a captured call: the caller's arrays among them too (what the call allocates
-    # is kept by dispatch's and combine's keep_allocations_for_graph)
-    comm.keep_for_graph(*send_parts, *outs, capturing=capturing)
-    if send_parts:
-        comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
-                                  push=(push_ids, push[1]) if push is not None else None, tag=tag, stream=stream)
-    it = iter(outs[1:])
-    recv_x = outs[0]
-    recv_scales = next(it) if scales is not None else None
-    recv_idx = next(it) if idx is not None else None
-    recv_w = next(it) if weights is not None else None
-    if src is not None:
-        return recv_x, recv_scales, recv_idx, recv_w, next(it)
-    return recv_x, recv_scales, recv_idx, recv_w
-
-
-_REDUCE_KERNELS = {_dt.BFLOAT16: "symbuf_combine_reduce_bf16", _dt.FLOAT16: "symbuf_combine_reduce_f16",
-                   _dt.FLOAT32: "symbuf_combine_reduce_f32"}
-
-
 def _combine_positions(xp, h: "DispatchHandle"):
     """int64 ``[num_tokens, world_size]``: row of the combine's received array holding token ``t``'s row from rank
     ``r`` (rows from rank ``r`` are its tokens in ascending order at ``send_offsets[r]``), or -1."""
@@ -1132,23 +791,6 @@ def _combine_positions(xp, h: "DispatchHandle"):
     offs = xp.asarray(h.send_offsets[:-1].astype(np.int64))
     rank_pos = xp.cumsum(in_rank, axis=0, dtype=np.int64) - 1
     return xp.ascontiguousarray(xp.where(in_rank, rank_pos + offs[None, :], -1))
-
-
-def _reduce_cuda(comm, back, pos, kind: str, out_dtype, num_tokens: int, *, out=None, w_back=None):
-    """``(out, w_out)``: ``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as
-    ``out_dtype``, and with ``w_back`` (float32 rows) the same sum of its rows in the same launch (else None)."""
-    from ..common import backend as _compat
-    cp = _compat.cupy
-    hidden = back.shape[1]
-    if out is None:
-        out = cp.empty((num_tokens, hidden), dtype=out_dtype)
-    w_out = None if w_back is None else cp.empty((num_tokens, w_back.shape[1]), np.float32)
-    if num_tokens and (hidden or w_out is not None):
-        if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
-            back = cp.empty((1, hidden), back.dtype)
-        _gpu.reduce(back, pos, out, num_tokens, hidden, _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind]),
-                    w_back=w_back, w_out=w_out)
-    return out, w_out
 
 
 def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, out=None, sync: str = "strong"):
@@ -1221,136 +863,8 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
                 check_sync(op, sync)
             h = check_handle(op, handle, DispatchHandle, comm, "dispatch")
             if h.routing is not None:  # GPU
-                return _combine_device(comm, op, x, h, topk_weights, dtype, out, stream, capturing)
+                return combine_device(comm, op, x, h, topk_weights, dtype, out, stream, capturing)
             return _combine(comm, op, x, h, topk_weights, dtype, out)
-
-
-class _CombineRecord:
-    """What a GPU combine of one call shape (handle, ``x``'s dtype and strides, ``dtype``, the weights' dtype and
-    strides, whether ``out`` is given) derives before its launches, kept on the handle for the next call of that
-    shape: the checked kind, the row signature, the exchange plan, the reduction's launcher and the byte layout of
-    the call's allocations. A repeated call then checks the arrays' type, shape and device only (the dtype and
-    strides are the key)."""
-
-    __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "reduce", "send_x", "send_w",
-                 "x_dtype", "back_x_bytes", "back_w_off", "back_bytes", "out_x_bytes", "out_w_off", "out_bytes")
-
-
-#: per handle: at most this many combine / cached-dispatch records (a new one past it clears them)
-_RECORDS_MAX = 16
-
-
-def _records(h) -> dict:
-    """The handle's dict of call records (:class:`_CombineRecord`, :class:`_CachedRecord`): made on first use, kept
-    with the handle (it dies with it); bounded by :data:`_RECORDS_MAX`."""
-    recs = h.__dict__.get("_records")
-    if recs is None:
-        recs = h.__dict__["_records"] = {}
-    elif len(recs) >= _RECORDS_MAX:
-        recs.clear()
-    return recs
-
-
-def _round_up(n: int, to: int = 256) -> int:
-    return (n + to - 1) // to * to
-
-
-def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
-    """Check a GPU combine's arguments in full and make its :class:`_CombineRecord` (remembered under ``key``
-    when there is one). Returns ``(record, x, weights)`` (the arrays as checked)."""
-    cp = comm.xp
-    n_recv = h.num_recv_tokens
-    x = check_array(op, "x", x, comm.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
-    kind = combine_kind(op, x, dtype)
-    weights = check_weights(op, comm, weights, n_recv, h.num_topk, "num_recv_tokens")
-    rec = _CombineRecord()
-    rec.x_shape, rec.w_shape = x.shape, None if weights is None else weights.shape
-    rec.kind, rec.x_dtype = kind, x.dtype
-    # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
-    cx, cw = _rows_contiguous(cp, x), _rows_contiguous(cp, weights)
-    rec.copy_x, rec.copy_w = cx is not x, cw is not weights
-    rec.sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
-    rec.send_x = cx.shape[1] > 0
-    rec.send_w = weights is not None and cw.shape[1] > 0
-    parts = ([cx] if rec.send_x else []) + ([cw] if rec.send_w else [])
-    rec.plan = comm.device_plan(op, rec.sig, parts, False) if parts else None
-    rec.reduce = _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind])
-    # the rows that come back (x's, then the weights') in one allocation, the outputs in another (the returned
-    # arrays are new on every call: nothing is handed out twice)
-    rows, n = h.send_rows, h.num_tokens
-    k = 0 if weights is None else h.num_topk
-    rec.back_x_bytes = rows * h.hidden * x.dtype.itemsize
-    rec.back_w_off = _round_up(rec.back_x_bytes)
-    rec.back_bytes = rec.back_w_off + rows * k * 4
-    rec.out_x_bytes = 0 if out is not None else n * h.hidden * x.dtype.itemsize
-    rec.out_w_off = _round_up(rec.out_x_bytes)
-    rec.out_bytes = rec.out_w_off + n * k * 4
-    if key is not None:
-        _records(h)[key] = rec
-    return rec, x, weights
-
-
-def _two_arrays(cp, shape, dtype, w_off: int, nbytes: int, w_shape) -> tuple:
-    """``(a, w, memory)``: C-contiguous ``a`` (``shape`` of ``dtype``; None: none) and float32 ``w`` (``w_shape``;
-    None: none) from one allocation of ``nbytes``, ``w`` at byte ``w_off`` (a multiple of 256); ``memory`` the
-    allocation (None where there is none)."""
-    if not nbytes:  # (nothing to hold: empty arrays)
-        return (None if shape is None else cp.empty(shape, dtype), None if w_shape is None else
-                cp.empty(w_shape, np.float32), None)
-    mem = cp.cuda.alloc(nbytes)
-    a = None if shape is None else cp.ndarray(shape, dtype, memptr=mem)
-    w = None if w_shape is None else cp.ndarray(w_shape, np.float32, memptr=mem + w_off)
-    return a, w, mem
-
-
-def _combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool):
-    """The GPU combine (a handle with device routing): one ring launch (the rows back, per-peer units from the
-    dispatch's reverse counts table), one reduction launch (x and the weights); a repeated call of one shape uses
-    its :class:`_CombineRecord`."""
-    cp = comm.xp
-    nd = cp.ndarray
-    rec = key = None
-    if type(x) is nd and (weights is None or type(weights) is nd):
-        try:
-            key = ("combine", x.dtype, x.strides, dtype,
-                   None if weights is None else (weights.dtype, weights.strides), out is None)
-            rec = h.__dict__.get("_records", {}).get(key)
-        except TypeError:  # an unhashable dtype argument: checked in full every call
-            key = None
-        if rec is not None:
-            dev = cp.cuda.runtime.getDevice()
-            if x.shape != rec.x_shape or x.data.device_id != dev or (weights is not None and (
-                    weights.shape != rec.w_shape or weights.data.device_id != dev)):
-                rec = None  # (the full checks below say what is wrong)
-    if rec is None:
-        rec, x, weights = _combine_record(comm, op, x, h, weights, dtype, out, key)
-    if out is not None:
-        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
-    if rec.copy_x:
-        x = cp.ascontiguousarray(x)
-    if rec.copy_w:
-        weights = cp.ascontiguousarray(weights)
-    rows, n = h.send_rows, h.num_tokens
-    back_x, back_w, mem = _two_arrays(cp, (rows, h.hidden), x.dtype, rec.back_w_off, rec.back_bytes,
-                                      None if weights is None else (rows, h.num_topk))
-    if rec.plan is not None:
-        send = ([x] if rec.send_x else []) + ([weights] if rec.send_w else [])
-        recv = ([back_x] if rec.send_x else []) + ([back_w] if rec.send_w else [])
-        if capturing:  # read / written by every replay (the caller's arrays too)
-            comm.keep_for_graph(x, weights, mem, capturing=True)
-        comm.exchange_rows_device(op, send, None, recv, rec.sig, h.routing.rev_table_ptr, tag=h.dispatch_id,
-                                  plan=rec.plan, stream=stream)
-    combined, acc_w, _ = _two_arrays(cp, None if out is not None else (n, h.hidden), x.dtype, rec.out_w_off,
-                                     rec.out_bytes, None if weights is None else (n, h.num_topk))
-    if out is not None:
-        combined = out
-    if n and (h.hidden or acc_w is not None):
-        rt = h.routing
-        if not rows:  # nothing came back (every token sent nowhere): the kernel reads no row
-            back_x = nd((1, h.hidden), x.dtype, memptr=cp.cuda.alloc(max(16, h.hidden * x.dtype.itemsize)))
-        _gpu.reduce(back_x, rt.pos, combined, n, h.hidden, rec.reduce, self_rows=x, table_ptr=rt.table_ptr,
-                    rank=h.rank, w_back=back_w, w_out=acc_w, w_self_rows=weights, stream=stream)
-    return combined, acc_w
 
 
 def _combine(comm, op, x, h, topk_weights, dtype, out=None):
@@ -1374,8 +888,8 @@ def _combine(comm, op, x, h, topk_weights, dtype, out=None):
 
     num_tokens = h.num_tokens
     if comm.backend == "cuda":  # (a GPU handle without device routing: the reduction kernel over host positions)
-        return _reduce_cuda(comm, back_x, _combine_positions(xp, h), kind, x.dtype, num_tokens, out=out,
-                            w_back=back_w)
+        return reduce_cuda(comm, back_x, _combine_positions(xp, h), kind, x.dtype, num_tokens, out=out,
+                           w_back=back_w)
     acc = xp.zeros((num_tokens, h.hidden), dtype=np.float32)
     acc_w = xp.zeros((num_tokens, h.num_topk), dtype=np.float32) if weights is not None else None
     if back_x.shape[0]:

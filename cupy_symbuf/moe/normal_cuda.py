@@ -1,0 +1,362 @@
+"""The GPU half of normal mode (handles with device routing; the kernels of :mod:`cupy_symbuf.moe.gpu`): the eager
+dispatch (layout kernel, count exchange on the device, ring exchange with the per-peer units from the device counts
+table, receive fix-up); the cached dispatch and the combine, each run from the record the first call of its shape
+keeps on the handle (:class:`_CachedRecord`, :class:`_CombineRecord`); the row exchange of a device-count call and its
+receive arrays; the combine's reduction launch. :func:`~cupy_symbuf.moe.normal.dispatch` and
+:func:`~cupy_symbuf.moe.normal.combine` run the call and call these; the host path is in
+:mod:`cupy_symbuf.moe.normal`."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import gpu as _gpu
+from .checks import check_weights, check_x, combine_kind, row_bytes, topk_value_error
+from .normal_handle import DispatchHandle, make_ref
+from ..common import dtypes as _dt
+from ..common.checks import check_array, check_out
+from ..wire.channel_layout import check_row_fits
+
+__all__ = ["cached_device", "dispatch_cuda", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+
+_F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
+
+
+class _CachedRecord:
+    """What a GPU cached dispatch of one call shape (handle, ``x``'s dtype and strides, no ``out``) derives before
+    its launch, kept on the handle for the next call of that shape: the checked kind, the row signature, the
+    exchange plan, whether ``x``'s rows need a contiguous copy, and the per-expert counts of an eager handle at each
+    alignment asked (a new list is returned on every call)."""
+
+    __slots__ = ("x_shape", "kind", "sig", "plan", "copy_x", "counts")
+
+
+def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
+    """A cached dispatch on the GPU without ``out`` for a plain CuPy ``x`` (the handle's routing on the device): the
+    argument checks made in full on the first call of a shape and remembered (:class:`_CachedRecord`), one
+    allocation (``recv_x``) and one ring launch per call. Returns dispatch's tuple."""
+    cp = comm.xp
+    key = ("cached", x.dtype, x.strides)
+    rec = h.__dict__.get("_records", {}).get(key)
+    if rec is not None and (x.shape != rec.x_shape or x.data.device_id != cp.cuda.runtime.getDevice()):
+        rec = None  # (the full checks below say what is wrong)
+    if rec is None:
+        xv, _, kind = check_x(op, comm, x, h.num_tokens, None)
+        rec = _CachedRecord()
+        rec.x_shape, rec.kind, rec.sig = xv.shape, kind, f"cached|{kind}"
+        cx = _rows_contiguous(cp, xv)
+        rec.copy_x = cx is not xv
+        rec.plan = comm.device_plan(op, rec.sig, [cx], True) if cx.shape[1] else None
+        rec.counts = {}
+        _records(h)[key] = rec
+        x = xv
+    if rec.copy_x:
+        x = cp.ascontiguousarray(x)
+    recv_x = cp.empty((h.num_recv_tokens, x.shape[1]), dtype=x.dtype)
+    if rec.plan is not None:
+        if capturing:  # read / written by every replay (the caller's x too)
+            comm.keep_for_graph(x, recv_x, capturing=True)
+        comm.exchange_rows_device(op, [x], h.send_token_idx, [recv_x], rec.sig, h.routing.table_ptr,
+                                  tag=h.dispatch_id, plan=rec.plan, stream=stream)
+    if h.num_worst_tokens:  # an int64 device array, made anew (a returned array is never handed out twice)
+        return recv_x, None, None, h.num_recv_tokens_per_expert(align), h
+    counts = rec.counts.get(align)
+    if counts is None:
+        counts = rec.counts[align] = h.num_recv_tokens_per_expert(align)
+    return recv_x, None, None, list(counts), h
+
+
+def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
+    return (f"{kind}|hidden={xv.shape[1]}|scales={scales is not None}|topk={idx.shape[1]}|"
+            f"weights={weights is not None}|num_experts={n_exp}")
+
+
+def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None, *,
+                  stream=None, capturing=None):
+    """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
+    tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
+    -> receive fix-up. With ``worst`` nothing is read on the host."""
+    cp = comm.xp
+    w_size, rank = comm.world_size, comm.rank
+    epr = n_exp // w_size
+    num_tokens, num_topk = idx.shape
+    M = 1 + epr
+    rb = row_bytes(xv, scales, num_topk, weights is not None)
+    check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
+    sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
+    push = comm.push_targets(user_outs) if user_outs is not None else None
+    if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
+        sig += push[2]
+    idx = _gpu.contiguous(idx)
+    rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
+    meta = rt.meta_ptr
+    _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
+                     send_idx=rt.send_idx)
+
+    def bad_error():
+        flat = int(rt.bad[1].get())
+        t, k = divmod(flat, num_topk)
+        return ValueError(topk_value_error(op, n_exp, int(idx[t, k].get()), t, k,
+                                           " (found by the layout kernel; nothing was sent)"))
+
+    # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
+    # failure between the steps)
+    outs = device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
+    res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
+                             capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
+                             worst=bool(worst), self_error=bad_error,
+                             sig_what=lambda: (
+                                 f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
+                                 f"+ top-k), on num_experts or on where out lies: rank {rank} has {rb} bytes "
+                                 f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
+                                 f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
+                                 f"the same offset on every rank"), capturing=capturing)
+    dispatch_id = comm.epoch  # this dispatch's count exchange (in a capture: the capture's, kept by every replay)
+    if worst:
+        send_counts = recv_counts = raw = None
+        n_recv = worst
+        send_rows = num_tokens * min(w_size, num_topk)
+        send_idx = rt.send_idx
+    else:
+        recv_vals, sent_vals = res
+        recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
+        raw = tuple(recv_vals[:, 1:1 + epr].sum(axis=0).tolist())
+        n_recv = int(recv_counts.sum())
+        send_rows = int(send_counts.sum())
+        send_idx = rt.send_idx[:send_rows]
+        send_counts.setflags(write=False)
+        recv_counts.setflags(write=False)
+    recv_x, recv_scales, recv_gidx, recv_w = exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
+                                                             sig, rt.table_ptr, outs, user_outs=user_outs,
+                                                             push=push, stream=stream, capturing=capturing)
+    counts_out = cp.empty(epr, np.int64) if worst else None
+    _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
+                    counts_out=counts_out, align=align)
+    h = DispatchHandle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
+                       hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
+                       send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
+                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows,
+                       dispatch_id=dispatch_id)
+    out_x = (recv_x, recv_scales) if scales is not None else recv_x
+    counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
+    return out_x, recv_gidx, recv_w, counts, h
+
+
+def _rows_contiguous(xp, a):
+    """``a`` (2-D or None) itself when its rows are contiguous runs of elements, else a C-contiguous copy."""
+    if a is not None and a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
+        return xp.ascontiguousarray(a)
+    return a
+
+
+def device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, src=None) -> list:
+    """The receive arrays of :func:`exchange_device` (``n_recv`` rows; one per part that is not None; the first
+    rows of dispatch's ``out`` arrays where given)."""
+    mine = list(user_outs or ())
+    parts = [(xv.shape[1], xv.dtype, mine[0] if mine else None)]
+    for k, (a, dt) in enumerate(((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64))):
+        if a is not None:
+            parts.append((a.shape[1], dt, mine[1] if k == 0 and mine[1:] else None))
+    # the arrays this call makes, from one allocation (one pool call; each array is new on every call)
+    sizes = [0 if given is not None else (n_recv * n * dt.itemsize + 255) & ~255 for n, dt, given in parts]
+    total = sum(sizes)
+    mem = xp.cuda.alloc(total) if total else None
+    outs, off = [], 0
+    for (n, dt, given), size in zip(parts, sizes):
+        if given is not None:
+            outs.append(given[:n_recv])
+        else:
+            outs.append(xp.ndarray((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
+            off += size
+    return outs
+
+
+def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
+                    outs=None, *, user_outs=None, push=None, tag: int = 0, src=None, stream=None, capturing=None):
+    """:func:`cupy_symbuf.moe.normal._exchange` (the host path's row exchange) of a device-count call (GPU):
+    ``n_recv`` output rows (the real count, or the worst-case capacity; ``outs``: already allocated by
+    :func:`device_outputs`), the per-peer units read by the ring kernel from the counts table at ``table_ptr``.
+    ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
+    :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
+    ``tag``, ``src``: as in ``normal._exchange``; ``stream``, ``capturing``: :meth:`Engine.capture_state` when the
+    caller has it (None: asked)."""
+    xp = comm.xp
+    if outs is None:
+        outs = device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src)
+    if user_outs is not None and push is None:
+        push = comm.push_targets(user_outs)
+        if push is not None:
+            sig += push[2]
+    ids = list(push[0]) if push is not None else None
+    send_parts, recv_parts, push_ids = [], [], []
+    # the GPU transport reads parts by address, row stride and row bytes only: no unsigned-int views (a CuPy view
+    # costs about a microsecond each); rows are copied only where their elements are not contiguous
+    for k, (a, out) in enumerate(zip([p for p in (xv, scales, idx, weights, src) if p is not None], outs)):
+        if out.shape[1] == 0:
+            continue
+        send_parts.append(_rows_contiguous(xp, a))
+        recv_parts.append(out)
+        push_ids.append(ids[k] if ids is not None and k < len(ids) else -1)
+    # read / written by every replay of a captured call: the caller's arrays among them too (what the call allocates
+    # is kept by dispatch's and combine's keep_allocations_for_graph)
+    comm.keep_for_graph(*send_parts, *outs, capturing=capturing)
+    if send_parts:
+        comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
+                                  push=(push_ids, push[1]) if push is not None else None, tag=tag, stream=stream)
+    it = iter(outs[1:])
+    recv_x = outs[0]
+    recv_scales = next(it) if scales is not None else None
+    recv_idx = next(it) if idx is not None else None
+    recv_w = next(it) if weights is not None else None
+    if src is not None:
+        return recv_x, recv_scales, recv_idx, recv_w, next(it)
+    return recv_x, recv_scales, recv_idx, recv_w
+
+
+_REDUCE_KERNELS = {_dt.BFLOAT16: "symbuf_combine_reduce_bf16", _dt.FLOAT16: "symbuf_combine_reduce_f16",
+                   _dt.FLOAT32: "symbuf_combine_reduce_f32"}
+
+
+def reduce_cuda(comm, back, pos, kind: str, out_dtype, num_tokens: int, *, out=None, w_back=None):
+    """``(out, w_out)``: ``out[t] = sum_r back[pos[t, r]]`` in float32 (cuda_src/moe.cu), returned as
+    ``out_dtype``, and with ``w_back`` (float32 rows) the same sum of its rows in the same launch (else None)."""
+    from ..common import backend as _compat
+    cp = _compat.cupy
+    hidden = back.shape[1]
+    if out is None:
+        out = cp.empty((num_tokens, hidden), dtype=out_dtype)
+    w_out = None if w_back is None else cp.empty((num_tokens, w_back.shape[1]), np.float32)
+    if num_tokens and (hidden or w_out is not None):
+        if not back.shape[0]:  # nothing came back (every token sent nowhere): the kernel reads no row
+            back = cp.empty((1, hidden), back.dtype)
+        _gpu.reduce(back, pos, out, num_tokens, hidden, _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind]),
+                    w_back=w_back, w_out=w_out)
+    return out, w_out
+
+
+class _CombineRecord:
+    """What a GPU combine of one call shape (handle, ``x``'s dtype and strides, ``dtype``, the weights' dtype and
+    strides, whether ``out`` is given) derives before its launches, kept on the handle for the next call of that
+    shape: the checked kind, the row signature, the exchange plan, the reduction's launcher and the byte layout of
+    the call's allocations. A repeated call then checks the arrays' type, shape and device only (the dtype and
+    strides are the key)."""
+
+    __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "reduce", "send_x", "send_w",
+                 "x_dtype", "back_x_bytes", "back_w_off", "back_bytes", "out_x_bytes", "out_w_off", "out_bytes")
+
+
+#: per handle: at most this many combine / cached-dispatch records (a new one past it clears them)
+_RECORDS_MAX = 16
+
+
+def _records(h) -> dict:
+    """The handle's dict of call records (:class:`_CombineRecord`, :class:`_CachedRecord`): made on first use, kept
+    with the handle (it dies with it); bounded by :data:`_RECORDS_MAX`."""
+    recs = h.__dict__.get("_records")
+    if recs is None:
+        recs = h.__dict__["_records"] = {}
+    elif len(recs) >= _RECORDS_MAX:
+        recs.clear()
+    return recs
+
+
+def _round_up(n: int, to: int = 256) -> int:
+    return (n + to - 1) // to * to
+
+
+def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
+    """Check a GPU combine's arguments in full and make its :class:`_CombineRecord` (remembered under ``key``
+    when there is one). Returns ``(record, x, weights)`` (the arrays as checked)."""
+    cp = comm.xp
+    n_recv = h.num_recv_tokens
+    x = check_array(op, "x", x, comm.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
+    kind = combine_kind(op, x, dtype)
+    weights = check_weights(op, comm, weights, n_recv, h.num_topk, "num_recv_tokens")
+    rec = _CombineRecord()
+    rec.x_shape, rec.w_shape = x.shape, None if weights is None else weights.shape
+    rec.kind, rec.x_dtype = kind, x.dtype
+    # rows with contiguous elements (any row stride): the reduction reads this rank's own rows from them
+    cx, cw = _rows_contiguous(cp, x), _rows_contiguous(cp, weights)
+    rec.copy_x, rec.copy_w = cx is not x, cw is not weights
+    rec.sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"
+    rec.send_x = cx.shape[1] > 0
+    rec.send_w = weights is not None and cw.shape[1] > 0
+    parts = ([cx] if rec.send_x else []) + ([cw] if rec.send_w else [])
+    rec.plan = comm.device_plan(op, rec.sig, parts, False) if parts else None
+    rec.reduce = _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind])
+    # the rows that come back (x's, then the weights') in one allocation, the outputs in another (the returned
+    # arrays are new on every call: nothing is handed out twice)
+    rows, n = h.send_rows, h.num_tokens
+    k = 0 if weights is None else h.num_topk
+    rec.back_x_bytes = rows * h.hidden * x.dtype.itemsize
+    rec.back_w_off = _round_up(rec.back_x_bytes)
+    rec.back_bytes = rec.back_w_off + rows * k * 4
+    rec.out_x_bytes = 0 if out is not None else n * h.hidden * x.dtype.itemsize
+    rec.out_w_off = _round_up(rec.out_x_bytes)
+    rec.out_bytes = rec.out_w_off + n * k * 4
+    if key is not None:
+        _records(h)[key] = rec
+    return rec, x, weights
+
+
+def _two_arrays(cp, shape, dtype, w_off: int, nbytes: int, w_shape) -> tuple:
+    """``(a, w, memory)``: C-contiguous ``a`` (``shape`` of ``dtype``; None: none) and float32 ``w`` (``w_shape``;
+    None: none) from one allocation of ``nbytes``, ``w`` at byte ``w_off`` (a multiple of 256); ``memory`` the
+    allocation (None where there is none)."""
+    if not nbytes:  # (nothing to hold: empty arrays)
+        return (None if shape is None else cp.empty(shape, dtype), None if w_shape is None else
+                cp.empty(w_shape, np.float32), None)
+    mem = cp.cuda.alloc(nbytes)
+    a = None if shape is None else cp.ndarray(shape, dtype, memptr=mem)
+    w = None if w_shape is None else cp.ndarray(w_shape, np.float32, memptr=mem + w_off)
+    return a, w, mem
+
+
+def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool):
+    """The GPU combine (a handle with device routing): one ring launch (the rows back, per-peer units from the
+    dispatch's reverse counts table), one reduction launch (x and the weights); a repeated call of one shape uses
+    its :class:`_CombineRecord`."""
+    cp = comm.xp
+    nd = cp.ndarray
+    rec = key = None
+    if type(x) is nd and (weights is None or type(weights) is nd):
+        try:
+            key = ("combine", x.dtype, x.strides, dtype,
+                   None if weights is None else (weights.dtype, weights.strides), out is None)
+            rec = h.__dict__.get("_records", {}).get(key)
+        except TypeError:  # an unhashable dtype argument: checked in full every call
+            key = None
+        if rec is not None:
+            dev = cp.cuda.runtime.getDevice()
+            if x.shape != rec.x_shape or x.data.device_id != dev or (weights is not None and (
+                    weights.shape != rec.w_shape or weights.data.device_id != dev)):
+                rec = None  # (the full checks below say what is wrong)
+    if rec is None:
+        rec, x, weights = _combine_record(comm, op, x, h, weights, dtype, out, key)
+    if out is not None:
+        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
+    if rec.copy_x:
+        x = cp.ascontiguousarray(x)
+    if rec.copy_w:
+        weights = cp.ascontiguousarray(weights)
+    rows, n = h.send_rows, h.num_tokens
+    back_x, back_w, mem = _two_arrays(cp, (rows, h.hidden), x.dtype, rec.back_w_off, rec.back_bytes,
+                                      None if weights is None else (rows, h.num_topk))
+    if rec.plan is not None:
+        send = ([x] if rec.send_x else []) + ([weights] if rec.send_w else [])
+        recv = ([back_x] if rec.send_x else []) + ([back_w] if rec.send_w else [])
+        if capturing:  # read / written by every replay (the caller's arrays too)
+            comm.keep_for_graph(x, weights, mem, capturing=True)
+        comm.exchange_rows_device(op, send, None, recv, rec.sig, h.routing.rev_table_ptr, tag=h.dispatch_id,
+                                  plan=rec.plan, stream=stream)
+    combined, acc_w, _ = _two_arrays(cp, None if out is not None else (n, h.hidden), x.dtype, rec.out_w_off,
+                                     rec.out_bytes, None if weights is None else (n, h.num_topk))
+    if out is not None:
+        combined = out
+    if n and (h.hidden or acc_w is not None):
+        rt = h.routing
+        if not rows:  # nothing came back (every token sent nowhere): the kernel reads no row
+            back_x = nd((1, h.hidden), x.dtype, memptr=cp.cuda.alloc(max(16, h.hidden * x.dtype.itemsize)))
+        _gpu.reduce(back_x, rt.pos, combined, n, h.hidden, rec.reduce, self_rows=x, table_ptr=rt.table_ptr,
+                    rank=h.rank, w_back=back_w, w_out=acc_w, w_self_rows=weights, stream=stream)
+    return combined, acc_w
