@@ -7,6 +7,9 @@
 # Tests (pytest's summary per stage; tests/test_faults.py runs in its own stage):
 #   suite1          the whole suite at 1 rank
 #   suiteN          the whole suite at N ranks on GPU 0 under MPS (suite2, suite4, suite8)
+#   filesN          the same, each test file of TESTS in its own pytest (N > 1: mpirun), bounded by FILE_LIMIT (60 s),
+#                   one summary line per file: a hang or failure costs that file only (the whole-suite stages lose
+#                   every summary when one test hangs the ranks). SUITE_BACKENDS=cuda: the GPU suite alone.
 #   multi, cvd      the whole suite with one rank per GPU (2+ GPUs); cvd: CUDA_VISIBLE_DEVICES set per rank, every
 #                   rank sees ordinal 0. Skipped on one GPU.
 #   faults          tests/test_faults.py on the GPU path (single-process pytest that launches mpirun per case)
@@ -179,7 +182,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 multi cvd faults ll small small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
+STAGE_NAMES="suite1 files1 files2 files4 multi cvd faults ll small small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -197,6 +200,17 @@ while [ $# -gt 0 ]; do
       n=${stage#suite}; mps_on
       run "$stage" ${SUITE_LIMIT:-300} $MPIRUN -n "$n" $GPU0 ${SUITE_BACKENDS:+-x CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} \
         $PYTEST $TESTS $SUITE_ARGS ;;
+    files[0-9]*)  # each test file in its own pytest (mpirun at N > 1), so a hang or failure costs that file only
+      n=${stage#files}; [ "$n" -gt 1 ] && mps_on
+      for f in $(for t in $TESTS; do [ -d "$t" ] && ls "$t"/test_*.py || echo "$t"; done | grep -v test_faults.py); do
+        if [ "$n" -gt 1 ]; then
+          TAIL=${TAIL:-1} run "files${n}_$(basename "$f" .py)" ${FILE_LIMIT:-60} $MPIRUN -n "$n" $GPU0 \
+            ${SUITE_BACKENDS:+-x CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} $PYTEST --tb=short "$f"
+        else
+          TAIL=${TAIL:-1} run "files1_$(basename "$f" .py)" ${FILE_LIMIT:-60} env \
+            ${SUITE_BACKENDS:+CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} $PYTEST --tb=short "$f"
+        fi
+      done ;;
     multi|cvd)
       if [ "$NGPU" -lt 2 ]; then echo "== [$stage] skipped: $NGPU GPU"; continue; fi
       mps_off
