@@ -196,7 +196,8 @@ class Config:
         the call needs no ring header, tail or head round trip and no second copy out of a ring slot (twice the
         bytes on the wire, a fraction of the latency). The choice follows the call's size, which every rank agrees
         on. ``0``: off (every call through the rings). ``None``: ``CUPY_SYMBUF_SMALL_BYTES`` if set, else
-        ``DEFAULT_SMALL_BYTES`` (1 MiB) on the GPU; the host backend has no small protocol (0). The region takes
+        ``DEFAULT_SMALL_BYTES`` (1 MiB) on the GPU; the host backend has no small protocol (0), and the staged
+        transport does not use it (its control words' atomics on host memory have not run on a GPU). The region takes
         about ``4 * small_bytes`` per rank. Must be the same on every rank (it shapes the buffer). A symmetric
         ``sendbuf`` of that size takes it too (the choice may not depend on one rank's buffer; ``mode`` applies
         above it); telemetry (``trace``) records its calls; the device load counters of ``adaptive`` count ring
