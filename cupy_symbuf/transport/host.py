@@ -11,7 +11,8 @@ scattered into the receive parts), cut into the same channel shares and into rin
 a byte. A run that fits one ring slot, goes direct or is rejected takes channel 0 alone
 (``protocol.host_run_channels``: one loop on one core gains nothing from a second channel but its header round
 trip); channel 0's header says how many channels carry the run, so a receiver starts the other channels' runs
-only once it has read it. A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
+only once it has read it; a run of at most ``HOST_CHUNK_LEAST_BYTES`` rides in its header's slot, after the header
+words (``protocol.host_run_inline``). A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
 
 Direct mode (``plan.direct``: the send part is a symmetric array, ``Communicator.empty``): the sender's headers
 say ``MODE_DIRECT`` and carry where its run to that receiver lies in its symmetric segment; no payload
@@ -138,7 +139,7 @@ class _Static:
         self.c, self.p, self.lo, self.hi, self.per_chunk, self.nchunks = c, p, lo, hi, per_chunk, nchunks
         self.state, self.counter, self.remote, self.ring, self.ring_off = state, counter, remote, ring, ring_off
         self.header = header
-        self.slots = slots  # per ring slot: (uint8 [chunk_bytes], its first HDR_WORDS as int64): no slicing per chunk
+        self.slots = slots  # per ring slot: (uint8 [chunk_bytes], its first HDR_WORDS as int64, the rest): no slicing
 
 
 @implements(Transport)
@@ -355,13 +356,19 @@ class HostTransport:
                     self._check_ring(op, x, head, x.pos_counter, "send")
                 moved = 0
                 while (x.header is not None or x.pos < x.end) and x.pos_counter - head < num_slots:
-                    slot, hdr = x.slots[x.pos_counter % num_slots]
+                    slot, hdr, body = x.slots[x.pos_counter % num_slots]
                     if x.header is not None:  # the call header goes first, in its own slot
                         hdr[:] = x.header
                         hdr[P.HDR_SEQ] = x.seq
                         if tagged:
                             hdr[P.HDR_SIG] = sig
                         x.header = None
+                        if x.inline:  # a short run rides in the header's slot, after the header words
+                            t0 = time.monotonic() if tr is not None else 0.0
+                            send.fill(body, x.p, x.pos, x.end - x.pos)
+                            if tr is not None:
+                                tr.add(_trace.SEND, t0, x.c, x.p, (x.end - x.pos) * unit, head, x.pos_counter + 1)
+                            x.pos = x.end
                     else:
                         n = min(x.per_chunk, x.end - x.pos)
                         t0 = time.monotonic() if tr is not None else 0.0
@@ -391,7 +398,7 @@ class HostTransport:
                 if DEBUG:
                     self._check_ring(op, r, r.pos_counter, tail, "recv")
                 while r.pos_counter < tail and (not r.checked or r.pos < r.end or r.drain > 0):  # still to consume
-                    slot, hdr = r.slots[r.pos_counter % num_slots]
+                    slot, hdr, body = r.slots[r.pos_counter % num_slots]
                     if not r.checked:
                         hdr = hdr.tolist()
                         self._check_header(op, plan, r, hdr, sig)
@@ -410,6 +417,12 @@ class HostTransport:
                             pulled = True
                             if tr is not None:
                                 tr.add(_trace.PULL, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
+                        elif r.inline:  # the run is in the header's slot (the header said 0 chunks, as expected)
+                            t0 = time.monotonic() if tr is not None else 0.0
+                            recv.drain(body, r.p, r.pos, r.end - r.pos)
+                            if tr is not None:
+                                tr.add(_trace.RECV, t0, r.c, r.p, (r.end - r.pos) * unit, r.pos_counter + 1, tail)
+                            r.pos = r.end
                     elif r.drain:
                         r.drain -= 1
                     else:
@@ -526,7 +539,8 @@ class HostTransport:
                     if sender and c >= plan.run_channels(units_of[p], single):
                         continue  # the run goes on fewer channels: nothing at all on this one
                     lo, hi = plan.channel_range(units_of[p], c, single) if not plan.reject else (0, 0)
-                    per, nch = plan.rows_per_chunk(lo, hi), plan.num_chunks(lo, hi)
+                    inline = not plan.reject and plan.run_inline(units_of[p], single)
+                    per, nch = plan.rows_per_chunk(lo, hi), 0 if inline else plan.num_chunks(lo, hi)
                     if sender:
                         st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.send_tail_offset(c, p), 2),
                                      self._u64(me, L.head_offset(c, p)), self._u64(p, L.tail_offset(c, me)),
@@ -539,6 +553,7 @@ class HostTransport:
                                      self._slot_views(me, L.ring_offset(c, p)))
                     run = _Run(st, sender)
                     run.nchan = plan.run_channels(units_of[p], single)  # (receiver: what a ring header must say)
+                    run.inline = inline
                     if sender or c == 0:
                         out[0 if sender else 1].append(run)
                     else:  # started once channel 0's header of the call says this channel carries the run too
@@ -547,7 +562,8 @@ class HostTransport:
 
     def _slot_views(self, rank: int, ring_off: int) -> list:
         """The slots of the ring at ``ring_off`` in ``rank``'s buffer: per slot ``(uint8 [chunk_bytes] view, int64
-        [HDR_WORDS] view of its start)``, made once per ring and shared by every plan."""
+        [HDR_WORDS] view of its start, uint8 view of the rest: a short run's payload after its call header)``, made
+        once per ring and shared by every plan."""
         key = (rank, ring_off)
         got = self._rings.get(key)
         if got is None:
@@ -555,7 +571,7 @@ class HostTransport:
             got = []
             for i in range(self.layout.num_slots):
                 slot = view[ring_off + i * chunk: ring_off + (i + 1) * chunk]
-                got.append((slot, slot[: 8 * P.HDR_WORDS].view(np.int64)))
+                got.append((slot, slot[: 8 * P.HDR_WORDS].view(np.int64), slot[8 * P.HDR_WORDS:]))
             self._rings[key] = got
         return got
 
@@ -599,7 +615,7 @@ class HostTransport:
                 f"{op}: rank {self.rank} expects rank {r.p}'s rows on {want_k} channel(s), its call header (channel "
                 f"{r.c}) says {k}: the ranks run different engines or builds", rank=self.rank, peer=r.p,
                 channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_RING], expected=want_k, got=k)
-        mine, theirs = 0 if direct else plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
+        mine, theirs = 0 if direct or r.inline else plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
         if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject and mine != theirs:
             # same units, other chunking: the engines cut differently (the kernel reports the same)
             self.set_abort(P.ERR_INVARIANT, r.p, r.c, P.FIELD_RING)
@@ -686,7 +702,8 @@ class _Run:
     carries over."""
 
     __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "nchunks", "state", "counter", "remote",
-                 "ring", "ring_off", "header", "checked", "drain", "slots", "lo", "hi", "sender_header", "nchan")
+                 "ring", "ring_off", "header", "checked", "drain", "slots", "lo", "hi", "sender_header", "nchan",
+                 "inline")
 
     def __init__(self, st: _Static, sender: bool):
         self.c, self.p, self.per_chunk, self.nchunks, self.state = st.c, st.p, st.per_chunk, st.nchunks, st.state

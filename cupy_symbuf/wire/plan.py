@@ -187,6 +187,18 @@ class ExchangePlan:
             return units, units
         return channel_row_range(units, channel, k, self.align)
 
+    def run_inline(self, units: int, single: bool = False) -> bool:
+        """Host engine: a ring run of ``units`` rides in its call header's slot, no payload chunks follow
+        (``protocol.host_run_inline``; never direct, rejected or on the GPU)."""
+        return self.host and not single and P.host_run_inline(int(units) * self.unit_bytes, self.chunk_bytes)
+
+    def share_chunks(self, units: int, channel: int, single: bool = False) -> int:
+        """Payload chunks after the call header on ``channel`` for a ``units``-unit run (0 for a run in the
+        header's slot, :meth:`run_inline`)."""
+        if self.run_inline(units, single):
+            return 0
+        return self.num_chunks(*self.channel_range(units, channel, single))
+
     def rows_per_chunk(self, lo: int, hi: int) -> int:
         """Units per ring chunk of a channel's share ``[lo, hi)`` (``layout.chunk_rows`` with the GPU's copy
         workers, so both engines cut the same chunks)."""
@@ -210,9 +222,8 @@ class ExchangePlan:
             h[P.HDR_NCHANNELS] = self.run_channels(0, True)
             return h
         units = int(self.send_units[peer])
-        lo, hi = self.channel_range(units, channel, self.direct)
         h[P.HDR_UNITS], h[P.HDR_STATUS] = units, P.HDR_OK
-        h[P.HDR_NCHUNKS] = 0 if self.direct else self.num_chunks(lo, hi)
+        h[P.HDR_NCHUNKS] = 0 if self.direct else self.share_chunks(units, channel)
         h[P.HDR_MODE] = P.MODE_DIRECT if self.direct else P.MODE_RING
         h[P.HDR_NCHANNELS] = self.run_channels(units, self.direct)
         return h

@@ -11,7 +11,8 @@ slot = counter % num_slots), ``first`` = the counter the previous call left:
   ``HDR_REJECTED``: the sender's rank rejected the call; no payload follows). Every call sends it, also with
   nothing to move on that channel, so a receiver always learns what its peer is doing before it consumes a byte.
   (Host engine: a run on fewer channels, ``host_run_channels``, sends headers only on the channels that carry it,
-  channel 0 always; channel 0's header says how many, ``HDR_NCHANNELS``.)
+  channel 0 always; channel 0's header says how many, ``HDR_NCHANNELS``; a run of ``host_run_inline`` follows its
+  header in the same slot, and the header says 0 chunks.)
 * counters ``first + 1 ... first + nchunks`` carry payload chunks.
 * the receiver checks the header against its own call (magic, seq, op, signature, units) before any payload is
   consumed. A difference is fatal: an error record with ``ERR_MISMATCH`` and the field (``FIELD_*``), the
@@ -290,6 +291,16 @@ def host_run_channels(run_bytes: int, single: bool, num_channels: int, chunk_byt
     if single or run_bytes <= chunk_bytes:
         return 1
     return num_channels
+
+
+def host_run_inline(run_bytes: int, chunk_bytes: int) -> bool:
+    """Whether the host engine carries a ring run of ``run_bytes`` (on channel 0 alone) in its call header's slot,
+    right after the header words (``HDR_WORDS``), instead of in payload chunks after it: a run of at most
+    ``HOST_CHUNK_LEAST_BYTES`` (one chunk anyway, so no pipelining is lost) that fits the slot. The header then
+    says 0 chunks; the sender fills the slot and publishes it with one ``tail`` store, the receiver checks the
+    header and copies the payload out in the same step. Sender and receiver compute it from the run's agreed
+    bytes (a receiver whose call the peer's header contradicts raises before it reads a byte)."""
+    return 0 < run_bytes <= HOST_CHUNK_LEAST_BYTES and run_bytes + 8 * HDR_WORDS <= chunk_bytes
 
 #: The fp8 (e4m3) block quantiser of the wire (``collectives/quant.py`` and ``cuda_src/quant.cuh``, bit for bit):
 #: one float32 scale per QUANT_BLOCK consecutive elements of a row (DeepEP's 1x128 blocks; MoE ``x_fp8`` scales and
