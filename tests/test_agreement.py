@@ -122,6 +122,59 @@ def test_call_rejected_on_one_rank_only(comm2, comm, backend, case):
         _valid_alltoallv(c, comm, backend, 200 + seed, with_recv_counts=seed == 1)
 
 
+def _mixed_alltoallv(c, comm, backend, seed, **kw):
+    """alltoallv whose runs differ in length per (sender, receiver) pair: some fit one ring slot of ``CFG`` (on the
+    host: channel 0 alone), others span several slots (every channel), the mix changing with the seed; checked
+    against NumPy, ``out=`` poisoned first when given recv_counts."""
+    rng = rng_for(comm, seed)
+    W = comm.size
+    counts = np.array([(3 if (comm.rank + j + seed) % 2 else 23) + int(rng.integers(0, 3)) for j in range(W)])
+    send = random_rows(rng, int(counts.sum()), (16,), np.float32)  # 64-byte rows: 23 rows > 1024 bytes
+    want, want_counts = reference_alltoallv(comm, send, counts)
+    if kw.pop("with_recv_counts", False):
+        out = to_backend(np.full(want.shape, np.nan, np.float32), backend)
+        got = c.alltoallv(to_backend(send, backend), counts, recv_counts=want_counts, out=out)[0]
+        assert got is out
+    else:
+        got, got_counts = c.alltoallv(to_backend(send, backend), counts)
+        np.testing.assert_array_equal(got_counts, want_counts)
+    np.testing.assert_array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("case", ["alltoall-shape", "alltoallv-recv_counts"])
+def test_call_rejected_with_runs_on_one_and_several_channels(comm2, comm, backend, case):
+    """A rejection while the peers' runs to the rejecting rank and to each other span one channel or several (the
+    host cuts a run that fits one ring slot onto channel 0 alone; the rejecting rank knows neither, and drains what
+    channel 0's header of each peer announces): rank 0 raises its own error, every other rank
+    SymBufferRejectedError naming rank 0, and the next calls of every shape mix return the NumPy reference."""
+    c = comm2
+    W, me = comm.size, comm.rank
+    bad = me == 0
+    rng = rng_for(comm, 31)
+    if case == "alltoall-shape":
+        x = to_backend(random_rows(rng, W + (1 if bad else 0), (600,), np.float32), backend)  # 2400 B per peer
+        call = lambda: c.alltoall(x)  # noqa: E731
+        own = r"must have shape\[0\] == world_size"
+    else:
+        counts = np.array([3 if j % 2 else 23 for j in range(W)])
+        send = to_backend(random_rows(rng, int(counts.sum()), (16,), np.float32), backend)
+        rc = np.array(comm.alltoall([int(v) for v in counts]), np.int64)
+        if bad:
+            rc[0] = -1
+        call = lambda: c.alltoallv(send, counts, recv_counts=rc)  # noqa: E731
+        own = "must be >= 0"
+    if bad:
+        with pytest.raises(ValueError, match=own):
+            call()
+    else:
+        with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected") as info:
+            call()
+        assert info.value.rejecting_rank == 0
+    for seed in range(4):  # in step: fresh random data, the per-pair mix of one and several channels changing
+        _mixed_alltoallv(c, comm, backend, 300 + seed, with_recv_counts=seed % 2 == 1)
+        _valid_alltoall(c, comm, backend, 400 + seed)
+
+
 def test_call_rejected_on_every_rank_stays_usable(comm2, comm, backend):
     c = comm2
     x = to_backend(np.ones((comm.size + 1, 3), np.float32), backend)

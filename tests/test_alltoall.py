@@ -443,3 +443,40 @@ def test_repeat_calls_recheck_counts_of_other_byte_order(small, comm, backend, k
             small.synchronize()
     got, _ = small.alltoallv(to_backend(send, backend), counts, **kw)
     np.testing.assert_array_equal(to_numpy(got), expected)
+
+
+def test_host_runs_of_one_slot_take_channel_0_alone(comm):
+    """Host cut (``protocol.host_run_channels``, ``host_run_inline``): a run that fits one ring slot moves behind one
+    call header, on channel 0 (a short one inside the header's slot); a longer one on every channel; a rank's
+    sender state counters show it (channel 1's does not move for a short run), and all arrive exactly as NumPy
+    says, into poisoned outputs."""
+    if comm.size < 2:
+        pytest.skip("needs peers")
+    c = cs.Communicator(comm, SMALL_RING, backend="host")
+    try:
+        t, L, me, W = c._transport, c.layout, comm.rank, comm.size
+        assert L.num_channels == 2
+        rng = rng_for(comm, 41)
+
+        def counters():
+            return np.array([[int(t._u64(me, L.send_tail_offset(ch, p))[0]) for p in range(W) if p != me]
+                             for ch in range(L.num_channels)])
+        # (per-peer bytes, channels, slots on channel 0: a run of at most HOST_CHUNK_LEAST_BYTES that fits the
+        # header's slot rides in it, a longer one follows in chunks)
+        for per_peer, channels, slots in ((512, 1, 1), (L.chunk_bytes - 8, 1, 2), (L.chunk_bytes + 8, 2, None),
+                                          (0, 1, 1)):
+            x = random_rows(rng, W, (per_peer // 4,), np.float32)
+            before = counters()
+            out = np.full_like(x, np.nan)
+            np.testing.assert_array_equal(c.alltoall(x, out=out).view(np.uint32),
+                                          _a2a_ref(comm, x).view(np.uint32))
+            moved = counters() - before
+            assert (moved[:channels] > 0).all() and (moved[channels:] == 0).all(), (per_peer, moved)
+            assert slots is None or (moved[0] == slots).all(), (per_peer, moved)
+    finally:
+        c.close()
+
+
+def _a2a_ref(comm, x):
+    everything = comm.allgather(x)
+    return np.stack([everything[j][comm.rank] for j in range(comm.size)])

@@ -136,10 +136,11 @@ def _cuts(plan, units: np.ndarray, C: int):
     W = units.shape[0]
     c = np.arange(C, dtype=np.int64)
     align = int(plan.align)
-    if W and int(units.max(initial=0)) >= (1 << 62) // max(C + 1, 1):  # huge runs: exact Python ints
+    # huge runs (exact Python ints), or the host engine's cut (runs of one slot on channel 0 alone)
+    if getattr(plan, "host", False) or W and int(units.max(initial=0)) >= (1 << 62) // max(C + 1, 1):
         n = np.array([[plan.channel_range(int(u), k)[1] - plan.channel_range(int(u), k)[0] for k in range(C)]
                       for u in units], np.int64).reshape(W, C)
-        chunks = np.array([[plan.num_chunks(*plan.channel_range(int(u), k)) for k in range(C)] for u in units],
+        chunks = np.array([[plan.share_chunks(int(u), k) for k in range(C)] for u in units],
                           np.int64).reshape(W, C)
         return n, chunks
     lo = (units[:, None] * c[None, :] // C) // align * align

@@ -8,7 +8,11 @@ scattered into the receive parts), cut into the same channel shares and into rin
 (``layout.chunk_rows``, as many chunks as the GPU's copy warps for pipelining, but none smaller than
 ``protocol.HOST_CHUNK_LEAST_BYTES``, where a chunk's fixed Python cost would dominate), each
 (channel, peer) run preceded by its call header (``wire/protocol.py``), which the receiver checks before it consumes
-a byte. A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
+a byte. A run that fits one ring slot, goes direct or is rejected takes channel 0 alone
+(``protocol.host_run_channels``: one loop on one core gains nothing from a second channel but its header round
+trip); channel 0's header says how many channels carry the run, so a receiver starts the other channels' runs
+only once it has read it; a run of at most ``HOST_CHUNK_LEAST_BYTES`` rides in its header's slot, after the header
+words (``protocol.host_run_inline``). A rank's rows to itself are copied directly (no ring, no scratch), as on the GPU.
 
 Direct mode (``plan.direct``: the send part is a symmetric array, ``Communicator.empty``): the sender's headers
 say ``MODE_DIRECT`` and carry where its run to that receiver lies in its symmetric segment; no payload
@@ -135,7 +139,7 @@ class _Static:
         self.c, self.p, self.lo, self.hi, self.per_chunk, self.nchunks = c, p, lo, hi, per_chunk, nchunks
         self.state, self.counter, self.remote, self.ring, self.ring_off = state, counter, remote, ring, ring_off
         self.header = header
-        self.slots = slots  # per ring slot: (uint8 [chunk_bytes], its first HDR_WORDS as int64): no slicing per chunk
+        self.slots = slots  # per ring slot: (uint8 [chunk_bytes], its first HDR_WORDS as int64, the rest): no slicing
 
 
 @implements(Transport)
@@ -322,9 +326,9 @@ class HostTransport:
         unit = plan.unit_bytes
         idle_t0 = None
         pulled = False
-        sources = {}  # direct modes: peer -> where its whole run was copied from (_pull)
         sends = [x.start() for x in statics[0]]
         recvs = [r.start() for r in statics[1]]
+        more = statics[2]
         if self.visit is not None:  # adaptive: the hot peers' runs first in every pass (stable: then channels)
             sw, rw = self.visit
             sends.sort(key=lambda x: -sw[x.p])
@@ -352,13 +356,19 @@ class HostTransport:
                     self._check_ring(op, x, head, x.pos_counter, "send")
                 moved = 0
                 while (x.header is not None or x.pos < x.end) and x.pos_counter - head < num_slots:
-                    slot, hdr = x.slots[x.pos_counter % num_slots]
+                    slot, hdr, body = x.slots[x.pos_counter % num_slots]
                     if x.header is not None:  # the call header goes first, in its own slot
                         hdr[:] = x.header
                         hdr[P.HDR_SEQ] = x.seq
                         if tagged:
                             hdr[P.HDR_SIG] = sig
                         x.header = None
+                        if x.inline:  # a short run rides in the header's slot, after the header words
+                            t0 = time.monotonic() if tr is not None else 0.0
+                            send.fill(body, x.p, x.pos, x.end - x.pos)
+                            if tr is not None:
+                                tr.add(_trace.SEND, t0, x.c, x.p, (x.end - x.pos) * unit, head, x.pos_counter + 1)
+                            x.pos = x.end
                     else:
                         n = min(x.per_chunk, x.end - x.pos)
                         t0 = time.monotonic() if tr is not None else 0.0
@@ -388,11 +398,14 @@ class HostTransport:
                 if DEBUG:
                     self._check_ring(op, r, r.pos_counter, tail, "recv")
                 while r.pos_counter < tail and (not r.checked or r.pos < r.end or r.drain > 0):  # still to consume
-                    slot, hdr = r.slots[r.pos_counter % num_slots]
+                    slot, hdr, body = r.slots[r.pos_counter % num_slots]
                     if not r.checked:
                         hdr = hdr.tolist()
                         self._check_header(op, plan, r, hdr, sig)
                         r.checked = True
+                        if hdr[P.HDR_NCHANNELS] > 1 and r.c == 0 and hdr[P.HDR_STATUS] == P.HDR_OK:
+                            # the run continues on other channels, each behind its own header
+                            recvs.extend(m.start() for m in more[r.p][: hdr[P.HDR_NCHANNELS] - 1])
                         if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
                             rejected.add(r.p)
                             r.end = r.pos       # nothing follows
@@ -400,10 +413,16 @@ class HostTransport:
                             r.drain = int(hdr[P.HDR_NCHUNKS])  # skip the peer's payload without copying
                         elif hdr[P.HDR_MODE] != P.MODE_RING:  # the sender's mode: copy out of its array
                             t0 = time.monotonic() if tr is not None else 0.0
-                            n = self._pull(op, plan, r, hdr, recv, sources)
+                            n = self._pull(op, plan, r, hdr, recv)
                             pulled = True
                             if tr is not None:
                                 tr.add(_trace.PULL, t0, r.c, r.p, n * unit, r.pos_counter + 1, tail)
+                        elif r.inline:  # the run is in the header's slot (the header said 0 chunks, as expected)
+                            t0 = time.monotonic() if tr is not None else 0.0
+                            recv.drain(body, r.p, r.pos, r.end - r.pos)
+                            if tr is not None:
+                                tr.add(_trace.RECV, t0, r.c, r.p, (r.end - r.pos) * unit, r.pos_counter + 1, tail)
+                            r.pos = r.end
                     elif r.drain:
                         r.drain -= 1
                     else:
@@ -461,28 +480,15 @@ class HostTransport:
             self.check_abort(op)
         return sorted(rejected) if rejected else []
 
-    def _pull(self, op: str, plan, r: "_Run", hdr: list, recv: _Side, sources: dict) -> int:
-        """Direct modes, at a checked call header of peer ``r.p`` (its words as Python ints): the first such header
-        of the call copies the peer's whole run (every channel's share: one copy of each byte, one read per peer)
-        straight out of the peer's symmetric array (segment and offset from the header, checked to lie inside the
-        segment) or, ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the pid checked against the
-        peer's); its other headers (the other channels) must name the same mode, segment or pid and offset, and
-        copy nothing (``sources``: peer -> the place copied from, per call). The run may not change before the
-        peer's call ends: the sender waits for every channel's ``head``, and this rank releases each header's slot
-        only after that header's step here. Returns the units copied."""
+    def _pull(self, op: str, plan, r: "_Run", hdr: list, recv: _Side) -> int:
+        """Direct modes, at the checked call header of peer ``r.p`` (its words as Python ints; a direct run has
+        this one header, on channel 0: ``protocol.host_run_channels``): copy the peer's whole run (one copy of each
+        byte, one read per peer) straight out of the peer's symmetric array (segment and offset from the header,
+        checked to lie inside the segment) or, ``MODE_CMA``, out of its plain array by ``process_vm_readv`` (the
+        pid checked against the peer's). The run may not change before the peer's call ends: the sender waits for
+        the ``head`` past its header, which this rank releases only after the copy. Returns the units copied."""
         mode, where, base = hdr[P.HDR_MODE], hdr[P.HDR_DIRECT_ALLOC], hdr[P.HDR_DIRECT_OFFSET]
         r.pos = r.end
-        seen = sources.get(r.p)
-        if seen is not None:
-            if seen != (mode, where, base):
-                self.set_abort(P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
-                raise SymBufferMismatchError(
-                    f"{op}: rank {r.p}'s call headers name different places for its rows (channel {r.c}: mode "
-                    f"{mode}, {where}, offset {base:#x}; an earlier channel: mode {seen[0]}, {seen[1]}, offset "
-                    f"{seen[2]:#x}): the ranks run different engines or builds", rank=self.rank, peer=r.p,
-                    channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_OFFSET], expected=seen[2], got=base)
-            return 0
-        sources[r.p] = (mode, where, base)
         n = int(plan.recv_units[r.p])
         dst = int(plan.recv_first[r.p])
         if mode == P.MODE_CMA:
@@ -517,17 +523,24 @@ class HostTransport:
         return n
 
     def _statics(self, plan) -> tuple:
-        """``(sends, recvs)``: the :class:`_Run` of every (channel, peer) run of ``plan`` on this rank, made from
-        its :class:`_Static` (kept in ``plan.engine_data``; each call restarts them)."""
+        """``(sends, recvs, more)``: the :class:`_Run` of every (channel, peer) run of ``plan`` on this rank, made
+        from its :class:`_Static` (kept in ``plan.engine_data``; each call restarts them): the send runs on the
+        channels each peer's run takes (``plan.run_channels``), the receive runs of channel 0, and per peer the
+        receive runs of the other channels, started when that peer's channel-0 header names them
+        (``HDR_NCHANNELS``)."""
         L, me = self.layout, self.rank
-        out = ([], [])
+        out = ([], [], {})
         for sender, units_of in ((True, plan.send_units), (False, plan.recv_units)):
             for c in range(L.num_channels):
                 for p in range(self.world_size):
                     if p == me:
                         continue
-                    lo, hi = plan.channel_range(units_of[p], c) if not plan.reject else (0, 0)
-                    per, nch = plan.rows_per_chunk(lo, hi), plan.num_chunks(lo, hi)
+                    single = sender and (plan.direct or plan.reject)  # (a receiver expects the rings' cut)
+                    if sender and c >= plan.run_channels(units_of[p], single):
+                        continue  # the run goes on fewer channels: nothing at all on this one
+                    lo, hi = plan.channel_range(units_of[p], c, single) if not plan.reject else (0, 0)
+                    inline = not plan.reject and plan.run_inline(units_of[p], single)
+                    per, nch = plan.rows_per_chunk(lo, hi), 0 if inline else plan.num_chunks(lo, hi)
                     if sender:
                         st = _Static(c, p, lo, hi, per, nch, self._u64(me, L.send_tail_offset(c, p), 2),
                                      self._u64(me, L.head_offset(c, p)), self._u64(p, L.tail_offset(c, me)),
@@ -538,12 +551,19 @@ class HostTransport:
                                      self._u64(me, L.tail_offset(c, p)), self._u64(p, L.head_offset(c, me)),
                                      self.views[me], L.ring_offset(c, p), None,
                                      self._slot_views(me, L.ring_offset(c, p)))
-                    out[0 if sender else 1].append(_Run(st, sender))
+                    run = _Run(st, sender)
+                    run.nchan = plan.run_channels(units_of[p], single)  # (receiver: what a ring header must say)
+                    run.inline = inline
+                    if sender or c == 0:
+                        out[0 if sender else 1].append(run)
+                    else:  # started once channel 0's header of the call says this channel carries the run too
+                        out[2].setdefault(p, []).append(run)
         return out
 
     def _slot_views(self, rank: int, ring_off: int) -> list:
         """The slots of the ring at ``ring_off`` in ``rank``'s buffer: per slot ``(uint8 [chunk_bytes] view, int64
-        [HDR_WORDS] view of its start)``, made once per ring and shared by every plan."""
+        [HDR_WORDS] view of its start, uint8 view of the rest: a short run's payload after its call header)``, made
+        once per ring and shared by every plan."""
         key = (rank, ring_off)
         got = self._rings.get(key)
         if got is None:
@@ -551,7 +571,7 @@ class HostTransport:
             got = []
             for i in range(self.layout.num_slots):
                 slot = view[ring_off + i * chunk: ring_off + (i + 1) * chunk]
-                got.append((slot, slot[: 8 * P.HDR_WORDS].view(np.int64)))
+                got.append((slot, slot[: 8 * P.HDR_WORDS].view(np.int64), slot[8 * P.HDR_WORDS:]))
             self._rings[key] = got
         return got
 
@@ -563,7 +583,8 @@ class HostTransport:
                 return
             mode = hdr[P.HDR_MODE]
             if hdr[P.HDR_SIG] == sig and hdr[P.HDR_UNITS] == plan.recv_units[r.p] and (
-                    (mode == P.MODE_RING and hdr[P.HDR_NCHUNKS] == r.nchunks) or (hdr[P.HDR_NCHUNKS] == 0 and (
+                    (mode == P.MODE_RING and hdr[P.HDR_NCHUNKS] == r.nchunks and hdr[P.HDR_NCHANNELS] == r.nchan)
+                    or (hdr[P.HDR_NCHUNKS] == 0 and hdr[P.HDR_NCHANNELS] == 1 and (
                         mode == P.MODE_DIRECT or (mode == P.MODE_CMA and self.cma_pids)))):
                 return  # the common case: all agree
         checks = [(P.FIELD_MAGIC, P.HDR_MAGIC_VALUE, int(hdr[P.HDR_MAGIC])),
@@ -580,7 +601,21 @@ class HostTransport:
                 self.set_abort(P.ERR_MISMATCH, r.p, r.c, field)
                 raise mismatch_error(op, self.rank, r.p, r.c, field, expected, got, plan)
         direct = hdr[P.HDR_MODE] != P.MODE_RING
-        mine, theirs = 0 if direct else plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
+        k = int(hdr[P.HDR_NCHANNELS])
+        if hdr[P.HDR_STATUS] != P.HDR_OK:
+            want_k = 1  # a rejected run: channel 0's header alone
+        elif plan.reject:
+            want_k = k if 1 <= k <= self.layout.num_channels else 1  # (this rank follows what the peer sends)
+        else:
+            want_k = 1 if direct else r.nchan
+        if k != want_k:
+            # the same units spread over other channels: the engines cut differently
+            self.set_abort(P.ERR_INVARIANT, r.p, r.c, P.FIELD_RING)
+            raise SymBufferMismatchError(
+                f"{op}: rank {self.rank} expects rank {r.p}'s rows on {want_k} channel(s), its call header (channel "
+                f"{r.c}) says {k}: the ranks run different engines or builds", rank=self.rank, peer=r.p,
+                channel=r.c, op=op, field=P.FIELD_NAMES[P.FIELD_RING], expected=want_k, got=k)
+        mine, theirs = 0 if direct or r.inline else plan.num_chunks(r.pos, r.end), int(hdr[P.HDR_NCHUNKS])
         if hdr[P.HDR_STATUS] == P.HDR_OK and not plan.reject and mine != theirs:
             # same units, other chunking: the engines cut differently (the kernel reports the same)
             self.set_abort(P.ERR_INVARIANT, r.p, r.c, P.FIELD_RING)
@@ -667,7 +702,8 @@ class _Run:
     carries over."""
 
     __slots__ = ("c", "p", "pos_counter", "seq", "pos", "end", "per_chunk", "nchunks", "state", "counter", "remote",
-                 "ring", "ring_off", "header", "checked", "drain", "slots", "lo", "hi", "sender_header")
+                 "ring", "ring_off", "header", "checked", "drain", "slots", "lo", "hi", "sender_header", "nchan",
+                 "inline")
 
     def __init__(self, st: _Static, sender: bool):
         self.c, self.p, self.per_chunk, self.nchunks, self.state = st.c, st.p, st.per_chunk, st.nchunks, st.state

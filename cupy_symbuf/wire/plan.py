@@ -121,7 +121,7 @@ class ExchangePlan:
     __slots__ = ("op", "op_code", "sig", "reject", "byte_run", "row_bytes", "unit_bytes", "align",
                  "part_widths", "send_units", "recv_units", "send_first", "recv_first", "num_channels",
                  "num_copy", "chunk_bytes", "world_size", "rank", "engine_data", "device_counts", "direct", "least_bytes",
-                 "load")
+                 "load", "host")
 
     def __init__(self, *, op: str, sig_text: str, part_widths, has_index: bool, send_counts, recv_counts,
                  layout, rank: int, reject: bool = False, direct: bool = False, host: bool = False):
@@ -137,6 +137,7 @@ class ExchangePlan:
         # 32 KiB; both ends of a run use the same engine (the backend is agreed at construction)
         self.num_copy = kernel_geometry(W).num_copy
         self.least_bytes = P.CHUNK_LEAST_BYTES if not host else P.HOST_CHUNK_LEAST_BYTES
+        self.host = bool(host)
         self.engine_data = None  # the engine's own cache for this plan (the GPU's launch descriptor)
         self.load = None  # its per-call load counters (adaptive.ChannelLoad.plan_load), made on first use
         self.device_counts = False  # units from a device counts table (PlanCache.device), not the fields below
@@ -167,9 +168,36 @@ class ExchangePlan:
         self.recv_first = _frozen(_exclusive_cumsum(self.recv_units))
 
     # ---- cuts (the kernel computes the same from its descriptor) ----------------------------------------
-    def channel_range(self, units: int, channel: int) -> tuple:
-        """Units ``[lo, hi)`` of a ``units``-unit run that ``channel`` carries."""
-        return channel_row_range(int(units), channel, self.num_channels, self.align)
+    def run_channels(self, units: int, single: bool = False) -> int:
+        """Channels that carry a ``units``-unit run of this plan, each behind its own call header: every channel of
+        the layout on the GPU; on the host (``protocol.host_run_channels``) channel 0 alone when ``single`` (the
+        sender's run goes direct or is rejected: see :meth:`header`) or the run fits one ring slot. Sender and
+        receiver compute it from the same agreed units; the receiver learns a direct or rejected run from channel
+        0's header (``HDR_NCHANNELS``)."""
+        if not self.host:
+            return self.num_channels
+        return P.host_run_channels(int(units) * self.unit_bytes, single, self.num_channels, self.chunk_bytes)
+
+    def channel_range(self, units: int, channel: int, single: bool = False) -> tuple:
+        """Units ``[lo, hi)`` of a ``units``-unit run that ``channel`` carries (empty on a channel past
+        :meth:`run_channels`)."""
+        units = int(units)
+        k = self.run_channels(units, single) if self.host else self.num_channels
+        if channel >= k:
+            return units, units
+        return channel_row_range(units, channel, k, self.align)
+
+    def run_inline(self, units: int, single: bool = False) -> bool:
+        """Host engine: a ring run of ``units`` rides in its call header's slot, no payload chunks follow
+        (``protocol.host_run_inline``; never direct, rejected or on the GPU)."""
+        return self.host and not single and P.host_run_inline(int(units) * self.unit_bytes, self.chunk_bytes)
+
+    def share_chunks(self, units: int, channel: int, single: bool = False) -> int:
+        """Payload chunks after the call header on ``channel`` for a ``units``-unit run (0 for a run in the
+        header's slot, :meth:`run_inline`)."""
+        if self.run_inline(units, single):
+            return 0
+        return self.num_chunks(*self.channel_range(units, channel, single))
 
     def rows_per_chunk(self, lo: int, hi: int) -> int:
         """Units per ring chunk of a channel's share ``[lo, hi)`` (``layout.chunk_rows`` with the GPU's copy
@@ -191,12 +219,13 @@ class ExchangePlan:
         h[P.HDR_RANK], h[P.HDR_CHANNEL] = self.rank, channel
         if self.reject:
             h[P.HDR_STATUS] = P.HDR_REJECTED
+            h[P.HDR_NCHANNELS] = self.run_channels(0, True)
             return h
         units = int(self.send_units[peer])
-        lo, hi = self.channel_range(units, channel)
         h[P.HDR_UNITS], h[P.HDR_STATUS] = units, P.HDR_OK
-        h[P.HDR_NCHUNKS] = 0 if self.direct else self.num_chunks(lo, hi)
+        h[P.HDR_NCHUNKS] = 0 if self.direct else self.share_chunks(units, channel)
         h[P.HDR_MODE] = P.MODE_DIRECT if self.direct else P.MODE_RING
+        h[P.HDR_NCHANNELS] = self.run_channels(units, self.direct)
         return h
 
     def __repr__(self) -> str:

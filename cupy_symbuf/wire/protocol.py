@@ -10,6 +10,9 @@ slot = counter % num_slots), ``first`` = the counter the previous call left:
   sender sends to d in the whole call, the payload chunks that follow on this channel, and a status (``HDR_OK`` or
   ``HDR_REJECTED``: the sender's rank rejected the call; no payload follows). Every call sends it, also with
   nothing to move on that channel, so a receiver always learns what its peer is doing before it consumes a byte.
+  (Host engine: a run on fewer channels, ``host_run_channels``, sends headers only on the channels that carry it,
+  channel 0 always; channel 0's header says how many, ``HDR_NCHANNELS``; a run of ``host_run_inline`` follows its
+  header in the same slot, and the header says 0 chunks.)
 * counters ``first + 1 ... first + nchunks`` carry payload chunks.
 * the receiver checks the header against its own call (magic, seq, op, signature, units) before any payload is
   consumed. A difference is fatal: an error record with ``ERR_MISMATCH`` and the field (``FIELD_*``), the
@@ -87,9 +90,13 @@ MODE_SMALL = 4
 #: or faster on the 2-core machine (64 KiB: 26 vs 31 us; 256 KiB - 1 MiB equal; 4 MiB: 414 vs 288 us; 16 MiB:
 #: 2889 vs 2157 us; docs/perf-notes.md v10).
 CMA_MIN_BYTES = 256 * 1024
+#: The channels that carry this (sender, receiver) run in this call (host engine; ``host_run_channels``): each of
+#: channels ``[0, HDR_NCHANNELS)`` carries a call header for it, the others nothing (their counters and sequence
+#: numbers do not move). The receiver learns it from channel 0's header before it looks at another channel.
+HDR_NCHANNELS = 12
 HDR_WORDS = 16                      # 128 bytes: one line, so chunk_bytes >= 128 always holds it
 #: 'SYMB' and the protocol version: a header from an older layout or garbage never matches.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 HDR_MAGIC_VALUE = (0x53594D42 << 32) | PROTOCOL_VERSION
 HDR_OK = 0
 HDR_REJECTED = 1
@@ -271,6 +278,29 @@ CHUNK_LEAST_BYTES = 4096
 HOST_CHUNK_LEAST_BYTES = 32768
 #: Byte runs are cut between channels on this alignment (bytes).
 BYTE_RUN_ALIGN = 16
+
+
+def host_run_channels(run_bytes: int, single: bool, num_channels: int, chunk_bytes: int) -> int:
+    """Channels the host engine spreads one (sender, receiver) run over in a call: 1 (channel 0, one call header)
+    when ``single`` (the run goes direct or by cross-memory attach: the receiver copies it whole at the first
+    header; or the sender rejected the call: no payload) or the run's bytes fit one ring slot (``chunk_bytes``),
+    else ``num_channels``. The host engine drives every channel from one loop on one core, so a second channel
+    adds a header round trip and no copying in parallel (measured: one channel as fast or faster at every size on
+    the 2-core machine, docs/perf-notes.md "Host rows, third pass"). Sender and receiver compute it from the
+    run's agreed bytes; a direct or rejected run they learn from channel 0's header (``HDR_NCHANNELS``)."""
+    if single or run_bytes <= chunk_bytes:
+        return 1
+    return num_channels
+
+
+def host_run_inline(run_bytes: int, chunk_bytes: int) -> bool:
+    """Whether the host engine carries a ring run of ``run_bytes`` (on channel 0 alone) in its call header's slot,
+    right after the header words (``HDR_WORDS``), instead of in payload chunks after it: a run of at most
+    ``HOST_CHUNK_LEAST_BYTES`` (one chunk anyway, so no pipelining is lost) that fits the slot. The header then
+    says 0 chunks; the sender fills the slot and publishes it with one ``tail`` store, the receiver checks the
+    header and copies the payload out in the same step. Sender and receiver compute it from the run's agreed
+    bytes (a receiver whose call the peer's header contradicts raises before it reads a byte)."""
+    return 0 < run_bytes <= HOST_CHUNK_LEAST_BYTES and run_bytes + 8 * HDR_WORDS <= chunk_bytes
 
 #: The fp8 (e4m3) block quantiser of the wire (``collectives/quant.py`` and ``cuda_src/quant.cuh``, bit for bit):
 #: one float32 scale per QUANT_BLOCK consecutive elements of a row (DeepEP's 1x128 blocks; MoE ``x_fp8`` scales and
