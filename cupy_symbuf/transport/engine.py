@@ -428,8 +428,9 @@ class Engine:
         if (status == P.HDR_REJECTED).any():
             who = int(np.flatnonzero(status == P.HDR_REJECTED)[0])
             raise SymBufferRejectedError(
-                f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
-                f"nothing was exchanged and the communicator stays usable", rank=self.rank, rejecting_rank=who, op=op)
+                f"{op}: rank {who} rejected this call (its own arguments failed its checks, or it was interrupted "
+                f"before anything moved; see rank {who}'s error); nothing was exchanged and the communicator stays "
+                f"usable", rank=self.rank, rejecting_rank=who, op=op)
         if (ops != code).any():
             who = int(np.flatnonzero(ops != code)[0])
             err = mismatch_error(op, self.rank, who, -1, P.FIELD_OP, code, int(ops[who]))
@@ -607,9 +608,10 @@ class Engine:
     def _raise_rejected(self, op: str, rejected) -> None:
         who = int(rejected[0])
         raise SymBufferRejectedError(
-            f"{op}: rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error); "
-            f"the rows from rank {who} were not delivered; the communicator stays usable", rank=self.rank,
-            rejecting_rank=who, op=op)
+            f"{op}: rank {who} rejected this call (its own arguments failed its checks, or it was interrupted before "
+            f"anything moved; see rank {who}'s error); the rows from rank {who} were not delivered (on the host path "
+            f"the other ranks' rows may already be in this rank's output); the communicator stays usable",
+            rank=self.rank, rejecting_rank=who, op=op)
 
     def _relaxed(self, relaxed: bool, direct) -> dict:
         """The transport keyword of ``sync="relaxed"``: only the host engine defers anything (its direct-mode

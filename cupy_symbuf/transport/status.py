@@ -50,7 +50,8 @@ def low_latency_rejection(why: int, who: int, rank: int, own: int = 0, theirs: i
     if why == P.REJECT_SWITCH:
         return (f"rank {who} did not make this dispatch: it asked for another LowLatencyBuffer (deepep.Buffer: another "
                 f"num_max_dispatch_tokens_per_rank, hidden, num_experts or dtype; see rank {who}'s error)")
-    return f"rank {who} rejected this call (its own arguments failed its checks; see rank {who}'s error)"
+    return (f"rank {who} rejected this call (its own arguments failed its checks, or it was interrupted before "
+            f"anything moved; see rank {who}'s error)")
 
 
 class Pinned:
