@@ -180,6 +180,7 @@ def engine(launches, world_size: int = 2, rank: int = 0, **config):
     layout = ChannelLayout.from_config(cfg, world_size)
     tr = object.__new__(CudaTransport)
     tr.rank, tr.world_size, tr.layout, tr.timeout_s = rank, world_size, layout, cfg.timeout_s
+    tr.timeout_ns, tr.staged = np.uint64(int(cfg.timeout_s * 1e9)), False
     tr.status = DeviceStatus(rank, cfg.timeout_s, lambda: np.zeros(P.HDR_WORDS, np.int64))
     tr._desc = np.zeros(P.DESC_WORDS, np.int64)
     tr._desc[P.DESC_RANK], tr._desc[P.DESC_WORLD_SIZE] = rank, world_size

@@ -475,11 +475,10 @@ def test_host_small_protocol_off_on_the_staged_transport():
     """The staged transport (the symmetric buffer in registered host memory; chosen alike on every rank) runs every
     alltoall through the rings: the small kernel's control-word atomics on host memory have not run on a GPU."""
     S = _stub()
-    import types
     with S.stubbed() as (launches, stream):
         eng = S.engine(launches)
         assert eng.transport.small_peer_bytes > 0
-        eng.transport.buf = types.SimpleNamespace(transport="staged")
+        eng.transport.staged = True  # (what CudaTransport.__init__ reads from a staged SymBuffer)
         eng.transport._init_small(0)
         assert eng.transport.small_peer_bytes == 0
 

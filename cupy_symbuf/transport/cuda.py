@@ -106,6 +106,8 @@ class CudaTransport:
 
     def __init__(self, buf, layout: ChannelLayout, timeout_s: float):
         self.buf = buf
+        #: the symmetric buffer lives in registered host memory (chosen alike on every rank at construction)
+        self.staged = getattr(buf, "transport", "ipc") == "staged"
         self.layout = layout
         self.timeout_s = timeout_s
         self.rank = buf.rank
@@ -208,8 +210,7 @@ class CudaTransport:
         #: an alltoall of at most this many bytes per peer goes by the small-message protocol; 0: off. Off on the
         #: staged transport (the same choice on every rank): its control words' atomics on registered host memory
         #: have not been run on a GPU there
-        staged = getattr(getattr(self, "buf", None), "transport", "ipc") == "staged"
-        self.small_peer_bytes = layout.small_peer_bytes if self.world_size > 1 and not staged else 0
+        self.small_peer_bytes = 0 if self.staged else layout.small_peer_bytes
         #: calls that went by the small-message protocol (tests, stats)
         self.small_calls = 0
         self._l_small = None
@@ -225,7 +226,7 @@ class CudaTransport:
         a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes = layout.region_bytes, layout.channel_bytes, \
             layout.num_slots, layout.chunk_bytes
         a.small_offset, a.slot_bytes, a.abort_offset = layout.small_offset, layout.small_slot_bytes, layout.abort_offset
-        a.timeout_ns, a.status = int(self.timeout_s * 1e9), self.status.ptr
+        a.timeout_ns, a.status = int(self.timeout_ns), self.status.ptr
 
     def _bind_ring(self, defines) -> None:
         """Compile (or fetch) the ring kernel variant ``defines`` and make it the one every call launches."""
@@ -240,8 +241,7 @@ class CudaTransport:
         #: SYMBUF_BULK (sm_90+): dynamic shared memory of each ring-kernel block, the copy warps' bulk-copy stages
         # (not on the staged transport: cp.async.bulk may not read or write host memory, and every ring slot is
         # host memory there; the kernel then takes its register copy)
-        staged = getattr(self.buf, "transport", "ipc") == "staged"
-        self.bulk_smem = 0 if staged else bulk_shared_bytes(self._k_ring, defines)
+        self.bulk_smem = 0 if self.staged else bulk_shared_bytes(self._k_ring, defines)
         smem = self.bulk_smem
         self._launch = lambda stream_ptr: driver.launchKernel(fn, grid, 1, 1, threads, 1, 1, smem, stream_ptr,
                                                               params, 0)

@@ -18,6 +18,7 @@ from ..common import backend as _compat
 from ..wire import protocol as P
 from ..wire.plan import PlanCache, check_bytes, kernel_geometry, part_width
 from ..common.errors import SymBufferError, SymBufferRejectedError, mismatch_error
+from .status import rejection_text
 
 __all__ = ["Engine", "row_signature"]
 
@@ -428,9 +429,8 @@ class Engine:
         if (status == P.HDR_REJECTED).any():
             who = int(np.flatnonzero(status == P.HDR_REJECTED)[0])
             raise SymBufferRejectedError(
-                f"{op}: rank {who} rejected this call (its own arguments failed its checks, or it was interrupted "
-                f"before anything moved; see rank {who}'s error); nothing was exchanged and the communicator stays "
-                f"usable", rank=self.rank, rejecting_rank=who, op=op)
+                f"{op}: {rejection_text(who)}; nothing was exchanged and the communicator stays usable",
+                rank=self.rank, rejecting_rank=who, op=op)
         if (ops != code).any():
             who = int(np.flatnonzero(ops != code)[0])
             err = mismatch_error(op, self.rank, who, -1, P.FIELD_OP, code, int(ops[who]))
@@ -608,9 +608,8 @@ class Engine:
     def _raise_rejected(self, op: str, rejected) -> None:
         who = int(rejected[0])
         raise SymBufferRejectedError(
-            f"{op}: rank {who} rejected this call (its own arguments failed its checks, or it was interrupted before "
-            f"anything moved; see rank {who}'s error); the rows from rank {who} were not delivered (on the host path "
-            f"the other ranks' rows may already be in this rank's output); the communicator stays usable",
+            f"{op}: {rejection_text(who)}; the rows from rank {who} were not delivered (on the host path the other "
+            f"ranks' rows may already be in this rank's output); the communicator stays usable",
             rank=self.rank, rejecting_rank=who, op=op)
 
     def _relaxed(self, relaxed: bool, direct) -> dict:

@@ -50,6 +50,12 @@ def low_latency_rejection(why: int, who: int, rank: int, own: int = 0, theirs: i
     if why == P.REJECT_SWITCH:
         return (f"rank {who} did not make this dispatch: it asked for another LowLatencyBuffer (deepep.Buffer: another "
                 f"num_max_dispatch_tokens_per_rank, hidden, num_experts or dtype; see rank {who}'s error)")
+    return rejection_text(who)
+
+
+def rejection_text(who: int) -> str:
+    """What a peer's rejection of a call says about rank ``who``, the one wording of every backend and call kind
+    (its arguments failed its checks, or an exception such as ``KeyboardInterrupt`` came before anything moved)."""
     return (f"rank {who} rejected this call (its own arguments failed its checks, or it was interrupted before "
             f"anything moved; see rank {who}'s error)")
 
@@ -219,9 +225,8 @@ class DeviceStatus:
                 f"({what}); nothing was exchanged and the communicator stays usable", rank=self.rank,
                 rejecting_rank=who, op=failed)
         return SymBufferRejectedError(
-            f"{failed} (queued earlier; found by {op}): rank {who} rejected the call (its own arguments failed "
-            f"its checks; see rank {who}'s error); the rows from rank {who} were not delivered; the "
-            f"communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
+            f"{failed} (queued earlier; found by {op}): {rejection_text(who)}; the rows from rank {who} were not "
+            f"delivered; the communicator stays usable", rank=self.rank, rejecting_rank=who, op=failed)
 
     def free(self) -> None:
         """Release the record (after every kernel that writes it ended)."""
