@@ -51,7 +51,51 @@
 // The call's sequence number seq is the ring's (STATE_SEQ + 1 of the (channel, peer) state lines, equal on both
 // ends of every pair); its flag is never 0 (a zeroed word never matches) and differs from seq - 2's (the previous
 // user of the half).
-__host__ __device__ __forceinline__ u32 small_flag(u64 seq) { return static_cast<u32>(seq % SMALL_FLAG_MOD) + 1u; }
+//
+// The flag's wrap. The flag of a half repeats every 2 M calls (M = the modulus, odd: seq and seq' of one parity
+// have the same flag iff seq' - seq is a multiple of 2 M). A payload word last written at call q and left alone by
+// every shorter call since would match call q + 2 M's flag before that call's own store of it landed: wrong data.
+// So the calls are cut into epochs of 2 M (epoch = seq / (2 M)): within one epoch no two calls of a half share a
+// flag, and a word of an older epoch must be gone before a half is read in a newer one. The kernel of call x, any
+// kernel that makes a call on the (rank, peer) pair (the small kernel or the ring kernel, whatever the operation,
+// rejected or not, eager or replayed from a graph: the decision is a function of x alone, read from the state
+// lines), zeroes the half of call x + 1 in its own buffer (the slot the peer writes) before it sends anything to the
+// peer, when small_zero_next(x): call x + 1 or x - 1 is the first call of its half in a new epoch. Why both:
+//   - before the peer's stores: the peer stores call x + 1 only after its kernel x ended, which needs something we
+//     sent in call x (every call ends only after it received the peer's words or header of that call), sent after
+//     the zeroing and a fence.sc.sys; so the zeroing happens before those stores, which land after it.
+//   - after the peer's older stores: at the start of our kernel x, the peer's stores of calls <= x - 2 happen
+//     before it (our kernel x - 1 received the peer's message of call x - 1, sent after its kernel x - 2 ended; the
+//     kernel boundaries are the fences), so the zeroing lands after them. The peer's stores of call x - 1 may still
+//     be in flight when we did not read them (we rejected call x - 1 through the rings while the peer went small:
+//     our ring kernel read the header word only); they carry flag(x - 1), never flag(x + 1), and the zeroing of the
+//     next kernel of the half's parity, x + 2 (small_zero_next(x + 2): x + 1 was the first of the new epoch),
+//     lands after them. So from call x + 3 on no word of the old epoch is left, and call x + 1 can only meet words
+//     of calls <= x - 3 (zeroed) or of call x - 1 (another flag).
+// Cost: 4 slot zeroings per 2 M calls per peer (the first two calls of each half in every epoch), and one test per
+// call. The buffer is zeroed at construction, so the first calls (epoch 0) zero nothing.
+//
+// Test hook: SYMBUF_SMALL_FLAG_MOD (a compile-time define, so in every kernel's build id and in the construction
+// fingerprint's "defines": CUPY_SYMBUF_NVRTC_DEFINES="-DSYMBUF_SMALL_FLAG_MOD=7" alike on every rank) replaces
+// SMALL_FLAG_MOD by a small odd modulus: the flag then repeats after 2 M calls, so the wrap is tested in a few.
+#ifndef SYMBUF_SMALL_FLAG_MOD
+#define SYMBUF_SMALL_FLAG_MOD SMALL_FLAG_MOD
+#endif
+constexpr u64 kSmallFlagMod = static_cast<u64>(SYMBUF_SMALL_FLAG_MOD);
+static_assert(kSmallFlagMod >= 3 && kSmallFlagMod % 2 == 1 && kSmallFlagMod <= SMALL_FLAG_MOD,
+              "the flag's modulus: odd (so one epoch of 2 M calls has no repeated flag in a half), at least 3 (so it "
+              "differs from the flag of seq - 2), at most 2^32 - 1 (it fits the word's 32 bits)");
+__host__ __device__ __forceinline__ u32 small_flag(u64 seq) { return static_cast<u32>(seq % kSmallFlagMod) + 1u; }
+// Epoch of call seq - back (calls before the first one, seq - back < 1: epoch 0, the zeroed buffer's).
+__host__ __device__ __forceinline__ u64 small_epoch(u64 seq, u64 back) {
+  return seq > back ? (seq - back) / (2 * kSmallFlagMod) : 0;
+}
+// The kernel of call seq zeroes the half of call seq + 1 (our own buffer, every peer's slot it sends to) before it
+// sends: call seq + 1 or call seq - 1 is the first call of its half in a new epoch (see above).
+__host__ __device__ __forceinline__ bool small_zero_next(u64 seq) {
+  const u64 next = small_epoch(seq + 1, 0), prev = small_epoch(seq, 1), prev2 = small_epoch(seq, 3);
+  return next != prev || prev != prev2;
+}
 // One word: a single 8-byte st.volatile / ld.volatile, which the PTX memory model treats as a relaxed access at
 // system scope (sm_70 and later: visible to a peer without a fence, never merged or kept in a register). Naturally
 // aligned, it is single-copy atomic: a reader sees the whole old word or the whole new one, never a new flag with
@@ -66,6 +110,14 @@ __device__ __forceinline__ u64 small_load(const u64* word) {
 __host__ __device__ __forceinline__ i64 small_slot(i64 small_offset, i64 slot_bytes, u64 seq, int source,
                                                   int world_size) {
   return small_offset + SMALL_CTRL_BYTES + (static_cast<i64>(seq & 1ull) * world_size + source) * slot_bytes;
+}
+// Zero one slot of our small region (slot_bytes from `slot`, 8-byte words), thread t of n taking words t, t + n, ...
+// (relaxed system-scope stores, as the peer's; the caller fences before it sends, see "The flag's wrap"). Not
+// inlined: the ring kernel calls it once per 2 M calls and keeps its registers for the copy loops.
+__device__ __noinline__ void small_zero_slot(u8* slot, i64 slot_bytes, int t, int n) {
+  u64* w = reinterpret_cast<u64*>(slot);
+  for (i64 i = t; i < slot_bytes / 8; i += n) small_store(w + i, 0ull);
+  __threadfence_system();  // fence.sc.sys: the zeros before whatever this thread does next
 }
 
 // ---- channel telemetry (Config(trace=True), wire/protocol.py DESC_TRACE) -----------------------------------------

@@ -433,21 +433,46 @@ __device__ __forceinline__ u64 accept_ring(const HeaderStep& g, const CallHeader
   return kGateCopy;
 }
 
-// Receiver with g.small_hdr (a rejecting rank, see HeaderStep): wait for the peer's call header in the ring (tail >=
-// first + 1: *ring = true) or for its small header of this call (its flag is the call's: *ring = false); bounded,
-// polling the abort word. `tail` = the last tail read. False (abort set) when the wait failed.
-__device__ __noinline__ bool wait_ring_or_small(const HeaderStep& g, u64& tail, bool& ring) {
+// Receiver with g.small_hdr (a rejecting rank, see HeaderStep): wait for the peer's call header of this call in the
+// ring (tail >= first + 1 at `slot`: *ring = true) or for its small header of this call (its flag is the call's:
+// *ring = false); bounded, polling the abort word. `tail` = the last tail read. False (abort set) when the wait
+// failed.
+// A moved tail alone does not say the peer's call went through the rings: when it went small, its small kernel
+// ended once our rejection headers arrived, and its NEXT call may have gone through the rings and put its header
+// at `first` (our counters do not move for a call the peer made small) before we looked. So the small header is
+// tested first, and again after an acquire that saw the tail move; the ring is taken only when it is still absent:
+//   - the header at `first` is of a later call: the peer stored its small header of this call in its earlier
+//     kernel, before (its stream order: the kernel boundary) the release of the tail we acquired, so the second
+//     test sees that store or a later one to the word; the next is the peer's call seq + 2, which needs our call
+//     seq + 1 (we are still in call seq), and our own zeroing of this half is in our kernels seq - 1 and seq + 1
+//     (protocol.cuh, "The flag's wrap"). So it finds the flag: *ring = false.
+//   - the header is of this call: the peer wrote no small header for it, and an older word with this call's flag
+//     is gone (the flag's wrap), so the test never finds the flag: *ring = true.
+// As a further guard, a well-formed ring header whose seq is ahead of this call's sends us back to polling the small
+// header alone (the mirror image of small_header_step's `later`).
+__device__ __noinline__ bool wait_ring_or_small(const HeaderStep& g, const u8* slot, u64& tail, bool& ring) {
   const u32 flag = small_flag(static_cast<u64>(g.mine.seq));
   SpinBudget spin(g.ctx);
+  bool later = false;  // the ring holds the peer's header of a later call: its small header of this one is due
   while (true) {
-    tail = ld_acquire_sys_global(g.local_counter);
-    if (tail >= g.first + 1) {
-      ring = true;
-      return true;
-    }
     if (static_cast<u32>(small_load(g.small_hdr) >> 32) == flag) {
       ring = false;
       return true;
+    }
+    if (!later) {
+      tail = ld_acquire_sys_global(g.local_counter);
+      if (tail >= g.first + 1) {
+        if (static_cast<u32>(small_load(g.small_hdr) >> 32) == flag) {  // after the acquire (see above)
+          ring = false;
+          return true;
+        }
+        const CallHeader h = read_call_header(slot);
+        if (h.magic != static_cast<i64>(HDR_MAGIC_VALUE) || h.seq <= g.mine.seq) {
+          ring = true;  // this call's header (or a malformed one: the caller's check reports it)
+          return true;
+        }
+        later = true;
+      }
     }
     if (*g.abort_flag || !spin.ok(ROLE_RECV, g.peer, g.first, tail)) {
       *g.abort_flag = 1;
@@ -497,7 +522,7 @@ __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
     bool ring = true;
     const bool arrived =
         g.small_hdr != nullptr
-            ? wait_ring_or_small(g, tail, ring)
+            ? wait_ring_or_small(g, slot, tail, ring)
             : wait_for_data(&c, g.peer, g.local_counter, g.first + 1, g.first, g.first, g.num_slots, tail, abort_flag);
     if (arrived && !ring) {
       verdict = accept_small_rejected(g, end);

@@ -240,6 +240,17 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     u64* out = reinterpret_cast<u64*>(reinterpret_cast<u8*>(a.peer_bases[peer]) +
                                       small_slot(a.small_offset, a.slot_bytes, qs, rank, world_size));
     const u64 fs = static_cast<u64>(small_flag(qs)) << 32;
+    if (part == 0 && small_zero_next(qs)) {
+      // the flag's wrap (protocol.cuh): the slot the peer writes in our buffer for its call qs + 1, zeroed before
+      // our header of this call goes out (every thread fences its zeros; the barrier, then the header threads'
+      // fence, order them before the header stores: the peer stores call qs + 1 only after its kernel read this
+      // header). The block of item (peer, 0) zeroes the whole slot: the peer's rejecting ring kernel reads our
+      // header alone, so a zeroing by another item's block would be ordered before nothing the peer waits for.
+      small_zero_slot(my_base + small_slot(a.small_offset, a.slot_bytes, qs + 1, peer, world_size), a.slot_bytes,
+                      static_cast<int>(threadIdx.x), static_cast<int>(blockDim.x));
+      __syncthreads();
+      if (threadIdx.x < 3) __threadfence_system();
+    }
     if (part == 0 && threadIdx.x < 3) {
       const u64 op_status = (static_cast<u64>(a.op) & 0xFFull) | (static_cast<u64>(HDR_OK) << 8);
       const u64 info = threadIdx.x == SMALL_H_OP    ? op_status
