@@ -16,6 +16,9 @@
 #   ll              tests/test_low_latency.py and tests/test_deepep.py at 1, 2 and 4 ranks (MPS)
 #   small           the small-message alltoall's tests: SMALL_TESTS (default tests/test_small_protocol.py,
 #                   test_alltoall.py, test_agreement.py; cuda only) at 1 rank and at SMALL_RANKS (default 2 4; MPS)
+#   small-wrap      tests/test_small_protocol.py and test_alltoall.py (cuda only) built with the flag-wrap test hook
+#                   (CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7: the small protocol's flag repeats every 14
+#                   calls, cuda_src/protocol.cuh "The flag's wrap") at 1 rank and at SMALL_RANKS (default 2 4; MPS)
 #   small-bench     --control with the small-message alltoall on and off (--small-bytes 0), one after the other, at
 #                   SMALL_BENCH_RANKS (default 2; MPS), ITERS (30) calls a row
 #   deepep          DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unmodified, over the shim
@@ -182,7 +185,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 files1 files2 files4 multi cvd faults ll small small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
+STAGE_NAMES="suite1 files1 files2 files4 multi cvd faults ll small small-wrap small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -233,6 +236,15 @@ while [ $# -gt 0 ]; do
       mps_on
       for n in ${SMALL_RANKS:-2 4}; do
         run small$n ${SMALL_LIMIT:-180} $MPIRUN -n "$n" $GPU0 $CUDA_ONLY $PYTEST $SMALL_TESTS
+      done ;;
+    small-wrap)  # every rank the same hook: it is in the kernels' build id and the construction fingerprint
+      WRAP="CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7"
+      WRAP_TESTS="tests/test_small_protocol.py tests/test_alltoall.py"
+      run small-wrap1 ${SMALL_LIMIT:-120} env CUPY_SYMBUF_TEST_BACKENDS=cuda $WRAP $PYTEST $WRAP_TESTS
+      mps_on
+      for n in ${SMALL_RANKS:-2 4}; do
+        run small-wrap$n ${SMALL_LIMIT:-180} env $WRAP $MPIRUN -n "$n" $GPU0 $CUDA_ONLY -x CUPY_SYMBUF_NVRTC_DEFINES \
+          $PYTEST $WRAP_TESTS
       done ;;
     small-bench)
       mps_on

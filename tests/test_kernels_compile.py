@@ -76,6 +76,28 @@ def test_compiles_for_sm80(source, defines):
     assert "warning" not in log.lower(), log
 
 
+@pytest.mark.parametrize("arch", ["compute_90", "compute_80"])
+@pytest.mark.parametrize("source", ["small_exchange.cu", "ring_exchange.cu"])
+def test_small_flag_wrap_hook_compiles_and_zeroes(source, arch):
+    """The small protocol's flag-wrap test hook (-DSYMBUF_SMALL_FLAG_MOD=7) builds, and both kernels that make a call
+    on a pair (the small kernel and the ring kernel) carry the slot zeroing of the flag's wrap (protocol.cuh,
+    small_zero_slot, a function of its own), with and without the hook."""
+    _nvrtc_or_skip()
+    for defines in ((), ("-DSYMBUF_SMALL_FLAG_MOD=7",)):
+        ptx, log = _kernels.compile_ptx(source, arch, defines=defines, return_log=True)
+        assert re.search(r"\.func[^\n]*small_zero_slot", ptx), (source, defines)
+        assert "warning" not in log.lower(), log
+
+
+@pytest.mark.parametrize("mod", ["8", "1", "4294967297"])
+def test_small_flag_wrap_hook_refuses_a_bad_modulus(mod):
+    """An even modulus would repeat a flag within an epoch, 1 would be the flag of seq - 2, more than 2^32 - 1 would
+    not fit the word: NVRTC refuses them (protocol.cuh's static_assert)."""
+    _nvrtc_or_skip()
+    with pytest.raises(RuntimeError, match="modulus"):
+        _kernels.compile_ptx("small_exchange.cu", "compute_90", defines=(f"-DSYMBUF_SMALL_FLAG_MOD={mod}",))
+
+
 def test_bulk_copies_only_in_the_ring_kernel_on_sm90():
     """SYMBUF_BULK=1 on sm_90: the ring kernel's copy warps get the TMA path (bulk loads completing on an mbarrier,
     bulk stores in groups, proxy fences); the default build and the other sources have none."""

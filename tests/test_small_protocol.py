@@ -315,6 +315,132 @@ def test_small_bytes_zero_turns_it_off(backend, comm):
         _close(c)
 
 
+def _flag_mod() -> int:
+    from cupy_symbuf.transport import kernels
+    return kernels.small_flag_mod()
+
+
+def _own_words(c, offset: int, count: int) -> np.ndarray:
+    """``count`` uint64 words of this rank's own buffer from byte ``offset`` (a debug read; the caller made sure no
+    kernel writes them meanwhile)."""
+    buf = c._transport.buf
+    return to_numpy(buf.peer_view(buf.rank, np.uint64, (count,), offset_bytes=offset))
+
+
+def _recv_seq(c, peer: int) -> int:
+    """Calls made on (channel 0, peer) by our receiver's state line (STATE_SEQ): the next call's seq is this + 1."""
+    return int(_own_words(c, c.layout.recv_head_offset(0, peer) + 8 * P.STATE_SEQ, 1)[0])
+
+
+def test_flag_wrap_leaves_no_stale_word(backend, comm):
+    """The flag's wrap (cuda_src/protocol.cuh), with the test build whose flag repeats every 2 * M calls
+    (CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7; skipped otherwise). Twice: a small call of PEER bytes per
+    peer at seq q0 (every word of its half), then only shorter calls (decreasing sizes; in the first round the calls
+    whose kernel zeroes, small_zero_next, go through the rings, so the ring kernel zeroes; in the second they are
+    small), then at q0 + 2 M, the flag of q0 again, a PEER call. Every call into a poisoned output, checked against
+    NumPy. Before the last call, a debug read of the half: its words past what the shorter calls wrote are zero.
+    Without the zeroing they still hold call q0's words with the flag call q0 + 2 M waits for: a receiver would take
+    any of them whose new store had not landed yet (the lateness cannot be forced, so the words are checked)."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    mod = _flag_mod()
+    if backend == "cuda" and mod > 64:
+        pytest.skip("needs the flag-wrap build: CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7")
+    c = _comm(backend, comm, blocking=True)
+    try:
+        W, me = comm.size, comm.rank
+        peers = [s for s in range(W) if s != me]
+        span = 2 * mod
+        rng = rng_for(comm, 20)
+        seq = _recv_seq(c, peers[0])
+        assert all(_recv_seq(c, s) == seq for s in peers)
+
+        def call(per_peer: int, small: bool) -> None:
+            nonlocal seq
+            x = random_rows(rng, W, (per_peer,), np.uint8)
+            want = _reference(comm, x)
+            out = _poisoned(x.shape, np.uint8)
+            before = _small_calls(c)
+            y = c.alltoall(to_backend(x, backend), out=out)
+            all_ranks(lambda: _expect(y, want))
+            assert _small_calls(c) - before == (1 if small else 0), (seq + 1, per_peer)
+            seq += 1
+
+        for round_, zero_by in enumerate(("ring", "small")):
+            q0 = seq + 1
+            call(PEER, True)
+            near = 0  # bytes per peer the later small calls of the half wrote
+            for k, q in enumerate(range(q0 + 1, q0 + span)):
+                if zero_by == "ring" and P.small_zero_next(q, mod):
+                    call(PEER + 4 * (k + 1), False)
+                    continue
+                size = max(4, ((PEER // 2) >> (k // 2)) - k)  # decreasing, odd sizes too
+                call(size, True)
+                if q % 2 == q0 % 2:
+                    near = max(near, size)
+            assert seq == q0 + span - 1 and P.small_flag(q0 + span, mod) == P.small_flag(q0, mod)
+            c.synchronize()
+            flag = P.small_flag(q0 + span, mod)
+
+            def check():
+                for s in peers:
+                    w = _own_words(c, c.layout.small_slot_offset(q0 & 1, s), P.SMALL_DATA_WORD + PEER // 4)
+                    far = w[P.SMALL_DATA_WORD + -(-near // 4):]
+                    assert not ((far >> np.uint64(32)) == flag).any(), (round_, s, "a stale word with the flag")
+                    assert not far.any(), (round_, s, "the far words are not zero")
+            all_ranks(check)
+            comm.Barrier()  # no peer stores call q0 + span before every rank has read
+            call(PEER, True)
+        c.synchronize()
+    finally:
+        _close(c)
+
+
+def test_rejection_then_a_ring_call_at_once(backend, comm):
+    """50 times: one rank (in turn) rejects a small alltoall (a sendbuf of the wrong shape: its ring kernel sends
+    rejection headers), while the others queue a valid small one and at once a large one (through the rings), with
+    no wait between. The rejecting rank's receivers may find a peer's ring header of the large call in the ring
+    before they looked at its small header of this one (cuda_src/ring_prims.cuh, wait_ring_or_small): that is no
+    mismatch. Expected: ValueError on the rejecting rank, SymBufferRejectedError naming it on the others (from
+    synchronize: queued calls), the large call right on every rank, and a small call after it too."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    import time
+    c = _comm(backend, comm, blocking=False)
+    try:
+        W, me = comm.size, comm.rank
+        rng = rng_for(comm, 21)
+        for rep in range(50):
+            who = rep % W
+            bad = me == who
+            x = random_rows(rng, W + 1 if bad else W, (25,), np.float32)
+            big = random_rows(rng, W, (PEER // 4 + 1 + rep,), np.float32)  # past the threshold: the rings
+            want = _reference(comm, big)
+            tail = random_rows(rng, W, (3 + rep,), np.float32)
+            want_tail = _reference(comm, tail)
+            t0 = time.monotonic()
+            if bad:
+                time.sleep(0.001 * (rep % 4))  # the peers' small kernels wait, their ring calls queued behind
+                with pytest.raises(ValueError, match="world_size") as info:
+                    c.alltoall(to_backend(x, backend))
+                assert not isinstance(info.value, cs.SymBufferRejectedError)
+                y = c.alltoall(to_backend(big, backend))
+                c.synchronize()
+            else:
+                c.alltoall(to_backend(x, backend))
+                y = c.alltoall(to_backend(big, backend))
+                with pytest.raises(cs.SymBufferRejectedError, match="rejected") as info:
+                    c.synchronize()
+                assert info.value.rejecting_rank == who and info.value.rank == me, rep
+            all_ranks(lambda: _expect(y, want))
+            z = c.alltoall(to_backend(tail, backend))
+            c.synchronize()
+            all_ranks(lambda: _expect(z, want_tail))
+            assert time.monotonic() - t0 < 10, f"repetition {rep}: a timeout, not a rejection"
+    finally:
+        _close(c)
+
+
 # ---- buffer map and Config (no GPU needed) ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8, 32])
@@ -351,6 +477,73 @@ def test_small_flag_never_zero_and_differs_from_two_calls_before():
         assert 0 < f < 1 << 32
         if seq > 2:
             assert f != P.small_flag(seq - 2)
+
+
+def _stale_matches(mod: int, calls: int, zeroes) -> list:
+    """The flag's wrap, modelled (cuda_src/protocol.cuh, "The flag's wrap"): ``(c_old, c)`` for every call c of
+    ``1..calls`` that could take a word the peer stored at an earlier call c_old of its half with c's flag, left
+    alone by the calls between (shorter ones). A store of call c_old may land as late as the start of the receiver's
+    kernel c_old + 2 (its kernel c_old + 1 received the peer's message of call c_old + 1); a zeroing by kernel x
+    (``zeroes(x)``: of the half of call x + 1, before its sends) removes every store that landed before it."""
+    bad = []
+    for c in range(1, calls + 1):
+        for c_old in range(c - 2, 0, -2):
+            if P.small_flag(c_old, mod) != P.small_flag(c, mod):
+                continue
+            # a zeroing kernel x of this half (x + 1 = c mod 2) after the store surely landed, before call c
+            if not any(zeroes(x) for x in range(c_old + 2, c) if (x + 1 - c) % 2 == 0):
+                bad.append((c_old, c))
+    return bad
+
+
+@pytest.mark.parametrize("mod", [3, 5, 7, 9, 15])
+def test_flag_wrap_rule_leaves_no_stale_flag(mod):
+    """The kernel of call x zeroes the half of call x + 1 when small_zero_next(x) (the first two calls of each half
+    in every epoch of 2 * mod calls): over 40 epochs no call can take a stale word with its flag, even a store that
+    landed late (a call this rank rejected while the peer went small: its payload words are never read). Without
+    the zeroing, or with only the first of the two (a late store of the epoch's last call survives), calls can:
+    the model catches the defect the rule fixes. Four zeroings per epoch and per half pair."""
+    calls = 40 * 2 * mod
+    assert _stale_matches(mod, calls, lambda x: P.small_zero_next(x, mod)) == []
+    assert _stale_matches(mod, calls, lambda x: False)  # no zeroing: the wrap's stale words
+    first_only = lambda x: P.small_epoch(x + 1, mod) != P.small_epoch(x - 1, mod)  # noqa: E731
+    assert _stale_matches(mod, calls, first_only)
+    span = 2 * mod
+    assert [x for x in range(1, 4 * span - 1) if P.small_zero_next(x, mod)] == \
+        [k * span + d for k in (1, 2, 3) for d in (-1, 0, 1, 2)]  # epoch 0: the zeroed buffer, nothing to do
+    for x in (1, 2, 3):
+        assert not P.small_zero_next(x)  # the first calls of a communicator zero nothing
+    big = P.SMALL_FLAG_MOD
+    assert [x for x in range(2 * big - 3, 2 * big + 4) if P.small_zero_next(x)] == \
+        [2 * big - 1, 2 * big, 2 * big + 1, 2 * big + 2]
+    for seq in (1, 2, 2 * big - 1, 2 * big, 2 * big + 1):
+        assert P.small_flag(seq + 2 * big) == P.small_flag(seq) and P.small_flag(seq + 2) != P.small_flag(seq)
+
+
+def test_flag_wrap_hook_is_a_build_define(monkeypatch):
+    """CUPY_SYMBUF_NVRTC_DEFINES="-DSYMBUF_SMALL_FLAG_MOD=7" (the test hook) sets the modulus the kernels are built
+    with: it is part of the construction fingerprint's defines and of the kernels' build id, so ranks cannot
+    differ on it (they fail at construction instead)."""
+    from cupy_symbuf.transport import agree, kernels
+    from cupy_symbuf.wire.channel_layout import ChannelLayout as CL
+    layout = CL(2, 1, 4, 1024)
+    try:
+        monkeypatch.delenv("CUPY_SYMBUF_NVRTC_DEFINES", raising=False)
+        kernels._tuning_defines.cache_clear()
+        assert kernels.small_flag_mod() == P.SMALL_FLAG_MOD
+        plain = agree.fingerprint(cs.Config(), layout, "host")
+        plain_id = kernels.build_id("small_exchange.cu")
+        monkeypatch.setenv("CUPY_SYMBUF_NVRTC_DEFINES", "-DSYMBUF_SMALL_FLAG_MOD=7")
+        kernels._tuning_defines.cache_clear()
+        assert kernels.small_flag_mod() == 7
+        hooked = agree.fingerprint(cs.Config(), layout, "host")
+        assert "SYMBUF_SMALL_FLAG_MOD=7" in hooked["defines"]
+        with pytest.raises(ValueError, match="defines"):
+            agree.check_agreement([plain, hooked], "test")
+        assert kernels.build_id("small_exchange.cu") != plain_id
+    finally:
+        monkeypatch.delenv("CUPY_SYMBUF_NVRTC_DEFINES", raising=False)
+        kernels._tuning_defines.cache_clear()
 
 
 def test_config_small_bytes(monkeypatch):

@@ -24,7 +24,7 @@ from ..wire import protocol as _protocol
 
 __all__ = ["cuda_src_dir", "list_sources", "get_module", "get_function", "get_launcher", "new_launcher", "Launcher",
            "compile_ptx",
-           "build_id", "source_text", "generated_header"]
+           "build_id", "source_text", "generated_header", "small_flag_mod"]
 
 _OPTIONS = ("-std=c++17",)
 
@@ -46,6 +46,19 @@ def _debug_defines() -> tuple:
     """``("-DSYMBUF_DEBUG=1",)`` when ``CUPY_SYMBUF_DEBUG`` is set (and not ``0``): the kernels then check every ring
     slot against its (channel, peer) region and the ring invariants after every counter read. Read once."""
     return ("-DSYMBUF_DEBUG=1",) if os.environ.get("CUPY_SYMBUF_DEBUG", "") not in ("", "0") else ()
+
+
+def small_flag_mod() -> int:
+    """The small protocol's flag modulus the kernels of this process are built with: ``SMALL_FLAG_MOD``, or the
+    test hook's ``-DSYMBUF_SMALL_FLAG_MOD=M`` in ``CUPY_SYMBUF_NVRTC_DEFINES`` (an odd M >= 3: the flag then wraps
+    after 2 M calls; ``cuda_src/protocol.cuh`` refuses other values). Part of the construction fingerprint through
+    the defines, so every rank has the same."""
+    mod = _protocol.SMALL_FLAG_MOD
+    for opt in _tuning_defines():
+        name, _, value = opt[2:].partition("=")
+        if name == "SYMBUF_SMALL_FLAG_MOD":
+            mod = int(value, 0)
+    return mod
 
 
 def _defines(defines: Iterable[str] = ()) -> tuple:

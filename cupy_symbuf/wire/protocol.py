@@ -37,7 +37,8 @@ from __future__ import annotations
 import struct as _struct
 import zlib
 
-__all__ = ["cuda_header", "op_code", "op_name", "signature", "float32", "small_flag"]
+__all__ = ["cuda_header", "op_code", "op_name", "signature", "float32", "small_flag", "small_epoch",
+           "small_zero_next"]
 
 #: Bytes per metadata line: every counter alone on a 128-byte line (two GPU L2 sectors; no false sharing).
 LINE_BYTES = 128
@@ -369,10 +370,25 @@ def call_tag(sig: int, call_sig: int) -> int:
     return (((sig ^ call_sig) & 0x7FFFFFFF) * _TAG_UNMIX) & 0x7FFFFFFF
 
 
-def small_flag(seq: int) -> int:
-    """The flag of call ``seq`` (>= 1) in every word of the small protocol: ``seq % SMALL_FLAG_MOD + 1``, never 0
-    and never the flag of ``seq - 2`` (the same in ``cuda_src/protocol.cuh``)."""
-    return seq % SMALL_FLAG_MOD + 1
+def small_flag(seq: int, mod: int = SMALL_FLAG_MOD) -> int:
+    """The flag of call ``seq`` (>= 1) in every word of the small protocol: ``seq % mod + 1``, never 0 and never the
+    flag of ``seq - 2`` (the same in ``cuda_src/protocol.cuh``). ``mod``: ``SMALL_FLAG_MOD``, or the odd modulus
+    (>= 3) a build's ``-DSYMBUF_SMALL_FLAG_MOD`` test hook sets (``transport.kernels.small_flag_mod``)."""
+    return seq % mod + 1
+
+
+def small_epoch(seq: int, mod: int = SMALL_FLAG_MOD) -> int:
+    """The flag epoch of call ``seq``: ``seq // (2 * mod)`` (0 for ``seq < 1``, the calls before the first). Within
+    one epoch no two calls of one half (``seq & 1``) have the same flag (``mod`` is odd)."""
+    return max(seq, 0) // (2 * mod)
+
+
+def small_zero_next(seq: int, mod: int = SMALL_FLAG_MOD) -> bool:
+    """Whether the kernel of call ``seq`` (small or ring) zeroes, before it sends, the slots of its own small region
+    that the peers write for call ``seq + 1``: when call ``seq + 1`` or call ``seq - 1`` is the first call of its
+    half in a new epoch (``cuda_src/protocol.cuh``, "The flag's wrap"; the same function there)."""
+    return small_epoch(seq + 1, mod) != small_epoch(seq - 1, mod) or \
+        small_epoch(seq - 1, mod) != small_epoch(seq - 3, mod)
 
 
 def _constants() -> list:
