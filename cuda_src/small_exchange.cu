@@ -31,6 +31,10 @@
 // streams are the fence this needs; a persistent kernel that ran two calls in one launch would need a
 // fence.acq_rel.sys between a call's last poll and the next call's first store instead.
 //
+// The flag's wrap (protocol.cuh): the block that sends item (peer, 0), the peer's header, zeroes the peer's slot of
+// the other half in our buffer first when small_zero_next(seq) (the first two calls of each half in a new epoch of
+// 2 M calls); the ring kernel does the same for its calls, so no word of an older epoch can match a flag.
+//
 // Agreement: the receiver checks the header (op, signature, bytes per peer: ERR_MISMATCH, fatal, on every rank)
 // before it keeps any word. A peer whose call went through the rings sends ring headers instead: our receive polls
 // (channel 0, peer)'s tail too, and a header of THIS call there (its seq) is a rejection (HDR_REJECTED: the rejecting
