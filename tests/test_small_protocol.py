@@ -1,7 +1,9 @@
 """The small-message protocol of the GPU alltoall (flag in data, ``cuda_src/small_exchange.cu``): sizes straddling
 its threshold, dtypes, poisoned outputs, many queued calls mixed with ring calls, CUDA graph replays, a rank
-rejecting a small call, ranks disagreeing on the size. Every result is compared with a NumPy reference on fresh
-random data; a call either returns the reference rows or raises, never wrong data.
+rejecting a small call (alone, or followed at once by ring calls on the others), ranks disagreeing on the size,
+the flag's wrap (with the test build ``CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7``, whose flag repeats
+every 14 calls; ``.ci/device.sh small-wrap``). Every result is compared with a NumPy reference on fresh random data;
+a call either returns the reference rows or raises, never wrong data.
 
 The protocol is GPU-only: the device tests skip on the host backend (whose alltoall is unchanged). The buffer-map
 and Config tests at the end run anywhere.
