@@ -10,6 +10,8 @@
 #   filesN          the same, each test file of TESTS in its own pytest (N > 1: mpirun), bounded by FILE_LIMIT (60 s),
 #                   one summary line per file: a hang or failure costs that file only (the whole-suite stages lose
 #                   every summary when one test hangs the ranks). SUITE_BACKENDS=cuda: the GPU suite alone.
+#   partsN          the same, the files dealt by size into PARTS (4) pytest runs, each bounded by PART_LIMIT (200 s):
+#                   fewer launches than filesN; at 1 rank the parts run concurrently on GPU 0
 #   multi, cvd      the whole suite with one rank per GPU (2+ GPUs); cvd: CUDA_VISIBLE_DEVICES set per rank, every
 #                   rank sees ordinal 0. Skipped on one GPU.
 #   faults          tests/test_faults.py on the GPU path (single-process pytest that launches mpirun per case)
@@ -185,7 +187,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 files1 files2 files4 multi cvd faults ll small small-wrap small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
+STAGE_NAMES="suite1 files1 files2 files4 parts1 parts2 parts4 multi cvd faults ll small small-wrap small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -214,6 +216,32 @@ while [ $# -gt 0 ]; do
             ${SUITE_BACKENDS:+CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} $PYTEST --tb=short "$f"
         fi
       done ;;
+    parts[0-9]*)  # the suite's files dealt into PARTS pytest runs by size (N > 1: mpirun, one after another; 1 rank:
+      # concurrently, no spinning peers at 1 rank), each bounded by PART_LIMIT: a hang costs one part only
+      n=${stage#parts}; [ "$n" -gt 1 ] && mps_on
+      k=${PARTS:-4}; unset part; declare -a part; i=0
+      for f in $(for t in $TESTS; do [ -d "$t" ] && ls "$t"/test_*.py || echo "$t"; done | grep -v test_faults.py \
+          | xargs wc -l | grep -v " total$" | sort -rn | awk '{print $2}'); do
+        part[$((i % k))]="${part[$((i % k))]:-} $f"; i=$((i + 1))
+      done
+      for j in $(seq 0 $((k - 1))); do
+        [ -n "${part[$j]:-}" ] || continue
+        if [ "$n" -gt 1 ]; then
+          TAIL=${TAIL:-2} run "parts${n}_$j" ${PART_LIMIT:-200} $MPIRUN -n "$n" $GPU0 \
+            ${SUITE_BACKENDS:+-x CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} $PYTEST --tb=short ${part[$j]}
+        else
+          TAIL=${TAIL:-2} run "parts1_$j" ${PART_LIMIT:-200} env \
+            ${SUITE_BACKENDS:+CUPY_SYMBUF_TEST_BACKENDS=$SUITE_BACKENDS} $PYTEST --tb=short ${part[$j]} &
+        fi
+      done
+      wait
+      if [ "$n" -eq 1 ]; then  # the concurrent parts ran in subshells: their failures from their logs
+        for j in $(seq 0 $((k - 1))); do
+          [ -f "$LOGDIR/parts1_$j.log" ] || continue
+          tail -3 "$LOGDIR/parts1_$j.log" | grep -qaE "[0-9]+ (passed|skipped)" && \
+            ! tail -3 "$LOGDIR/parts1_$j.log" | grep -qaE "[0-9]+ (failed|error)" || FAILED="$FAILED parts1_$j"
+        done
+      fi ;;
     multi|cvd)
       if [ "$NGPU" -lt 2 ]; then echo "== [$stage] skipped: $NGPU GPU"; continue; fi
       mps_off
