@@ -53,10 +53,12 @@ test: install
 	while read rc line; do \
 	  if [ "$$rc" = 0 ]; then echo "  ok      $$line"; else echo "  FAILED  $$line (exit $$rc)"; fail=1; fi; \
 	done < $(STAGE_LOGS)/summary; \
-	p=$$(grep -oE "[0-9]+ passed" $(STAGE_LOGS)/summary | awk '{s+=$$1} END {print s+0}'); \
+	p=$$(awk 'match($$0, /[0-9]+ passed/) { s += substr($$0, RSTART, RLENGTH) + 0 } END {print s+0}' \
+	  $(STAGE_LOGS)/summary); \
 	f=$$(awk '{ n = match($$0, /[0-9]+ failed/) ? substr($$0, RSTART, RLENGTH) + 0 : ($$1 != 0); s += n } \
 	  END {print s+0}' $(STAGE_LOGS)/summary); \
-	echo "# the last rank's pytest counts of each stage added up (a failed stage with no count counts 1 failed):"; \
+	echo "# the first pytest count of each stage's summary line added up (ranks' lines may share one line; a failed"; \
+	echo "# stage with no count counts 1 failed):"; \
 	echo "tests: $$p passed, $$f failed"; \
 	exit $$fail
 
