@@ -197,7 +197,7 @@ __device__ __forceinline__ void record_rejection(const WaitCtx& c, int peer, i64
 // Set on EVERY rank (this one included): the detail words first, then the flag with st.release.sys, so a rank
 // that acquires the flag reads the words of a completed write. A line whose flag is already set is left alone (the
 // first aborter's detail is kept; two aborters racing on one line may mix their words, the flag is set either way).
-__device__ __noinline__ void set_abort_all(const WaitCtx& c, int reason, int peer) {
+__device__ __noinline__ void set_abort_all(const WaitCtx& c, int reason, int peer, int detail = 0) {
   for (int r = 0; r < c.world_size; ++r) {
     u64* line = reinterpret_cast<u64*>(c.peer_bases[r] + c.abort_offset);
     if (ld_acquire_sys_global(line + ABORT_FLAG) != 0) continue;
@@ -206,6 +206,7 @@ __device__ __noinline__ void set_abort_all(const WaitCtx& c, int reason, int pee
     w[ABORT_REASON] = reason;
     w[ABORT_PEER] = peer;
     w[ABORT_CHANNEL] = c.channel;
+    w[ABORT_DETAIL] = detail;  // ERR_MISMATCH: the FIELD_* (the peers' SymBufferAbortedError names it)
     st_release_sys_global(line + ABORT_FLAG, 1ull);
   }
 }
@@ -219,7 +220,7 @@ __device__ __forceinline__ bool poll_abort(const WaitCtx& c) {
 // leave (their waits see the abort word within SYMBUF_ABORT_POLL_NS instead of each waiting for its own timeout).
 __device__ __noinline__ void fail(const WaitCtx& c, int role, int peer, i64 head, i64 tail, int kind, int field) {
   report_error(c, role, peer, head, tail, kind, field, -1);
-  set_abort_all(c, kind, peer);
+  set_abort_all(c, kind, peer, field);
 }
 
 // This rank's abort word is set (by any rank): record ERR_ABORTED naming the aborting rank; set nothing further.

@@ -684,9 +684,27 @@ extern "C" __global__ void __launch_bounds__(1024) symbuf_notify(const __grid_co
   if (threadIdx.x < a.world_size) {
     const int s = threadIdx.x;
     const u64* slot = reinterpret_cast<const u64*>(my_base + L.notify_slot(parity, s, a.world_size));
+    // FIELD_FORM: a peer whose call has no count exchange sends its channel-0 call header instead (ring kernel):
+    // its tail past what this rank's receiver consumed, while its slot of this epoch is still absent (a peer in
+    // this form publishes the slot before any header of the call), is a fatal mismatch, found at once
+    const u8* region0 = my_base + L.region(0, s);
+    const u64* tail_line = reinterpret_cast<const u64*>(region0 + TAIL_OFFSET);
+    const u64 consumed = static_cast<u64>(ld_volatile_global(reinterpret_cast<const i64*>(region0 + RECV_STATE_OFFSET) +
+                                                             STATE_COUNTER));
     SpinBudget spin(&s_ctx);
     u64 seen = ld_acquire_sys_global(slot + NOTIFY_EPOCH);
     while (seen < static_cast<u64>(epoch)) {
+      if (s != a.rank && ld_acquire_sys_global(tail_line) > consumed) {
+        seen = ld_acquire_sys_global(slot + NOTIFY_EPOCH);  // after the tail: a slot published before it is seen
+        if (seen >= static_cast<u64>(epoch)) break;
+        const i64* hdr = reinterpret_cast<const i64*>(
+            region0 + RING_OFFSET + static_cast<i64>(consumed % static_cast<u64>(L.num_slots)) * L.chunk_bytes);
+        const i64 theirs = ld_volatile_global(hdr + HDR_MAGIC) == static_cast<i64>(HDR_MAGIC_VALUE)
+                               ? ld_volatile_global(hdr + HDR_OP) : 0;
+        fail(s_ctx, ROLE_NOTIFY, s, a.op | FORM_COUNTS, theirs, ERR_MISMATCH, FIELD_FORM);
+        s_abort = 1;
+        break;
+      }
       if (!spin.ok(ROLE_NOTIFY, s, static_cast<u64>(epoch), seen)) {
         s_abort = 1;
         break;

@@ -5,6 +5,8 @@ or raises, never wrong data; after a rejection the communicator keeps working.
 In-process (every rank runs pytest); the whole-job fault cases (dead peers, hangs, MPI.Abort) are in
 test_faults.py.
 """
+import time
+
 import numpy as np
 import pytest
 
@@ -225,6 +227,52 @@ def test_recv_counts_differ_from_what_the_peer_sends(backend, comm, delta):
     third = _prepared_alltoall(c, comm, backend, 23)
     with pytest.raises(cs.SymBufferError, match="unusable|aborted"):
         third()
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
+
+
+@pytest.mark.parametrize("odd_form", ["recv_counts", "count_exchange"])
+def test_ranks_disagree_on_passing_recv_counts(backend, comm, odd_form):
+    """The last rank passes recv_counts to alltoallv and the others do not (``recv_counts``), or the other way round
+    (``count_exchange``): the ranks without them wait in the count exchange, the others for call headers. Each wait
+    also watches for the other form's first message, so every rank raises at once (well within timeout_s, after a
+    count exchange and a call of each form went right): SymBufferMismatchError naming the field (call form), both
+    forms, recv_counts and a peer in the other form. On the GPU only the count exchange watches (symbuf_notify):
+    a rank waiting for call headers raises SymBufferAbortedError naming the detecting rank and the field. No rank
+    returns rows; the communicator is then unusable on every rank."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    timeout_s = 4.0
+    c = cs.Communicator(comm, cs.Config(blocking=True, **dict(CFG, timeout_s=timeout_s)), backend=backend)
+    W, me, odd = comm.size, comm.rank, comm.size - 1
+    _valid_alltoallv(c, comm, backend, 71)
+    _valid_alltoallv(c, comm, backend, 72, with_recv_counts=True)
+    rng = rng_for(comm, 73)
+    counts = rng.integers(1, 20, W)
+    send = random_rows(rng, int(counts.sum()), (5,), np.float32)
+    want, want_counts = reference_alltoallv(comm, send, counts)
+    with_rc = (me == odd) == (odd_form == "recv_counts")
+    comm.Barrier()
+    t0 = time.monotonic()
+    with pytest.raises((cs.SymBufferMismatchError, cs.SymBufferAbortedError)) as info:
+        if with_rc:
+            c.alltoallv(to_backend(send, backend), counts, recv_counts=want_counts)
+        else:
+            c.alltoallv(to_backend(send, backend), counts)
+    took = time.monotonic() - t0
+    err = info.value
+    assert took < timeout_s / 2, f"rank {me} raised {took:.2f} s after the call (timeout_s {timeout_s:g}): {err}"
+    other = [odd] if me != odd else [r for r in range(W) if r != odd]  # the ranks in the other form
+    if isinstance(err, cs.SymBufferMismatchError):
+        assert err.field.startswith("call form") and err.peer in other, err
+        assert "recv_counts" in str(err) and f"rank {err.peer} called alltoallv with" in str(err), err
+    else:  # GPU: a rank waiting for call headers (or, by a race, one whose count exchange saw the abort word first)
+        assert backend == "cuda" and err.aborting_rank != me, err
+        assert "call form" in str(err) and "recv_counts" in str(err), err
+    with pytest.raises(cs.SymBufferError, match="unusable"):
+        c.alltoallv(to_backend(send, backend), counts, recv_counts=want_counts)
     try:
         c.close()
     except cs.SymBufferError:

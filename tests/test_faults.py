@@ -201,6 +201,10 @@ CASES = [
                                       records=(((0, 1), FAILED, r"alltoall.*" + ANY_RANK, r"^alltoallv?$"),))),
     Case("diff_op_same_bytes", 4, **_both("nonzero", "zero",
                                           records=(((0, 1, 2, 3), DISAGREE, r"alltoall", r"^alltoallv?$"),)),),
+    # rank 1 passes recv_counts to alltoallv, the others do not: each form's wait sees the other's first message
+    Case("diff_form_alltoallv", 4, **_both("nonzero", "zero", records=(
+        ((0, 1, 2, 3), DISAGREE, r"alltoallv.*(form of the call|call form).*recv_counts", r"^alltoallv$"),)),
+         max_after_fault_s=1.0),
     # inconsistent counts
     Case("recv_more", 2, **RECV_COUNTS_OFF),
     Case("recv_fewer", 2, **RECV_COUNTS_OFF),

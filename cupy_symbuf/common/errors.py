@@ -116,6 +116,26 @@ def _signature_detail(op: str, peer: int, expected: int, got: int, plan) -> str:
             f"the same dispatch")
 
 
+def _form_error(op: str, rank: int, peer: int, channel: int, expected: int, got: int) -> SymBufferMismatchError:
+    """FIELD_FORM: this rank's call (``expected``, a ``protocol.form_word``) starts with a count exchange and the
+    peer's (``got``) with call headers, or the other way round."""
+    mine, theirs = P.form_text(expected), P.form_text(got)
+    both = P.op_name(expected & (P.FORM_COUNTS - 1)), P.op_name(got & (P.FORM_COUNTS - 1))
+    if both == ("alltoallv", "alltoallv"):
+        rule = "every rank must pass recv_counts to alltoallv, or no rank (then the counts are exchanged)"
+    else:
+        rule = "every rank must make the same collective calls in the same order"
+    if expected & P.FORM_COUNTS:
+        found = f"rank {peer} sent a call header while this rank waited for its count"
+    else:
+        found = f"rank {peer} started a count exchange while this rank waited for its call header"
+    return SymBufferMismatchError(
+        f"{op}: ranks disagree on the form of the call: rank {rank} called {mine}, rank {peer} called {theirs} "
+        f"({found}); {rule}. No data was returned; the communicator is unusable (every other rank raises "
+        f"SymBufferAbortedError, in this call or its next).", rank=rank, peer=peer, channel=channel, op=op,
+        field=P.FIELD_NAMES[P.FIELD_FORM], expected=expected, got=got)
+
+
 def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expected, got,
                    plan=None) -> SymBufferMismatchError:
     """A peer's call header differs from this rank's call (both engines use this text)."""
@@ -143,6 +163,8 @@ def mismatch_error(op: str, rank: int, peer: int, channel: int, field: int, expe
                   f"attach ({P.MODE_CMA}): not this protocol")
     elif field == P.FIELD_SIG:
         detail = _signature_detail(op, peer, expected, got, plan)
+    elif field == P.FIELD_FORM:
+        return _form_error(op, rank, peer, channel, expected, got)
     else:
         detail = f"expected {expected}, got {got}"
     return SymBufferMismatchError(

@@ -174,6 +174,12 @@ class HostTransport:
         self._notify_slots = {}
         #: (rank, ring offset) -> the views of that ring's slots (:meth:`_slot_views`)
         self._rings = {}
+        #: the epoch of this rank's last count exchange (:meth:`notify`): a peer's notify slot of a later one, seen
+        #: while this rank waits for its ring call header, means the ranks' calls start differently (FIELD_FORM)
+        self._epoch = 0
+        #: peer -> (its channel-0 ring tail in this rank's buffer, this rank's receiver state line of it), and
+        #: (parity, peer) -> the epoch word of its notify slot here (:meth:`_form_lines`)
+        self._form_cache = {}
 
     def set_home(self, load) -> None:
         """Adaptive channels: serve the runs in the order of ``load``'s home map (:class:`~cupy_symbuf.adaptive.
@@ -297,7 +303,9 @@ class HostTransport:
         rank first.
         """
         me, W = self.rank, self.world_size
-        self.check_abort(op)
+        if self._abort[me][P.ABORT_FLAG]:  # a peer found a difference first: this rank names it too, if it is the form
+            self._check_form_ring(op, plan, [p for p in range(W) if p != me])
+            self.check_abort(op)
         if self._pending:
             self.settle(op)  # earlier relaxed calls: their sendbufs are the caller's again once this returns
         send = recv = None
@@ -457,6 +465,12 @@ class HostTransport:
             idle += 1
             if tr is not None and idle_t0 is None:
                 idle_t0, idle_sends, idle_recvs = time.monotonic(), len(sends), len(recvs)
+            if recvs:  # the peers whose channel-0 call header of this call has not arrived (also once the abort
+                # word is set: a peer found a difference first, and this rank names it too if it is the form)
+                waiting = [r.p for r in recvs if r.c == 0 and r.checked is False]
+                self._check_form_ring(op, plan, waiting)
+                if self._abort[me][P.ABORT_FLAG]:  # (set after that look: the peer's slot came before it)
+                    self._check_form_ring(op, plan, waiting)
             self.check_abort(op)
             if time.monotonic() - last_progress > self.timeout_s:
                 if recvs:
@@ -649,6 +663,7 @@ class HostTransport:
         if self._pending:
             self.settle(op)
         me = self.rank
+        self._epoch = epoch
         W, M = send_meta.shape
         H = P.NOTIFY_HDR_WORDS
         key = (epoch % 2, M)
@@ -670,7 +685,10 @@ class HostTransport:
             slot = incoming[s]
             while int(slot[P.NOTIFY_EPOCH]) < epoch:
                 idle += 1
-                self.check_abort(op)
+                self._check_form_notify(op, incoming, epoch, op_code, (s,))
+                if self._abort[me][P.ABORT_FLAG]:  # a peer found a difference first: this rank names it too, if
+                    self._check_form_notify(op, incoming, epoch, op_code, range(W))  # it is the form
+                    self.check_abort(op)
                 if time.monotonic() - start > self.timeout_s:
                     self.set_abort(P.ERR_TIMEOUT, s, -1)
                     raise SymBufferTimeoutError(rank=me, peer=s, channel=-1, role="notify", head=epoch,
@@ -681,6 +699,74 @@ class HostTransport:
             out[s] = slot[1:]
         return out
 
+
+    # ---- the call's form: a count exchange first, or call headers at once (FIELD_FORM) --------------------------
+    def _form_lines(self, p: int) -> tuple:
+        """``(tail line, receiver state line)`` of peer ``p``'s channel-0 ring in this rank's buffer (uint64 views)."""
+        got = self._form_cache.get(p)
+        if got is None:
+            L, me = self.layout, self.rank
+            got = self._form_cache[p] = (self._u64(me, L.tail_offset(0, p)), self._u64(me, L.recv_head_offset(0, p), 2))
+        return got
+
+    def _epoch_word(self, epoch: int, p: int) -> np.ndarray:
+        """The epoch word of peer ``p``'s notify slot of ``epoch``'s parity in this rank's buffer (int64 [1])."""
+        key = (epoch % 2, p)
+        got = self._form_cache.get(key)
+        if got is None:
+            got = self._form_cache[key] = self._i64(self.rank, self.layout.notify_slot_offset(epoch % 2, p))
+        return got
+
+    def _ring_header_op(self, p: int):
+        """The op code of a call header peer ``p`` sent on channel 0 that this rank has not consumed (0 when the slot
+        holds no call header), or None when its channel-0 ring holds nothing new. Every ring call sends a channel-0
+        header to every peer, the first thing of the call."""
+        tail, state = self._form_lines(p)
+        mine = int(state[P.STATE_COUNTER])
+        if int(tail[0]) <= mine:
+            return None
+        self.buf.sync()  # tail before the slot
+        hdr = self._slot_views(self.rank, self.layout.ring_offset(0, p))[mine % self.layout.num_slots][1]
+        return int(hdr[P.HDR_OP]) if int(hdr[P.HDR_MAGIC]) == P.HDR_MAGIC_VALUE else 0
+
+    def _check_form_notify(self, op: str, incoming: list, epoch: int, op_code: int, peers) -> None:
+        """Inside the count exchange of ``epoch`` (``incoming``: every rank's slot here), of ``peers``: a peer whose channel-0 call header of a new call arrived while its slot of this epoch did not is in a
+        call without a count exchange (it publishes its slot before any header of a call that has one). Then the
+        abort word is set and :class:`SymBufferMismatchError` (FIELD_FORM) names that peer. The caller checks the
+        rank it waits for on every poll and, once the abort word is set (a peer found the difference first), every
+        peer before it raises the abort, so that this rank names the difference too."""
+        me = self.rank
+        for p in peers:
+            if p == me or int(incoming[p][P.NOTIFY_EPOCH]) >= epoch:
+                continue
+            theirs = self._ring_header_op(p)
+            if theirs is None:
+                continue
+            self.buf.sync()  # the header before the peer's slot: had it published its slot, it is visible now
+            if int(incoming[p][P.NOTIFY_EPOCH]) >= epoch:
+                continue
+            self.set_abort(P.ERR_MISMATCH, p, 0, P.FIELD_FORM)
+            raise mismatch_error(op, me, p, 0, P.FIELD_FORM, P.form_word(op_code, True), P.form_word(theirs, False))
+
+    def _check_form_ring(self, op: str, plan, peers: list) -> None:
+        """In a ring call (no count exchange), ``peers``: those whose channel-0 call header of this call this rank
+        has not consumed yet. One whose header has not arrived either, but whose notify slot of the next epoch has,
+        is in a call that starts with a count exchange (a peer in this rank's form sends that header before anything
+        of its next call). Then the abort word is set and :class:`SymBufferMismatchError` (FIELD_FORM) names it."""
+        nxt = self._epoch + 1
+        for p in peers:
+            tail, state = self._form_lines(p)
+            word = self._epoch_word(nxt, p)
+            if int(tail[0]) > int(state[P.STATE_COUNTER]) or int(word[0]) < nxt:
+                continue
+            self.buf.sync()  # the peer's slot before its header: had it sent the header, it is visible now
+            if int(tail[0]) > int(state[P.STATE_COUNTER]):
+                continue
+            theirs = int(self._i64(self.rank, self.layout.notify_slot_offset(nxt % 2, p), P.NOTIFY_HDR_WORDS)[
+                P.NOTIFY_OP])
+            self.set_abort(P.ERR_MISMATCH, p, 0, P.FIELD_FORM)
+            raise mismatch_error(op, self.rank, p, 0, P.FIELD_FORM, P.form_word(plan.op_code, False),
+                                 P.form_word(theirs, True))
 
     def _notify_views(self, parity: int, M: int) -> tuple:
         """The count exchange's slots of ``parity`` for ``M`` values per rank, as int64 ``[NOTIFY_HDR_WORDS + M]``

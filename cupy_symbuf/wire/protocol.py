@@ -38,7 +38,7 @@ import struct as _struct
 import zlib
 
 __all__ = ["cuda_header", "op_code", "op_name", "signature", "float32", "small_flag", "small_epoch",
-           "small_zero_next"]
+           "small_zero_next", "form_word", "form_text"]
 
 #: Bytes per metadata line: every counter alone on a 128-byte line (two GPU L2 sectors; no false sharing).
 LINE_BYTES = 128
@@ -127,14 +127,24 @@ ROLE_NAMES = {ROLE_SEND: "send", ROLE_RECV: "recv", ROLE_NOTIFY: "notify"}
 
 #: Header fields a mismatch names (the error record's STATUS_FIELD).
 FIELD_MAGIC, FIELD_SEQ, FIELD_OP, FIELD_SIG, FIELD_UNITS, FIELD_OFFSET, FIELD_RING, FIELD_CAPACITY, \
-    FIELD_MODE = range(1, 10)
+    FIELD_MODE, FIELD_FORM = range(1, 11)
 FIELD_NAMES = {FIELD_MAGIC: "magic (not a call header: rings out of step)", FIELD_SEQ: "call sequence number",
                FIELD_OP: "operation", FIELD_SIG: "row signature (dtype / row shape / parts / handle)",
                FIELD_UNITS: "row count sent to this rank", FIELD_OFFSET: "offset outside its region",
                FIELD_RING: "ring counters (head <= tail <= head + capacity)",
                FIELD_CAPACITY: "rows received exceed the output capacity (num_worst_tokens / recv_capacity)",
                FIELD_MODE: "transfer mode (through the rings, from a symmetric array, by cross-memory attach, or "
-                           "pushed into symmetric outputs, or by the small-message protocol)"}
+                           "pushed into symmetric outputs, or by the small-message protocol)",
+               FIELD_FORM: "call form (a count exchange first, or call headers at once: alltoallv without or "
+                           "with recv_counts)"}
+#: FIELD_FORM: the two ranks' calls start differently. One waits in the count exchange (notify slots), the other on
+#: the rings (call headers), so neither would ever see the message it waits for. Each wait also watches for the
+#: other form's first message of the same call: the count-exchange wait for a ring header of a new call (the
+#: peer's channel-0 ring ``tail`` past this rank's receiver state, its notify slot still behind), the ring wait
+#: for the peer's notify slot of the next epoch (its channel-0 call header still absent). The values a FIELD_FORM
+#: error carries (expected: this rank's, got: the peer's) are :func:`form_word` s: the op code, plus FORM_COUNTS
+#: when that call starts with a count exchange.
+FORM_COUNTS = 256
 
 #: GPU error record (int64 words, host-mapped).
 STATUS_FLAG, STATUS_ROLE, STATUS_RANK, STATUS_PEER, STATUS_CHANNEL, STATUS_HEAD, STATUS_TAIL, STATUS_SEQ, \
@@ -368,6 +378,25 @@ def call_tag(sig: int, call_sig: int) -> int:
     """The tag :func:`call_signature` folded into ``sig`` to give ``call_sig`` (modulo 2**31); meaningful only when
     ``call_sig`` was made from this very ``sig`` (a peer with other rows gives an arbitrary number)."""
     return (((sig ^ call_sig) & 0x7FFFFFFF) * _TAG_UNMIX) & 0x7FFFFFFF
+
+
+def form_word(op_code: int, counts: bool) -> int:
+    """What a FIELD_FORM error says about one rank's call: ``op_code`` (``OPS``), plus ``FORM_COUNTS`` when the call
+    starts with a count exchange (``counts``)."""
+    return int(op_code) | (FORM_COUNTS if counts else 0)
+
+
+def form_text(word: int) -> str:
+    """A :func:`form_word` in the caller's terms, e.g. ``"alltoallv without recv_counts (a count exchange
+    first)"``."""
+    op, counts = op_name(word & (FORM_COUNTS - 1)), bool(word & FORM_COUNTS)
+    if op == "alltoallv":
+        return ("alltoallv without recv_counts (or with recv_capacity: a count exchange first)" if counts else
+                "alltoallv with recv_counts (no count exchange: call headers at once)")
+    if op == "dispatch":
+        return ("dispatch (eager: a count exchange first)" if counts else
+                "dispatch with a handle (cached: no count exchange)")
+    return f"{op} ({'a count exchange first' if counts else 'no count exchange: call headers at once'})"
 
 
 def small_flag(seq: int, mod: int = SMALL_FLAG_MOD) -> int:

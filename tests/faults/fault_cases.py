@@ -345,6 +345,22 @@ def case_diff_op_same_bytes():
     finish()
 
 
+def case_diff_form_alltoallv():
+    """Rank 1 passes recv_counts to alltoallv, the others do not: rank 1 waits for call headers, the others in the
+    count exchange. Each wait sees the other form's first message, so every rank raises at once."""
+    c = make_comm()
+    valid_alltoallv(c, 2, "warm-up alltoallv")
+    valid_alltoallv(c, 3, "warm-up alltoallv with recv_counts", recv_counts=True)
+    WORLD.Barrier()  # every rank out of the warm-up before the disagreement (see case_diff_op_same_bytes)
+    fault("rank 1 passes recv_counts to alltoallv, the others do not")
+    rc = np.array([counts_of(s, 4)[R] for s in range(W)], dtype=np.int64) if R == FAULT_RANK else None
+    attempt(c, "alltoallv", lambda: c.alltoallv(dev(av_send(R, 4)), counts_of(R, 4), recv_counts=rc),
+            expect_error=True)
+    after_failure(c)
+    close(c)
+    finish()
+
+
 def _recv_counts_off(delta: int):
     c = make_comm()
     valid_alltoall(c, "warm-up alltoall")
