@@ -46,7 +46,57 @@
 // a timeout: head = the flag waited for, tail = the flag found; a mismatch: head / tail = expected / received).
 // Telemetry (trace != nullptr, Config(trace=True)): a record per item and direction (TRACE_SEND / TRACE_RECV /
 // TRACE_SELF, channel 0, the payload bytes).
+// Phase stamps (-DSYMBUF_SMALL_PROFILE=1, a profiling build; wire/protocol.py SMALL_PROF_*): thread 0 of a block
+// stamps its phases into shared memory and writes them as one record of symbuf_small_prof at its end. Off (the
+// default), the SMALL_PROF_* macros are empty and the kernel is the same code.
 #include "ring_prims.cuh"
+
+#ifndef SYMBUF_SMALL_PROFILE
+#define SYMBUF_SMALL_PROFILE 0
+#endif
+#if SYMBUF_SMALL_PROFILE
+// [SMALL_PROF_BLOCKS] launch counters, then [SMALL_PROF_CALLS][SMALL_PROF_BLOCKS][SMALL_PROF_RECORD] records
+__device__ u64 symbuf_small_prof[SMALL_PROF_BLOCKS * (1 + SMALL_PROF_CALLS * SMALL_PROF_RECORD)];
+
+// Thread 0: phase w's stamps (%globaltimer ns, clock64 cycles) into the block's record in shared memory.
+__device__ __forceinline__ void small_prof_stamp(u64* rec, int w) {
+  rec[w] = globaltimer_ns();
+  rec[SMALL_PROF_PHASES + w] = static_cast<u64>(clock64());
+}
+
+// Thread 0 at the block's end: the record into slot (this block's launches so far) % SMALL_PROF_CALLS. The block's
+// own counter: launches on one stream run one after another, so no other thread writes it meanwhile.
+__device__ __noinline__ void small_prof_write(const u64* rec) {
+  if (blockIdx.x >= SMALL_PROF_BLOCKS) return;
+  u64* counter = symbuf_small_prof + blockIdx.x;
+  const u64 call = *counter;
+  u64* out = symbuf_small_prof + SMALL_PROF_BLOCKS +
+             ((call % SMALL_PROF_CALLS) * SMALL_PROF_BLOCKS + blockIdx.x) * SMALL_PROF_RECORD;
+  for (int w = 0; w < SMALL_PROF_RECORD; ++w) out[w] = rec[w];
+  *counter = call + 1;
+}
+#define SMALL_PROF_SHARED __shared__ u64 s_prof[SMALL_PROF_RECORD]
+#define SMALL_PROF(w)                                  \
+  do {                                                 \
+    if (threadIdx.x == 0) small_prof_stamp(s_prof, w); \
+  } while (0)
+#define SMALL_PROF_SYNC() __syncthreads()
+#define SMALL_PROF_DO(...) \
+  do {                     \
+    __VA_ARGS__;           \
+  } while (0)
+#else
+#define SMALL_PROF_SHARED
+#define SMALL_PROF(w) \
+  do {                \
+  } while (0)
+#define SMALL_PROF_SYNC() \
+  do {                    \
+  } while (0)
+#define SMALL_PROF_DO(...) \
+  do {                     \
+  } while (0)
+#endif
 
 static_assert(SMALL_H_OP == 0 && SMALL_H_SIG == 1 && SMALL_H_BYTES == 2 && SMALL_DATA_WORD >= 3,
               "the header's three words come first in a slot, thread k stores word k");
@@ -209,12 +259,17 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
   __shared__ WaitCtx s_ctx;
   __shared__ u64 s_seq, s_first0, s_verdict;
   __shared__ int s_abort;
+  SMALL_PROF_SHARED;
   const int rank = a.rank, world_size = a.world_size, per = a.items_per_peer;
   const int items = world_size * per;  // (peer, share) items, item k = peer k / per, share k % per
   const i64 n = a.bytes;               // per peer
   const i64 nw = (n + 3) / 4;
   const Layout L{a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, 0, 0};
   u8* const my_base = reinterpret_cast<u8*>(a.peer_bases[rank]);
+  SMALL_PROF_DO(if (threadIdx.x == 0) {
+    for (int w = 0; w < SMALL_PROF_RECORD; ++w) s_prof[w] = 0;
+    small_prof_stamp(s_prof, SMALL_PROF_START);
+  });
   if (threadIdx.x == 0)
     s_ctx = make_wait_ctx(a.status, a.peer_bases, rank, world_size, 0, a.abort_offset, a.timeout_ns, a.seq);
 
@@ -228,6 +283,9 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
       const u64 t0 = globaltimer_ns();
       copy_slice<false>(a.recv + rank * n + b0, a.send + rank * n + b0, b1 - b0, static_cast<int>(threadIdx.x >> 5),
                         static_cast<int>(blockDim.x >> 5), static_cast<int>(threadIdx.x & 31));
+      SMALL_PROF_SYNC();
+      SMALL_PROF(SMALL_PROF_COPY);
+      SMALL_PROF_DO(if (threadIdx.x == 0) s_prof[SMALL_PROF_INFO] += 1);
       if (a.trace != nullptr) {
         __syncthreads();
         if (threadIdx.x == 0 && b1 > b0)
@@ -239,6 +297,7 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     if (threadIdx.x == 0)
       s_seq = reinterpret_cast<const u64*>(my_base + L.region(0, peer) + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
     __syncthreads();
+    SMALL_PROF(SMALL_PROF_SEQ);
     const u64 t0 = globaltimer_ns();
     const u64 qs = s_seq;
     u64* out = reinterpret_cast<u64*>(reinterpret_cast<u8*>(a.peer_bases[peer]) +
@@ -281,12 +340,14 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     const i64 w0 = nw * part / per, w1 = nw * (part + 1) / per;
     const u8* const local0 = my_base + L.region(0, peer);
     __syncthreads();  // the previous item is finished with the shared words
+    SMALL_PROF(SMALL_PROF_SENT);
     if (threadIdx.x == 0) {
       s_seq = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_SEQ] + 1;
       s_first0 = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_COUNTER];
       s_abort = 0;
     }
     __syncthreads();
+    SMALL_PROF(SMALL_PROF_RSEQ);
     const u64 qr = s_seq;
     const u64 t0 = globaltimer_ns();
     const u64* in =
@@ -294,6 +355,7 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     if (threadIdx.x == 0) {
       s_verdict = small_header_step(&s_ctx, in, local0, L.num_slots, L.chunk_bytes, qr, s_first0, peer, a.op, a.sig, n);
       if (s_verdict == kGateAbort) s_abort = 1;
+      SMALL_PROF(SMALL_PROF_HEADER);
     }
     __syncthreads();
     const u64 verdict = s_verdict;
@@ -319,9 +381,11 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
           }
           small_unpack(dst, j, n, aligned, static_cast<u32>(v[u]));
         }
+        SMALL_PROF_DO(if (i == w0 + threadIdx.x) SMALL_PROF(SMALL_PROF_FIRST));
       }
     }
     __syncthreads();
+    SMALL_PROF(SMALL_PROF_RECEIVED);
     // the send state line is read in phase 1 by the item's block before this count (program order), the receive
     // line above: the last item's bookkeeping comes after every item's reads of both
     if (threadIdx.x == 0 && verdict == kGateCopy && !*abort_flag)
@@ -329,6 +393,11 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     if (threadIdx.x == 0) {
       const u64 qs = reinterpret_cast<const u64*>(local0 + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
       small_finish(&s_ctx, a, L, peer, verdict, *abort_flag != 0, qs, qr);
+      SMALL_PROF_DO(s_prof[SMALL_PROF_INFO] = ((s_prof[SMALL_PROF_INFO] & 0xFFFFull) + 0x101ull) |
+                                              (static_cast<u64>(peer + 1) << 16) | (verdict << 32);
+                    s_prof[SMALL_PROF_SEQ_NO] = qr);
     }
   }
+  SMALL_PROF(SMALL_PROF_END);
+  SMALL_PROF_DO(if (threadIdx.x == 0) small_prof_write(s_prof));
 }

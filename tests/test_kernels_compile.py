@@ -89,6 +89,21 @@ def test_small_flag_wrap_hook_compiles_and_zeroes(source, arch):
         assert "warning" not in log.lower(), log
 
 
+@pytest.mark.parametrize("arch", ["compute_90", "compute_80"])
+def test_small_profile_build_compiles_and_is_off_by_default(arch):
+    """The small kernel's phase-stamp build (-DSYMBUF_SMALL_PROFILE=1, tests/device/small_profile.py) compiles
+    without warnings and has its record array and clock stamps; the default build has neither."""
+    _nvrtc_or_skip()
+    ptx, log = _kernels.compile_ptx("small_exchange.cu", arch, defines=("-DSYMBUF_SMALL_PROFILE=1",),
+                                    return_log=True)
+    assert "warning" not in log.lower(), log
+    size = _protocol.SMALL_PROF_BLOCKS * (1 + _protocol.SMALL_PROF_CALLS * _protocol.SMALL_PROF_RECORD)
+    assert f".global .align 8 .b8 symbuf_small_prof[{8 * size}];" in ptx
+    assert "%clock64" in ptx
+    plain = _kernels.compile_ptx("small_exchange.cu", arch)
+    assert "symbuf_small_prof" not in plain and "%clock64" not in plain
+
+
 @pytest.mark.parametrize("mod", ["8", "1", "4294967297"])
 def test_small_flag_wrap_hook_refuses_a_bad_modulus(mod):
     """An even modulus would repeat a flag within an epoch, 1 would be the flag of seq - 2, more than 2^32 - 1 would
