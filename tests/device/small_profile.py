@@ -71,8 +71,11 @@ def q(v, p=50):
     return float(np.percentile(v, p)) / 1e3 if v.size else float("nan")
 
 
+SUMMARY = []
+
+
 def report(title, recs_all, wall):
-    """Rank 0 prints the table of every rank's records ([rank] of [CALLS, grid, RECORD])."""
+    """Rank 0 prints the table of every rank's records ([rank] of [CALLS, grid, RECORD]) and keeps a summary line."""
     if me != 0:
         return
     ph = P.SMALL_PROF_PHASES
@@ -119,6 +122,8 @@ def report(title, recs_all, wall):
         if last:
             lines.append(f"  {name:<30}{q(first):7.2f}{q(last):7.2f}{q(last, 90):7.2f}{q(inblk):9.2f}")
     print("\n".join(lines), flush=True)
+    SUMMARY.append(f"{title.split(' [')[0]:<28} wall {wall:6.2f}  kernel {q(ends - starts):6.2f}  idle gap "
+                   f"{q(starts[:, 1:] - ends[:, :-1]):5.2f}  skew {q(starts.max(0) - starts.min(0)):5.2f}")
 
 
 def main():
@@ -166,6 +171,8 @@ def main():
                 bad += int(not np.array_equal(out.get(), want))
                 recs, wall = run(prof, lambda: graph.launch(stream), grid)
                 report(f"{per_rank >> 10} KiB per rank, graph replay", world.gather(recs, root=0), wall)
+    if me == 0:
+        print(f"# summary, {W} ranks [{defines}] (us, medians)\n" + "\n".join(SUMMARY), flush=True)
     if world.allreduce(bad) and me == 0:
         raise SystemExit("wrong results")
 
