@@ -118,12 +118,13 @@ def test_unaligned_and_strided_sendbuf(backend, comm):
 
 @pytest.mark.parametrize("per_peer", [512 << 10, (512 << 10) - 3, 200 << 10], ids=["512KiB", "512KiB-3", "200KiB"])
 def test_large_items_odd_sizes_and_addresses(backend, comm, per_peer):
-    """Runs near the default threshold (1 MiB per rank: 512 KiB per peer at 2 ranks), so an item has more words
-    than a thread's batch (SYMBUF_SMALL_BATCH: at 2 ranks on 24 blocks ~21 words a thread, a full batch, then a
-    part); a run ending in a partial word; sendbuf and output at odd addresses (the byte paths of the pack and the
-    unpack). Three calls back to back with fresh data (both halves), outputs poisoned first, each the reference."""
+    """Runs of up to 512 KiB per peer on 24 blocks (num_sms=24, the H100 default; the tuning table's 64 on an H200
+    would cut items of 8 words a thread), so an item has more words than a thread's batch (SYMBUF_SMALL_BATCH, 16:
+    ~21 words a thread at 2 ranks, ~43 at 4: full batches, then a part); a run ending in a partial word; sendbuf
+    and output at odd addresses (the byte paths of the pack and the unpack). Three calls back to back with fresh
+    data (both halves), outputs poisoned first, each the reference."""
     import cupy
-    c = _comm(backend, comm, small=512 << 10)
+    c = _comm(backend, comm, small=512 << 10, num_sms=24)
     try:
         W = comm.size
         rng = rng_for(comm, 13)
