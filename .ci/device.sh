@@ -21,10 +21,10 @@
 #   small-wrap      tests/test_small_protocol.py and test_alltoall.py (cuda only) built with the flag-wrap test hook
 #                   (CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7: the small protocol's flag repeats every 14
 #                   calls, cuda_src/protocol.cuh "The flag's wrap") at 1 rank and at SMALL_RANKS (default 2 4; MPS)
-#   small-profile   tests/device/small_profile.py (the small kernel's phase stamps, 64 KiB and 1 MiB per rank, loop and
-#                   graph replay) at SMALL_RANKS (default 2 4; MPS), built batched (default) and one word at a time
-#                   (-DSYMBUF_SMALL_PIPELINE=0); then bench --sizes 64K,1M (loop, ITERS 200) for both builds and the
-#                   rings (--small-bytes 0) at 2 ranks. Prints each run's summary; the tables are in the logs
+#   small-profile   tests/device/small_profile.py (the small kernel's phase stamps, 64 KiB and 1 MiB per rank, loop
+#                   and graph replay) at SMALL_PROFILE_RANKS (default 2 4; MPS), built batched (default) and one word
+#                   at a time (-DSYMBUF_SMALL_PIPELINE=0); then bench --sizes 64K,1M (loop, ITERS 200) for both builds
+#                   and the rings (--small-bytes 0) at 2 ranks. Prints each run's summary; the tables are in the logs
 #   small-bench     --control with the small-message alltoall on and off (--small-bytes 0), one after the other, at
 #                   SMALL_BENCH_RANKS (default 2; MPS), ITERS (30) calls a row
 #   deepep          DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unmodified, over the shim
@@ -280,7 +280,7 @@ while [ $# -gt 0 ]; do
       done ;;
     small-profile)
       mps_on
-      for n in ${SMALL_RANKS:-2 4}; do
+      for n in ${SMALL_PROFILE_RANKS:-2 4}; do
         for build in batched serial; do
           DEF=$([ $build = serial ] && echo "-DSYMBUF_SMALL_PIPELINE=0")
           TAIL=6 run "small-profile$n-$build" 120 env CUPY_SYMBUF_NVRTC_DEFINES="$DEF" $MPIRUN -n "$n" $GPU0 \
