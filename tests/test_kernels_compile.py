@@ -102,6 +102,9 @@ def test_small_profile_build_compiles_and_is_off_by_default(arch):
     assert "%clock64" in ptx
     plain = _kernels.compile_ptx("small_exchange.cu", arch)
     assert "symbuf_small_prof" not in plain and "%clock64" not in plain
+    # another build: another build id (the construction fingerprint's, so ranks must agree on it)
+    profiled = _kernels.build_id("small_exchange.cu", ("-DSYMBUF_SMALL_PROFILE=1",))
+    assert profiled != _kernels.build_id("small_exchange.cu")
 
 
 SMALL_VARIANTS = [(), ("-DSYMBUF_SMALL_PIPELINE=0",), ("-DSYMBUF_SMALL_PROFILE=1",),
