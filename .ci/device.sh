@@ -21,6 +21,10 @@
 #   small-wrap      tests/test_small_protocol.py and test_alltoall.py (cuda only) built with the flag-wrap test hook
 #                   (CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7: the small protocol's flag repeats every 14
 #                   calls, cuda_src/protocol.cuh "The flag's wrap") at 1 rank and at SMALL_RANKS (default 2 4; MPS)
+#   small-profile   tests/device/small_profile.py (the small kernel's phase stamps, 64 KiB and 1 MiB per rank, loop
+#                   and graph replay) at SMALL_PROFILE_RANKS (default 2 4; MPS), built batched (default) and one word
+#                   at a time (-DSYMBUF_SMALL_PIPELINE=0); then bench --sizes 64K,1M (loop, ITERS 200) for both builds
+#                   and the rings (--small-bytes 0) at 2 ranks. Prints each run's summary; the tables are in the logs
 #   small-bench     --control with the small-message alltoall on and off (--small-bytes 0), one after the other, at
 #                   SMALL_BENCH_RANKS (default 2; MPS), ITERS (30) calls a row
 #   deepep          DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unmodified, over the shim
@@ -187,7 +191,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 files1 files2 files4 parts1 parts2 parts4 multi cvd faults ll small small-wrap small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
+STAGE_NAMES="suite1 files1 files2 files4 parts1 parts2 parts4 multi cvd faults ll small small-wrap small-profile small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -273,6 +277,21 @@ while [ $# -gt 0 ]; do
       for n in ${SMALL_RANKS:-2 4}; do
         run small-wrap$n ${SMALL_LIMIT:-180} env $WRAP $MPIRUN -n "$n" $GPU0 $CUDA_ONLY -x CUPY_SYMBUF_NVRTC_DEFINES \
           $PYTEST $WRAP_TESTS
+      done ;;
+    small-profile)
+      mps_on
+      for n in ${SMALL_PROFILE_RANKS:-2 4}; do
+        for build in batched serial; do
+          DEF=$([ $build = serial ] && echo "-DSYMBUF_SMALL_PIPELINE=0")
+          TAIL=6 run "small-profile$n-$build" 120 env CUPY_SYMBUF_NVRTC_DEFINES="$DEF" $MPIRUN -n "$n" $GPU0 \
+            -x CUPY_SYMBUF_NVRTC_DEFINES python3 tests/device/small_profile.py
+        done
+      done
+      for build in batched serial rings; do
+        DEF=$([ $build = serial ] && echo "-DSYMBUF_SMALL_PIPELINE=0")
+        TAIL=6 run "small-ab2-$build" 120 env CUPY_SYMBUF_NVRTC_DEFINES="$DEF" $MPIRUN -n 2 $GPU0 \
+          -x CUPY_SYMBUF_NVRTC_DEFINES $BENCH --sizes 64K,1M --timing loop --sends plain,out --iters "${ITERS:-200}" \
+          --warmup 20 --no-reference $([ $build = rings ] && echo --small-bytes 0)
       done ;;
     small-bench)
       mps_on

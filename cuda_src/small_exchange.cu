@@ -46,7 +46,69 @@
 // a timeout: head = the flag waited for, tail = the flag found; a mismatch: head / tail = expected / received).
 // Telemetry (trace != nullptr, Config(trace=True)): a record per item and direction (TRACE_SEND / TRACE_RECV /
 // TRACE_SELF, channel 0, the payload bytes).
+// Phase stamps (-DSYMBUF_SMALL_PROFILE=1, a profiling build; wire/protocol.py SMALL_PROF_*): thread 0 of a block
+// stamps its phases into shared memory and writes them as one record of symbuf_small_prof at its end. Off (the
+// default), the SMALL_PROF_* macros are empty and the kernel is the same code.
 #include "ring_prims.cuh"
+
+#ifndef SYMBUF_SMALL_PROFILE
+#define SYMBUF_SMALL_PROFILE 0
+#endif
+// SYMBUF_SMALL_PIPELINE (default 1): a thread's words move in batches of SYMBUF_SMALL_BATCH, loads in flight
+// together (the sender's source words before their stores; the receiver's words, the first batch before the
+// header's verdict, then a re-load of only those without the flag), and the receive state lines are read with the
+// send line in phase 1. 0: one source load per store, the header's verdict before any word is loaded, 4 loads in
+// flight and a spin per missing word (the same wire, for a same-run comparison).
+#ifndef SYMBUF_SMALL_PIPELINE
+#define SYMBUF_SMALL_PIPELINE 1
+#endif
+// SYMBUF_SMALL_BATCH: 16 fits the block's 128 registers a thread (ptxas, sm_90: 24 spills a few bytes, 32 more).
+#ifndef SYMBUF_SMALL_BATCH
+#define SYMBUF_SMALL_BATCH 16
+#endif
+#if SYMBUF_SMALL_PROFILE
+// [SMALL_PROF_BLOCKS] launch counters, then [SMALL_PROF_CALLS][SMALL_PROF_BLOCKS][SMALL_PROF_RECORD] records
+__device__ u64 symbuf_small_prof[SMALL_PROF_BLOCKS * (1 + SMALL_PROF_CALLS * SMALL_PROF_RECORD)];
+
+// Thread 0: phase w's stamps (%globaltimer ns, clock64 cycles) into the block's record in shared memory.
+__device__ __forceinline__ void small_prof_stamp(u64* rec, int w) {
+  rec[w] = globaltimer_ns();
+  rec[SMALL_PROF_PHASES + w] = static_cast<u64>(clock64());
+}
+
+// Thread 0 at the block's end: the record into slot (this block's launches so far) % SMALL_PROF_CALLS. The block's
+// own counter: launches on one stream run one after another, so no other thread writes it meanwhile.
+__device__ __noinline__ void small_prof_write(const u64* rec) {
+  if (blockIdx.x >= SMALL_PROF_BLOCKS) return;
+  u64* counter = symbuf_small_prof + blockIdx.x;
+  const u64 call = *counter;
+  u64* out = symbuf_small_prof + SMALL_PROF_BLOCKS +
+             ((call % SMALL_PROF_CALLS) * SMALL_PROF_BLOCKS + blockIdx.x) * SMALL_PROF_RECORD;
+  for (int w = 0; w < SMALL_PROF_RECORD; ++w) out[w] = rec[w];
+  *counter = call + 1;
+}
+#define SMALL_PROF_SHARED __shared__ u64 s_prof[SMALL_PROF_RECORD]
+#define SMALL_PROF(w)                                  \
+  do {                                                 \
+    if (threadIdx.x == 0) small_prof_stamp(s_prof, w); \
+  } while (0)
+#define SMALL_PROF_SYNC() __syncthreads()
+#define SMALL_PROF_DO(...) \
+  do {                     \
+    __VA_ARGS__;           \
+  } while (0)
+#else
+#define SMALL_PROF_SHARED
+#define SMALL_PROF(w) \
+  do {                \
+  } while (0)
+#define SMALL_PROF_SYNC() \
+  do {                    \
+  } while (0)
+#define SMALL_PROF_DO(...) \
+  do {                     \
+  } while (0)
+#endif
 
 static_assert(SMALL_H_OP == 0 && SMALL_H_SIG == 1 && SMALL_H_BYTES == 2 && SMALL_DATA_WORD >= 3,
               "the header's three words come first in a slot, thread k stores word k");
@@ -205,16 +267,86 @@ __device__ __noinline__ void small_finish(const WaitCtx* c, const SmallArgs& a, 
   if (verdict != kGateCopy) record_rejection(*c, peer);
 }
 
+#if SYMBUF_SMALL_PIPELINE
+// How many of words i, i + SMALL_THREADS, ... (at most K) lie below w1: a thread's share of a batch.
+template <int K>
+__device__ __forceinline__ int small_batch_count(i64 i, i64 w1) {
+  return i >= w1 ? 0 : static_cast<int>(min(static_cast<i64>(K), (w1 - i + SMALL_THREADS - 1) / SMALL_THREADS));
+}
+
+// The first cnt of words w[0], w[SMALL_THREADS], ... loaded at once: cnt loads in flight per thread.
+template <int K>
+__device__ __forceinline__ void small_load_batch(u64 (&v)[K], const u64* w, int cnt) {
+#pragma unroll
+  for (int u = 0; u < K; ++u) v[u] = u < cnt ? small_load(w + u * SMALL_THREADS) : 0;
+}
+
+// The batch small_load_batch loaded into v (words i, i + SMALL_THREADS, ... of the item, cnt of them, from w =
+// words + i): the words without the call's flag are loaded again, all at once, until every one has it (a bounded
+// wait: SpinBudget polls the abort word; *abort_flag stops it when another thread of the block failed), then every
+// datum goes to dst. False when the wait failed (*abort_flag set; the error record names the flag waited for and
+// the one found in the first word still missing).
+template <int K>
+__device__ __forceinline__ bool small_take_batch(u64 (&v)[K], const u64* w, i64 i, int cnt, u32 flag, u8* dst, i64 n,
+                                                 bool aligned, const WaitCtx* c, int peer, volatile int* abort_flag) {
+  static_assert(K >= 1 && K <= 32, "a bit per word of the batch");
+  u32 missing = 0;
+#pragma unroll
+  for (int u = 0; u < K; ++u)
+    if (u < cnt && static_cast<u32>(v[u] >> 32) != flag) missing |= 1u << u;
+  if (missing) {
+    SpinBudget spin(c);
+    do {
+#pragma unroll
+      for (int u = 0; u < K; ++u)
+        if ((missing >> u) & 1u) v[u] = small_load(w + u * SMALL_THREADS);
+      u64 found = 0;
+#pragma unroll
+      for (int u = K - 1; u >= 0; --u)
+        if ((missing >> u) & 1u) {
+          if (static_cast<u32>(v[u] >> 32) == flag) missing &= ~(1u << u);
+          else found = v[u] >> 32;
+        }
+      if (missing && (*abort_flag || !spin.ok(ROLE_RECV, peer, static_cast<u64>(flag), found))) {
+        *abort_flag = 1;
+        return false;
+      }
+    } while (missing);
+  }
+  if (aligned && 4 * (i + static_cast<i64>(cnt - 1) * SMALL_THREADS) + 4 <= n) {  // whole words only
+    u32* d = reinterpret_cast<u32*>(dst) + i;
+#pragma unroll
+    for (int u = 0; u < K; ++u)
+      if (u < cnt) d[u * SMALL_THREADS] = static_cast<u32>(v[u]);
+  } else {
+#pragma unroll
+    for (int u = 0; u < K; ++u)
+      if (u < cnt) small_unpack(dst, i + static_cast<i64>(u) * SMALL_THREADS, n, aligned, static_cast<u32>(v[u]));
+  }
+  return true;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoall(const __grid_constant__ SmallArgs a) {
   __shared__ WaitCtx s_ctx;
   __shared__ u64 s_seq, s_first0, s_verdict;
   __shared__ int s_abort;
+#if SYMBUF_SMALL_PIPELINE
+  __shared__ u64 s_qr, s_first0_cached, s_qr_cached;  // see phase 1
+  __shared__ int s_rk;
+  if (threadIdx.x == 0) s_abort = 0;  // then thread 0 again at the end of each item (phase 2)
+#endif
+  SMALL_PROF_SHARED;
   const int rank = a.rank, world_size = a.world_size, per = a.items_per_peer;
   const int items = world_size * per;  // (peer, share) items, item k = peer k / per, share k % per
   const i64 n = a.bytes;               // per peer
   const i64 nw = (n + 3) / 4;
   const Layout L{a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, 0, 0};
   u8* const my_base = reinterpret_cast<u8*>(a.peer_bases[rank]);
+  SMALL_PROF_DO(if (threadIdx.x == 0) {
+    for (int w = 0; w < SMALL_PROF_RECORD; ++w) s_prof[w] = 0;
+    small_prof_stamp(s_prof, SMALL_PROF_START);
+  });
   if (threadIdx.x == 0)
     s_ctx = make_wait_ctx(a.status, a.peer_bases, rank, world_size, 0, a.abort_offset, a.timeout_ns, a.seq);
 
@@ -228,6 +360,9 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
       const u64 t0 = globaltimer_ns();
       copy_slice<false>(a.recv + rank * n + b0, a.send + rank * n + b0, b1 - b0, static_cast<int>(threadIdx.x >> 5),
                         static_cast<int>(blockDim.x >> 5), static_cast<int>(threadIdx.x & 31));
+      SMALL_PROF_SYNC();
+      SMALL_PROF(SMALL_PROF_COPY);
+      SMALL_PROF_DO(if (threadIdx.x == 0) s_prof[SMALL_PROF_INFO] += 1);
       if (a.trace != nullptr) {
         __syncthreads();
         if (threadIdx.x == 0 && b1 > b0)
@@ -236,9 +371,23 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
       continue;
     }
     __syncthreads();  // the previous item's reads of s_seq are done
+#if SYMBUF_SMALL_PIPELINE
+    if (threadIdx.x == 0) {
+      // the receive lines of the same item in the same round trip, kept for phase 2 when this is the block's last
+      // send item (its last receive item too: one item per block in the usual grid, so the block's only one);
+      // read, as phase 2 would, before the item counts itself finished
+      const u8* local0 = my_base + L.region(0, peer);
+      s_seq = reinterpret_cast<const u64*>(local0 + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
+      s_qr_cached = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_SEQ] + 1;
+      s_first0_cached = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_COUNTER];
+      s_rk = k;
+    }
+#else
     if (threadIdx.x == 0)
       s_seq = reinterpret_cast<const u64*>(my_base + L.region(0, peer) + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
+#endif
     __syncthreads();
+    SMALL_PROF(SMALL_PROF_SEQ);
     const u64 t0 = globaltimer_ns();
     const u64 qs = s_seq;
     u64* out = reinterpret_cast<u64*>(reinterpret_cast<u8*>(a.peer_bases[peer]) +
@@ -264,8 +413,30 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     }
     const u8* src = a.send + peer * n;
     const bool aligned = (reinterpret_cast<u64>(src) & 3) == 0;
+#if SYMBUF_SMALL_PIPELINE
+    // a thread's SYMBUF_SMALL_BATCH source words loaded before the first of their stores (word i, i +
+    // SMALL_THREADS, ...: the launch's block size), so the loads wait once per batch instead of once per word
+    for (i64 i = w0 + threadIdx.x; i < w1; i += SYMBUF_SMALL_BATCH * SMALL_THREADS) {
+      const int cnt = small_batch_count<SYMBUF_SMALL_BATCH>(i, w1);
+      u32 d[SYMBUF_SMALL_BATCH];
+      if (aligned && 4 * (i + static_cast<i64>(cnt - 1) * SMALL_THREADS) + 4 <= n) {  // whole words only
+        const u32* s = reinterpret_cast<const u32*>(src) + i;
+#pragma unroll
+        for (int u = 0; u < SYMBUF_SMALL_BATCH; ++u) d[u] = u < cnt ? ld_nc_global(s + u * SMALL_THREADS) : 0u;
+      } else {
+#pragma unroll
+        for (int u = 0; u < SYMBUF_SMALL_BATCH; ++u)
+          d[u] = u < cnt ? small_pack(src, i + static_cast<i64>(u) * SMALL_THREADS, n, aligned) : 0u;
+      }
+      u64* o = out + SMALL_DATA_WORD + i;
+#pragma unroll
+      for (int u = 0; u < SYMBUF_SMALL_BATCH; ++u)
+        if (u < cnt) small_store(o + u * SMALL_THREADS, fs | d[u]);
+    }
+#else
     for (i64 i = w0 + threadIdx.x; i < w1; i += blockDim.x)
       small_store(out + SMALL_DATA_WORD + i, fs | small_pack(src, i, n, aligned));
+#endif
     if (a.trace != nullptr) {  // the item's payload bytes (the words: twice as many on the wire)
       __syncthreads();
       if (threadIdx.x == 0)
@@ -281,12 +452,60 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     const i64 w0 = nw * part / per, w1 = nw * (part + 1) / per;
     const u8* const local0 = my_base + L.region(0, peer);
     __syncthreads();  // the previous item is finished with the shared words
+    SMALL_PROF(SMALL_PROF_SENT);
+#if SYMBUF_SMALL_PIPELINE
+    // the item whose receive lines phase 1 read (s_rk, written before a barrier: the same test in every thread)
+    // needs no read of its own; s_abort is 0 (the kernel's start or the previous item's end)
+    const bool cached = k == s_rk;
+    if (!cached) {
+      if (threadIdx.x == 0) {
+        s_qr = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_SEQ] + 1;
+        s_first0 = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_COUNTER];
+      }
+      __syncthreads();
+    }
+    SMALL_PROF(SMALL_PROF_RSEQ);
+    const u64 qr = cached ? s_qr_cached : s_qr;
+    const u64 t0 = globaltimer_ns();
+    const u64* in =
+        reinterpret_cast<const u64*>(my_base + small_slot(a.small_offset, a.slot_bytes, qr, peer, world_size));
+    // the item's first batch of words is loaded before the header is looked at (kept only after its verdict:
+    // a word with the call's flag holds the call's datum whenever it was loaded), so their round trip overlaps
+    // thread 0's wait for the header
+    const u32 flag = small_flag(qr);
+    const u64* words = in + SMALL_DATA_WORD;
+    i64 i = w0 + threadIdx.x;
+    int cnt = small_batch_count<SYMBUF_SMALL_BATCH>(i, w1);
+    u64 v[SYMBUF_SMALL_BATCH];
+    small_load_batch(v, words + i, cnt);
+    if (threadIdx.x == 0) {
+      s_verdict = small_header_step(&s_ctx, in, local0, L.num_slots, L.chunk_bytes, qr,
+                                    cached ? s_first0_cached : s_first0, peer, a.op, a.sig, n);
+      if (s_verdict == kGateAbort) s_abort = 1;
+      SMALL_PROF(SMALL_PROF_HEADER);
+    }
+    __syncthreads();
+    const u64 verdict = s_verdict;
+    volatile int* abort_flag = &s_abort;
+    if (verdict == kGateCopy && cnt > 0) {
+      u8* dst = a.recv + peer * n;
+      const bool aligned = (reinterpret_cast<u64>(dst) & 3) == 0;
+      while (small_take_batch(v, words + i, i, cnt, flag, dst, n, aligned, &s_ctx, peer, abort_flag)) {
+        SMALL_PROF_DO(if (i == w0 + threadIdx.x) SMALL_PROF(SMALL_PROF_FIRST));
+        i += SYMBUF_SMALL_BATCH * SMALL_THREADS;
+        cnt = small_batch_count<SYMBUF_SMALL_BATCH>(i, w1);
+        if (cnt == 0 || *abort_flag) break;
+        small_load_batch(v, words + i, cnt);
+      }
+    }
+#else
     if (threadIdx.x == 0) {
       s_seq = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_SEQ] + 1;
       s_first0 = reinterpret_cast<const u64*>(local0 + RECV_STATE_OFFSET)[STATE_COUNTER];
       s_abort = 0;
     }
     __syncthreads();
+    SMALL_PROF(SMALL_PROF_RSEQ);
     const u64 qr = s_seq;
     const u64 t0 = globaltimer_ns();
     const u64* in =
@@ -294,6 +513,7 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
     if (threadIdx.x == 0) {
       s_verdict = small_header_step(&s_ctx, in, local0, L.num_slots, L.chunk_bytes, qr, s_first0, peer, a.op, a.sig, n);
       if (s_verdict == kGateAbort) s_abort = 1;
+      SMALL_PROF(SMALL_PROF_HEADER);
     }
     __syncthreads();
     const u64 verdict = s_verdict;
@@ -319,16 +539,32 @@ extern "C" __global__ void __launch_bounds__(SMALL_THREADS) symbuf_small_alltoal
           }
           small_unpack(dst, j, n, aligned, static_cast<u32>(v[u]));
         }
+        SMALL_PROF_DO(if (i == w0 + threadIdx.x) SMALL_PROF(SMALL_PROF_FIRST));
       }
     }
+#endif
     __syncthreads();
+    SMALL_PROF(SMALL_PROF_RECEIVED);
     // the send state line is read in phase 1 by the item's block before this count (program order), the receive
     // line above: the last item's bookkeeping comes after every item's reads of both
     if (threadIdx.x == 0 && verdict == kGateCopy && !*abort_flag)
       trace_record(a.trace, a.trace_cap, a.seq, a.op, TRACE_RECV, t0, 0, peer, min(4 * w1, n) - min(4 * w0, n), qr, qr);
     if (threadIdx.x == 0) {
+#if SYMBUF_SMALL_PIPELINE
+      // (the cached item's send line: read in phase 1 into s_seq, which no later item of the block rewrote)
+      const u64 qs = cached ? s_seq : reinterpret_cast<const u64*>(local0 + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
+#else
       const u64 qs = reinterpret_cast<const u64*>(local0 + SEND_STATE_OFFSET)[STATE_SEQ] + 1;
+#endif
       small_finish(&s_ctx, a, L, peer, verdict, *abort_flag != 0, qs, qr);
+      SMALL_PROF_DO(s_prof[SMALL_PROF_INFO] = ((s_prof[SMALL_PROF_INFO] & 0xFFFFull) + 0x101ull) |
+                                              (static_cast<u64>(peer + 1) << 16) | (verdict << 32);
+                    s_prof[SMALL_PROF_SEQ_NO] = qr);
+#if SYMBUF_SMALL_PIPELINE
+      s_abort = 0;  // for the block's next item (the others read it only after that item's barriers)
+#endif
     }
   }
+  SMALL_PROF(SMALL_PROF_END);
+  SMALL_PROF_DO(if (threadIdx.x == 0) small_prof_write(s_prof));
 }

@@ -89,6 +89,66 @@ def test_small_flag_wrap_hook_compiles_and_zeroes(source, arch):
         assert "warning" not in log.lower(), log
 
 
+@pytest.mark.parametrize("arch", ["compute_90", "compute_80"])
+def test_small_profile_build_compiles_and_is_off_by_default(arch):
+    """The small kernel's phase-stamp build (-DSYMBUF_SMALL_PROFILE=1, tests/device/small_profile.py) compiles
+    without warnings and has its record array and clock stamps; the default build has neither."""
+    _nvrtc_or_skip()
+    ptx, log = _kernels.compile_ptx("small_exchange.cu", arch, defines=("-DSYMBUF_SMALL_PROFILE=1",),
+                                    return_log=True)
+    assert "warning" not in log.lower(), log
+    size = _protocol.SMALL_PROF_BLOCKS * (1 + _protocol.SMALL_PROF_CALLS * _protocol.SMALL_PROF_RECORD)
+    assert f".global .align 8 .b8 symbuf_small_prof[{8 * size}];" in ptx
+    assert "%clock64" in ptx
+    plain = _kernels.compile_ptx("small_exchange.cu", arch)
+    assert "symbuf_small_prof" not in plain and "%clock64" not in plain
+    # another build: another build id (the construction fingerprint's, so ranks must agree on it)
+    profiled = _kernels.build_id("small_exchange.cu", ("-DSYMBUF_SMALL_PROFILE=1",))
+    assert profiled != _kernels.build_id("small_exchange.cu")
+
+
+SMALL_VARIANTS = [(), ("-DSYMBUF_SMALL_PIPELINE=0",), ("-DSYMBUF_SMALL_PROFILE=1",),
+                  ("-DSYMBUF_SMALL_PIPELINE=0", "-DSYMBUF_SMALL_PROFILE=1"), ("-DSYMBUF_SMALL_BATCH=8",),
+                  ("-DSYMBUF_SMALL_BATCH=24", "-DSYMBUF_SMALL_PROFILE=1"),
+                  ("-DSYMBUF_SMALL_PIPELINE=0", "-DSYMBUF_SMALL_FLAG_MOD=7"), ("-DSYMBUF_SMALL_FLAG_MOD=7",)]
+
+
+@pytest.mark.parametrize("arch", ["compute_90", "compute_80"])
+@pytest.mark.parametrize("defines", SMALL_VARIANTS, ids=lambda d: "+".join(x[2:] for x in d) or "default")
+def test_small_kernel_variants_compile(defines, arch):
+    """Every build of the small kernel compiles without warnings on sm_90 and sm_80: batched (the default) or one
+    word at a time (SYMBUF_SMALL_PIPELINE=0), other batch sizes, with phase stamps, with the flag-wrap hook."""
+    _nvrtc_or_skip()
+    ptx, log = _kernels.compile_ptx("small_exchange.cu", arch, defines=defines, return_log=True)
+    assert re.findall(r"\.entry symbuf_small_alltoall", ptx)
+    assert "warning" not in log.lower(), log
+
+
+def _longest_run(ptx: str, op: str, breakers: tuple) -> int:
+    """Most ``op`` instructions in a row in the small kernel's entry, with none of ``breakers`` between them."""
+    body = ptx[ptx.index(".entry symbuf_small_alltoall"):]
+    best = run = 0
+    for tok in re.findall("|".join(re.escape(t) for t in (op,) + breakers), body):
+        run = run + 1 if tok == op else 0
+        best = max(best, run)
+    return best
+
+
+def test_small_kernel_batches_its_loads():
+    """The default build issues a batch of loads before it uses them (SYMBUF_SMALL_BATCH of the sender's source
+    words before any store, and of the receiver's words), where SYMBUF_SMALL_PIPELINE=0 stores after every source
+    load and loads 4 words at a time."""
+    _nvrtc_or_skip()
+    src, word = "ld.global.nc.L1::no_allocate.u32", "ld.volatile.global.s64"
+    store = ("st.volatile.global.s64",)
+    for defines, batch in (((), 16), (("-DSYMBUF_SMALL_BATCH=8",), 8)):
+        ptx = _kernels.compile_ptx("small_exchange.cu", "compute_90", defines=defines)
+        assert _longest_run(ptx, src, store) >= batch, defines
+        assert _longest_run(ptx, word, store + ("bar.sync", "call")) >= batch, defines
+    old = _kernels.compile_ptx("small_exchange.cu", "compute_90", defines=("-DSYMBUF_SMALL_PIPELINE=0",))
+    assert _longest_run(old, word, store + ("bar.sync", "call")) < 8
+
+
 @pytest.mark.parametrize("mod", ["8", "1", "4294967297"])
 def test_small_flag_wrap_hook_refuses_a_bad_modulus(mod):
     """An even modulus would repeat a flag within an epoch, 1 would be the flag of seq - 2, more than 2^32 - 1 would

@@ -116,6 +116,32 @@ def test_unaligned_and_strided_sendbuf(backend, comm):
         _close(c)
 
 
+@pytest.mark.parametrize("per_peer", [512 << 10, (512 << 10) - 3, 200 << 10], ids=["512KiB", "512KiB-3", "200KiB"])
+def test_large_items_odd_sizes_and_addresses(backend, comm, per_peer):
+    """Runs of up to 512 KiB per peer on 24 blocks (num_sms=24, the H100 default; the tuning table's 64 on an H200
+    would cut items of 8 words a thread), so an item has more words than a thread's batch (SYMBUF_SMALL_BATCH, 16:
+    ~21 words a thread at 2 ranks, ~43 at 4: full batches, then a part); a run ending in a partial word; sendbuf
+    and output at odd addresses (the byte paths of the pack and the unpack). Three calls back to back with fresh
+    data (both halves), outputs poisoned first, each the reference."""
+    import cupy
+    c = _comm(backend, comm, small=512 << 10, num_sms=24)
+    try:
+        W = comm.size
+        rng = rng_for(comm, 13)
+        for odd in (False, True, False):
+            x = random_rows(rng, W, (per_peer,), np.uint8)
+            want = _reference(comm, x)
+            sendbuf = cupy.zeros(W * per_peer + 1, cupy.uint8)[int(odd):int(odd) + W * per_peer].reshape(W, per_peer)
+            sendbuf[...] = cupy.asarray(x)
+            out = _poisoned(W * per_peer + 1, np.uint8)[int(odd):int(odd) + W * per_peer].reshape(W, per_peer)
+            before = _small_calls(c)
+            y = c.alltoall(sendbuf, out=out)
+            all_ranks(lambda: _expect(y, want))
+            assert _small_calls(c) - before == (1 if W > 1 else 0)
+    finally:
+        _close(c)
+
+
 @pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
 def test_many_calls_alternating_small_and_large(backend, comm, blocking):
     """60 alltoalls alternating small (by the protocol) and large (through the rings), every fifth call an

@@ -279,6 +279,26 @@ SMALL_FLAG_MOD = 0xFFFFFFFF
 #: as many as the rank's blocks (``Config.num_sms``) allow per peer.
 SMALL_THREADS = 512
 SMALL_WORDS_PER_ITEM = 4096
+#: Phase stamps of the small kernel, a build option for profiling (``-DSYMBUF_SMALL_PROFILE=1`` in
+#: ``CUPY_SYMBUF_NVRTC_DEFINES``; no code without it; ``tests/device/small_profile.py`` reads them). Thread 0 of each
+#: of the first SMALL_PROF_BLOCKS blocks stamps its phases (``%globaltimer`` ns in words SMALL_PROF_START ..
+#: SMALL_PROF_END of a record, ``clock64`` cycles in the same words + SMALL_PROF_PHASES; 0: the block had no such
+#: phase) and at its end writes the record into the module's array ``symbuf_small_prof`` (u64): SMALL_PROF_BLOCKS
+#: launch counters (one per block), then SMALL_PROF_CALLS x SMALL_PROF_BLOCKS records of SMALL_PROF_RECORD words
+#: ([call % SMALL_PROF_CALLS][block]). Phases: the block's first instruction; its send item's state line read (after
+#: the block barrier); its self rows copied; every send of the block issued; the receive item's state lines read;
+#: the peer's header checked (thread 0); thread 0's first words in; every word of the item in (block barrier); the
+#: item's bookkeeping done (the block's end). SMALL_PROF_INFO: items | peer items << 8 | (last peer + 1) << 16 |
+#: header verdict << 32; SMALL_PROF_SEQ_NO: the receive sequence number of the block's last peer item (the same call
+#: on every rank). A block with several items keeps the stamps of its last one.
+SMALL_PROF_START, SMALL_PROF_SEQ, SMALL_PROF_COPY, SMALL_PROF_SENT, SMALL_PROF_RSEQ, SMALL_PROF_HEADER, \
+    SMALL_PROF_FIRST, SMALL_PROF_RECEIVED, SMALL_PROF_END = range(9)
+SMALL_PROF_PHASES = 9
+SMALL_PROF_INFO = 2 * SMALL_PROF_PHASES
+SMALL_PROF_SEQ_NO = SMALL_PROF_INFO + 1
+SMALL_PROF_RECORD = SMALL_PROF_INFO + 2
+SMALL_PROF_CALLS = 64
+SMALL_PROF_BLOCKS = 64
 
 #: Ring chunk rule (``layout.chunk_rows``): a chunk is a multiple of this many bytes of units (one vector pass of
 #: a warp; keeps byte runs 16-byte aligned) and at least CHUNK_LEAST_BYTES (one unrolled warp pass).
