@@ -57,9 +57,10 @@ def contiguous(idx):
 
 
 def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_rank=None, meta=None, bad=None,
-           sticky: bool = False, pos=None, send_idx=None) -> None:
+           sticky: bool = False, pos=None, send_idx=None, stream=None) -> None:
     """Launch the layout kernel on the current stream for int64 C-contiguous ``idx [N, K]`` (outputs: device
-    arrays or None; see ``cuda_src/moe.cu``)."""
+    arrays, addresses as ints, or None; see ``cuda_src/moe.cu``; ``stream``: the current stream, when the caller has
+    it)."""
     n, k = idx.shape
     W = eng.world_size
     threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
@@ -68,7 +69,7 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     launch.fill(idx=idx.data.ptr, num_tokens=n, num_topk=k, num_experts=num_experts, world_size=W,
                 per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), in_rank=_ptr(in_rank), meta=_ptr(meta),
                 bad=_ptr(bad), bad_sticky=sticky_ptr, pos=_ptr(pos), send_idx=_ptr(send_idx))
-    launch(1, threads, shared_mem=4 * num_experts)
+    launch(1, threads, shared_mem=4 * num_experts, stream=stream)
 
 
 def reduce_launcher(eng, kernel: str):
@@ -141,7 +142,8 @@ class Routing:
     ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
     """
 
-    __slots__ = ("block", "M", "table_ptr", "pos", "send_idx", "in_rank")
+    __slots__ = ("M", "table_ptr", "pos", "in_rank", "_mem", "_words", "_idx_off", "_idx_len", "_block",
+                 "_send_idx")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
@@ -152,13 +154,39 @@ class Routing:
         for size in sizes:
             offs.append(total)
             total += (size + 255) // 256 * 256
-        mem = cp.cuda.alloc(total)
-        self.block = cp.ndarray((words,), np.int64, memptr=mem)
+        mem = self._mem = cp.cuda.alloc(total)
         self.M = M
-        self.table_ptr = self.block.data.ptr  # the parts by address on the hot path (views cost us each)
+        self.table_ptr = mem.ptr  # the parts by address on the hot path (views cost us each)
         self.pos = cp.ndarray((n, W), np.int64, memptr=mem + offs[1])
-        self.send_idx = cp.ndarray((max(1, n * W),), np.int64, memptr=mem + offs[2])
         self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + offs[3])
+        # block and send_idx: arrays made when first asked for (the hot path passes their addresses)
+        self._words, self._idx_off, self._idx_len = words, offs[2], max(1, n * W)
+        self._block = self._send_idx = None
+
+    @property
+    def block(self):
+        """int64 ``[2 * CT_WORDS + M + 2 + W * M]`` (see the class)."""
+        b = self._block
+        if b is None:
+            b = self._block = _compat.cupy.ndarray((self._words,), np.int64, memptr=self._mem)
+        return b
+
+    @property
+    def send_idx(self):
+        """int64 ``[max(1, N * W)]``: the token of every send row (grouped by destination rank)."""
+        a = self._send_idx
+        if a is None:
+            a = self._send_idx = _compat.cupy.ndarray((self._idx_len,), np.int64, memptr=self._mem + self._idx_off)
+        return a
+
+    @property
+    def send_idx_ptr(self) -> int:
+        return self._mem.ptr + self._idx_off
+
+    def send_rows_idx(self, rows: int):
+        """A new int64 ``[rows]`` array over the first ``rows`` entries of :attr:`send_idx` (``rows <= N * W``; the
+        same memory as ``send_idx[:rows]``, made without the full array)."""
+        return _compat.cupy.ndarray((rows,), np.int64, memptr=self._mem + self._idx_off)
 
     # addresses of the parts (hot path) and views of them (errors, worst-case counts)
     @property
@@ -195,8 +223,9 @@ class Routing:
         return self.block[P.CT_RECV_TOTAL]
 
 
-def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out, align: int) -> None:
-    """Launch the receive fix-up (``cuda_src/moe.cu``) on the current stream; ``table_ptr`` 0: every row is real."""
+def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out, align: int, stream=None) -> None:
+    """Launch the receive fix-up (``cuda_src/moe.cu``) on the current stream; ``table_ptr`` 0: every row is real;
+    ``stream``: the current stream, when the caller has it."""
     n = rows * gidx.shape[1]
     if n == 0 and counts_out is None:
         return
@@ -205,4 +234,4 @@ def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out
     launch.fill(gidx=gidx.data.ptr if n else 0, w=_ptr(w) if n else 0, rows=rows, num_topk=gidx.shape[1],
                 first_expert=eng.rank * epr, epr=epr, table=table_ptr, sums=_ptr(sums), counts_out=_ptr(counts_out),
                 align=align)
-    launch(grid, 256)
+    launch(grid, 256, stream=stream)

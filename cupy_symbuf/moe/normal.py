@@ -66,7 +66,8 @@ from . import gpu as _gpu
 from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_counts, check_device_experts, check_expert_alignment,
                      check_handle, check_num_experts, check_topk_idx, check_weights, check_x, combine_kind,
                      count_value_error, row_bytes)
-from .normal_cuda import cached_device, combine_device, device_outputs, dispatch_cuda, exchange_device, reduce_cuda
+from .normal_cuda import (cached_device, combine_device, device_outputs, dispatch_cuda, eager_from_record, eager_key,
+                          eager_record, exchange_device, new_eager_record, reduce_cuda, remember)
 from .normal_handle import DispatchHandle, make_ref
 from .routing import token_layout
 from ..collectives import wire_dtype as _wire
@@ -382,6 +383,15 @@ def _wire_fp8(op, comm, x, wire_dtype):
 def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
               out=None, *, stream=None, capturing=None):
     xp = comm.xp
+    key = None
+    if handle is None and out is None and comm.backend == "cuda":
+        # a GPU eager dispatch of a call shape whose arguments passed every check before (nothing of it depends on
+        # the arrays' values): its record, or the key its record is kept under once this call returns
+        key = eager_key(xp, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens)
+        rec = None if key is None else eager_record(comm, key, x, topk_idx, topk_weights)
+        if rec is not None:
+            return eager_from_record(comm, op, rec, x, topk_idx, topk_weights, num_experts, expert_alignment,
+                                     num_worst_tokens, stream=stream, capturing=capturing)
     align = check_expert_alignment(op, expert_alignment)
     worst = check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
 
@@ -429,8 +439,14 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         _check_capacity(op, outs, worst, "num_worst_tokens")
     if cuda:
         check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
-        return dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs, stream=stream,
-                             capturing=capturing)
+        fill = None
+        if key is not None:
+            fill = new_eager_record(kind, idx is not topk_idx)
+        res = dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs, stream=stream,
+                            capturing=capturing, fill=fill)
+        if fill is not None:
+            remember(comm, key, fill)
+        return res
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank

@@ -11,12 +11,13 @@ import numpy as np
 
 from . import gpu as _gpu
 from .checks import check_weights, check_x, combine_kind, row_bytes, topk_value_error
-from .normal_handle import DispatchHandle, make_ref
+from .normal_handle import make_ref, new_handle
 from ..common import dtypes as _dt
 from ..common.checks import check_array, check_out
 from ..wire.channel_layout import check_row_fits
 
-__all__ = ["cached_device", "dispatch_cuda", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+__all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record",
+           "new_eager_record", "remember", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
@@ -70,27 +71,101 @@ def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
             f"weights={weights is not None}|num_experts={n_exp}")
 
 
+class _EagerRecord:
+    """What a GPU eager dispatch of one call shape derives from its arguments before its first launch, kept in the
+    communicator's per-call-shape memo (:attr:`~cupy_symbuf.transport.engine.Engine.call_memo`) under
+    :func:`eager_key` once a call of that shape returned: the checked kind, whether ``topk_idx`` is cast to int64
+    and copied to C order, the row bytes and signature, the receive parts' widths and dtypes and the exchange plan.
+    Nothing in it depends on the values of the arrays or on the routing (the counts are read anew every call)."""
+
+    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "plan")
+
+
+def eager_key(cp, x, topk_idx, weights, num_experts, expert_alignment, num_worst_tokens):
+    """The memo key of a GPU eager dispatch without ``out`` (:class:`_EagerRecord`), or None (checked in full every
+    call): plain CuPy arrays ``x``, ``topk_idx`` and ``weights`` (or None), by dtype, shape and strides, and the
+    three integer arguments as plain ints (a bool or NumPy integer equal to one is checked in full)."""
+    nd = cp.ndarray
+    if type(x) is not nd or type(topk_idx) is not nd or not (weights is None or type(weights) is nd) or \
+            type(num_experts) is not int or type(expert_alignment) is not int or type(num_worst_tokens) is not int:
+        return None
+    return ("dispatch", x.dtype, x.shape, x.strides, topk_idx.dtype, topk_idx.shape, topk_idx.strides,
+            None if weights is None else (weights.dtype, weights.shape, weights.strides), num_experts,
+            expert_alignment, num_worst_tokens)
+
+
+def eager_record(comm, key, x, topk_idx, weights):
+    """The :class:`_EagerRecord` remembered under ``key`` (:func:`eager_key`, not None) when every array lives on the
+    current GPU, else None (the full checks then say what is wrong)."""
+    rec = comm.call_memo.get(key)
+    if rec is not None:
+        dev = comm.xp.cuda.runtime.getDevice()
+        if x.data.device_id != dev or topk_idx.data.device_id != dev or \
+                (weights is not None and weights.data.device_id != dev):
+            return None
+    return rec
+
+
+def new_eager_record(kind: str, cast_idx: bool) -> _EagerRecord:
+    """A new :class:`_EagerRecord` of a call checked in full (``cast_idx``: its ``topk_idx`` was cast to int64), for
+    :func:`dispatch_cuda` to fill and the caller to :func:`remember` once the call returned."""
+    rec = _EagerRecord()
+    rec.kind, rec.cast_idx = kind, cast_idx
+    return rec
+
+
+def remember(comm, key, rec) -> None:
+    """Keep ``rec`` under ``key`` in the communicator's per-call-shape memo (bounded: a new entry past 256 clears
+    it)."""
+    memo = comm.call_memo
+    if len(memo) >= 256:
+        memo.clear()
+    memo[key] = rec
+
+
+def eager_from_record(comm, op, rec, x, topk_idx, weights, n_exp: int, align: int, worst: int, *, stream,
+                      capturing):
+    """:func:`dispatch_cuda` of a call whose shape passed every argument check before (``rec``)."""
+    idx = topk_idx.astype(np.int64) if rec.cast_idx else topk_idx
+    return dispatch_cuda(comm, op, x, None, rec.kind, idx, weights, n_exp, align, worst, stream=stream,
+                         capturing=capturing, rec=rec)
+
+
 def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None, *,
-                  stream=None, capturing=None):
+                  stream=None, capturing=None, rec=None, fill=None):
     """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
     tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
-    -> receive fix-up. With ``worst`` nothing is read on the host."""
+    -> receive fix-up. With ``worst`` nothing is read on the host. ``rec``: the :class:`_EagerRecord` of this call
+    shape (its checks, signature and plan); ``fill``: without ``rec``, a new :class:`_EagerRecord` whose ``kind``
+    and ``cast_idx`` the caller set, filled here with the rest (the caller remembers it once the call returned)."""
     cp = comm.xp
     w_size, rank = comm.world_size, comm.rank
     epr = n_exp // w_size
     num_tokens, num_topk = idx.shape
     M = 1 + epr
-    rb = row_bytes(xv, scales, num_topk, weights is not None)
-    check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
-    sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
-    push = comm.push_targets(user_outs) if user_outs is not None else None
-    if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
-        sig += push[2]
-    idx = _gpu.contiguous(idx)
+    push = None
+    if rec is None:
+        rb = row_bytes(xv, scales, num_topk, weights is not None)
+        check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
+        sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
+        push = comm.push_targets(user_outs) if user_outs is not None else None
+        if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
+            sig += push[2]
+        cidx = _gpu.contiguous(idx)
+        if fill is not None:  # (no out, no scales: push is None)
+            fill.rb, fill.sig, fill.plan = rb, sig, None
+            fill.copy_idx = cidx is not idx
+            fill.out_parts = _out_parts(xv, scales, idx, weights)
+        idx = cidx
+        rec = fill
+    else:
+        rb, sig = rec.rb, rec.sig
+        if rec.copy_idx:
+            idx = cp.ascontiguousarray(idx)
     rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
     meta = rt.meta_ptr
     _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
-                     send_idx=rt.send_idx)
+                send_idx=rt.send_idx_ptr, stream=stream)
 
     def bad_error():
         flat = int(rt.bad[1].get())
@@ -100,7 +175,8 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
 
     # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
     # failure between the steps)
-    outs = device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
+    outs = device_outputs(cp, worst, xv, scales, idx, weights, user_outs, parts=rec and rec.out_parts) \
+        if worst else None
     res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
                              capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
                              worst=bool(worst), self_error=bad_error,
@@ -120,23 +196,25 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
         recv_vals, sent_vals = res
         recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
         raw = tuple(recv_vals[:, 1:1 + epr].sum(axis=0).tolist())
-        n_recv = int(recv_counts.sum())
-        send_rows = int(send_counts.sum())
-        send_idx = rt.send_idx[:send_rows]
+        n_recv = sum(recv_counts.tolist())  # (counts of rows: far from int64's range; a Python sum of W ints)
+        send_rows = sum(send_counts.tolist())
+        send_idx = rt.send_rows_idx(send_rows)
         send_counts.setflags(write=False)
         recv_counts.setflags(write=False)
     recv_x, recv_scales, recv_gidx, recv_w = exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
                                                              sig, rt.table_ptr, outs, user_outs=user_outs,
-                                                             push=push, stream=stream, capturing=capturing)
+                                                             push=push, stream=stream, capturing=capturing, rec=rec)
     counts_out = cp.empty(epr, np.int64) if worst else None
     _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
-                    counts_out=counts_out, align=align)
-    h = DispatchHandle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
-                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
-                       hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
-                       send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
-                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows,
-                       dispatch_id=dispatch_id)
+               counts_out=counts_out, align=align, stream=stream)
+    h = new_handle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                   num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
+                   hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
+                   send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
+                   expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows,
+                   dispatch_id=dispatch_id)
+    if not worst:  # (the handle's row count, summed above: a combine's shape check reads it)
+        h.__dict__["_recv_total"] = (recv_counts, n_recv)
     out_x = (recv_x, recv_scales) if scales is not None else recv_x
     counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
     return out_x, recv_gidx, recv_w, counts, h
@@ -149,40 +227,56 @@ def _rows_contiguous(xp, a):
     return a
 
 
-def device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, src=None) -> list:
-    """The receive arrays of :func:`exchange_device` (``n_recv`` rows; one per part that is not None; the first
-    rows of dispatch's ``out`` arrays where given)."""
-    mine = list(user_outs or ())
-    parts = [(xv.shape[1], xv.dtype, mine[0] if mine else None)]
-    for k, (a, dt) in enumerate(((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64))):
+def _out_parts(xv, scales, idx, weights, src=None) -> list:
+    """``[(row width in elements, dtype)]`` of the receive arrays of :func:`exchange_device`, one per part that is
+    not None (x, scales, top-k ids, weights, source indices)."""
+    parts = [(xv.shape[1], xv.dtype)]
+    for a, dt in ((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64)):
         if a is not None:
-            parts.append((a.shape[1], dt, mine[1] if k == 0 and mine[1:] else None))
+            parts.append((a.shape[1], dt))
+    return parts
+
+
+def device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, src=None, *, parts=None) -> list:
+    """The receive arrays of :func:`exchange_device` (``n_recv`` rows; one per part that is not None; the first
+    rows of dispatch's ``out`` arrays where given: x's, and the scales' after it). ``parts``: :func:`_out_parts`
+    of these arguments, when the caller kept it."""
+    if parts is None:
+        parts = _out_parts(xv, scales, idx, weights, src)
+    mine = list(user_outs or ())
+    given = [mine[0] if mine else None] + [None] * (len(parts) - 1)
+    if scales is not None and mine[1:]:
+        given[1] = mine[1]
     # the arrays this call makes, from one allocation (one pool call; each array is new on every call)
-    sizes = [0 if given is not None else (n_recv * n * dt.itemsize + 255) & ~255 for n, dt, given in parts]
+    sizes = [0 if g is not None else (n_recv * n * dt.itemsize + 255) & ~255 for (n, dt), g in zip(parts, given)]
     total = sum(sizes)
     mem = xp.cuda.alloc(total) if total else None
     outs, off = [], 0
-    for (n, dt, given), size in zip(parts, sizes):
-        if given is not None:
-            outs.append(given[:n_recv])
+    nd = xp.ndarray
+    for (n, dt), g, size in zip(parts, given, sizes):
+        if g is not None:
+            outs.append(g[:n_recv])
         else:
-            outs.append(xp.ndarray((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
+            outs.append(nd((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
             off += size
     return outs
 
 
 def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
-                    outs=None, *, user_outs=None, push=None, tag: int = 0, src=None, stream=None, capturing=None):
+                    outs=None, *, user_outs=None, push=None, tag: int = 0, src=None, stream=None, capturing=None,
+                    rec=None):
     """:func:`cupy_symbuf.moe.normal._exchange` (the host path's row exchange) of a device-count call (GPU):
     ``n_recv`` output rows (the real count, or the worst-case capacity; ``outs``: already allocated by
     :func:`device_outputs`), the per-peer units read by the ring kernel from the counts table at ``table_ptr``.
     ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
     :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
     ``tag``, ``src``: as in ``normal._exchange``; ``stream``, ``capturing``: :meth:`Engine.capture_state` when the
-    caller has it (None: asked)."""
+    caller has it (None: asked); ``rec``: the call shape's :class:`_EagerRecord` (its receive parts and plan: the
+    plan is made and kept in it when it has none)."""
     xp = comm.xp
     if outs is None:
-        outs = device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src)
+        outs = device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src,
+                              parts=None if rec is None else rec.out_parts)
     if user_outs is not None and push is None:
         push = comm.push_targets(user_outs)
         if push is not None:
@@ -201,8 +295,12 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
     # is kept by dispatch's and combine's keep_allocations_for_graph)
     comm.keep_for_graph(*send_parts, *outs, capturing=capturing)
     if send_parts:
+        plan = None if rec is None else rec.plan
+        if plan is None and rec is not None:
+            plan = rec.plan = comm.device_plan(op, sig, send_parts, send_token_idx is not None)
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
-                                  push=(push_ids, push[1]) if push is not None else None, tag=tag, stream=stream)
+                                  push=(push_ids, push[1]) if push is not None else None, tag=tag, plan=plan,
+                                  stream=stream)
     it = iter(outs[1:])
     recv_x = outs[0]
     recv_scales = next(it) if scales is not None else None
