@@ -85,6 +85,44 @@ def _self_rows(a, width: int) -> tuple:
     return (a.data.ptr if a.shape[0] else 0), (a.strides[0] // a.dtype.itemsize if a.shape[0] > 1 else width)
 
 
+class ReduceLaunch:
+    """What a combine reduction launch (``symbuf_combine_reduce_*``) takes from its call shape, made by
+    :func:`reduce_prepare` and kept for repeated calls (:func:`reduce_run` adds the call's addresses): the launcher,
+    the fields that do not change between calls of the shape, and the grid and block of the vector (16-byte loads)
+    and scalar variants (which one runs depends on the addresses' alignment)."""
+
+    __slots__ = ("launch", "num_tokens", "hidden", "world_size", "pos", "self_stride", "table", "rank",
+                 "w_self_stride", "k", "vec_ok", "grid", "block_vec", "block", "self_has_rows")
+
+
+def reduce_prepare(launch, item: int, hidden: int, pos, num_tokens: int, *, self_rows=None, table_ptr: int = 0,
+                   rank: int = 0, num_topk: int = 0, w_self_rows=None) -> ReduceLaunch:
+    """The :class:`ReduceLaunch` of a reduction of rows of ``item``-byte elements (see :func:`reduce`; ``num_topk``
+    0: no weights)."""
+    r = ReduceLaunch()
+    row = hidden * item
+    _, self_stride = _self_rows(self_rows, hidden)
+    _, w_self_stride = _self_rows(w_self_rows, num_topk)
+    r.launch, r.num_tokens, r.hidden, r.world_size, r.pos = launch, num_tokens, hidden, pos.shape[1], pos.data.ptr
+    r.self_stride, r.table, r.rank, r.w_self_stride, r.k = self_stride, table_ptr, rank, w_self_stride, num_topk
+    r.self_has_rows = self_rows is not None and self_rows.shape[0] > 0
+    r.vec_ok = row % 16 == 0 and (self_stride * item) % 16 == 0
+    r.grid = min(num_tokens, 65535)
+    r.block_vec = min(256, max(32, (max(row // 16, num_topk) + 31) // 32 * 32))
+    r.block = min(256, max(32, (max(hidden, num_topk) + 31) // 32 * 32))
+    return r
+
+
+def reduce_run(r: ReduceLaunch, back_ptr: int, out_ptr: int, self_ptr: int = 0, w_back_ptr: int = 0,
+               w_out_ptr: int = 0, w_self_ptr: int = 0, stream=None) -> None:
+    """Launch the reduction ``r`` with this call's addresses (``self_ptr``: the combine input's, 0 when it has no
+    rows; ``w_back_ptr``, ``w_out_ptr``, ``w_self_ptr`` 0: no weights) on ``stream`` (None: the current one)."""
+    vec = r.vec_ok and not (back_ptr | out_ptr | self_ptr) & 15  # 16 bytes per load
+    r.launch.pack(back_ptr, r.pos, out_ptr, r.num_tokens, r.hidden, r.world_size, 1 if vec else 0, self_ptr,
+                  r.self_stride, r.table, r.rank, w_back_ptr, w_out_ptr, w_self_ptr, r.w_self_stride, r.k)
+    r.launch(r.grid, r.block_vec if vec else r.block, stream=stream)
+
+
 def reduce(back, pos, out, num_tokens: int, hidden: int, launch, *, self_rows=None, table_ptr: int = 0,
            rank: int = 0, w_back=None, w_out=None, w_self_rows=None, stream=None) -> None:
     """Launch a combine reduction (``symbuf_combine_reduce_*``, one launch for x and the top-k weights):
@@ -94,21 +132,12 @@ def reduce(back, pos, out, num_tokens: int, hidden: int, launch, *, self_rows=No
     counts table); with ``w_out`` (float32 ``[num_tokens, num_topk]``) the same sum of the weights' rows
     ``w_back`` (float32 ``[rows, num_topk]``, C-contiguous) and ``w_self_rows`` in the same launch. ``launch``: the
     kernel's :func:`reduce_launcher`; ``stream``: the current stream (None: asked)."""
-    item = back.dtype.itemsize
-    row = hidden * item
-    self_ptr, self_stride = _self_rows(self_rows, hidden)
     k = 0 if w_out is None else w_out.shape[1]
-    w_self_ptr, w_self_stride = _self_rows(w_self_rows, k)
-    back_ptr, out_ptr = back.data.ptr, out.data.ptr
-    vec = row % 16 == 0 and back_ptr % 16 == 0 and out_ptr % 16 == 0 and self_ptr % 16 == 0 and \
-        (self_stride * item) % 16 == 0  # 16 bytes per load
-    lanes = max(row // 16 if vec else hidden, k)
-    launch.fill(back=back_ptr, pos=pos.data.ptr, out=out_ptr, num_tokens=num_tokens, hidden=hidden,
-                world_size=pos.shape[1], vec=1 if vec else 0, self_rows=self_ptr, self_stride=self_stride,
-                table=table_ptr, rank=rank, w_back=0 if w_out is None else w_back.data.ptr,
-                w_out=0 if w_out is None else w_out.data.ptr, w_self_rows=w_self_ptr, w_self_stride=w_self_stride,
-                num_topk=k)
-    launch(min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)), stream=stream)
+    r = reduce_prepare(launch, back.dtype.itemsize, hidden, pos, num_tokens, self_rows=self_rows,
+                       table_ptr=table_ptr, rank=rank, num_topk=k, w_self_rows=w_self_rows)
+    reduce_run(r, back.data.ptr, out.data.ptr, _self_rows(self_rows, hidden)[0],
+               0 if w_out is None else w_back.data.ptr, 0 if w_out is None else w_out.data.ptr,
+               _self_rows(w_self_rows, k)[0], stream)
 
 
 def get_dispatch_layout(eng, op: str, idx, num_experts: int):

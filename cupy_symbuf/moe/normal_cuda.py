@@ -335,11 +335,12 @@ def reduce_cuda(comm, back, pos, kind: str, out_dtype, num_tokens: int, *, out=N
 class _CombineRecord:
     """What a GPU combine of one call shape (handle, ``x``'s dtype and strides, ``dtype``, the weights' dtype and
     strides, whether ``out`` is given) derives before its launches, kept on the handle for the next call of that
-    shape: the checked kind, the row signature, the exchange plan, the reduction's launcher and the byte layout of
-    the call's allocations. A repeated call then checks the arrays' type, shape and device only (the dtype and
+    shape: the checked kind, the row signature, the exchange plan and its prepared ring launch (made by the first
+    call), the reduction's prepared launch (:class:`~cupy_symbuf.moe.gpu.ReduceLaunch`) and the byte layout of the
+    call's allocations. A repeated call then checks the arrays' type, shape and device only (the dtype and
     strides are the key)."""
 
-    __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "reduce", "send_x", "send_w",
+    __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "ring", "red", "send_x", "send_w",
                  "x_dtype", "back_x_bytes", "back_w_off", "back_bytes", "out_x_bytes", "out_w_off", "out_bytes")
 
 
@@ -381,11 +382,15 @@ def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     rec.send_w = weights is not None and cw.shape[1] > 0
     parts = ([cx] if rec.send_x else []) + ([cw] if rec.send_w else [])
     rec.plan = comm.device_plan(op, rec.sig, parts, False) if parts else None
-    rec.reduce = _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind])
+    rec.ring = None  # (made by the record's first call, from its arrays)
     # the rows that come back (x's, then the weights') in one allocation, the outputs in another (the returned
     # arrays are new on every call: nothing is handed out twice)
     rows, n = h.send_rows, h.num_tokens
     k = 0 if weights is None else h.num_topk
+    rt = h.routing
+    rec.red = _gpu.reduce_prepare(_gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind]), x.dtype.itemsize, h.hidden,
+                                  rt.pos, n, self_rows=cx, table_ptr=rt.table_ptr, rank=h.rank, num_topk=k,
+                                  w_self_rows=cw)
     rec.back_x_bytes = rows * h.hidden * x.dtype.itemsize
     rec.back_w_off = _round_up(rec.back_x_bytes)
     rec.back_bytes = rec.back_w_off + rows * k * 4
@@ -413,7 +418,8 @@ def _two_arrays(cp, shape, dtype, w_off: int, nbytes: int, w_shape) -> tuple:
 def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool):
     """The GPU combine (a handle with device routing): one ring launch (the rows back, per-peer units from the
     dispatch's reverse counts table), one reduction launch (x and the weights); a repeated call of one shape uses
-    its :class:`_CombineRecord`."""
+    its :class:`_CombineRecord` (the arguments' type, shape and device checked; the launches prepared, the received
+    rows by address)."""
     cp = comm.xp
     nd = cp.ndarray
     rec = key = None
@@ -438,23 +444,33 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
     if rec.copy_w:
         weights = cp.ascontiguousarray(weights)
     rows, n = h.send_rows, h.num_tokens
-    back_x, back_w, mem = _two_arrays(cp, (rows, h.hidden), x.dtype, rec.back_w_off, rec.back_bytes,
-                                      None if weights is None else (rows, h.num_topk))
+    # the rows that come back, x's then the weights' (at back_w_off), in one allocation, read by address only
+    mem = cp.cuda.alloc(rec.back_bytes) if rec.back_bytes else None
+    back = 0 if mem is None else mem.ptr
+    back_w = 0 if mem is None or weights is None else back + rec.back_w_off
     if rec.plan is not None:
-        send = ([x] if rec.send_x else []) + ([weights] if rec.send_w else [])
-        recv = ([back_x] if rec.send_x else []) + ([back_w] if rec.send_w else [])
         if capturing:  # read / written by every replay (the caller's arrays too)
             comm.keep_for_graph(x, weights, mem, capturing=True)
-        comm.exchange_rows_device(op, send, None, recv, rec.sig, h.routing.rev_table_ptr, tag=h.dispatch_id,
-                                  plan=rec.plan, stream=stream)
+        if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
+            shapes = ([((rows, h.hidden), x.dtype, back)] if rec.send_x else []) + \
+                ([((rows, h.num_topk), _F32, back_w)] if rec.send_w else [])
+            recv = [nd(sh, dt, memptr=mem + (p - back)) if mem is not None else cp.empty(sh, dt) for sh, dt, p in shapes]
+            rec.ring = comm.prepare_rows_device(op, rec.sig, ([x] if rec.send_x else []) +
+                                                ([weights] if rec.send_w else []), recv, False)
+        comm.launch_rows_device(op, rec.ring, ([x.data.ptr] if rec.send_x else []) +
+                                ([weights.data.ptr] if rec.send_w else []),
+                                ([back] if rec.send_x else []) + ([back_w] if rec.send_w else []), None,
+                                h.routing.rev_table_ptr, tag=h.dispatch_id, stream=stream)
     combined, acc_w, _ = _two_arrays(cp, None if out is not None else (n, h.hidden), x.dtype, rec.out_w_off,
                                      rec.out_bytes, None if weights is None else (n, h.num_topk))
     if out is not None:
         combined = out
     if n and (h.hidden or acc_w is not None):
-        rt = h.routing
         if not rows:  # nothing came back (every token sent nowhere): the kernel reads no row
-            back_x = nd((1, h.hidden), x.dtype, memptr=cp.cuda.alloc(max(16, h.hidden * x.dtype.itemsize)))
-        _gpu.reduce(back_x, rt.pos, combined, n, h.hidden, rec.reduce, self_rows=x, table_ptr=rt.table_ptr,
-                    rank=h.rank, w_back=back_w, w_out=acc_w, w_self_rows=weights, stream=stream)
+            mem = cp.cuda.alloc(max(16, h.hidden * x.dtype.itemsize))
+            back = mem.ptr
+        red = rec.red
+        _gpu.reduce_run(red, back, combined.data.ptr, x.data.ptr if red.self_has_rows else 0, back_w,
+                        0 if acc_w is None else acc_w.data.ptr,
+                        0 if weights is None or not weights.shape[0] else weights.data.ptr, stream)
     return combined, acc_w
