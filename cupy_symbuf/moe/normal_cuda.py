@@ -26,9 +26,10 @@ class _CachedRecord:
     """What a GPU cached dispatch of one call shape (handle, ``x``'s dtype and strides, no ``out``) derives before
     its launch, kept on the handle for the next call of that shape: the checked kind, the row signature, the
     exchange plan, whether ``x``'s rows need a contiguous copy, and the per-expert counts of an eager handle at each
-    alignment asked (a new list is returned on every call)."""
+    alignment asked (a new list is returned on every call); ``ring``: the prepared ring launch (made by the first
+    call; False where the handle's send index is not int64 C-contiguous: then the arrays are handed over per call)."""
 
-    __slots__ = ("x_shape", "kind", "sig", "plan", "copy_x", "counts")
+    __slots__ = ("x_shape", "kind", "sig", "plan", "ring", "copy_x", "counts")
 
 
 def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
@@ -47,6 +48,7 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
         cx = _rows_contiguous(cp, xv)
         rec.copy_x = cx is not xv
         rec.plan = comm.device_plan(op, rec.sig, [cx], True) if cx.shape[1] else None
+        rec.ring = None
         rec.counts = {}
         _records(h)[key] = rec
         x = xv
@@ -56,8 +58,16 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
     if rec.plan is not None:
         if capturing:  # read / written by every replay (the caller's x too)
             comm.keep_for_graph(x, recv_x, capturing=True)
-        comm.exchange_rows_device(op, [x], h.send_token_idx, [recv_x], rec.sig, h.routing.table_ptr,
-                                  tag=h.dispatch_id, plan=rec.plan, stream=stream)
+        index = h.send_token_idx
+        if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
+            rec.ring = comm.prepare_rows_device(op, rec.sig, [x], [recv_x], True) \
+                if index.dtype == _I64 and index._c_contiguous else False
+        if rec.ring:
+            comm.launch_rows_device(op, rec.ring, [x.data.ptr], [recv_x.data.ptr], index.data.ptr,
+                                    h.routing.table_ptr, tag=h.dispatch_id, stream=stream)
+        else:
+            comm.exchange_rows_device(op, [x], index, [recv_x], rec.sig, h.routing.table_ptr, tag=h.dispatch_id,
+                                      plan=rec.plan, stream=stream)
     if h.num_worst_tokens:  # an int64 device array, made anew (a returned array is never handed out twice)
         return recv_x, None, None, h.num_recv_tokens_per_expert(align), h
     counts = rec.counts.get(align)
