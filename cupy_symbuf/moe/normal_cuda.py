@@ -85,10 +85,11 @@ class _EagerRecord:
     """What a GPU eager dispatch of one call shape derives from its arguments before its first launch, kept in the
     communicator's per-call-shape memo (:attr:`~cupy_symbuf.transport.engine.Engine.call_memo`) under
     :func:`eager_key` once a call of that shape returned: the checked kind, whether ``topk_idx`` is cast to int64
-    and copied to C order, the row bytes and signature, the receive parts' widths and dtypes and the exchange plan.
+    and copied to C order, the row bytes and signature, the receive parts' widths and dtypes and the prepared ring
+    launch (plan and descriptor).
     Nothing in it depends on the values of the arrays or on the routing (the counts are read anew every call)."""
 
-    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "plan")
+    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring")
 
 
 def eager_key(cp, x, topk_idx, weights, num_experts, expert_alignment, num_worst_tokens):
@@ -163,7 +164,7 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
             sig += push[2]
         cidx = _gpu.contiguous(idx)
         if fill is not None:  # (no out, no scales: push is None)
-            fill.rb, fill.sig, fill.plan = rb, sig, None
+            fill.rb, fill.sig, fill.ring = rb, sig, None
             fill.copy_idx = cidx is not idx
             fill.out_parts = _out_parts(xv, scales, idx, weights)
         idx = cidx
@@ -281,8 +282,9 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
     ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
     :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
     ``tag``, ``src``: as in ``normal._exchange``; ``stream``, ``capturing``: :meth:`Engine.capture_state` when the
-    caller has it (None: asked); ``rec``: the call shape's :class:`_EagerRecord` (its receive parts and plan: the
-    plan is made and kept in it when it has none)."""
+    caller has it (None: asked); ``rec``: the call shape's :class:`_EagerRecord` (its receive parts and prepared
+    ring launch, made and kept in it by its first call; ``send_token_idx`` then the routing's int64 C-contiguous
+    send index)."""
     xp = comm.xp
     if outs is None:
         outs = device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src,
@@ -304,13 +306,14 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
     # read / written by every replay of a captured call: the caller's arrays among them too (what the call allocates
     # is kept by dispatch's and combine's keep_allocations_for_graph)
     comm.keep_for_graph(*send_parts, *outs, capturing=capturing)
-    if send_parts:
-        plan = None if rec is None else rec.plan
-        if plan is None and rec is not None:
-            plan = rec.plan = comm.device_plan(op, sig, send_parts, send_token_idx is not None)
+    if send_parts and rec is not None:  # (no push; the send index is the routing's own, int64 C-contiguous)
+        if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
+            rec.ring = comm.prepare_rows_device(op, sig, send_parts, recv_parts, True)
+        comm.launch_rows_device(op, rec.ring, [a.data.ptr for a in send_parts], [a.data.ptr for a in recv_parts],
+                                send_token_idx.data.ptr, table_ptr, tag=tag, stream=stream)
+    elif send_parts:
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
-                                  push=(push_ids, push[1]) if push is not None else None, tag=tag, plan=plan,
-                                  stream=stream)
+                                  push=(push_ids, push[1]) if push is not None else None, tag=tag, stream=stream)
     it = iter(outs[1:])
     recv_x = outs[0]
     recv_scales = next(it) if scales is not None else None
