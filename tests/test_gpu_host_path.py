@@ -400,8 +400,8 @@ def test_eager_records_follow_the_call_shape(stub):
     for rep in range(3):  # rep 0 makes the records, 1 and 2 run from them
         for case in cases:
             warm, res = run(case)
-            assert [e[0] for e in launches.log] == ["symbuf_moe_layout", "symbuf_notify", "ring",
-                                                    "symbuf_moe_recv_fixup"], case
+            log = list(launches.log)
+            assert [e[0] for e in log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"], case
             with pytest.MonkeyPatch.context() as mp:  # no record at all: checked in full, the arrays handed over
                 mp.setattr(normal, "eager_key", lambda *args: None)
                 cold, res_cold = run(case)
@@ -412,6 +412,20 @@ def test_eager_records_follow_the_call_shape(stub):
             h = res[4]
             assert (h.num_experts, h.expert_alignment, h.num_worst_tokens, h.num_tokens, h.num_topk, h.hidden) == \
                 (case[3], case[4], case[5], n, k, hidden)
+            # the layout and fix-up fields by name (their order in the packed struct included)
+            lay, fix = log[0][1], log[3][1]
+            rt, W, epr = h.routing, eng.world_size, case[3] // eng.world_size
+            idx_ptr = idxs[case[1]].data.ptr
+            assert (lay["num_tokens"], lay["num_topk"], lay["num_experts"], lay["world_size"]) == (n, k, case[3], W)
+            assert (lay["in_rank"], lay["meta"], lay["bad"], lay["pos"], lay["send_idx"]) == \
+                (h.is_token_in_rank.data.ptr, rt.meta_ptr, rt.bad_ptr, rt.pos.data.ptr, rt.send_idx.data.ptr)
+            assert lay["per_rank"] == lay["per_expert"] == lay["bad_sticky"] == 0
+            assert (lay["idx"] == idx_ptr) == (case[1] == "i64") and lay["idx"]
+            assert (fix["gidx"], fix["w"]) == (res[1].data.ptr, 0 if res[2] is None else res[2].data.ptr)
+            assert (fix["rows"], fix["num_topk"], fix["first_expert"], fix["epr"], fix["align"]) == \
+                (res[1].shape[0], k, eng.rank * epr, epr, case[4])
+            assert fix["table"] == (rt.table_ptr if case[5] else 0) and fix["sums"] == rt.sums_ptr
+            assert fix["counts_out"] == (res[3].data.ptr if case[5] else 0)
     assert len(_eager_keys(eng)) == len({c for c in cases}), "one record per call shape"
 
 

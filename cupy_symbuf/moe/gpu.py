@@ -72,6 +72,27 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     launch(1, threads, shared_mem=4 * num_experts, stream=stream)
 
 
+def layout_fields(eng, n: int, k: int, num_experts: int) -> tuple:
+    """``(launcher, threads, fields)`` of a dispatch's layout launch (:func:`layout`) for ``idx [n, k]``: ``fields``
+    the ``MoeLayoutArgs`` in order with 0 for every address, for a caller that keeps them per call shape and writes
+    the addresses per call (:func:`layout_run`)."""
+    W = eng.world_size
+    threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
+    return _launcher(eng, LAYOUT_KERNEL), threads, (0, n, k, num_experts, W, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def layout_run(prepared: tuple, idx_ptr: int, rt: "Routing", stream=None) -> None:
+    """The layout launch of a dispatch (:func:`layout_fields` kept per call shape) writing ``rt``'s routing: the
+    same fields as :func:`layout` with ``in_rank``, ``meta``, ``bad``, ``pos`` and ``send_idx`` of ``rt``."""
+    launch, threads, f = prepared
+    bad = rt.bad_ptr
+    # MoeLayoutArgs in order: idx, num_tokens, num_topk, num_experts, world_size, per_rank, per_expert, in_rank,
+    # meta, bad, bad_sticky, pos, send_idx
+    launch.pack(idx_ptr, f[1], f[2], f[3], f[4], 0, 0, rt.in_rank_ptr, bad + 16, bad, 0, rt.pos_ptr,
+                rt.send_idx_ptr)
+    launch(1, threads, shared_mem=4 * f[3], stream=stream)
+
+
 def reduce_launcher(eng, kernel: str):
     """The engine's :class:`~cupy_symbuf.transport.kernels.Launcher` of the combine reduction ``kernel``
     (``symbuf_combine_reduce_*``; a caller may keep it for repeated calls)."""
@@ -95,15 +116,16 @@ class ReduceLaunch:
                  "w_self_stride", "k", "vec_ok", "grid", "block_vec", "block", "self_has_rows")
 
 
-def reduce_prepare(launch, item: int, hidden: int, pos, num_tokens: int, *, self_rows=None, table_ptr: int = 0,
-                   rank: int = 0, num_topk: int = 0, w_self_rows=None) -> ReduceLaunch:
-    """The :class:`ReduceLaunch` of a reduction of rows of ``item``-byte elements (see :func:`reduce`; ``num_topk``
-    0: no weights)."""
+def reduce_prepare(launch, item: int, hidden: int, pos_ptr: int, world_size: int, num_tokens: int, *,
+                   self_rows=None, table_ptr: int = 0, rank: int = 0, num_topk: int = 0,
+                   w_self_rows=None) -> ReduceLaunch:
+    """The :class:`ReduceLaunch` of a reduction of rows of ``item``-byte elements (see :func:`reduce`; ``pos_ptr``:
+    the address of ``pos`` ``[num_tokens, world_size]``; ``num_topk`` 0: no weights)."""
     r = ReduceLaunch()
     row = hidden * item
     _, self_stride = _self_rows(self_rows, hidden)
     _, w_self_stride = _self_rows(w_self_rows, num_topk)
-    r.launch, r.num_tokens, r.hidden, r.world_size, r.pos = launch, num_tokens, hidden, pos.shape[1], pos.data.ptr
+    r.launch, r.num_tokens, r.hidden, r.world_size, r.pos = launch, num_tokens, hidden, world_size, pos_ptr
     r.self_stride, r.table, r.rank, r.w_self_stride, r.k = self_stride, table_ptr, rank, w_self_stride, num_topk
     r.self_has_rows = self_rows is not None and self_rows.shape[0] > 0
     r.vec_ok = row % 16 == 0 and (self_stride * item) % 16 == 0
@@ -133,8 +155,8 @@ def reduce(back, pos, out, num_tokens: int, hidden: int, launch, *, self_rows=No
     ``w_back`` (float32 ``[rows, num_topk]``, C-contiguous) and ``w_self_rows`` in the same launch. ``launch``: the
     kernel's :func:`reduce_launcher`; ``stream``: the current stream (None: asked)."""
     k = 0 if w_out is None else w_out.shape[1]
-    r = reduce_prepare(launch, back.dtype.itemsize, hidden, pos, num_tokens, self_rows=self_rows,
-                       table_ptr=table_ptr, rank=rank, num_topk=k, w_self_rows=w_self_rows)
+    r = reduce_prepare(launch, back.dtype.itemsize, hidden, pos.data.ptr, pos.shape[1], num_tokens,
+                       self_rows=self_rows, table_ptr=table_ptr, rank=rank, num_topk=k, w_self_rows=w_self_rows)
     reduce_run(r, back.data.ptr, out.data.ptr, _self_rows(self_rows, hidden)[0],
                0 if w_out is None else w_back.data.ptr, 0 if w_out is None else w_out.data.ptr,
                _self_rows(w_self_rows, k)[0], stream)
@@ -171,8 +193,8 @@ class Routing:
     ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
     """
 
-    __slots__ = ("M", "table_ptr", "pos", "in_rank", "_mem", "_words", "_idx_off", "_idx_len", "_block",
-                 "_send_idx")
+    __slots__ = ("M", "W", "n", "table_ptr", "in_rank", "_mem", "_words", "_pos_off", "_idx_off", "_idx_len",
+                 "_block", "_pos", "_send_idx")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
@@ -184,13 +206,28 @@ class Routing:
             offs.append(total)
             total += (size + 255) // 256 * 256
         mem = self._mem = cp.cuda.alloc(total)
-        self.M = M
+        self.M, self.W, self.n = M, W, n
         self.table_ptr = mem.ptr  # the parts by address on the hot path (views cost us each)
-        self.pos = cp.ndarray((n, W), np.int64, memptr=mem + offs[1])
         self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + offs[3])
-        # block and send_idx: arrays made when first asked for (the hot path passes their addresses)
-        self._words, self._idx_off, self._idx_len = words, offs[2], max(1, n * W)
-        self._block = self._send_idx = None
+        # block, pos and send_idx: arrays made when first asked for (the hot path passes their addresses)
+        self._words, self._pos_off, self._idx_off, self._idx_len = words, offs[1], offs[2], max(1, n * W)
+        self._block = self._pos = self._send_idx = None
+
+    @property
+    def pos(self):
+        """int64 ``[N, W]``: the send position of every (token, rank) pair (-1: not sent)."""
+        a = self._pos
+        if a is None:
+            a = self._pos = _compat.cupy.ndarray((self.n, self.W), np.int64, memptr=self._mem + self._pos_off)
+        return a
+
+    @property
+    def pos_ptr(self) -> int:
+        return self._mem.ptr + self._pos_off
+
+    @property
+    def in_rank_ptr(self) -> int:
+        return self.in_rank.data.ptr
 
     @property
     def block(self):
@@ -255,12 +292,12 @@ class Routing:
 def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out, align: int, stream=None) -> None:
     """Launch the receive fix-up (``cuda_src/moe.cu``) on the current stream; ``table_ptr`` 0: every row is real;
     ``stream``: the current stream, when the caller has it."""
-    n = rows * gidx.shape[1]
+    k = gidx.shape[1]
+    n = rows * k
     if n == 0 and counts_out is None:
         return
-    grid = max(1, min(1024, (n + 255) // 256))
     launch = _launcher(eng, FIXUP_KERNEL)
-    launch.fill(gidx=gidx.data.ptr if n else 0, w=_ptr(w) if n else 0, rows=rows, num_topk=gidx.shape[1],
-                first_expert=eng.rank * epr, epr=epr, table=table_ptr, sums=_ptr(sums), counts_out=_ptr(counts_out),
-                align=align)
-    launch(grid, 256, stream=stream)
+    # MoeFixupArgs in order: gidx, w, rows, num_topk, first_expert, epr, table, sums, counts_out, align
+    launch.pack(gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, k, eng.rank * epr, epr, table_ptr, _ptr(sums),
+                _ptr(counts_out), align)
+    launch(max(1, min(1024, (n + 255) // 256)), 256, stream=stream)

@@ -86,10 +86,10 @@ class _EagerRecord:
     communicator's per-call-shape memo (:attr:`~cupy_symbuf.transport.engine.Engine.call_memo`) under
     :func:`eager_key` once a call of that shape returned: the checked kind, whether ``topk_idx`` is cast to int64
     and copied to C order, the row bytes and signature, the receive parts' widths and dtypes and the prepared ring
-    launch (plan and descriptor).
+    launch (plan and descriptor) and the layout launch's fields (:func:`~cupy_symbuf.moe.gpu.layout_fields`).
     Nothing in it depends on the values of the arrays or on the routing (the counts are read anew every call)."""
 
-    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring")
+    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring", "layout")
 
 
 def eager_key(cp, x, topk_idx, weights, num_experts, expert_alignment, num_worst_tokens):
@@ -164,7 +164,7 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
             sig += push[2]
         cidx = _gpu.contiguous(idx)
         if fill is not None:  # (no out, no scales: push is None)
-            fill.rb, fill.sig, fill.ring = rb, sig, None
+            fill.rb, fill.sig, fill.ring, fill.layout = rb, sig, None, None
             fill.copy_idx = cidx is not idx
             fill.out_parts = _out_parts(xv, scales, idx, weights)
         idx = cidx
@@ -175,8 +175,13 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
             idx = cp.ascontiguousarray(idx)
     rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
     meta = rt.meta_ptr
-    _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
-                send_idx=rt.send_idx_ptr, stream=stream)
+    if rec is None:
+        _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos_ptr,
+                    send_idx=rt.send_idx_ptr, stream=stream)
+    else:
+        if rec.layout is None:
+            rec.layout = _gpu.layout_fields(comm, num_tokens, num_topk, n_exp)
+        _gpu.layout_run(rec.layout, idx.data.ptr, rt, stream)
 
     def bad_error():
         flat = int(rt.bad[1].get())
@@ -402,8 +407,8 @@ def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     k = 0 if weights is None else h.num_topk
     rt = h.routing
     rec.red = _gpu.reduce_prepare(_gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind]), x.dtype.itemsize, h.hidden,
-                                  rt.pos, n, self_rows=cx, table_ptr=rt.table_ptr, rank=h.rank, num_topk=k,
-                                  w_self_rows=cw)
+                                  rt.pos_ptr, h.world_size, n, self_rows=cx, table_ptr=rt.table_ptr, rank=h.rank,
+                                  num_topk=k, w_self_rows=cw)
     rec.back_x_bytes = rows * h.hidden * x.dtype.itemsize
     rec.back_w_off = _round_up(rec.back_x_bytes)
     rec.back_bytes = rec.back_w_off + rows * k * 4
