@@ -570,3 +570,48 @@ def test_prepared_launch_writes_what_exchange_rows_writes(stub):
         assert [v for i, v in enumerate(got) if i != P.DESC_SEQ] == \
             [v for i, v in enumerate(full) if i != P.DESC_SEQ], f"{sig}: launch_prepared differs from exchange_rows"
         assert other != full and got[P.DESC_SEQ] == full[P.DESC_SEQ] + 2
+
+
+def test_layout_memo_follows_the_call_shape(stub):
+    """get_dispatch_layout remembers its checks per (topk_idx dtype, shape, strides, num_experts): a repeated call
+    launches what the call checked in full launches; a call differing in one of them alone is checked in full (a
+    dtype at the same strides, rows at the same strides, num_experts, a bool for it, another GPU)."""
+    eng, launches, stream = stub
+    n, k = 32, 4
+    idx, idx_more = cupy.empty((n, k), np.int64), cupy.empty((n + 8, k), np.int64)
+    idx_f = cupy.empty((k, n), np.int64).T
+
+    def run(a, n_exp, memo=True):
+        launches.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            if not memo:
+                mp.setattr(normal, "layout_key", lambda *args: None)
+            per_rank, per_expert, in_rank = normal.get_dispatch_layout(eng, a, n_exp)
+        (kind, args, grid, block, _), = launches.log
+        assert kind == "symbuf_moe_layout" and (args["per_rank"], args["per_expert"], args["in_rank"]) == \
+            (per_rank.data.ptr, per_expert.data.ptr, in_rank.data.ptr)
+        assert in_rank.shape == (a.shape[0], eng.world_size) and per_expert.shape == (n_exp,)
+        args = {f: v for f, v in args.items() if f not in ("per_rank", "per_expert", "in_rank")}
+        args["idx"] = args["idx"] == a.data.ptr
+        return args, grid, block
+
+    for first, second in [((idx, 64), (idx, 64)), ((idx, 64), (idx_more, 64)), ((idx, 64), (idx, 128)),
+                          ((idx, 64), (idx_f, 64))]:
+        eng.call_memo.clear()
+        run(*first)
+        got = run(*second)
+        assert got == run(*second, memo=False), f"{second}: the memo of {first} was used"
+        assert got[0]["num_tokens"] == second[0].shape[0] and got[0]["num_experts"] == second[1]
+    other_gpu = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(1 << 41, 1 << 20, None, 1), 0)
+    for bad, exc, pattern in [(lambda: normal.get_dispatch_layout(eng, cupy.empty((n, k), np.float64), 64), TypeError,
+                               r"get_dispatch_layout: argument 'topk_idx' must be int64 or int32"),
+                              (lambda: normal.get_dispatch_layout(eng, idx, True), TypeError,
+                               r"argument 'num_experts' must be an int"),
+                              (lambda: normal.get_dispatch_layout(eng, idx, 63), ValueError,
+                               r"argument 'num_experts' must be a multiple"),
+                              (lambda: normal.get_dispatch_layout(eng, cupy.ndarray((n, k), np.int64,
+                                                                                    memptr=other_gpu), 64),
+                               TypeError, r"argument 'topk_idx' lives on GPU 1")]:
+        with pytest.raises(exc, match=pattern):
+            bad()
+    assert run(idx, 64)[0]["idx"], "still from the memo, reading topk_idx itself"

@@ -66,9 +66,9 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
     sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
     launch = _launcher(eng, LAYOUT_KERNEL)
-    launch.fill(idx=idx.data.ptr, num_tokens=n, num_topk=k, num_experts=num_experts, world_size=W,
-                per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), in_rank=_ptr(in_rank), meta=_ptr(meta),
-                bad=_ptr(bad), bad_sticky=sticky_ptr, pos=_ptr(pos), send_idx=_ptr(send_idx))
+    # MoeLayoutArgs in order (layout_run: the same)
+    launch.pack(idx.data.ptr, n, k, num_experts, W, _ptr(per_rank), _ptr(per_expert), _ptr(in_rank), _ptr(meta),
+                _ptr(bad), sticky_ptr, _ptr(pos), _ptr(send_idx))
     launch(1, threads, shared_mem=4 * num_experts, stream=stream)
 
 

@@ -67,7 +67,7 @@ from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_counts, check_
                      check_handle, check_num_experts, check_topk_idx, check_weights, check_x, combine_kind,
                      count_value_error, row_bytes)
 from .normal_cuda import (cached_device, combine_device, device_outputs, dispatch_cuda, eager_from_record, eager_key,
-                          eager_record, exchange_device, new_eager_record, reduce_cuda, remember)
+                          eager_record, exchange_device, layout_key, new_eager_record, reduce_cuda, remember)
 from .normal_handle import DispatchHandle, make_ref
 from .routing import token_layout
 from ..collectives import wire_dtype as _wire
@@ -181,13 +181,25 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     """
     op = "get_dispatch_layout"
     comm.check_open()
-    n_exp = check_num_experts(op, comm, num_experts)
     cuda = comm.backend == "cuda"
     if cuda:
+        # a call shape whose checks passed before (topk_idx's dtype, shape and strides, num_experts as an int): only
+        # the device is checked again (what the checks decided is the cast to int64, nothing else)
+        key = layout_key(comm.xp, topk_idx, num_experts)
+        cast = None if key is None else comm.call_memo.get(key)
+        if cast is not None and topk_idx.data.device_id != comm.xp.cuda.runtime.getDevice():
+            cast = None  # (the full checks say what is wrong)
         with comm.keep_allocations_for_graph():  # captured: the int64 / contiguous copy of topk_idx is read by replays
+            if cast is not None:
+                return _gpu.get_dispatch_layout(comm, op, topk_idx.astype(np.int64) if cast[0] else topk_idx,
+                                                num_experts)
+            n_exp = check_num_experts(op, comm, num_experts)
             idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=False)
             check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
+            if key is not None:
+                remember(comm, key, (idx is not topk_idx,))
             return _gpu.get_dispatch_layout(comm, op, idx, n_exp)
+    n_exp = check_num_experts(op, comm, num_experts)
     idx = check_topk_idx(op, comm, topk_idx, n_exp)
     return token_layout(comm.xp, idx, n_exp, comm.world_size)
 

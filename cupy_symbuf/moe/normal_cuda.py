@@ -17,7 +17,7 @@ from ..common.checks import check_array, check_out
 from ..wire.channel_layout import check_row_fits
 
 __all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record",
-           "new_eager_record", "remember", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+           "new_eager_record", "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
@@ -103,6 +103,15 @@ def eager_key(cp, x, topk_idx, weights, num_experts, expert_alignment, num_worst
     return ("dispatch", x.dtype, x.shape, x.strides, topk_idx.dtype, topk_idx.shape, topk_idx.strides,
             None if weights is None else (weights.dtype, weights.shape, weights.strides), num_experts,
             expert_alignment, num_worst_tokens)
+
+
+def layout_key(cp, topk_idx, num_experts):
+    """The memo key of a GPU ``get_dispatch_layout`` whose checks passed before (remembered: whether ``topk_idx`` is
+    cast to int64), or None (checked in full every call): a plain CuPy ``topk_idx`` by dtype, shape and strides,
+    ``num_experts`` a plain int."""
+    if type(topk_idx) is not cp.ndarray or type(num_experts) is not int:
+        return None
+    return ("get_dispatch_layout", topk_idx.dtype, topk_idx.shape, topk_idx.strides, num_experts)
 
 
 def eager_record(comm, key, x, topk_idx, weights):
