@@ -575,7 +575,9 @@ def test_prepared_launch_writes_what_exchange_rows_writes(stub):
 def test_layout_memo_follows_the_call_shape(stub):
     """get_dispatch_layout remembers its checks per (topk_idx dtype, shape, strides, num_experts): a repeated call
     launches what the call checked in full launches; a call differing in one of them alone is checked in full (a
-    dtype at the same strides, rows at the same strides, num_experts, a bool for it, another GPU)."""
+    dtype at the same strides, rows or columns at the same strides, num_experts, a bool for it, another GPU). (The
+    strides and the plain-int rule are in the key for caution: what the memo keeps, the cast to int64, follows
+    from the dtype alone.)"""
     eng, launches, stream = stub
     n, k = 32, 4
     idx, idx_more = cupy.empty((n, k), np.int64), cupy.empty((n + 8, k), np.int64)
@@ -603,7 +605,11 @@ def test_layout_memo_follows_the_call_shape(stub):
         assert got == run(*second, memo=False), f"{second}: the memo of {first} was used"
         assert got[0]["num_tokens"] == second[0].shape[0] and got[0]["num_experts"] == second[1]
     other_gpu = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(1 << 41, 1 << 20, None, 1), 0)
-    for bad, exc, pattern in [(lambda: normal.get_dispatch_layout(eng, cupy.empty((n, k), np.float64), 64), TypeError,
+    one = cupy.empty((n, 1), np.int64)
+    run(one, 64)  # a memo for [n, 1]; its view [n, 0] has the same strides and no column
+    for bad, exc, pattern in [(lambda: normal.get_dispatch_layout(eng, one[:, :0], 64), ValueError,
+                               r"argument 'topk_idx' must have num_topk >= 1"),
+                              (lambda: normal.get_dispatch_layout(eng, cupy.empty((n, k), np.float64), 64), TypeError,
                                r"get_dispatch_layout: argument 'topk_idx' must be int64 or int32"),
                               (lambda: normal.get_dispatch_layout(eng, idx, True), TypeError,
                                r"argument 'num_experts' must be an int"),
