@@ -89,7 +89,7 @@ class _EagerRecord:
     launch (plan and descriptor) and the layout launch's fields (:func:`~cupy_symbuf.moe.gpu.layout_fields`).
     Nothing in it depends on the values of the arrays or on the routing (the counts are read anew every call)."""
 
-    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring", "layout")
+    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring", "sent", "copy_rows", "layout")
 
 
 def eager_key(cp, x, topk_idx, weights, num_experts, expert_alignment, num_worst_tokens):
@@ -303,6 +303,19 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
     if outs is None:
         outs = device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src,
                               parts=None if rec is None else rec.out_parts)
+    if rec is not None and rec.ring is not None:  # a repeated eager call: its parts as the first call found them
+        send = [xv, idx, weights]
+        for i in rec.copy_rows:  # (rows whose elements are not contiguous, as _rows_contiguous finds them)
+            send[i] = xp.ascontiguousarray(send[i])
+        if capturing:
+            comm.keep_for_graph(*send, *outs, capturing=True)
+        send_ptrs, recv_ptrs = [], []
+        for i in rec.sent:
+            send_ptrs.append(send[i].data.ptr)
+            recv_ptrs.append(outs[i].data.ptr)
+        comm.launch_rows_device(op, rec.ring, send_ptrs, recv_ptrs, send_token_idx.data.ptr, table_ptr, tag=tag,
+                                stream=stream)
+        return outs[0], None, outs[1], outs[2] if weights is not None else None
     if user_outs is not None and push is None:
         push = comm.push_targets(user_outs)
         if push is not None:
@@ -321,8 +334,12 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
     # is kept by dispatch's and combine's keep_allocations_for_graph)
     comm.keep_for_graph(*send_parts, *outs, capturing=capturing)
     if send_parts and rec is not None:  # (no push; the send index is the routing's own, int64 C-contiguous)
-        if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
-            rec.ring = comm.prepare_rows_device(op, sig, send_parts, recv_parts, True)
+        # the record's first call: the ring launch prepared from this call's arrays, and which parts move and which
+        # are copied (x, topk_idx, weights: fixed by the record's key)
+        parts = [xv, idx, weights]
+        rec.sent = [i for i, out in enumerate(outs) if out.shape[1]]
+        rec.copy_rows = [i for i in rec.sent if _rows_contiguous(xp, parts[i]) is not parts[i]]
+        rec.ring = comm.prepare_rows_device(op, sig, send_parts, recv_parts, True)
         comm.launch_rows_device(op, rec.ring, [a.data.ptr for a in send_parts], [a.data.ptr for a in recv_parts],
                                 send_token_idx.data.ptr, table_ptr, tag=tag, stream=stream)
     elif send_parts:
