@@ -621,3 +621,23 @@ def test_layout_memo_follows_the_call_shape(stub):
         with pytest.raises(exc, match=pattern):
             bad()
     assert run(idx, 64)[0]["idx"], "still from the memo, reading topk_idx itself"
+
+
+@pytest.mark.parametrize("n,W,M", [(1, 2, 3), (128, 2, 129), (4096, 8, 33), (0, 4, 2)])
+def test_routing_parts_where_the_block_says(stub, n, W, M):
+    """Routing's addresses (the hot path's) against its arrays (made when asked): the counts tables, the sums, the
+    bad-value words and the count exchange's values in the block; pos, send_idx and in_rank after it, disjoint."""
+    from cupy_symbuf.moe import gpu as _gpu
+    CT = P.CT_WORDS
+    rt = _gpu.Routing(n, 2, W, M)
+    base = rt.block.data.ptr
+    assert rt.block.shape == (2 * CT + M + 2 + W * M,) and rt.table_ptr == base
+    assert (rt.rev_table_ptr, rt.sums_ptr, rt.bad_ptr, rt.meta_ptr) == \
+        (base + 8 * CT, base + 16 * CT, base + 8 * (2 * CT + M), base + 8 * (2 * CT + M + 2))
+    assert rt.table.data.ptr == base and rt.sums.data.ptr == rt.sums_ptr and rt.bad.data.ptr == rt.bad_ptr
+    assert rt.pos.shape == (n, W) and rt.pos.data.ptr == rt.pos_ptr and rt.send_idx.data.ptr == rt.send_idx_ptr
+    assert rt.send_idx.shape == (max(1, n * W),) and rt.in_rank.shape == (n, W) and rt.in_rank.dtype == bool
+    assert rt.send_rows_idx(n * W // 2).data.ptr == rt.send_idx_ptr
+    spans = sorted([(base, rt.block.nbytes), (rt.pos_ptr, 8 * n * W), (rt.send_idx_ptr, 8 * max(1, n * W)),
+                    (rt.in_rank.data.ptr, n * W)])
+    assert all(p + size <= q for (p, size), (q, _) in zip(spans, spans[1:])), spans

@@ -19,6 +19,8 @@ the host waiting once through host-mapped memory, or not at all with ``num_worst
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..common import backend as _compat
@@ -185,6 +187,18 @@ def get_dispatch_layout(eng, op: str, idx, num_experts: int):
     return per_rank, per_expert, in_rank
 
 
+@functools.lru_cache(maxsize=64)
+def _routing_layout(n: int, W: int, M: int) -> tuple:
+    """``(block words, pos offset, send_idx offset, in_rank offset, total bytes)`` of a :class:`Routing`'s one
+    allocation: the block (see the class), ``pos``, ``send_idx`` and ``in_rank``, each at a multiple of 256 bytes."""
+    words = 2 * CT + M + 2 + W * M  # (+ the count exchange's values, [W, M])
+    offs, total = [], 0
+    for size in (8 * words, 8 * n * W, 8 * max(1, n * W), n * W):
+        offs.append(total)
+        total += (size + 255) // 256 * 256
+    return (words,) + tuple(offs[1:]) + (total,)
+
+
 class Routing:
     """What one dispatch's layout and count exchange made on the device (kept by the handle).
 
@@ -193,24 +207,25 @@ class Routing:
     ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
     """
 
-    __slots__ = ("M", "W", "n", "table_ptr", "in_rank", "_mem", "_words", "_pos_off", "_idx_off", "_idx_len",
-                 "_block", "_pos", "_send_idx")
+    __slots__ = ("M", "W", "n", "table_ptr", "rev_table_ptr", "sums_ptr", "bad_ptr", "meta_ptr", "pos_ptr",
+                 "send_idx_ptr", "in_rank", "_mem", "_words", "_idx_len", "_block", "_pos", "_send_idx")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
         # the four arrays from one allocation (they live as long as the handle, together): one pool call, not four
-        words = 2 * CT + M + 2 + W * M  # (+ the count exchange's values, [W, M])
-        sizes = (8 * words, 8 * n * W, 8 * max(1, n * W), n * W)
-        offs, total = [], 0
-        for size in sizes:
-            offs.append(total)
-            total += (size + 255) // 256 * 256
+        words, pos_off, idx_off, in_rank_off, total = _routing_layout(n, W, M)
         mem = self._mem = cp.cuda.alloc(total)
         self.M, self.W, self.n = M, W, n
-        self.table_ptr = mem.ptr  # the parts by address on the hot path (views cost us each)
-        self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + offs[3])
-        # block, pos and send_idx: arrays made when first asked for (the hot path passes their addresses)
-        self._words, self._pos_off, self._idx_off, self._idx_len = words, offs[1], offs[2], max(1, n * W)
+        # the parts by address on the hot path (views cost us each): the counts table, the reverse one, the
+        # per-expert sums, the bad-value count and the count exchange's values (in the block), pos, send_idx
+        t = self.table_ptr = mem.ptr
+        self.rev_table_ptr, self.sums_ptr = t + 8 * CT, t + 8 * 2 * CT
+        self.bad_ptr = t + 8 * (2 * CT + M)
+        self.meta_ptr = self.bad_ptr + 16
+        self.pos_ptr, self.send_idx_ptr = t + pos_off, t + idx_off
+        self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + in_rank_off)
+        # block, pos and send_idx: arrays made when first asked for
+        self._words, self._idx_len = words, max(1, n * W)
         self._block = self._pos = self._send_idx = None
 
     @property
@@ -218,12 +233,9 @@ class Routing:
         """int64 ``[N, W]``: the send position of every (token, rank) pair (-1: not sent)."""
         a = self._pos
         if a is None:
-            a = self._pos = _compat.cupy.ndarray((self.n, self.W), np.int64, memptr=self._mem + self._pos_off)
+            a = self._pos = _compat.cupy.ndarray((self.n, self.W), np.int64,
+                                                 memptr=self._mem + (self.pos_ptr - self.table_ptr))
         return a
-
-    @property
-    def pos_ptr(self) -> int:
-        return self._mem.ptr + self._pos_off
 
     @property
     def in_rank_ptr(self) -> int:
@@ -242,34 +254,16 @@ class Routing:
         """int64 ``[max(1, N * W)]``: the token of every send row (grouped by destination rank)."""
         a = self._send_idx
         if a is None:
-            a = self._send_idx = _compat.cupy.ndarray((self._idx_len,), np.int64, memptr=self._mem + self._idx_off)
+            a = self._send_idx = _compat.cupy.ndarray((self._idx_len,), np.int64,
+                                                      memptr=self._mem + (self.send_idx_ptr - self.table_ptr))
         return a
-
-    @property
-    def send_idx_ptr(self) -> int:
-        return self._mem.ptr + self._idx_off
 
     def send_rows_idx(self, rows: int):
         """A new int64 ``[rows]`` array over the first ``rows`` entries of :attr:`send_idx` (``rows <= N * W``; the
         same memory as ``send_idx[:rows]``, made without the full array)."""
-        return _compat.cupy.ndarray((rows,), np.int64, memptr=self._mem + self._idx_off)
+        return _compat.cupy.ndarray((rows,), np.int64, memptr=self._mem + (self.send_idx_ptr - self.table_ptr))
 
-    # addresses of the parts (hot path) and views of them (errors, worst-case counts)
-    @property
-    def rev_table_ptr(self) -> int:
-        return self.table_ptr + 8 * CT
-
-    @property
-    def sums_ptr(self) -> int:
-        return self.table_ptr + 8 * 2 * CT
-
-    @property
-    def bad_ptr(self) -> int:
-        return self.sums_ptr + 8 * self.M
-
-    @property
-    def meta_ptr(self) -> int:
-        return self.bad_ptr + 16
+    # views of the block (errors, worst-case counts)
 
     @property
     def table(self):
