@@ -32,8 +32,10 @@ On the host the rows are packed with NumPy, sent through the same ring protocol 
 summation order is fixed: results are bitwise reproducible) -> rounded once to ``x``'s dtype. On the GPU the
 accumulation of ``x`` and ``topk_weights`` is one kernel launch (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``);
 on the host NumPy scatter-adds. A repeated GPU combine or cached dispatch of one call shape (handle, dtype, strides)
-runs from a record its first call kept on the handle (the checked kind, the row signature, the exchange plan),
-checking only the arrays' type, shape and device.
+runs from a record its first call kept on the handle (the checked kind, the row signature, the prepared launches),
+checking only the arrays' type, shape and device; so does a repeated eager GPU dispatch (no handle, no ``out``:
+its record in the communicator's per-call-shape memo, keyed by the arrays' dtypes, shapes and strides and the
+integer arguments) and ``get_dispatch_layout``.
 
 Expert placement
 ----------------
