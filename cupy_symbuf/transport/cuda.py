@@ -560,6 +560,8 @@ class CudaTransport:
         d = launch.desc
         if d is None:
             return []  # one rank, nothing to move
+        if launch.copy_send:  # (a byte run of strided rows is copied per call: exchange_rows only)
+            raise AssertionError(f"{op}: internal: launch_prepared of a byte run whose rows are copied")
         for w, p in zip(launch.send_words, send_ptrs):
             d[w] = p
         for w, p in zip(launch.recv_words, recv_ptrs):
