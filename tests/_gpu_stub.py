@@ -122,6 +122,7 @@ def stubbed(stream: FakeStream = None):
             self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(self.args))
             self._params = 0
             self.fill = None if args_struct == "RingArgs" else _kargs.filler(args_struct, self.args)
+            self.pack = None if args_struct == "RingArgs" else _kargs.packer(args_struct, self.args)
             self._struct = args_struct
 
         def __call__(self, grid, block, *, shared_mem=0, stream=None):

@@ -8,6 +8,10 @@ launches recorded instead of made): what a combine, a cached dispatch and an eag
 * The combine reduces x and the weights in one launch; every call asks ``cudaStreamIsCapturing`` once.
 * A call whose arguments differ from its record's in shape or device is checked in full (the same errors, told to
   the peers); records are bounded per handle.
+* An eager dispatch (no handle) of a call shape checked before runs from its record in the communicator's memo
+  (kind, signature, receive parts, plan): the same launches as the call checked in full; a call differing in any
+  one key field (a dtype at the same strides, strides at the same shape, rows, the weights, the integer arguments,
+  the GPU) is checked in full; the handle built without the dataclass's ``__init__`` equals the one built with it.
 
 Values are checked on a GPU by tests/test_moe_device.py (``..._repeats_alternating_call_shapes``).
 """
@@ -320,3 +324,320 @@ def test_out_overlap_uses_the_bytes_strided_x_spans(stub, where):
     else:
         with pytest.raises(ValueError, match="'out' overlaps an input"):
             check_out("combine", out, "cuda", (3, h), np.float32, inputs=(x,))
+
+
+# ------------------------------------------------------------------------------------------ eager dispatch records
+
+_PTR_FIELDS = {"idx", "in_rank", "meta", "bad", "pos", "send_idx", "send_meta", "local_reject", "sums", "table",
+               "gidx", "w", "counts_out", "per_rank", "per_expert"}
+_RING_PTRS = {P.DESC_SEND_INDEX, P.DESC_COUNTS} | {P.DESC_SEND_PARTS + 4 * i for i in range(P.MAX_PARTS)} | \
+    {P.DESC_RECV_PARTS + 4 * i for i in range(P.MAX_PARTS)}
+
+
+def _canon_eager(log, callers: dict):
+    """An eager dispatch's launches with its addresses as ``callers``' names (the caller's arrays), offsets in the
+    call's routing block (from the ring's counts table) or in its receive arrays (from the ring's first receive
+    part), else "new" (a copy made by the call); the launch number and notify ticket left out."""
+    ring = [a for k, a, *_ in log if k == "ring"]
+    rt_base = ring[0][P.DESC_COUNTS] if ring else 0
+    out_base = ring[0][P.DESC_RECV_PARTS] if ring else 0
+
+    def name(v):
+        for n, p in callers.items():
+            if v == p:
+                return n
+        if not v:
+            return 0
+        if 0 <= v - rt_base < 1 << 20:
+            return ("rt", v - rt_base)
+        if 0 <= v - out_base < 1 << 20:
+            return ("out", v - out_base)
+        return "new"
+    got = []
+    for kind, args, grid, block, stream_ptr in log:
+        if kind == "ring":
+            args = tuple(name(v) if i in _RING_PTRS else v for i, v in enumerate(args) if i != P.DESC_SEQ)
+        else:
+            args = {k: (name(v) if k in _PTR_FIELDS else v) for k, v in args.items() if k not in ("seq", "ticket")}
+        got.append((kind, args, grid, block, stream_ptr))
+    return got
+
+
+def _eager_keys(eng):
+    return [k for k in eng.call_memo if k[0] == "dispatch"]
+
+
+def test_eager_records_follow_the_call_shape(stub):
+    """Eager dispatches alternating x's dtype and strides, topk_idx's strides (copied to C order), weights or none (strided too), num_experts, expert_alignment and num_worst_tokens: a call from its
+    record launches, word for word, what the same call checked in full (its record dropped first) launches; one
+    record per call shape."""
+    eng, launches, stream = stub
+    n, hidden, k = 24, 64, 4
+    xs = {"f32": cupy.empty((n, hidden), np.float32), "f16": cupy.empty((n, hidden), np.float16),
+          "raw bf16": cupy.empty((n, hidden), np.uint16),
+          "rows strided": cupy.empty((n, hidden + 8), np.float32)[:, :hidden],
+          "elements strided": cupy.empty((n, 2 * hidden), np.float32)[:, ::2]}
+    # (int32 topk_idx is cast by a CuPy kernel, which the stub cannot run: tests/test_moe_device.py has it)
+    idxs = {"i64": cupy.empty((n, k), np.int64), "F order": cupy.empty((k, n), np.int64).T,
+            "rows strided": cupy.empty((n, k + 3), np.int64)[:, :k]}
+    ws = {"none": None, "w": cupy.empty((n, k), np.float32), "w strided": cupy.empty((n, 2 * k), np.float32)[:, ::2]}
+    cases = []
+    for i in range(len(xs) * len(idxs) * len(ws)):
+        cases.append((list(xs)[i % len(xs)], list(idxs)[(i // len(xs)) % len(idxs)],
+                      list(ws)[(i // (len(xs) * len(idxs))) % len(ws)], (64, 128)[i % 2], (1, 4)[(i // 3) % 2],
+                      (0, 0, n * eng.world_size)[i % 3]))
+
+    def run(case):
+        xn, idn, wn, n_exp, align, worst = case
+        x, idx, w = xs[xn], idxs[idn], ws[wn]
+        launches.clear()
+        res = normal.dispatch(eng, x, idx, w, n_exp, expert_alignment=align, num_worst_tokens=worst)
+        callers = {"x": x.data.ptr, "idx": idx.data.ptr}
+        if w is not None:
+            callers["w"] = w.data.ptr
+        return _canon_eager(launches.log, callers), res
+
+    for rep in range(3):  # rep 0 makes the records, 1 and 2 run from them
+        for case in cases:
+            warm, res = run(case)
+            log = list(launches.log)
+            assert [e[0] for e in log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"], case
+            with pytest.MonkeyPatch.context() as mp:  # no record at all: checked in full, the arrays handed over
+                mp.setattr(normal, "eager_key", lambda *args: None)
+                cold, res_cold = run(case)
+            assert warm == cold, f"{case}: launches from the record differ from a fresh call's"
+            for a, b in zip(res[:3], res_cold[:3]):
+                assert (a is None) == (b is None) and (a is None or (a.shape, a.dtype, a.strides) ==
+                                                       (b.shape, b.dtype, b.strides)), case
+            h = res[4]
+            assert (h.num_experts, h.expert_alignment, h.num_worst_tokens, h.num_tokens, h.num_topk, h.hidden) == \
+                (case[3], case[4], case[5], n, k, hidden)
+            # the layout and fix-up fields by name (their order in the packed struct included)
+            lay, fix = log[0][1], log[3][1]
+            rt, W, epr = h.routing, eng.world_size, case[3] // eng.world_size
+            idx_ptr = idxs[case[1]].data.ptr
+            assert (lay["num_tokens"], lay["num_topk"], lay["num_experts"], lay["world_size"]) == (n, k, case[3], W)
+            assert (lay["in_rank"], lay["meta"], lay["bad"], lay["pos"], lay["send_idx"]) == \
+                (h.is_token_in_rank.data.ptr, rt.meta_ptr, rt.bad_ptr, rt.pos.data.ptr, rt.send_idx.data.ptr)
+            assert lay["per_rank"] == lay["per_expert"] == lay["bad_sticky"] == 0
+            assert (lay["idx"] == idx_ptr) == (case[1] == "i64") and lay["idx"]
+            assert (fix["gidx"], fix["w"]) == (res[1].data.ptr, 0 if res[2] is None else res[2].data.ptr)
+            assert (fix["rows"], fix["num_topk"], fix["first_expert"], fix["epr"], fix["align"]) == \
+                (res[1].shape[0], k, eng.rank * epr, epr, case[4])
+            assert fix["table"] == (rt.table_ptr if case[5] else 0) and fix["sums"] == rt.sums_ptr
+            assert fix["counts_out"] == (res[3].data.ptr if case[5] else 0)
+    assert len(_eager_keys(eng)) == len({c for c in cases}), "one record per call shape"
+
+
+def test_eager_record_missed_when_the_call_differs(stub):
+    """After an eager dispatch made its record: the same call with another dtype, shape, GPU or argument type is
+    checked in full, its errors raised and told to the peers (a rejected count exchange), and the record still
+    serves the first shape after it."""
+    eng, launches, stream = stub
+    n, hidden, k = 16, 32, 2
+    x = cupy.empty((n, hidden), np.float32)
+    idx = cupy.empty((n, k), np.int64)
+    w = cupy.empty((n, k), np.float32)
+    normal.dispatch(eng, x, idx, w, 64)
+    assert len(_eager_keys(eng)) == 1
+    other_gpu = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(1 << 41, 1 << 20, None, 1), 0)
+    # each differs from the recorded call in one thing only (same strides where the dtype or the rows differ)
+    cases = [
+        (lambda: normal.dispatch(eng, cupy.empty((n, hidden), np.int32), idx, w, 64), TypeError,
+         r"dispatch: argument 'x' must be bfloat16"),
+        (lambda: normal.dispatch(eng, x, cupy.empty((n, k), np.float64), w, 64), TypeError,
+         r"dispatch: argument 'topk_idx' must be int64 or int32"),
+        (lambda: normal.dispatch(eng, x, idx, cupy.empty((n, k), np.int32), 64), TypeError,
+         r"dispatch: argument 'topk_weights' must be float32"),
+        (lambda: normal.dispatch(eng, cupy.empty((n + 1, hidden), np.float32), idx, w, 64), ValueError,
+         r"dispatch: argument 'topk_idx' .*num_tokens"),
+        (lambda: normal.dispatch(eng, x, cupy.empty((n + 1, k), np.int64), w, 64), ValueError,
+         r"dispatch: argument 'topk_idx' .*num_tokens"),
+        (lambda: normal.dispatch(eng, x, idx, cupy.empty((n + 1, k), np.float32), 64), ValueError,
+         r"dispatch: argument 'topk_weights' .*num_tokens"),
+        (lambda: normal.dispatch(eng, x, idx, cupy.empty((n, 2 * k), np.float32)[:, :k + 1], 64), ValueError,
+         r"dispatch: argument 'topk_weights' .*num_topk"),
+        (lambda: normal.dispatch(eng, x, idx, w, 63), ValueError, r"dispatch: argument 'num_experts' must be a multiple"),
+        (lambda: normal.dispatch(eng, x, idx, w, True), TypeError, r"dispatch: argument 'num_experts' must be an int"),
+        (lambda: normal.dispatch(eng, x, idx, w, 64, expert_alignment=0), ValueError,
+         r"dispatch: argument 'expert_alignment' must be in"),
+        (lambda: normal.dispatch(eng, x, idx, w, 64, num_worst_tokens=-1), ValueError,
+         r"dispatch: argument 'num_worst_tokens' must be >= 0"),
+        (lambda: normal.dispatch(eng, cupy.ndarray((n, hidden), np.float32, memptr=other_gpu), idx, w, 64),
+         TypeError, r"dispatch: argument 'x' lives on GPU 1"),
+        (lambda: normal.dispatch(eng, x, cupy.ndarray((n, k), np.int64, memptr=other_gpu), w, 64), TypeError,
+         r"dispatch: argument 'topk_idx' lives on GPU 1"),
+        (lambda: normal.dispatch(eng, x, idx, cupy.ndarray((n, k), np.float32, memptr=other_gpu), 64), TypeError,
+         r"dispatch: argument 'topk_weights' lives on GPU 1"),
+        (lambda: normal.dispatch(eng, np.empty((n, hidden), np.float32), idx, w, 64), TypeError,
+         r"dispatch: argument 'x' must be a CuPy array"),
+    ]
+    for fn, exc, pattern in cases:
+        launches.clear()
+        with pytest.raises(exc, match=pattern):
+            fn()
+        told = [e for e in launches.log if e[0] == "symbuf_notify"]
+        assert len(told) == 1 and told[0][1]["call_status"] == P.HDR_REJECTED, f"{pattern}: the peers must be told"
+        assert not [e for e in launches.log if e[0] == "ring"]
+    launches.clear()
+    normal.dispatch(eng, x, idx, w, 64)  # still usable, from the record
+    assert [e[0] for e in launches.log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"]
+    # a bool, a NumPy integer, out= and a handle are never looked up (checked in full every call)
+    assert normal_cuda.eager_key(cupy, x, idx, w, np.int64(64), 1, 0) is None
+    assert normal_cuda.eager_key(cupy, x, idx, w, 64, True, 0) is None
+    assert normal_cuda.eager_key(cupy, (x, w), idx, w, 64, 1, 0) is None
+
+
+def test_new_handle_equals_the_dataclass():
+    from dataclasses import fields
+    from cupy_symbuf.moe.normal_handle import DispatchHandle, new_handle
+    kw = {f.name: object() for f in fields(DispatchHandle)}
+    for drop in (None, "recv_src_idx", "dispatch_id"):  # defaults filled in
+        got = dict(kw) if drop is None else {k: v for k, v in kw.items() if k != drop}
+        a, b = new_handle(**got), DispatchHandle(**got)
+        assert type(a) is DispatchHandle and vars(a) == vars(b)
+    with pytest.raises(TypeError, match="new_handle: the fields"):
+        new_handle(**{k: v for k, v in kw.items() if k != "rank"})
+    with pytest.raises(TypeError, match="new_handle: the fields"):
+        new_handle(**kw, extra=1)
+
+
+def test_eager_record_of_a_neighbouring_shape_not_used(stub):
+    """Pairs of valid eager dispatches differing in one thing only (x's dtype at the same strides, x's or topk_idx's
+    strides at the same shape, weights or none, num_experts, expert_alignment, num_worst_tokens): the second call,
+    made right after the first made its record, launches what it launches checked in full."""
+    eng, launches, stream = stub
+    n, hidden, k = 16, 64, 4
+    x16, raw = cupy.empty((n, hidden), np.float16), cupy.empty((n, hidden), np.uint16)
+    x, x_rows = cupy.empty((n, hidden), np.float32), cupy.empty((n, hidden + 4), np.float32)[:, :hidden]
+    idx, idx_f = cupy.empty((n, k), np.int64), cupy.empty((k, n), np.int64).T
+    w = cupy.empty((n, k), np.float32)
+    W = eng.world_size
+    pairs = [((x16, idx, w, 64), (raw, idx, w, 64)), ((x, idx, w, 64), (x_rows, idx, w, 64)),
+             ((x, idx, w, 64), (x, idx_f, w, 64)), ((x, idx, None, 64), (x, idx, w, 64)),
+             ((x, idx, w, 64), (x, idx, None, 64)), ((x, idx, w, 64), (x, idx, w, 128)),
+             ((x, idx, w, 64, 1), (x, idx, w, 64, 4)), ((x, idx, w, 64, 1, 0), (x, idx, w, 64, 1, n * W)),
+             ((x, idx, w, 64, 1, n * W), (x, idx, w, 64, 1, 2 * n * W))]
+
+    def run(args):
+        xa, ia, wa, n_exp, *rest = args
+        align, worst = (rest + [1, 0])[:2] if len(rest) < 2 else rest
+        launches.clear()
+        normal.dispatch(eng, xa, ia, wa, n_exp, expert_alignment=align, num_worst_tokens=worst)
+        callers = {"x": xa.data.ptr, "idx": ia.data.ptr}
+        if wa is not None:
+            callers["w"] = wa.data.ptr
+        return _canon_eager(launches.log, callers)
+
+    for first, second in pairs:
+        eng.call_memo.clear()
+        run(first)
+        after = run(second)
+        eng.call_memo.clear()
+        assert after == run(second), f"{second[3:]}: a record of {first[3:]} was used"
+
+
+def test_prepared_launch_writes_what_exchange_rows_writes(stub):
+    """CudaTransport.launch_prepared (the parts by address, a repeated call's launch) against exchange_rows of the
+    same arrays: the same descriptor words, launch number aside, for a combine-like call (two parts, no index, a
+    row-strided part), a cached-dispatch-like one (one part, an index) and an eager-like one (three parts, an
+    index), with another call's addresses and tag left in the descriptor in between."""
+    eng, launches, stream = stub
+    table = 1 << 44
+
+    def arrays(m, widths, pad=0):
+        return [cupy.empty((m, w + pad), dt)[:, :w] for w, dt in widths]
+
+    def ptrs(parts):
+        return [a.data.ptr for a in parts]
+    calls = [("combine", "f32|combine-like", [(64, np.float32), (4, np.float32)], 8, 30, 30, None, 7),
+             ("dispatch", "f16|cached-like", [(128, np.float16)], 0, 20, 26, 33, 9),
+             ("dispatch", "f32|eager-like", [(32, np.float32), (5, np.int64), (5, np.float32)], 0, 20, 24, 40, 0)]
+    for op, sig, widths, pad, n_send, n_recv, n_index, tag in calls:
+        send, recv = arrays(n_send, widths, pad), arrays(n_recv, widths)
+        other_send, other_recv = arrays(n_send, widths, pad), arrays(n_recv, widths)
+        index = None if n_index is None else cupy.empty(n_index, np.int64)
+        other_index = None if n_index is None else cupy.empty(n_index, np.int64)
+        prepared = eng.prepare_rows_device(op, sig, send, recv, index is not None)
+        launches.clear()
+        eng.exchange_rows_device(op, send, index, recv, sig, table, tag=tag, plan=prepared[0], stream=stream)
+        eng.launch_rows_device(op, prepared, ptrs(other_send), ptrs(other_recv),
+                               None if index is None else other_index.data.ptr, table + 64, tag=tag + 1,
+                               stream=stream)
+        eng.launch_rows_device(op, prepared, ptrs(send), ptrs(recv), None if index is None else index.data.ptr,
+                               table, tag=tag, stream=stream)
+        full, other, got = [e[1] for e in launches.log]
+        assert [v for i, v in enumerate(got) if i != P.DESC_SEQ] == \
+            [v for i, v in enumerate(full) if i != P.DESC_SEQ], f"{sig}: launch_prepared differs from exchange_rows"
+        assert other != full and got[P.DESC_SEQ] == full[P.DESC_SEQ] + 2
+
+
+def test_layout_memo_follows_the_call_shape(stub):
+    """get_dispatch_layout remembers its checks per (topk_idx dtype, shape, strides, num_experts): a repeated call
+    launches what the call checked in full launches; a call differing in one of them alone is checked in full (a
+    dtype at the same strides, rows or columns at the same strides, num_experts, a bool for it, another GPU). (The
+    strides and the plain-int rule are in the key for caution: what the memo keeps, the cast to int64, follows
+    from the dtype alone.)"""
+    eng, launches, stream = stub
+    n, k = 32, 4
+    idx, idx_more = cupy.empty((n, k), np.int64), cupy.empty((n + 8, k), np.int64)
+    idx_f = cupy.empty((k, n), np.int64).T
+
+    def run(a, n_exp, memo=True):
+        launches.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            if not memo:
+                mp.setattr(normal, "layout_key", lambda *args: None)
+            per_rank, per_expert, in_rank = normal.get_dispatch_layout(eng, a, n_exp)
+        (kind, args, grid, block, _), = launches.log
+        assert kind == "symbuf_moe_layout" and (args["per_rank"], args["per_expert"], args["in_rank"]) == \
+            (per_rank.data.ptr, per_expert.data.ptr, in_rank.data.ptr)
+        assert in_rank.shape == (a.shape[0], eng.world_size) and per_expert.shape == (n_exp,)
+        args = {f: v for f, v in args.items() if f not in ("per_rank", "per_expert", "in_rank")}
+        args["idx"] = args["idx"] == a.data.ptr
+        return args, grid, block
+
+    for first, second in [((idx, 64), (idx, 64)), ((idx, 64), (idx_more, 64)), ((idx, 64), (idx, 128)),
+                          ((idx, 64), (idx_f, 64))]:
+        eng.call_memo.clear()
+        run(*first)
+        got = run(*second)
+        assert got == run(*second, memo=False), f"{second}: the memo of {first} was used"
+        assert got[0]["num_tokens"] == second[0].shape[0] and got[0]["num_experts"] == second[1]
+    other_gpu = cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(1 << 41, 1 << 20, None, 1), 0)
+    one = cupy.empty((n, 1), np.int64)
+    run(one, 64)  # a memo for [n, 1]; its view [n, 0] has the same strides and no column
+    for bad, exc, pattern in [(lambda: normal.get_dispatch_layout(eng, one[:, :0], 64), ValueError,
+                               r"argument 'topk_idx' must have num_topk >= 1"),
+                              (lambda: normal.get_dispatch_layout(eng, cupy.empty((n, k), np.float64), 64), TypeError,
+                               r"get_dispatch_layout: argument 'topk_idx' must be int64 or int32"),
+                              (lambda: normal.get_dispatch_layout(eng, idx, True), TypeError,
+                               r"argument 'num_experts' must be an int"),
+                              (lambda: normal.get_dispatch_layout(eng, idx, 63), ValueError,
+                               r"argument 'num_experts' must be a multiple"),
+                              (lambda: normal.get_dispatch_layout(eng, cupy.ndarray((n, k), np.int64,
+                                                                                    memptr=other_gpu), 64),
+                               TypeError, r"argument 'topk_idx' lives on GPU 1")]:
+        with pytest.raises(exc, match=pattern):
+            bad()
+    assert run(idx, 64)[0]["idx"], "still from the memo, reading topk_idx itself"
+
+
+@pytest.mark.parametrize("n,W,M", [(1, 2, 3), (128, 2, 129), (4096, 8, 33), (0, 4, 2)])
+def test_routing_parts_where_the_block_says(stub, n, W, M):
+    """Routing's addresses (the hot path's) against its arrays (made when asked): the counts tables, the sums, the
+    bad-value words and the count exchange's values in the block; pos, send_idx and in_rank after it, disjoint."""
+    from cupy_symbuf.moe import gpu as _gpu
+    CT = P.CT_WORDS
+    rt = _gpu.Routing(n, 2, W, M)
+    base = rt.block.data.ptr
+    assert rt.block.shape == (2 * CT + M + 2 + W * M,) and rt.table_ptr == base
+    assert (rt.rev_table_ptr, rt.sums_ptr, rt.bad_ptr, rt.meta_ptr) == \
+        (base + 8 * CT, base + 16 * CT, base + 8 * (2 * CT + M), base + 8 * (2 * CT + M + 2))
+    assert rt.table.data.ptr == base and rt.sums.data.ptr == rt.sums_ptr and rt.bad.data.ptr == rt.bad_ptr
+    assert rt.pos.shape == (n, W) and rt.pos.data.ptr == rt.pos_ptr and rt.send_idx.data.ptr == rt.send_idx_ptr
+    assert rt.send_idx.shape == (max(1, n * W),) and rt.in_rank.shape == (n, W) and rt.in_rank.dtype == bool
+    assert rt.send_rows_idx(n * W // 2).data.ptr == rt.send_idx_ptr
+    spans = sorted([(base, rt.block.nbytes), (rt.pos_ptr, 8 * n * W), (rt.send_idx_ptr, 8 * max(1, n * W)),
+                    (rt.in_rank.data.ptr, n * W)])
+    assert all(p + size <= q for (p, size), (q, _) in zip(spans, spans[1:])), spans

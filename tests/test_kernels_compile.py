@@ -262,6 +262,12 @@ def test_host_packer_matches_the_generated_struct(name):
     first = next(iter(values))
     with pytest.raises(TypeError, match=first):
         _kernel_args.filler(name, target)(**{f: v for f, v in values.items() if f != first})
+    # the positional packer (the same fields in order) writes the same bytes
+    other = _kernel_args.host_struct(name)()
+    _kernel_args.packer(name, other)(*values.values())
+    assert bytes(other) == bytes(target)
+    with pytest.raises(TypeError, match="packer: target must be"):
+        _kernel_args.packer(name, object())
 
 
 def test_struct_layout_disagreement_does_not_compile(monkeypatch):

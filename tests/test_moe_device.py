@@ -679,3 +679,80 @@ class _Null:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_eager_dispatch_repeats_alternating_call_shapes(moe_comm):
+    """Repeated eager dispatches (no handle) alternating topk_idx's dtype (int64 / int32) and layout (C order, a
+    column slice, Fortran order), x's dtype and strides (a column slice, every other element), weights or none
+    (strided too), num_experts, expert_alignment and num_worst_tokens, each shape met several times: every
+    result equal to a NumPy reference of fresh random data, outputs on poisoned memory, every earlier result intact
+    at the end. On the GPU a repeated call of one shape runs from the record its first call kept (checks,
+    signature, receive parts, prepared launches): a record serving another shape would show as wrong values."""
+    comm = moe_comm
+    cuda = comm.backend == "cuda"
+    kept = []
+    for i in range(16):
+        tokens = UNEVEN[(RANK + i) % 4] + 5
+        n_exp = (4 * W, 8 * W)[i % 2]
+        topk = (3, 2)[(i // 4) % 2]
+        hidden = 48
+        idx_kind = ("i64", "i32", "cols", "F")[(i // 2) % 4]
+        x_kind = ("c", "cols", "every other", "f16")[i % 4]
+        w_kind = ("w", None, "w strided")[i % 3]
+        align = (1, 3)[(i // 3) % 2]
+        worst = (max(UNEVEN) + 5) * W if i % 5 == 4 else 0  # bounds what any rank receives
+        idx, x, w = _inputs(("eager-repeat", i % 8, comm.backend), tokens, hidden, n_exp, topk)
+        if x_kind == "f16":
+            x = x.astype(np.float16)
+        x_dev = to_dev(comm, x)
+        if x_kind == "cols":
+            wide = np.zeros((tokens, hidden + 8), x.dtype)
+            wide[:, :hidden] = x
+            x_dev = to_dev(comm, wide)[:, :hidden]
+        elif x_kind == "every other":
+            wide = np.zeros((tokens, 2 * hidden), x.dtype)
+            wide[:, ::2] = x
+            x_dev = to_dev(comm, wide)[:, ::2]
+        idx_dev = to_dev(comm, idx.astype(np.int32) if idx_kind == "i32" else idx)
+        if idx_kind == "cols":
+            wide = np.full((tokens, topk + 2), -1, np.int64)
+            wide[:, :topk] = idx
+            idx_dev = to_dev(comm, wide)[:, :topk]
+        elif idx_kind == "F":
+            idx_dev = to_dev(comm, np.asfortranarray(idx)) if not cuda else to_dev(comm, idx.T.copy()).T
+        w_dev = None
+        if w_kind == "w":
+            w_dev = to_dev(comm, w)
+        elif w_kind == "w strided":
+            wide = np.zeros((tokens, 2 * topk), np.float32)
+            wide[:, ::2] = w
+            w_dev = to_dev(comm, wide)[:, ::2]
+        _dirty_pool(comm, 4 * tokens * W * (hidden + 2 * topk) * 4)
+        out = comm.dispatch(x_dev, idx_dev, w_dev, n_exp, expert_alignment=align, num_worst_tokens=worst)
+        rx, ri, rw, per_expert = _reference(idx, x.astype(np.float32), w, n_exp)
+        n = rx.shape[0]
+        want_counts = (per_expert + align - 1) // align * align
+
+        def check(out=out, rx=rx, ri=ri, rw=rw, n=n, want_counts=want_counts, i=i, worst=worst, w_dev=w_dev):
+            recv_x, recv_idx, recv_w, counts, h = out
+            assert recv_x.dtype == x.dtype and recv_x.shape[0] == (worst or n), f"call {i}"
+            assert np.array_equal(to_np(recv_x)[:n].astype(np.float32), rx), f"call {i}: recv_x"
+            assert np.array_equal(to_np(recv_idx)[:n], ri), f"call {i}: recv_topk_idx"
+            if w_dev is None:
+                assert recv_w is None
+            else:
+                assert np.array_equal(to_np(recv_w)[:n], rw), f"call {i}: recv_topk_weights"
+            if worst:
+                assert (to_np(recv_idx)[n:] == -1).all() and int(to_np(h.num_recv_tokens_device)) == n
+            got = np.asarray(counts if isinstance(counts, list) else to_np(counts), np.int64)
+            assert np.array_equal(got, want_counts), f"call {i}: counts"
+            assert (h.num_experts, h.expert_alignment, h.num_topk) == (n_exp, align, topk)
+        all_ranks(check)
+        kept.append((out, rx, ri, n, i))
+    comm.synchronize()
+
+    def intact():
+        for (recv_x, recv_idx, *_), rx, ri, n, i in kept:
+            assert np.array_equal(to_np(recv_x)[:n].astype(np.float32), rx), f"call {i}: recv_x (at the end)"
+            assert np.array_equal(to_np(recv_idx)[:n], ri), f"call {i}: recv_topk_idx (at the end)"
+    all_ranks(intact)

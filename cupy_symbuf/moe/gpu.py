@@ -19,6 +19,8 @@ the host waiting once through host-mapped memory, or not at all with ``num_worst
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..common import backend as _compat
@@ -57,18 +59,40 @@ def contiguous(idx):
 
 
 def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_rank=None, meta=None, bad=None,
-           sticky: bool = False, pos=None, send_idx=None) -> None:
+           sticky: bool = False, pos=None, send_idx=None, stream=None) -> None:
     """Launch the layout kernel on the current stream for int64 C-contiguous ``idx [N, K]`` (outputs: device
-    arrays or None; see ``cuda_src/moe.cu``)."""
+    arrays, addresses as ints, or None; see ``cuda_src/moe.cu``; ``stream``: the current stream, when the caller has
+    it)."""
     n, k = idx.shape
     W = eng.world_size
     threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
     sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
     launch = _launcher(eng, LAYOUT_KERNEL)
-    launch.fill(idx=idx.data.ptr, num_tokens=n, num_topk=k, num_experts=num_experts, world_size=W,
-                per_rank=_ptr(per_rank), per_expert=_ptr(per_expert), in_rank=_ptr(in_rank), meta=_ptr(meta),
-                bad=_ptr(bad), bad_sticky=sticky_ptr, pos=_ptr(pos), send_idx=_ptr(send_idx))
-    launch(1, threads, shared_mem=4 * num_experts)
+    # MoeLayoutArgs in order (layout_run: the same)
+    launch.pack(idx.data.ptr, n, k, num_experts, W, _ptr(per_rank), _ptr(per_expert), _ptr(in_rank), _ptr(meta),
+                _ptr(bad), sticky_ptr, _ptr(pos), _ptr(send_idx))
+    launch(1, threads, shared_mem=4 * num_experts, stream=stream)
+
+
+def layout_fields(eng, n: int, k: int, num_experts: int) -> tuple:
+    """``(launcher, threads, fields)`` of a dispatch's layout launch (:func:`layout`) for ``idx [n, k]``: ``fields``
+    the ``MoeLayoutArgs`` in order with 0 for every address, for a caller that keeps them per call shape and writes
+    the addresses per call (:func:`layout_run`)."""
+    W = eng.world_size
+    threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
+    return _launcher(eng, LAYOUT_KERNEL), threads, (0, n, k, num_experts, W, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def layout_run(prepared: tuple, idx_ptr: int, rt: "Routing", stream=None) -> None:
+    """The layout launch of a dispatch (:func:`layout_fields` kept per call shape) writing ``rt``'s routing: the
+    same fields as :func:`layout` with ``in_rank``, ``meta``, ``bad``, ``pos`` and ``send_idx`` of ``rt``."""
+    launch, threads, f = prepared
+    bad = rt.bad_ptr
+    # MoeLayoutArgs in order: idx, num_tokens, num_topk, num_experts, world_size, per_rank, per_expert, in_rank,
+    # meta, bad, bad_sticky, pos, send_idx
+    launch.pack(idx_ptr, f[1], f[2], f[3], f[4], 0, 0, rt.in_rank_ptr, bad + 16, bad, 0, rt.pos_ptr,
+                rt.send_idx_ptr)
+    launch(1, threads, shared_mem=4 * f[3], stream=stream)
 
 
 def reduce_launcher(eng, kernel: str):
@@ -84,6 +108,45 @@ def _self_rows(a, width: int) -> tuple:
     return (a.data.ptr if a.shape[0] else 0), (a.strides[0] // a.dtype.itemsize if a.shape[0] > 1 else width)
 
 
+class ReduceLaunch:
+    """What a combine reduction launch (``symbuf_combine_reduce_*``) takes from its call shape, made by
+    :func:`reduce_prepare` and kept for repeated calls (:func:`reduce_run` adds the call's addresses): the launcher,
+    the fields that do not change between calls of the shape, and the grid and block of the vector (16-byte loads)
+    and scalar variants (which one runs depends on the addresses' alignment)."""
+
+    __slots__ = ("launch", "num_tokens", "hidden", "world_size", "pos", "self_stride", "table", "rank",
+                 "w_self_stride", "k", "vec_ok", "grid", "block_vec", "block", "self_has_rows")
+
+
+def reduce_prepare(launch, item: int, hidden: int, pos_ptr: int, world_size: int, num_tokens: int, *,
+                   self_rows=None, table_ptr: int = 0, rank: int = 0, num_topk: int = 0,
+                   w_self_rows=None) -> ReduceLaunch:
+    """The :class:`ReduceLaunch` of a reduction of rows of ``item``-byte elements (see :func:`reduce`; ``pos_ptr``:
+    the address of ``pos`` ``[num_tokens, world_size]``; ``num_topk`` 0: no weights)."""
+    r = ReduceLaunch()
+    row = hidden * item
+    _, self_stride = _self_rows(self_rows, hidden)
+    _, w_self_stride = _self_rows(w_self_rows, num_topk)
+    r.launch, r.num_tokens, r.hidden, r.world_size, r.pos = launch, num_tokens, hidden, world_size, pos_ptr
+    r.self_stride, r.table, r.rank, r.w_self_stride, r.k = self_stride, table_ptr, rank, w_self_stride, num_topk
+    r.self_has_rows = self_rows is not None and self_rows.shape[0] > 0
+    r.vec_ok = row % 16 == 0 and (self_stride * item) % 16 == 0
+    r.grid = min(num_tokens, 65535)
+    r.block_vec = min(256, max(32, (max(row // 16, num_topk) + 31) // 32 * 32))
+    r.block = min(256, max(32, (max(hidden, num_topk) + 31) // 32 * 32))
+    return r
+
+
+def reduce_run(r: ReduceLaunch, back_ptr: int, out_ptr: int, self_ptr: int = 0, w_back_ptr: int = 0,
+               w_out_ptr: int = 0, w_self_ptr: int = 0, stream=None) -> None:
+    """Launch the reduction ``r`` with this call's addresses (``self_ptr``: the combine input's, 0 when it has no
+    rows; ``w_back_ptr``, ``w_out_ptr``, ``w_self_ptr`` 0: no weights) on ``stream`` (None: the current one)."""
+    vec = r.vec_ok and not (back_ptr | out_ptr | self_ptr) & 15  # 16 bytes per load
+    r.launch.pack(back_ptr, r.pos, out_ptr, r.num_tokens, r.hidden, r.world_size, 1 if vec else 0, self_ptr,
+                  r.self_stride, r.table, r.rank, w_back_ptr, w_out_ptr, w_self_ptr, r.w_self_stride, r.k)
+    r.launch(r.grid, r.block_vec if vec else r.block, stream=stream)
+
+
 def reduce(back, pos, out, num_tokens: int, hidden: int, launch, *, self_rows=None, table_ptr: int = 0,
            rank: int = 0, w_back=None, w_out=None, w_self_rows=None, stream=None) -> None:
     """Launch a combine reduction (``symbuf_combine_reduce_*``, one launch for x and the top-k weights):
@@ -93,21 +156,12 @@ def reduce(back, pos, out, num_tokens: int, hidden: int, launch, *, self_rows=No
     counts table); with ``w_out`` (float32 ``[num_tokens, num_topk]``) the same sum of the weights' rows
     ``w_back`` (float32 ``[rows, num_topk]``, C-contiguous) and ``w_self_rows`` in the same launch. ``launch``: the
     kernel's :func:`reduce_launcher`; ``stream``: the current stream (None: asked)."""
-    item = back.dtype.itemsize
-    row = hidden * item
-    self_ptr, self_stride = _self_rows(self_rows, hidden)
     k = 0 if w_out is None else w_out.shape[1]
-    w_self_ptr, w_self_stride = _self_rows(w_self_rows, k)
-    back_ptr, out_ptr = back.data.ptr, out.data.ptr
-    vec = row % 16 == 0 and back_ptr % 16 == 0 and out_ptr % 16 == 0 and self_ptr % 16 == 0 and \
-        (self_stride * item) % 16 == 0  # 16 bytes per load
-    lanes = max(row // 16 if vec else hidden, k)
-    launch.fill(back=back_ptr, pos=pos.data.ptr, out=out_ptr, num_tokens=num_tokens, hidden=hidden,
-                world_size=pos.shape[1], vec=1 if vec else 0, self_rows=self_ptr, self_stride=self_stride,
-                table=table_ptr, rank=rank, w_back=0 if w_out is None else w_back.data.ptr,
-                w_out=0 if w_out is None else w_out.data.ptr, w_self_rows=w_self_ptr, w_self_stride=w_self_stride,
-                num_topk=k)
-    launch(min(num_tokens, 65535), min(256, max(32, (lanes + 31) // 32 * 32)), stream=stream)
+    r = reduce_prepare(launch, back.dtype.itemsize, hidden, pos.data.ptr, pos.shape[1], num_tokens,
+                       self_rows=self_rows, table_ptr=table_ptr, rank=rank, num_topk=k, w_self_rows=w_self_rows)
+    reduce_run(r, back.data.ptr, out.data.ptr, _self_rows(self_rows, hidden)[0],
+               0 if w_out is None else w_back.data.ptr, 0 if w_out is None else w_out.data.ptr,
+               _self_rows(w_self_rows, k)[0], stream)
 
 
 def get_dispatch_layout(eng, op: str, idx, num_experts: int):
@@ -133,6 +187,18 @@ def get_dispatch_layout(eng, op: str, idx, num_experts: int):
     return per_rank, per_expert, in_rank
 
 
+@functools.lru_cache(maxsize=64)
+def _routing_layout(n: int, W: int, M: int) -> tuple:
+    """``(block words, pos offset, send_idx offset, in_rank offset, total bytes)`` of a :class:`Routing`'s one
+    allocation: the block (see the class), ``pos``, ``send_idx`` and ``in_rank``, each at a multiple of 256 bytes."""
+    words = 2 * CT + M + 2 + W * M  # (+ the count exchange's values, [W, M])
+    offs, total = [], 0
+    for size in (8 * words, 8 * n * W, 8 * max(1, n * W), n * W):
+        offs.append(total)
+        total += (size + 255) // 256 * 256
+    return (words,) + tuple(offs[1:]) + (total,)
+
+
 class Routing:
     """What one dispatch's layout and count exchange made on the device (kept by the handle).
 
@@ -141,41 +207,63 @@ class Routing:
     ``pos`` int64 ``[N, W]``, ``send_idx`` int64 ``[N * W]``, ``in_rank`` bool ``[N, W]``.
     """
 
-    __slots__ = ("block", "M", "table_ptr", "pos", "send_idx", "in_rank")
+    __slots__ = ("M", "W", "n", "table_ptr", "rev_table_ptr", "sums_ptr", "bad_ptr", "meta_ptr", "pos_ptr",
+                 "send_idx_ptr", "in_rank", "_mem", "_words", "_idx_len", "_block", "_pos", "_send_idx")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
         # the four arrays from one allocation (they live as long as the handle, together): one pool call, not four
-        words = 2 * CT + M + 2 + W * M  # (+ the count exchange's values, [W, M])
-        sizes = (8 * words, 8 * n * W, 8 * max(1, n * W), n * W)
-        offs, total = [], 0
-        for size in sizes:
-            offs.append(total)
-            total += (size + 255) // 256 * 256
-        mem = cp.cuda.alloc(total)
-        self.block = cp.ndarray((words,), np.int64, memptr=mem)
-        self.M = M
-        self.table_ptr = self.block.data.ptr  # the parts by address on the hot path (views cost us each)
-        self.pos = cp.ndarray((n, W), np.int64, memptr=mem + offs[1])
-        self.send_idx = cp.ndarray((max(1, n * W),), np.int64, memptr=mem + offs[2])
-        self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + offs[3])
-
-    # addresses of the parts (hot path) and views of them (errors, worst-case counts)
-    @property
-    def rev_table_ptr(self) -> int:
-        return self.table_ptr + 8 * CT
+        words, pos_off, idx_off, in_rank_off, total = _routing_layout(n, W, M)
+        mem = self._mem = cp.cuda.alloc(total)
+        self.M, self.W, self.n = M, W, n
+        # the parts by address on the hot path (views cost us each): the counts table, the reverse one, the
+        # per-expert sums, the bad-value count and the count exchange's values (in the block), pos, send_idx
+        t = self.table_ptr = mem.ptr
+        self.rev_table_ptr, self.sums_ptr = t + 8 * CT, t + 8 * 2 * CT
+        self.bad_ptr = t + 8 * (2 * CT + M)
+        self.meta_ptr = self.bad_ptr + 16
+        self.pos_ptr, self.send_idx_ptr = t + pos_off, t + idx_off
+        self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + in_rank_off)
+        # block, pos and send_idx: arrays made when first asked for
+        self._words, self._idx_len = words, max(1, n * W)
+        self._block = self._pos = self._send_idx = None
 
     @property
-    def sums_ptr(self) -> int:
-        return self.table_ptr + 8 * 2 * CT
+    def pos(self):
+        """int64 ``[N, W]``: the send position of every (token, rank) pair (-1: not sent)."""
+        a = self._pos
+        if a is None:
+            a = self._pos = _compat.cupy.ndarray((self.n, self.W), np.int64,
+                                                 memptr=self._mem + (self.pos_ptr - self.table_ptr))
+        return a
 
     @property
-    def bad_ptr(self) -> int:
-        return self.sums_ptr + 8 * self.M
+    def in_rank_ptr(self) -> int:
+        return self.in_rank.data.ptr
 
     @property
-    def meta_ptr(self) -> int:
-        return self.bad_ptr + 16
+    def block(self):
+        """int64 ``[2 * CT_WORDS + M + 2 + W * M]`` (see the class)."""
+        b = self._block
+        if b is None:
+            b = self._block = _compat.cupy.ndarray((self._words,), np.int64, memptr=self._mem)
+        return b
+
+    @property
+    def send_idx(self):
+        """int64 ``[max(1, N * W)]``: the token of every send row (grouped by destination rank)."""
+        a = self._send_idx
+        if a is None:
+            a = self._send_idx = _compat.cupy.ndarray((self._idx_len,), np.int64,
+                                                      memptr=self._mem + (self.send_idx_ptr - self.table_ptr))
+        return a
+
+    def send_rows_idx(self, rows: int):
+        """A new int64 ``[rows]`` array over the first ``rows`` entries of :attr:`send_idx` (``rows <= N * W``; the
+        same memory as ``send_idx[:rows]``, made without the full array)."""
+        return _compat.cupy.ndarray((rows,), np.int64, memptr=self._mem + (self.send_idx_ptr - self.table_ptr))
+
+    # views of the block (errors, worst-case counts)
 
     @property
     def table(self):
@@ -195,14 +283,15 @@ class Routing:
         return self.block[P.CT_RECV_TOTAL]
 
 
-def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out, align: int) -> None:
-    """Launch the receive fix-up (``cuda_src/moe.cu``) on the current stream; ``table_ptr`` 0: every row is real."""
-    n = rows * gidx.shape[1]
+def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out, align: int, stream=None) -> None:
+    """Launch the receive fix-up (``cuda_src/moe.cu``) on the current stream; ``table_ptr`` 0: every row is real;
+    ``stream``: the current stream, when the caller has it."""
+    k = gidx.shape[1]
+    n = rows * k
     if n == 0 and counts_out is None:
         return
-    grid = max(1, min(1024, (n + 255) // 256))
     launch = _launcher(eng, FIXUP_KERNEL)
-    launch.fill(gidx=gidx.data.ptr if n else 0, w=_ptr(w) if n else 0, rows=rows, num_topk=gidx.shape[1],
-                first_expert=eng.rank * epr, epr=epr, table=table_ptr, sums=_ptr(sums), counts_out=_ptr(counts_out),
-                align=align)
-    launch(grid, 256)
+    # MoeFixupArgs in order: gidx, w, rows, num_topk, first_expert, epr, table, sums, counts_out, align
+    launch.pack(gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, k, eng.rank * epr, epr, table_ptr, _ptr(sums),
+                _ptr(counts_out), align)
+    launch(max(1, min(1024, (n + 255) // 256)), 256, stream=stream)

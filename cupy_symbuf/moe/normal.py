@@ -32,8 +32,10 @@ On the host the rows are packed with NumPy, sent through the same ring protocol 
 summation order is fixed: results are bitwise reproducible) -> rounded once to ``x``'s dtype. On the GPU the
 accumulation of ``x`` and ``topk_weights`` is one kernel launch (``cuda_src/moe.cu``, ``symbuf_combine_reduce_*``);
 on the host NumPy scatter-adds. A repeated GPU combine or cached dispatch of one call shape (handle, dtype, strides)
-runs from a record its first call kept on the handle (the checked kind, the row signature, the exchange plan),
-checking only the arrays' type, shape and device.
+runs from a record its first call kept on the handle (the checked kind, the row signature, the prepared launches),
+checking only the arrays' type, shape and device; so does a repeated eager GPU dispatch (no handle, no ``out``:
+its record in the communicator's per-call-shape memo, keyed by the arrays' dtypes, shapes and strides and the
+integer arguments) and ``get_dispatch_layout``.
 
 Expert placement
 ----------------
@@ -66,7 +68,8 @@ from . import gpu as _gpu
 from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_counts, check_device_experts, check_expert_alignment,
                      check_handle, check_num_experts, check_topk_idx, check_weights, check_x, combine_kind,
                      count_value_error, row_bytes)
-from .normal_cuda import cached_device, combine_device, device_outputs, dispatch_cuda, exchange_device, reduce_cuda
+from .normal_cuda import (cached_device, combine_device, device_outputs, dispatch_cuda, eager_from_record, eager_key,
+                          eager_record, exchange_device, layout_key, new_eager_record, reduce_cuda, remember)
 from .normal_handle import DispatchHandle, make_ref
 from .routing import token_layout
 from ..collectives import wire_dtype as _wire
@@ -180,13 +183,25 @@ def get_dispatch_layout(comm, topk_idx, num_experts: int):
     """
     op = "get_dispatch_layout"
     comm.check_open()
-    n_exp = check_num_experts(op, comm, num_experts)
     cuda = comm.backend == "cuda"
     if cuda:
+        # a call shape whose checks passed before (topk_idx's dtype, shape and strides, num_experts as an int): only
+        # the device is checked again (what the checks decided is the cast to int64, nothing else)
+        key = layout_key(comm.xp, topk_idx, num_experts)
+        cast = None if key is None else comm.call_memo.get(key)
+        if cast is not None and topk_idx.data.device_id != comm.xp.cuda.runtime.getDevice():
+            cast = None  # (the full checks say what is wrong)
         with comm.keep_allocations_for_graph():  # captured: the int64 / contiguous copy of topk_idx is read by replays
+            if cast is not None:
+                return _gpu.get_dispatch_layout(comm, op, topk_idx.astype(np.int64) if cast[0] else topk_idx,
+                                                num_experts)
+            n_exp = check_num_experts(op, comm, num_experts)
             idx = check_topk_idx(op, comm, topk_idx, n_exp, check_range=False)
             check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
+            if key is not None:
+                remember(comm, key, (idx is not topk_idx,))
             return _gpu.get_dispatch_layout(comm, op, idx, n_exp)
+    n_exp = check_num_experts(op, comm, num_experts)
     idx = check_topk_idx(op, comm, topk_idx, n_exp)
     return token_layout(comm.xp, idx, n_exp, comm.world_size)
 
@@ -382,6 +397,15 @@ def _wire_fp8(op, comm, x, wire_dtype):
 def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_alignment, num_worst_tokens,
               out=None, *, stream=None, capturing=None):
     xp = comm.xp
+    key = None
+    if handle is None and out is None and comm.backend == "cuda":
+        # a GPU eager dispatch of a call shape whose arguments passed every check before (nothing of it depends on
+        # the arrays' values): its record, or the key its record is kept under once this call returns
+        key = eager_key(xp, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens)
+        rec = None if key is None else eager_record(comm, key, x, topk_idx, topk_weights)
+        if rec is not None:
+            return eager_from_record(comm, op, rec, x, topk_idx, topk_weights, num_experts, expert_alignment,
+                                     num_worst_tokens, stream=stream, capturing=capturing)
     align = check_expert_alignment(op, expert_alignment)
     worst = check_int(op, "num_worst_tokens", num_worst_tokens, minimum=0)
 
@@ -429,8 +453,14 @@ def _dispatch(comm, op, x, topk_idx, topk_weights, num_experts, handle, expert_a
         _check_capacity(op, outs, worst, "num_worst_tokens")
     if cuda:
         check_device_experts(op, n_exp, _gpu.MAX_EXPERTS)
-        return dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs, stream=stream,
-                             capturing=capturing)
+        fill = None
+        if key is not None:
+            fill = new_eager_record(kind, idx is not topk_idx)
+        res = dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp, align, worst, outs, stream=stream,
+                            capturing=capturing, fill=fill)
+        if fill is not None:
+            remember(comm, key, fill)
+        return res
 
     # ---- layout and count exchange (notify_dispatch)
     w_size, rank = comm.world_size, comm.rank

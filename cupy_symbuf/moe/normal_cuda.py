@@ -11,12 +11,13 @@ import numpy as np
 
 from . import gpu as _gpu
 from .checks import check_weights, check_x, combine_kind, row_bytes, topk_value_error
-from .normal_handle import DispatchHandle, make_ref
+from .normal_handle import make_ref, new_handle
 from ..common import dtypes as _dt
 from ..common.checks import check_array, check_out
 from ..wire.channel_layout import check_row_fits
 
-__all__ = ["cached_device", "dispatch_cuda", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+__all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record",
+           "new_eager_record", "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
@@ -25,9 +26,10 @@ class _CachedRecord:
     """What a GPU cached dispatch of one call shape (handle, ``x``'s dtype and strides, no ``out``) derives before
     its launch, kept on the handle for the next call of that shape: the checked kind, the row signature, the
     exchange plan, whether ``x``'s rows need a contiguous copy, and the per-expert counts of an eager handle at each
-    alignment asked (a new list is returned on every call)."""
+    alignment asked (a new list is returned on every call); ``ring``: the prepared ring launch (made by the first
+    call; False where the handle's send index is not int64 C-contiguous: then the arrays are handed over per call)."""
 
-    __slots__ = ("x_shape", "kind", "sig", "plan", "copy_x", "counts")
+    __slots__ = ("x_shape", "kind", "sig", "plan", "ring", "copy_x", "counts")
 
 
 def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
@@ -46,6 +48,7 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
         cx = _rows_contiguous(cp, xv)
         rec.copy_x = cx is not xv
         rec.plan = comm.device_plan(op, rec.sig, [cx], True) if cx.shape[1] else None
+        rec.ring = None
         rec.counts = {}
         _records(h)[key] = rec
         x = xv
@@ -55,8 +58,16 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
     if rec.plan is not None:
         if capturing:  # read / written by every replay (the caller's x too)
             comm.keep_for_graph(x, recv_x, capturing=True)
-        comm.exchange_rows_device(op, [x], h.send_token_idx, [recv_x], rec.sig, h.routing.table_ptr,
-                                  tag=h.dispatch_id, plan=rec.plan, stream=stream)
+        index = h.send_token_idx
+        if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
+            rec.ring = comm.prepare_rows_device(op, rec.sig, [x], [recv_x], True) \
+                if index.dtype == _I64 and index._c_contiguous else False
+        if rec.ring:
+            comm.launch_rows_device(op, rec.ring, [x.data.ptr], [recv_x.data.ptr], index.data.ptr,
+                                    h.routing.table_ptr, tag=h.dispatch_id, stream=stream)
+        else:
+            comm.exchange_rows_device(op, [x], index, [recv_x], rec.sig, h.routing.table_ptr, tag=h.dispatch_id,
+                                      plan=rec.plan, stream=stream)
     if h.num_worst_tokens:  # an int64 device array, made anew (a returned array is never handed out twice)
         return recv_x, None, None, h.num_recv_tokens_per_expert(align), h
     counts = rec.counts.get(align)
@@ -70,27 +81,116 @@ def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
             f"weights={weights is not None}|num_experts={n_exp}")
 
 
+class _EagerRecord:
+    """What a GPU eager dispatch of one call shape derives from its arguments before its first launch, kept in the
+    communicator's per-call-shape memo (:attr:`~cupy_symbuf.transport.engine.Engine.call_memo`) under
+    :func:`eager_key` once a call of that shape returned: the checked kind, whether ``topk_idx`` is cast to int64
+    and copied to C order, the row bytes and signature, the receive parts' widths and dtypes and the prepared ring
+    launch (plan and descriptor) and the layout launch's fields (:func:`~cupy_symbuf.moe.gpu.layout_fields`).
+    Nothing in it depends on the values of the arrays or on the routing (the counts are read anew every call)."""
+
+    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring", "sent", "copy_rows", "layout")
+
+
+def eager_key(cp, x, topk_idx, weights, num_experts, expert_alignment, num_worst_tokens):
+    """The memo key of a GPU eager dispatch without ``out`` (:class:`_EagerRecord`), or None (checked in full every
+    call): plain CuPy arrays ``x``, ``topk_idx`` and ``weights`` (or None), by dtype, shape and strides, and the
+    three integer arguments as plain ints (a bool or NumPy integer equal to one is checked in full)."""
+    nd = cp.ndarray
+    if type(x) is not nd or type(topk_idx) is not nd or not (weights is None or type(weights) is nd) or \
+            type(num_experts) is not int or type(expert_alignment) is not int or type(num_worst_tokens) is not int:
+        return None
+    return ("dispatch", x.dtype, x.shape, x.strides, topk_idx.dtype, topk_idx.shape, topk_idx.strides,
+            None if weights is None else (weights.dtype, weights.shape, weights.strides), num_experts,
+            expert_alignment, num_worst_tokens)
+
+
+def layout_key(cp, topk_idx, num_experts):
+    """The memo key of a GPU ``get_dispatch_layout`` whose checks passed before (remembered: whether ``topk_idx`` is
+    cast to int64), or None (checked in full every call): a plain CuPy ``topk_idx`` by dtype, shape and strides,
+    ``num_experts`` a plain int."""
+    if type(topk_idx) is not cp.ndarray or type(num_experts) is not int:
+        return None
+    return ("get_dispatch_layout", topk_idx.dtype, topk_idx.shape, topk_idx.strides, num_experts)
+
+
+def eager_record(comm, key, x, topk_idx, weights):
+    """The :class:`_EagerRecord` remembered under ``key`` (:func:`eager_key`, not None) when every array lives on the
+    current GPU, else None (the full checks then say what is wrong)."""
+    rec = comm.call_memo.get(key)
+    if rec is not None:
+        dev = comm.xp.cuda.runtime.getDevice()
+        if x.data.device_id != dev or topk_idx.data.device_id != dev or \
+                (weights is not None and weights.data.device_id != dev):
+            return None
+    return rec
+
+
+def new_eager_record(kind: str, cast_idx: bool) -> _EagerRecord:
+    """A new :class:`_EagerRecord` of a call checked in full (``cast_idx``: its ``topk_idx`` was cast to int64), for
+    :func:`dispatch_cuda` to fill and the caller to :func:`remember` once the call returned."""
+    rec = _EagerRecord()
+    rec.kind, rec.cast_idx = kind, cast_idx
+    return rec
+
+
+def remember(comm, key, rec) -> None:
+    """Keep ``rec`` under ``key`` in the communicator's per-call-shape memo (bounded: a new entry past 256 clears
+    it)."""
+    memo = comm.call_memo
+    if len(memo) >= 256:
+        memo.clear()
+    memo[key] = rec
+
+
+def eager_from_record(comm, op, rec, x, topk_idx, weights, n_exp: int, align: int, worst: int, *, stream,
+                      capturing):
+    """:func:`dispatch_cuda` of a call whose shape passed every argument check before (``rec``)."""
+    idx = topk_idx.astype(np.int64) if rec.cast_idx else topk_idx
+    return dispatch_cuda(comm, op, x, None, rec.kind, idx, weights, n_exp, align, worst, stream=stream,
+                         capturing=capturing, rec=rec)
+
+
 def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None, *,
-                  stream=None, capturing=None):
+                  stream=None, capturing=None, rec=None, fill=None):
     """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
     tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
-    -> receive fix-up. With ``worst`` nothing is read on the host."""
+    -> receive fix-up. With ``worst`` nothing is read on the host. ``rec``: the :class:`_EagerRecord` of this call
+    shape (its checks, signature and plan); ``fill``: without ``rec``, a new :class:`_EagerRecord` whose ``kind``
+    and ``cast_idx`` the caller set, filled here with the rest (the caller remembers it once the call returned)."""
     cp = comm.xp
     w_size, rank = comm.world_size, comm.rank
     epr = n_exp // w_size
     num_tokens, num_topk = idx.shape
     M = 1 + epr
-    rb = row_bytes(xv, scales, num_topk, weights is not None)
-    check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
-    sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
-    push = comm.push_targets(user_outs) if user_outs is not None else None
-    if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
-        sig += push[2]
-    idx = _gpu.contiguous(idx)
+    push = None
+    if rec is None:
+        rb = row_bytes(xv, scales, num_topk, weights is not None)
+        check_row_fits(op, rb, comm.config.chunk_bytes, byte_run=False)
+        sig = _dispatch_sig(kind, xv, scales, idx, weights, n_exp)
+        push = comm.push_targets(user_outs) if user_outs is not None else None
+        if push is not None:  # the outputs' layout is agreed by the count exchange's signature check
+            sig += push[2]
+        cidx = _gpu.contiguous(idx)
+        if fill is not None:  # (no out, no scales: push is None)
+            fill.rb, fill.sig, fill.ring, fill.layout = rb, sig, None, None
+            fill.copy_idx = cidx is not idx
+            fill.out_parts = _out_parts(xv, scales, idx, weights)
+        idx = cidx
+        rec = fill
+    else:
+        rb, sig = rec.rb, rec.sig
+        if rec.copy_idx:
+            idx = cp.ascontiguousarray(idx)
     rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
     meta = rt.meta_ptr
-    _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos,
-                     send_idx=rt.send_idx)
+    if rec is None:
+        _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos_ptr,
+                    send_idx=rt.send_idx_ptr, stream=stream)
+    else:
+        if rec.layout is None:
+            rec.layout = _gpu.layout_fields(comm, num_tokens, num_topk, n_exp)
+        _gpu.layout_run(rec.layout, idx.data.ptr, rt, stream)
 
     def bad_error():
         flat = int(rt.bad[1].get())
@@ -100,7 +200,8 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
 
     # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
     # failure between the steps)
-    outs = device_outputs(cp, worst, xv, scales, idx, weights, user_outs) if worst else None
+    outs = device_outputs(cp, worst, xv, scales, idx, weights, user_outs, parts=rec and rec.out_parts) \
+        if worst else None
     res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
                              capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
                              worst=bool(worst), self_error=bad_error,
@@ -120,23 +221,25 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
         recv_vals, sent_vals = res
         recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
         raw = tuple(recv_vals[:, 1:1 + epr].sum(axis=0).tolist())
-        n_recv = int(recv_counts.sum())
-        send_rows = int(send_counts.sum())
-        send_idx = rt.send_idx[:send_rows]
+        n_recv = sum(recv_counts.tolist())  # (counts of rows: far from int64's range; a Python sum of W ints)
+        send_rows = sum(send_counts.tolist())
+        send_idx = rt.send_rows_idx(send_rows)
         send_counts.setflags(write=False)
         recv_counts.setflags(write=False)
     recv_x, recv_scales, recv_gidx, recv_w = exchange_device(comm, op, xv, scales, idx, weights, send_idx, n_recv,
                                                              sig, rt.table_ptr, outs, user_outs=user_outs,
-                                                             push=push, stream=stream, capturing=capturing)
+                                                             push=push, stream=stream, capturing=capturing, rec=rec)
     counts_out = cp.empty(epr, np.int64) if worst else None
     _gpu.fixup(comm, recv_gidx, recv_w, n_recv, epr, table_ptr=rt.table_ptr if worst else 0, sums=rt.sums_ptr,
-                    counts_out=counts_out, align=align)
-    h = DispatchHandle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
-                       num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
-                       hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
-                       send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
-                       expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows,
-                       dispatch_id=dispatch_id)
+               counts_out=counts_out, align=align, stream=stream)
+    h = new_handle(_comm_ref=make_ref(comm), rank=rank, world_size=w_size, backend=comm.backend,
+                   num_experts=n_exp, num_tokens=num_tokens, num_topk=int(num_topk),
+                   hidden=int(xv.shape[1]), is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
+                   send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
+                   expert_alignment=align, num_worst_tokens=worst, routing=rt, send_rows=send_rows,
+                   dispatch_id=dispatch_id)
+    if not worst:  # (the handle's row count, summed above: a combine's shape check reads it)
+        h.__dict__["_recv_total"] = (recv_counts, n_recv)
     out_x = (recv_x, recv_scales) if scales is not None else recv_x
     counts = counts_out if worst else h.num_recv_tokens_per_expert(align)
     return out_x, recv_gidx, recv_w, counts, h
@@ -149,40 +252,70 @@ def _rows_contiguous(xp, a):
     return a
 
 
-def device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, src=None) -> list:
-    """The receive arrays of :func:`exchange_device` (``n_recv`` rows; one per part that is not None; the first
-    rows of dispatch's ``out`` arrays where given)."""
-    mine = list(user_outs or ())
-    parts = [(xv.shape[1], xv.dtype, mine[0] if mine else None)]
-    for k, (a, dt) in enumerate(((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64))):
+def _out_parts(xv, scales, idx, weights, src=None) -> list:
+    """``[(row width in elements, dtype)]`` of the receive arrays of :func:`exchange_device`, one per part that is
+    not None (x, scales, top-k ids, weights, source indices)."""
+    parts = [(xv.shape[1], xv.dtype)]
+    for a, dt in ((scales, _F32), (idx, _I64), (weights, _F32), (src, _I64)):
         if a is not None:
-            parts.append((a.shape[1], dt, mine[1] if k == 0 and mine[1:] else None))
+            parts.append((a.shape[1], dt))
+    return parts
+
+
+def device_outputs(xp, n_recv: int, xv, scales, idx, weights, user_outs=None, src=None, *, parts=None) -> list:
+    """The receive arrays of :func:`exchange_device` (``n_recv`` rows; one per part that is not None; the first
+    rows of dispatch's ``out`` arrays where given: x's, and the scales' after it). ``parts``: :func:`_out_parts`
+    of these arguments, when the caller kept it."""
+    if parts is None:
+        parts = _out_parts(xv, scales, idx, weights, src)
+    mine = list(user_outs or ())
+    given = [mine[0] if mine else None] + [None] * (len(parts) - 1)
+    if scales is not None and mine[1:]:
+        given[1] = mine[1]
     # the arrays this call makes, from one allocation (one pool call; each array is new on every call)
-    sizes = [0 if given is not None else (n_recv * n * dt.itemsize + 255) & ~255 for n, dt, given in parts]
+    sizes = [0 if g is not None else (n_recv * n * dt.itemsize + 255) & ~255 for (n, dt), g in zip(parts, given)]
     total = sum(sizes)
     mem = xp.cuda.alloc(total) if total else None
     outs, off = [], 0
-    for (n, dt, given), size in zip(parts, sizes):
-        if given is not None:
-            outs.append(given[:n_recv])
+    nd = xp.ndarray
+    for (n, dt), g, size in zip(parts, given, sizes):
+        if g is not None:
+            outs.append(g[:n_recv])
         else:
-            outs.append(xp.ndarray((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
+            outs.append(nd((n_recv, n), dt, memptr=mem + off) if mem is not None else xp.empty((n_recv, n), dt))
             off += size
     return outs
 
 
 def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: int, sig: str, table_ptr: int,
-                    outs=None, *, user_outs=None, push=None, tag: int = 0, src=None, stream=None, capturing=None):
+                    outs=None, *, user_outs=None, push=None, tag: int = 0, src=None, stream=None, capturing=None,
+                    rec=None):
     """:func:`cupy_symbuf.moe.normal._exchange` (the host path's row exchange) of a device-count call (GPU):
     ``n_recv`` output rows (the real count, or the worst-case capacity; ``outs``: already allocated by
     :func:`device_outputs`), the per-peer units read by the ring kernel from the counts table at ``table_ptr``.
     ``user_outs``: dispatch's ``out`` arrays (x, scales); ``push``: their
     :meth:`~cupy_symbuf.transport.engine.Engine.push_targets` (None: computed here; its text is added to ``sig``);
     ``tag``, ``src``: as in ``normal._exchange``; ``stream``, ``capturing``: :meth:`Engine.capture_state` when the
-    caller has it (None: asked)."""
+    caller has it (None: asked); ``rec``: the call shape's :class:`_EagerRecord` (its receive parts and prepared
+    ring launch, made and kept in it by its first call; ``send_token_idx`` then the routing's int64 C-contiguous
+    send index)."""
     xp = comm.xp
     if outs is None:
-        outs = device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src)
+        outs = device_outputs(xp, n_recv, xv, scales, idx, weights, user_outs, src,
+                              parts=None if rec is None else rec.out_parts)
+    if rec is not None and rec.ring is not None:  # a repeated eager call: its parts as the first call found them
+        send = [xv, idx, weights]
+        for i in rec.copy_rows:  # (rows whose elements are not contiguous, as _rows_contiguous finds them)
+            send[i] = xp.ascontiguousarray(send[i])
+        if capturing:
+            comm.keep_for_graph(*send, *outs, capturing=True)
+        send_ptrs, recv_ptrs = [], []
+        for i in rec.sent:
+            send_ptrs.append(send[i].data.ptr)
+            recv_ptrs.append(outs[i].data.ptr)
+        comm.launch_rows_device(op, rec.ring, send_ptrs, recv_ptrs, send_token_idx.data.ptr, table_ptr, tag=tag,
+                                stream=stream)
+        return outs[0], None, outs[1], outs[2] if weights is not None else None
     if user_outs is not None and push is None:
         push = comm.push_targets(user_outs)
         if push is not None:
@@ -200,7 +333,16 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
     # read / written by every replay of a captured call: the caller's arrays among them too (what the call allocates
     # is kept by dispatch's and combine's keep_allocations_for_graph)
     comm.keep_for_graph(*send_parts, *outs, capturing=capturing)
-    if send_parts:
+    if send_parts and rec is not None:  # (no push; the send index is the routing's own, int64 C-contiguous)
+        # the record's first call: the ring launch prepared from this call's arrays, and which parts move and which
+        # are copied (x, topk_idx, weights: fixed by the record's key)
+        parts = [xv, idx, weights]
+        rec.sent = [i for i, out in enumerate(outs) if out.shape[1]]
+        rec.copy_rows = [i for i in rec.sent if _rows_contiguous(xp, parts[i]) is not parts[i]]
+        rec.ring = comm.prepare_rows_device(op, sig, send_parts, recv_parts, True)
+        comm.launch_rows_device(op, rec.ring, [a.data.ptr for a in send_parts], [a.data.ptr for a in recv_parts],
+                                send_token_idx.data.ptr, table_ptr, tag=tag, stream=stream)
+    elif send_parts:
         comm.exchange_rows_device(op, send_parts, send_token_idx, recv_parts, sig, table_ptr,
                                   push=(push_ids, push[1]) if push is not None else None, tag=tag, stream=stream)
     it = iter(outs[1:])
@@ -237,11 +379,12 @@ def reduce_cuda(comm, back, pos, kind: str, out_dtype, num_tokens: int, *, out=N
 class _CombineRecord:
     """What a GPU combine of one call shape (handle, ``x``'s dtype and strides, ``dtype``, the weights' dtype and
     strides, whether ``out`` is given) derives before its launches, kept on the handle for the next call of that
-    shape: the checked kind, the row signature, the exchange plan, the reduction's launcher and the byte layout of
-    the call's allocations. A repeated call then checks the arrays' type, shape and device only (the dtype and
+    shape: the checked kind, the row signature, the exchange plan and its prepared ring launch (made by the first
+    call), the reduction's prepared launch (:class:`~cupy_symbuf.moe.gpu.ReduceLaunch`) and the byte layout of the
+    call's allocations. A repeated call then checks the arrays' type, shape and device only (the dtype and
     strides are the key)."""
 
-    __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "reduce", "send_x", "send_w",
+    __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "ring", "red", "send_x", "send_w",
                  "x_dtype", "back_x_bytes", "back_w_off", "back_bytes", "out_x_bytes", "out_w_off", "out_bytes")
 
 
@@ -283,11 +426,15 @@ def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     rec.send_w = weights is not None and cw.shape[1] > 0
     parts = ([cx] if rec.send_x else []) + ([cw] if rec.send_w else [])
     rec.plan = comm.device_plan(op, rec.sig, parts, False) if parts else None
-    rec.reduce = _gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind])
+    rec.ring = None  # (made by the record's first call, from its arrays)
     # the rows that come back (x's, then the weights') in one allocation, the outputs in another (the returned
     # arrays are new on every call: nothing is handed out twice)
     rows, n = h.send_rows, h.num_tokens
     k = 0 if weights is None else h.num_topk
+    rt = h.routing
+    rec.red = _gpu.reduce_prepare(_gpu.reduce_launcher(comm, _REDUCE_KERNELS[kind]), x.dtype.itemsize, h.hidden,
+                                  rt.pos_ptr, h.world_size, n, self_rows=cx, table_ptr=rt.table_ptr, rank=h.rank,
+                                  num_topk=k, w_self_rows=cw)
     rec.back_x_bytes = rows * h.hidden * x.dtype.itemsize
     rec.back_w_off = _round_up(rec.back_x_bytes)
     rec.back_bytes = rec.back_w_off + rows * k * 4
@@ -315,7 +462,8 @@ def _two_arrays(cp, shape, dtype, w_off: int, nbytes: int, w_shape) -> tuple:
 def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool):
     """The GPU combine (a handle with device routing): one ring launch (the rows back, per-peer units from the
     dispatch's reverse counts table), one reduction launch (x and the weights); a repeated call of one shape uses
-    its :class:`_CombineRecord`."""
+    its :class:`_CombineRecord` (the arguments' type, shape and device checked; the launches prepared, the received
+    rows by address)."""
     cp = comm.xp
     nd = cp.ndarray
     rec = key = None
@@ -340,23 +488,33 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
     if rec.copy_w:
         weights = cp.ascontiguousarray(weights)
     rows, n = h.send_rows, h.num_tokens
-    back_x, back_w, mem = _two_arrays(cp, (rows, h.hidden), x.dtype, rec.back_w_off, rec.back_bytes,
-                                      None if weights is None else (rows, h.num_topk))
+    # the rows that come back, x's then the weights' (at back_w_off), in one allocation, read by address only
+    mem = cp.cuda.alloc(rec.back_bytes) if rec.back_bytes else None
+    back = 0 if mem is None else mem.ptr
+    back_w = 0 if mem is None or weights is None else back + rec.back_w_off
     if rec.plan is not None:
-        send = ([x] if rec.send_x else []) + ([weights] if rec.send_w else [])
-        recv = ([back_x] if rec.send_x else []) + ([back_w] if rec.send_w else [])
         if capturing:  # read / written by every replay (the caller's arrays too)
             comm.keep_for_graph(x, weights, mem, capturing=True)
-        comm.exchange_rows_device(op, send, None, recv, rec.sig, h.routing.rev_table_ptr, tag=h.dispatch_id,
-                                  plan=rec.plan, stream=stream)
+        if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
+            shapes = ([((rows, h.hidden), x.dtype, back)] if rec.send_x else []) + \
+                ([((rows, h.num_topk), _F32, back_w)] if rec.send_w else [])
+            recv = [nd(sh, dt, memptr=mem + (p - back)) if mem is not None else cp.empty(sh, dt) for sh, dt, p in shapes]
+            rec.ring = comm.prepare_rows_device(op, rec.sig, ([x] if rec.send_x else []) +
+                                                ([weights] if rec.send_w else []), recv, False)
+        comm.launch_rows_device(op, rec.ring, ([x.data.ptr] if rec.send_x else []) +
+                                ([weights.data.ptr] if rec.send_w else []),
+                                ([back] if rec.send_x else []) + ([back_w] if rec.send_w else []), None,
+                                h.routing.rev_table_ptr, tag=h.dispatch_id, stream=stream)
     combined, acc_w, _ = _two_arrays(cp, None if out is not None else (n, h.hidden), x.dtype, rec.out_w_off,
                                      rec.out_bytes, None if weights is None else (n, h.num_topk))
     if out is not None:
         combined = out
     if n and (h.hidden or acc_w is not None):
-        rt = h.routing
         if not rows:  # nothing came back (every token sent nowhere): the kernel reads no row
-            back_x = nd((1, h.hidden), x.dtype, memptr=cp.cuda.alloc(max(16, h.hidden * x.dtype.itemsize)))
-        _gpu.reduce(back_x, rt.pos, combined, n, h.hidden, rec.reduce, self_rows=x, table_ptr=rt.table_ptr,
-                    rank=h.rank, w_back=back_w, w_out=acc_w, w_self_rows=weights, stream=stream)
+            mem = cp.cuda.alloc(max(16, h.hidden * x.dtype.itemsize))
+            back = mem.ptr
+        red = rec.red
+        _gpu.reduce_run(red, back, combined.data.ptr, x.data.ptr if red.self_has_rows else 0, back_w,
+                        0 if acc_w is None else acc_w.data.ptr,
+                        0 if weights is None or not weights.shape[0] else weights.data.ptr, stream)
     return combined, acc_w

@@ -87,6 +87,15 @@ class DeviceTransport(Transport, Protocol):
         """Wait for the last queued count exchange; int64 ``[world_size, 3 + M]``."""
         ...
 
+    def prepare(self, plan, send_parts, recv_parts):
+        """The launch of a row exchange of ``plan`` for these parts' row strides, kept for :meth:`launch_prepared`."""
+        ...
+
+    def launch_prepared(self, op: str, plan, launch, send_ptrs, recv_ptrs, index_ptr, counts: int, tag: int,
+                        stream) -> list:
+        """The row exchange of a prepared launch with the parts by address (a repeated call of one shape)."""
+        ...
+
     def exchange_small(self, plan, x, recv) -> list:
         """One ``alltoall`` by the small-message protocol (flag in data; at most ``small_peer_bytes`` per peer,
         attribute ``small_peer_bytes``, 0: off); returns the ranks that rejected it when it waited (``blocking``)."""

@@ -492,17 +492,7 @@ class CudaTransport:
         """
         cp = _compat.cupy
         self.check(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
-        if len(send_parts) == 1:  # (the usual case without a generator)
-            a = send_parts[0]
-            strides = (a.strides[0] if a.shape[0] > 1 else -1,)
-        else:
-            strides = tuple(a.strides[0] if a.shape[0] > 1 else -1 for a in send_parts)
-        launches = plan.engine_data
-        if launches is None:
-            launches = plan.engine_data = {}
-        launch = launches.get(strides)
-        if launch is None:
-            launch = launches[strides] = self._describe(plan, send_parts, recv_parts)
+        launch = self.prepare(plan, send_parts, recv_parts)
         d = launch.desc
         if d is None:
             return []  # one rank, nothing to move
@@ -536,21 +526,68 @@ class CudaTransport:
             d[P.DESC_PUSH_ROWS] = rows
             flags |= P.FLAG_PUSH
             self.push_calls += 1
-        d[DESC_FLAGS] = flags
-        d[DESC_SIG] = P.call_signature(plan.sig, tag)
-        if self._home is not None:  # adaptive: the current home map (plans keep no copy of their own)
-            d[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
         if stream is None:
             stream = cp.cuda.get_current_stream()
         if copies is not None and stream.is_capturing():  # a captured kernel reads them at every replay
             self.graph_keep.extend(copies)
+        return self._fire(op, plan, launch, flags, tag, stream, (direct, recv_parts[0]) if ce else None)
+
+    def prepare(self, plan, send_parts, recv_parts) -> _Launch:
+        """The launch of ``plan`` for these parts' row strides (its descriptor, addresses written per call), made
+        once and kept with the plan: :meth:`exchange_rows` uses it, and a caller that keeps it for repeated calls of
+        one shape hands it to :meth:`launch_prepared`."""
+        if len(send_parts) == 1:  # (the usual case without a generator)
+            a = send_parts[0]
+            strides = (a.strides[0] if a.shape[0] > 1 else -1,)
+        else:
+            strides = tuple(a.strides[0] if a.shape[0] > 1 else -1 for a in send_parts)
+        launches = plan.engine_data
+        if launches is None:
+            launches = plan.engine_data = {}
+        launch = launches.get(strides)
+        if launch is None:
+            launch = launches[strides] = self._describe(plan, send_parts, recv_parts)
+        return launch
+
+    def launch_prepared(self, op: str, plan, launch: _Launch, send_ptrs, recv_ptrs, index_ptr: int, counts: int,
+                        tag: int, stream) -> list:
+        """:meth:`exchange_rows` of a row-run call whose :meth:`prepare` the caller kept (a repeated call of one
+        shape: parts of the strides it was prepared for, rows contiguous within a row, no direct source, no push):
+        the parts by address (``send_ptrs``, ``recv_ptrs``; ``index_ptr``: the int64 C-contiguous send index's, or
+        None for a plan without one), ``counts`` the device counts table, ``stream`` the current stream. The same
+        descriptor words, checks and launch as :meth:`exchange_rows` of the same arrays."""
+        self.check(op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+        d = launch.desc
+        if d is None:
+            return []  # one rank, nothing to move
+        if launch.copy_send:  # (a byte run of strided rows is copied per call: exchange_rows only)
+            raise AssertionError(f"{op}: internal: launch_prepared of a byte run whose rows are copied")
+        for w, p in zip(launch.send_words, send_ptrs):
+            d[w] = p
+        for w, p in zip(launch.recv_words, recv_ptrs):
+            d[w] = p
+        if index_ptr is not None:
+            d[DESC_SEND_INDEX] = index_ptr
+        d[DESC_COUNTS] = counts
+        d[DESC_DIRECT_ALLOC] = -1
+        return self._fire(op, plan, launch, P.FLAG_REJECT if plan.reject else 0, tag, stream, None)
+
+    def _fire(self, op: str, plan, launch: _Launch, flags: int, tag: int, stream, ce) -> list:
+        """The words every ring launch writes last (flags, signature with ``tag``, home map, launch number), the
+        launch on ``stream``, and with ``ce`` (``(direct, recv)``) the copy-engine pull after it; the ranks that
+        rejected the call when it waited (``blocking``), else ``[]``."""
+        d = launch.desc
+        d[DESC_FLAGS] = flags
+        d[DESC_SIG] = P.call_signature(plan.sig, tag)
+        if self._home is not None:  # adaptive: the current home map (plans keep no copy of their own)
+            d[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
         d[DESC_SEQ] = self._next_launch(op, stream, plan)
         self._arg_ptrs[0] = launch.addr  # the driver copies the descriptor at launch: it may change after
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
         self._launch(stream.ptr)
-        if ce:
-            self._copy_engine_pull(plan, direct, recv_parts[0], stream, int(d[DESC_SEQ]))
+        if ce is not None:
+            self._copy_engine_pull(plan, ce[0], ce[1], stream, int(d[DESC_SEQ]))
         if self.kernel_events is not None:
             self.kernel_events[1].record(stream)
         if self.blocking:

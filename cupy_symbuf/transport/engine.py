@@ -417,6 +417,24 @@ class Engine:
         if rejected:
             self._raise_rejected(op, rejected)
 
+    def prepare_rows_device(self, op: str, sig_text: str, send_parts, recv_parts, has_index: bool) -> tuple:
+        """``(plan, launch)`` of :meth:`exchange_rows_device` (rows) for these arguments and their row strides, for a
+        caller that keeps it for repeated calls of one shape (:meth:`launch_rows_device`)."""
+        plan = self.device_plan(op, sig_text, send_parts, has_index)
+        return plan, self.transport.prepare(plan, send_parts, recv_parts)
+
+    def launch_rows_device(self, op: str, prepared: tuple, send_ptrs, recv_ptrs, index_ptr, table: int, *, tag: int,
+                           stream) -> None:
+        """:meth:`exchange_rows_device` of a call whose :meth:`prepare_rows_device` the caller kept: parts of the
+        same dtypes, row widths and row strides, given by address (``index_ptr``: the int64 C-contiguous send
+        index's, None without one); ``stream``: the current stream. The same descriptor, step and checks."""
+        plan, launch = prepared
+        rejected = self._run(self.transport.launch_prepared, op, plan, launch, send_ptrs, recv_ptrs, index_ptr,
+                             table, tag, stream)
+        self._count(plan)
+        if rejected:
+            self._raise_rejected(op, rejected)
+
     def device_plan(self, op: str, sig_text: str, send_parts, has_index: bool, row_run: bool = True):
         """The plan :meth:`exchange_rows_device` runs for these arguments (cached by the plan cache; a caller may keep
         it for repeated calls of the same shape and signature)."""

@@ -164,6 +164,8 @@ class Launcher:
         #: ``fill(**every_field)``: write all of :attr:`args` at once (``kernel_args.filler``; not for the
         #: descriptor's word array)
         self.fill = None if args_struct == "RingArgs" else _kernel_args.filler(args_struct, self.args)
+        #: ``pack(*every_field)``: the same, positionally in the struct's field order (``kernel_args.packer``)
+        self.pack = None if args_struct == "RingArgs" else _kernel_args.packer(args_struct, self.args)
 
     def __call__(self, grid: int, block: int, *, shared_mem: int = 0, stream=None) -> None:
         """Launch with :attr:`args` as they are on ``stream`` (default: the current CuPy stream)."""

@@ -227,6 +227,16 @@ def filler(name: str, target: ctypes.Structure):
     return fill
 
 
+def packer(name: str, target: ctypes.Structure):
+    """A function taking every field of struct ``name`` positionally, in :func:`fields` order, that writes them all
+    into ``target`` in one ``struct.pack_into`` (:func:`filler` without the keywords: for a caller that keeps the
+    fields of one call shape in order)."""
+    if not isinstance(target, host_struct(name)):
+        raise TypeError(f"kernel_args.packer: target must be a {name} (host_struct({name!r})), got "
+                        f"{type(target).__name__}")
+    return functools.partial(host_format(name).pack_into, target, 0)
+
+
 def field_offsets(name: str) -> dict:
     """Byte offset of every field of struct ``name`` in the host packer (what the generated header asserts)."""
     s = host_struct(name)
