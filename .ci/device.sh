@@ -22,9 +22,10 @@
 #                   (CUPY_SYMBUF_NVRTC_DEFINES=-DSYMBUF_SMALL_FLAG_MOD=7: the small protocol's flag repeats every 14
 #                   calls, cuda_src/protocol.cuh "The flag's wrap") at 1 rank and at SMALL_RANKS (default 2 4; MPS)
 #   small-profile   tests/device/small_profile.py (the small kernel's phase stamps, 64 KiB and 1 MiB per rank, loop
-#                   and graph replay) at SMALL_PROFILE_RANKS (default 2 4; MPS), built batched (default) and one word
-#                   at a time (-DSYMBUF_SMALL_PIPELINE=0); then bench --sizes 64K,1M (loop, ITERS 200) for both builds
-#                   and the rings (--small-bytes 0) at 2 ranks. Prints each run's summary; the tables are in the logs
+#                   and graph replay) at SMALL_PROFILE_RANKS (default 2 4; MPS), built batched (default), with the
+#                   fenced end-of-call count (-DSYMBUF_SMALL_FINISH=0) and as the first kernel (a word at a time and
+#                   the fenced count); then bench --sizes 64K,1M (loop, ITERS 200) for the three builds and the rings
+#                   (--small-bytes 0) at 2 ranks. Prints each run's summary; the tables are in the logs
 #   small-bench     --control with the small-message alltoall on and off (--small-bytes 0), one after the other, at
 #                   SMALL_BENCH_RANKS (default 2; MPS), ITERS (30) calls a row
 #   deepep          DeepEP's own tests/test_intranode.py and tests/test_low_latency.py, unmodified, over the shim
@@ -148,6 +149,15 @@ finish() {
   fi
 }
 trap finish EXIT
+
+# small_build_defines BUILD: the small kernel's defines of a small-profile build: batched (the default), finish0 (the
+# end-of-call count with two fences), serial (the previous kernel: a word at a time and the fenced count), rings
+small_build_defines() {
+  case $1 in
+    finish0) echo "-DSYMBUF_SMALL_FINISH=0" ;;
+    serial) echo "-DSYMBUF_SMALL_PIPELINE=0 -DSYMBUF_SMALL_FINISH=0" ;;
+  esac
+}
 
 # in_tree DIR command...: the command with DIR as working directory and PYTHONPATH (a tree's package and cuda_src)
 IN_TREE=(bash -c 'cd "$1" && shift && PYTHONPATH=$PWD exec "$@"' in_tree)
@@ -281,14 +291,14 @@ while [ $# -gt 0 ]; do
     small-profile)
       mps_on
       for n in ${SMALL_PROFILE_RANKS:-2 4}; do
-        for build in batched serial; do
-          DEF=$([ $build = serial ] && echo "-DSYMBUF_SMALL_PIPELINE=0")
+        for build in batched finish0 serial; do
+          DEF=$(small_build_defines $build)
           TAIL=6 run "small-profile$n-$build" 120 env CUPY_SYMBUF_NVRTC_DEFINES="$DEF" $MPIRUN -n "$n" $GPU0 \
             -x CUPY_SYMBUF_NVRTC_DEFINES python3 tests/device/small_profile.py
         done
       done
-      for build in batched serial rings; do
-        DEF=$([ $build = serial ] && echo "-DSYMBUF_SMALL_PIPELINE=0")
+      for build in batched finish0 serial rings; do
+        DEF=$(small_build_defines $build)
         TAIL=6 run "small-ab2-$build" 120 env CUPY_SYMBUF_NVRTC_DEFINES="$DEF" $MPIRUN -n 2 $GPU0 \
           -x CUPY_SYMBUF_NVRTC_DEFINES $BENCH --sizes 64K,1M --timing loop --sends plain,out --iters "${ITERS:-200}" \
           --warmup 20 --no-reference $([ $build = rings ] && echo --small-bytes 0)

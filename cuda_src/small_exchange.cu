@@ -62,6 +62,11 @@
 #ifndef SYMBUF_SMALL_PIPELINE
 #define SYMBUF_SMALL_PIPELINE 1
 #endif
+// SYMBUF_SMALL_FINISH (default 1): an item's end-of-call count is one acq_rel atomic (none with one item per
+// peer); 0: two full fences around an atomicAdd and an atomicExch (the same result, for a same-run comparison).
+#ifndef SYMBUF_SMALL_FINISH
+#define SYMBUF_SMALL_FINISH 1
+#endif
 // SYMBUF_SMALL_BATCH: 16 fits the block's 128 registers a thread (ptxas, sm_90: 24 spills a few bytes, 32 more).
 #ifndef SYMBUF_SMALL_BATCH
 #define SYMBUF_SMALL_BATCH 16
@@ -251,12 +256,26 @@ __device__ __noinline__ void small_finish(const WaitCtx* c, const SmallArgs& a, 
                                           u64 verdict, bool failed, u64 qs, u64 qr) {
   u8* my_base = reinterpret_cast<u8*>(a.peer_bases[a.rank]);
   unsigned int* ctrl = reinterpret_cast<unsigned int*>(my_base + a.small_offset) + peer;
-  __threadfence();  // this item's reads of the state lines (and its loads) before its count
   const unsigned int inc = failed ? 0x10000u : 1u;
+#if SYMBUF_SMALL_FINISH
+  // One item per peer: its thread 0 read the state lines earlier in program order, nothing to count. Several:
+  // one acq_rel add (release: this item's reads of the state lines before its count; acquire, in the last item:
+  // every other item's reads before the lines change below), then the last item resets the count with a plain
+  // store (no other item of this call touches it again; the next call's kernel runs after this one ends).
+  unsigned int now = inc;
+  if (a.items_per_peer > 1) {
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(now) : "l"(ctrl), "r"(inc) : "memory");
+    now += inc;
+    if (static_cast<int>((now & 0xFFFFu) + (now >> 16)) != a.items_per_peer) return;  // not the last one
+    *ctrl = 0u;
+  }
+#else
+  __threadfence();  // this item's reads of the state lines (and its loads) before its count
   const unsigned int now = atomicAdd(ctrl, inc) + inc;
   if (static_cast<int>((now & 0xFFFFu) + (now >> 16)) != a.items_per_peer) return;  // not the last one
   atomicExch(ctrl, 0u);
   __threadfence();  // every item's count (after its reads of the state lines) before the lines change
+#endif
   if (now >> 16) return;
   if (verdict == kSmallRingRejected && !small_consume_rejection(c, a, L, peer, qr)) return;
   for (int ch = 0; ch < a.num_channels; ++ch) {

@@ -110,7 +110,8 @@ def test_small_profile_build_compiles_and_is_off_by_default(arch):
 SMALL_VARIANTS = [(), ("-DSYMBUF_SMALL_PIPELINE=0",), ("-DSYMBUF_SMALL_PROFILE=1",),
                   ("-DSYMBUF_SMALL_PIPELINE=0", "-DSYMBUF_SMALL_PROFILE=1"), ("-DSYMBUF_SMALL_BATCH=8",),
                   ("-DSYMBUF_SMALL_BATCH=24", "-DSYMBUF_SMALL_PROFILE=1"),
-                  ("-DSYMBUF_SMALL_PIPELINE=0", "-DSYMBUF_SMALL_FLAG_MOD=7"), ("-DSYMBUF_SMALL_FLAG_MOD=7",)]
+                  ("-DSYMBUF_SMALL_PIPELINE=0", "-DSYMBUF_SMALL_FLAG_MOD=7"), ("-DSYMBUF_SMALL_FLAG_MOD=7",),
+                  ("-DSYMBUF_SMALL_FINISH=0",), ("-DSYMBUF_SMALL_FINISH=0", "-DSYMBUF_SMALL_PROFILE=1")]
 
 
 @pytest.mark.parametrize("arch", ["compute_90", "compute_80"])
@@ -122,6 +123,20 @@ def test_small_kernel_variants_compile(defines, arch):
     ptx, log = _kernels.compile_ptx("small_exchange.cu", arch, defines=defines, return_log=True)
     assert re.findall(r"\.entry symbuf_small_alltoall", ptx)
     assert "warning" not in log.lower(), log
+
+
+@pytest.mark.parametrize("arch", ["compute_90", "compute_80"])
+def test_small_finish_counts_with_one_acq_rel_atomic(arch):
+    """An item's end-of-call count is one acq_rel add (SYMBUF_SMALL_FINISH, the default) where
+    SYMBUF_SMALL_FINISH=0 keeps two full fences around an add and an exchange."""
+    _nvrtc_or_skip()
+    new = _kernels.compile_ptx("small_exchange.cu", arch)
+    old = _kernels.compile_ptx("small_exchange.cu", arch, defines=("-DSYMBUF_SMALL_FINISH=0",))
+    assert "atom.acq_rel.gpu.global.add.u32" in new
+    assert "atom.acq_rel.gpu" not in old and "atom.exch.b32" in old and "membar.gl" in old
+    assert "atom.exch.b32" not in new and "membar.gl" not in new
+    assert _kernels.build_id("small_exchange.cu", ("-DSYMBUF_SMALL_FINISH=0",)) != \
+        _kernels.build_id("small_exchange.cu")
 
 
 def _longest_run(ptx: str, op: str, breakers: tuple) -> int:
