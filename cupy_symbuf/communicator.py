@@ -970,7 +970,8 @@ class Communicator:
             A peer did not take part within ``config.timeout_s``, or a rank aborted.
         """
         if stream is not None or async_op is not False:
-            return _run_collective(self, "alltoallv", _counts_first(recv_counts), self.alltoallv, (sendbuf, send_counts),
+            return _run_collective(self, "alltoallv", _counts_first(recv_counts), self.alltoallv,
+                                   (sendbuf, send_counts),
                                    {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out,
                                     "wire_dtype": wire_dtype, "sync": sync}, stream=stream, async_op=async_op)
         return _alltoallv(self._engine, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync)

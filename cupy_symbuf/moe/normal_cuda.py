@@ -16,8 +16,8 @@ from ..common import dtypes as _dt
 from ..common.checks import check_array, check_out
 from ..wire.channel_layout import check_row_fits
 
-__all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record",
-           "new_eager_record", "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+__all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record", "new_eager_record",
+           "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
@@ -498,7 +498,8 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
         if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
             shapes = ([((rows, h.hidden), x.dtype, back)] if rec.send_x else []) + \
                 ([((rows, h.num_topk), _F32, back_w)] if rec.send_w else [])
-            recv = [nd(sh, dt, memptr=mem + (p - back)) if mem is not None else cp.empty(sh, dt) for sh, dt, p in shapes]
+            recv = [nd(sh, dt, memptr=mem + (p - back)) if mem is not None else cp.empty(sh, dt)
+                    for sh, dt, p in shapes]
             rec.ring = comm.prepare_rows_device(op, rec.sig, ([x] if rec.send_x else []) +
                                                 ([weights] if rec.send_w else []), recv, False)
         comm.launch_rows_device(op, rec.ring, ([x.data.ptr] if rec.send_x else []) +
