@@ -641,3 +641,35 @@ def test_routing_parts_where_the_block_says(stub, n, W, M):
     spans = sorted([(base, rt.block.nbytes), (rt.pos_ptr, 8 * n * W), (rt.send_idx_ptr, 8 * max(1, n * W)),
                     (rt.in_rank.data.ptr, n * W)])
     assert all(p + size <= q for (p, size), (q, _) in zip(spans, spans[1:])), spans
+
+
+def test_eager_record_first_call_copies_each_strided_part_once(stub):
+    """The call that makes an eager dispatch's record copies each part whose elements are not contiguous within a
+    row once, as a call with no record does (finding which parts a repeated call copies makes no copy: under a
+    CUDA graph capture a second copy would be a kernel every replay runs for nothing); a call from the record,
+    once too."""
+    eng, launches, stream = stub
+    n, hidden, k = 16, 32, 4
+    x = cupy.empty((n, 2 * hidden), np.float32)[:, ::2]
+    idx = cupy.empty((n, k), np.int64)
+    w = cupy.empty((n, 2 * k), np.float32)[:, ::2]
+    copied = []
+    real = cupy.ascontiguousarray
+
+    def counting(a, dtype=None):
+        copied.append(a.data.ptr)
+        return real(a, dtype)
+
+    def copies(memo: bool):
+        copied.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cupy, "ascontiguousarray", counting)
+            if not memo:
+                mp.setattr(normal, "eager_key", lambda *args: None)
+            normal.dispatch(eng, x, idx, w, 64)
+        return sorted(p for p in copied if p in (x.data.ptr, w.data.ptr))
+
+    want = sorted([x.data.ptr, w.data.ptr])
+    assert copies(memo=False) == want  # no record: each strided part copied once
+    assert copies(memo=True) == want, "the record's first call copies a strided part more than once"
+    assert copies(memo=True) == want  # from the record

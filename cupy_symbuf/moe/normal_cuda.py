@@ -245,11 +245,14 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
     return out_x, recv_gidx, recv_w, counts, h
 
 
+def _row_elements_strided(a) -> bool:
+    """Whether ``a`` (2-D or None) has rows whose elements are not one contiguous run (a copy is sent instead)."""
+    return a is not None and a.shape[0] > 0 and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize
+
+
 def _rows_contiguous(xp, a):
     """``a`` (2-D or None) itself when its rows are contiguous runs of elements, else a C-contiguous copy."""
-    if a is not None and a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
-        return xp.ascontiguousarray(a)
-    return a
+    return xp.ascontiguousarray(a) if _row_elements_strided(a) else a
 
 
 def _out_parts(xv, scales, idx, weights, src=None) -> list:
@@ -338,7 +341,7 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
         # are copied (x, topk_idx, weights: fixed by the record's key)
         parts = [xv, idx, weights]
         rec.sent = [i for i, out in enumerate(outs) if out.shape[1]]
-        rec.copy_rows = [i for i in rec.sent if _rows_contiguous(xp, parts[i]) is not parts[i]]
+        rec.copy_rows = [i for i in rec.sent if _row_elements_strided(parts[i])]
         rec.ring = comm.prepare_rows_device(op, sig, send_parts, recv_parts, True)
         comm.launch_rows_device(op, rec.ring, [a.data.ptr for a in send_parts], [a.data.ptr for a in recv_parts],
                                 send_token_idx.data.ptr, table_ptr, tag=tag, stream=stream)
