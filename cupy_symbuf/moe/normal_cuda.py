@@ -51,7 +51,7 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
         rec.ring = None
         rec.counts = {}
         _records(h)[key] = rec
-        x = xv
+        x = cx  # (copied once: the copy below returns it as it is)
     if rec.copy_x:
         x = cp.ascontiguousarray(x)
     recv_x = cp.empty((h.num_recv_tokens, x.shape[1]), dtype=x.dtype)
@@ -412,7 +412,8 @@ def _round_up(n: int, to: int = 256) -> int:
 
 def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     """Check a GPU combine's arguments in full and make its :class:`_CombineRecord` (remembered under ``key``
-    when there is one). Returns ``(record, x, weights)`` (the arrays as checked)."""
+    when there is one). Returns ``(record, x, weights, cx, cw)``: the arrays as checked, and as sent (``cx`` /
+    ``cw``: a C-contiguous copy where the record copies them, else the same array)."""
     cp = comm.xp
     n_recv = h.num_recv_tokens
     x = check_array(op, "x", x, comm.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
@@ -446,7 +447,7 @@ def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     rec.out_bytes = rec.out_w_off + n * k * 4
     if key is not None:
         _records(h)[key] = rec
-    return rec, x, weights
+    return rec, x, weights, cx, cw
 
 
 def _two_arrays(cp, shape, dtype, w_off: int, nbytes: int, w_shape) -> tuple:
@@ -482,14 +483,15 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
             if x.shape != rec.x_shape or x.data.device_id != dev or (weights is not None and (
                     weights.shape != rec.w_shape or weights.data.device_id != dev)):
                 rec = None  # (the full checks below say what is wrong)
+    cx = cw = None
     if rec is None:
-        rec, x, weights = _combine_record(comm, op, x, h, weights, dtype, out, key)
+        rec, x, weights, cx, cw = _combine_record(comm, op, x, h, weights, dtype, out, key)
     if out is not None:
         out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
-    if rec.copy_x:
-        x = cp.ascontiguousarray(x)
+    if rec.copy_x:  # (the record's first call: the copy it made)
+        x = cp.ascontiguousarray(x) if cx is None else cx
     if rec.copy_w:
-        weights = cp.ascontiguousarray(weights)
+        weights = cp.ascontiguousarray(weights) if cw is None else cw
     rows, n = h.send_rows, h.num_tokens
     # the rows that come back, x's then the weights' (at back_w_off), in one allocation, read by address only
     mem = cp.cuda.alloc(rec.back_bytes) if rec.back_bytes else None
