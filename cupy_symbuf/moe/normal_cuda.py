@@ -487,7 +487,7 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
     if rec is None:
         rec, x, weights, cx, cw = _combine_record(comm, op, x, h, weights, dtype, out, key)
     if out is not None:
-        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
+        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x, weights))
     if rec.copy_x:  # (the record's first call: the copy it made)
         x = cp.ascontiguousarray(x) if cx is None else cx
     if rec.copy_w:
