@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from .common import backend as _compat
-from .collectives.alltoall import alltoall as _alltoall, alltoallv as _alltoallv
+from .collectives.alltoall import alltoall as _alltoall, alltoallv as _alltoallv, counts_first as _counts_first
 from .collectives import mpi_shaped as _mpi_shaped
 from .moe import normal as _moe
 from .transport.streams import run_collective as _run_collective
@@ -67,9 +67,8 @@ def _told_by_engine(op: str, notify_of):
 
 
 def _alltoallv_notify(a) -> bool:
-    """Whether an alltoallv call starts with the count exchange (as ``collectives/alltoall.py`` decides it)."""
-    return (a.get("recv_counts") is None or a.get("recv_capacity") is not None
-            or _compat.is_cupy_array(a.get("send_counts")))
+    """Whether an alltoallv call starts with the count exchange (``collectives/alltoall.py`` ``counts_first``)."""
+    return _counts_first(a.get("recv_counts"))
 
 
 def _told_by_heap(what: str):
@@ -971,7 +970,8 @@ class Communicator:
             A peer did not take part within ``config.timeout_s``, or a rank aborted.
         """
         if stream is not None or async_op is not False:
-            return _run_collective(self, "alltoallv", recv_counts is None, self.alltoallv, (sendbuf, send_counts),
+            return _run_collective(self, "alltoallv", _counts_first(recv_counts), self.alltoallv,
+                                   (sendbuf, send_counts),
                                    {"recv_counts": recv_counts, "recv_capacity": recv_capacity, "out": out,
                                     "wire_dtype": wire_dtype, "sync": sync}, stream=stream, async_op=async_op)
         return _alltoallv(self._engine, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync)

@@ -63,14 +63,20 @@ def _valid_alltoallv(c, comm, backend, seed, **kw):
     np.testing.assert_array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
 
 
-REJECT_CASES = ["alltoall-shape", "alltoallv-sum", "alltoallv-recv_counts", "alltoallv-self", "alltoallv-wrap"]
+REJECT_CASES = ["alltoall-shape", "alltoallv-sum", "alltoallv-recv_counts", "alltoallv-self", "alltoallv-wrap",
+                "alltoallv-capacity", "alltoallv-device-counts"]
 
 
 @pytest.mark.parametrize("case", REJECT_CASES)
 def test_call_rejected_on_one_rank_only(comm2, comm, backend, case):
     """Rank 0 passes bad arguments, the others valid ones: rank 0 raises its own error, every other rank raises
     SymBufferRejectedError naming rank 0 (nothing is delivered from rank 0), and the next calls of every rank
-    return the NumPy reference (the rings stayed in step)."""
+    return the NumPy reference (the rings stayed in step). ``alltoallv-capacity`` / ``alltoallv-device-counts``:
+    rank 0 passes recv_counts with recv_capacity / with send_counts on the device (GPU), which exclude each other,
+    and the others the same recv_counts alone: rank 0's call is rejected as a call with recv_counts, never taken
+    for a call-form disagreement (which would break the communicator on every rank)."""
+    if case == "alltoallv-device-counts" and backend != "cuda":
+        pytest.skip("send_counts on the device: GPU only")
     c = comm2
     W, me = comm.size, comm.rank
     rng = rng_for(comm, 11)
@@ -98,6 +104,14 @@ def test_call_rejected_on_one_rank_only(comm2, comm, backend, case):
             rc[0] += 1
         call = lambda: c.alltoallv(send, counts, recv_counts=rc)  # noqa: E731
         own = r"recv_counts\[0\] .* must equal send_counts\[0\]"
+    elif case == "alltoallv-capacity":
+        kw = dict(recv_capacity=int(recv_counts.sum()) + 4) if bad else {}
+        call = lambda: c.alltoallv(send, counts, recv_counts=recv_counts, **kw)  # noqa: E731
+        own = "recv_counts and recv_capacity exclude each other"
+    elif case == "alltoallv-device-counts":
+        sc = to_backend(counts.astype(np.int64), backend) if bad else counts
+        call = lambda: c.alltoallv(send, sc, recv_counts=recv_counts)  # noqa: E731
+        own = "send_counts on the device .* not with recv_counts"
     else:  # counts whose int64 sum wraps to the row count
         sc = counts.copy()
         if bad:

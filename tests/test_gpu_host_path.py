@@ -641,3 +641,68 @@ def test_routing_parts_where_the_block_says(stub, n, W, M):
     spans = sorted([(base, rt.block.nbytes), (rt.pos_ptr, 8 * n * W), (rt.send_idx_ptr, 8 * max(1, n * W)),
                     (rt.in_rank.data.ptr, n * W)])
     assert all(p + size <= q for (p, size), (q, _) in zip(spans, spans[1:])), spans
+
+
+def test_eager_record_first_call_copies_each_strided_part_once(stub):
+    """The call that makes an eager dispatch's record copies each part whose elements are not contiguous within a
+    row once, as a call with no record does (finding which parts a repeated call copies makes no copy: under a
+    CUDA graph capture a second copy would be a kernel every replay runs for nothing); a call from the record,
+    once too."""
+    eng, launches, stream = stub
+    n, hidden, k = 16, 32, 4
+    x = cupy.empty((n, 2 * hidden), np.float32)[:, ::2]
+    idx = cupy.empty((n, k), np.int64)
+    w = cupy.empty((n, 2 * k), np.float32)[:, ::2]
+    copied = []
+    real = cupy.ascontiguousarray
+
+    def counting(a, dtype=None):
+        copied.append(a.data.ptr)
+        return real(a, dtype)
+
+    def copies(memo: bool):
+        copied.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cupy, "ascontiguousarray", counting)
+            if not memo:
+                mp.setattr(normal, "eager_key", lambda *args: None)
+            normal.dispatch(eng, x, idx, w, 64)
+        return sorted(p for p in copied if p in (x.data.ptr, w.data.ptr))
+
+    want = sorted([x.data.ptr, w.data.ptr])
+    assert copies(memo=False) == want  # no record: each strided part copied once
+    assert copies(memo=True) == want, "the record's first call copies a strided part more than once"
+    assert copies(memo=True) == want  # from the record
+
+
+def test_record_first_calls_copy_each_strided_part_once(stub):
+    """The calls that make a combine's and a cached dispatch's records copy each part whose elements are not
+    contiguous within a row once (as the calls from the records do), and hand the copies to the launches."""
+    eng, launches, stream = stub
+    h = S.handle(eng, num_tokens=16, hidden=64, num_topk=4)
+    x = cupy.empty((h.num_recv_tokens, 2 * h.hidden), np.float32)[:, ::2]
+    w = cupy.empty((h.num_recv_tokens, 2 * h.num_topk), np.float32)[:, ::2]
+    xs = cupy.empty((h.num_tokens, 2 * h.hidden), np.float32)[:, ::2]
+    copied = []
+    real = cupy.ascontiguousarray
+
+    def counting(a, dtype=None):
+        got = real(a, dtype)
+        if got is not a:
+            copied.append((a.data.ptr, got.data.ptr))
+        return got
+
+    for call, strided in (("combine", (x, w)), ("cached dispatch", (xs,))):
+        for rep in range(2):  # the record's first call, then one from it
+            copied.clear()
+            launches.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(cupy, "ascontiguousarray", counting)
+                if call == "combine":
+                    normal.combine(eng, x, h, w)
+                else:
+                    normal.dispatch(eng, xs, handle=h)
+            assert sorted(src for src, _ in copied) == sorted(a.data.ptr for a in strided), (call, rep, copied)
+            ring = launches.log[0][1]
+            sent = [ring[P.DESC_SEND_PARTS + 4 * i] for i in range(len(strided))]
+            assert sent == [dst for _, dst in copied], (call, rep, "the launch sends another array than the copy")

@@ -136,6 +136,35 @@ def test_cached_dispatch_with_handle_of_another_dispatch_on_one_rank(backend, co
         _close(c)
 
 
+def test_eager_dispatch_on_one_rank_cached_on_the_others(backend, comm):
+    """The last rank dispatches eagerly (no handle: a count exchange first) while the others pass the handle of the
+    dispatch before (a cached dispatch: call headers at once): every rank raises, none returns rows, well within
+    timeout_s; a SymBufferMismatchError names the call form and the rule in dispatch's terms (a handle on every rank
+    or on none), a SymBufferAbortedError the call form (GPU: the ranks waiting for call headers)."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = _comm(backend, comm)
+    try:
+        x, idx, E, _ = _inputs(comm, 4)
+        _, _, _, _, h = c.dispatch(to_backend(x, backend), to_backend(idx, backend), None, E)
+        y = to_backend(x * 3, backend)
+        eager = comm.rank == comm.size - 1
+        err = _every_rank_raises(comm, lambda: c.dispatch(y, to_backend(idx, backend), None, E) if eager else
+                                 c.dispatch(y, handle=h))
+        names = comm.allgather((type(err).__name__, getattr(err, "field", None), str(err)))
+
+        def check():
+            assert any(n == "SymBufferMismatchError" for n, _, _ in names), names
+            for n, field, text in names:
+                assert "call form" in (field or text), names
+                if n == "SymBufferMismatchError":
+                    assert "every rank must pass a handle to dispatch" in text and "dispatch with a handle" in text \
+                        and "dispatch (eager" in text, text
+        all_ranks(check)
+    finally:
+        _close(c)
+
+
 def test_right_handles_still_work(backend, comm):
     """The same two dispatches with the right handle on every rank: combine (twice with one handle, into poisoned
     outputs), cached dispatch (into a poisoned out) and combine of the other handle all equal NumPy."""

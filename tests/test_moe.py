@@ -535,6 +535,30 @@ def test_combine_row_strided_x_on_some_ranks(moe_comm):
     all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
 
 
+def test_combine_out_overlapping_weights_rejected(moe_comm):
+    """combine(out=) whose memory overlaps topk_weights on rank 0 (the reduction reads the weights while it writes
+    out): rank 0 raises ValueError naming the overlap, the others SymBufferRejectedError naming rank 0; then a
+    combine with separate arrays equals the NumPy reference (integers in fp32: exact)."""
+    from cupy_symbuf import SymBufferRejectedError
+    comm = moe_comm
+    idx, x, recv_x, h, reached = dispatch_integers(comm, "out-over-weights", "random", 16, 8, 2, 50)
+    n_recv, k = h.num_recv_tokens, idx.shape[1]
+    xp = comm.xp
+    buf = xp.zeros(max(16 * 8, n_recv * k) + 8, np.float32)
+    out = buf[:16 * 8].reshape(16, 8)
+    w = buf[:n_recv * k].reshape(n_recv, k) if RANK == 0 else xp.zeros((n_recv, k), np.float32)
+    if RANK == 0:
+        with pytest.raises(ValueError, match="'out' overlaps an input"):
+            comm.combine(recv_x, h, w, out=out)
+    elif W > 1:
+        with pytest.raises(SymBufferRejectedError, match="rank 0"):
+            comm.combine(recv_x, h, w, out=out)
+    if RANK == 0 or W > 1:
+        w = xp.ones((n_recv, k), np.float32)
+        combined, cw = comm.combine(recv_x, h, w, out=xp.full((16, 8), np.nan, np.float32))
+        all_ranks(lambda: np.testing.assert_array_equal(to_np(combined), x * reached[:, None]))
+
+
 @pytest.mark.parametrize("backend", available_backends())
 def test_row_larger_than_slot_rejected_on_every_rank(backend):
     """Ring slots hold whole packed rows: a dispatch row larger than Config.chunk_bytes raises ValueError on every

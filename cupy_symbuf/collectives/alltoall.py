@@ -30,7 +30,7 @@ from ..wire.plan import part_width
 from . import quant
 from . import wire_dtype as _wire
 
-__all__ = ["alltoall", "alltoallv", "alltoallv_displaced", "packed_base"]
+__all__ = ["alltoall", "alltoallv", "alltoallv_displaced", "counts_first", "packed_base"]
 
 #: world_size -> int64 ones ``[world_size]`` (read only): alltoall's counts, one row to and from every rank
 _ONES: dict = {}
@@ -88,10 +88,20 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
     op = "alltoallv"
     if wire_dtype is not None:
         return _alltoallv_wire(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync)
-    if recv_capacity is not None or (eng.backend == "cuda" and _compat.is_cupy_array(send_counts)):
+    device_counts = eng.backend == "cuda" and _compat.is_cupy_array(send_counts)
+    if recv_counts is not None and (recv_capacity is not None or device_counts):
+        # rejected in recv_counts' form (counts_first): the peers that pass the same recv_counts wait for call
+        # headers, so they see a rejection, not a call-form disagreement that would break the communicator
+        eng.check_open()
+        eng.reject(op, notify=False)
+        if recv_capacity is not None:
+            raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
+                             f"counts on the device)")
+        raise ValueError(f"{op}: send_counts on the device go with recv_capacity (the counts are exchanged on the "
+                         f"device), not with recv_counts (pass send_counts as a NumPy array or list with them)")
+    if recv_capacity is not None or device_counts:
         with eng.call(op, notify=True):
-            return _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out,
-                                       check_sync(op, sync))
+            return _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_capacity, out, check_sync(op, sync))
     if recv_counts is not None:  # known counts: one step, so the lean form of Engine.call (as alltoall)
         eng.check_open()
         try:
@@ -134,6 +144,14 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
         eng.run(plan, [x], None, [recv], direct, relaxed)
     return recv, recv_counts.copy()
+
+
+def counts_first(recv_counts) -> bool:
+    """Whether an alltoallv call starts with the count exchange (the form of the call, which every rank must share):
+    exactly when it has no ``recv_counts`` (with ``recv_capacity``, or with ``send_counts`` on the device, too). A
+    call whose arguments are rejected is rejected in this form: recv_counts with recv_capacity, or with send_counts
+    on the device, as a call with recv_counts, so that the peers that pass the same recv_counts see a rejection."""
+    return recv_counts is None
 
 
 def _checked(eng, key, check):
@@ -210,7 +228,7 @@ def _known_counts(eng, op, x, send_counts, recv_counts):
 def _alltoallv_wire(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out, wire_dtype, sync):
     """alltoallv(wire_dtype=...): quantise the rows, exchange the packed rows, dequantise (see alltoallv)."""
     eng.check_open()
-    notify = recv_counts is None or recv_capacity is not None
+    notify = counts_first(recv_counts)
     try:
         if not isinstance(wire_dtype, str) or wire_dtype not in _wire.WIRE_DTYPES:  # (a list is unhashable)
             raise ValueError(f"{op}: wire_dtype must be None, 'fp8' or 'int8', got {wire_dtype!r}")
@@ -239,13 +257,10 @@ def _alltoallv_wire(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, o
     return back.reshape((int(recv.shape[0]),) + row_shape), got
 
 
-def _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_counts, recv_capacity, out=None, relaxed=False):
-    """alltoallv in capacity mode (see :meth:`Communicator.alltoallv`): GPU: counts checked and exchanged on the
-    device, the ring kernel reads its units from the counts table, nothing read on the host; host: the same result
-    from the host protocol, padded to the capacity."""
-    if recv_counts is not None:
-        raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
-                         f"counts on the device)")
+def _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_capacity, out=None, relaxed=False):
+    """alltoallv in capacity mode (see :meth:`Communicator.alltoallv`; no recv_counts): GPU: counts checked and
+    exchanged on the device, the ring kernel reads its units from the counts table, nothing read on the host; host:
+    the same result from the host protocol, padded to the capacity."""
     if recv_capacity is None:
         raise ValueError(f"{op}: send_counts on the device needs recv_capacity= (the output rows; the host never "
                          f"reads the counts)")

@@ -123,6 +123,8 @@ def _form_error(op: str, rank: int, peer: int, channel: int, expected: int, got:
     both = P.op_name(expected & (P.FORM_COUNTS - 1)), P.op_name(got & (P.FORM_COUNTS - 1))
     if both == ("alltoallv", "alltoallv"):
         rule = "every rank must pass recv_counts to alltoallv, or no rank (then the counts are exchanged)"
+    elif both == ("dispatch", "dispatch"):
+        rule = "every rank must pass a handle to dispatch (a cached dispatch), or no rank (an eager one)"
     else:
         rule = "every rank must make the same collective calls in the same order"
     if expected & P.FORM_COUNTS:
@@ -131,8 +133,9 @@ def _form_error(op: str, rank: int, peer: int, channel: int, expected: int, got:
         found = f"rank {peer} started a count exchange while this rank waited for its call header"
     return SymBufferMismatchError(
         f"{op}: ranks disagree on the form of the call: rank {rank} called {mine}, rank {peer} called {theirs} "
-        f"({found}); {rule}. No data was returned; the communicator is unusable (every other rank raises "
-        f"SymBufferAbortedError, in this call or its next).", rank=rank, peer=peer, channel=channel, op=op,
+        f"({found}); {rule}. No data was returned; the communicator is unusable (every other rank raises this "
+        f"error too, naming a peer in the other form, or SymBufferAbortedError, in this call or its next).",
+        rank=rank, peer=peer, channel=channel, op=op,
         field=P.FIELD_NAMES[P.FIELD_FORM], expected=expected, got=got)
 
 

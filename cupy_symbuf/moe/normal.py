@@ -905,7 +905,7 @@ def _combine(comm, op, x, h, topk_weights, dtype, out=None):
     kind = combine_kind(op, x, dtype)
     weights = check_weights(op, comm, topk_weights, n_recv, h.num_topk, "num_recv_tokens")
     if out is not None:
-        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
+        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x, weights))
 
     # rows of x are grouped by source rank (h.recv_counts); they come back grouped by destination (h.send_counts)
     sig = f"{kind}|hidden={h.hidden}|weights={weights is not None}"

@@ -16,8 +16,8 @@ from ..common import dtypes as _dt
 from ..common.checks import check_array, check_out
 from ..wire.channel_layout import check_row_fits
 
-__all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record",
-           "new_eager_record", "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+__all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record", "new_eager_record",
+           "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 
@@ -51,7 +51,7 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
         rec.ring = None
         rec.counts = {}
         _records(h)[key] = rec
-        x = xv
+        x = cx  # (copied once: the copy below returns it as it is)
     if rec.copy_x:
         x = cp.ascontiguousarray(x)
     recv_x = cp.empty((h.num_recv_tokens, x.shape[1]), dtype=x.dtype)
@@ -245,11 +245,14 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
     return out_x, recv_gidx, recv_w, counts, h
 
 
+def _row_elements_strided(a) -> bool:
+    """Whether ``a`` (2-D or None) has rows whose elements are not one contiguous run (a copy is sent instead)."""
+    return a is not None and a.shape[0] > 0 and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize
+
+
 def _rows_contiguous(xp, a):
     """``a`` (2-D or None) itself when its rows are contiguous runs of elements, else a C-contiguous copy."""
-    if a is not None and a.shape[0] and a.shape[1] > 1 and a.strides[1] != a.dtype.itemsize:
-        return xp.ascontiguousarray(a)
-    return a
+    return xp.ascontiguousarray(a) if _row_elements_strided(a) else a
 
 
 def _out_parts(xv, scales, idx, weights, src=None) -> list:
@@ -338,7 +341,7 @@ def exchange_device(comm, op, xv, scales, idx, weights, send_token_idx, n_recv: 
         # are copied (x, topk_idx, weights: fixed by the record's key)
         parts = [xv, idx, weights]
         rec.sent = [i for i, out in enumerate(outs) if out.shape[1]]
-        rec.copy_rows = [i for i in rec.sent if _rows_contiguous(xp, parts[i]) is not parts[i]]
+        rec.copy_rows = [i for i in rec.sent if _row_elements_strided(parts[i])]
         rec.ring = comm.prepare_rows_device(op, sig, send_parts, recv_parts, True)
         comm.launch_rows_device(op, rec.ring, [a.data.ptr for a in send_parts], [a.data.ptr for a in recv_parts],
                                 send_token_idx.data.ptr, table_ptr, tag=tag, stream=stream)
@@ -409,7 +412,8 @@ def _round_up(n: int, to: int = 256) -> int:
 
 def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     """Check a GPU combine's arguments in full and make its :class:`_CombineRecord` (remembered under ``key``
-    when there is one). Returns ``(record, x, weights)`` (the arrays as checked)."""
+    when there is one). Returns ``(record, x, weights, cx, cw)``: the arrays as checked, and as sent (``cx`` /
+    ``cw``: a C-contiguous copy where the record copies them, else the same array)."""
     cp = comm.xp
     n_recv = h.num_recv_tokens
     x = check_array(op, "x", x, comm.backend, dims=(("num_recv_tokens", n_recv), ("hidden", h.hidden)))
@@ -443,7 +447,7 @@ def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     rec.out_bytes = rec.out_w_off + n * k * 4
     if key is not None:
         _records(h)[key] = rec
-    return rec, x, weights
+    return rec, x, weights, cx, cw
 
 
 def _two_arrays(cp, shape, dtype, w_off: int, nbytes: int, w_shape) -> tuple:
@@ -479,14 +483,15 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
             if x.shape != rec.x_shape or x.data.device_id != dev or (weights is not None and (
                     weights.shape != rec.w_shape or weights.data.device_id != dev)):
                 rec = None  # (the full checks below say what is wrong)
+    cx = cw = None
     if rec is None:
-        rec, x, weights = _combine_record(comm, op, x, h, weights, dtype, out, key)
+        rec, x, weights, cx, cw = _combine_record(comm, op, x, h, weights, dtype, out, key)
     if out is not None:
-        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x,))
-    if rec.copy_x:
-        x = cp.ascontiguousarray(x)
+        out = check_out(op, out, comm.backend, (h.num_tokens, h.hidden), x.dtype, inputs=(x, weights))
+    if rec.copy_x:  # (the record's first call: the copy it made)
+        x = cp.ascontiguousarray(x) if cx is None else cx
     if rec.copy_w:
-        weights = cp.ascontiguousarray(weights)
+        weights = cp.ascontiguousarray(weights) if cw is None else cw
     rows, n = h.send_rows, h.num_tokens
     # the rows that come back, x's then the weights' (at back_w_off), in one allocation, read by address only
     mem = cp.cuda.alloc(rec.back_bytes) if rec.back_bytes else None
@@ -498,7 +503,8 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
         if rec.ring is None:  # the record's first call: the ring launch prepared from this call's arrays
             shapes = ([((rows, h.hidden), x.dtype, back)] if rec.send_x else []) + \
                 ([((rows, h.num_topk), _F32, back_w)] if rec.send_w else [])
-            recv = [nd(sh, dt, memptr=mem + (p - back)) if mem is not None else cp.empty(sh, dt) for sh, dt, p in shapes]
+            recv = [nd(sh, dt, memptr=mem + (p - back)) if mem is not None else cp.empty(sh, dt)
+                    for sh, dt, p in shapes]
             rec.ring = comm.prepare_rows_device(op, rec.sig, ([x] if rec.send_x else []) +
                                                 ([weights] if rec.send_w else []), recv, False)
         comm.launch_rows_device(op, rec.ring, ([x.data.ptr] if rec.send_x else []) +

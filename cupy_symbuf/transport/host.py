@@ -730,8 +730,9 @@ class HostTransport:
         return int(hdr[P.HDR_OP]) if int(hdr[P.HDR_MAGIC]) == P.HDR_MAGIC_VALUE else 0
 
     def _check_form_notify(self, op: str, incoming: list, epoch: int, op_code: int, peers) -> None:
-        """Inside the count exchange of ``epoch`` (``incoming``: every rank's slot here), of ``peers``: a peer whose channel-0 call header of a new call arrived while its slot of this epoch did not is in a
-        call without a count exchange (it publishes its slot before any header of a call that has one). Then the
+        """Inside the count exchange of ``epoch`` (``incoming``: every rank's slot here), of ``peers``: a peer whose
+        channel-0 call header of a new call arrived while its slot of this epoch did not is in a call without a count
+        exchange (it publishes its slot before any header of a call that has one). Then the
         abort word is set and :class:`SymBufferMismatchError` (FIELD_FORM) names that peer. The caller checks the
         rank it waits for on every poll and, once the abort word is set (a peer found the difference first), every
         peer before it raises the abort, so that this rank names the difference too."""
