@@ -679,7 +679,7 @@ class Communicator:
         directly (the sender's mode arrives in its call header, after the plan); the GPU kernel's counts are of
         what moved. Sources: the host engine, and the GPU without ``adaptive``, count the calls whose counts the
         host knows (GPU device-count calls, e.g. ``num_worst_tokens`` or a cached handle, are not counted there),
-        the per-channel cuts only with ``adaptive`` (about 0.1-0.2 ms per new call shape on the host); the GPU's
+        the per-channel cuts only with ``adaptive`` (about 50 us per new call shape on the host); the GPU's
         work-sharing kernel counts every call itself (this method then waits for the queued kernels; refused with
         ``RuntimeError`` during a CUDA graph capture). ``reset=True`` zeroes every counter after reading them (the
         home map stays); ``reset`` must be a bool (``TypeError`` otherwise)."""

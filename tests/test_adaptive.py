@@ -237,3 +237,63 @@ def test_plan_load_is_the_plans_own_cuts(W, host):
                     want = (0, 0) if p == me else ((hi - lo) * plan.unit_bytes, plan.share_chunks(int(units[p]), ch))
                     assert host or p == me or want[1] == plan.num_chunks(lo, hi)
                     assert tuple(load[role, ch, p, :2]) == want, (role, p, ch)
+
+
+def _edge_units(rng, plan, C: int) -> np.ndarray:
+    """Run lengths in units around every boundary of the cuts: 0, 1, one ring slot, the host engine's inline and
+    least-chunk sizes, the 512-byte grain, whole channels of slots, and random ones up to many slots."""
+    slot = plan.chunk_bytes // plan.unit_bytes
+    marks = [0, 1, 2, slot, C * slot, plan.num_copy * slot,
+             (P.HOST_CHUNK_LEAST_BYTES + plan.unit_bytes - 1) // plan.unit_bytes,
+             (plan.chunk_bytes - 8 * P.HDR_WORDS) // plan.unit_bytes,
+             (P.CHUNK_GRAIN_BYTES + plan.unit_bytes - 1) // plan.unit_bytes]
+    near = [m + d for m in marks for d in (-2, -1, 0, 1, 2, 15, 16, 17) if m + d >= 0]
+    return np.array(near + rng.integers(0, 40 * slot + 2, 8).tolist(), np.int64)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_vectorised_cuts_are_the_plans_per_channel_cuts(host):
+    """``_cuts`` (NumPy over every (peer, channel)) equals the plan's ``channel_range`` / ``share_chunks`` called
+    one (peer, channel) at a time, over many random plans: run lengths at 0, 1 and around the slot, inline and
+    chunk sizes, byte and row runs, direct or not (``single``), several layouts; on the host the short, direct
+    runs on channel 0 alone and the inline ones with 0 chunks."""
+    from cupy_symbuf.wire.plan import ExchangePlan
+    from cupy_symbuf.transport.adaptive import _cuts
+    from cupy_symbuf.wire.channel_layout import ChannelLayout
+    rng = np.random.default_rng([7, host])
+    seen = {"one channel": 0, "inline": 0, "several channels": 0}
+    for trial in range(120):
+        W = int(rng.choice([2, 3, 4, 8]))
+        cfg = cs.Config(num_sms=int(rng.choice([2, 8, 24] if not host else [2, 8])),
+                        chunk_bytes=int(rng.choice([1024, 4096, 32768, 32896, 65536, 262144]))
+                        ).resolved("host" if host else "cuda", world_size=W)
+        L = ChannelLayout.from_config(cfg, W)
+        C = L.num_channels
+        byte_run = bool(rng.integers(0, 2))
+        width = int(rng.choice([1, 2, 7, 64, 256] if byte_run else [1, 8, 24, 1000]))
+        width = min(width, L.chunk_bytes - 8)
+        direct = byte_run and bool(rng.integers(0, 2))
+        plan = ExchangePlan(op="alltoallv", sig_text="t", part_widths=[width] if byte_run else [width, 8],
+                            has_index=not byte_run, send_counts=np.ones(W, np.int64), recv_counts=np.ones(W, np.int64),
+                            layout=L, rank=0, direct=direct, host=host)
+        units = _edge_units(rng, plan, C)
+        for single in (False, True):
+            n, chunks = _cuts(plan, units, C, single)
+            want_n = [[hi - lo for lo, hi in (plan.channel_range(int(u), k, single) for k in range(C))] for u in units]
+            want_chunks = [[plan.share_chunks(int(u), k, single) for k in range(C)] for u in units]
+            assert n.dtype == chunks.dtype == np.int64 and n.shape == chunks.shape == (len(units), C)
+            assert n.tolist() == want_n, (trial, single, plan)
+            assert chunks.tolist() == want_chunks, (trial, single, plan)
+            assert (n.sum(axis=1) == units).all()  # every unit on some channel, once
+            for u, row, ch in zip(units.tolist(), n, chunks):
+                if host and u and (single or u * plan.unit_bytes <= plan.chunk_bytes):
+                    assert row[0] == u and not row[1:].any()  # channel 0 alone
+                    seen["one channel"] += 1
+                    if not single and not ch[0]:
+                        seen["inline"] += 1
+                elif u * plan.unit_bytes > plan.chunk_bytes and C > 1 and u >= C * plan.align:
+                    assert (row > 0).sum() > 1
+                    seen["several channels"] += 1
+    # the boundaries were all reached
+    assert all(seen.values()) if host else seen["several channels"], seen
+
