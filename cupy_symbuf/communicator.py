@@ -676,7 +676,8 @@ class Communicator:
 
         The host-side counts are of the calls as planned, like :meth:`stats`: a call a peer rejected counts the rows
         to and from that peer, and on the receive side ``chunks`` counts ring chunks even from a peer that sent
-        directly (the sender's mode arrives in its call header, after the plan); the GPU kernel's counts are of
+        directly (the sender's mode arrives in its call header, after the plan), while the host engine's direct send
+        counts its bytes on channel 0, where it travels, and no chunks; the GPU kernel's counts are of
         what moved. Sources: the host engine, and the GPU without ``adaptive``, count the calls whose counts the
         host knows (GPU device-count calls, e.g. ``num_worst_tokens`` or a cached handle, are not counted there),
         the per-channel cuts only with ``adaptive`` (about 50 us per new call shape on the host); the GPU's

@@ -195,14 +195,17 @@ class ChannelLoad:
         """The per-call load of a host-count plan: int64 ``[2, C, W, LOAD_WORDS]`` (bytes, chunks; nothing
         stolen), from the plan's own cuts (``layout.channel_row_range`` / ``chunk_rows``, the same the kernel and the
         host engine use), computed with NumPy over every (channel, peer) at once; zeros for a rejected or
-        device-count plan (its units are not known on the host). Cached on the plan."""
+        device-count plan (its units are not known on the host). A direct run counts no chunks; on the host it
+        travels on channel 0 alone and its bytes count there (what this rank receives counts as the rings' cut:
+        its peers' modes are theirs). Cached on the plan."""
         got = getattr(plan, "load", None)
         if got is not None:
             return got
         out = np.zeros((2, num_channels, world_size, P.LOAD_WORDS), np.int64)
         if not plan.reject and not plan.device_counts:
             for role, units in ((SEND, plan.send_units), (RECV, plan.recv_units)):
-                n, chunks = _cuts(plan, np.asarray(units, np.int64), num_channels)
+                # a direct host run travels on channel 0 alone (a receiver counts the rings' cut it expects)
+                n, chunks = _cuts(plan, np.asarray(units, np.int64), num_channels, plan.direct and role == SEND)
                 n[rank] = chunks[rank] = 0  # a rank's own rows take no ring
                 out[role, :, :, P.LOAD_BYTES] = (n * plan.unit_bytes).T
                 out[role, :, :, P.LOAD_CHUNKS] = 0 if plan.direct and role == SEND else chunks.T
