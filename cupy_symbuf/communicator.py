@@ -429,26 +429,24 @@ class Communicator:
         first, see ``lifecycle.abort_job``), or None."""
         from .transport import lifecycle as _lifecycle
         self._depart(message)
-        _lifecycle.abort_job(message, self.rank, cause=cause if cause is not None and 0 <= cause != self.rank
-                             else None)
+        _lifecycle.abort_job(message, self.rank, cause=_lifecycle.peer_cause(cause, self.rank))
 
     def _depart(self, reason: str) -> None:
-        """This rank takes part in no further exchange of this communicator (``Bootstrap.depart``; never raises)."""
-        try:
-            self.buffer.bootstrap.depart(reason)
-        except Exception:  # noqa: BLE001 - the job is ending
-            pass
+        """This rank takes part in no further exchange of this communicator (``lifecycle.depart``; never raises)."""
+        from .transport import lifecycle as _lifecycle
+        _lifecycle.depart(self.buffer.bootstrap, reason)
 
     def _abort_cause(self):
         """The rank that set this communicator's abort word when that is another rank, else None (one look; only
         while the buffer is mapped)."""
         from .common.errors import SymBufferAbortedError
+        from .transport import lifecycle as _lifecycle
         check = getattr(self._transport, "check_abort", None)
         try:
             if check is not None:
                 check("Communicator.close")
         except SymBufferAbortedError as exc:
-            return exc.aborting_rank if 0 <= exc.aborting_rank != self.rank else None
+            return _lifecycle.peer_cause(exc.aborting_rank, self.rank)
         except Exception:  # noqa: BLE001 - reading our own memory; never mask the failure being reported
             return None
         return None
