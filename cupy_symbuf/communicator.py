@@ -429,26 +429,24 @@ class Communicator:
         first, see ``lifecycle.abort_job``), or None."""
         from .transport import lifecycle as _lifecycle
         self._depart(message)
-        _lifecycle.abort_job(message, self.rank, cause=cause if cause is not None and 0 <= cause != self.rank
-                             else None)
+        _lifecycle.abort_job(message, self.rank, cause=_lifecycle.peer_cause(cause, self.rank))
 
     def _depart(self, reason: str) -> None:
-        """This rank takes part in no further exchange of this communicator (``Bootstrap.depart``; never raises)."""
-        try:
-            self.buffer.bootstrap.depart(reason)
-        except Exception:  # noqa: BLE001 - the job is ending
-            pass
+        """This rank takes part in no further exchange of this communicator (``lifecycle.depart``; never raises)."""
+        from .transport import lifecycle as _lifecycle
+        _lifecycle.depart(self.buffer.bootstrap, reason)
 
     def _abort_cause(self):
         """The rank that set this communicator's abort word when that is another rank, else None (one look; only
         while the buffer is mapped)."""
         from .common.errors import SymBufferAbortedError
+        from .transport import lifecycle as _lifecycle
         check = getattr(self._transport, "check_abort", None)
         try:
             if check is not None:
                 check("Communicator.close")
         except SymBufferAbortedError as exc:
-            return exc.aborting_rank if 0 <= exc.aborting_rank != self.rank else None
+            return _lifecycle.peer_cause(exc.aborting_rank, self.rank)
         except Exception:  # noqa: BLE001 - reading our own memory; never mask the failure being reported
             return None
         return None
@@ -676,10 +674,11 @@ class Communicator:
 
         The host-side counts are of the calls as planned, like :meth:`stats`: a call a peer rejected counts the rows
         to and from that peer, and on the receive side ``chunks`` counts ring chunks even from a peer that sent
-        directly (the sender's mode arrives in its call header, after the plan); the GPU kernel's counts are of
+        directly (the sender's mode arrives in its call header, after the plan), while the host engine's direct send
+        counts its bytes on channel 0, where it travels, and no chunks; the GPU kernel's counts are of
         what moved. Sources: the host engine, and the GPU without ``adaptive``, count the calls whose counts the
         host knows (GPU device-count calls, e.g. ``num_worst_tokens`` or a cached handle, are not counted there),
-        the per-channel cuts only with ``adaptive`` (about 0.1-0.2 ms per new call shape on the host); the GPU's
+        the per-channel cuts only with ``adaptive`` (about 50 us per new call shape on the host); the GPU's
         work-sharing kernel counts every call itself (this method then waits for the queued kernels; refused with
         ``RuntimeError`` during a CUDA graph capture). ``reset=True`` zeroes every counter after reading them (the
         home map stays); ``reset`` must be a bool (``TypeError`` otherwise)."""

@@ -135,6 +135,38 @@ def test_skewed_alltoallv_matches_numpy_and_counts_add_up(comm, backend, kind):
         assert st3["calls"] == st3["rebalances"] == st3["remaps"] == 0
 
 
+def test_direct_host_sends_count_on_channel_zero(comm, backend):
+    """A host alltoallv out of a symmetric array goes direct: its rows travel on channel 0 alone, and the send
+    counters say so (every byte on channel 0, no chunks) while the results match the reference; the receive
+    counters add up to what the peers sent."""
+    if backend != "host":
+        pytest.skip("the host engine's direct mode")
+    from mpi4py import MPI
+    W, me = comm.Get_size(), comm.Get_rank()
+    rng = rng_for(comm, 1304)
+    with cs.Communicator(comm, cs.Config(adaptive=True, num_sms=8), backend=backend) as c:
+        sent = np.zeros(W, np.int64)
+        for it in range(3):
+            counts = rng.integers(0, 9000, W)  # up to ~2.7 slots of 96-byte rows: several channels in ring mode
+            x = random_rows(rng, int(counts.sum()), (24,), np.float32)
+            want, _ = reference_alltoallv(comm, x, counts)
+            sym = c.empty((comm.allreduce(len(x), op=MPI.MAX), 24), x.dtype)  # same shape on every rank
+            sym[: len(x)] = x
+            got, _ = c.alltoallv(sym[: len(x)], counts)
+            np.testing.assert_array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
+            c.free(sym)
+            sent += counts
+        st = c.channel_stats()
+        want_peer = sent * 96
+        want_peer[me] = 0
+        send_bytes = np.asarray(st["send"]["bytes"])
+        np.testing.assert_array_equal(send_bytes[0], want_peer)
+        assert not send_bytes[1:].any() and not np.asarray(st["send"]["chunks"]).any()
+        everyone = comm.allgather(sent)
+        got_from = np.array([everyone[s][me] for s in range(W)]) * 96
+        got_from[me] = 0
+        np.testing.assert_array_equal(np.asarray(st["recv"]["bytes"]).sum(axis=0), got_from)
+
 def test_ranks_may_differ_in_the_option_and_the_interval(comm, backend):
     """Local policy: the wire is the same, so a mix of adaptive and static ranks, re-balancing at different calls,
     still gives the reference's bytes; dispatch / combine too."""
@@ -237,3 +269,100 @@ def test_plan_load_is_the_plans_own_cuts(W, host):
                     want = (0, 0) if p == me else ((hi - lo) * plan.unit_bytes, plan.share_chunks(int(units[p]), ch))
                     assert host or p == me or want[1] == plan.num_chunks(lo, hi)
                     assert tuple(load[role, ch, p, :2]) == want, (role, p, ch)
+
+
+def _edge_units(rng, plan, C: int) -> np.ndarray:
+    """Run lengths in units around every boundary of the cuts: 0, 1, one ring slot, the host engine's inline and
+    least-chunk sizes, the 512-byte grain, whole channels of slots, and random ones up to many slots."""
+    slot = plan.chunk_bytes // plan.unit_bytes
+    marks = [0, 1, 2, slot, C * slot, plan.num_copy * slot,
+             (P.HOST_CHUNK_LEAST_BYTES + plan.unit_bytes - 1) // plan.unit_bytes,
+             (plan.chunk_bytes - 8 * P.HDR_WORDS) // plan.unit_bytes,
+             (P.CHUNK_GRAIN_BYTES + plan.unit_bytes - 1) // plan.unit_bytes]
+    near = [m + d for m in marks for d in (-2, -1, 0, 1, 2, 15, 16, 17) if m + d >= 0]
+    return np.array(near + rng.integers(0, 40 * slot + 2, 8).tolist(), np.int64)
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_vectorised_cuts_are_the_plans_per_channel_cuts(host):
+    """``_cuts`` (NumPy over every (peer, channel)) equals the plan's ``channel_range`` / ``share_chunks`` called
+    one (peer, channel) at a time, over many random plans: run lengths at 0, 1 and around the slot, inline and
+    chunk sizes, byte and row runs, direct or not (``single``), several layouts; on the host the short, direct
+    runs on channel 0 alone and the inline ones with 0 chunks."""
+    from cupy_symbuf.wire.plan import ExchangePlan
+    from cupy_symbuf.transport.adaptive import _cuts
+    from cupy_symbuf.wire.channel_layout import ChannelLayout
+    rng = np.random.default_rng([7, host])
+    seen = {"one channel": 0, "inline": 0, "several channels": 0}
+    for trial in range(120):
+        W = int(rng.choice([2, 3, 4, 8]))
+        cfg = cs.Config(num_sms=int(rng.choice([2, 8, 24] if not host else [2, 8])),
+                        chunk_bytes=int(rng.choice([1024, 4096, 32768, 32896, 65536, 262144]))
+                        ).resolved("host" if host else "cuda", world_size=W)
+        L = ChannelLayout.from_config(cfg, W)
+        C = L.num_channels
+        byte_run = bool(rng.integers(0, 2))
+        width = int(rng.choice([1, 2, 7, 64, 256] if byte_run else [1, 8, 24, 1000]))
+        width = min(width, L.chunk_bytes - 8)
+        direct = byte_run and bool(rng.integers(0, 2))
+        plan = ExchangePlan(op="alltoallv", sig_text="t", part_widths=[width] if byte_run else [width, 8],
+                            has_index=not byte_run, send_counts=np.ones(W, np.int64), recv_counts=np.ones(W, np.int64),
+                            layout=L, rank=0, direct=direct, host=host)
+        units = _edge_units(rng, plan, C)
+        for single in (False, True):
+            n, chunks = _cuts(plan, units, C, single)
+            want_n = [[hi - lo for lo, hi in (plan.channel_range(int(u), k, single) for k in range(C))] for u in units]
+            want_chunks = [[plan.share_chunks(int(u), k, single) for k in range(C)] for u in units]
+            assert n.dtype == chunks.dtype == np.int64 and n.shape == chunks.shape == (len(units), C)
+            assert n.tolist() == want_n, (trial, single, plan)
+            assert chunks.tolist() == want_chunks, (trial, single, plan)
+            assert (n.sum(axis=1) == units).all()  # every unit on some channel, once
+            for u, row, ch in zip(units.tolist(), n, chunks):
+                if host and u and (single or u * plan.unit_bytes <= plan.chunk_bytes):
+                    assert row[0] == u and not row[1:].any()  # channel 0 alone
+                    seen["one channel"] += 1
+                    if not single and not ch[0]:
+                        seen["inline"] += 1
+                elif u * plan.unit_bytes > plan.chunk_bytes and C > 1 and u >= C * plan.align:
+                    assert (row > 0).sum() > 1
+                    seen["several channels"] += 1
+    # the boundaries were all reached
+    assert all(seen.values()) if host else seen["several channels"], seen
+
+
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("host", [True, False])
+def test_plan_load_of_a_direct_run(W, host):
+    """The load counters of a direct run: on the host every byte this rank sends is on channel 0 (the run travels
+    there alone) and no chunk is counted; on the GPU the bytes stay spread over the channels as the kernel cuts
+    them; what this rank receives is the rings' cut either way (it does not know its peers' modes). Independent
+    count: the bytes per peer from the send counts."""
+    from cupy_symbuf.wire.plan import ExchangePlan
+    from cupy_symbuf.transport.adaptive import ChannelLoad
+    from cupy_symbuf.wire.channel_layout import ChannelLayout
+    rng = np.random.default_rng([W, host, 3])
+    cfg = cs.Config(num_sms=8 if host else 24).resolved("host" if host else "cuda", world_size=W)
+    L = ChannelLayout.from_config(cfg, W)
+    C = L.num_channels
+    for trial in range(10):
+        counts = rng.integers(0, int(rng.choice([3, 5000, 200000])), W)
+        width = int(rng.choice([1, 4, 64, 256]))
+        me = int(rng.integers(0, W))
+        plan = ExchangePlan(op="alltoallv", sig_text="t", part_widths=[width], has_index=False, send_counts=counts,
+                            recv_counts=counts[::-1].copy(), layout=L, rank=me, direct=True, host=host)
+        load = ChannelLoad.plan_load(plan, C, W, me)
+        sent = counts * width
+        sent[me] = 0
+        assert load[0, :, :, P.LOAD_BYTES].sum(axis=0).tolist() == sent.tolist()
+        assert not load[0, :, :, P.LOAD_CHUNKS].any()
+        big = [p for p in range(W) if sent[p] >= 16 * C]
+        if host:
+            assert load[0, 0, :, P.LOAD_BYTES].tolist() == sent.tolist()
+            assert not load[0, 1:].any()
+        else:  # every channel carries its share of a run of at least 16 bytes per channel
+            assert all((load[0, :, p, P.LOAD_BYTES] > 0).all() for p in big)
+        for p in range(W):
+            want = [0] * C if p == me else [
+                (hi - lo) * plan.unit_bytes for lo, hi in (plan.channel_range(int(plan.recv_units[p]), k)
+                                                           for k in range(C))]
+            assert load[1, :, p, P.LOAD_BYTES].tolist() == want

@@ -349,6 +349,29 @@ def test_abort_is_local_and_peers_raise_naming_the_rank(backend, comm):
         c.close()
 
 
+def test_abort_cause_names_another_rank_and_departing_never_raises():
+    """The cause handed to ``abort_job`` is another rank or None (no rank known, or the reporting rank itself);
+    departing calls the bootstrap's ``depart`` once, skips a freed one (None) and swallows its failure."""
+    assert [_lifecycle.peer_cause(a, 1) for a in (None, -1, 0, 1, 2)] == [None, None, 0, None, 2]
+    # an uncaught error's cause (the excepthook's): the rank it names, when another
+    assert [_lifecycle._cause_of(cs.SymBufferAbortedError("x", rank=1, aborting_rank=a)) for a in (-1, 1, 2)] == \
+        [None, None, 2]
+    assert _lifecycle._cause_of(RuntimeError("x")) is None
+    calls = []
+
+    class Boot:
+        def depart(self, reason):
+            calls.append(reason)
+
+    class Gone:
+        def depart(self, reason):
+            raise RuntimeError("the store is gone")
+
+    _lifecycle.depart(Boot(), "ending")
+    _lifecycle.depart(None, "freed")
+    _lifecycle.depart(Gone(), "failing")
+    assert calls == ["ending"]
+
 # ---- leaks, re-creation, fork ------------------------------------------------------------------------------
 
 def test_unclosed_communicator_warns_once_and_is_kept_for_exit(comm, monkeypatch):

@@ -129,24 +129,30 @@ def pack_home(send_home: np.ndarray, recv_home: np.ndarray) -> np.ndarray:
     return raw.view("<i8").astype(np.int64)
 
 
-def _cuts(plan, units: np.ndarray, C: int):
-    """``(units, chunks)``, int64 ``[W, C]``: each peer run's share on each channel and its ring chunks: the
-    plan's ``channel_range`` and ``num_chunks`` for every (peer, channel) at once (Python ints where a product could
-    leave int64)."""
+def _cuts(plan, units: np.ndarray, C: int, single: bool = False):
+    """``(units, chunks)``, int64 ``[W, C]``: each peer run's share on each channel and its payload chunks: the
+    plan's ``channel_range`` and ``share_chunks`` (with ``single``: the runs go direct or are rejected) for every
+    (peer, channel) at once. The host engine's rules included: a run on channel 0 alone where ``run_channels``
+    says 1 (nothing on the others), 0 chunks for a run in its header's slot (``run_inline``). Python ints where
+    a product could leave int64."""
     W = units.shape[0]
-    c = np.arange(C, dtype=np.int64)
-    align = int(plan.align)
-    # huge runs (exact Python ints), or the host engine's cut (runs of one slot on channel 0 alone)
-    if getattr(plan, "host", False) or W and int(units.max(initial=0)) >= (1 << 62) // max(C + 1, 1):
-        n = np.array([[plan.channel_range(int(u), k)[1] - plan.channel_range(int(u), k)[0] for k in range(C)]
-                      for u in units], np.int64).reshape(W, C)
-        chunks = np.array([[plan.share_chunks(int(u), k) for k in range(C)] for u in units],
+    if W and int(units.max(initial=0)) >= (1 << 62) // max(C + 1, 1):  # huge runs: exact Python ints
+        cuts = [[plan.channel_range(int(u), k, single) for k in range(C)] for u in units]
+        n = np.array([[hi - lo for lo, hi in row] for row in cuts], np.int64).reshape(W, C)
+        chunks = np.array([[plan.share_chunks(int(u), k, single) for k in range(C)] for u in units],
                           np.int64).reshape(W, C)
         return n, chunks
+    c = np.arange(C, dtype=np.int64)
+    align = int(plan.align)
     lo = (units[:, None] * c[None, :] // C) // align * align
     hi = (units[:, None] * (c[None, :] + 1) // C) // align * align
     hi[:, C - 1] = units
     n = hi - lo
+    if plan.host:  # ExchangePlan.run_channels: channel 0 alone for a direct or rejected run, or one of one slot
+        run_bytes = units * plan.unit_bytes
+        one = (run_bytes <= plan.chunk_bytes) | single
+        n[one] = 0
+        n[one, 0] = units[one]
     max_rows = plan.chunk_bytes // plan.unit_bytes  # layout.chunk_rows, vectorised
     grain = min(max_rows, -(-P.CHUNK_GRAIN_BYTES // plan.unit_bytes))
     least = min(max_rows, -(-plan.least_bytes // plan.unit_bytes))
@@ -155,6 +161,9 @@ def _cuts(plan, units: np.ndarray, C: int):
     per = -(-pos // (plan.num_copy * rounds))
     per = np.minimum(max_rows, np.maximum(least, -(-per // grain) * grain))
     chunks = np.where(n > 0, -(-n // per), 0)
+    if plan.host and not single:  # ExchangePlan.run_inline: the run rides in its call header's slot (on channel 0)
+        chunks[(run_bytes > 0) & (run_bytes <= P.HOST_CHUNK_LEAST_BYTES)
+               & (run_bytes + 8 * P.HDR_WORDS <= plan.chunk_bytes)] = 0
     return n, chunks
 
 
@@ -171,7 +180,7 @@ class ChannelLoad:
         self.adaptive, self.interval = bool(adaptive), int(interval)
         self.totals = np.zeros((2, num_channels, world_size, P.LOAD_WORDS), np.int64)
         #: bytes per (role, peer) of the host-count calls, kept by every communicator (one NumPy add per plan at
-        #: a fold); the per-channel ``totals`` only with ``adaptive`` (their cuts cost ~0.1-0.2 ms per new plan)
+        #: a fold); the per-channel ``totals`` only with ``adaptive`` (their cuts cost ~40-60 us per new plan)
         self.peer_bytes = np.zeros((2, world_size), np.int64)
         self.calls = 0            # eager ring exchanges counted towards the next re-balance
         self.calls_total = 0
@@ -186,14 +195,17 @@ class ChannelLoad:
         """The per-call load of a host-count plan: int64 ``[2, C, W, LOAD_WORDS]`` (bytes, chunks; nothing
         stolen), from the plan's own cuts (``layout.channel_row_range`` / ``chunk_rows``, the same the kernel and the
         host engine use), computed with NumPy over every (channel, peer) at once; zeros for a rejected or
-        device-count plan (its units are not known on the host). Cached on the plan."""
+        device-count plan (its units are not known on the host). A direct run counts no chunks; on the host it
+        travels on channel 0 alone and its bytes count there (what this rank receives counts as the rings' cut:
+        its peers' modes are theirs). Cached on the plan."""
         got = getattr(plan, "load", None)
         if got is not None:
             return got
         out = np.zeros((2, num_channels, world_size, P.LOAD_WORDS), np.int64)
         if not plan.reject and not plan.device_counts:
             for role, units in ((SEND, plan.send_units), (RECV, plan.recv_units)):
-                n, chunks = _cuts(plan, np.asarray(units, np.int64), num_channels)
+                # a direct host run travels on channel 0 alone (a receiver counts the rings' cut it expects)
+                n, chunks = _cuts(plan, np.asarray(units, np.int64), num_channels, plan.direct and role == SEND)
                 n[rank] = chunks[rank] = 0  # a rank's own rows take no ring
                 out[role, :, :, P.LOAD_BYTES] = (n * plan.unit_bytes).T
                 out[role, :, :, P.LOAD_CHUNKS] = 0 if plan.direct and role == SEND else chunks.T

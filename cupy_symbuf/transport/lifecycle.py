@@ -34,7 +34,7 @@ import weakref
 from ..common.config import env_abort_default
 
 __all__ = ["register", "unregister", "keep_dropped", "open_objects", "abort_job", "env_abort_default",
-           "live_mpi_objects"]
+           "live_mpi_objects", "depart", "peer_cause"]
 
 _lock = threading.Lock()
 #: creation number -> (object, its state callback, its abort callback), all held weakly (Communicator or standalone
@@ -217,12 +217,28 @@ def _abort_open(exc_type) -> None:
             pass
 
 
+def peer_cause(aborting_rank, rank: int):
+    """``aborting_rank`` (the rank that set an abort word) when it is a rank other than ``rank`` (the one
+    reporting), else None (None or negative: no rank known; ``rank`` itself): the ``cause`` of :func:`abort_job`."""
+    if aborting_rank is not None and 0 <= aborting_rank != rank:
+        return aborting_rank
+    return None
+
+
+def depart(bootstrap, reason: str) -> None:
+    """``bootstrap.depart(reason)`` (``Bootstrap.depart``: this rank takes part in no further exchange of it, and
+    peers waiting for it stop waiting) unless ``bootstrap`` is None (freed); never raises: the job is ending."""
+    try:
+        if bootstrap is not None:
+            bootstrap.depart(reason)
+    except Exception:  # noqa: BLE001 - never mask the failure that ends the job
+        pass
+
+
 def _cause_of(exc):
     """The rank whose abort ``exc`` reports when that is another rank (``SymBufferAbortedError``), else None."""
     from ..common.errors import SymBufferAbortedError
-    if isinstance(exc, SymBufferAbortedError) and exc.aborting_rank >= 0 and exc.aborting_rank != exc.rank:
-        return exc.aborting_rank
-    return None
+    return peer_cause(exc.aborting_rank, exc.rank) if isinstance(exc, SymBufferAbortedError) else None
 
 
 def _install_excepthook() -> None:

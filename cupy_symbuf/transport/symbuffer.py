@@ -403,9 +403,8 @@ class SymBuffer:
 
     def _depart(self, reason: str) -> None:
         """For :mod:`~cupy_symbuf.transport.lifecycle`: the job is ending; peers stop waiting for this rank
-        (``Bootstrap.depart``)."""
-        if self.bootstrap is not None:
-            self.bootstrap.depart(reason)
+        (``lifecycle.depart``)."""
+        _lifecycle.depart(self.bootstrap, reason)
 
     def _free_comm(self) -> None:
         if self.bootstrap is not None:
