@@ -363,23 +363,28 @@ def test_rank_that_completed_its_call_closes_at_once_after_a_peer_aborted(comm, 
     timeout_s = 20.0
     before = _lifecycle.live_mpi_objects()
     c = cs.Communicator(comm, cs.Config(timeout_s=timeout_s), backend="host")
-    _check_alltoall(c)  # completes on every rank; from now on no rank waits for a peer outside cupy_symbuf
     completed = comm.rank >= 2
-    if comm.rank == 1:
-        c.abort("left on purpose")
-    elif comm.rank == 0:
-        with pytest.raises(cs.SymBufferAbortedError) as info:
-            _check_alltoall(c)
-        assert info.value.aborting_rank == 1, info.value
-    if completed != completed_first:
-        time.sleep(0.5)
-    t0 = time.monotonic()
-    err = None
+    took_close, err = None, None
     try:
-        c.close()
-    except cs.SymBufferError as exc:
-        err = exc
-    took_close = time.monotonic() - t0
+        _check_alltoall(c)
+        # every rank's call has returned before rank 1 aborts (a rank still inside it would raise the abort, as
+        # it must); from here on no rank waits for a peer outside cupy_symbuf
+        comm.Barrier()
+        if comm.rank == 1:
+            c.abort("left on purpose")
+        elif comm.rank == 0:
+            with pytest.raises(cs.SymBufferAbortedError) as info:
+                _check_alltoall(c)
+            assert info.value.aborting_rank == 1, info.value
+        if completed != completed_first:
+            time.sleep(0.5)
+    finally:  # every rank closes, whatever failed above
+        t0 = time.monotonic()
+        try:
+            c.close()
+        except cs.SymBufferError as exc:
+            err = exc
+        took_close = time.monotonic() - t0
     assert c._closed
     if completed:  # its last call returned rows: close() tells it of the abort (after freeing)
         assert isinstance(err, cs.SymBufferAbortedError) and err.aborting_rank == 1, repr(err)
