@@ -372,6 +372,60 @@ def test_abort_cause_names_another_rank_and_departing_never_raises():
     _lifecycle.depart(Gone(), "failing")
     assert calls == ["ending"]
 
+
+@pytest.mark.parametrize("completed_first", [False, True], ids=["completed_rank_closes_last",
+                                                               "completed_rank_closes_first"])
+def test_rank_that_completed_its_call_closes_at_once_after_a_peer_aborted(comm, completed_first):
+    """Every rank's alltoall completes; then rank 1 aborts and rank 0's next call raises its abort, while the ranks
+    from 2 on make no further call (their last call completed: right rows). Every rank then closes, with no other
+    step in between, and constructs a new communicator: each close and the construction take well under
+    ``timeout_s`` on every rank (a rank waiting out ``timeout_s`` there because a peer failed is the defect), the
+    completed ranks' close raises the abort naming rank 1 after freeing, and the new communicator's alltoall is
+    right. ``completed_first``: the completed ranks reach close() before (or 0.5 s after) the aborting ones."""
+    if comm.size < 3:
+        pytest.skip("needs a third rank that completed its call")
+    timeout_s = 20.0
+    before = _lifecycle.live_mpi_objects()
+    c = cs.Communicator(comm, cs.Config(timeout_s=timeout_s), backend="host")
+    completed = comm.rank >= 2
+    took_close, err = None, None
+    try:
+        _check_alltoall(c)
+        # every rank's call has returned before rank 1 aborts (a rank still inside it would raise the abort, as
+        # it must); from here on no rank waits for a peer outside cupy_symbuf
+        comm.Barrier()
+        if comm.rank == 1:
+            c.abort("left on purpose")
+        elif comm.rank == 0:
+            with pytest.raises(cs.SymBufferAbortedError) as info:
+                _check_alltoall(c)
+            assert info.value.aborting_rank == 1, info.value
+        if completed != completed_first:
+            time.sleep(0.5)
+    finally:  # every rank closes, whatever failed above
+        t0 = time.monotonic()
+        try:
+            c.close()
+        except cs.SymBufferError as exc:
+            err = exc
+        took_close = time.monotonic() - t0
+    assert c._closed
+    if completed:  # its last call returned rows: close() tells it of the abort (after freeing)
+        assert isinstance(err, cs.SymBufferAbortedError) and err.aborting_rank == 1, repr(err)
+    else:  # the abort was raised (rank 0) or made (rank 1) here already
+        assert err is None or isinstance(err, cs.SymBufferAbortedError), repr(err)
+    t1 = time.monotonic()
+    with cs.Communicator(comm, cs.Config(timeout_s=timeout_s), backend="host") as c2:
+        took_construct = time.monotonic() - t1
+        _check_alltoall(c2)
+    bound = timeout_s / 4
+    assert took_close < bound and took_construct < bound, (
+        f"rank {comm.rank}: close() took {took_close:.1f} s, the next construction {took_construct:.1f} s "
+        f"(timeout_s {timeout_s:g})")
+    assert _lifecycle.live_mpi_objects() == before
+    comm.Barrier()
+
+
 # ---- leaks, re-creation, fork ------------------------------------------------------------------------------
 
 def test_unclosed_communicator_warns_once_and_is_kept_for_exit(comm, monkeypatch):
