@@ -58,6 +58,11 @@ def contiguous(idx):
     return idx if idx.flags.c_contiguous else _compat.cupy.ascontiguousarray(idx)
 
 
+def _layout_threads(n: int, W: int) -> int:
+    """Threads of the layout kernel's one block for ``n`` tokens and ``W`` ranks (a warp per rank at least)."""
+    return max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
+
+
 def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_rank=None, meta=None, bad=None,
            sticky: bool = False, pos=None, send_idx=None, stream=None) -> None:
     """Launch the layout kernel on the current stream for int64 C-contiguous ``idx [N, K]`` (outputs: device
@@ -65,7 +70,7 @@ def layout(eng, idx, num_experts: int, *, per_rank=None, per_expert=None, in_ran
     it)."""
     n, k = idx.shape
     W = eng.world_size
-    threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
+    threads = _layout_threads(n, W)
     sticky_ptr = eng.transport.layout_error.ptr if sticky else 0
     launch = _launcher(eng, LAYOUT_KERNEL)
     # MoeLayoutArgs in order (layout_run: the same)
@@ -79,18 +84,16 @@ def layout_fields(eng, n: int, k: int, num_experts: int) -> tuple:
     the ``MoeLayoutArgs`` in order with 0 for every address, for a caller that keeps them per call shape and writes
     the addresses per call (:func:`layout_run`)."""
     W = eng.world_size
-    threads = max(32 * W, min(1024, max(32, (n + 31) // 32 * 32)))
-    return _launcher(eng, LAYOUT_KERNEL), threads, (0, n, k, num_experts, W, 0, 0, 0, 0, 0, 0, 0, 0)
+    return _launcher(eng, LAYOUT_KERNEL), _layout_threads(n, W), (0, n, k, num_experts, W, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def layout_run(prepared: tuple, idx_ptr: int, rt: "Routing", stream=None) -> None:
     """The layout launch of a dispatch (:func:`layout_fields` kept per call shape) writing ``rt``'s routing: the
     same fields as :func:`layout` with ``in_rank``, ``meta``, ``bad``, ``pos`` and ``send_idx`` of ``rt``."""
     launch, threads, f = prepared
-    bad = rt.bad_ptr
     # MoeLayoutArgs in order: idx, num_tokens, num_topk, num_experts, world_size, per_rank, per_expert, in_rank,
     # meta, bad, bad_sticky, pos, send_idx
-    launch.pack(idx_ptr, f[1], f[2], f[3], f[4], 0, 0, rt.in_rank_ptr, bad + 16, bad, 0, rt.pos_ptr,
+    launch.pack(idx_ptr, f[1], f[2], f[3], f[4], 0, 0, rt.in_rank_ptr, rt.meta_ptr, rt.bad_ptr, 0, rt.pos_ptr,
                 rt.send_idx_ptr)
     launch(1, threads, shared_mem=4 * f[3], stream=stream)
 
