@@ -293,6 +293,38 @@ def test_ranks_disagree_on_passing_recv_counts(backend, comm, odd_form):
         pass
 
 
+def test_recv_counts_with_recv_capacity_on_one_rank_against_the_count_exchange(comm):
+    """The last rank passes recv_counts and recv_capacity (they exclude each other), the others neither (a count
+    exchange): that rank's rejection goes in recv_counts' form while the peers wait in the count exchange, so every
+    rank raises at once; the rejecting rank raises its own ValueError (the call-form mismatch as its context), the
+    others the call-form SymBufferMismatchError naming it (host path: on the GPU the rejection is queued)."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    timeout_s = 4.0
+    c = cs.Communicator(comm, cs.Config(**dict(CFG, timeout_s=timeout_s)), backend="host")
+    W, me, odd = comm.size, comm.rank, comm.size - 1
+    _valid_alltoallv(c, comm, "host", 81)
+    rng = rng_for(comm, 82)
+    counts = rng.integers(1, 20, W)
+    send = random_rows(rng, int(counts.sum()), (5,), np.float32)
+    _, want_counts = reference_alltoallv(comm, send, counts)
+    comm.Barrier()
+    t0 = time.monotonic()
+    if me == odd:
+        with pytest.raises(ValueError, match="exclude each other") as info:
+            c.alltoallv(send, counts, recv_counts=want_counts, recv_capacity=int(want_counts.sum()))
+        assert isinstance(info.value.__context__, cs.SymBufferMismatchError), repr(info.value.__context__)
+    else:
+        with pytest.raises(cs.SymBufferMismatchError) as info:
+            c.alltoallv(send, counts)
+        assert info.value.field.startswith("call form") and info.value.peer == odd, info.value
+    assert time.monotonic() - t0 < timeout_s / 2
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
+
+
 @pytest.mark.parametrize("what", ["dtype", "row_shape", "operation"])
 def test_peer_disagrees_on_dtype_shape_or_operation(backend, comm, what):
     """One rank passes another dtype (same bytes), another row shape (same bytes), or calls another collective:

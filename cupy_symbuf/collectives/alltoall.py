@@ -93,12 +93,15 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         # rejected in recv_counts' form (counts_first): the peers that pass the same recv_counts wait for call
         # headers, so they see a rejection, not a call-form disagreement that would break the communicator
         eng.check_open()
-        eng.reject(op, notify=False)
         if recv_capacity is not None:
-            raise ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
+            err = ValueError(f"{op}: recv_counts and recv_capacity exclude each other (capacity mode exchanges the "
                              f"counts on the device)")
-        raise ValueError(f"{op}: send_counts on the device go with recv_capacity (the counts are exchanged on the "
-                         f"device), not with recv_counts (pass send_counts as a NumPy array or list with them)")
+        else:
+            err = ValueError(f"{op}: send_counts on the device go with recv_capacity (the counts are exchanged on "
+                             f"the device), not with recv_counts (pass send_counts as a NumPy array or list with "
+                             f"them)")
+        eng.reject(op, notify=False, exc=err)
+        raise err
     if recv_capacity is not None or device_counts:
         with eng.call(op, notify=True):
             return _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_capacity, out, check_sync(op, sync))

@@ -10,6 +10,7 @@ communicator broken (its ring counters may be out of step).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from ..common import backend as _compat
 from ..wire import protocol as P
 from ..wire.plan import PlanCache, check_bytes, kernel_geometry, part_width
-from ..common.errors import SymBufferError, SymBufferRejectedError, mismatch_error
+from ..common.errors import SymBufferError, SymBufferMismatchError, SymBufferRejectedError, mismatch_error
 from .status import rejection_text
 
 __all__ = ["Engine", "row_signature"]
@@ -79,7 +80,7 @@ class _Call:
                 eng._state = None
                 state = self.state
                 if not state.started:
-                    eng._tell_rejected(self.op, self.notify)  # the peers raise SymBufferRejectedError; usable
+                    eng._tell_rejected_of(exc, self.op, self.notify)  # the peers raise SymBufferRejectedError
                 elif state.pending:  # between steps, the peers are inside the call: fatal, and they are told
                     eng.fail(exc)
                 # after the last step (e.g. the combine reduction running out of memory): a local error, in step
@@ -222,15 +223,27 @@ class Engine:
         (A class, not a generator context: about a microsecond less per call.)"""
         return _Call(self, op, notify)
 
-    def reject(self, op: str, notify: bool) -> None:
+    def reject(self, op: str, notify: bool, exc: Optional[BaseException] = None) -> None:
         """A collective whose arguments this rank rejected before its first step (the caller re-raises its own
         error after this): the peers are told, unless the communicator is already closed or broken (or belongs to
-        another process)."""
+        another process). ``exc``: that error, when it is not the one being handled (see :meth:`_tell_rejected_of`)."""
         try:
             self._check_open()
         except SymBufferError:
             return
-        self._tell_rejected(op, notify)
+        self._tell_rejected_of(exc if exc is not None else sys.exc_info()[1], op, notify)
+
+    def _tell_rejected_of(self, exc: Optional[BaseException], op: str, notify: bool) -> None:
+        """:meth:`_tell_rejected` for a call rejected with ``exc`` (the error being handled; None: none). Where the
+        peers wait in the other call form (a count exchange, or call headers: ``recv_counts`` passed on some ranks
+        only), telling them finds the call-form mismatch, which every rank raises: this rank raises its own error
+        first, the mismatch as its ``__context__`` (the communicator is unusable either way)."""
+        try:
+            self._tell_rejected(op, notify)
+        except SymBufferMismatchError as told:
+            if exc is None:
+                raise
+            exc.__context__ = told
 
     def _tell_rejected(self, op: str, notify: bool) -> None:
         """Take part in the call just far enough to tell every peer this rank rejected it."""
