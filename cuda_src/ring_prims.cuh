@@ -510,8 +510,8 @@ __device__ __forceinline__ u64 accept_small_rejected(const HeaderStep& g, u64& e
 // does): channel 0's sender leader zeroes, first of all, the slot the peer writes in our small region for its call
 // seq + 1, and fences (small_zero_slot) before its call header goes out (the same thread's release of the tail; the
 // peer's kernel ends only after it acquired that tail). The sender line's seq is the receiver line's: every kernel
-// advances both. Here, in a function of its own, and not in the kernel's body: there it changed the body's code,
-// copy loops included (ptxas; docs/perf-notes.md has the SASS comparison, tests/device/ring_sass_diff.py makes it).
+// advances both. Here, in a function of its own, and not in the kernel's body: code there changes ptxas's code for
+// the whole body, copy loops included (docs/perf-notes.md has the SASS comparison, tests/device/ring_sass_diff.py).
 __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
   const WaitCtx& c = *g.ctx;
   if (g.is_sender && c.channel == 0 && header_desc(g, DESC_SMALL_OFFSET) != 0 &&

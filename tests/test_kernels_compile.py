@@ -111,9 +111,9 @@ def _ptx_calls(body: str) -> set:
                          ids=["512", "1024", "bulk-512", "wrap-hook-512"])
 def test_ring_kernel_body_has_no_flag_wrap_zeroing(defines):
     """The ring kernel's flag-wrap zeroing (small_zero_slot) runs in call_header_step, a function of its own that
-    only the leader calls, and not in the kernel's body: there (a warp's zeroing, __syncwarp and fences) it changed
-    ptxas's code for the whole body, its copy loops included (convergence-barrier moves, another schedule; 287 ->
-    349 us for a cached MoE dispatch on an H100, docs/perf-notes.md)."""
+    only the leader calls, and not in the kernel's body: there (a warp's zeroing, __syncwarp and fences) it changes
+    ptxas's code for the whole body, its copy loops included (convergence barriers saved through registers, the
+    loops moved and rescheduled; docs/perf-notes.md has the SASS comparison, tests/device/ring_sass_diff.py)."""
     _nvrtc_or_skip()
     ptx = _kernels.compile_ptx(RING, "compute_90", defines=defines)
     kernel = _ptx_function(ptx, ".entry symbuf_ring_exchange(")
