@@ -112,8 +112,8 @@ __host__ __device__ __forceinline__ i64 small_slot(i64 small_offset, i64 slot_by
   return small_offset + SMALL_CTRL_BYTES + (static_cast<i64>(seq & 1ull) * world_size + source) * slot_bytes;
 }
 // Zero one slot of our small region (slot_bytes from `slot`, 8-byte words), thread t of n taking words t, t + n, ...
-// (relaxed system-scope stores, as the peer's; the caller fences before it sends, see "The flag's wrap"). Not
-// inlined: the ring kernel calls it once per 2 M calls and keeps its registers for the copy loops.
+// (relaxed system-scope stores, as the peer's), then fence.sc.sys (see "The flag's wrap"). Not inlined: it runs
+// once per 2 M calls (the ring kernel's call_header_step, one thread; the small kernel, a block).
 __device__ __noinline__ void small_zero_slot(u8* slot, i64 slot_bytes, int t, int n) {
   u64* w = reinterpret_cast<u64*>(slot);
   for (i64 i = t; i < slot_bytes / 8; i += n) small_store(w + i, 0ull);

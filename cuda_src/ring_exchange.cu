@@ -493,21 +493,6 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
 #endif
   group_sync(bar_id, nthreads);
 
-  // The small protocol's flag wrap (protocol.cuh, small_zero_next; a ring call makes a call on the pair as a small
-  // one does): channel 0's sender group zeroes the slot the peer writes in our small region for its call
-  // call_seq + 1 before our call header goes out (warp 0: every lane fences its zeros, then the leader fences
-  // again before its release of the tail; the peer's kernel ends only after it acquired that tail). The sender
-  // line's call_seq is the receiver line's: every kernel advances both.
-  if (is_sender && channel == 0 && warp_in_group == 0 && s_desc[DESC_SMALL_OFFSET] != 0 &&
-      small_zero_next(call_seq)) {
-    small_zero_slot(reinterpret_cast<u8*>(peer_bases[rank]) +
-                        small_slot(s_desc[DESC_SMALL_OFFSET], s_desc[DESC_SMALL_SLOT_BYTES], call_seq + 1, peer,
-                                   world_size),
-                    s_desc[DESC_SMALL_SLOT_BYTES], lane, 32);
-    __syncwarp();
-    if (leader) __threadfence_system();
-  }
-
   u64 verdict = kGateAbort;  // the leader's: header sent (sender) / checked (receiver)
   if (leader) {
     // rejecting an alltoall with the small protocol on: a peer whose call would go by it sends its small header

@@ -264,11 +264,15 @@ struct HeaderStep {
   const i64* sym_table;       // this rank's symmetric table (DESC_SYM_TABLE), or nullptr
   i64 ce_alloc, ce_offset;    // FLAG_CE: where the peer's run must lie (else ce_alloc < 0)
   CallHeader mine;            // sender: the header to send; receiver: what it expects
-  // MODE_PUSH (push_mask != 0: receive parts in symmetric allocations push_alloc[i]): receiver: its first row of
-  // the peer's run and the rows its outputs hold; sender: where the receiver's answer goes (push_delta[i] =
-  // the receiver's block minus ours for each pushed part; *direct_src = the receiver's first row, or -1)
+  // MODE_PUSH (push_mask != 0: receive parts in symmetric allocations header_desc(g, DESC_PUSH_ALLOC + i)):
+  // receiver: its first row of the peer's run and the rows its outputs hold; sender: where the receiver's answer goes
+  // (push_delta[i] = the receiver's block minus ours for each pushed part; *direct_src = the receiver's first row, or
+  // -1)
   u32 push_mask;
-  const i64* push_alloc;
+  // the launch descriptor's words from DESC_PUSH_ALLOC on (the block's shared copy, s_desc + DESC_PUSH_ALLOC): the
+  // push allocations, and later words such as DESC_SMALL_* (header_desc). Not the descriptor's start: the kernel's
+  // body computes this address anyway, and another value there changes the body's code (its copy loops included).
+  const i64* desc_tail;
   i64* push_delta;
   i64 push_row0, push_rows;
   u64 first, num_slots;       // first: the header's counter
@@ -280,6 +284,11 @@ struct HeaderStep {
   // the small protocol sends that instead of ring headers; we consume it and leave our ring counters alone.
   const u64* small_hdr;
 };
+
+// Word w (>= DESC_PUSH_ALLOC) of the launch descriptor, through HeaderStep::desc_tail.
+__device__ __forceinline__ i64 header_desc(const HeaderStep& g, int w) { return g.desc_tail[w - DESC_PUSH_ALLOC]; }
+static_assert(DESC_SMALL_OFFSET > DESC_PUSH_ALLOC && DESC_SMALL_SLOT_BYTES > DESC_PUSH_ALLOC,
+              "header_desc reads the small region's words through desc_tail");
 
 // A fatal difference found by the receiver's leader: recorded, the abort word set on every rank.
 __device__ __forceinline__ u64 header_fatal(const HeaderStep& g, i64 expected, i64 received, int kind, int field) {
@@ -304,14 +313,14 @@ __device__ __noinline__ bool push_answer(const HeaderStep& g, u64& head) {
     bool found = false;
     for (int k = 0; k < SYM_TABLE_ROWS && g.sym_table != nullptr; ++k) {
       const i64* row = g.sym_table + static_cast<i64>(k) * SYM_TABLE_STRIDE;
-      if (row[0] == g.push_alloc[i] + 1) {
+      if (row[0] == header_desc(g, DESC_PUSH_ALLOC + i) + 1) {
         delta = row[2 + g.peer] - row[2 + c.rank];
         found = row[2 + g.peer] != 0;
         break;
       }
     }
     if (!found) {
-      fail(c, ROLE_SEND, g.peer, MODE_PUSH, g.push_alloc[i], ERR_MISMATCH, FIELD_MODE);
+      fail(c, ROLE_SEND, g.peer, MODE_PUSH, header_desc(g, DESC_PUSH_ALLOC + i), ERR_MISMATCH, FIELD_MODE);
       *g.abort_flag = 1;
       return false;
     }
@@ -497,8 +506,22 @@ __device__ __forceinline__ u64 accept_small_rejected(const HeaderStep& g, u64& e
 // FLAG_CE -> accept_ce; else the mode the peer's header says: accept_direct, accept_push, accept_ring. Publishes the
 // verdict to the copy warps (st.release.cta; drain_rejected publishes its own first) and returns it; `end` becomes
 // the counter after the call's last slot when the step changes it.
+// The small protocol's flag wrap (protocol.cuh, small_zero_next; a ring call makes a call on the pair as a small one
+// does): channel 0's sender leader zeroes, first of all, the slot the peer writes in our small region for its call
+// seq + 1, and fences (small_zero_slot) before its call header goes out (the same thread's release of the tail; the
+// peer's kernel ends only after it acquired that tail). The sender line's seq is the receiver line's: every kernel
+// advances both. Here, in a function of its own, and not in the kernel's body: code there changes ptxas's code for
+// the whole body, copy loops included (docs/perf-notes.md has the SASS comparison, tests/device/ring_sass_diff.py).
 __device__ __noinline__ u64 call_header_step(const HeaderStep& g, u64& end) {
   const WaitCtx& c = *g.ctx;
+  if (g.is_sender && c.channel == 0 && header_desc(g, DESC_SMALL_OFFSET) != 0 &&
+      small_zero_next(static_cast<u64>(g.mine.seq))) {
+    const i64 slot_bytes = header_desc(g, DESC_SMALL_SLOT_BYTES);
+    const u64 next = static_cast<u64>(g.mine.seq) + 1;
+    small_zero_slot(reinterpret_cast<u8*>(c.peer_bases[c.rank]) +
+                        small_slot(header_desc(g, DESC_SMALL_OFFSET), slot_bytes, next, g.peer, c.world_size),
+                    slot_bytes, 0, 1);
+  }
   u8* slot = g.ring_region + RING_OFFSET + static_cast<i64>(g.first % g.num_slots) * g.chunk_bytes;
   u64 verdict = kGateAbort;
   volatile int* abort_flag = g.abort_flag;

@@ -89,6 +89,41 @@ def test_small_flag_wrap_hook_compiles_and_zeroes(source, arch):
         assert "warning" not in log.lower(), log
 
 
+def _ptx_function(ptx: str, head: str) -> str:
+    """The body (braces included) of the PTX function whose declaration contains ``head``."""
+    at = ptx.index(head)
+    start = ptx.index("\n{", at) + 1
+    depth = 0
+    for k in range(start, len(ptx)):
+        depth += {"{": 1, "}": -1}.get(ptx[k], 0)
+        if depth == 0:
+            return ptx[start:k + 1]
+    raise AssertionError(f"unterminated PTX function {head}")
+
+
+def _ptx_calls(body: str) -> set:
+    return set(re.findall(r"call(?:\.uni)?\s*(?:\([^)]*\),\s*)?(\w+)", body))
+
+
+@pytest.mark.parametrize("defines", [("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",),
+                                     ("-DSYMBUF_BULK=1", "-DSYMBUF_MAX_THREADS=512"),
+                                     ("-DSYMBUF_SMALL_FLAG_MOD=7", "-DSYMBUF_MAX_THREADS=512")],
+                         ids=["512", "1024", "bulk-512", "wrap-hook-512"])
+def test_ring_kernel_body_has_no_flag_wrap_zeroing(defines):
+    """The ring kernel's flag-wrap zeroing (small_zero_slot) runs in call_header_step, a function of its own that
+    only the leader calls, and not in the kernel's body: there (a warp's zeroing, __syncwarp and fences) it changes
+    ptxas's code for the whole body, its copy loops included (convergence barriers saved through registers, the
+    loops moved and rescheduled; docs/perf-notes.md has the SASS comparison, tests/device/ring_sass_diff.py)."""
+    _nvrtc_or_skip()
+    ptx = _kernels.compile_ptx(RING, "compute_90", defines=defines)
+    kernel = _ptx_function(ptx, ".entry symbuf_ring_exchange(")
+    header_step = _ptx_function(ptx, "call_header_step")
+    zero = next(name for name in re.findall(r"\.func\s+(\w*small_zero_slot\w*)", ptx))
+    assert zero not in _ptx_calls(kernel), "the ring kernel's body zeroes small slots itself"
+    assert "membar.sys" not in kernel  # __threadfence_system: the zeroing's fence
+    assert zero in _ptx_calls(header_step), "call_header_step does not zero the flag wrap's slot"
+
+
 @pytest.mark.parametrize("arch", ["compute_90", "compute_80"])
 def test_small_profile_build_compiles_and_is_off_by_default(arch):
     """The small kernel's phase-stamp build (-DSYMBUF_SMALL_PROFILE=1, tests/device/small_profile.py) compiles
