@@ -79,6 +79,7 @@ class SymmetricSend:
 
     def __init__(self, c, comm):
         self._c, self._comm, self._buf = c, comm, None
+        self._stream = None  # (cuda) the stream of the last staging copy
         self.direct_sends = 0
 
     def __getattr__(self, name):
@@ -96,6 +97,15 @@ class SymmetricSend:
             self._buf = self._c.empty(max(n, 16), np.uint8)
         if not ok:
             return x
+        if self._c.backend == "cuda":
+            # one staging array for every call: a copy into it on another stream than the last call's would race
+            # with that call's kernels (and the peers' reads of it in direct mode), which stream order covers only
+            # on one stream; so wait for the calls queued so far before staging on a new stream
+            import cupy
+            stream = cupy.cuda.get_current_stream().ptr
+            if self._stream is not None and stream != self._stream:
+                self._c.synchronize()
+            self._stream = stream
         view = self._buf[: x.nbytes].view(x.dtype).reshape(x.shape)
         view[...] = x
         assert self._c.is_symmetric(view) or x.nbytes == 0
