@@ -98,6 +98,25 @@ def layout_run(prepared: tuple, idx_ptr: int, rt: "Routing", stream=None) -> Non
     launch(1, threads, shared_mem=4 * f[3], stream=stream)
 
 
+def layout_notify_fields(eng, n: int, k: int, num_experts: int, M: int) -> tuple:
+    """``(num_tokens, num_topk, num_experts, threads, shared_mem)`` of an eager dispatch's fused layout and count
+    exchange launch (``symbuf_moe_layout_notify``, :meth:`~cupy_symbuf.transport.engine.Engine.notify_device`'s
+    ``layout``) for ``idx [n, k]`` and ``M`` values per rank: threads enough for both bodies (the layout's
+    :func:`_layout_threads`, the count exchange's ``max(W, M)``), the layout's ``num_experts`` int32 counters in
+    dynamic shared memory (``tests/test_kernels_compile.py`` checks that ``MAX_EXPERTS`` of them fit next to both
+    bodies' static arrays)."""
+    W = eng.world_size
+    threads = max(_layout_threads(n, W), min(1024, (max(W, M) + 31) // 32 * 32))
+    return n, k, num_experts, threads, 4 * num_experts
+
+
+def layout_notify_args(fields: tuple, idx_ptr: int, rt: "Routing") -> tuple:
+    """The ``layout`` tuple of one call (:meth:`CudaTransport.notify_layout_device`): ``fields``
+    (:func:`layout_notify_fields`) with ``idx``'s address and ``rt``'s routing outputs."""
+    n, k, e, threads, smem = fields
+    return idx_ptr, n, k, e, rt.in_rank_ptr, rt.pos_ptr, rt.send_idx_ptr, threads, smem
+
+
 def reduce_launcher(eng, kernel: str):
     """The engine's :class:`~cupy_symbuf.transport.kernels.Launcher` of the combine reduction ``kernel``
     (``symbuf_combine_reduce_*``; a caller may keep it for repeated calls)."""
@@ -211,7 +230,7 @@ class Routing:
     """
 
     __slots__ = ("M", "W", "n", "table_ptr", "rev_table_ptr", "sums_ptr", "bad_ptr", "meta_ptr", "pos_ptr",
-                 "send_idx_ptr", "in_rank", "_mem", "_words", "_idx_len", "_block", "_pos", "_send_idx")
+                 "send_idx_ptr", "in_rank", "in_rank_ptr", "_mem", "_words", "_idx_len", "_block", "_pos", "_send_idx")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
@@ -227,6 +246,7 @@ class Routing:
         self.meta_ptr = self.bad_ptr + 16
         self.pos_ptr, self.send_idx_ptr = t + pos_off, t + idx_off
         self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + in_rank_off)
+        self.in_rank_ptr = t + in_rank_off
         # block, pos and send_idx: arrays made when first asked for
         self._words, self._idx_len = words, max(1, n * W)
         self._block = self._pos = self._send_idx = None
@@ -239,10 +259,6 @@ class Routing:
             a = self._pos = _compat.cupy.ndarray((self.n, self.W), np.int64,
                                                  memptr=self._mem + (self.pos_ptr - self.table_ptr))
         return a
-
-    @property
-    def in_rank_ptr(self) -> int:
-        return self.in_rank.data.ptr
 
     @property
     def block(self):

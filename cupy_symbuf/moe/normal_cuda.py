@@ -184,7 +184,15 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
             idx = cp.ascontiguousarray(idx)
     rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
     meta = rt.meta_ptr
-    if rec is None:
+    fused = None
+    if not worst:  # eager: the layout and the count exchange in one launch (symbuf_moe_layout_notify)
+        lf = None if rec is None else rec.layout
+        if lf is None:
+            lf = _gpu.layout_notify_fields(comm, num_tokens, num_topk, n_exp, M)
+            if rec is not None:
+                rec.layout = lf
+        fused = _gpu.layout_notify_args(lf, idx.data.ptr, rt)
+    elif rec is None:
         _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos_ptr,
                     send_idx=rt.send_idx_ptr, stream=stream)
     else:
@@ -210,7 +218,7 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
                                  f"+ top-k), on num_experts or on where out lies: rank {rank} has {rb} bytes "
                                  f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
                                  f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
-                                 f"the same offset on every rank"), capturing=capturing)
+                                 f"the same offset on every rank"), capturing=capturing, layout=fused)
     dispatch_id = comm.epoch  # this dispatch's count exchange (in a capture: the capture's, kept by every replay)
     if worst:
         send_counts = recv_counts = raw = None
