@@ -199,6 +199,7 @@ def engine(launches, world_size: int = 2, rank: int = 0, **config):
     from cupy_symbuf.transport import kernels as _kernels
     from cupy_symbuf.transport.status import Pinned
     tr._l_notify = _kernels.get_launcher("ring_exchange.cu", "symbuf_notify")
+    tr._l_notify.args.rank, tr._l_notify.args.world_size = rank, world_size  # (static fields, as CudaTransport's)
     tr._meta_in = Pinned(world_size * layout.max_notify_ints)
     tr._ticket = 0
     tr.layout_error = Pinned(2)

@@ -314,3 +314,17 @@ def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out
     launch.pack(gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, k, eng.rank * epr, epr, table_ptr, _ptr(sums),
                 _ptr(counts_out), align)
     launch(max(1, min(1024, (n + 255) // 256)), 256, stream=stream)
+
+
+def fixup_launcher(eng):
+    """The engine's launcher of the receive fix-up (a caller may keep it for repeated calls: :func:`fixup_run`)."""
+    return _launcher(eng, FIXUP_KERNEL)
+
+
+def fixup_run(launch, gidx_ptr: int, w_ptr: int, rows: int, num_topk: int, first_expert: int, epr: int,
+              sums_ptr: int, align: int, stream=None) -> None:
+    """:func:`fixup` of an eager dispatch (every row real, no per-expert counts on the device) by address:
+    ``rows * num_topk > 0`` (the caller skips an empty one); ``w_ptr`` 0: no weights."""
+    # MoeFixupArgs in order: gidx, w, rows, num_topk, first_expert, epr, table, sums, counts_out, align
+    launch.pack(gidx_ptr, w_ptr, rows, num_topk, first_expert, epr, 0, sums_ptr, 0, align)
+    launch(max(1, min(1024, (rows * num_topk + 255) // 256)), 256, stream=stream)
