@@ -215,8 +215,7 @@ def _eager_fast(comm, op, rec, xv, idx, weights, n_exp: int, align: int, stream,
     send = [xv, idx, weights]
     for i in rec.copy_rows:  # (rows whose elements are not contiguous, as _rows_contiguous finds them)
         send[i] = cp.ascontiguousarray(send[i])
-    if capturing:
-        comm.keep_for_graph(*send, *outs, capturing=True)
+    # (never inside a CUDA graph capture: notify_device refused it, on every rank alike, before any step)
     comm.launch_rows_device(op, rec.ring, [send[i].data.ptr for i in rec.sent], [outs[i].data.ptr for i in rec.sent],
                             send_idx.data.ptr, rt.table_ptr, tag=0, stream=stream)
     recv_gidx = outs[1]
