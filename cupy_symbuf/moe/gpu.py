@@ -11,6 +11,8 @@ the host waiting once through host-mapped memory, or not at all with ``num_worst
   (``protocol.CT_*``: this call's units per peer and the reverse call's, for ``combine``) and the per-expert sums
   into the handle's device block; the ring kernel reads its units from there (``DESC_COUNTS``), so one launch
   descriptor serves every routing (the plan is cached per row format, never per count).
+* ``symbuf_moe_layout_notify`` (``cuda_src/ring_exchange.cu``): the two above in one launch, for an eager dispatch
+  (:func:`layout_notify_fields`, ``CudaTransport.notify_layout_device``).
 * eager mode: the host reads the receive counts once (the notify's host-mapped result) to size the outputs;
   worst-case mode (``num_worst_tokens``): outputs sized for the worst case and nothing read on the host, so the
   whole dispatch / combine can be captured in a CUDA graph.

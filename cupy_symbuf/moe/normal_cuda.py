@@ -253,8 +253,9 @@ def _sig_what(rank: int, rb: int, sig: str):
 def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None, *,
                   stream=None, capturing=None, rec=None, fill=None):
     """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
-    tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
-    -> receive fix-up. With ``worst`` nothing is read on the host. ``rec``: the :class:`_EagerRecord` of this call
+    tables; eager: both in one launch, ``symbuf_moe_layout_notify``) -> [eager: one host read of the receive
+    counts] -> ring exchange with the units from the device table -> receive fix-up. With ``worst`` nothing is read
+    on the host. ``rec``: the :class:`_EagerRecord` of this call
     shape (its checks, signature and plan); ``fill``: without ``rec``, a new :class:`_EagerRecord` whose ``kind``
     and ``cast_idx`` the caller set, filled here with the rest (the caller remembers it once the call returned)."""
     cp = comm.xp
