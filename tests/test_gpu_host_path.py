@@ -415,6 +415,17 @@ def test_eager_records_follow_the_call_shape(stub):
             h = res[4]
             assert (h.num_experts, h.expert_alignment, h.num_worst_tokens, h.num_tokens, h.num_topk, h.hidden) == \
                 (case[3], case[4], case[5], n, k, hidden)
+            hc = res_cold[4]  # the same fields as the handle of the call checked in full (the per-call arrays aside)
+            assert vars(h).keys() == vars(hc).keys(), case
+            for f, v in vars(hc).items():
+                mine = vars(h)[f]
+                assert not isinstance(v, tuple) or len(mine) == len(v), (case, f)
+                for a, b in zip(mine, v) if isinstance(v, tuple) else [(mine, v)]:
+                    if isinstance(b, np.ndarray):
+                        assert np.array_equal(a, b) and not a.flags.writeable, (case, f)
+                    elif isinstance(b, (int, str, type(None))) and f != "dispatch_id":
+                        assert a == b, (case, f)
+            assert h._comm_ref() is hc._comm_ref() is eng and h.dispatch_id == hc.dispatch_id - 1
             # the layout and fix-up fields by name (their order in the packed struct included)
             lay, fix = log[0][1], log[-1][1]
             rt, W, epr = h.routing, eng.world_size, case[3] // eng.world_size
@@ -510,6 +521,26 @@ def test_new_handle_equals_the_dataclass():
         new_handle(**{k: v for k, v in kw.items() if k != "rank"})
     with pytest.raises(TypeError, match="new_handle: the fields"):
         new_handle(**kw, extra=1)
+
+
+def test_handle_from_fixed_fields_equals_the_dataclass():
+    """handle_from (a repeated eager dispatch's handle: the fields its record fixes, then the call's) equals the
+    dataclass built from all of them; a missing field or a name that is not one is a TypeError."""
+    from dataclasses import fields
+    from cupy_symbuf.moe.normal_handle import DispatchHandle, handle_fields, handle_from
+    kw = {f.name: object() for f in fields(DispatchHandle)}
+    names = list(kw)
+    for cut in (0, 5, len(names) - 2, len(names)):
+        fixed = handle_fields(**{k: kw[k] for k in names[:cut]})
+        a = handle_from(fixed, **{k: kw[k] for k in names[cut:]})
+        assert type(a) is DispatchHandle and vars(a) == vars(DispatchHandle(**kw))
+        assert fixed == handle_fields(**{k: kw[k] for k in names[:cut]})  # (not changed by the handle)
+    b = handle_from(handle_fields(**kw), _recv_total=1)  # a private cache beside the fields
+    assert vars(b) == dict(vars(DispatchHandle(**kw)), _recv_total=1)
+    with pytest.raises(TypeError, match="handle_fields: not fields"):
+        handle_fields(extra=1)
+    with pytest.raises(TypeError, match="handle_from: fields of DispatchHandle missing: .'rank'."):
+        handle_from(handle_fields(**{k: v for k, v in kw.items() if k != "rank"}), _recv_total=1)
 
 
 def test_eager_record_of_a_neighbouring_shape_not_used(stub):
