@@ -507,11 +507,10 @@ def _static_shared(ptx: str, name_part: str) -> int:
     return static
 
 
-def test_moe_layout_shared_memory_fits_max_experts():
-    """symbuf_moe_layout keeps num_experts int32 counters in dynamic shared memory next to its static arrays and is
-    launched without the opt-in attribute: static + 4 * MAX_EXPERTS must fit the default 48 KiB per block, or a
-    dispatch with num_experts near MAX_EXPERTS fails at launch. The same for symbuf_moe_layout_notify (an eager
-    dispatch's layout and count exchange in one launch), which holds the count exchange's static arrays too."""
+def test_moe_layout_notify_shared_memory_fits_max_experts():
+    """symbuf_moe_layout_notify (an eager dispatch's layout and count exchange in one launch) holds the layout's
+    static arrays and num_experts int32 counters (dynamic) and the count exchange's static arrays, launched without
+    the opt-in attribute: all of it at MAX_EXPERTS must fit the default 48 KiB per block."""
     _nvrtc_or_skip()
     from cupy_symbuf.moe import gpu as _gpu
     layout = _static_shared(_kernels.compile_ptx("moe.cu"), "moe_layout_body")
@@ -520,6 +519,25 @@ def test_moe_layout_shared_memory_fits_max_experts():
     notify = _static_shared(ring, "notify_bodyI13MoeNotifyArgs")
     assert notify > 1024, f"parsed {notify} bytes of the count exchange's shared memory: the pattern no longer matches"
     assert _static_shared(ring, "moe_layout_body") == layout
-    for name, static in (("symbuf_moe_layout", layout), ("symbuf_moe_layout_notify", layout + notify + 8)):
-        assert static + 4 * _gpu.MAX_EXPERTS <= 48 * 1024, (
-            f"{name}: {static} static + 4 * MAX_EXPERTS={_gpu.MAX_EXPERTS} bytes of shared memory exceed 48 KiB")
+    static = layout + notify + 8  # (+ alignment between the two bodies' arrays)
+    assert static + 4 * _gpu.MAX_EXPERTS <= 48 * 1024, (
+        f"symbuf_moe_layout_notify: {static} static + 4 * MAX_EXPERTS={_gpu.MAX_EXPERTS} bytes of shared memory "
+        f"exceed 48 KiB")
+
+
+def test_moe_layout_shared_memory_fits_max_experts():
+    """symbuf_moe_layout keeps num_experts int32 counters in dynamic shared memory next to its static arrays and is
+    launched without the opt-in attribute: static + 4 * MAX_EXPERTS must fit the default 48 KiB per block, or a
+    dispatch with num_experts near MAX_EXPERTS fails at launch."""
+    _nvrtc_or_skip()
+    from cupy_symbuf.moe import gpu as _gpu
+    ptx = _kernels.compile_ptx("moe.cu")
+    sizes = {"b8": 1, "u32": 4, "s32": 4, "b32": 4, "u64": 8, "s64": 8, "b64": 8}
+    static = 0
+    for align, kind, n in re.findall(r"\.shared \.align (\d+) \.(\w+) _ZZ15moe_layout_body\w+?E\w+?(?:\[(\d+)\])?;",
+                                     ptx):  # (its body, moe_layout.cuh)
+        static = -(-static // int(align)) * int(align) + sizes[kind] * int(n or 1)
+    assert static > 8192, f"parsed {static} bytes of static shared memory: the PTX pattern no longer matches"
+    assert static + 4 * _gpu.MAX_EXPERTS <= 48 * 1024, (
+        f"symbuf_moe_layout: {static} static + 4 * MAX_EXPERTS={_gpu.MAX_EXPERTS} bytes of shared memory exceed "
+        f"48 KiB")
