@@ -211,7 +211,7 @@ def _eager_fast(comm, op, rec, xv, idx, weights, n_exp: int, align: int, stream,
             outs.append(nd((n_recv, n), dt, memptr=mem + off))
             off += size
     else:
-        outs = [cp.empty((0, n), dt) for n, dt in rec.out_parts]
+        outs = [cp.empty((n_recv, n), dt) for n, dt in rec.out_parts]  # (no bytes: no rows, or rows of width 0)
     send = [xv, idx, weights]
     for i in rec.copy_rows:  # (rows whose elements are not contiguous, as _rows_contiguous finds them)
         send[i] = cp.ascontiguousarray(send[i])
