@@ -25,6 +25,7 @@
 // failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
 #define SYMBUF_BULK_KERNEL 1  // the ring kernel may copy with cp.async.bulk (SYMBUF_BULK, primitives.cuh)
 #include "ring_prims.cuh"
+#include "moe_layout.cuh"
 
 // 1: channel telemetry (Config(trace=True), wire/protocol.py DESC_TRACE): lane 0 of each copy warp appends a record
 // per chunk / direct slice / own-rows share. A build of its own, so a communicator without trace pays nothing.
@@ -629,7 +630,9 @@ __device__ __forceinline__ void skip_tables(i64* table, int world_size) {
 static_assert(NOTIFY_EPOCH == 0 && NOTIFY_STATUS == NOTIFY_OP + 1 && NOTIFY_SIG == NOTIFY_OP + 2 &&
                   NOTIFY_HDR_WORDS == NOTIFY_SIG + 1,
               "symbuf_notify copies the slot words from NOTIFY_OP on as one run");
-extern "C" __global__ void __launch_bounds__(1024) symbuf_notify(const __grid_constant__ NotifyArgs a) {
+// The body, for any argument struct with NotifyArgs' fields (symbuf_notify's, symbuf_moe_layout_notify's).
+template <class A>
+__device__ __forceinline__ void notify_body(const A& a) {
   const Layout L{a.region_bytes, a.channel_bytes, a.num_slots, a.chunk_bytes, a.notify_offset, a.notify_slot_bytes};
   __shared__ WaitCtx s_ctx;
   __shared__ int s_abort;
@@ -785,6 +788,22 @@ extern "C" __global__ void __launch_bounds__(1024) symbuf_notify(const __grid_co
   // done (host-mapped): the host spins on it instead of synchronising the stream (eager calls): the release
   // covers this thread's stores and, through the __syncthreads above, the block's (recv_meta, send_echo, sums)
   if (a.done != nullptr) st_release_sys_global(a.done, a.ticket);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) symbuf_notify(const __grid_constant__ NotifyArgs a) {
+  notify_body(a);
+}
+
+// An eager MoE dispatch's layout and count exchange in one launch (MoeNotifyArgs: NotifyArgs' fields and the
+// layout's): the layout body (moe_layout.cuh) writes is_token_in_rank, pos, send_idx, the count exchange's values
+// at send_meta and the bad-value count at local_reject, then (after its closing barrier: the block's writes are
+// visible to the block) the count exchange sends those values, exactly as symbuf_notify after symbuf_moe_layout on
+// one stream. Dynamic shared memory: num_experts int32 counters (the launcher keeps num_experts within what fits
+// next to both bodies' static arrays).
+extern "C" __global__ void __launch_bounds__(1024) symbuf_moe_layout_notify(const __grid_constant__ MoeNotifyArgs a) {
+  moe_layout_body(a.idx, a.num_tokens, a.num_topk, a.num_experts, a.world_size, nullptr, nullptr, a.in_rank,
+                  const_cast<i64*>(a.send_meta), const_cast<i64*>(a.local_reject), nullptr, a.pos, a.send_idx);
+  notify_body(a);
 }
 
 // FLAG_CE, after the host's copy-engine copies (stream order: they are complete): for every (channel, peer), hand

@@ -199,13 +199,16 @@ def engine(launches, world_size: int = 2, rank: int = 0, **config):
     from cupy_symbuf.transport import kernels as _kernels
     from cupy_symbuf.transport.status import Pinned
     tr._l_notify = _kernels.get_launcher("ring_exchange.cu", "symbuf_notify")
+    tr._l_notify.args.rank, tr._l_notify.args.world_size = rank, world_size  # (static fields, as CudaTransport's)
     tr._meta_in = Pinned(world_size * layout.max_notify_ints)
     tr._ticket = 0
     tr.layout_error = Pinned(2)
     tr._notify_done = Pinned(1)
 
     def notify_result(op, M):  # every rank's header as this one's, and these values as every rank's
-        a = tr._l_notify.args
+        a = tr._l_notify.args  # (the fused layout + count exchange's, when it was the last one waited for)
+        if tr._l_moe_notify is not None and tr._l_moe_notify.args.ticket == tr._ticket:
+            a = tr._l_moe_notify.args
         out = np.zeros((world_size, P.NOTIFY_HDR_WORDS - 1 + M), np.int64)
         out[:, 0], out[:, 1], out[:, 2] = a.op, a.call_status, a.sig
         out[:, 3:] = tr._meta_in.array[: world_size * M].reshape(world_size, M)

@@ -287,7 +287,7 @@ def test_capture_keeps_what_replays_read(stub):
         launches.clear()
         with pytest.raises(RuntimeError, match=r"dispatch: this call reads its receive counts on the host"):
             normal.dispatch(eng, xs, idx, None, h.num_experts)
-        assert not [e for e in launches.log if e[0] in ("ring", "symbuf_notify")], \
+        assert not [e for e in launches.log if e[0] in ("ring", "symbuf_notify", "symbuf_moe_layout_notify")], \
             "a refused capture must take no communication step (every rank refuses alike)"
         launches.clear()
         normal.dispatch(eng, xs, idx, None, h.num_experts, num_worst_tokens=16 * eng.world_size)
@@ -401,7 +401,10 @@ def test_eager_records_follow_the_call_shape(stub):
         for case in cases:
             warm, res = run(case)
             log = list(launches.log)
-            assert [e[0] for e in log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"], case
+            worst = case[5]
+            # eager: the layout and the count exchange in one launch; worst case: two
+            assert [e[0] for e in log] == (["symbuf_moe_layout", "symbuf_notify"] if worst else
+                                           ["symbuf_moe_layout_notify"]) + ["ring", "symbuf_moe_recv_fixup"], case
             with pytest.MonkeyPatch.context() as mp:  # no record at all: checked in full, the arrays handed over
                 mp.setattr(normal, "eager_key", lambda *args: None)
                 cold, res_cold = run(case)
@@ -412,14 +415,32 @@ def test_eager_records_follow_the_call_shape(stub):
             h = res[4]
             assert (h.num_experts, h.expert_alignment, h.num_worst_tokens, h.num_tokens, h.num_topk, h.hidden) == \
                 (case[3], case[4], case[5], n, k, hidden)
+            hc = res_cold[4]  # the same fields as the handle of the call checked in full (the per-call arrays aside)
+            assert vars(h).keys() == vars(hc).keys(), case
+            for f, v in vars(hc).items():
+                mine = vars(h)[f]
+                assert not isinstance(v, tuple) or len(mine) == len(v), (case, f)
+                for a, b in zip(mine, v) if isinstance(v, tuple) else [(mine, v)]:
+                    if isinstance(b, np.ndarray):
+                        assert np.array_equal(a, b) and not a.flags.writeable, (case, f)
+                    elif isinstance(b, (int, str, type(None))) and f != "dispatch_id":
+                        assert a == b, (case, f)
+            assert h._comm_ref() is hc._comm_ref() is eng and h.dispatch_id == hc.dispatch_id - 1
             # the layout and fix-up fields by name (their order in the packed struct included)
-            lay, fix = log[0][1], log[3][1]
+            lay, fix = log[0][1], log[-1][1]
             rt, W, epr = h.routing, eng.world_size, case[3] // eng.world_size
             idx_ptr = idxs[case[1]].data.ptr
             assert (lay["num_tokens"], lay["num_topk"], lay["num_experts"], lay["world_size"]) == (n, k, case[3], W)
-            assert (lay["in_rank"], lay["meta"], lay["bad"], lay["pos"], lay["send_idx"]) == \
-                (h.is_token_in_rank.data.ptr, rt.meta_ptr, rt.bad_ptr, rt.pos.data.ptr, rt.send_idx.data.ptr)
-            assert lay["per_rank"] == lay["per_expert"] == lay["bad_sticky"] == 0
+            if worst:
+                assert (lay["in_rank"], lay["meta"], lay["bad"], lay["pos"], lay["send_idx"]) == \
+                    (h.is_token_in_rank.data.ptr, rt.meta_ptr, rt.bad_ptr, rt.pos.data.ptr, rt.send_idx.data.ptr)
+                assert lay["per_rank"] == lay["per_expert"] == lay["bad_sticky"] == 0
+            else:  # the layout writes the values the count exchange sends, and its bad count rejects the call
+                assert (lay["in_rank"], lay["send_meta"], lay["local_reject"], lay["pos"], lay["send_idx"]) == \
+                    (h.is_token_in_rank.data.ptr, rt.meta_ptr, rt.bad_ptr, rt.pos.data.ptr, rt.send_idx.data.ptr)
+                assert (lay["sums"], lay["table"], lay["num_values"]) == (rt.sums_ptr, rt.table_ptr, 1 + epr)
+                assert lay["device_checks"] == 0 and lay["capacity"] == -1 and lay["call_status"] == P.HDR_OK
+                assert log[0][3] >= max(32 * W, min(1024, (n + 31) // 32 * 32), 1 + epr) and log[0][2] == 1
             assert (lay["idx"] == idx_ptr) == (case[1] == "i64") and lay["idx"]
             assert (fix["gidx"], fix["w"]) == (res[1].data.ptr, 0 if res[2] is None else res[2].data.ptr)
             assert (fix["rows"], fix["num_topk"], fix["first_expert"], fix["epr"], fix["align"]) == \
@@ -481,7 +502,7 @@ def test_eager_record_missed_when_the_call_differs(stub):
         assert not [e for e in launches.log if e[0] == "ring"]
     launches.clear()
     normal.dispatch(eng, x, idx, w, 64)  # still usable, from the record
-    assert [e[0] for e in launches.log] == ["symbuf_moe_layout", "symbuf_notify", "ring", "symbuf_moe_recv_fixup"]
+    assert [e[0] for e in launches.log] == ["symbuf_moe_layout_notify", "ring", "symbuf_moe_recv_fixup"]
     # a bool, a NumPy integer, out= and a handle are never looked up (checked in full every call)
     assert normal_cuda.eager_key(cupy, x, idx, w, np.int64(64), 1, 0) is None
     assert normal_cuda.eager_key(cupy, x, idx, w, 64, True, 0) is None
@@ -500,6 +521,26 @@ def test_new_handle_equals_the_dataclass():
         new_handle(**{k: v for k, v in kw.items() if k != "rank"})
     with pytest.raises(TypeError, match="new_handle: the fields"):
         new_handle(**kw, extra=1)
+
+
+def test_handle_from_fixed_fields_equals_the_dataclass():
+    """handle_from (a repeated eager dispatch's handle: the fields its record fixes, then the call's) equals the
+    dataclass built from all of them; a missing field or a name that is not one is a TypeError."""
+    from dataclasses import fields
+    from cupy_symbuf.moe.normal_handle import DispatchHandle, handle_fields, handle_from
+    kw = {f.name: object() for f in fields(DispatchHandle)}
+    names = list(kw)
+    for cut in (0, 5, len(names) - 2, len(names)):
+        fixed = handle_fields(**{k: kw[k] for k in names[:cut]})
+        a = handle_from(fixed, **{k: kw[k] for k in names[cut:]})
+        assert type(a) is DispatchHandle and vars(a) == vars(DispatchHandle(**kw))
+        assert fixed == handle_fields(**{k: kw[k] for k in names[:cut]})  # (not changed by the handle)
+    b = handle_from(handle_fields(**kw), _recv_total=1)  # a private cache beside the fields
+    assert vars(b) == dict(vars(DispatchHandle(**kw)), _recv_total=1)
+    with pytest.raises(TypeError, match="handle_fields: not fields"):
+        handle_fields(extra=1)
+    with pytest.raises(TypeError, match="handle_from: fields of DispatchHandle missing: .'rank'."):
+        handle_from(handle_fields(**{k: v for k, v in kw.items() if k != "rank"}), _recv_total=1)
 
 
 def test_eager_record_of_a_neighbouring_shape_not_used(stub):
@@ -706,3 +747,55 @@ def test_record_first_calls_copy_each_strided_part_once(stub):
             ring = launches.log[0][1]
             sent = [ring[P.DESC_SEND_PARTS + 4 * i] for i in range(len(strided))]
             assert sent == [dst for _, dst in copied], (call, rep, "the launch sends another array than the copy")
+
+
+@pytest.mark.parametrize("n, k, n_exp, weights, world_size", [(24, 4, 64, True, 2), (1500, 8, 256, False, 4),
+                                                             (0, 2, 8, True, 2), (7, 1, 1024, True, 8)])
+def test_eager_layout_and_count_exchange_in_one_launch(n, k, n_exp, weights, world_size):
+    """An eager dispatch launches the layout and the count exchange as one kernel (symbuf_moe_layout_notify) whose
+    fields are, field by field, the layout launch's (its values written where the count exchange reads them: meta =
+    send_meta, bad = local_reject) and the eager count exchange's (symbuf_notify with the echo and the done word,
+    the static fields copied from its launcher), on threads enough for both and with the layout's shared memory;
+    the first call (checked in full) and the calls from its record launch the same. (Its dynamic shared memory,
+    4 * num_experts bytes as the layout's, fits next to both bodies' static arrays: tests/test_kernels_compile.py.)"""
+    from cupy_symbuf.moe import gpu as _gpu
+    from cupy_symbuf.wire import kernel_args as _kargs
+    with S.stubbed() as (launches, stream):
+        eng = S.engine(launches, world_size=world_size, rank=world_size - 1)
+        tr = eng.transport
+        a = tr._l_notify.args  # static fields set as a constructed transport sets them (distinct values)
+        for i, f in enumerate(("recv_meta", "epoch_word", "peer_bases", "abort_offset", "region_bytes",
+                               "channel_bytes", "num_slots", "chunk_bytes", "notify_offset", "notify_slot_bytes",
+                               "status")):
+            setattr(a, f, 1000 + i)
+        a.timeout_ns = 77
+        x = cupy.empty((n, 32), np.float32)
+        idx = cupy.empty((n, k), np.int64)
+        w = cupy.empty((n, k), np.float32) if weights else None
+        epr = n_exp // world_size
+        for rep in range(3):  # the first call checked in full, then from its record
+            launches.clear()
+            res = normal.dispatch(eng, x, idx, w, n_exp)
+            kinds = [e[0] for e in launches.log]
+            assert kinds[:2] == ["symbuf_moe_layout_notify", "ring"], kinds
+            fused, grid, block = launches.log[0][1], launches.log[0][2], launches.log[0][3]
+            rt = res[4].routing
+            # the two launches this one replaces, for the same routing
+            launches.clear()
+            _gpu.layout(eng, idx, n_exp, in_rank=rt.in_rank, meta=rt.meta_ptr, bad=rt.bad_ptr, pos=rt.pos_ptr,
+                        send_idx=rt.send_idx_ptr)
+            tr.notify_device(rt.meta_ptr, 1 + epr, "dispatch", op_code=fused["op"], status=P.HDR_OK,
+                             sig=fused["sig"], local_reject=rt.bad_ptr, echo=True, sums=rt.sums_ptr,
+                             table=rt.table_ptr)
+            (_, lay, lgrid, lblock, _), (_, note, ngrid, nblock, _) = launches.log
+            for f in _kargs.fields("NotifyArgs"):
+                if f not in ("seq", "ticket"):
+                    assert fused[f] == note[f], f
+            assert fused["ticket"] == tr._ticket - 1 and fused["done"] == tr._notify_done.ptr
+            assert (fused["send_meta"], fused["local_reject"]) == (lay["meta"], lay["bad"])
+            for f in ("idx", "num_tokens", "num_topk", "num_experts", "world_size", "in_rank", "pos", "send_idx"):
+                assert fused[f] == lay[f], f
+            assert lay["per_rank"] == lay["per_expert"] == lay["bad_sticky"] == 0
+            assert fused["recv_meta"] == 1000 and fused["status"] == 1010 and fused["timeout_ns"] == 77
+            assert grid == lgrid == ngrid == 1 and block >= max(lblock, nblock) and block <= 1024
+            assert fused["capacity"] == -1 and fused["device_checks"] == 0

@@ -228,6 +228,8 @@ def test_adaptive_build_shares_work():
     _nvrtc_or_skip()
     adaptive = _kernels.compile_ptx(RING, "compute_90", defines=("-DSYMBUF_ADAPTIVE=1",))
     plain = _kernels.compile_ptx(RING, "compute_90")
+    # (the MoE layout's per-expert counters in the same source are shared-memory atomic adds too: not claims)
+    plain = plain.replace(_ptx_function(plain, ".entry symbuf_moe_layout_notify("), "")
     claim = r"atom(\.shared)?\.add\.u32"  # the claim counters (generic addressing through the share context)
     assert re.search(claim, adaptive) and not re.search(claim, plain)
     assert "share_chunks" in adaptive and "share_chunks" not in plain
@@ -494,6 +496,35 @@ def test_low_latency_dispatch_shared_memory_fits():
         f"symbuf_ll_dispatch: {static} static + {_llc.SMEM_DYNAMIC_MAX} dynamic bytes of shared memory exceed 48 KiB")
 
 
+_SHARED_SIZES = {"b8": 1, "u32": 4, "s32": 4, "b32": 4, "u64": 8, "s64": 8, "b64": 8}
+
+
+def _static_shared(ptx: str, name_part: str) -> int:
+    """Bytes of the static shared arrays whose PTX names contain ``name_part`` (laid out in order, aligned)."""
+    static = 0
+    for align, kind, n in re.findall(r"\.shared \.align (\d+) \.(\w+) _ZZ\w*?%s\w*?(?:\[(\d+)\])?;" % name_part, ptx):
+        static = -(-static // int(align)) * int(align) + _SHARED_SIZES[kind] * int(n or 1)
+    return static
+
+
+def test_moe_layout_notify_shared_memory_fits_max_experts():
+    """symbuf_moe_layout_notify (an eager dispatch's layout and count exchange in one launch) holds the layout's
+    static arrays and num_experts int32 counters (dynamic) and the count exchange's static arrays, launched without
+    the opt-in attribute: all of it at MAX_EXPERTS must fit the default 48 KiB per block."""
+    _nvrtc_or_skip()
+    from cupy_symbuf.moe import gpu as _gpu
+    layout = _static_shared(_kernels.compile_ptx("moe.cu"), "moe_layout_body")
+    assert layout > 8192, f"parsed {layout} bytes of static shared memory: the PTX pattern no longer matches"
+    ring = _kernels.compile_ptx(RING)
+    notify = _static_shared(ring, "notify_bodyI13MoeNotifyArgs")
+    assert notify > 1024, f"parsed {notify} bytes of the count exchange's shared memory: the pattern no longer matches"
+    assert _static_shared(ring, "moe_layout_body") == layout
+    static = layout + notify + 8  # (+ alignment between the two bodies' arrays)
+    assert static + 4 * _gpu.MAX_EXPERTS <= 48 * 1024, (
+        f"symbuf_moe_layout_notify: {static} static + 4 * MAX_EXPERTS={_gpu.MAX_EXPERTS} bytes of shared memory "
+        f"exceed 48 KiB")
+
+
 def test_moe_layout_shared_memory_fits_max_experts():
     """symbuf_moe_layout keeps num_experts int32 counters in dynamic shared memory next to its static arrays and is
     launched without the opt-in attribute: static + 4 * MAX_EXPERTS must fit the default 48 KiB per block, or a
@@ -503,8 +534,8 @@ def test_moe_layout_shared_memory_fits_max_experts():
     ptx = _kernels.compile_ptx("moe.cu")
     sizes = {"b8": 1, "u32": 4, "s32": 4, "b32": 4, "u64": 8, "s64": 8, "b64": 8}
     static = 0
-    for align, kind, n in re.findall(r"\.shared \.align (\d+) \.(\w+) _ZZ17symbuf_moe_layoutE\w+?(?:\[(\d+)\])?;",
-                                     ptx):
+    for align, kind, n in re.findall(r"\.shared \.align (\d+) \.(\w+) _ZZ15moe_layout_body\w+?E\w+?(?:\[(\d+)\])?;",
+                                     ptx):  # (its body, moe_layout.cuh)
         static = -(-static // int(align)) * int(align) + sizes[kind] * int(n or 1)
     assert static > 8192, f"parsed {static} bytes of static shared memory: the PTX pattern no longer matches"
     assert static + 4 * _gpu.MAX_EXPERTS <= 48 * 1024, (

@@ -756,3 +756,52 @@ def test_eager_dispatch_repeats_alternating_call_shapes(moe_comm):
             assert np.array_equal(to_np(recv_x)[:n].astype(np.float32), rx), f"call {i}: recv_x (at the end)"
             assert np.array_equal(to_np(recv_idx)[:n], ri), f"call {i}: recv_topk_idx (at the end)"
     all_ranks(intact)
+
+
+@pytest.mark.parametrize("tokens, n_exp, topk", [(9, 4 * W, 2), (1100, min(8192, 1020 * W), 3), (3000, 16 * W, 8)],
+                         ids=["small", "max-experts", "tiles"])
+def test_eager_dispatch_repeats_with_a_rejected_call_between(moe_comm, tokens, n_exp, topk):
+    """Eager dispatches of one call shape (on the GPU the layout and the count exchange are one kernel, and the
+    repeats run from the shape's record): each against the NumPy reference on fresh data, outputs on dirty memory;
+    the third call carries a topk_idx value out of range on rank 0 only: rank 0 raises ValueError naming it, the
+    others SymBufferRejectedError, nothing moves, and the next calls are right again. ``max-experts``: the most
+    experts the default Config.max_notify_ints allows (at 8 ranks near MAX_EXPERTS, 8192: the layout's per-expert
+    counters next to the fused kernel's static shared memory); ``tiles``: more tokens than one block's threads."""
+    c = moe_comm
+    hidden = 32
+    for i in range(5):
+        idx, x, w = _inputs(("eager-reject", tokens, n_exp, i, c.backend), tokens, hidden, n_exp, topk)
+        bad = i == 2 and RANK == 0
+        if bad:
+            idx[tokens // 2, topk - 1] = n_exp + 3
+        _dirty_pool(c, 4 * tokens * W * (hidden + 2 * topk) * 4)
+        if i == 2:
+            err = None
+            try:
+                c.dispatch(to_dev(c, x), to_dev(c, idx), to_dev(c, w), n_exp)
+            except (ValueError, SymBufferRejectedError) as e:
+                err = e
+            if W == 1 and not bad:
+                continue  # (one rank and a good call: nothing to reject)
+
+            def rejected(err=err, bad=bad):
+                if bad:
+                    assert isinstance(err, ValueError) and not isinstance(err, SymBufferRejectedError), repr(err)
+                    assert f"got {n_exp + 3} at [{tokens // 2}, {topk - 1}]" in str(err), str(err)
+                else:
+                    assert isinstance(err, SymBufferRejectedError) and "rank 0 rejected" in str(err), repr(err)
+            all_ranks(rejected)
+            continue
+        recv_x, recv_idx, recv_w, counts, h = c.dispatch(to_dev(c, x), to_dev(c, idx), to_dev(c, w), n_exp)
+        rx, ri, rw, per_expert = _reference(idx, x, w, n_exp)
+
+        def check(i=i):
+            assert np.array_equal(to_np(recv_x), rx), f"call {i}: recv_x"
+            assert np.array_equal(to_np(recv_idx), ri), f"call {i}: recv_topk_idx"
+            assert np.array_equal(to_np(recv_w), rw), f"call {i}: recv_topk_weights"
+            assert list(counts) == per_expert.tolist(), f"call {i}: counts"
+            assert h.num_recv_tokens == rx.shape[0]
+            assert np.array_equal(to_np(h.is_token_in_rank).astype(bool),
+                                  np.array([[any(e >= 0 and e // (n_exp // W) == r for e in row) for r in range(W)]
+                                            for row in idx], bool).reshape(tokens, W))
+        all_ranks(check)

@@ -11,6 +11,8 @@ the host waiting once through host-mapped memory, or not at all with ``num_worst
   (``protocol.CT_*``: this call's units per peer and the reverse call's, for ``combine``) and the per-expert sums
   into the handle's device block; the ring kernel reads its units from there (``DESC_COUNTS``), so one launch
   descriptor serves every routing (the plan is cached per row format, never per count).
+* ``symbuf_moe_layout_notify`` (``cuda_src/ring_exchange.cu``): the two above in one launch, for an eager dispatch
+  (:func:`layout_notify_fields`, ``CudaTransport.notify_layout_device``).
 * eager mode: the host reads the receive counts once (the notify's host-mapped result) to size the outputs;
   worst-case mode (``num_worst_tokens``): outputs sized for the worst case and nothing read on the host, so the
   whole dispatch / combine can be captured in a CUDA graph.
@@ -96,6 +98,25 @@ def layout_run(prepared: tuple, idx_ptr: int, rt: "Routing", stream=None) -> Non
     launch.pack(idx_ptr, f[1], f[2], f[3], f[4], 0, 0, rt.in_rank_ptr, rt.meta_ptr, rt.bad_ptr, 0, rt.pos_ptr,
                 rt.send_idx_ptr)
     launch(1, threads, shared_mem=4 * f[3], stream=stream)
+
+
+def layout_notify_fields(eng, n: int, k: int, num_experts: int, M: int) -> tuple:
+    """``(num_tokens, num_topk, num_experts, threads, shared_mem)`` of an eager dispatch's fused layout and count
+    exchange launch (``symbuf_moe_layout_notify``, :meth:`~cupy_symbuf.transport.engine.Engine.notify_device`'s
+    ``layout``) for ``idx [n, k]`` and ``M`` values per rank: threads enough for both bodies (the layout's
+    :func:`_layout_threads`, the count exchange's ``max(W, M)``), the layout's ``num_experts`` int32 counters in
+    dynamic shared memory (``tests/test_kernels_compile.py`` checks that ``MAX_EXPERTS`` of them fit next to both
+    bodies' static arrays)."""
+    W = eng.world_size
+    threads = max(_layout_threads(n, W), min(1024, (max(W, M) + 31) // 32 * 32))
+    return n, k, num_experts, threads, 4 * num_experts
+
+
+def layout_notify_args(fields: tuple, idx_ptr: int, rt: "Routing") -> tuple:
+    """The ``layout`` tuple of one call (:meth:`CudaTransport.notify_layout_device`): ``fields``
+    (:func:`layout_notify_fields`) with ``idx``'s address and ``rt``'s routing outputs."""
+    n, k, e, threads, smem = fields
+    return idx_ptr, n, k, e, rt.in_rank_ptr, rt.pos_ptr, rt.send_idx_ptr, threads, smem
 
 
 def reduce_launcher(eng, kernel: str):
@@ -211,7 +232,7 @@ class Routing:
     """
 
     __slots__ = ("M", "W", "n", "table_ptr", "rev_table_ptr", "sums_ptr", "bad_ptr", "meta_ptr", "pos_ptr",
-                 "send_idx_ptr", "in_rank", "_mem", "_words", "_idx_len", "_block", "_pos", "_send_idx")
+                 "send_idx_ptr", "in_rank", "in_rank_ptr", "_mem", "_words", "_idx_len", "_block", "_pos", "_send_idx")
 
     def __init__(self, n: int, k: int, W: int, M: int):
         cp = _compat.cupy
@@ -227,6 +248,7 @@ class Routing:
         self.meta_ptr = self.bad_ptr + 16
         self.pos_ptr, self.send_idx_ptr = t + pos_off, t + idx_off
         self.in_rank = cp.ndarray((n, W), dtype=bool, memptr=mem + in_rank_off)
+        self.in_rank_ptr = t + in_rank_off
         # block, pos and send_idx: arrays made when first asked for
         self._words, self._idx_len = words, max(1, n * W)
         self._block = self._pos = self._send_idx = None
@@ -239,10 +261,6 @@ class Routing:
             a = self._pos = _compat.cupy.ndarray((self.n, self.W), np.int64,
                                                  memptr=self._mem + (self.pos_ptr - self.table_ptr))
         return a
-
-    @property
-    def in_rank_ptr(self) -> int:
-        return self.in_rank.data.ptr
 
     @property
     def block(self):
@@ -298,3 +316,17 @@ def fixup(eng, gidx, w, rows: int, epr: int, *, table_ptr: int, sums, counts_out
     launch.pack(gidx.data.ptr if n else 0, _ptr(w) if n else 0, rows, k, eng.rank * epr, epr, table_ptr, _ptr(sums),
                 _ptr(counts_out), align)
     launch(max(1, min(1024, (n + 255) // 256)), 256, stream=stream)
+
+
+def fixup_launcher(eng):
+    """The engine's launcher of the receive fix-up (a caller may keep it for repeated calls: :func:`fixup_run`)."""
+    return _launcher(eng, FIXUP_KERNEL)
+
+
+def fixup_run(launch, gidx_ptr: int, w_ptr: int, rows: int, num_topk: int, first_expert: int, epr: int,
+              sums_ptr: int, align: int, stream=None) -> None:
+    """:func:`fixup` of an eager dispatch (every row real, no per-expert counts on the device) by address:
+    ``rows * num_topk > 0`` (the caller skips an empty one); ``w_ptr`` 0: no weights."""
+    # MoeFixupArgs in order: gidx, w, rows, num_topk, first_expert, epr, table, sums, counts_out, align
+    launch.pack(gidx_ptr, w_ptr, rows, num_topk, first_expert, epr, 0, sums_ptr, 0, align)
+    launch(max(1, min(1024, (rows * num_topk + 255) // 256)), 256, stream=stream)

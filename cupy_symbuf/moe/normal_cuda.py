@@ -11,7 +11,8 @@ import numpy as np
 
 from . import gpu as _gpu
 from .checks import check_weights, check_x, combine_kind, row_bytes, topk_value_error
-from .normal_handle import make_ref, new_handle
+from .normal_handle import handle_fields, handle_from, make_ref, new_handle
+from .routing import align_counts
 from ..common import dtypes as _dt
 from ..common.checks import check_array, check_out
 from ..wire.channel_layout import check_row_fits
@@ -20,6 +21,7 @@ __all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager
            "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
+_add_reduce = np.add.reduce
 
 
 class _CachedRecord:
@@ -89,7 +91,8 @@ class _EagerRecord:
     launch (plan and descriptor) and the layout launch's fields (:func:`~cupy_symbuf.moe.gpu.layout_fields`).
     Nothing in it depends on the values of the arrays or on the routing (the counts are read anew every call)."""
 
-    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring", "sent", "copy_rows", "layout")
+    __slots__ = ("kind", "cast_idx", "copy_idx", "rb", "sig", "out_parts", "ring", "sent", "copy_rows", "layout",
+                 "fast")
 
 
 def eager_key(cp, x, topk_idx, weights, num_experts, expert_alignment, num_worst_tokens):
@@ -131,6 +134,7 @@ def new_eager_record(kind: str, cast_idx: bool) -> _EagerRecord:
     :func:`dispatch_cuda` to fill and the caller to :func:`remember` once the call returned."""
     rec = _EagerRecord()
     rec.kind, rec.cast_idx = kind, cast_idx
+    rec.fast = None
     return rec
 
 
@@ -145,17 +149,113 @@ def remember(comm, key, rec) -> None:
 
 def eager_from_record(comm, op, rec, x, topk_idx, weights, n_exp: int, align: int, worst: int, *, stream,
                       capturing):
-    """:func:`dispatch_cuda` of a call whose shape passed every argument check before (``rec``)."""
+    """:func:`dispatch_cuda` of a call whose shape passed every argument check before (``rec``); an eager one
+    whose record holds its prepared launches by :func:`_eager_fast`."""
     idx = topk_idx.astype(np.int64) if rec.cast_idx else topk_idx
+    if not worst and rec.ring and rec.layout is not None:
+        return _eager_fast(comm, op, rec, x, idx, weights, n_exp, align, stream, capturing)
     return dispatch_cuda(comm, op, x, None, rec.kind, idx, weights, n_exp, align, worst, stream=stream,
                          capturing=capturing, rec=rec)
+
+
+class _EagerFast:
+    """What :func:`_eager_fast` keeps per record (made by its first call): the receive parts' row bytes (x, top-k
+    ids, weights), the fix-up's launcher, this rank's first expert and the handle's fields that the record's key
+    fixes (:func:`~cupy_symbuf.moe.normal_handle.handle_fields`)."""
+
+    __slots__ = ("row_bytes", "fixup", "first_expert", "handle_fields")
+
+
+def _eager_fast(comm, op, rec, xv, idx, weights, n_exp: int, align: int, stream, capturing):
+    """A repeated GPU eager dispatch without ``out`` or scales (``rec``: its :class:`_EagerRecord`, with the ring
+    launch and the fused layout + count exchange prepared by earlier calls): the same steps, checks and launches as
+    :func:`dispatch_cuda` (one pool call for the routing, one launch of the layout and the count exchange, the one
+    host wait, one pool call for the receive arrays, the ring launch, the fix-up launch), with what the record
+    fixes read from it instead of derived again."""
+    cp = comm.xp
+    W, rank = comm.world_size, comm.rank
+    num_tokens, num_topk = idx.shape
+    epr = n_exp // W
+    if rec.copy_idx:
+        idx = cp.ascontiguousarray(idx)
+    fast = rec.fast
+    if fast is None:
+        fast = rec.fast = _EagerFast()
+        fast.row_bytes = [n * dt.itemsize for n, dt in rec.out_parts]
+        fast.fixup = _gpu.fixup_launcher(comm)
+        fast.first_expert = rank * epr
+        fast.handle_fields = handle_fields(
+            _comm_ref=make_ref(comm), rank=rank, world_size=W, backend=comm.backend, num_experts=n_exp,
+            num_tokens=num_tokens, num_topk=num_topk, hidden=xv.shape[1], expert_alignment=align, num_worst_tokens=0)
+    rt = _gpu.Routing(num_tokens, num_topk, W, 1 + epr)
+    recv_vals, sent_vals = comm.notify_device(
+        op, rt.meta_ptr, 1 + epr, rec.sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
+        self_error=_bad_error(op, rt, idx, n_exp, num_topk), sig_what=_sig_what(rank, rec.rb, rec.sig),
+        capturing=capturing, layout=_gpu.layout_notify_args(rec.layout, idx.data.ptr, rt))
+    dispatch_id = comm.epoch
+    recv_counts, send_counts = recv_vals[:, 0].copy(), sent_vals[:, 0].copy()
+    raw = tuple(_add_reduce(recv_vals[:, 1:], 0).tolist())
+    n_recv = sum(recv_counts.tolist())
+    send_rows = sum(send_counts.tolist())
+    send_idx = rt.send_rows_idx(send_rows)
+    send_counts.setflags(write=False)
+    recv_counts.setflags(write=False)
+    # the receive arrays (x, top-k ids, weights) from one allocation, each at a multiple of 256 bytes
+    nd = cp.ndarray
+    sizes = [(n_recv * b + 255) & ~255 for b in fast.row_bytes]
+    total = sum(sizes)
+    if total:
+        mem = cp.cuda.alloc(total)
+        outs, off = [], 0
+        for (n, dt), size in zip(rec.out_parts, sizes):
+            outs.append(nd((n_recv, n), dt, memptr=mem + off))
+            off += size
+    else:
+        outs = [cp.empty((n_recv, n), dt) for n, dt in rec.out_parts]  # (no bytes: no rows, or rows of width 0)
+    send = [xv, idx, weights]
+    for i in rec.copy_rows:  # (rows whose elements are not contiguous, as _rows_contiguous finds them)
+        send[i] = cp.ascontiguousarray(send[i])
+    # (never inside a CUDA graph capture: notify_device refused it, on every rank alike, before any step)
+    comm.launch_rows_device(op, rec.ring, [send[i].data.ptr for i in rec.sent], [outs[i].data.ptr for i in rec.sent],
+                            send_idx.data.ptr, rt.table_ptr, tag=0, stream=stream)
+    recv_gidx = outs[1]
+    recv_w = outs[2] if weights is not None else None
+    if n_recv * num_topk:
+        _gpu.fixup_run(fast.fixup, recv_gidx.data.ptr, 0 if recv_w is None else recv_w.data.ptr, n_recv, num_topk,
+                       fast.first_expert, epr, rt.sums_ptr, align, stream)
+    h = handle_from(fast.handle_fields, is_token_in_rank=rt.in_rank, send_token_idx=send_idx,
+                    send_counts=send_counts, recv_counts=recv_counts, num_recv_tokens_per_expert_raw=raw,
+                    routing=rt, send_rows=send_rows, dispatch_id=dispatch_id,
+                    _recv_total=(recv_counts, n_recv))  # (the row count summed here: a combine's check reads it)
+    return outs[0], recv_gidx, recv_w, align_counts(raw, align), h
+
+
+def _bad_error(op, rt, idx, n_exp: int, num_topk: int):
+    """The error of this rank's dispatch whose layout found a ``topk_idx`` value out of range (read from the device
+    after the count exchange told every rank), as a function for :meth:`Engine.notify_device`'s ``self_error``."""
+    def bad_error():
+        flat = int(rt.bad[1].get())
+        t, k = divmod(flat, num_topk)
+        return ValueError(topk_value_error(op, n_exp, int(idx[t, k].get()), t, k,
+                                           " (found by the layout kernel; nothing was sent)"))
+    return bad_error
+
+
+def _sig_what(rank: int, rb: int, sig: str):
+    """The text of a row-format disagreement found by a dispatch's count exchange, as a function (made only when
+    the signatures differ)."""
+    return lambda: (f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales + top-k), on "
+                    f"num_experts or on where out lies: rank {rank} has {rb} bytes ({sig}); all ranks must pass the "
+                    f"same hidden, dtype, num_topk, choice of topk_weights and num_experts, and a symmetric out must "
+                    f"be the same allocation at the same offset on every rank")
 
 
 def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: int, worst: int, user_outs=None, *,
                   stream=None, capturing=None, rec=None, fill=None):
     """The GPU dispatch (:mod:`cupy_symbuf.moe.gpu`): layout kernel -> count exchange on the device (counts
-    tables) -> [eager: one host read of the receive counts] -> ring exchange with the units from the device table
-    -> receive fix-up. With ``worst`` nothing is read on the host. ``rec``: the :class:`_EagerRecord` of this call
+    tables; eager: both in one launch, ``symbuf_moe_layout_notify``) -> [eager: one host read of the receive
+    counts] -> ring exchange with the units from the device table -> receive fix-up. With ``worst`` nothing is read
+    on the host. ``rec``: the :class:`_EagerRecord` of this call
     shape (its checks, signature and plan); ``fill``: without ``rec``, a new :class:`_EagerRecord` whose ``kind``
     and ``cast_idx`` the caller set, filled here with the rest (the caller remembers it once the call returned)."""
     cp = comm.xp
@@ -184,7 +284,15 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
             idx = cp.ascontiguousarray(idx)
     rt = _gpu.Routing(num_tokens, num_topk, w_size, M)
     meta = rt.meta_ptr
-    if rec is None:
+    fused = None
+    if not worst:  # eager: the layout and the count exchange in one launch (symbuf_moe_layout_notify)
+        lf = None if rec is None else rec.layout
+        if lf is None:
+            lf = _gpu.layout_notify_fields(comm, num_tokens, num_topk, n_exp, M)
+            if rec is not None:
+                rec.layout = lf
+        fused = _gpu.layout_notify_args(lf, idx.data.ptr, rt)
+    elif rec is None:
         _gpu.layout(comm, idx, n_exp, in_rank=rt.in_rank, meta=meta, bad=rt.bad_ptr, pos=rt.pos_ptr,
                     send_idx=rt.send_idx_ptr, stream=stream)
     else:
@@ -192,25 +300,14 @@ def dispatch_cuda(comm, op, xv, scales, kind, idx, weights, n_exp: int, align: i
             rec.layout = _gpu.layout_fields(comm, num_tokens, num_topk, n_exp)
         _gpu.layout_run(rec.layout, idx.data.ptr, rt, stream)
 
-    def bad_error():
-        flat = int(rt.bad[1].get())
-        t, k = divmod(flat, num_topk)
-        return ValueError(topk_value_error(op, n_exp, int(idx[t, k].get()), t, k,
-                                           " (found by the layout kernel; nothing was sent)"))
-
     # worst case: the outputs exist before the count exchange (an allocation that fails is a rejection, not a
     # failure between the steps)
     outs = device_outputs(cp, worst, xv, scales, idx, weights, user_outs, parts=rec and rec.out_parts) \
         if worst else None
     res = comm.notify_device(op, meta, M, sig, table=rt.table_ptr, sums=rt.sums_ptr, local_reject=rt.bad_ptr,
                              capacity=worst if worst else (user_outs[0].shape[0] if user_outs else -1),
-                             worst=bool(worst), self_error=bad_error,
-                             sig_what=lambda: (
-                                 f"ranks disagree on the dispatched row size in bytes (hidden * itemsize + scales "
-                                 f"+ top-k), on num_experts or on where out lies: rank {rank} has {rb} bytes "
-                                 f"({sig}); all ranks must pass the same hidden, dtype, num_topk, choice of "
-                                 f"topk_weights and num_experts, and a symmetric out must be the same allocation at "
-                                 f"the same offset on every rank"), capturing=capturing)
+                             worst=bool(worst), self_error=_bad_error(op, rt, idx, n_exp, num_topk),
+                             sig_what=_sig_what(rank, rb, sig), capturing=capturing, layout=fused)
     dispatch_id = comm.epoch  # this dispatch's count exchange (in a capture: the capture's, kept by every replay)
     if worst:
         send_counts = recv_counts = raw = None

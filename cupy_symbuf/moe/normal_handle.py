@@ -14,7 +14,7 @@ import numpy as np
 from .routing import align_counts
 from ..wire import protocol as P
 
-__all__ = ["DispatchHandle", "make_ref", "new_handle"]
+__all__ = ["DispatchHandle", "make_ref", "new_handle", "handle_fields", "handle_from"]
 
 
 def make_ref(comm) -> Callable[[], Any]:
@@ -167,6 +167,8 @@ class DispatchHandle:
 #: the fields of DispatchHandle that have a default, with it (new_handle)
 _DEFAULTS = {f.name: f.default for f in fields(DispatchHandle) if f.default is not MISSING}
 _NUM_FIELDS = len(fields(DispatchHandle))
+_FIELD_NAMES = tuple(f.name for f in fields(DispatchHandle))
+_FIELD_SET = frozenset(_FIELD_NAMES)
 
 
 def new_handle(**values) -> DispatchHandle:
@@ -181,4 +183,30 @@ def new_handle(**values) -> DispatchHandle:
                         f"got {sorted(values)}")
     h = object.__new__(DispatchHandle)
     h.__dict__.update(d)
+    return h
+
+
+def handle_fields(**values) -> dict:
+    """The fields ``values`` of a :class:`DispatchHandle` and the defaults of those not given, for
+    :func:`handle_from` (a caller keeps it for the handles of one call shape). ``TypeError`` for a name that is not
+    a field."""
+    d = dict(_DEFAULTS)
+    d.update(values)
+    extra = set(values) - _FIELD_SET
+    if extra:
+        raise TypeError(f"handle_fields: not fields of DispatchHandle: {sorted(extra)}")
+    return d
+
+
+def handle_from(fixed: dict, **values) -> DispatchHandle:
+    """:func:`new_handle` of ``fixed`` (:func:`handle_fields`) with ``values`` added: the fields both leave out must
+    be none (``TypeError`` otherwise); names that are not fields go into the instance dictionary as they are (a
+    handle's private caches, e.g. ``_recv_total``)."""
+    h = object.__new__(DispatchHandle)
+    d = h.__dict__
+    d.update(fixed)
+    d.update(values)
+    if not d.keys() >= _FIELD_SET:
+        raise TypeError(f"handle_from: fields of DispatchHandle missing: "
+                        f"{sorted(set(_FIELD_NAMES) - set(d))}")
     return h

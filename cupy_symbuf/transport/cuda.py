@@ -34,6 +34,7 @@ __all__ = ["CudaTransport", "warp_groups", "RING_SOURCE", "RING_KERNEL", "NOTIFY
 RING_SOURCE = "ring_exchange.cu"
 RING_KERNEL = "symbuf_ring_exchange"
 NOTIFY_KERNEL = "symbuf_notify"
+MOE_NOTIFY_KERNEL = "symbuf_moe_layout_notify"  # an eager MoE dispatch's layout and count exchange
 CE_KERNEL = "symbuf_ce_finish"
 #: The small-message alltoall (``cuda_src/small_exchange.cu``).
 SMALL_SOURCE = "small_exchange.cu"
@@ -745,6 +746,39 @@ class CudaTransport:
         self._ticket += 1
         a.done, a.ticket = (0, 0) if device_checks else (self._notify_done.ptr, self._ticket)
         self._l_notify(1, threads, stream=stream)
+
+    #: the launcher of ``symbuf_moe_layout_notify`` (an eager dispatch's layout and count exchange), made on first use
+    _l_moe_notify = None
+
+    def notify_layout_device(self, layout: tuple, M: int, op: str, *, op_code: int, sig: int, meta: int,
+                             bad: int, sums: int, table: int, capacity: int = -1) -> None:
+        """:meth:`notify_device` of an eager MoE dispatch (``echo``, host checks, the done word) with the layout
+        kernel in the same launch (``symbuf_moe_layout_notify``): ``layout`` = ``(idx, num_tokens, num_topk,
+        num_experts, in_rank, pos, send_idx, threads, shared_mem)`` (addresses as ints; ``threads`` at least
+        the layout's and the count exchange's); the layout writes the values at ``meta`` (device int64
+        ``[W, M]``) and its bad-value count at ``bad`` (the call's local rejection), which the count exchange then
+        reads, as the two launches on one stream would; ``capacity``: as :meth:`notify_device`'s. Queued on the
+        current stream; nothing read on the host."""
+        fn = self._l_moe_notify
+        if fn is None:  # the count exchange's static fields (symbuf_notify's), once
+            fn = self._l_moe_notify = _kernels.new_launcher(RING_SOURCE, MOE_NOTIFY_KERNEL)
+            src, a = self._l_notify.args, fn.args
+            for f in ("recv_meta", "epoch_word", "peer_bases", "rank", "world_size", "abort_offset", "timeout_ns",
+                      "region_bytes", "channel_bytes", "num_slots", "chunk_bytes", "notify_offset",
+                      "notify_slot_bytes", "status"):
+                setattr(a, f, getattr(src, f))
+            a.call_status, a.scale, a.device_checks = P.HDR_OK, 1, 0
+            a.send_echo, a.done = self._meta_in.ptr, self._notify_done.ptr
+        stream = _compat.cupy.cuda.get_current_stream()
+        a = fn.args
+        a.send_meta, a.num_values, a.op, a.sig, a.local_reject, a.sums, a.table = meta, M, op_code, sig, bad, sums, \
+            table
+        a.capacity = capacity
+        (a.idx, a.num_tokens, a.num_topk, a.num_experts, a.in_rank, a.pos, a.send_idx, threads, smem) = layout
+        a.seq = self._next_launch(op, stream)
+        self._ticket += 1
+        a.ticket = self._ticket
+        fn(1, threads, shared_mem=smem, stream=stream)
 
     #: the launcher of ``symbuf_counts_meta`` (capacity mode), made on first use
     _l_counts_meta = None

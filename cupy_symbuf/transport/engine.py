@@ -304,7 +304,7 @@ class Engine:
 
     def notify_device(self, op: str, meta, num_values: int, sig_text: str, *, table, sums, local_reject=None,
                       scale: int = 1, capacity: int = -1, worst: bool = False, sig_what: str = "",
-                      self_error=None, capturing=None):
+                      self_error=None, capturing=None, layout=None):
         """The count exchange of a device-count call (GPU; array arguments may be device addresses as ints): the
         values ``meta`` (device int64 ``[W, num_values]``,
         made by a kernel: the host never sees them) go to the peers; the kernel writes the counts tables
@@ -315,15 +315,21 @@ class Engine:
         Otherwise the host waits once, checks as :meth:`notify` and returns ``(recv_values, sent_values)``, int64
         ``[W, num_values]`` each. ``self_error()``: the exception this rank raises when ``local_reject`` (a device
         word) made it reject the call (the peers raise :class:`~cupy_symbuf.SymBufferRejectedError`).
-        ``capturing``: :meth:`capture_state`'s answer when the caller has it (None: asked)."""
+        ``capturing``: :meth:`capture_state`'s answer when the caller has it (None: asked). ``layout`` (not with
+        ``worst``): an eager MoE dispatch whose layout kernel writes ``meta`` and ``local_reject`` in the same launch
+        (:meth:`CudaTransport.notify_layout_device`'s tuple: the layout's arguments)."""
         code, sig = self._notify_signature(op, sig_text, num_values)
         if not worst:
             self._check_not_capturing(op, capturing)
         self._epoch += 1
         tr = self.transport
-        self._run(tr.notify_device, _addr(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
-                  local_reject=_addr(local_reject), echo=not worst, sums=_addr(sums), table=_addr(table),
-                  scale=scale, capacity=capacity, device_checks=worst, last=False)
+        if layout is not None:  # (eager: echo, no device checks, scale 1)
+            self._run(tr.notify_layout_device, layout, num_values, op, op_code=code, sig=sig, meta=_addr(meta),
+                      bad=_addr(local_reject), sums=_addr(sums), table=_addr(table), capacity=capacity, last=False)
+        else:
+            self._run(tr.notify_device, _addr(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
+                      local_reject=_addr(local_reject), echo=not worst, sums=_addr(sums), table=_addr(table),
+                      scale=scale, capacity=capacity, device_checks=worst, last=False)
         if worst:
             return None
         out = self._run(tr.notify_result, op, num_values, last=False)
@@ -377,7 +383,9 @@ class Engine:
     def _check_not_capturing(self, op: str, capturing=None) -> None:
         """An eager count exchange reads the counts on the host: it cannot run inside a CUDA graph capture. Every
         rank capturing the same program raises alike before any step (nothing queued, the communicator usable).
-        ``capturing``: :meth:`capture_state`'s answer when the caller has it (None: asked)."""
+        ``capturing``: :meth:`capture_state`'s answer when the caller has it (None: asked). ``layout`` (not with
+        ``worst``): an eager MoE dispatch whose layout kernel writes ``meta`` and ``local_reject`` in the same launch
+        (:meth:`CudaTransport.notify_layout_device`'s tuple: the layout's arguments)."""
         if capturing is None:
             capturing = self.capture_state()[1]
         if capturing:

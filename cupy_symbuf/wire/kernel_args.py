@@ -55,6 +55,14 @@ NOTIFY_ARGS = (
     ("device_checks", "i32"), ("done", "u64*"), ("ticket", "u64"),
 )
 
+#: An eager MoE dispatch's layout and count exchange in one launch (``symbuf_moe_layout_notify``,
+#: ``cuda_src/ring_exchange.cu``): the count exchange's fields, then the layout's input and routing outputs; the
+#: layout writes the values at ``send_meta`` and its bad-value count at ``local_reject``.
+MOE_NOTIFY_ARGS = NOTIFY_ARGS + (
+    ("idx", "const i64*"), ("num_tokens", "i64"), ("num_topk", "i32"), ("num_experts", "i32"), ("in_rank", "u8*"),
+    ("pos", "i64*"), ("send_idx", "i64*"),
+)
+
 #: The copy-engine alltoall's hand-back of the header slots (``symbuf_ce_finish``).
 CE_FINISH_ARGS = (
     ("peer_bases", "const u64*"), ("rank", "i32"), ("world_size", "i32"), ("num_channels", "i32"),
@@ -123,7 +131,8 @@ LL_COMBINE_ARGS = tuple((f, "i64") for f in (
 
 #: C struct name -> its fields, in order.
 STRUCTS = {
-    "RingArgs": RING_ARGS, "NotifyArgs": NOTIFY_ARGS, "CeFinishArgs": CE_FINISH_ARGS, "SmallArgs": SMALL_ARGS,
+    "RingArgs": RING_ARGS, "NotifyArgs": NOTIFY_ARGS, "MoeNotifyArgs": MOE_NOTIFY_ARGS, "CeFinishArgs": CE_FINISH_ARGS,
+    "SmallArgs": SMALL_ARGS,
     "CountsMetaArgs": COUNTS_META_ARGS, "MoeLayoutArgs": MOE_LAYOUT_ARGS, "MoeFixupArgs": MOE_FIXUP_ARGS,
     "CombineReduceArgs": COMBINE_REDUCE_ARGS, "QuantArgs": QUANT_ARGS, "DequantArgs": DEQUANT_ARGS,
     "LLDispatchArgs": LL_DISPATCH_ARGS, "LLCombineArgs": LL_COMBINE_ARGS,
@@ -131,7 +140,8 @@ STRUCTS = {
 
 #: Every kernel entry of cuda_src/ -> the struct it takes.
 KERNELS = {
-    "symbuf_ring_exchange": "RingArgs", "symbuf_notify": "NotifyArgs", "symbuf_ce_finish": "CeFinishArgs",
+    "symbuf_ring_exchange": "RingArgs", "symbuf_notify": "NotifyArgs",
+    "symbuf_moe_layout_notify": "MoeNotifyArgs", "symbuf_ce_finish": "CeFinishArgs",
     "symbuf_small_alltoall": "SmallArgs",
     "symbuf_counts_meta": "CountsMetaArgs", "symbuf_moe_layout": "MoeLayoutArgs",
     "symbuf_moe_recv_fixup": "MoeFixupArgs", "symbuf_combine_reduce_bf16": "CombineReduceArgs",
