@@ -279,7 +279,8 @@ class Communicator:
                 from .transport.host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
             from .transport.symmetric import SymmetricHeap
-            self._heap = SymmetricHeap(self.buffer, self._transport, self.config.timeout_s, self._check_open)
+            self._heap = SymmetricHeap(self.buffer, self._transport, self.config.timeout_s, self._check_open,
+                                       on_broken=self._mark_broken)
             self._transport.heap = self._heap
             if self.config.adaptive and self.backend == "cuda" and self.world_size > 1:
                 self._transport.enable_adaptive()  # the work-sharing build of the ring kernel, its load counters
@@ -802,6 +803,11 @@ class Communicator:
 
     def _set_broken(self, msg: str) -> None:
         self._broken = msg
+
+    def _mark_broken(self, msg: str) -> None:
+        """Unusable from now on, after ``msg`` (kept: an earlier failure stays the one named)."""
+        if not self._broken:
+            self._broken = msg
 
     def _lifecycle_state(self) -> tuple:
         """For :mod:`~cupy_symbuf.transport.lifecycle`: ``(pid that made it, open, why it failed or None, abort on

@@ -92,11 +92,12 @@ _ORPHANS: list = []
 class CollectiveTimeoutError(SymBufferTimeoutError):
     """A bounded construction or close step (``role`` "construction" or "close") waited ``timeout_s`` for ranks that
     never arrived (or that gave up waiting themselves: ``withdrawn``; or that left, ending the job: ``departed``,
-    their reason, see :meth:`Bootstrap.depart`); ``missing`` lists them (``peer`` is the first), ``what`` names
-    the step."""
+    their reason, see :meth:`Bootstrap.depart`; or that are closing the communicator this step belongs to:
+    ``closing``, see :data:`CLOSE`); ``missing`` lists them (``peer`` is the first), ``what`` names the step."""
 
     def __init__(self, *, rank: int, missing: List[int], what: str, role: str, timeout_s: float,
-                 withdrawn: bool = False, late: bool = False, departed: Optional[str] = None):
+                 withdrawn: bool = False, late: bool = False, departed: Optional[str] = None,
+                 closing: bool = False):
         # SymBufferTimeoutError's attributes, without its ring-specific message
         self.rank, self.peer, self.channel, self.role = rank, (missing[0] if missing else -1), -1, role
         self.head, self.tail, self.timeout_s, self.op = -1, -1, timeout_s, what
@@ -104,11 +105,16 @@ class CollectiveTimeoutError(SymBufferTimeoutError):
         self.what = what
         self.withdrawn = withdrawn
         self.departed = departed
+        self.closing = closing
         names = ", ".join(str(r) for r in missing)
         ranks = f"rank{'s' if len(missing) > 1 else ''} {names}"
         if departed is not None:
             text = (f"{what}: on rank {rank}: {ranks} left without taking part (ending the job: {departed}); this "
                     f"rank did not wait for {'them' if len(missing) > 1 else 'it'}")
+        elif closing:
+            text = (f"{what}: on rank {rank}: {ranks} left this communicator (closing it: an exception, abort(), "
+                    f"the end of its program or close() there) and will not take part; this rank did not wait for "
+                    f"{'them' if len(missing) > 1 else 'it'}")
         elif withdrawn:
             text = (f"{what}: on rank {rank}: {ranks} gave up waiting (timeout_s expired there) before every rank "
                     f"arrived; this rank must not go on alone")
@@ -130,14 +136,25 @@ class Bootstrap(Protocol):
     (seconds): a peer that never arrives gives :class:`CollectiveTimeoutError` (``role`` "construction" or
     "close") naming the missing ranks; ``what`` names the step in errors (ranks calling different steps raise
     :class:`~cupy_symbuf.SymBufferError`). ``on_slow``: ``(seconds, fn)``, ``fn(missing_ranks)`` called once when
-    a wait takes longer than that.
+    a wait takes longer than that. ``interrupt``: a callable (no arguments) called when a wait starts and every
+    :data:`DEPARTED_POLL_S` while it waits; an exception it raises leaves the exchange as any failure does (the
+    peers are told: ``withdrawn``) and propagates (a symmetric allocation step reads the communicator's abort word
+    there).
+
+    Steps of ``role`` :data:`CLOSE` are the closing of what this bootstrap serves (its last steps). A rank that
+    waits in a step of another role and finds a peer closing raises :class:`CollectiveTimeoutError`
+    (``closing``) naming it at once, instead of a step mismatch or waiting ``timeout_s``; the peer's close
+    messages are kept for this rank's own close. A close step passes over the peers' messages of other steps
+    (steps this rank leaves by closing: their senders leave them when they find it closing). So a rank that fails
+    (or just closes) while its peers are in a step of the object releases them at once, and every rank's close
+    then meets the others'.
     """
 
     rank: int
     size: int
 
     def allgather(self, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
-                  on_slow=None) -> list:
+                  on_slow=None, interrupt=None) -> list:
         """Every rank's ``obj`` (picklable), as a list indexed by rank."""
         ...
 
@@ -184,6 +201,8 @@ def _sleep(spins: int) -> None:
 
 
 _HERE, _CONFIRM, _WITHDRAWN = "here", "confirm", "withdrawn"
+#: The role of a bootstrap's closing steps (see :class:`Bootstrap`).
+CLOSE = "close"
 #: Seconds added to a peer's ``timeout_s`` for its "confirm" or "withdrawn" to reach this rank (second round).
 DELIVERY_GRACE_S = 1.0
 #: Seconds between two looks of a TorchBootstrap wait at its peers' departures (:meth:`Bootstrap.depart`).
@@ -201,13 +220,14 @@ class MpiBootstrap:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self._held: "dict[int, list]" = {}  # rank -> its close messages met in a wait of another step
 
     def __repr__(self) -> str:
         return f"MpiBootstrap(rank={self.rank}, size={self.size})"
 
     # ---- bounded exchanges ------------------------------------------------------------------------------------
     def allgather(self, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
-                  on_slow=None) -> list:
+                  on_slow=None, interrupt=None) -> list:
         """Every rank's ``obj``, like ``comm.allgather(obj)`` but bounded by ``timeout_s``.
 
         Two rounds of point-to-point messages: "here" (with ``obj`` and this rank's ``timeout_s``), then "confirm"
@@ -226,6 +246,9 @@ class MpiBootstrap:
 
         The second round takes milliseconds unless a peer stalls between the rounds; only a peer that dies there
         (or stalls past that bound) can still leave the others split.
+        Every message carries whether its step closes (role :data:`CLOSE`); a peer's close message met in a wait
+        of another role is kept back (``_held``) for this rank's own close, and a close step drops the peers'
+        messages of other steps (see :class:`Bootstrap`).
         Raises :class:`~cupy_symbuf.SymBufferError` when a peer's message belongs to another step (``what``
         differs: a stale message of an earlier exchange that timed out, or ranks calling different steps).
         """
@@ -237,10 +260,13 @@ class MpiBootstrap:
         peers = [r for r in range(size) if r != rank]
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow}
+        closing = role == CLOSE
+        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow, "interrupt": interrupt, "closing": closing}
+        if interrupt is not None:
+            interrupt()  # before anything is sent: nothing of this exchange reaches the peers
         sends: list = []
         try:
-            sends += [comm.isend((_HERE, what, (timeout_s, obj)), dest=r, tag=TAG) for r in peers]
+            sends += [comm.isend((_HERE, what, (timeout_s, obj), closing), dest=r, tag=TAG) for r in peers]
             got = self._gather(_HERE, what, peers, state, role, timeout_s)
             heard = time.monotonic()
             if heard > deadline:  # heard from everyone, but too late: a peer may have withdrawn already
@@ -248,7 +274,7 @@ class MpiBootstrap:
                                              role=role, timeout_s=timeout_s, late=True)
             for r, (_, v) in got.items():
                 out[r] = v
-            sends += [comm.isend((_CONFIRM, what, None), dest=r, tag=TAG) for r in peers]
+            sends += [comm.isend((_CONFIRM, what, None, closing), dest=r, tag=TAG) for r in peers]
             state["deadline"] = heard + max(t for t, _ in got.values()) + DELIVERY_GRACE_S
             self._gather(_CONFIRM, what, peers, state, role, timeout_s)
             return out
@@ -256,7 +282,7 @@ class MpiBootstrap:
             # any way out but a return (a timeout, a peer's withdrawal, ranks calling different steps, Ctrl-C): the
             # peers, perhaps already in the second round, must not wait for our confirm nor go on without us
             try:
-                sends += [comm.isend((_WITHDRAWN, what, None), dest=r, tag=TAG) for r in peers]
+                sends += [comm.isend((_WITHDRAWN, what, None, closing), dest=r, tag=TAG) for r in peers]
             except Exception:  # pragma: no cover - the original error matters more
                 pass
             raise
@@ -264,19 +290,37 @@ class MpiBootstrap:
             pending = [req for req in sends if not req.test()[0]]
             _ORPHANS.extend(pending)  # small messages complete eagerly; these keep their buffers alive if not
 
+    def _next(self, r: int):
+        """Rank ``r``'s next message to this bootstrap (one kept back first, see :meth:`_gather`), or None."""
+        held = self._held.get(r)
+        if held:
+            return held.pop(0)
+        msg = self.comm.improbe(source=r, tag=TAG)
+        return None if msg is None else msg.recv()
+
     def _gather(self, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> dict:
         """One message of ``kind`` from every rank of ``peers``, by the deadline in ``state``."""
-        comm, rank = self.comm, self.rank
+        rank = self.rank
         waiting = list(peers)
         got: dict = {}
         spins = 0
+        interrupt, next_look = state.get("interrupt"), 0.0
         while waiting:
             progressed = False
             for r in list(waiting):
-                msg = comm.improbe(source=r, tag=TAG)
-                if msg is None:
+                m = self._next(r)
+                if m is None:
                     continue
-                their_kind, their_what, their_obj = msg.recv()
+                their_kind, their_what, their_obj = m[:3]
+                their_closing = len(m) > 3 and bool(m[3])
+                if their_closing and not state["closing"]:
+                    # rank r is closing: it left this step (or never came) and takes part in no other; its message
+                    # waits for this rank's own close
+                    self._held.setdefault(r, []).insert(0, m)
+                    raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
+                                                 closing=True)
+                if state["closing"] and not their_closing:
+                    continue  # a step this rank leaves by closing: rank r leaves it too once it finds this close
                 if their_what != what:
                     raise SymBufferError(f"{what}: rank {rank} received rank {r}'s message for {their_what!r}: the "
                                          f"ranks are not calling the same step (or a message of an earlier step "
@@ -297,6 +341,9 @@ class MpiBootstrap:
             if not waiting:
                 break
             now = time.monotonic()
+            if interrupt is not None and now >= next_look:
+                next_look = now + DEPARTED_POLL_S
+                interrupt()
             if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
                 state["on_slow"][1](sorted(waiting))
                 state["on_slow"] = None
@@ -307,9 +354,9 @@ class MpiBootstrap:
             _sleep(spins)
         return got
 
-    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
+    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None, interrupt=None) -> None:
         """``comm.Barrier()`` bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
-        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow)
+        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow, interrupt=interrupt)
 
     def bcast(self, obj: Any, timeout_s: float, what: str, *, root: int = 0, role: str = "construction") -> Any:
         """``root``'s ``obj`` on every rank, bounded by ``timeout_s`` (an allgather in which only ``root`` sends
@@ -337,7 +384,8 @@ class MpiBootstrap:
 
     def discard_leftovers(self) -> int:
         MPI = _mpi()
-        n = 0
+        n = sum(len(v) for v in self._held.values())
+        self._held.clear()
         while True:
             msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG)
             if msg is None:
