@@ -300,7 +300,7 @@ class Communicator:
         self._pid = os.getpid()
         self._closed = False
         self._token = _lifecycle.register(self, state=self._lifecycle_state, abort=self._abort_uncaught,
-                                          depart=self._depart)
+                                          depart=self._depart, leave=self._left_at_exit)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
             if self.tuning_source and self.transport != self.planned_transport and self.rank == 0:
@@ -396,9 +396,10 @@ class Communicator:
             if err is None and not self._broken and not leaving:
                 seen.append(self._peer_abort())
 
+        slow = getattr(self, "_exit_slow", None)  # at interpreter exit (see _close_at_exit)
         try:
-            self._heap.close()   # the symmetric arrays, then the buffer: collective and bounded, in the same order
-            self.buffer.close(on_arrival=on_arrival)  # on every rank; peers wait for it, whatever happened above
+            self._heap.close(on_slow=slow)  # the symmetric arrays, then the buffer: collective, bounded, in the same
+            self.buffer.close(on_arrival=on_arrival, on_slow=slow)  # order on every rank; peers wait for it
         except SymBufferError as exc:
             if not self._broken:
                 self._broken = str(exc)
@@ -423,6 +424,32 @@ class Communicator:
         rejected = getattr(self._transport, "pending_rejection", None)
         if rejected is not None and not was_broken:  # a peer rejected a queued call; no synchronize() said so
             raise rejected
+
+    def _close_at_exit(self, on_slow) -> None:
+        """:meth:`close` at interpreter exit (``lifecycle``): ``on_slow`` (``(seconds, fn)``) is handed to its first
+        bounded waits, so that when the peers are not in close() within ``seconds`` (capped at a quarter of
+        ``timeout_s``) ``fn`` tells them this rank has left (:meth:`_left_at_exit`)."""
+        seconds, fn = on_slow
+        self._exit_slow = (min(float(seconds), self.config.timeout_s / 4), fn)
+        try:
+            self.close()
+        finally:
+            self._exit_slow = None
+
+    def _left_at_exit(self) -> None:
+        """This rank's program ended with this communicator open (``sys.exit`` or the end of its script, which
+        ``sys.excepthook`` never sees) and its peers are not in close() yet: they may wait for it in a collective,
+        so set the abort word (``ERR_EXITED``): a peer's collective leaves at once naming this rank. A peer that
+        only reaches close() later closes cleanly (close() takes this reason for no failure). Never raises."""
+        from .wire import protocol as _protocol
+        if getattr(self, "_closed", True) and getattr(self, "_exit_slow", None) is None:
+            return
+        if self._broken or getattr(self, "_pid", None) != _getpid():
+            return
+        try:
+            self._transport.set_abort(_protocol.ERR_EXITED)
+        except Exception:  # noqa: BLE001 - the process is ending; the peers' waits stay bounded by timeout_s
+            pass
 
     def _end_job(self, message: str, cause) -> None:
         """``abort_on_failure`` in :meth:`close`: depart from the bootstrap (peers waiting for this rank in their
@@ -503,7 +530,7 @@ class Communicator:
             from .transport import lifecycle as _lifecycle
             self._dropped = True
             _lifecycle.keep_dropped(self._token, self, state=self._lifecycle_state, abort=self._abort_uncaught,
-                                    depart=self._depart)
+                                    depart=self._depart, leave=self._left_at_exit)
             if not _LEAK_WARNED:
                 _LEAK_WARNED.append(True)
                 _warnings.warn(

@@ -512,9 +512,10 @@ class SymmetricHeap:
                 return seg
         return None
 
-    def close(self) -> None:
+    def close(self, on_slow=None) -> None:
         """Release every segment (collective; from ``Communicator.close``), newest first; those that some rank
-        still holds arrays over (live or freed) stay mapped until the process exits."""
+        still holds arrays over (live or freed) stay mapped until the process exits. ``on_slow``: the bootstrap's
+        (``(seconds, fn)``) for the agreement step."""
         live, self.allocations = self.allocations, []
         self._live = {}
         for alloc in live:
@@ -526,7 +527,7 @@ class SymmetricHeap:
         if not segments:
             return
         everyone = self.buffer.bootstrap.allgather(mine, self.timeout_s, "Communicator.close (symmetric arrays)",
-                                                   role="close")
+                                                   role="close", on_slow=on_slow)
         held = set()
         for h in everyone:
             held.update(h)
