@@ -469,6 +469,8 @@ class TorchBootstrap:
         self.rank = self.members.index(me)
         self.size = len(self.members)
         self._seq = 0
+        self._close_seq = 0  # close steps (role CLOSE) are numbered apart, "c<n>"
+        self._closing = False  # this rank has entered a close step (its "closing" key is set)
         self._children = 0
 
     def __repr__(self) -> str:
@@ -479,21 +481,37 @@ class TorchBootstrap:
 
     # ---- bounded exchanges ------------------------------------------------------------------------------------
     def allgather(self, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
-                  on_slow=None) -> list:
+                  on_slow=None, interrupt=None) -> list:
         """Every rank's ``obj`` bounded by ``timeout_s``: :meth:`MpiBootstrap.allgather`'s two rounds and errors,
         over the store (see the class docstring)."""
         rank, size = self.rank, self.size
         out: list = [None] * size
         out[rank] = obj
-        seq = self._seq
-        self._seq += 1
+        closing = role == CLOSE
+        if closing:  # close steps are numbered apart: they meet whatever other steps each rank left unfinished
+            n = self._close_seq
+            self._close_seq += 1
+            seq, prev = f"c{n}", (f"c{n - 1}" if n > 0 else None)
+        else:
+            seq = self._seq
+            self._seq += 1
+            prev = seq - 1 if seq > 0 else None
         if size == 1:
             return out
         store, key = self._store, self._key
         peers = [r for r in range(size) if r != rank]
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow}
+        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow, "interrupt": interrupt, "closing": closing}
+        if interrupt is not None:
+            interrupt()  # before anything is written: nothing of this exchange reaches the peers
+        if closing and not self._closing:
+            self._closing = True
+            try:  # the peers' waits in other steps read it (_check_departed)
+                store.set(f"{self._prefix}/closing/{rank}", b"1")
+                store.add(f"{self._prefix}/n_closing", 1)
+            except Exception:  # noqa: BLE001 - the close's own exchange reports a broken store
+                pass
         try:
             store.set(key(seq, "here", rank), pickle.dumps((what, timeout_s, obj)))
             store.add(key(seq, "n_here"), 1)
@@ -523,18 +541,18 @@ class TorchBootstrap:
             except Exception:  # pragma: no cover - the original error matters more
                 pass
             raise
-        if seq > 0:  # every peer has left exchange seq - 1 (it confirmed seq's "here" after): drop ours of it
+        if prev is not None:  # every peer has left exchange prev (it confirmed seq's "here" after): drop ours of it
             try:
                 for part in ("here", "confirm"):
-                    store.delete_key(key(seq - 1, part, rank))
+                    store.delete_key(key(prev, part, rank))
                 if rank == 0:
                     for part in ("n_here", "n_confirm"):
-                        store.delete_key(key(seq - 1, part))
+                        store.delete_key(key(prev, part))
             except Exception:  # noqa: BLE001 - a key left in the store is harmless
                 pass
         return out
 
-    def _wait(self, seq: int, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> None:
+    def _wait(self, seq, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> None:
         """Until every rank's ``kind`` ("here" / "confirm") key is set, by the deadline in ``state``; a peer's
         ``withdrawn`` key raises :class:`CollectiveTimeoutError` (``withdrawn``) naming it."""
         store, key, rank = self._store, self._key, self.rank
@@ -557,7 +575,9 @@ class TorchBootstrap:
             now = time.monotonic()
             if now >= state.get("departed_poll", 0.0):
                 state["departed_poll"] = now + DEPARTED_POLL_S
-                self._check_departed(seq, kind, what, peers, role, timeout_s)
+                self._check_departed(seq, kind, what, peers, role, timeout_s, state["closing"])
+                if state["interrupt"] is not None:
+                    state["interrupt"]()
             if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
                 state["on_slow"][1](self._missing(seq, kind, peers))
                 state["on_slow"] = None
@@ -571,10 +591,18 @@ class TorchBootstrap:
     def _missing(self, seq: int, kind: str, peers: list) -> list:
         return [r for r in peers if not self._store.check([self._key(seq, kind, r)])]
 
-    def _check_departed(self, seq: int, kind: str, what: str, peers: list, role: str, timeout_s: float) -> None:
+    def _check_departed(self, seq, kind: str, what: str, peers: list, role: str, timeout_s: float,
+                        closing: bool = False) -> None:
         """Raise :class:`CollectiveTimeoutError` (``departed``) naming the peers that departed (:meth:`depart`)
-        without their ``kind`` key of exchange ``seq``."""
+        without their ``kind`` key of exchange ``seq``; in a step that does not close (``closing`` false), the
+        same (``closing``) for the peers that are closing (see :class:`Bootstrap`)."""
         store = self._store
+        if not closing and store.add(f"{self._prefix}/n_closing", 0) > 0:
+            gone = [r for r in peers if store.check([f"{self._prefix}/closing/{r}"])
+                    and not store.check([self._key(seq, kind, r)])]
+            if gone:
+                raise CollectiveTimeoutError(rank=self.rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
+                                             closing=True)
         if store.add(f"{self._prefix}/n_departed", 0) <= 0:
             return
         gone = [r for r in peers if store.check([f"{self._prefix}/departed/{r}"])
@@ -587,9 +615,9 @@ class TorchBootstrap:
             raise CollectiveTimeoutError(rank=self.rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
                                          departed=str(reason))
 
-    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
+    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None, interrupt=None) -> None:
         """A barrier bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
-        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow)
+        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow, interrupt=interrupt)
 
     def bcast(self, obj: Any, timeout_s: float, what: str, *, root: int = 0, role: str = "construction") -> Any:
         """``root``'s ``obj`` on every rank, bounded by ``timeout_s``."""
