@@ -585,9 +585,17 @@ class Communicator:
         """Close on every way out. An exception leaving the block first sets the abort word
         (``ERR_LEFT_WITH``): peers in a collective leave at once with
         :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank, and peers in :meth:`close` raise it (with
-        ``abort_on_failure``: end the job with it); then this rank closes (bounded) and its exception propagates."""
+        ``abort_on_failure``: end the job with it); then this rank closes (bounded) and its exception propagates.
+        ``sys.exit(0)`` closes as at interpreter exit (``lifecycle.EXIT_GRACE_S``): peers not in close() by then
+        are told this rank left (``ERR_EXITED``)."""
         if exc is None or exc_type is GeneratorExit or (exc_type is SystemExit and exc.code in (None, 0)):
-            self.close()  # a normal way out (sys.exit(0), a generator closed): the peers are not aborted
+            # a normal way out (sys.exit(0), a generator closed): the peers are not aborted; but sys.exit ends the
+            # program: peers not in close() within the exit grace may wait in a collective, so they are told then
+            if exc_type is SystemExit and not getattr(self, "_closed", True):
+                from .transport import lifecycle as _lifecycle
+                self._close_at_exit((_lifecycle.EXIT_GRACE_S, lambda missing: self._left_at_exit()))
+            else:
+                self.close()
             return
         if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == _getpid():
             self._leaving_by = f"{exc_type.__name__}: {exc}"

@@ -1,8 +1,8 @@
 """Jobs for tests/test_leaving.py: a rank's program ends (``sys.exit`` or the end of its script) with a
 communicator open outside any ``with`` block. Run as ``mpiexec -n N python tests/leaving_cases.py CASE``.
 
-``sys_exit`` / ``end``: after a right alltoall, rank 1 leaves by ``sys.exit(0)`` / by the end of its script; the
-other ranks enter an alltoall 0.3 s later and must raise ``SymBufferAbortedError`` naming rank 1 (each prints
+``sys_exit`` / ``end``: after a right alltoall, rank 1 leaves by ``sys.exit(0)`` / by the end of its script
+(``sys_exit_with``: ``sys.exit(0)`` inside ``with``, every rank's communicator in a ``with`` block); the other ranks enter an alltoall 0.3 s later and must raise ``SymBufferAbortedError`` naming rank 1 (each prints
 ``RAISED rank=R after=SECONDS aborting=A cls=NAME``), then close it (``CLOSED rank=R took=SECONDS``; with
 ``CUPY_SYMBUF_ABORT_ON_FAILURE=1`` the error is left uncaught instead, and the job ends).
 
@@ -42,11 +42,19 @@ def right_alltoall(c, seed: int) -> None:
 def leaver(case: str) -> None:
     c = cs.Communicator(WORLD, backend="host")
     OPEN.append(c)
+    if case == "sys_exit_with":
+        with c:
+            leaver_body(c, case)
+    else:
+        leaver_body(c, case)
+
+
+def leaver_body(c, case: str) -> None:
     right_alltoall(c, 1)
     WORLD.Barrier()
     if R == 1:
         say(f"LEAVING rank={R} t={time.time():.3f}")
-        if case == "sys_exit":
+        if case.startswith("sys_exit"):
             sys.exit(0)
         return  # the end of the script, the communicator open
     time.sleep(0.3)

@@ -144,11 +144,12 @@ def _job(case: str, n: int, handled: bool):
 
 
 @pytest.mark.parametrize("case, n, handled", [("sys_exit", 2, True), ("end", 2, True), ("sys_exit", 4, True),
-                                              ("sys_exit", 2, False)],
-                         ids=["sys_exit-2-handled", "end-2-handled", "sys_exit-4-handled", "sys_exit-2-default"])
+                                              ("sys_exit", 2, False), ("sys_exit_with", 2, True)],
+                         ids=["sys_exit-2-handled", "end-2-handled", "sys_exit-4-handled", "sys_exit-2-default",
+                              "sys_exit_with-2-handled"])
 def test_a_program_ending_with_the_communicator_open_releases_its_peers(case, n, handled):
     """Rank 1's program ends (``sys.exit(0)`` / the end of its script) with a communicator open outside any
-    ``with`` block, while the others enter an alltoall: they raise ``SymBufferAbortedError`` naming rank 1 within
+    ``with`` block (``sys_exit_with``: ``sys.exit(0)`` inside one), while the others enter an alltoall: they raise ``SymBufferAbortedError`` naming rank 1 within
     a few seconds (its exit-time close sets the abort word once they are not in close() within
     ``lifecycle.EXIT_GRACE_S``), not after ``timeout_s``; handled, they close at once and the job ends with status
     0; by default the job ends nonzero with that error. (Was: ``SystemExit`` never reached ``sys.excepthook``,
