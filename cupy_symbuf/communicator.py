@@ -300,7 +300,8 @@ class Communicator:
         self._pid = os.getpid()
         self._closed = False
         self._token = _lifecycle.register(self, state=self._lifecycle_state, abort=self._abort_uncaught,
-                                          depart=self._depart, leave=self._left_at_exit)
+                                          depart=self._depart, leave=self._left_at_exit,
+                                          exit_close=self._close_at_exit)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
             if self.tuning_source and self.transport != self.planned_transport and self.rank == 0:
@@ -530,7 +531,8 @@ class Communicator:
             from .transport import lifecycle as _lifecycle
             self._dropped = True
             _lifecycle.keep_dropped(self._token, self, state=self._lifecycle_state, abort=self._abort_uncaught,
-                                    depart=self._depart, leave=self._left_at_exit)
+                                    depart=self._depart, leave=self._left_at_exit,
+                                    exit_close=self._close_at_exit)
             if not _LEAK_WARNED:
                 _LEAK_WARNED.append(True)
                 _warnings.warn(

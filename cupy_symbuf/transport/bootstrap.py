@@ -21,7 +21,9 @@ Messages of an exchange that timed out may stay queued (their peer arrives later
 leftover "confirm" / "withdrawn" messages and raises on a leftover of another step, but a leftover "here" of the
 same step can still be taken for a fresh one (then that exchange fails with "withdrawn"): after a construction or
 close timeout, build no further communicator on that bootstrap; the job is meant to end
-(``Config.abort_on_failure``).
+(``Config.abort_on_failure``). Closing is the exception to "same step or error": a rank that closes (role
+:data:`CLOSE`) while its peers wait in another step releases them at once, and its close meets theirs (see
+:class:`Bootstrap`), leaving no message of the abandoned step behind.
 """
 from __future__ import annotations
 
@@ -420,7 +422,10 @@ class TorchBootstrap:
     timed out is never taken for a later one (:meth:`discard_leftovers` has nothing to drop). A rank deletes its
     keys of exchange ``n - 1`` once exchange ``n`` completed (every peer has left ``n - 1`` by then).
     :meth:`depart` sets ``<prefix>/departed/<rank>`` (its reason) and the counter ``<prefix>/n_departed``, which
-    every wait reads when it starts and every :data:`DEPARTED_POLL_S` after.
+    every wait reads when it starts and every :data:`DEPARTED_POLL_S` after. Close steps (role :data:`CLOSE`) are
+    numbered apart (``<prefix>/c<n>/...``), so they meet whatever other steps each rank left unfinished; a rank's
+    first close step sets ``<prefix>/closing/<rank>`` and counts ``<prefix>/n_closing``, which the waits of the
+    other steps read with the departures (the closing peer named: :class:`CollectiveTimeoutError` ``closing``).
 
     The key prefix of a bootstrap made by :func:`as_bootstrap` names the group (its c10d name and its members) and
     counts the bootstraps made over that group in this process; :meth:`dup` and :meth:`split` derive their

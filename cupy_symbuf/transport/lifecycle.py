@@ -71,7 +71,7 @@ def count(kind: str, delta: int) -> None:
         _live[kind] += delta
 
 
-def register(obj, *, state, abort=None, depart=None, leave=None) -> int:
+def register(obj, *, state, abort=None, depart=None, leave=None, exit_close=None) -> int:
     """Remember ``obj`` (closed at exit if still open, by ``obj.close()``); returns its token for :func:`unregister`.
 
     The registry reads ``obj`` only through the bound methods it hands over (held weakly, like ``obj``):
@@ -81,9 +81,9 @@ def register(obj, *, state, abort=None, depart=None, leave=None) -> int:
     ``depart(reason)`` (optional) is called by :func:`abort_job` before the job ends: this rank takes part in no
     further exchange of the object (``Bootstrap.depart``); ``leave()`` (optional) is called at exit when a close
     there waits for the peers longer than :data:`EXIT_GRACE_S`: this rank's program has ended, it takes part in
-    no further collective of the object (the communicator sets its abort word). An object with a
-    ``_close_at_exit(on_slow)`` method is closed at exit by it (``on_slow``: ``(seconds, fn)`` for its waits),
-    else by ``close()``."""
+    no further collective of the object (the communicator sets its abort word); ``exit_close(on_slow)``
+    (optional) closes the object at exit instead of ``obj.close()``, ``on_slow`` (``(seconds, fn)``) for its
+    bounded waits."""
     global _installed
     with _lock:
         if not _installed:
@@ -94,7 +94,8 @@ def register(obj, *, state, abort=None, depart=None, leave=None) -> int:
         _registry[token] = (weakref.ref(obj), weakref.WeakMethod(state),
                             None if abort is None else weakref.WeakMethod(abort),
                             None if depart is None else weakref.WeakMethod(depart),
-                            None if leave is None else weakref.WeakMethod(leave))
+                            None if leave is None else weakref.WeakMethod(leave),
+                            None if exit_close is None else weakref.WeakMethod(exit_close))
         return token
 
 
@@ -103,14 +104,15 @@ def unregister(token) -> None:
         _registry.pop(token, None)
 
 
-def keep_dropped(token, obj, *, state, abort=None, depart=None, leave=None) -> None:
+def keep_dropped(token, obj, *, state, abort=None, depart=None, leave=None, exit_close=None) -> None:
     """Hold the registered ``obj`` strongly from now on (its finalizer found it dropped while open): it stays in
     its place in the registry, so exit closes it collectively with the others, newest first, in the same order
     on every rank. Called from a finalizer: takes no lock (replacing a present key's value is atomic and never
     changes the dict's size under an iteration)."""
     if token in _registry:
         _registry[token] = ((lambda: obj), (lambda: state), None if abort is None else (lambda: abort),
-                            None if depart is None else (lambda: depart), None if leave is None else (lambda: leave))
+                            None if depart is None else (lambda: depart), None if leave is None else (lambda: leave),
+                            None if exit_close is None else (lambda: exit_close))
 
 
 def open_objects() -> list:
@@ -174,14 +176,14 @@ def abort_job(message: str, rank: int = None, *, cause: int = None) -> None:
 
 
 def _open_entries() -> list:
-    """``(object, failure, policy, abort callback, depart callback, leave callback)`` of the registered objects
+    """``(object, failure, policy, abort, depart, leave and exit_close callbacks)`` of the registered objects
     still alive, open and made by this process, newest first (``failure``: why it failed, or None; ``policy``: its
     ``abort_on_failure``)."""
     pid = os.getpid()
     with _lock:
         items = sorted(_registry.items(), reverse=True)
     out = []
-    for _, (ref, state_ref, abort_ref, depart_ref, leave_ref) in items:
+    for _, (ref, state_ref, abort_ref, depart_ref, leave_ref, exit_ref) in items:
         obj, state = ref(), state_ref()
         if obj is None or state is None:
             continue
@@ -189,7 +191,7 @@ def _open_entries() -> list:
         if made_by == pid and is_open:
             out.append((obj, failure, env_abort_default() if policy is None else policy,
                         None if abort_ref is None else abort_ref(), None if depart_ref is None else depart_ref(),
-                        None if leave_ref is None else leave_ref()))
+                        None if leave_ref is None else leave_ref(), None if exit_ref is None else exit_ref()))
     return out
 
 
@@ -213,12 +215,11 @@ def _at_exit() -> None:
             except Exception:  # pragma: no cover - the process is ending
                 pass
 
-    for obj, broken, policy, _, _, _ in entries:
+    for obj, broken, policy, _, _, _, closer in entries:
         if broken and policy:
             abort_job(f"{type(obj).__name__} failed and was never closed: {broken}", getattr(obj, "rank", None))
             return
         try:
-            closer = getattr(obj, "_close_at_exit", None)
             if closer is not None:
                 closer((EXIT_GRACE_S, peers_slow))
             else:
@@ -241,7 +242,7 @@ def _abort_open(exc_type) -> None:
     ``timeout_s``, and reaches ``close()`` while this rank's exit-time close still waits for it."""
     if hasattr(sys, "ps1") or sys.flags.interactive:  # an interactive session goes on after the traceback
         return
-    for _, broken, _, abort, _, _ in _open_entries():
+    for _, broken, _, abort, _, _, _ in _open_entries():
         if abort is None or broken:
             continue
         try:
