@@ -749,8 +749,12 @@ class Communicator:
         TypeError, ValueError
             A bad ``shape`` / ``dtype`` on any rank, or ranks asking for different shapes or dtypes: raised on
             every rank, nothing allocated, the communicator usable.
+        SymBufferAbortedError
+            A peer aborted the communicator (an exception left its ``with`` block, :meth:`abort`, its program
+            ended) before or while this rank waited: raised at once, naming it; the communicator is unusable.
         SymBufferTimeoutError
-            A peer did not take part within ``config.timeout_s``.
+            A peer did not take part within ``config.timeout_s``, or closed the communicator meanwhile
+            (``CollectiveTimeoutError`` with ``closing``, at once, naming it); the communicator is unusable.
         """
         return self._heap.empty(shape, dtype)
 

@@ -462,14 +462,15 @@ class SymmetricHeap:
             self._broken(exc)
             raise
         except SymBufferError as exc:
-            self._broken(exc)
             if check is not None:
                 try:
                     check(op)  # the abort word a failing peer set before it closed names it and its reason
                 except SymBufferAbortedError as aborted:
+                    self._broken(aborted)
                     raise aborted from exc
                 except Exception:  # noqa: BLE001 - reading our own memory; the step's error stands
                     pass
+            self._broken(exc)
             raise
 
     def _broken(self, exc: BaseException) -> None:
