@@ -9,20 +9,46 @@ communicator open outside any ``with`` block. Run as ``mpiexec -n N python tests
 ``late``: every rank makes a right alltoall and ends with the communicator open; rank 1 ends 2.5 s after the others
 (longer than ``lifecycle.EXIT_GRACE_S``): every rank's exit-time close must still be clean (exit status 0). Each
 rank prints ``DONE rank=R`` before it ends.
+
+``CUPY_SYMBUF_FAULT_BACKEND=cuda`` runs them on the GPU (as the fault cases).
 """
 import os
 import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-import cupy_symbuf as cs
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mpi4py import MPI  # noqa: E402
+
+import cupy_symbuf as cs  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 R, W = WORLD.Get_rank(), WORLD.Get_size()
 HANDLED = os.environ.get("CUPY_SYMBUF_ABORT_ON_FAILURE", "1") == "0"
+BACKEND = os.environ.get("CUPY_SYMBUF_FAULT_BACKEND", "host")
 OPEN = []  # the script's communicators, open when it ends
+
+
+def make_comm():
+    if BACKEND == "cuda":
+        from cupy_symbuf.utils import select_device
+        select_device(WORLD)
+    c = cs.Communicator(WORLD, backend=BACKEND)
+    OPEN.append(c)
+    return c
+
+
+def dev(a: np.ndarray):
+    if BACKEND == "cuda":
+        import cupy
+        return cupy.asarray(a)
+    return a
+
+
+def host(a) -> np.ndarray:
+    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def say(line: str) -> None:
@@ -31,7 +57,7 @@ def say(line: str) -> None:
 
 def right_alltoall(c, seed: int) -> None:
     x = np.random.default_rng(seed * 100 + R).standard_normal((W, 4)).astype(np.float32)
-    y = c.alltoall(x)
+    y = host(c.alltoall(dev(x)))
     want = np.stack(WORLD.allgather(x))[:, R]
     if not np.array_equal(y, want):
         say(f"WRONG DATA rank={R}")
@@ -40,8 +66,7 @@ def right_alltoall(c, seed: int) -> None:
 
 
 def leaver(case: str) -> None:
-    c = cs.Communicator(WORLD, backend="host")
-    OPEN.append(c)
+    c = make_comm()
     if case == "sys_exit_with":
         with c:
             leaver_body(c, case)
@@ -60,7 +85,9 @@ def leaver_body(c, case: str) -> None:
     time.sleep(0.3)
     t0 = time.time()
     try:
-        c.alltoall(np.zeros((W, 4), np.float32))
+        c.alltoall(dev(np.zeros((W, 4), np.float32)))
+        if BACKEND == "cuda":
+            c.synchronize()  # (a queued GPU call reports its abort here, unless Config.blocking)
     except cs.SymBufferAbortedError as exc:
         say(f"RAISED rank={R} after={time.time() - t0:.3f} aborting={exc.aborting_rank} "
             f"cls={type(exc).__name__} msg={exc}")
@@ -74,8 +101,7 @@ def leaver_body(c, case: str) -> None:
 
 
 def late() -> None:
-    c = cs.Communicator(WORLD, backend="host")
-    OPEN.append(c)
+    c = make_comm()
     right_alltoall(c, 2)
     if R == 1:
         time.sleep(2.5)

@@ -1,7 +1,8 @@
 """A rank that leaves a communicator (an exception out of its ``with`` block, ``abort()``, ``close()``, the end of
 its program) while its peers wait for it in a step of the communicator: the peers learn it at once, naming that
 rank, every rank's close() is prompt and the next communicator works. Runs on 1 rank and under mpiexec (the
-multi-rank cases skip on 1); the program-end cases start their own jobs (``tests/leaving_cases.py``) and skip
+multi-rank cases skip on 1), over every backend of the machine; the program-end cases start their own jobs
+(``tests/leaving_cases.py``; ``CUPY_SYMBUF_FAULT_BACKEND=cuda`` and ``MPIEXEC`` as for the fault tests) and skip
 under mpiexec."""
 import os
 import re
@@ -13,6 +14,7 @@ import pytest
 
 import cupy_symbuf as cs
 from _jobs import KIND, UNDER_MPIEXEC, clean_env, mpi_command, run_job
+from _util import to_backend, to_numpy
 
 TIMEOUT_S = 20.0
 BOUND_S = TIMEOUT_S / 4
@@ -22,14 +24,14 @@ def _alltoall_matches_numpy(c, comm, seed):
     """One alltoall of fresh random rows, checked against NumPy (every rank's input gathered by MPI)."""
     W, R = c.world_size, c.rank
     x = np.random.default_rng(seed * 1000 + R).standard_normal((W, 5)).astype(np.float32)
-    y = c.alltoall(x)
+    y = to_numpy(c.alltoall(to_backend(x, c.backend)))
     everyone = np.stack(comm.allgather(x))  # [source, destination, 5]
     np.testing.assert_array_equal(y, everyone[:, R])
 
 
 @pytest.mark.parametrize("step", ["empty", "zeros", "free"])
 @pytest.mark.parametrize("how", ["raise", "abort", "close"])
-def test_a_rank_leaving_during_its_peers_allocation_step(comm, step, how):
+def test_a_rank_leaving_during_its_peers_allocation_step(backend, comm, step, how):
     """Rank 1 leaves (``raise``: an exception out of its ``with`` block; ``abort``: ``abort()`` then that
     exception; ``close``: ``close()`` then that exception) while every other rank is in a symmetric allocation
     step (``empty`` / ``zeros`` / ``free``). The others' step raises at once naming rank 1
@@ -43,7 +45,7 @@ def test_a_rank_leaving_during_its_peers_allocation_step(comm, step, how):
     took_step = took_close = None
     err = None
     try:
-        with cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend="host") as c:
+        with cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend=backend) as c:
             _alltoall_matches_numpy(c, comm, 1)
             a = c.zeros((16,), np.int32)
             comm.Barrier()
@@ -88,7 +90,7 @@ def test_a_rank_leaving_during_its_peers_allocation_step(comm, step, how):
     assert c.closed
     assert took_close < BOUND_S, f"rank {comm.rank}: close() took {took_close:.1f} s (timeout_s {TIMEOUT_S:g})"
     t1 = time.monotonic()
-    with cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend="host") as c2:
+    with cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend=backend) as c2:
         took_construct = time.monotonic() - t1
         _alltoall_matches_numpy(c2, comm, 2)
         b = c2.zeros((8,), np.float32)  # the next communicator's own allocation steps are in step too
@@ -97,14 +99,14 @@ def test_a_rank_leaving_during_its_peers_allocation_step(comm, step, how):
     comm.Barrier()
 
 
-def test_a_step_abandoned_by_an_abort_leaves_nothing_for_the_next_one(comm):
+def test_a_step_abandoned_by_an_abort_leaves_nothing_for_the_next_one(backend, comm):
     """Rank 1 aborts while the others are in an allocation step, and only later (after the others have closed
     their side: they wait in close()) closes: the abandoned step's messages never meet a later step, and the
     next communicator's allocation and alltoall are right."""
     if comm.size < 2:
         pytest.skip("needs two ranks")
     comm.Barrier()
-    c = cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend="host")
+    c = cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend=backend)
     _alltoall_matches_numpy(c, comm, 3)
     comm.Barrier()
     if comm.rank == 1:
@@ -119,7 +121,7 @@ def test_a_step_abandoned_by_an_abort_leaves_nothing_for_the_next_one(comm):
     t1 = time.monotonic()
     c.close()
     assert time.monotonic() - t1 < BOUND_S
-    with cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend="host") as c2:
+    with cs.Communicator(comm, cs.Config(timeout_s=TIMEOUT_S), backend=backend) as c2:
         a = c2.empty((3,), np.float64)
         a[:] = c2.rank
         _alltoall_matches_numpy(c2, comm, 4)
