@@ -279,7 +279,8 @@ class Communicator:
                 from .transport.host import HostTransport
                 self._transport = HostTransport(self.buffer, self.layout, self.config.timeout_s)
             from .transport.symmetric import SymmetricHeap
-            self._heap = SymmetricHeap(self.buffer, self._transport, self.config.timeout_s, self._check_open)
+            self._heap = SymmetricHeap(self.buffer, self._transport, self.config.timeout_s, self._check_open,
+                                       on_broken=self._mark_broken)
             self._transport.heap = self._heap
             if self.config.adaptive and self.backend == "cuda" and self.world_size > 1:
                 self._transport.enable_adaptive()  # the work-sharing build of the ring kernel, its load counters
@@ -299,7 +300,8 @@ class Communicator:
         self._pid = os.getpid()
         self._closed = False
         self._token = _lifecycle.register(self, state=self._lifecycle_state, abort=self._abort_uncaught,
-                                          depart=self._depart)
+                                          depart=self._depart, leave=self._left_at_exit,
+                                          exit_close=self._close_at_exit)
         if self.backend == "cuda":
             _logger.info("Communicator: %s transport (%s)", self.transport, self.transport_reason)
             if self.tuning_source and self.transport != self.planned_transport and self.rank == 0:
@@ -395,9 +397,10 @@ class Communicator:
             if err is None and not self._broken and not leaving:
                 seen.append(self._peer_abort())
 
+        slow = getattr(self, "_exit_slow", None)  # at interpreter exit (see _close_at_exit)
         try:
-            self._heap.close()   # the symmetric arrays, then the buffer: collective and bounded, in the same order
-            self.buffer.close(on_arrival=on_arrival)  # on every rank; peers wait for it, whatever happened above
+            self._heap.close(on_slow=slow)  # the symmetric arrays, then the buffer: collective, bounded, in the same
+            self.buffer.close(on_arrival=on_arrival, on_slow=slow)  # order on every rank; peers wait for it
         except SymBufferError as exc:
             if not self._broken:
                 self._broken = str(exc)
@@ -422,6 +425,32 @@ class Communicator:
         rejected = getattr(self._transport, "pending_rejection", None)
         if rejected is not None and not was_broken:  # a peer rejected a queued call; no synchronize() said so
             raise rejected
+
+    def _close_at_exit(self, on_slow) -> None:
+        """:meth:`close` at interpreter exit (``lifecycle``): ``on_slow`` (``(seconds, fn)``) is handed to its first
+        bounded waits, so that when the peers are not in close() within ``seconds`` (capped at a quarter of
+        ``timeout_s``) ``fn`` tells them this rank has left (:meth:`_left_at_exit`)."""
+        seconds, fn = on_slow
+        self._exit_slow = (min(float(seconds), self.config.timeout_s / 4), fn)
+        try:
+            self.close()
+        finally:
+            self._exit_slow = None
+
+    def _left_at_exit(self) -> None:
+        """This rank's program ended with this communicator open (``sys.exit`` or the end of its script, which
+        ``sys.excepthook`` never sees) and its peers are not in close() yet: they may wait for it in a collective,
+        so set the abort word (``ERR_EXITED``): a peer's collective leaves at once naming this rank. A peer that
+        only reaches close() later closes cleanly (close() takes this reason for no failure). Never raises."""
+        from .wire import protocol as _protocol
+        if getattr(self, "_closed", True) and getattr(self, "_exit_slow", None) is None:
+            return
+        if self._broken or getattr(self, "_pid", None) != _getpid():
+            return
+        try:
+            self._transport.set_abort(_protocol.ERR_EXITED)
+        except Exception:  # noqa: BLE001 - the process is ending; the peers' waits stay bounded by timeout_s
+            pass
 
     def _end_job(self, message: str, cause) -> None:
         """``abort_on_failure`` in :meth:`close`: depart from the bootstrap (peers waiting for this rank in their
@@ -502,7 +531,8 @@ class Communicator:
             from .transport import lifecycle as _lifecycle
             self._dropped = True
             _lifecycle.keep_dropped(self._token, self, state=self._lifecycle_state, abort=self._abort_uncaught,
-                                    depart=self._depart)
+                                    depart=self._depart, leave=self._left_at_exit,
+                                    exit_close=self._close_at_exit)
             if not _LEAK_WARNED:
                 _LEAK_WARNED.append(True)
                 _warnings.warn(
@@ -557,9 +587,17 @@ class Communicator:
         """Close on every way out. An exception leaving the block first sets the abort word
         (``ERR_LEFT_WITH``): peers in a collective leave at once with
         :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank, and peers in :meth:`close` raise it (with
-        ``abort_on_failure``: end the job with it); then this rank closes (bounded) and its exception propagates."""
+        ``abort_on_failure``: end the job with it); then this rank closes (bounded) and its exception propagates.
+        ``sys.exit(0)`` closes as at interpreter exit (``lifecycle.EXIT_GRACE_S``): peers not in close() by then
+        are told this rank left (``ERR_EXITED``)."""
         if exc is None or exc_type is GeneratorExit or (exc_type is SystemExit and exc.code in (None, 0)):
-            self.close()  # a normal way out (sys.exit(0), a generator closed): the peers are not aborted
+            # a normal way out (sys.exit(0), a generator closed): the peers are not aborted; but sys.exit ends the
+            # program: peers not in close() within the exit grace may wait in a collective, so they are told then
+            if exc_type is SystemExit and not getattr(self, "_closed", True):
+                from .transport import lifecycle as _lifecycle
+                self._close_at_exit((_lifecycle.EXIT_GRACE_S, lambda missing: self._left_at_exit()))
+            else:
+                self.close()
             return
         if not getattr(self, "_closed", True) and getattr(self, "_pid", None) == _getpid():
             self._leaving_by = f"{exc_type.__name__}: {exc}"
@@ -711,8 +749,12 @@ class Communicator:
         TypeError, ValueError
             A bad ``shape`` / ``dtype`` on any rank, or ranks asking for different shapes or dtypes: raised on
             every rank, nothing allocated, the communicator usable.
+        SymBufferAbortedError
+            A peer aborted the communicator (an exception left its ``with`` block, :meth:`abort`, its program
+            ended) before or while this rank waited: raised at once, naming it; the communicator is unusable.
         SymBufferTimeoutError
-            A peer did not take part within ``config.timeout_s``.
+            A peer did not take part within ``config.timeout_s``, or closed the communicator meanwhile
+            (``CollectiveTimeoutError`` with ``closing``, at once, naming it); the communicator is unusable.
         """
         return self._heap.empty(shape, dtype)
 
@@ -802,6 +844,11 @@ class Communicator:
 
     def _set_broken(self, msg: str) -> None:
         self._broken = msg
+
+    def _mark_broken(self, msg: str) -> None:
+        """Unusable from now on, after ``msg`` (kept: an earlier failure stays the one named)."""
+        if not self._broken:
+            self._broken = msg
 
     def _lifecycle_state(self) -> tuple:
         """For :mod:`~cupy_symbuf.transport.lifecycle`: ``(pid that made it, open, why it failed or None, abort on

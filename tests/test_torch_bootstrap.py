@@ -140,6 +140,20 @@ print("IMPORTED", len(faces))
 """
 
 
+@jobs
+def test_torchrun_a_rank_leaving_during_an_allocation_step(no_shm_left):
+    """tests/test_leaving.py's allocation-step case over the torch bootstrap (close steps numbered apart, the
+    closing key read by the other steps' waits)."""
+    _passes("alloc_leave")
+
+
+@jobs
+def test_torchrun_a_program_ending_with_the_communicator_open(no_shm_left):
+    """tests/test_leaving.py's program-end case under torchrun: rank 0 is released in seconds, not timeout_s."""
+    r = _passes("exit_leave", ranks=(0,))
+    assert "LEAVING rank 1" in r.stdout, r.stdout + r.stderr
+
+
 def test_import_without_mpi4py():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDI_"))}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")

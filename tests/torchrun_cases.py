@@ -146,6 +146,70 @@ def raise_nowith() -> None:
     record(_raise_in_rank_1)(False)
 
 
+def _right_alltoall(c, seed: int) -> None:
+    me, W = dist.get_rank(), dist.get_world_size()
+    everyone = [np.random.default_rng([seed, s]).standard_normal((W, 5)).astype(np.float32) for s in range(W)]
+    np.testing.assert_array_equal(np.asarray(c.alltoall(everyone[me])), np.stack([everyone[s][me] for s in range(W)]))
+
+
+def alloc_leave() -> None:
+    """Rank 1 raises inside ``with`` while rank 0 is in ``Communicator.empty``: rank 0's step raises the abort
+    naming rank 1 at once, both closes are prompt, and a new communicator's alltoall matches NumPy (every wait
+    well under ``timeout_s`` 30)."""
+    me = dist.get_rank()
+    config = cs.Config(timeout_s=30.0, abort_on_failure=False)
+    t0 = None
+    try:
+        with cs.Communicator(None, config, backend="host") as c:
+            _right_alltoall(c, 21)
+            dist.barrier()
+            if me == 1:
+                time.sleep(0.3)
+                t0 = time.monotonic()
+                raise KeyError("left on purpose")
+            t0 = time.monotonic()
+            c.empty((4, 4), np.float32)
+            raise AssertionError("Communicator.empty returned although rank 1 left")
+    except KeyError:
+        assert me == 1
+    except cs.SymBufferAbortedError as exc:
+        assert me != 1 and exc.aborting_rank == 1, repr(exc)
+        assert not getattr(exc, "__notes__", None), exc.__notes__  # close() did not fail
+    took = time.monotonic() - t0
+    assert took < 7.5, f"rank {me}: the step and close() took {took:.1f} s"
+    t1 = time.monotonic()
+    with cs.Communicator(None, config, backend="host") as c2:
+        _right_alltoall(c2, 22)
+    assert time.monotonic() - t1 < 7.5
+
+
+def exit_leave() -> None:
+    """Rank 1's program ends (``sys.exit(0)``) with a communicator open outside ``with`` while rank 0 enters an
+    alltoall: rank 0 raises the abort naming rank 1 within a few seconds, then closes at once."""
+    me = dist.get_rank()
+    c = cs.Communicator(None, cs.Config(timeout_s=30.0, abort_on_failure=False), backend="host")
+    _right_alltoall(c, 23)
+    dist.barrier()
+    if me == 1:
+        print("LEAVING rank 1", flush=True)
+        _KEEP.append(c)
+        sys.exit(0)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    try:
+        c.alltoall(np.zeros((dist.get_world_size(), 2), np.float32))
+        raise AssertionError("alltoall returned although rank 1 left")
+    except cs.SymBufferAbortedError as exc:
+        assert exc.aborting_rank == 1 and "its program ended" in str(exc), repr(exc)
+    assert time.monotonic() - t0 < 7.5, f"rank {me}: the alltoall took {time.monotonic() - t0:.1f} s"
+    t1 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t1 < 7.5
+
+
+_KEEP = []
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     dist.init_process_group("gloo")

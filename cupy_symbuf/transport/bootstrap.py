@@ -21,7 +21,9 @@ Messages of an exchange that timed out may stay queued (their peer arrives later
 leftover "confirm" / "withdrawn" messages and raises on a leftover of another step, but a leftover "here" of the
 same step can still be taken for a fresh one (then that exchange fails with "withdrawn"): after a construction or
 close timeout, build no further communicator on that bootstrap; the job is meant to end
-(``Config.abort_on_failure``).
+(``Config.abort_on_failure``). Closing is the exception to "same step or error": a rank that closes (role
+:data:`CLOSE`) while its peers wait in another step releases them at once, and its close meets theirs (see
+:class:`Bootstrap`), leaving no message of the abandoned step behind.
 """
 from __future__ import annotations
 
@@ -92,11 +94,12 @@ _ORPHANS: list = []
 class CollectiveTimeoutError(SymBufferTimeoutError):
     """A bounded construction or close step (``role`` "construction" or "close") waited ``timeout_s`` for ranks that
     never arrived (or that gave up waiting themselves: ``withdrawn``; or that left, ending the job: ``departed``,
-    their reason, see :meth:`Bootstrap.depart`); ``missing`` lists them (``peer`` is the first), ``what`` names
-    the step."""
+    their reason, see :meth:`Bootstrap.depart`; or that are closing the communicator this step belongs to:
+    ``closing``, see :data:`CLOSE`); ``missing`` lists them (``peer`` is the first), ``what`` names the step."""
 
     def __init__(self, *, rank: int, missing: List[int], what: str, role: str, timeout_s: float,
-                 withdrawn: bool = False, late: bool = False, departed: Optional[str] = None):
+                 withdrawn: bool = False, late: bool = False, departed: Optional[str] = None,
+                 closing: bool = False):
         # SymBufferTimeoutError's attributes, without its ring-specific message
         self.rank, self.peer, self.channel, self.role = rank, (missing[0] if missing else -1), -1, role
         self.head, self.tail, self.timeout_s, self.op = -1, -1, timeout_s, what
@@ -104,11 +107,16 @@ class CollectiveTimeoutError(SymBufferTimeoutError):
         self.what = what
         self.withdrawn = withdrawn
         self.departed = departed
+        self.closing = closing
         names = ", ".join(str(r) for r in missing)
         ranks = f"rank{'s' if len(missing) > 1 else ''} {names}"
         if departed is not None:
             text = (f"{what}: on rank {rank}: {ranks} left without taking part (ending the job: {departed}); this "
                     f"rank did not wait for {'them' if len(missing) > 1 else 'it'}")
+        elif closing:
+            text = (f"{what}: on rank {rank}: {ranks} left this communicator (closing it: an exception, abort(), "
+                    f"the end of its program or close() there) and will not take part; this rank did not wait for "
+                    f"{'them' if len(missing) > 1 else 'it'}")
         elif withdrawn:
             text = (f"{what}: on rank {rank}: {ranks} gave up waiting (timeout_s expired there) before every rank "
                     f"arrived; this rank must not go on alone")
@@ -130,14 +138,25 @@ class Bootstrap(Protocol):
     (seconds): a peer that never arrives gives :class:`CollectiveTimeoutError` (``role`` "construction" or
     "close") naming the missing ranks; ``what`` names the step in errors (ranks calling different steps raise
     :class:`~cupy_symbuf.SymBufferError`). ``on_slow``: ``(seconds, fn)``, ``fn(missing_ranks)`` called once when
-    a wait takes longer than that.
+    a wait takes longer than that. ``interrupt``: a callable (no arguments) called when a wait starts and every
+    :data:`DEPARTED_POLL_S` while it waits; an exception it raises leaves the exchange as any failure does (the
+    peers are told: ``withdrawn``) and propagates (a symmetric allocation step reads the communicator's abort word
+    there).
+
+    Steps of ``role`` :data:`CLOSE` are the closing of what this bootstrap serves (its last steps). A rank that
+    waits in a step of another role and finds a peer closing raises :class:`CollectiveTimeoutError`
+    (``closing``) naming it at once, instead of a step mismatch or waiting ``timeout_s``; the peer's close
+    messages are kept for this rank's own close. A close step passes over the peers' messages of other steps
+    (steps this rank leaves by closing: their senders leave them when they find it closing). So a rank that fails
+    (or just closes) while its peers are in a step of the object releases them at once, and every rank's close
+    then meets the others'.
     """
 
     rank: int
     size: int
 
     def allgather(self, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
-                  on_slow=None) -> list:
+                  on_slow=None, interrupt=None) -> list:
         """Every rank's ``obj`` (picklable), as a list indexed by rank."""
         ...
 
@@ -184,6 +203,8 @@ def _sleep(spins: int) -> None:
 
 
 _HERE, _CONFIRM, _WITHDRAWN = "here", "confirm", "withdrawn"
+#: The role of a bootstrap's closing steps (see :class:`Bootstrap`).
+CLOSE = "close"
 #: Seconds added to a peer's ``timeout_s`` for its "confirm" or "withdrawn" to reach this rank (second round).
 DELIVERY_GRACE_S = 1.0
 #: Seconds between two looks of a TorchBootstrap wait at its peers' departures (:meth:`Bootstrap.depart`).
@@ -201,13 +222,14 @@ class MpiBootstrap:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self._held: "dict[int, list]" = {}  # rank -> its close messages met in a wait of another step
 
     def __repr__(self) -> str:
         return f"MpiBootstrap(rank={self.rank}, size={self.size})"
 
     # ---- bounded exchanges ------------------------------------------------------------------------------------
     def allgather(self, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
-                  on_slow=None) -> list:
+                  on_slow=None, interrupt=None) -> list:
         """Every rank's ``obj``, like ``comm.allgather(obj)`` but bounded by ``timeout_s``.
 
         Two rounds of point-to-point messages: "here" (with ``obj`` and this rank's ``timeout_s``), then "confirm"
@@ -226,6 +248,9 @@ class MpiBootstrap:
 
         The second round takes milliseconds unless a peer stalls between the rounds; only a peer that dies there
         (or stalls past that bound) can still leave the others split.
+        Every message carries whether its step closes (role :data:`CLOSE`); a peer's close message met in a wait
+        of another role is kept back (``_held``) for this rank's own close, and a close step drops the peers'
+        messages of other steps (see :class:`Bootstrap`).
         Raises :class:`~cupy_symbuf.SymBufferError` when a peer's message belongs to another step (``what``
         differs: a stale message of an earlier exchange that timed out, or ranks calling different steps).
         """
@@ -237,10 +262,13 @@ class MpiBootstrap:
         peers = [r for r in range(size) if r != rank]
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow}
+        closing = role == CLOSE
+        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow, "interrupt": interrupt, "closing": closing}
+        if interrupt is not None:
+            interrupt()  # before anything is sent: nothing of this exchange reaches the peers
         sends: list = []
         try:
-            sends += [comm.isend((_HERE, what, (timeout_s, obj)), dest=r, tag=TAG) for r in peers]
+            sends += [comm.isend((_HERE, what, (timeout_s, obj), closing), dest=r, tag=TAG) for r in peers]
             got = self._gather(_HERE, what, peers, state, role, timeout_s)
             heard = time.monotonic()
             if heard > deadline:  # heard from everyone, but too late: a peer may have withdrawn already
@@ -248,7 +276,7 @@ class MpiBootstrap:
                                              role=role, timeout_s=timeout_s, late=True)
             for r, (_, v) in got.items():
                 out[r] = v
-            sends += [comm.isend((_CONFIRM, what, None), dest=r, tag=TAG) for r in peers]
+            sends += [comm.isend((_CONFIRM, what, None, closing), dest=r, tag=TAG) for r in peers]
             state["deadline"] = heard + max(t for t, _ in got.values()) + DELIVERY_GRACE_S
             self._gather(_CONFIRM, what, peers, state, role, timeout_s)
             return out
@@ -256,7 +284,7 @@ class MpiBootstrap:
             # any way out but a return (a timeout, a peer's withdrawal, ranks calling different steps, Ctrl-C): the
             # peers, perhaps already in the second round, must not wait for our confirm nor go on without us
             try:
-                sends += [comm.isend((_WITHDRAWN, what, None), dest=r, tag=TAG) for r in peers]
+                sends += [comm.isend((_WITHDRAWN, what, None, closing), dest=r, tag=TAG) for r in peers]
             except Exception:  # pragma: no cover - the original error matters more
                 pass
             raise
@@ -264,19 +292,37 @@ class MpiBootstrap:
             pending = [req for req in sends if not req.test()[0]]
             _ORPHANS.extend(pending)  # small messages complete eagerly; these keep their buffers alive if not
 
+    def _next(self, r: int):
+        """Rank ``r``'s next message to this bootstrap (one kept back first, see :meth:`_gather`), or None."""
+        held = self._held.get(r)
+        if held:
+            return held.pop(0)
+        msg = self.comm.improbe(source=r, tag=TAG)
+        return None if msg is None else msg.recv()
+
     def _gather(self, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> dict:
         """One message of ``kind`` from every rank of ``peers``, by the deadline in ``state``."""
-        comm, rank = self.comm, self.rank
+        rank = self.rank
         waiting = list(peers)
         got: dict = {}
         spins = 0
+        interrupt, next_look = state.get("interrupt"), 0.0
         while waiting:
             progressed = False
             for r in list(waiting):
-                msg = comm.improbe(source=r, tag=TAG)
-                if msg is None:
+                m = self._next(r)
+                if m is None:
                     continue
-                their_kind, their_what, their_obj = msg.recv()
+                their_kind, their_what, their_obj = m[:3]
+                their_closing = len(m) > 3 and bool(m[3])
+                if their_closing and not state["closing"]:
+                    # rank r is closing: it left this step (or never came) and takes part in no other; its message
+                    # waits for this rank's own close
+                    self._held.setdefault(r, []).insert(0, m)
+                    raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
+                                                 closing=True)
+                if state["closing"] and not their_closing:
+                    continue  # a step this rank leaves by closing: rank r leaves it too once it finds this close
                 if their_what != what:
                     raise SymBufferError(f"{what}: rank {rank} received rank {r}'s message for {their_what!r}: the "
                                          f"ranks are not calling the same step (or a message of an earlier step "
@@ -297,6 +343,9 @@ class MpiBootstrap:
             if not waiting:
                 break
             now = time.monotonic()
+            if interrupt is not None and now >= next_look:
+                next_look = now + DEPARTED_POLL_S
+                interrupt()
             if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
                 state["on_slow"][1](sorted(waiting))
                 state["on_slow"] = None
@@ -307,9 +356,9 @@ class MpiBootstrap:
             _sleep(spins)
         return got
 
-    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
+    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None, interrupt=None) -> None:
         """``comm.Barrier()`` bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
-        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow)
+        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow, interrupt=interrupt)
 
     def bcast(self, obj: Any, timeout_s: float, what: str, *, root: int = 0, role: str = "construction") -> Any:
         """``root``'s ``obj`` on every rank, bounded by ``timeout_s`` (an allgather in which only ``root`` sends
@@ -337,7 +386,8 @@ class MpiBootstrap:
 
     def discard_leftovers(self) -> int:
         MPI = _mpi()
-        n = 0
+        n = sum(len(v) for v in self._held.values())
+        self._held.clear()
         while True:
             msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG)
             if msg is None:
@@ -372,7 +422,10 @@ class TorchBootstrap:
     timed out is never taken for a later one (:meth:`discard_leftovers` has nothing to drop). A rank deletes its
     keys of exchange ``n - 1`` once exchange ``n`` completed (every peer has left ``n - 1`` by then).
     :meth:`depart` sets ``<prefix>/departed/<rank>`` (its reason) and the counter ``<prefix>/n_departed``, which
-    every wait reads when it starts and every :data:`DEPARTED_POLL_S` after.
+    every wait reads when it starts and every :data:`DEPARTED_POLL_S` after. Close steps (role :data:`CLOSE`) are
+    numbered apart (``<prefix>/c<n>/...``), so they meet whatever other steps each rank left unfinished; a rank's
+    first close step sets ``<prefix>/closing/<rank>`` and counts ``<prefix>/n_closing``, which the waits of the
+    other steps read with the departures (the closing peer named: :class:`CollectiveTimeoutError` ``closing``).
 
     The key prefix of a bootstrap made by :func:`as_bootstrap` names the group (its c10d name and its members) and
     counts the bootstraps made over that group in this process; :meth:`dup` and :meth:`split` derive their
@@ -421,6 +474,8 @@ class TorchBootstrap:
         self.rank = self.members.index(me)
         self.size = len(self.members)
         self._seq = 0
+        self._close_seq = 0  # close steps (role CLOSE) are numbered apart, "c<n>"
+        self._closing = False  # this rank has entered a close step (its "closing" key is set)
         self._children = 0
 
     def __repr__(self) -> str:
@@ -431,21 +486,37 @@ class TorchBootstrap:
 
     # ---- bounded exchanges ------------------------------------------------------------------------------------
     def allgather(self, obj: Any, timeout_s: float, what: str, *, role: str = "construction",
-                  on_slow=None) -> list:
+                  on_slow=None, interrupt=None) -> list:
         """Every rank's ``obj`` bounded by ``timeout_s``: :meth:`MpiBootstrap.allgather`'s two rounds and errors,
         over the store (see the class docstring)."""
         rank, size = self.rank, self.size
         out: list = [None] * size
         out[rank] = obj
-        seq = self._seq
-        self._seq += 1
+        closing = role == CLOSE
+        if closing:  # close steps are numbered apart: they meet whatever other steps each rank left unfinished
+            n = self._close_seq
+            self._close_seq += 1
+            seq, prev = f"c{n}", (f"c{n - 1}" if n > 0 else None)
+        else:
+            seq = self._seq
+            self._seq += 1
+            prev = seq - 1 if seq > 0 else None
         if size == 1:
             return out
         store, key = self._store, self._key
         peers = [r for r in range(size) if r != rank]
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow}
+        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow, "interrupt": interrupt, "closing": closing}
+        if interrupt is not None:
+            interrupt()  # before anything is written: nothing of this exchange reaches the peers
+        if closing and not self._closing:
+            self._closing = True
+            try:  # the peers' waits in other steps read it (_check_departed)
+                store.set(f"{self._prefix}/closing/{rank}", b"1")
+                store.add(f"{self._prefix}/n_closing", 1)
+            except Exception:  # noqa: BLE001 - the close's own exchange reports a broken store
+                pass
         try:
             store.set(key(seq, "here", rank), pickle.dumps((what, timeout_s, obj)))
             store.add(key(seq, "n_here"), 1)
@@ -475,18 +546,18 @@ class TorchBootstrap:
             except Exception:  # pragma: no cover - the original error matters more
                 pass
             raise
-        if seq > 0:  # every peer has left exchange seq - 1 (it confirmed seq's "here" after): drop ours of it
+        if prev is not None:  # every peer has left exchange prev (it confirmed seq's "here" after): drop ours of it
             try:
                 for part in ("here", "confirm"):
-                    store.delete_key(key(seq - 1, part, rank))
+                    store.delete_key(key(prev, part, rank))
                 if rank == 0:
                     for part in ("n_here", "n_confirm"):
-                        store.delete_key(key(seq - 1, part))
+                        store.delete_key(key(prev, part))
             except Exception:  # noqa: BLE001 - a key left in the store is harmless
                 pass
         return out
 
-    def _wait(self, seq: int, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> None:
+    def _wait(self, seq, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> None:
         """Until every rank's ``kind`` ("here" / "confirm") key is set, by the deadline in ``state``; a peer's
         ``withdrawn`` key raises :class:`CollectiveTimeoutError` (``withdrawn``) naming it."""
         store, key, rank = self._store, self._key, self.rank
@@ -509,7 +580,9 @@ class TorchBootstrap:
             now = time.monotonic()
             if now >= state.get("departed_poll", 0.0):
                 state["departed_poll"] = now + DEPARTED_POLL_S
-                self._check_departed(seq, kind, what, peers, role, timeout_s)
+                self._check_departed(seq, kind, what, peers, role, timeout_s, state["closing"])
+                if state["interrupt"] is not None:
+                    state["interrupt"]()
             if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
                 state["on_slow"][1](self._missing(seq, kind, peers))
                 state["on_slow"] = None
@@ -523,10 +596,18 @@ class TorchBootstrap:
     def _missing(self, seq: int, kind: str, peers: list) -> list:
         return [r for r in peers if not self._store.check([self._key(seq, kind, r)])]
 
-    def _check_departed(self, seq: int, kind: str, what: str, peers: list, role: str, timeout_s: float) -> None:
+    def _check_departed(self, seq, kind: str, what: str, peers: list, role: str, timeout_s: float,
+                        closing: bool = False) -> None:
         """Raise :class:`CollectiveTimeoutError` (``departed``) naming the peers that departed (:meth:`depart`)
-        without their ``kind`` key of exchange ``seq``."""
+        without their ``kind`` key of exchange ``seq``; in a step that does not close (``closing`` false), the
+        same (``closing``) for the peers that are closing (see :class:`Bootstrap`)."""
         store = self._store
+        if not closing and store.add(f"{self._prefix}/n_closing", 0) > 0:
+            gone = [r for r in peers if store.check([f"{self._prefix}/closing/{r}"])
+                    and not store.check([self._key(seq, kind, r)])]
+            if gone:
+                raise CollectiveTimeoutError(rank=self.rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
+                                             closing=True)
         if store.add(f"{self._prefix}/n_departed", 0) <= 0:
             return
         gone = [r for r in peers if store.check([f"{self._prefix}/departed/{r}"])
@@ -539,9 +620,9 @@ class TorchBootstrap:
             raise CollectiveTimeoutError(rank=self.rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
                                          departed=str(reason))
 
-    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None) -> None:
+    def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None, interrupt=None) -> None:
         """A barrier bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
-        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow)
+        self.allgather(None, timeout_s, what, role=role, on_slow=on_slow, interrupt=interrupt)
 
     def bcast(self, obj: Any, timeout_s: float, what: str, *, root: int = 0, role: str = "construction") -> Any:
         """``root``'s ``obj`` on every rank, bounded by ``timeout_s``."""

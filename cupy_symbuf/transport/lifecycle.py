@@ -20,6 +20,12 @@
 * An exception leaving a ``with Communicator`` block does the same for that communicator
   (``Communicator.__exit__``, ``ERR_LEFT_WITH``) before closing it; peers already in ``close()`` then raise
   ``SymBufferAbortedError`` naming the rank (with ``abort_on_failure``: the job ends with it).
+* A program that ends without an exception (``sys.exit``, the end of its script: ``SystemExit`` never reaches
+  ``sys.excepthook``) with communicators open closes them at exit, as above; when the peers are not in ``close()``
+  within :data:`EXIT_GRACE_S` (at most a quarter of ``timeout_s``), they may be waiting for this rank in a
+  collective: the abort word of every open communicator of this rank is set (``ERR_EXITED``), so such a peer leaves
+  at once naming this rank, while a peer that only reaches ``close()`` later (it had more to do, and no collective
+  with this rank) closes cleanly. Ranks that all leave together close as before, the abort word untouched.
 * :func:`live_mpi_objects` counts the MPI communicators and windows this package holds (tests check it for leaks).
 """
 from __future__ import annotations
@@ -50,6 +56,9 @@ GRACE_S = 1.0
 #: ends first (its own failure: :data:`GRACE_S`), and the launcher (torchrun) ends this one, naming that rank as the
 #: first failure. Bounds the wait when that rank goes on (it caught its exception).
 CAUSE_FIRST_S = 5.0
+#: Seconds an exit-time close waits for the peers to reach ``close()`` before it tells them this rank has left
+#: (see the module docstring); capped at a quarter of the communicator's ``timeout_s``.
+EXIT_GRACE_S = 1.0
 
 
 def live_mpi_objects() -> dict:
@@ -62,7 +71,7 @@ def count(kind: str, delta: int) -> None:
         _live[kind] += delta
 
 
-def register(obj, *, state, abort=None, depart=None) -> int:
+def register(obj, *, state, abort=None, depart=None, leave=None, exit_close=None) -> int:
     """Remember ``obj`` (closed at exit if still open, by ``obj.close()``); returns its token for :func:`unregister`.
 
     The registry reads ``obj`` only through the bound methods it hands over (held weakly, like ``obj``):
@@ -70,7 +79,11 @@ def register(obj, *, state, abort=None, depart=None) -> int:
     environment's default)``; ``abort(exc_type)`` (optional) is called when this rank's program ends with an
     uncaught exception: it sets the object's abort word so that its peers stop waiting for this rank;
     ``depart(reason)`` (optional) is called by :func:`abort_job` before the job ends: this rank takes part in no
-    further exchange of the object (``Bootstrap.depart``)."""
+    further exchange of the object (``Bootstrap.depart``); ``leave()`` (optional) is called at exit when a close
+    there waits for the peers longer than :data:`EXIT_GRACE_S`: this rank's program has ended, it takes part in
+    no further collective of the object (the communicator sets its abort word); ``exit_close(on_slow)``
+    (optional) closes the object at exit instead of ``obj.close()``, ``on_slow`` (``(seconds, fn)``) for its
+    bounded waits."""
     global _installed
     with _lock:
         if not _installed:
@@ -80,7 +93,9 @@ def register(obj, *, state, abort=None, depart=None) -> int:
         token = next(_counter)
         _registry[token] = (weakref.ref(obj), weakref.WeakMethod(state),
                             None if abort is None else weakref.WeakMethod(abort),
-                            None if depart is None else weakref.WeakMethod(depart))
+                            None if depart is None else weakref.WeakMethod(depart),
+                            None if leave is None else weakref.WeakMethod(leave),
+                            None if exit_close is None else weakref.WeakMethod(exit_close))
         return token
 
 
@@ -89,14 +104,15 @@ def unregister(token) -> None:
         _registry.pop(token, None)
 
 
-def keep_dropped(token, obj, *, state, abort=None, depart=None) -> None:
+def keep_dropped(token, obj, *, state, abort=None, depart=None, leave=None, exit_close=None) -> None:
     """Hold the registered ``obj`` strongly from now on (its finalizer found it dropped while open): it stays in
     its place in the registry, so exit closes it collectively with the others, newest first, in the same order
     on every rank. Called from a finalizer: takes no lock (replacing a present key's value is atomic and never
     changes the dict's size under an iteration)."""
     if token in _registry:
         _registry[token] = ((lambda: obj), (lambda: state), None if abort is None else (lambda: abort),
-                            None if depart is None else (lambda: depart))
+                            None if depart is None else (lambda: depart), None if leave is None else (lambda: leave),
+                            None if exit_close is None else (lambda: exit_close))
 
 
 def open_objects() -> list:
@@ -160,21 +176,22 @@ def abort_job(message: str, rank: int = None, *, cause: int = None) -> None:
 
 
 def _open_entries() -> list:
-    """``(object, failure, policy, abort callback, depart callback)`` of the registered objects still alive, open
-    and made by this process, newest first (``failure``: why it failed, or None; ``policy``: its
+    """``(object, failure, policy, abort, depart, leave and exit_close callbacks)`` of the registered objects
+    still alive, open and made by this process, newest first (``failure``: why it failed, or None; ``policy``: its
     ``abort_on_failure``)."""
     pid = os.getpid()
     with _lock:
         items = sorted(_registry.items(), reverse=True)
     out = []
-    for _, (ref, state_ref, abort_ref, depart_ref) in items:
+    for _, (ref, state_ref, abort_ref, depart_ref, leave_ref, exit_ref) in items:
         obj, state = ref(), state_ref()
         if obj is None or state is None:
             continue
         made_by, is_open, failure, policy = state()
         if made_by == pid and is_open:
             out.append((obj, failure, env_abort_default() if policy is None else policy,
-                        None if abort_ref is None else abort_ref(), None if depart_ref is None else depart_ref()))
+                        None if abort_ref is None else abort_ref(), None if depart_ref is None else depart_ref(),
+                        None if leave_ref is None else leave_ref(), None if exit_ref is None else exit_ref()))
     return out
 
 
@@ -184,12 +201,29 @@ def _open_objects() -> list:
 
 
 def _at_exit() -> None:
-    for obj, broken, policy, _, _ in _open_entries():
+    entries = _open_entries()
+    leaves = [e[5] for e in entries if e[5] is not None]
+    told = []
+
+    def peers_slow(missing) -> None:  # a close below waited EXIT_GRACE_S for them: tell every open object, once
+        if told:
+            return
+        told.append(missing)
+        for leave in leaves:
+            try:
+                leave()
+            except Exception:  # pragma: no cover - the process is ending
+                pass
+
+    for obj, broken, policy, _, _, _, closer in entries:
         if broken and policy:
             abort_job(f"{type(obj).__name__} failed and was never closed: {broken}", getattr(obj, "rank", None))
             return
         try:
-            obj.close()  # bounded; aborts by itself for a failed communicator with the policy on
+            if closer is not None:
+                closer((EXIT_GRACE_S, peers_slow))
+            else:
+                obj.close()  # bounded; aborts by itself for a failed communicator with the policy on
         except Exception as exc:
             if policy:
                 abort_job(f"closing {type(obj).__name__} at exit failed: {exc}", getattr(obj, "rank", None))
@@ -208,7 +242,7 @@ def _abort_open(exc_type) -> None:
     ``timeout_s``, and reaches ``close()`` while this rank's exit-time close still waits for it."""
     if hasattr(sys, "ps1") or sys.flags.interactive:  # an interactive session goes on after the traceback
         return
-    for _, broken, _, abort, _ in _open_entries():
+    for _, broken, _, abort, _, _, _ in _open_entries():
         if abort is None or broken:
             continue
         try:

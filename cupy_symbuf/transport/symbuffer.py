@@ -702,12 +702,14 @@ class SymBuffer:
         """True once :meth:`close` ran (or construction failed)."""
         return self._closed
 
-    def close(self, *, on_arrival=None) -> None:
+    def close(self, *, on_arrival=None, on_slow=None) -> None:
         """Unmap peers and free the buffer; collective over ``comm``, bounded by ``timeout_s``. Idempotent.
 
         ``on_arrival``: called with no arguments on every rank once every rank is in close() (after the bounded
         barrier), while the buffer is still mapped (``Communicator.close`` reads its abort word there); must not
-        raise.
+        raise. ``on_slow``: ``(seconds, fn)``, ``fn(missing_ranks)`` called once (while the buffer is still
+        mapped) when the first barrier waits longer than that (``Communicator.close`` at exit sets the abort word
+        there); by default, while an exception propagates, a note on stderr.
 
         A peer that never closes (failed, exited) gives :class:`~cupy_symbuf.SymBufferTimeoutError` (role "close",
         ``missing`` names the ranks) within ``timeout_s``; this rank's buffer then stays allocated (a peer may still
@@ -721,7 +723,7 @@ class SymBuffer:
         if os.getpid() != self._pid:
             return
         what = "SymBuffer.close"
-        slow = self._slow_note()
+        slow = on_slow if on_slow is not None else self._slow_note()
         if self.backend == "cuda":
             rt = _compat.cupy.cuda.runtime
             try:

@@ -250,11 +250,15 @@ class SymmetricHeap:
         Bound of every agreement step.
     check_open : callable
         Raises unless the communicator may be used (called first by :meth:`empty` and :meth:`free`).
+    on_broken : callable, optional
+        ``on_broken(why)`` marks the communicator unusable: called when an agreement step fails with a
+        :class:`~cupy_symbuf.SymBufferError` (a timeout, a peer that aborted or is closing, ranks out of step).
     """
 
-    def __init__(self, buffer: SymBuffer, transport, timeout_s: float, check_open):
+    def __init__(self, buffer: SymBuffer, transport, timeout_s: float, check_open, on_broken=None):
         self.buffer, self.transport, self.timeout_s = buffer, transport, timeout_s
         self.check_open = check_open
+        self.on_broken = on_broken
         self.backend, self.rank = buffer.backend, buffer.rank
         self._next_id = 0
         self._next_segment = 0
@@ -292,10 +296,9 @@ class SymmetricHeap:
                 err = exc
         span = _round(max(nbytes, 1), ARRAY_ALIGN) if mine is not None else 0
         place = self._place(span) if mine is not None else None  # (segment id, offset): new segment id if none fits
-        boot = self.buffer.bootstrap
         report = list(self._gone_here)
-        everyone = boot.allgather((mine, place, report, None if err is None else f"{type(err).__name__}: {err}"),
-                                  self.timeout_s, _STEP)
+        everyone = self._agree((mine, place, report, None if err is None else f"{type(err).__name__}: {err}"),
+                               _STEP, op)
         self._recycle(report, [g for _, _, g, _ in everyone])  # the same on every rank, whatever is raised below
         if err is not None:
             raise err
@@ -417,7 +420,7 @@ class SymmetricHeap:
         alloc = self._owning(a)
         mine = alloc.id if alloc is not None else None
         report = list(self._gone_here)
-        everyone = self.buffer.bootstrap.allgather((mine, report), self.timeout_s, op)
+        everyone = self._agree((mine, report), op, op)
         self._recycle(report, [g for _, g in everyone])
         ids = [x for x, _ in everyone]
         if mine is None:
@@ -442,6 +445,37 @@ class SymmetricHeap:
         alloc.token_ref = weakref.ref(token, last_array_gone)
         del token
         self._trim()
+
+    def _agree(self, obj, what: str, op: str) -> list:
+        """The agreement step ``what`` of ``op`` (every rank's ``obj``, bounded by ``timeout_s``). While it waits,
+        the communicator's abort word is read: a peer that aborted (an exception left its ``with`` block,
+        ``abort()``, its program ended) releases this rank at once with its
+        :class:`~cupy_symbuf.SymBufferAbortedError`; a peer found closing instead gives that error when the word
+        is set, else the bootstrap's ``closing`` error naming it. Any such failure marks the communicator
+        unusable (``on_broken``)."""
+        from ..common.errors import SymBufferAbortedError, SymBufferError
+        check = getattr(self.transport, "check_abort", None)
+        try:
+            return self.buffer.bootstrap.allgather(obj, self.timeout_s, what,
+                                                   interrupt=None if check is None else (lambda: check(op)))
+        except SymBufferAbortedError as exc:
+            self._broken(exc)
+            raise
+        except SymBufferError as exc:
+            if check is not None:
+                try:
+                    check(op)  # the abort word a failing peer set before it closed names it and its reason
+                except SymBufferAbortedError as aborted:
+                    self._broken(aborted)
+                    raise aborted from exc
+                except Exception:  # noqa: BLE001 - reading our own memory; the step's error stands
+                    pass
+            self._broken(exc)
+            raise
+
+    def _broken(self, exc: BaseException) -> None:
+        if self.on_broken is not None:
+            self.on_broken(f"{type(exc).__name__}: {exc}")
 
     def _recycle(self, mine: list, reports: list) -> None:
         """Count every rank's report of freed allocations whose last array there died (``reports``: one list of
@@ -479,9 +513,10 @@ class SymmetricHeap:
                 return seg
         return None
 
-    def close(self) -> None:
+    def close(self, on_slow=None) -> None:
         """Release every segment (collective; from ``Communicator.close``), newest first; those that some rank
-        still holds arrays over (live or freed) stay mapped until the process exits."""
+        still holds arrays over (live or freed) stay mapped until the process exits. ``on_slow``: the bootstrap's
+        (``(seconds, fn)``) for the agreement step."""
         live, self.allocations = self.allocations, []
         self._live = {}
         for alloc in live:
@@ -493,7 +528,7 @@ class SymmetricHeap:
         if not segments:
             return
         everyone = self.buffer.bootstrap.allgather(mine, self.timeout_s, "Communicator.close (symmetric arrays)",
-                                                   role="close")
+                                                   role="close", on_slow=on_slow)
         held = set()
         for h in everyone:
             held.update(h)

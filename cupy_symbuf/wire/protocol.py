@@ -114,12 +114,14 @@ NOTIFY_HDR_WORDS = 4
 ABORT_FLAG, ABORT_RANK, ABORT_REASON, ABORT_PEER, ABORT_CHANNEL, ABORT_DETAIL = range(6)
 #: Why a rank aborted (ABORT_REASON; also the error kinds of the record).
 ERR_NONE, ERR_TIMEOUT, ERR_MISMATCH, ERR_ABORTED, ERR_INVARIANT, ERR_USER, ERR_LOCAL, ERR_UNCAUGHT, \
-    ERR_LEFT_WITH = range(9)
+    ERR_LEFT_WITH, ERR_EXITED = range(10)
 ERR_NAMES = {ERR_TIMEOUT: "timeout", ERR_MISMATCH: "call header mismatch", ERR_ABORTED: "abort",
              ERR_INVARIANT: "ring invariant violated", ERR_USER: "Communicator.abort()",
              ERR_LOCAL: "an exception on that rank inside a collective",
              ERR_UNCAUGHT: "an uncaught exception on that rank (its program is ending)",
-             ERR_LEFT_WITH: "an exception left its 'with Communicator' block on that rank"}
+             ERR_LEFT_WITH: "an exception left its 'with Communicator' block on that rank",
+             ERR_EXITED: "its program ended (sys.exit or the end of its script) with the communicator open, and "
+                         "this rank had not closed it"}
 
 #: Roles of a wait.
 ROLE_SEND, ROLE_RECV, ROLE_NOTIFY = range(3)
