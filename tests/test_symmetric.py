@@ -281,12 +281,12 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
         if comm.size == 1 or not verdicts[0]:
             pytest.skip("one rank, or process_vm_readv not allowed here")
         reads = {"n": 0}
-        real = cs.transport.cma.read_into
+        real = cs.transport.cma.Reader.read
 
-        def spy(pid, addr, dst):
+        def spy(self, pid, addr, dst, n):
             reads["n"] += 1
-            return real(pid, addr, dst)
-        monkeypatch.setattr(cs.transport.cma, "read_into", spy)
+            return real(self, pid, addr, dst, n)
+        monkeypatch.setattr(cs.transport.cma.Reader, "read", spy)
         W = comm.size
         rng = rng_for(comm, 9)
         per_peer = P.CMA_MIN_BYTES + 48
