@@ -357,7 +357,7 @@ class HostTransport:
         L = self.layout
         num_slots = L.num_slots
         sync = self.buf.sync
-        last_progress = None  # the clock of the first idle look after progress (the time bound counts from it)
+        last_progress = time.monotonic()
         idle = 0
         while sends or recvs:
             progressed = False
@@ -463,7 +463,7 @@ class HostTransport:
                 if idle_t0 is not None:  # tracing: the idle spell that just ended
                     tr.add(_trace.IDLE, idle_t0, -1, -1, 0, idle_sends, idle_recvs)
                     idle_t0 = None
-                last_progress = None
+                last_progress = time.monotonic()
                 idle = 0
                 continue
             idle += 1
@@ -478,10 +478,7 @@ class HostTransport:
                 if self._abort[me][P.ABORT_FLAG]:  # (set after that look: the peer's slot came before it)
                     self._check_form_ring(op, plan, waiting)
             self.check_abort(op)
-            now = time.monotonic()
-            if last_progress is None:
-                last_progress = now
-            elif now - last_progress > self.timeout_s:
+            if time.monotonic() - last_progress > self.timeout_s:
                 if recvs:
                     r = recvs[0]
                     self.set_abort(P.ERR_TIMEOUT, r.p, r.c)
@@ -491,7 +488,7 @@ class HostTransport:
                 self.set_abort(P.ERR_TIMEOUT, x.p, x.c)
                 raise SymBufferTimeoutError(rank=me, peer=x.p, channel=x.c, role="send", head=int(x.counter[0]),
                                             tail=x.pos_counter, timeout_s=self.timeout_s, op=op)
-            _yield(idle, now - last_progress)
+            _yield(idle, time.monotonic() - last_progress)
         if idle_t0 is not None:
             tr.add(_trace.IDLE, idle_t0, -1, -1, 0, idle_sends, idle_recvs)
         if pulled:
