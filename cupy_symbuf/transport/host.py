@@ -469,8 +469,6 @@ class HostTransport:
             idle += 1
             if tr is not None and idle_t0 is None:
                 idle_t0, idle_sends, idle_recvs = time.monotonic(), len(sends), len(recvs)
-            if idle <= SPIN_POLLS and not self._abort[me][P.ABORT_FLAG]:
-                continue  # a few passes polled back to back first: the peer is mostly a step or a copy away
             if recvs:  # the peers whose channel-0 call header of this call has not arrived (also once the abort
                 # word is set: a peer found a difference first, and this rank names it too if it is the form)
                 waiting = [r.p for r in recvs if r.c == 0 and r.checked is False]
@@ -834,9 +832,3 @@ def _yield(idle: int, waited_s: float) -> None:
 
 #: Seconds a host wait spins (with sched_yield) before it sleeps.
 SPIN_S = 0.005
-
-#: Idle passes of the exchange loop polled back to back (no yield, no call-form look, no clock) before each idle
-#: pass does those: a pass costs ~1 us, so a peer one step away is seen within about that, not after a yield and
-#: the look at its notify slot (~3 us, more when the yield hands the core to another process). Bounded: the abort
-#: word is read on every pass, and the time bound counts from the last progress as before.
-SPIN_POLLS = 16
