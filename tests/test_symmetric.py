@@ -281,12 +281,12 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
         if comm.size == 1 or not verdicts[0]:
             pytest.skip("one rank, or process_vm_readv not allowed here")
         reads = {"n": 0}
-        real = cs.transport.cma.read_into
+        real = cs.transport.cma.Reader.read
 
-        def spy(pid, addr, dst):
+        def spy(self, pid, addr, dst, n):
             reads["n"] += 1
-            return real(pid, addr, dst)
-        monkeypatch.setattr(cs.transport.cma, "read_into", spy)
+            return real(self, pid, addr, dst, n)
+        monkeypatch.setattr(cs.transport.cma.Reader, "read", spy)
         W = comm.size
         rng = rng_for(comm, 9)
         per_peer = P.CMA_MIN_BYTES + 48
@@ -312,6 +312,57 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
         x = random_rows(rng_for(comm, 10), comm.size, (P.CMA_MIN_BYTES,), np.uint8)
         np.testing.assert_array_equal(c.alltoall(x), _a2a_reference(comm, x))
         assert reads["n"] == before
+
+
+def _sendbuf_kinds(rng, W, per_peer):
+    """Plain C-contiguous sendbufs of every kind whose address the engine finds differently
+    (``cma.address_of``): writeable of a built-in dtype (through the buffer), read-only and of a dtype the buffer
+    protocol cannot describe (bfloat16; through ``__array_interface__``), and a view that starts inside a larger
+    array."""
+    import ml_dtypes
+    f32 = random_rows(rng, W, (per_peer // 4,), np.float32)
+    ro = random_rows(rng, W, (per_peer // 4,), np.float32)
+    ro.flags.writeable = False
+    bf16 = rng.standard_normal((W, per_peer // 2)).astype(ml_dtypes.bfloat16)
+    inner = random_rows(rng, W + 1, (per_peer,), np.uint8)[1:]  # starts one row into its base
+    return {"float32": f32, "read-only": ro, "bfloat16": bf16, "view inside": inner}
+
+
+def test_cma_addresses_of_every_sendbuf_kind(comm, monkeypatch):
+    """The rows read by cross-memory attach come from the right place for every kind of plain sendbuf (its address
+    found through the buffer or through ``__array_interface__``; a view inside a larger array), into a poisoned
+    ``out=`` and into a fresh output, repeated: exact against NumPy; each call reads once per peer."""
+    from cupy_symbuf.transport import cma
+    from cupy_symbuf.wire import protocol as P
+    with cs.Communicator(comm, backend="host") as c:
+        if comm.size == 1 or not all(comm.allgather(c._transport.cma_pids is not None)):
+            pytest.skip("one rank, or process_vm_readv not allowed here")
+        reads = {"n": 0}
+        real = cma.Reader.read
+
+        def spy(self, *a):
+            reads["n"] += 1
+            return real(self, *a)
+        monkeypatch.setattr(cma.Reader, "read", spy)
+        W = comm.size
+        for name, x in _sendbuf_kinds(rng_for(comm, 11), W, P.CMA_MIN_BYTES + 64).items():
+            ref = _a2a_reference(comm, x)
+            out = np.empty_like(x)
+            for trial in range(2):
+                out.view(np.uint8)[...] = 0xA5  # poison: a row not written shows
+                before = reads["n"]
+                got = c.alltoall(x, out=out) if trial else c.alltoall(x)
+                assert reads["n"] - before == W - 1, name
+                all_ranks(lambda: np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8)))
+
+
+def test_address_of_matches_array_interface():
+    """``cma.address_of`` gives ``__array_interface__``'s address for every kind of array it is handed."""
+    from cupy_symbuf.transport import cma
+    kinds = _sendbuf_kinds(np.random.default_rng(3), 2, 1024)
+    kinds["empty"] = np.empty((0, 4), np.float32)
+    for name, a in kinds.items():
+        assert cma.address_of(a) == a.__array_interface__["data"][0], name
 
 
 @pytest.mark.parametrize("sendbuf", ["symmetric", "plain"])

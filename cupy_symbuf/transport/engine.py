@@ -19,6 +19,7 @@ from ..common import backend as _compat
 from ..wire import protocol as P
 from ..wire.plan import PlanCache, check_bytes, kernel_geometry, part_width
 from ..common.errors import SymBufferError, SymBufferMismatchError, SymBufferRejectedError, mismatch_error
+from . import cma as _cma
 from .status import rejection_text
 
 __all__ = ["Engine", "row_signature"]
@@ -526,7 +527,7 @@ class Engine:
                 found = (P.MODE_DIRECT,) + sym
             elif self.backend == "host" and self.transport.cma_pids is not None and x.flags.c_contiguous and \
                     (mode == "direct" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
-                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], x.__array_interface__["data"][0])
+                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], _cma.address_of(x))
         # copy_engine: the peers pull an alltoall of CE_MIN_BYTES per peer from where this rank's rows would lie
         # in their symmetric array, so a plain sendbuf of that size is refused (told to them) instead
         must = mode == "direct" or (mode == "copy_engine" and op == "alltoall" and self.backend == "cuda" and

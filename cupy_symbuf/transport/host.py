@@ -51,6 +51,9 @@ DEBUG = os.environ.get("CUPY_SYMBUF_DEBUG", "") not in ("", "0")
 __all__ = ["HostTransport"]
 
 
+_U8 = np.dtype(np.uint8)
+
+
 def _bytes2d(a: np.ndarray) -> np.ndarray:
     """``a`` (rows, i.e. all axes after the first, contiguous in memory) as ``uint8 [rows, row_width_bytes]``; a
     view (writes go to ``a``)."""
@@ -74,8 +77,8 @@ class _Side:
         self.row_bytes = row_bytes
         self.flat = self.parts = None
         if byte_run:
-            a = parts[0]
-            self.flat = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).reshape(-1).view(np.uint8)
+            flat = parts[0].reshape(-1)  # (a view of a C-contiguous part: the caller's contract; else a copy)
+            self.flat = flat if flat.dtype is _U8 else flat.view(np.uint8)
         else:
             self.parts = []
             off = 0
@@ -174,6 +177,8 @@ class HostTransport:
         self._notify_slots = {}
         #: (rank, ring offset) -> the views of that ring's slots (:meth:`_slot_views`)
         self._rings = {}
+        #: cross-memory attach reads (its iovecs made once; this transport's calls are serialised)
+        self._reader = _cma.Reader()
         #: the epoch of this rank's last count exchange (:meth:`notify`): a peer's notify slot of a later one, seen
         #: while this rank waits for its ring call header, means the ranks' calls start differently (FIELD_FORM)
         self._epoch = 0
@@ -343,8 +348,7 @@ class HostTransport:
             recvs.sort(key=lambda r: -rw[r.p])
         if is_direct:
             mode, where, base = direct
-            for x in sends:
-                x.header = x.header.copy()
+            for x in sends:  # (the run's own header: every call of a direct plan sets these three words)
                 x.header[P.HDR_MODE] = mode
                 x.header[P.HDR_DIRECT_ALLOC] = where.id if mode == P.MODE_DIRECT else where
                 x.header[P.HDR_DIRECT_OFFSET] = base + int(plan.send_first[x.p])
@@ -511,7 +515,10 @@ class HostTransport:
                 if pid != self.cma_pids[r.p]:
                     raise OSError(0, f"the header names pid {pid}, rank {r.p} is pid {self.cma_pids[r.p]}")
                 if n:
-                    _cma.read_into(pid, addr, recv.flat[dst: dst + n])
+                    if dst + n > recv.flat.nbytes:  # (a raw write below: the plan and the output must agree)
+                        raise AssertionError(f"{op}: internal: rank {r.p}'s {n} bytes at {dst} overrun the "
+                                             f"output's {recv.flat.nbytes}")
+                    self._reader.read(pid, addr, _cma.address_of(recv.flat) + dst, n)
             except OSError as exc:
                 gone = exc.errno == errno.ESRCH
                 self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
@@ -797,7 +804,7 @@ class _Run:
         self.counter, self.remote, self.ring, self.ring_off = st.counter, st.remote, st.ring, st.ring_off
         self.slots = st.slots
         self.lo, self.hi = st.lo, st.hi
-        self.sender_header = st.header if sender else None  # (the plan's; a call that changes it sends a copy)
+        self.sender_header = st.header if sender else None  # (this run's own: a direct call fills its mode and place)
         self.start()
 
     def start(self) -> "_Run":
