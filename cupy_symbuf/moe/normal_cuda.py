@@ -117,7 +117,7 @@ def _repeat_dispatch(comm, op, h, x, rec, recv_x):
     r = _Repeat()
     r.dtype, r.shape, r.strides, r.w_dtype = x.dtype, x.shape, x.strides, None
     r.device = x.data.device_id
-    r.ring, r.counts = ring, rec.counts
+    r.ring, r.counts, r.back, r.red = ring, rec.counts, None, None
     shape, dtype = recv_x.shape, recv_x.dtype
     r.outs = OutputPool(lambda: (cp.empty(shape, dtype),))
     return r
@@ -138,20 +138,39 @@ def cached_repeat(comm, op, h, r: _Repeat, x, align):
     stream = cp.cuda.get_current_stream()
     if stream.is_capturing():
         return None
+    return _run_repeat(comm, op, r, stream, x.data.ptr, 0)[0], None, None, list(counts), h
+
+
+def _run_repeat(comm, op, r: _Repeat, stream, x_ptr: int, w_ptr: int) -> tuple:
+    """The call of a fast path whose arguments matched its :class:`_Repeat` ``r`` (``x_ptr``: x's address; a
+    combine's ``w_ptr``: the weights', 0: none) on ``stream``, outside a capture: the communicator's entry checks
+    and guard, as :meth:`~cupy_symbuf.transport.engine.Engine.call`; the outputs (and a combine's received rows)
+    from the pools, where an allocation that fails is a rejection told to the peers; the ring launch and a
+    combine's reduction. Returns the outputs."""
     comm.check_open()
     guard = comm.guard
     took = guard.enter(op, comm)
     try:
+        sp = stream.ptr
         try:  # (nothing before the launch can fail but an allocation or an interrupt: told to the peers)
-            recv_x, = r.outs.take(stream.ptr)
+            outs = r.outs.take(sp)
+            back = 0 if r.back is None else r.back.take(sp)[0].data.ptr
         except BaseException:
             comm.reject(op, notify=False)
             raise
-        comm.launch_repeat(r.ring, (x.data.ptr, recv_x.data.ptr), stream)
+        if r.red is None:  # a cached dispatch: x's rows into the output
+            comm.launch_repeat(r.ring, (x_ptr, outs[0].data.ptr), stream)
+        elif not w_ptr:  # a combine: the rows back, then the reduction into the outputs
+            comm.launch_repeat(r.ring, (x_ptr, back), stream)
+            _gpu.reduce_run(r.red, back, outs[0].data.ptr, x_ptr, 0, 0, 0, stream)
+        else:
+            back_w = back + r.back_w_off
+            comm.launch_repeat(r.ring, (x_ptr, w_ptr, back, back_w), stream)
+            _gpu.reduce_run(r.red, back, outs[0].data.ptr, x_ptr, back_w, outs[1].data.ptr, w_ptr, stream)
+        return outs
     finally:
         if took:
             guard.leave()
-    return recv_x, None, None, list(counts), h
 
 
 def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
@@ -754,27 +773,6 @@ def combine_repeat(comm, op, h, r: _Repeat, x, weights):
     stream = cp.cuda.get_current_stream()
     if stream.is_capturing():
         return None
-    comm.check_open()
-    guard = comm.guard
-    took = guard.enter(op, comm)
-    try:
-        sp = stream.ptr
-        try:  # (nothing before the launch can fail but an allocation or an interrupt: told to the peers)
-            back = r.back.take(sp)[0].data.ptr
-            outs = r.outs.take(sp)
-        except BaseException:
-            comm.reject(op, notify=False)
-            raise
-        x_ptr = x.data.ptr
-        if weights is None:
-            comm.launch_repeat(r.ring, (x_ptr, back), stream)
-            _gpu.reduce_run(r.red, back, outs[0].data.ptr, x_ptr, 0, 0, 0, stream)
-            return outs[0], None
-        w_ptr, back_w = weights.data.ptr, back + r.back_w_off
-        comm.launch_repeat(r.ring, (x_ptr, w_ptr, back, back_w), stream)
-        combined, acc_w = outs
-        _gpu.reduce_run(r.red, back, combined.data.ptr, x_ptr, back_w, acc_w.data.ptr, w_ptr, stream)
-        return combined, acc_w
-    finally:
-        if took:
-            guard.leave()
+    if weights is None:
+        return _run_repeat(comm, op, r, stream, x.data.ptr, 0)[0], None
+    return _run_repeat(comm, op, r, stream, x.data.ptr, weights.data.ptr)
