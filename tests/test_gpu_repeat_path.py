@@ -355,3 +355,28 @@ def test_blocking_rejection_raised_from_the_fast_path(stub):
             fn()
         finally:
             tr.blocking = False
+
+
+def test_combine_received_rows_per_stream(stub):
+    """A combine's received rows (written by its ring kernel, read by its reduction, never handed out) are one
+    allocation per stream, the same on every fast call on that stream and apart from every output."""
+    eng, launches, stream, fast = stub
+    other = S.FakeStream(ptr=0x6000)
+    h = S.handle(eng, num_tokens=16, hidden=64, num_topk=2)
+    x = cupy.empty((h.num_recv_tokens, 64), np.float16)
+    w = cupy.empty((h.num_recv_tokens, 2), np.float32)
+    backs, outs = {}, []
+    for st in (stream, stream, other, other, stream, other):
+        launches.use_stream(st)
+        normal.combine(eng, x, h, w)
+        launches.clear()
+        outs.append(normal.combine(eng, x, h, w))
+        red = launches.log[1][1]
+        backs.setdefault(st.ptr, set()).add((red["back"], red["w_back"]))
+    launches.use_stream(stream)
+    assert all(len(v) == 1 for v in backs.values()) and len(backs) == 2, backs
+    spans = [(b, h.send_rows * 64 * 2) for v in backs.values() for b, _ in v] + \
+        [(bw, h.send_rows * 2 * 4) for v in backs.values() for _, bw in v] + \
+        [(o.data.ptr, o.nbytes) for pair in outs for o in pair]
+    spans = sorted(set(spans))
+    assert all(p + n <= q for (p, n), (q, _) in zip(spans, spans[1:])), "received rows overlap an output"

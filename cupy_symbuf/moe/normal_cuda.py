@@ -103,7 +103,7 @@ class _Repeat:
     receiver checks it as before."""
 
     __slots__ = ("dtype", "shape", "strides", "w_dtype", "w_shape", "w_strides", "device", "ring", "outs", "back",
-                 "back_w_off", "counts", "red")
+                 "back_memory", "back_bytes", "back_w_off", "counts", "red")
 
 
 def _repeat_dispatch(comm, op, h, x, rec, recv_x):
@@ -141,6 +141,18 @@ def cached_repeat(comm, op, h, r: _Repeat, x, align):
     return _run_repeat(comm, op, r, stream, x.data.ptr, 0)[0], None, None, list(counts), h
 
 
+def _back_rows(comm, r: _Repeat, stream_ptr: int) -> int:
+    """The address of a new allocation for a combine's received rows (``r.back_bytes``), kept in ``r.back`` for the
+    calls on the stream ``stream_ptr`` (the rows are written and read by the call's two kernels, in that stream's
+    order, and never handed out: the next call on the stream may write them again; at most two streams kept)."""
+    mem = comm.xp.cuda.alloc(r.back_bytes)
+    if len(r.back) >= 2:
+        r.back.clear()
+        r.back_memory.clear()
+    r.back[stream_ptr], r.back_memory[stream_ptr] = mem.ptr, mem
+    return mem.ptr
+
+
 def _run_repeat(comm, op, r: _Repeat, stream, x_ptr: int, w_ptr: int) -> tuple:
     """The call of a fast path whose arguments matched its :class:`_Repeat` ``r`` (``x_ptr``: x's address; a
     combine's ``w_ptr``: the weights', 0: none) on ``stream``, outside a capture: the communicator's entry checks
@@ -154,7 +166,7 @@ def _run_repeat(comm, op, r: _Repeat, stream, x_ptr: int, w_ptr: int) -> tuple:
         sp = stream.ptr
         try:  # (nothing before the launch can fail but an allocation or an interrupt: told to the peers)
             outs = r.outs.take(sp)
-            back = 0 if r.back is None else r.back.take(sp)[0].data.ptr
+            back = 0 if r.red is None else r.back.get(sp) or _back_rows(comm, r, sp)
         except BaseException:
             comm.reject(op, notify=False)
             raise
@@ -741,8 +753,7 @@ def _repeat_combine(comm, op, h, x, weights, rec, combined, acc_w):
         (weights.dtype, weights.shape, weights.strides)
     r.device = x.data.device_id
     r.ring, r.red, r.back_w_off = ring, rec.red, rec.back_w_off
-    back_bytes = rec.back_bytes
-    r.back = OutputPool(lambda: (cp.ndarray((back_bytes,), np.uint8, memptr=cp.cuda.alloc(back_bytes)),))
+    r.back, r.back_memory, r.back_bytes = {}, {}, rec.back_bytes  # (per stream: _back_rows)
     shape, dtype, w_off, nbytes = combined.shape, combined.dtype, rec.out_w_off, rec.out_bytes
     w_shape = None if acc_w is None else acc_w.shape
     if w_shape is None:
