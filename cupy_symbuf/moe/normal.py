@@ -35,7 +35,10 @@ on the host NumPy scatter-adds. A repeated GPU combine or cached dispatch of one
 runs from a record its first call kept on the handle (the checked kind, the row signature, the prepared launches),
 checking only the arrays' type, shape and device; so does a repeated eager GPU dispatch (no handle, no ``out``:
 its record in the communicator's per-call-shape memo, keyed by the arrays' dtypes, shapes and strides and the
-integer arguments) and ``get_dispatch_layout``.
+integer arguments) and ``get_dispatch_layout``. A combine or cached dispatch of the very shape the handle ran last,
+without ``out`` and outside a CUDA graph capture, compares a few words and launches: its ring launch keeps a
+descriptor of its own, and its outputs come from a pool of the record that hands an array out again only once
+nothing refers to it, a view of it or its memory, and only on the stream it was made on (as CuPy's pool would).
 
 Expert placement
 ----------------
