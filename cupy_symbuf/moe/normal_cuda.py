@@ -161,24 +161,25 @@ def _run_repeat(comm, op, r: _Repeat, stream, x_ptr: int, w_ptr: int) -> tuple:
     combine's reduction. Returns the outputs."""
     comm.check_open()
     guard = comm.guard
-    took = guard.enter(op, comm)
+    took = False
     try:
-        sp = stream.ptr
+        took = guard.enter(op, comm)
         try:  # (nothing before the launch can fail but an allocation or an interrupt: told to the peers)
+            sp = stream.ptr
             outs = r.outs.take(sp)
-            back = 0 if r.red is None else r.back.get(sp) or _back_rows(comm, r, sp)
+            if r.red is None:  # a cached dispatch: x's rows into the output
+                ptrs = x_ptr, outs[0].data.ptr
+            else:  # a combine: the rows back (x's, the weights' after them), then the reduction into the outputs
+                back = r.back.get(sp) or _back_rows(comm, r, sp)
+                back_w = back + r.back_w_off if w_ptr else 0
+                ptrs = (x_ptr, w_ptr, back, back_w) if w_ptr else (x_ptr, back)
         except BaseException:
             comm.reject(op, notify=False)
             raise
-        if r.red is None:  # a cached dispatch: x's rows into the output
-            comm.launch_repeat(r.ring, (x_ptr, outs[0].data.ptr), stream)
-        elif not w_ptr:  # a combine: the rows back, then the reduction into the outputs
-            comm.launch_repeat(r.ring, (x_ptr, back), stream)
-            _gpu.reduce_run(r.red, back, outs[0].data.ptr, x_ptr, 0, 0, 0, stream)
-        else:
-            back_w = back + r.back_w_off
-            comm.launch_repeat(r.ring, (x_ptr, w_ptr, back, back_w), stream)
-            _gpu.reduce_run(r.red, back, outs[0].data.ptr, x_ptr, back_w, outs[1].data.ptr, w_ptr, stream)
+        comm.launch_repeat(r.ring, ptrs, stream)
+        if r.red is not None:
+            _gpu.reduce_run(r.red, back, outs[0].data.ptr, x_ptr, back_w, outs[1].data.ptr if w_ptr else 0, w_ptr,
+                            stream)
         return outs
     finally:
         if took:
