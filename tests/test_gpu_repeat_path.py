@@ -109,7 +109,8 @@ def test_fast_launches_equal_the_full_path(stub):
         topk = int(rng.integers(1, 9))
         h = S.handle(eng, num_tokens=int(rng.integers(2, 64)), hidden=hidden, num_topk=topk,
                      num_experts=8 * W, dispatch_id=int(rng.integers(1, 1 << 30)))
-        dt = [np.float32, np.float16, _bf16()][trial % 3]
+        dt = [np.float32, np.float16, _bf16(), np.uint16][trial % 4]  # (uint16: raw bfloat16 bits, dtype= given)
+        kw = {"dtype": "bfloat16"} if dt == np.uint16 else {}
         pad = int(rng.integers(0, 3)) * 8  # rows strided (elements contiguous): sent in place at their stride
         x = cupy.empty((h.num_recv_tokens, hidden + pad), dt)[:, :hidden]
         w = cupy.empty((h.num_recv_tokens, topk), np.float32) if trial % 2 else None
@@ -118,7 +119,7 @@ def test_fast_launches_equal_the_full_path(stub):
         align = int(rng.integers(1, 4))
         st = other if trial % 4 == 3 else stream
         launches.use_stream(st)
-        calls = [("combine", lambda: normal.combine(eng, x, h, w)),
+        calls = [("combine", lambda: normal.combine(eng, x, h, w, **kw)),
                  ("dispatch", lambda: normal.dispatch(eng, xs, handle=h, expert_alignment=align)),
                  ("alltoall", lambda: _a2a.alltoall(eng, a))]
         for name, fn in calls:
@@ -204,7 +205,7 @@ def test_a_call_that_differs_takes_the_full_path(stub):
         "alltoall, other dtype": lambda: _a2a.alltoall(eng, cupy.empty((2, 64), np.int32)),
         "alltoall, out=": lambda: _a2a.alltoall(eng, a, out=cupy.empty((2, 64), np.float32)),
     }
-    never_fast = {"combine, out=", "combine, dtype=", "combine, sync relaxed", "dispatch, num_experts given"}
+    never_fast = {"combine, out=", "combine, sync relaxed", "dispatch, num_experts given"}
     at_once = {"alltoall, out="}  # (the caller's output of the record's shape and dtype: fast from the first call)
     for name, fn in ok.items():
         prime()

@@ -899,12 +899,12 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     captured in a CUDA graph.
     """
     op = "combine"
-    if dtype is None and out is None and sync == "strong" and type(handle) is DispatchHandle:
+    if out is None and sync == "strong" and type(handle) is DispatchHandle:
         # a GPU combine of the call shape the handle ran last (its arguments passed every check then): outputs from
         # a pool, one ring and one reduction launch (normal_cuda.combine_repeat; None: any difference, the full path)
         rep = handle.__dict__.get(REPEAT_COMBINE)
         if rep is not None:
-            res = combine_repeat(comm, op, handle, rep, x, topk_weights)
+            res = combine_repeat(comm, op, handle, rep, x, topk_weights, dtype)
             if res is not None:
                 return res
     with comm.call(op, notify=False):

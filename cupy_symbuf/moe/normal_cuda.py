@@ -93,7 +93,8 @@ REPEAT_COMBINE = "_repeat_combine"
 class _Repeat:
     """The fast path of a GPU cached dispatch or combine: the call shape the handle ran last without ``out=`` and
     outside a CUDA graph capture (the arrays' dtype object, shape and strides, on the GPU that was current then;
-    a combine's weights alike, or None), whose full checks passed, and what a call of exactly that shape does:
+    a combine's weights alike, or None, and the very object it passed as ``dtype``), whose full checks passed, and
+    what a call of exactly that shape does:
     its ring launch with a descriptor of its own (:meth:`~cupy_symbuf.transport.engine.Engine.repeat_prepare`:
     the handle's send index, counts table and dispatch id stay written), the pools its outputs (and a combine's
     received rows) come from (:class:`~cupy_symbuf.transport.outputs.OutputPool`), the per-expert counts
@@ -103,7 +104,7 @@ class _Repeat:
     receiver checks it as before."""
 
     __slots__ = ("dtype", "shape", "strides", "w_dtype", "w_shape", "w_strides", "device", "ring", "outs", "back",
-                 "back_memory", "back_bytes", "back_w_off", "counts", "red")
+                 "back_memory", "back_bytes", "back_w_off", "counts", "red", "dtype_arg")
 
 
 def _repeat_dispatch(comm, op, h, x, rec, recv_x):
@@ -117,7 +118,7 @@ def _repeat_dispatch(comm, op, h, x, rec, recv_x):
     r = _Repeat()
     r.dtype, r.shape, r.strides, r.w_dtype = x.dtype, x.shape, x.strides, None
     r.device = x.data.device_id
-    r.ring, r.counts, r.back, r.red = ring, rec.counts, None, None
+    r.ring, r.counts, r.back, r.red, r.dtype_arg = ring, rec.counts, None, None, None
     shape, dtype = recv_x.shape, recv_x.dtype
     r.outs = OutputPool(lambda: (cp.empty(shape, dtype),))
     return r
@@ -729,20 +730,20 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
         _gpu.reduce_run(red, back, combined.data.ptr, x.data.ptr if red.self_has_rows else 0, back_w,
                         0 if acc_w is None else acc_w.data.ptr,
                         0 if weights is None or not weights.shape[0] else weights.data.ptr, stream)
-    if out is None and dtype is None and not capturing and not rec.copy_x and not rec.copy_w and rec.send_x and \
+    if out is None and not capturing and not rec.copy_x and not rec.copy_w and rec.send_x and \
             (weights is None or rec.send_w) and rows and n and x.shape[0]:  # this shape's fast path (made once)
         if rec.repeat is None:
-            rec.repeat = _repeat_combine(comm, op, h, x, weights, rec, combined, acc_w) or False
+            rec.repeat = _repeat_combine(comm, op, h, x, weights, dtype, rec, combined, acc_w) or False
         if rec.repeat:
             h.__dict__[REPEAT_COMBINE] = rec.repeat
     return combined, acc_w
 
 
-def _repeat_combine(comm, op, h, x, weights, rec, combined, acc_w):
-    """The combine :class:`_Repeat` of a call with handle ``h`` that ran the full path with record ``rec`` (its ring
-    launch prepared; x's and the weights' rows sent in place; rows to receive and tokens to reduce; no ``out``,
-    no ``dtype``): the received rows from a pool of their own (one allocation per stream, never handed out), the
-    outputs ``combined`` / ``acc_w`` (their shapes and dtypes) from another. None where the calls must take the
+def _repeat_combine(comm, op, h, x, weights, dtype_arg, rec, combined, acc_w):
+    """The combine :class:`_Repeat` of a call with handle ``h`` and ``dtype=dtype_arg`` that ran the full path with
+    record ``rec`` (its ring launch prepared; x's and the weights' rows sent in place; rows to receive and tokens to
+    reduce; no ``out``): the received rows from a pool of their own (one allocation per stream, never handed out),
+    the outputs ``combined`` / ``acc_w`` (their shapes and dtypes) from another. None where the calls must take the
     full path (one rank)."""
     ring = comm.repeat_prepare(op, rec.ring, None, h.routing.rev_table_ptr, tag=h.dispatch_id)
     if ring is None:
@@ -752,7 +753,7 @@ def _repeat_combine(comm, op, h, x, weights, rec, combined, acc_w):
     r.dtype, r.shape, r.strides = x.dtype, x.shape, x.strides
     r.w_dtype, r.w_shape, r.w_strides = (None, None, None) if weights is None else \
         (weights.dtype, weights.shape, weights.strides)
-    r.device = x.data.device_id
+    r.device, r.dtype_arg = x.data.device_id, dtype_arg
     r.ring, r.red, r.back_w_off = ring, rec.red, rec.back_w_off
     r.back, r.back_memory, r.back_bytes = {}, {}, rec.back_bytes  # (per stream: _back_rows)
     shape, dtype, w_off, nbytes = combined.shape, combined.dtype, rec.out_w_off, rec.out_bytes
@@ -764,15 +765,16 @@ def _repeat_combine(comm, op, h, x, weights, rec, combined, acc_w):
     return r
 
 
-def combine_repeat(comm, op, h, r: _Repeat, x, weights):
+def combine_repeat(comm, op, h, r: _Repeat, x, weights, dtype_arg):
     """A combine of ``x`` (and ``weights``) with handle ``h`` (made by ``comm``, ``r`` its combine :class:`_Repeat`),
-    no ``out`` and no ``dtype`` when the call has the repeat record's shape (else None, having done nothing): the
-    received rows and the outputs from the record's pools, one ring launch, one reduction launch. Returns
-    ``(combined_x, combined_topk_weights or None)``. Outside a CUDA graph capture only (None while capturing)."""
+    no ``out`` and ``dtype=dtype_arg``, when the call has the repeat record's shape and the very ``dtype`` object of
+    the call that made it (else None, having done nothing): the received rows and the outputs from the record's
+    pools, one ring launch, one reduction launch. Returns ``(combined_x, combined_topk_weights or None)``. Outside a
+    CUDA graph capture only (None while capturing)."""
     cp = comm.xp
     nd = cp.ndarray
     if type(x) is not nd or x.dtype is not r.dtype or x.shape != r.shape or x.strides != r.strides or \
-            h._comm_ref() is not comm:
+            dtype_arg is not r.dtype_arg or h._comm_ref() is not comm:
         return None
     if weights is None:
         if r.w_dtype is not None:
