@@ -18,8 +18,8 @@ from ..common.checks import check_array, check_out
 from ..transport.outputs import OutputPool
 from ..wire.channel_layout import check_row_fits
 
-__all__ = ["cached_device", "cached_repeat", "combine_repeat", "REPEAT_DISPATCH", "REPEAT_COMBINE", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record", "new_eager_record",
-           "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+__all__ = ["cached_device", "cached_repeat", "combine_repeat", "REPEAT_DISPATCH", "REPEAT_COMBINE", "dispatch_cuda",
+           "eager_key", "eager_record", "eager_from_record", "new_eager_record", "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 _add_reduce = np.add.reduce
@@ -92,16 +92,15 @@ REPEAT_COMBINE = "_repeat_combine"
 
 class _Repeat:
     """The fast path of a GPU cached dispatch or combine: the call shape the handle ran last without ``out=`` and
-    outside a CUDA graph capture (the arrays' dtype object, shape and strides, on the GPU that was current then;
-    a combine's weights alike, or None, and the very object it passed as ``dtype``), whose full checks passed, and
-    what a call of exactly that shape does:
-    its ring launch with a descriptor of its own (:meth:`~cupy_symbuf.transport.engine.Engine.repeat_prepare`:
-    the handle's send index, counts table and dispatch id stay written), the pools its outputs (and a combine's
-    received rows) come from (:class:`~cupy_symbuf.transport.outputs.OutputPool`), the per-expert counts
-    (cached dispatch) and the reduction's prepared launch (combine). A call whose arguments differ in anything
-    runs the full path (which makes the record of the new shape the fast one). The call signature the ring
-    kernel's headers carry is the one the full path writes (the plan's, with the handle's dispatch id): every
-    receiver checks it as before."""
+    outside a CUDA graph capture (the arrays' dtype object, shape and strides, on the GPU that was current then; a
+    combine's weights alike, or None, and the very object it passed as ``dtype``), whose full checks passed, and
+    what a call of exactly that shape does: its ring launch with a descriptor of its own
+    (:meth:`~cupy_symbuf.transport.engine.Engine.repeat_prepare`: the handle's send index, counts table and
+    dispatch id stay written), the pools its outputs (and a combine's received rows) come from
+    (:class:`~cupy_symbuf.transport.outputs.OutputPool`), the per-expert counts (cached dispatch) and the
+    reduction's prepared launch (combine). A call whose arguments differ in anything runs the full path (which
+    makes the record of the new shape the fast one). The call signature the ring kernel's headers carry is the one
+    the full path writes (the plan's, with the handle's dispatch id): every receiver checks it as before."""
 
     __slots__ = ("dtype", "shape", "strides", "w_dtype", "w_shape", "w_strides", "device", "ring", "outs", "back",
                  "back_memory", "back_bytes", "back_w_off", "counts", "red", "dtype_arg")
