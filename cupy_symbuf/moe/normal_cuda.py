@@ -19,7 +19,8 @@ from ..transport.outputs import OutputPool
 from ..wire.channel_layout import check_row_fits
 
 __all__ = ["cached_device", "cached_repeat", "combine_repeat", "REPEAT_DISPATCH", "REPEAT_COMBINE", "dispatch_cuda",
-           "eager_key", "eager_record", "eager_from_record", "new_eager_record", "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+           "eager_key", "eager_record", "eager_from_record", "new_eager_record", "remember", "layout_key",
+           "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 _add_reduce = np.add.reduce
