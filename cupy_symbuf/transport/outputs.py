@@ -10,8 +10,9 @@ order.
 "Refers to it" is counted with ``sys.getrefcount`` of each array (a view holds its base array: ``ndarray.base``;
 DLPack and ``__cuda_array_interface__`` consumers such as ``torch.as_tensor`` hold the array), of its memory pointer
 (``ndarray.data``, which another array made over it holds) and of the allocation (every memory pointer into it holds
-it): each must be what it was when only the pool held the set. A bare integer address kept by the caller (``a.data.ptr``)
-is not a reference: the memory behind it is reused, as it would be by CuPy's pool once the array is dropped.
+it): each must be what it was when only the pool held the set. A bare integer address kept by the caller
+(``a.data.ptr``) is not a reference: the memory behind it is reused, as it would be by CuPy's pool once the array is
+dropped.
 """
 from __future__ import annotations
 
