@@ -1,11 +1,11 @@
 """Outputs that repeated GPU calls of one shape hand out again instead of allocating (:class:`OutputPool`).
 
 A GPU collective returns new arrays; allocating them (CuPy's pool, an ``ndarray`` each) is a large share of the host
-time of a small repeated call. A caller's record of one call shape keeps an :class:`OutputPool`: a set of arrays
-it handed out is handed out again only when nothing outside the pool refers to it any more, and only on the stream
-it was made on (the only one it is handed out on). That is when CuPy's own pool would give the same memory to the next allocation on that
-stream: the earlier work on the arrays (the caller's kernels that read them) stays before the next write in stream
-order.
+time of a small repeated call. A caller's record of one call shape keeps an :class:`OutputPool`: a set of arrays it
+handed out is handed out again only when nothing outside the pool refers to it any more, and only on the stream it
+was made on (the only one it is handed out on). That is when CuPy's own pool would give the same memory to the next
+allocation on that stream: the earlier work on the arrays (the caller's kernels that read them) stays before the
+next write in stream order.
 
 "Refers to it" is counted with ``sys.getrefcount`` of each array (a view holds its base array: ``ndarray.base``;
 DLPack and ``__cuda_array_interface__`` consumers such as ``torch.as_tensor`` hold the array), of its memory pointer
