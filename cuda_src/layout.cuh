@@ -45,6 +45,22 @@ struct Part {
   i64 base, stride, width, offset;  // bytes; offset = first byte of the part inside the packed row
 };
 
+// 1: rows of several parts (MoE dispatch / combine) move as one stream of 16-byte vectors, SYMBUF_UNROLL loads in
+// flight a lane across row and part boundaries, where every part is 16-byte aligned and a copy takes at most 32 rows
+// (RowRun::copy_vec); 0: part by part, row by row (copy_bytes each), for a same-run comparison. Default: on in the
+// ring kernel's builds of at most 512 threads (128 registers a thread; ptxas: 144 bytes of spill stores outside the
+// copy loops, none in them), off in the 1024-thread build (64 registers: its spills grow from ~0.4 to ~2 KiB).
+#ifndef SYMBUF_ROW_VEC
+#if defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512
+#define SYMBUF_ROW_VEC 0
+#else
+#define SYMBUF_ROW_VEC 1
+#endif
+#endif
+#if SYMBUF_ROW_VEC
+constexpr int kVecToFlat = 0, kVecFromFlat = 1, kVecParts = 2;  // RowRun::copy_vec's directions
+#endif
+
 // One side of one peer's row run, with its parts in shared memory. Ring chunks hold whole packed rows (at most
 // chunk_bytes / row_bytes of them, chunk_rows in ring_prims.cuh); a byte run has 1-byte rows and one dense part.
 struct RowRun {
@@ -63,6 +79,78 @@ struct RowRun {
     const i64 token = index ? __ldg(index + row0 + r) : row0 + r;
     return reinterpret_cast<u8*>(parts[i].base) + token * parts[i].stride;
   }
+#if SYMBUF_ROW_VEC
+  // Every part's rows are whole 16-byte vectors at 16-byte aligned addresses (base, row stride, width and offset in
+  // the packed row all multiples of 16): the rows can move as one stream of vectors (copy_vec).
+  __device__ __forceinline__ bool vec_rows() const {
+    i64 m = row_bytes;
+    for (int i = 0; i < num_parts; ++i) m |= parts[i].base | parts[i].stride | parts[i].width | parts[i].offset;
+    return (m & 15) == 0;
+  }
+  // One warp copies run rows [r, r + n) (n <= 32) as one stream of 16-byte vectors across row and part boundaries:
+  // vector v is byte 16 * (v % rv) of packed row v / rv (rv = row_bytes / 16), lane l takes v = l, l + 32, ...,
+  // SYMBUF_UNROLL loads in flight a lane, every load of a batch before its first store. The part-by-part copy
+  // (copy_bytes per part and row) issues one part of one row at a time: a 14336-byte x row then its 64-byte top-k
+  // and 32-byte weights parts are 3 + 4 + 1 + 1 dependent round trips a row; here a two-row chunk is 8. kMode:
+  // kVecToFlat this run's parts -> packed rows at `flat` (a sender's ring slot; .nc loads of the read-only send
+  // parts), kVecFromFlat packed rows -> this run's parts (a receiver; .cg loads of the peer-written ring),
+  // kVecParts this run's parts -> `to`'s parts, row r + j to row r + j (a rank's own rows; .nc loads). The rows'
+  // tokens (index, or row0 + row) are read once, lane k holding row r + k's, before any payload load. Needs
+  // vec_rows() of both runs (the same part widths and offsets: the plan's).
+  template <int kMode>
+  __device__ __forceinline__ void copy_vec(const RowRun& to, u8* flat, i64 r, i64 n, int lane) const {
+    constexpr int kU = SYMBUF_UNROLL;
+    // 32-bit vector arithmetic (n <= 32 rows of at most a slot, chunk_bytes <= 64 MiB: < 2^27 vectors)
+    const int rv = static_cast<int>(row_bytes >> 4);
+    const int total = static_cast<int>(n) * rv;
+    // part boundaries in vectors: part p of vector o is the number of part ends <= o (parts in offset order)
+    const int e0 = num_parts > 1 ? static_cast<int>((parts[0].offset + parts[0].width) >> 4) : rv;
+    const int e1 = num_parts > 2 ? static_cast<int>((parts[1].offset + parts[1].width) >> 4) : rv;
+    const int e2 = num_parts > 3 ? static_cast<int>((parts[2].offset + parts[2].width) >> 4) : rv;
+    const i64 tok_from = lane < n && index != nullptr ? __ldg(index + row0 + r + lane) : row0 + r + lane;
+    const i64 tok_to = kMode != kVecParts ? 0
+                       : (lane < n && to.index != nullptr ? __ldg(to.index + to.row0 + r + lane) : to.row0 + r + lane);
+    const RowRun& dst_run = kMode == kVecParts ? to : *this;
+    const int sj = 32 / rv, so = 32 - sj * rv;  // one warp step of 32 vectors, in rows and vectors
+    int j = lane / rv, o = lane - j * rv;       // this lane's first vector
+    for (int b = 0; b < total; b += kU * 32) {  // warp-uniform: every lane runs every batch
+      int4 val[kU];
+      int jj = j, oo = o;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
+        const i64 tok = __shfl_sync(0xffffffffu, tok_from, jj & 31);
+        if (b + u * 32 + lane < total) {
+          if constexpr (kMode == kVecFromFlat) {
+            val[u] = ld_cg_global(reinterpret_cast<const int4*>(flat + static_cast<i64>(jj) * row_bytes + (oo << 4)));
+          } else {
+            const Part& q = parts[p];
+            val[u] = ld_nc_global(reinterpret_cast<const int4*>(q.base + tok * q.stride + (oo << 4) - q.offset));
+          }
+        }
+        oo += so, jj += sj;
+        if (oo >= rv) oo -= rv, ++jj;
+      }
+      jj = j, oo = o;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
+        const i64 tok = __shfl_sync(0xffffffffu, kMode == kVecParts ? tok_to : tok_from, jj & 31);
+        if (b + u * 32 + lane < total) {
+          if constexpr (kMode == kVecToFlat) {
+            st_na_global(reinterpret_cast<int4*>(flat + static_cast<i64>(jj) * row_bytes + (oo << 4)), val[u]);
+          } else {
+            const Part& q = dst_run.parts[p];
+            st_na_global(reinterpret_cast<int4*>(q.base + tok * q.stride + (oo << 4) - q.offset), val[u]);
+          }
+        }
+        oo += so, jj += sj;
+        if (oo >= rv) oo -= rv, ++jj;
+      }
+      j = jj, o = oo;
+    }
+  }
+#endif
   // One warp copies run rows [r, r + n) between the parts and packed rows at `flat` (a ring slot).
   // kToFlat: parts -> flat (sender; the source is read-only during the kernel); else flat -> parts (receiver).
   // skip: parts (bit i = part i) not copied (MODE_PUSH: the sender wrote them into our outputs itself).
@@ -85,6 +173,12 @@ struct RowRun {
       else copy_bytes<true>(p, flat, n * row_bytes, lane);
       return;
     }
+#if SYMBUF_ROW_VEC
+    if (n <= 32 && vec_rows()) {
+      copy_vec<kToFlat ? kVecToFlat : kVecFromFlat>(*this, flat, r, n, lane);
+      return;
+    }
+#endif
     for (i64 j = 0; j < n; ++j) {
       for (int i = 0; i < num_parts; ++i) {
         u8* f = flat + j * row_bytes + parts[i].offset;

@@ -23,10 +23,11 @@
 // publishes the weights line as rejected (REJECT_TOPK), so every rank rejects the call. Nothing of this is a host
 // value: CUDA-graph replays compare the ids the replayed dispatches wrote.
 // Ordering: payload stores of every block, __syncthreads, then (thread 0; block 0 first writes n and sig into
-// every destination's line) fence.sc.sys + one red.relaxed.sys.add per destination line: the fence then relaxed
-// RMW is a release pattern, and the RMWs of all blocks form one release sequence, so the acquire load that reads
-// the full count synchronises with every block's stores. No block waits for another before publishing (no
-// last-block round trip). Receivers poll with ld.acquire.sys inside a SpinBudget (bounded, abort word polled).
+// every destination's line) fence.acq_rel.sys (SYMBUF_LL_FENCE) + one red.relaxed.sys.add per destination line:
+// the fence then relaxed RMW is a release pattern, and the RMWs of all blocks form one release sequence, so the
+// acquire load that reads the full count synchronises with every block's stores. No block waits for another before
+// publishing (no last-block round trip). Receivers poll with ld.acquire.sys inside a SpinBudget (bounded, abort
+// word polled).
 // Double buffering: a kernel waits for every peer's flag of its own call, so when call i+2 starts on a rank, every
 // peer has finished call i and no longer reads that half.
 // Rejection (the shared call protocol: a rank whose host rejected its arguments still takes part in the call): the
@@ -51,6 +52,15 @@
 // which keeps the double-buffering argument below.
 #include "protocol.cuh"
 #include "quant.cuh"
+
+// 1: a flag line's release is fence.acq_rel.sys then the relaxed counts (block_sent), or the st.release.sys of the
+// weights line alone (combine A; the __syncthreads before it orders the block's weight stores, the release is
+// cumulative); 0: fence.sc.sys (__threadfence_system) in both places, for a same-run comparison. The PTX memory
+// model's release pattern is a fence.sc or fence.acq_rel followed by a strong write: the acquire loads that read
+// the count or the seq synchronise with it either way; the SC fence adds a total order nothing here needs.
+#ifndef SYMBUF_LL_FENCE
+#define SYMBUF_LL_FENCE 1
+#endif
 
 // Kernel arguments: LLDispatchArgs / LLCombineArgs (cupy_symbuf/wire/kernel_args.py, generated), every field an
 // i64 word, passed by value.
@@ -171,7 +181,11 @@ __device__ __forceinline__ void block_sent(const u64* ll_bases, i64 line_off, in
       w[LL_LINE_WHY] = why;
     }
   }
-  __threadfence_system();  // the block's stores (ordered before by bar.sync) and n/sig before the counts
+#if SYMBUF_LL_FENCE
+  fence_acq_rel_sys();  // the block's stores (ordered before by bar.sync) and n/sig before the counts
+#else
+  __threadfence_system();  // (fence.sc.sys)
+#endif
   for (int r = 0; r < W; ++r) {
     u64* line = reinterpret_cast<u64*>(ll_bases[r] + line_off + static_cast<i64>(me) * LINE_BYTES);
     asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(line + LL_LINE_SEQ), "l"(1ull) : "memory");
@@ -555,7 +569,9 @@ __device__ void combine_body(const LLCombineArgs& a) {
     const i64 why = handle_rejected ? REJECT_HANDLE : topk_differs ? REJECT_TOPK : REJECT_ARGS;
     if (threadIdx.x < W) {
       const int d = threadIdx.x;
+#if !SYMBUF_LL_FENCE
       __threadfence_system();
+#endif
       u64* line = at<u64>(ll_bases[d], half + a.wflags_off + static_cast<i64>(me) * LINE_BYTES);
       volatile i64* lw = reinterpret_cast<volatile i64*>(line);
       lw[LL_LINE_N] = n_line;

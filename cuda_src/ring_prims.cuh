@@ -236,12 +236,21 @@ __device__ __forceinline__ i64 copy_slice(u8* dst, const u8* src, i64 n, int k, 
 }
 
 // This rank's rows [a, b) to itself (peer == rank: no ring), by one of the group's group_warps warps: one span of
-// bytes cut into 16-byte aligned slices, one per warp, when both ends are dense, else one warp per row. Returns the
-// bytes this warp copied.
+// bytes cut into 16-byte aligned slices, one per warp, when both ends are dense; else (SYMBUF_ROW_VEC, every part
+// 16-byte aligned) a contiguous share of the rows per warp as vector streams (RowRun::copy_vec); else one warp per
+// row. Returns the bytes this warp copied.
 __device__ __forceinline__ i64 copy_own_rows(const RowRun& send, const RowRun& recv, i64 a, i64 b,
                                              i64 row_bytes, int warp_in_group, int group_warps, int lane) {
   if (send.dense() && recv.dense())
     return copy_slice<false>(recv.at(0, a), send.at(0, a), (b - a) * row_bytes, warp_in_group, group_warps, lane);
+#if SYMBUF_ROW_VEC
+  if (send.vec_rows() && recv.vec_rows()) {  // a contiguous share of the rows a warp, 32 rows a copy_vec at most
+    const i64 lo = a + (b - a) * warp_in_group / group_warps, hi = a + (b - a) * (warp_in_group + 1) / group_warps;
+    for (i64 r = lo; r < hi; r += 32)
+      send.copy_vec<kVecParts>(recv, nullptr, r, min(static_cast<i64>(32), hi - r), lane);
+    return (hi - lo) * row_bytes;
+  }
+#endif
   i64 bytes = 0;
   for (i64 r = a + warp_in_group; r < b; r += group_warps) {
     for (int i = 0; i < send.num_parts; ++i) copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);
