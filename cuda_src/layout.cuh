@@ -51,7 +51,7 @@ struct Part {
 // ring kernel's builds of at most 512 threads (128 registers a thread; ptxas: 144 bytes of spill stores outside the
 // copy loops, none in them), off in the 1024-thread build (64 registers: its spills grow from ~0.4 to ~2 KiB).
 #ifndef SYMBUF_ROW_VEC
-#if defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512
+#if defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512  // (ring_exchange.cu defines it before this header)
 #define SYMBUF_ROW_VEC 0
 #else
 #define SYMBUF_ROW_VEC 1

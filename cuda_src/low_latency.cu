@@ -61,6 +61,11 @@
 #ifndef SYMBUF_LL_FENCE
 #define SYMBUF_LL_FENCE 1
 #endif
+// 1: a one-launch dispatch without fp8 reads this rank's own tokens from x in its receive instead of storing them
+// into its own staging rows first (dispatch_body); 0: through the staging rows like every other source's.
+#ifndef SYMBUF_LL_SELF
+#define SYMBUF_LL_SELF 1
+#endif
 
 // Kernel arguments: LLDispatchArgs / LLCombineArgs (cupy_symbuf/wire/kernel_args.py, generated), every field an
 // i64 word, passed by value.
@@ -312,6 +317,14 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   const i64 elem = KIND == LL_KIND_F32 ? 4 : 2;
   const i64 segs = (H + LL_SEG_ELEMS - 1) / LL_SEG_ELEMS;
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
+#if SYMBUF_LL_SELF
+  // One launch (LL_PHASE_BOTH), no fp8: this rank's own tokens are not stored into its own staging rows; the
+  // receive reads them from x (this launch's input, unchanged until it ends): 1.8 MB less written a rank at 128 x
+  // 7168 bf16. (A send-only launch stores them: the caller may reuse x before the receive launch.)
+  const bool self_from_x = a.phase == LL_PHASE_BOTH && !a.use_fp8;
+#else
+  constexpr bool self_from_x = false;
+#endif
 
   // ---- send ----
   prof_stamp(a.prof, 0);
@@ -342,7 +355,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     if (!a.use_fp8) {
       // the segment loaded once (above), then a store per destination
       for (int d = 0; d < W; ++d) {
-        if (!(dests >> d & 1)) continue;
+        if (!(dests >> d & 1) || (self_from_x && d == me)) continue;
         int4* d4 = at<int4>(ll_bases[d], row_off + lo * elem);
 #pragma unroll
         for (int u = 0; u < kVec; ++u)
@@ -453,7 +466,8 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   for (i64 item = gwarp; item < WN * bsegs; item += total_warps) {
     const i64 st = item / bsegs, g = item % bsegs, s = st / N, t = st % N;
     if (t >= s_ntok[s]) continue;
-    const u8* srow = at<u8>(ll_bases[me], half + a.rows_off + st * R);
+    const u8* srow = self_from_x && s == me ? reinterpret_cast<const u8*>(a.x) + t * a.x_stride
+                                            : at<u8>(ll_bases[me], half + a.rows_off + st * R);
     // the segment's loads first, with the meta load (independent): one memory latency per item
     constexpr int kVec = kSegB / 16 / 32;
     const bool scales_seg = a.use_fp8 && g == bsegs - 1;

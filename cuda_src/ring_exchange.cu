@@ -24,6 +24,11 @@
 // Every wait is bounded by DESC_TIMEOUT_NS and polls this rank's abort word (protocol.cuh, SpinBudget); the first
 // failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
 #define SYMBUF_BULK_KERNEL 1  // the ring kernel may copy with cp.async.bulk (SYMBUF_BULK, primitives.cuh)
+// Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128. (Before the
+// headers: SYMBUF_ROW_VEC's default follows it, layout.cuh.)
+#ifndef SYMBUF_MAX_THREADS
+#define SYMBUF_MAX_THREADS 1024
+#endif
 #include "ring_prims.cuh"
 #include "moe_layout.cuh"
 
@@ -31,11 +36,6 @@
 // per chunk / direct slice / own-rows share. A build of its own, so a communicator without trace pays nothing.
 #ifndef SYMBUF_TRACE
 #define SYMBUF_TRACE 0
-#endif
-
-// Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128.
-#ifndef SYMBUF_MAX_THREADS
-#define SYMBUF_MAX_THREADS 1024
 #endif
 
 #if SYMBUF_TRACE
