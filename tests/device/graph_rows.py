@@ -5,7 +5,9 @@
   128 x world size): the graph of dispatch is the layout kernel, the count exchange, the ring exchange and the
   receive fix-up; that of combine the ring exchange and the reduction. Loop timing (CUDA events around ROWS_ITERS
   replays back to back after one barrier, us per replay, max over ranks), the launch skew of the dispatch graph as
-  ``bench --control`` measures it, and the graph-replayed dispatch / combine checked against the eager ones.
+  ``bench --control`` measures it, and the graph-replayed dispatch / combine checked against the eager ones. Then
+  the same dispatch graph into a symmetric ``out`` (MODE_PUSH: x's rows written by the peers straight into it, one
+  copy; not a row of ``bench --control``: what a single-copy path would give).
 * the low-latency dispatch / combine (``bench_low_latency``: 10 calls captured a graph, replayed), with the
   kernels' phase ends (``profile``: us from the earliest block start of any rank).
 * a regression guard for the ring kernel's large rows: a cached ``dispatch`` and a ``combine`` at 4096 tokens, loop
@@ -67,9 +69,11 @@ with Communicator(world, backend="cuda") as c:
         c.dispatch(x, idx, w, EXPERTS, num_worst_tokens=worst)
         stream.synchronize()
     g_disp, out_g = _capture(stream, lambda: c.dispatch(x, idx, w, EXPERTS, num_worst_tokens=worst))
+    g_disp.launch(stream)  # (bench --control's order: the dispatch replayed once, then the combine captured)
+    stream.synchronize()
+    c.synchronize()
     with stream:
         g_comb, comb_g = _capture(stream, lambda: c.combine(out_g[0], out_g[4], out_g[2]))
-        g_disp.launch(stream)
         g_comb.launch(stream)
         stream.synchronize()
     c.synchronize()
@@ -86,7 +90,32 @@ with Communicator(world, backend="cuda") as c:
     row(f"combine, {TOKENS} tokens, graph replay", tc)
     row("  dispatch graph: launch skew", _Skew(cp)(world, stream, lambda: g_disp.launch(stream)))
     c.synchronize()
-    del g_disp, g_comb, out_g, comb_g, eager
+    del g_disp, g_comb, out_g, comb_g
+    # the same worst-case dispatch into a symmetric out (MODE_PUSH: the peers write x's rows straight into it, one
+    # copy instead of two through the ring slots; top-k ids and weights still through the rings)
+    try:
+        sym = c.empty((worst, HIDDEN), np.float16)
+        with stream:
+            c.dispatch(x, idx, w, EXPERTS, num_worst_tokens=worst, out=sym)
+            stream.synchronize()
+        g_push, out_p = _capture(stream, lambda: c.dispatch(x, idx, w, EXPERTS, num_worst_tokens=worst, out=sym))
+        with stream:
+            g_push.launch(stream)
+            stream.synchronize()
+        c.synchronize()
+        n_p = int(out_p[4].num_recv_tokens_device)
+        ok = n_p == eager[0].shape[0] and bool((out_p[0][:n_p] == eager[0]).all())
+        if not world.allreduce(ok, op=MPI.LAND):
+            raise SystemExit("graph_rows: the graph-replayed dispatch into a symmetric out differs from the eager one")
+        with stream:
+            row(f"dispatch, {TOKENS} tokens, symmetric out, graph replay",
+                timer.time_loop(lambda: g_push.launch(stream), ITERS, 10, world, c.synchronize) * 1e6)
+        say(f"#   push calls on rank 0: {c.engine.transport.push_calls}")
+        c.synchronize()
+        del g_push, out_p
+    except (ValueError, NotImplementedError, RuntimeError) as exc:  # the same on every rank: a report line
+        say(f"# dispatch into a symmetric out skipped: {type(exc).__name__}: {exc}")
+    del eager
 
     ll = bench_low_latency(c, num_tokens=TOKENS, hidden=HIDDEN, num_experts=EXPERTS, topk=TOPK, iters=50, warmup=5,
                            graph=True, host_issue=0, profile=True)

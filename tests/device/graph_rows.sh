@@ -23,8 +23,9 @@ MPIRUN="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED 
 export ROWS_ITERS=${ROWS_ITERS:-200} ROWS_BIG_ITERS=${ROWS_BIG_ITERS:-20}
 T0=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1
-nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS started"
-trap 'echo quit | nvidia-cuda-mps-control 2>/dev/null; echo "== graph_rows done in $((SECONDS - T0)) s"' EXIT
+MPS=0
+nvidia-cuda-mps-control -d 2>/dev/null && MPS=1 && echo "MPS started"
+trap '[ $MPS = 1 ] && echo quit | nvidia-cuda-mps-control 2>/dev/null; echo "== graph_rows done in $((SECONDS - T0)) s"' EXIT
 
 rc_all=0
 order="old new"
