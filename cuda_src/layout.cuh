@@ -57,6 +57,10 @@ struct Part {
 #define SYMBUF_ROW_VEC 1
 #endif
 #endif
+// 16-byte loads in flight a lane in RowRun::copy_vec (8: 4 KiB a warp, as copy_bytes' SYMBUF_UNROLL)
+#ifndef SYMBUF_ROW_VEC_UNROLL
+#define SYMBUF_ROW_VEC_UNROLL 8
+#endif
 #if SYMBUF_ROW_VEC
 constexpr int kVecToFlat = 0, kVecFromFlat = 1, kVecParts = 2;  // RowRun::copy_vec's directions
 #endif
@@ -99,7 +103,7 @@ struct RowRun {
   // vec_rows() of both runs (the same part widths and offsets: the plan's).
   template <int kMode>
   __device__ __forceinline__ void copy_vec(const RowRun& to, u8* flat, i64 r, i64 n, int lane) const {
-    constexpr int kU = SYMBUF_UNROLL;
+    constexpr int kU = SYMBUF_ROW_VEC_UNROLL;
     // 32-bit vector arithmetic (n <= 32 rows of at most a slot, chunk_bytes <= 64 MiB: < 2^27 vectors)
     const int rv = static_cast<int>(row_bytes >> 4);
     const int total = static_cast<int>(n) * rv;
