@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The 128-token graph rows (normal-mode dispatch / combine in worst-case mode, low-latency dispatch / combine) for
-# the kernel builds old and new, interleaved (old new new old: the same warm machine, the order swapped), 2 ranks on
-# GPU 0 under MPS, then the medians per build and row (tests/device/graph_rows.py prints the rows). Under 150 s.
+# the kernel builds old and new, interleaved (old new fold0 new old: the same warm machine), 2 ranks on GPU 0 under
+# MPS, then the medians per build and row (tests/device/graph_rows.py prints the rows). Under 150 s.
 #
 #   bash tests/device/graph_rows.sh            timing (old: SYMBUF_ROW_VEC=0 SYMBUF_LL_FENCE=0 SYMBUF_LL_SELF=0,
 #                                              PTX identical to the tree before them; new: the defaults)
 #   bash tests/device/graph_rows.sh test       then the GPU correctness tests at 2 ranks (cuda only), ~3-5 min more
 #
-# Knobs: GR_OLD / GR_NEW (the builds' CUPY_SYMBUF_NVRTC_DEFINES), GR_RUNS (passes of each build, default 2),
-# ROWS_ITERS (replays a row, 200), ROWS_BIG_ITERS (the 4096-token regression rows' calls, 20; 0: off).
+# Builds, in the order GR_SEQ (default "old new fold0 new old"): old and new as above, fold0 = new with
+# -DSYMBUF_HEADER_FOLD=0 (the ring's call header released at once instead of with the first chunk: the receiver
+# checks it while the sender copies; one release more a group). Knobs: GR_OLD / GR_NEW / GR_FOLD0 (the builds'
+# CUPY_SYMBUF_NVRTC_DEFINES), GR_SEQ, ROWS_ITERS (replays a row, 200), ROWS_BIG_ITERS (the 4096-token rows' calls,
+# 20; 0: off).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -17,6 +20,7 @@ LOG=${OUT:-/tmp}/graph_rows
 mkdir -p "$LOG"
 OLD=${GR_OLD:-"-DSYMBUF_ROW_VEC=0 -DSYMBUF_LL_FENCE=0 -DSYMBUF_LL_SELF=0"}
 NEW=${GR_NEW:-""}
+FOLD0=${GR_FOLD0:-"-DSYMBUF_HEADER_FOLD=0"}  # the third build: the call header released at once, not with chunk 0
 MPIRUN="mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE
  -x CUPY_SYMBUF_ABORT_ON_FAILURE -x CUPY_SYMBUF_TIMEOUT_S -x CUPY_SYMBUF_NVRTC_DEFINES -x ROWS_ITERS -x ROWS_BIG_ITERS
  -x CUDA_VISIBLE_DEVICES=0"
@@ -28,20 +32,18 @@ nvidia-cuda-mps-control -d 2>/dev/null && MPS=1 && echo "MPS started"
 trap '[ $MPS = 1 ] && echo quit | nvidia-cuda-mps-control 2>/dev/null; echo "== graph_rows done in $((SECONDS - T0)) s"' EXIT
 
 rc_all=0
-order="old new"
-for r in $(seq 1 "${GR_RUNS:-2}"); do
-  for b in $order; do
-    if [ $b = old ]; then defs=$OLD; else defs=$NEW; fi
-    t=$SECONDS
-    CUPY_SYMBUF_NVRTC_DEFINES="$defs" timeout -k 5 60 $MPIRUN -n 2 python3 tests/device/graph_rows.py \
-      > "$LOG/rows_${b}_$r.log" 2>&1
-    rc=$?
-    echo "== [$b $r] rc=$rc $((SECONDS - t)) s  ($defs)"
-    [ $rc -ne 0 ] && { rc_all=$rc; tail -15 "$LOG/rows_${b}_$r.log"; }
-  done
-  order=$([ "$order" = "old new" ] && echo "new old" || echo "old new")
+declare -A n_run=()
+for b in ${GR_SEQ:-old new fold0 new old}; do
+  case $b in old) defs=$OLD ;; new) defs=$NEW ;; fold0) defs="$NEW $FOLD0" ;; *) echo "unknown build $b"; continue ;; esac
+  r=$((${n_run[$b]:-0} + 1)); n_run[$b]=$r
+  t=$SECONDS
+  CUPY_SYMBUF_NVRTC_DEFINES="$defs" timeout -k 5 60 $MPIRUN -n 2 python3 tests/device/graph_rows.py \
+    > "$LOG/rows_${b}_$r.log" 2>&1
+  rc=$?
+  echo "== [$b $r] rc=$rc $((SECONDS - t)) s  ($defs)"
+  [ $rc -ne 0 ] && { rc_all=$rc; tail -15 "$LOG/rows_${b}_$r.log"; }
 done
-grep -h "^# defines\|^#   low" "$LOG"/rows_*_1.log
+grep -h "^# \|^#   " "$LOG"/rows_*_1.log
 python3 - "$LOG" <<'EOF'
 import glob, re, statistics, sys
 rows = {}
@@ -51,10 +53,11 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/rows_*_*.log")):
         m = re.match(r"row: (.*?)\s+([-0-9.]+)$", line.strip())
         if m:
             rows.setdefault(m.group(1), {}).setdefault(build, []).append(float(m.group(2)))
-print(f"{'row (2 ranks, us; median of the runs)':<46} {'old':>9} {'new':>9} {'new/old':>8}")
+nan = float("nan")
+print(f"{'row (2 ranks, us; median of the runs)':<46} {'old':>8} {'new':>8} {'fold0':>8} {'new/old':>8}  runs")
 for name, per in rows.items():
-    o, n = (statistics.median(per[b]) if per.get(b) else float("nan") for b in ("old", "new"))
-    print(f"{name:<46} {o:9.2f} {n:9.2f} {n / o if o else float('nan'):8.3f}   old {per.get('old')} new {per.get('new')}")
+    o, n, f = (statistics.median(per[b]) if per.get(b) else nan for b in ("old", "new", "fold0"))
+    print(f"{name:<46} {o:8.2f} {n:8.2f} {f:8.2f} {n / o if o else nan:8.3f}  {per}")
 EOF
 
 if [ "${1:-}" = test ]; then
