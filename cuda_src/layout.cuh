@@ -57,6 +57,16 @@ struct Part {
 #define SYMBUF_ROW_VEC 1
 #endif
 #endif
+// 1: in the ring kernel, a channel share of at most num_copy chunks (a short call) is sliced over every copy warp of
+// its group (vectors, not chunks: ring_prims.cuh spread_share) and published at once; 0: chunk by chunk, for a
+// same-run comparison. Follows SYMBUF_ROW_VEC; off in the trace, debug and work-sharing builds (they follow chunks).
+#ifndef SYMBUF_SPREAD
+#define SYMBUF_SPREAD SYMBUF_ROW_VEC
+#endif
+#if !SYMBUF_ROW_VEC || SYMBUF_TRACE || SYMBUF_DEBUG || SYMBUF_ADAPTIVE
+#undef SYMBUF_SPREAD
+#define SYMBUF_SPREAD 0
+#endif
 // 16-byte loads in flight a lane in RowRun::copy_vec (8: 4 KiB a warp, as copy_bytes' SYMBUF_UNROLL)
 #ifndef SYMBUF_ROW_VEC_UNROLL
 #define SYMBUF_ROW_VEC_UNROLL 8
@@ -146,6 +156,75 @@ struct RowRun {
           } else {
             const Part& q = dst_run.parts[p];
             st_na_global(reinterpret_cast<int4*>(q.base + tok * q.stride + (oo << 4) - q.offset), val[u]);
+          }
+        }
+        oo += so, jj += sj;
+        if (oo >= rv) oo -= rv, ++jj;
+      }
+      j = jj, o = oo;
+    }
+  }
+  // One copy warp's slice (copy_id of num_copy, in vectors) of a whole channel share, rows [lo, hi) of the run,
+  // between the parts and the ring slots that hold them: share row j (from lo) is row j % rpc of the slot of counter
+  // c0 + j / rpc (rpc = rows per chunk, the chunk cut of chunk_rows), so the slots hold exactly what the per-chunk
+  // copy puts there. The slice spans at most 32 rows and 32 chunks (the caller's condition); their tokens and slot
+  // addresses are read / computed once (lane k: the slice's k-th row and chunk) and passed by shuffle. kToFlat: parts
+  // -> slots (.nc loads of the read-only send parts); else slots -> parts (.cg loads of the peer-written ring).
+  template <bool kToFlat>
+  __device__ __forceinline__ void copy_ring_slice(u8* ring, u64 c0, i64 num_slots, i64 chunk_bytes, i64 lo, i64 hi,
+                                                  i64 rpc, int copy_id, int num_copy, int lane) const {
+    constexpr int kU = SYMBUF_ROW_VEC_UNROLL;
+    const int rv = static_cast<int>(row_bytes >> 4);
+    const int total = static_cast<int>(hi - lo) * rv;
+    const int va = static_cast<int>(static_cast<i64>(total) * copy_id / num_copy);
+    const int vb = static_cast<int>(static_cast<i64>(total) * (copy_id + 1) / num_copy);
+    if (vb <= va) return;
+    const int e0 = num_parts > 1 ? static_cast<int>((parts[0].offset + parts[0].width) >> 4) : rv;
+    const int e1 = num_parts > 2 ? static_cast<int>((parts[1].offset + parts[1].width) >> 4) : rv;
+    const int e2 = num_parts > 3 ? static_cast<int>((parts[2].offset + parts[2].width) >> 4) : rv;
+    const int per = static_cast<int>(rpc);
+    const int ra = va / rv, ka = ra / per;  // the slice's first row and chunk (from lo)
+    const int rb = (vb - 1) / rv + 1;
+    const i64 tok = lane < rb - ra && index != nullptr ? __ldg(index + row0 + lo + ra + lane) : row0 + lo + ra + lane;
+    const u64 slot = reinterpret_cast<u64>(ring) +
+                     static_cast<u64>(((c0 + static_cast<u64>(ka + lane)) % static_cast<u64>(num_slots)) *
+                                      static_cast<u64>(chunk_bytes));
+    const int sj = 32 / rv, so = 32 - sj * rv;
+    int j = (va + lane) / rv, o = (va + lane) - j * rv;
+    for (int b = va; b < vb; b += kU * 32) {  // warp-uniform: every lane runs every batch
+      int4 val[kU];
+      int jj = j, oo = o;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
+        const int k = jj / per;
+        const i64 t = __shfl_sync(0xffffffffu, tok, (jj - ra) & 31);
+        const u64 sl = __shfl_sync(0xffffffffu, slot, (k - ka) & 31);
+        if (b + u * 32 + lane < vb) {
+          if constexpr (kToFlat) {
+            const Part& q = parts[p];
+            val[u] = ld_nc_global(reinterpret_cast<const int4*>(q.base + t * q.stride + (oo << 4) - q.offset));
+          } else {
+            val[u] = ld_cg_global(reinterpret_cast<const int4*>(sl + static_cast<u64>(jj - k * per) * row_bytes +
+                                                                (oo << 4)));
+          }
+        }
+        oo += so, jj += sj;
+        if (oo >= rv) oo -= rv, ++jj;
+      }
+      jj = j, oo = o;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
+        const int k = jj / per;
+        const i64 t = __shfl_sync(0xffffffffu, tok, (jj - ra) & 31);
+        const u64 sl = __shfl_sync(0xffffffffu, slot, (k - ka) & 31);
+        if (b + u * 32 + lane < vb) {
+          if constexpr (kToFlat) {
+            st_na_global(reinterpret_cast<int4*>(sl + static_cast<u64>(jj - k * per) * row_bytes + (oo << 4)), val[u]);
+          } else {
+            const Part& q = parts[p];
+            st_na_global(reinterpret_cast<int4*>(q.base + t * q.stride + (oo << 4) - q.offset), val[u]);
           }
         }
         oo += so, jj += sj;

@@ -25,11 +25,11 @@ VARIANTS = [(), ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",), (
             ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024"),
             ("-DSYMBUF_ROW_VEC=0", "-DSYMBUF_LL_FENCE=0", "-DSYMBUF_LL_SELF=0", "-DSYMBUF_MAX_THREADS=512"),
-            ("-DSYMBUF_ROW_VEC=1", "-DSYMBUF_MAX_THREADS=1024")]
+            ("-DSYMBUF_ROW_VEC=1", "-DSYMBUF_MAX_THREADS=1024"), ("-DSYMBUF_SPREAD=0", "-DSYMBUF_MAX_THREADS=512")]
 VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024",
                "trace-512", "trace-1024", "adaptive-512", "adaptive-1024", "adaptive-trace-debug-1024",
                "adaptive-trace-512", "unroll4-batch4-512", "no-header-fold-512", "no-header-fold-adaptive-1024",
-               "previous-copies-and-fences-512", "row-vec-1024"]
+               "previous-copies-and-fences-512", "row-vec-1024", "no-spread-512"]
 
 
 def _nvrtc_or_skip():
@@ -573,3 +573,18 @@ def test_low_latency_releases_without_sc_fences():
     assert "red.relaxed.sys.global.add.u64" in new and "st.release.sys.global.u64" in new
     staged = _kernels.compile_ptx("low_latency.cu", "compute_90", defines=("-DSYMBUF_LL_SELF=0",))
     assert staged != new
+
+
+def test_short_shares_spread_over_the_copy_warps_in_the_512_thread_ring_build():
+    """SYMBUF_SPREAD (follows SYMBUF_ROW_VEC): the 512-thread build slices a short channel share over its copy warps
+    (their count in shared memory, then the done marks); SYMBUF_SPREAD=0 is the row-vector build without it, and the
+    trace, debug and work-sharing builds never have it (the same PTX either way)."""
+    _nvrtc_or_skip()
+    t512 = ("-DSYMBUF_MAX_THREADS=512",)
+    spread = _kernels.compile_ptx(RING, "compute_90", defines=t512)
+    chunks = _kernels.compile_ptx(RING, "compute_90", defines=t512 + ("-DSYMBUF_SPREAD=0",))
+    assert spread != chunks and spread.count("shfl.sync.idx") > chunks.count("shfl.sync.idx")
+    assert "membar.cta" in spread and "membar.cta" not in chunks  # the slice's release before its count
+    for other in (("-DSYMBUF_ADAPTIVE=1",), ("-DSYMBUF_TRACE=1",), ("-DSYMBUF_DEBUG=1",)):
+        assert _kernels.compile_ptx(RING, "compute_90", defines=t512 + other) == \
+            _kernels.compile_ptx(RING, "compute_90", defines=t512 + other + ("-DSYMBUF_SPREAD=0",)), other
