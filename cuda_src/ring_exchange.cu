@@ -477,9 +477,11 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
   const i64 nchunks = hi > lo && !direct_send ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
 #if SYMBUF_SPREAD
-  // a short share (every chunk in the ring at once, at most one a copy warp, a slice of at most 17 rows a warp) of
-  // rows of 16-byte vectors: sliced over the copy warps (spread_share); the same for every warp of the group
-  const bool spread = !solo && !push_mask && nchunks > 0 && nchunks <= num_copy && nchunks <= num_slots &&
+  // a short share (every chunk in the ring at once beside the call header's slot: the slices wait for room for all of
+  // them before any is published, so the header's slot must not be one of theirs; at most one chunk a copy warp; a
+  // slice of at most 17 rows a warp) of rows of 16-byte vectors: sliced over the copy warps (spread_share); the same
+  // for every warp of the group
+  const bool spread = !solo && !push_mask && nchunks > 0 && nchunks <= num_copy && nchunks < num_slots &&
                       hi - lo <= 16 * static_cast<i64>(num_copy) && (is_sender ? send : recv).vec_rows();
 #endif
   const u64 first = state[STATE_COUNTER];  // the call header's counter

@@ -224,7 +224,7 @@ __device__ __forceinline__ void post_chunk(bool solo, u64* remote_counter, u64* 
 }
 
 #if SYMBUF_SPREAD
-// A short channel share (SYMBUF_SPREAD, ring_exchange.cu: at most num_copy chunks, all in the ring at once, rows of
+// A short channel share (SYMBUF_SPREAD, ring_exchange.cu: at most num_copy chunks, fewer than num_slots, rows of
 // 16-byte vectors): every copy warp copies a slice of the whole share's vectors instead of whole chunks (a share of
 // 11 rows cut into 6 chunks of 2 rows kept 6 of 10 warps busy for 2 rows each; sliced, each warp moves ~1.1 rows).
 // Lane 0 first waits for the last chunk's condition (sender: room for every slot of the share; receiver: tail past
