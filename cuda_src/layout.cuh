@@ -49,9 +49,10 @@ struct Part {
 // flight a lane across row and part boundaries, where every part is 16-byte aligned and a copy takes at most 32 rows
 // (RowRun::copy_vec); 0: part by part, row by row (copy_bytes each), for a same-run comparison. Default: on in the
 // ring kernel's builds of at most 512 threads (128 registers a thread; ptxas: 144 bytes of spill stores outside the
-// copy loops, none in them), off in the 1024-thread build (64 registers: its spills grow from ~0.4 to ~2 KiB).
+// copy loops, none in them), off in the 1024-thread build (64 registers: its spills grow from ~0.4 to ~2 KiB) and
+// in the bulk-copy build (SYMBUF_BULK: its parts go by cp.async.bulk, as it was asked for).
 #ifndef SYMBUF_ROW_VEC
-#if defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512  // (ring_exchange.cu defines it before this header)
+#if (defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512) || SYMBUF_BULK  // (ring_exchange.cu: before this header)
 #define SYMBUF_ROW_VEC 0
 #else
 #define SYMBUF_ROW_VEC 1
