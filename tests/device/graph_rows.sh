@@ -32,7 +32,12 @@ T0=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>/dev/null | head -1
 MPS=0
 nvidia-cuda-mps-control -d 2>/dev/null && MPS=1 && echo "MPS started"
-trap '[ $MPS = 1 ] && echo quit | nvidia-cuda-mps-control 2>/dev/null; echo "== graph_rows done in $((SECONDS - T0)) s"' EXIT
+done_msg() {
+  [ $MPS = 1 ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
+  echo "== graph_rows done in $((SECONDS - T0)) s"
+}
+trap done_msg EXIT
+rm -f "$LOG"/rows_*.log "$LOG"/test_*.log
 
 rc_all=0
 declare -A n_run=()
