@@ -104,7 +104,7 @@ struct RowRun {
   }
   // One warp copies run rows [r, r + n) (n <= 32) as one stream of 16-byte vectors across row and part boundaries:
   // vector v is byte 16 * (v % rv) of packed row v / rv (rv = row_bytes / 16), lane l takes v = l, l + 32, ...,
-  // SYMBUF_UNROLL loads in flight a lane, every load of a batch before its first store. The part-by-part copy
+  // SYMBUF_ROW_VEC_UNROLL loads in flight a lane, every load of a batch before its first store (copy_walk). The part-by-part copy
   // (copy_bytes per part and row) issues one part of one row at a time: a 14336-byte x row then its 64-byte top-k
   // and 32-byte weights parts are 3 + 4 + 1 + 1 dependent round trips a row; here a two-row chunk is 8. kMode:
   // kVecToFlat this run's parts -> packed rows at `flat` (a sender's ring slot; .nc loads of the read-only send
@@ -114,56 +114,28 @@ struct RowRun {
   // vec_rows() of both runs (the same part widths and offsets: the plan's).
   template <int kMode>
   __device__ __forceinline__ void copy_vec(const RowRun& to, u8* flat, i64 r, i64 n, int lane) const {
-    constexpr int kU = SYMBUF_ROW_VEC_UNROLL;
     // 32-bit vector arithmetic (n <= 32 rows of at most a slot, chunk_bytes <= 64 MiB: < 2^27 vectors)
     const int rv = static_cast<int>(row_bytes >> 4);
-    const int total = static_cast<int>(n) * rv;
-    // part boundaries in vectors: part p of vector o is the number of part ends <= o (parts in offset order)
-    const int e0 = num_parts > 1 ? static_cast<int>((parts[0].offset + parts[0].width) >> 4) : rv;
-    const int e1 = num_parts > 2 ? static_cast<int>((parts[1].offset + parts[1].width) >> 4) : rv;
-    const int e2 = num_parts > 3 ? static_cast<int>((parts[2].offset + parts[2].width) >> 4) : rv;
+    const VecParts ends = vec_parts(rv);
     const i64 tok_from = lane < n && index != nullptr ? __ldg(index + row0 + r + lane) : row0 + r + lane;
     const i64 tok_to = kMode != kVecParts ? 0
                        : (lane < n && to.index != nullptr ? __ldg(to.index + to.row0 + r + lane) : to.row0 + r + lane);
     const RowRun& dst_run = kMode == kVecParts ? to : *this;
-    const int sj = 32 / rv, so = 32 - sj * rv;  // one warp step of 32 vectors, in rows and vectors
-    int j = lane / rv, o = lane - j * rv;       // this lane's first vector
-    for (int b = 0; b < total; b += kU * 32) {  // warp-uniform: every lane runs every batch
-      int4 val[kU];
-      int jj = j, oo = o;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
-        const i64 tok = __shfl_sync(0xffffffffu, tok_from, jj & 31);
-        if (b + u * 32 + lane < total) {
-          if constexpr (kMode == kVecFromFlat) {
-            val[u] = ld_cg_global(reinterpret_cast<const int4*>(flat + static_cast<i64>(jj) * row_bytes + (oo << 4)));
-          } else {
-            const Part& q = parts[p];
-            val[u] = ld_nc_global(reinterpret_cast<const int4*>(q.base + tok * q.stride + (oo << 4) - q.offset));
-          }
-        }
-        oo += so, jj += sj;
-        if (oo >= rv) oo -= rv, ++jj;
-      }
-      jj = j, oo = o;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
-        const i64 tok = __shfl_sync(0xffffffffu, kMode == kVecParts ? tok_to : tok_from, jj & 31);
-        if (b + u * 32 + lane < total) {
-          if constexpr (kMode == kVecToFlat) {
-            st_na_global(reinterpret_cast<int4*>(flat + static_cast<i64>(jj) * row_bytes + (oo << 4)), val[u]);
-          } else {
-            const Part& q = dst_run.parts[p];
-            st_na_global(reinterpret_cast<int4*>(q.base + tok * q.stride + (oo << 4) - q.offset), val[u]);
-          }
-        }
-        oo += so, jj += sj;
-        if (oo >= rv) oo -= rv, ++jj;
-      }
-      j = jj, o = oo;
-    }
+    const u64 f = reinterpret_cast<u64>(flat);
+    const auto packed = [&](int jj, int oo) {
+      return f + static_cast<u64>(jj) * static_cast<u64>(row_bytes) + (static_cast<u64>(oo) << 4);
+    };
+    copy_walk<kMode == kVecFromFlat>(
+        0, static_cast<int>(n) * rv, rv, lane,
+        [&](int jj, int oo) {
+          return kMode == kVecFromFlat ? packed(jj, oo)
+                                       : part_vec(*this, ends.part(oo), __shfl_sync(~0u, tok_from, jj & 31), oo);
+        },
+        [&](int jj, int oo) {
+          return kMode == kVecToFlat ? packed(jj, oo)
+                                     : part_vec(dst_run, ends.part(oo),
+                                                __shfl_sync(~0u, kMode == kVecParts ? tok_to : tok_from, jj & 31), oo);
+        });
   }
   // One copy warp's slice (copy_id of num_copy, in vectors) of a whole channel share, rows [lo, hi) of the run,
   // between the parts and the ring slots that hold them: share row j (from lo) is row j % rpc of the slot of counter
@@ -174,15 +146,12 @@ struct RowRun {
   template <bool kToFlat>
   __device__ __forceinline__ void copy_ring_slice(u8* ring, u64 c0, i64 num_slots, i64 chunk_bytes, i64 lo, i64 hi,
                                                   i64 rpc, int copy_id, int num_copy, int lane) const {
-    constexpr int kU = SYMBUF_ROW_VEC_UNROLL;
     const int rv = static_cast<int>(row_bytes >> 4);
     const int total = static_cast<int>(hi - lo) * rv;
     const int va = static_cast<int>(static_cast<i64>(total) * copy_id / num_copy);
     const int vb = static_cast<int>(static_cast<i64>(total) * (copy_id + 1) / num_copy);
     if (vb <= va) return;
-    const int e0 = num_parts > 1 ? static_cast<int>((parts[0].offset + parts[0].width) >> 4) : rv;
-    const int e1 = num_parts > 2 ? static_cast<int>((parts[1].offset + parts[1].width) >> 4) : rv;
-    const int e2 = num_parts > 3 ? static_cast<int>((parts[2].offset + parts[2].width) >> 4) : rv;
+    const VecParts ends = vec_parts(rv);
     const int per = static_cast<int>(rpc);
     const int ra = va / rv, ka = ra / per;  // the slice's first row and chunk (from lo)
     const int rb = (vb - 1) / rv + 1;
@@ -190,44 +159,58 @@ struct RowRun {
     const u64 slot = reinterpret_cast<u64>(ring) +
                      static_cast<u64>(((c0 + static_cast<u64>(ka + lane)) % static_cast<u64>(num_slots)) *
                                       static_cast<u64>(chunk_bytes));
-    const int sj = 32 / rv, so = 32 - sj * rv;
-    int j = (va + lane) / rv, o = (va + lane) - j * rv;
-    for (int b = va; b < vb; b += kU * 32) {  // warp-uniform: every lane runs every batch
+    const auto packed = [&](int jj, int oo) {
+      const int k = jj / per;
+      return __shfl_sync(~0u, slot, (k - ka) & 31) + static_cast<u64>(jj - k * per) * static_cast<u64>(row_bytes) +
+             (static_cast<u64>(oo) << 4);
+    };
+    const auto part = [&](int jj, int oo) {
+      return part_vec(*this, ends.part(oo), __shfl_sync(~0u, tok, (jj - ra) & 31), oo);
+    };
+    if (kToFlat) copy_walk<false>(va, vb, rv, lane, part, packed);
+    else copy_walk<true>(va, vb, rv, lane, packed, part);
+  }
+  // Part ends of a run in vectors (parts in offset order): part p of vector o is the number of ends <= o.
+  struct VecParts {
+    int e0, e1, e2;
+    __device__ __forceinline__ int part(int o) const { return (o >= e0) + (o >= e1) + (o >= e2); }
+  };
+  __device__ __forceinline__ VecParts vec_parts(int rv) const {
+    return VecParts{num_parts > 1 ? static_cast<int>((parts[0].offset + parts[0].width) >> 4) : rv,
+                    num_parts > 2 ? static_cast<int>((parts[1].offset + parts[1].width) >> 4) : rv,
+                    num_parts > 3 ? static_cast<int>((parts[2].offset + parts[2].width) >> 4) : rv};
+  }
+  // Address of vector o of part p of the row of token `tok` in run `run`.
+  static __device__ __forceinline__ u64 part_vec(const RowRun& run, int p, i64 tok, int o) {
+    const Part& q = run.parts[p];
+    return static_cast<u64>(q.base + tok * q.stride + (static_cast<i64>(o) << 4) - q.offset);
+  }
+  // The warp's vectors v = b0 + lane, b0 + lane + 32, ... < end, vector v at row v / rv, vector v % rv of the packed
+  // row; src(row, vector) and dst(row, vector) give where it comes from and goes to (every lane calls them for every
+  // slot of a batch: they may shuffle). SYMBUF_ROW_VEC_UNROLL loads in flight a lane, every load of a batch before
+  // its first store; .cg loads (kFromRing: a peer-written ring slot) or .nc (read-only send parts).
+  template <bool kFromRing, class Src, class Dst>
+  __device__ __forceinline__ void copy_walk(int b0, int end, int rv, int lane, Src src, Dst dst) const {
+    constexpr int kU = SYMBUF_ROW_VEC_UNROLL;
+    const int sj = 32 / rv, so = 32 - sj * rv;  // one warp step of 32 vectors, in rows and vectors
+    int j = (b0 + lane) / rv, o = (b0 + lane) - j * rv;
+    for (int b = b0; b < end; b += kU * 32) {  // warp-uniform: every lane runs every batch
       int4 val[kU];
       int jj = j, oo = o;
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
-        const int k = jj / per;
-        const i64 t = __shfl_sync(0xffffffffu, tok, (jj - ra) & 31);
-        const u64 sl = __shfl_sync(0xffffffffu, slot, (k - ka) & 31);
-        if (b + u * 32 + lane < vb) {
-          if constexpr (kToFlat) {
-            const Part& q = parts[p];
-            val[u] = ld_nc_global(reinterpret_cast<const int4*>(q.base + t * q.stride + (oo << 4) - q.offset));
-          } else {
-            val[u] = ld_cg_global(reinterpret_cast<const int4*>(sl + static_cast<u64>(jj - k * per) * row_bytes +
-                                                                (oo << 4)));
-          }
-        }
+        const u64 a = src(jj, oo);
+        if (b + u * 32 + lane < end)
+          val[u] = kFromRing ? ld_cg_global(reinterpret_cast<const int4*>(a))
+                             : ld_nc_global(reinterpret_cast<const int4*>(a));
         oo += so, jj += sj;
         if (oo >= rv) oo -= rv, ++jj;
       }
       jj = j, oo = o;
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        const int p = (oo >= e0) + (oo >= e1) + (oo >= e2);
-        const int k = jj / per;
-        const i64 t = __shfl_sync(0xffffffffu, tok, (jj - ra) & 31);
-        const u64 sl = __shfl_sync(0xffffffffu, slot, (k - ka) & 31);
-        if (b + u * 32 + lane < vb) {
-          if constexpr (kToFlat) {
-            st_na_global(reinterpret_cast<int4*>(sl + static_cast<u64>(jj - k * per) * row_bytes + (oo << 4)), val[u]);
-          } else {
-            const Part& q = parts[p];
-            st_na_global(reinterpret_cast<int4*>(q.base + t * q.stride + (oo << 4) - q.offset), val[u]);
-          }
-        }
+        const u64 a = dst(jj, oo);
+        if (b + u * 32 + lane < end) st_na_global(reinterpret_cast<int4*>(a), val[u]);
         oo += so, jj += sj;
         if (oo >= rv) oo -= rv, ++jj;
       }
