@@ -14,6 +14,9 @@
   timing (ROWS_BIG_ITERS calls; 0: skipped).
 
 Inputs as ``bench --control``: 7168 hidden float16 (low-latency: bfloat16), top-8 of 256 experts, random routing.
+The eager ``combine(dispatch(x))`` at 128 and 4096 tokens is checked against NumPy first (x times the number of ranks
+each token went to; the weights' sum is the weights) and the graph replays against the eager calls; the
+low-latency rows are timed only (their correctness: ``tests/test_low_latency*.py``, ``graph_rows.sh test``).
 Prints one ``row: <name> <us>`` line per row (rank 0) and the build's defines (``CUPY_SYMBUF_NVRTC_DEFINES``) and
 ring-kernel registers first.
 
@@ -50,6 +53,18 @@ def row(name: str, us: float) -> None:
     say(f"row: {name:<44} {us:9.2f}")
 
 
+def check_combined(what: str, x, idx, w, combined, wsum) -> None:
+    """NumPy reference of combine(dispatch(x)): every rank returns its copy of row t unchanged, so the float32 sum
+    rounded once is x[t] times the number of ranks t went to (exact in float16 here), and the weights' sum is w (each
+    slot's weight kept on the one rank holding its expert, zero elsewhere). Collective: every rank's verdict."""
+    ranks = idx.get() // (EXPERTS // world.Get_size())
+    hits = np.stack([(ranks == r).any(axis=1) for r in range(world.Get_size())], axis=1).sum(axis=1)
+    want = (x.get().astype(np.float32) * hits[:, None]).astype(np.float16)
+    ok = np.array_equal(combined.get().view(np.uint16), want.view(np.uint16)) and np.array_equal(wsum.get(), w.get())
+    if not world.allreduce(bool(ok), op=MPI.LAND):
+        raise SystemExit(f"graph_rows: combine(dispatch(x)) differs from the NumPy reference ({what})")
+
+
 with Communicator(world, backend="cuda") as c:
     W = c.world_size
     k = c.engine.transport.ring_kernel
@@ -63,6 +78,7 @@ with Communicator(world, backend="cuda") as c:
     eager = c.dispatch(x, idx, w, EXPERTS)
     e_comb, e_wsum = c.combine(eager[0], eager[4], eager[2])
     c.synchronize()
+    check_combined(f"{TOKENS} tokens, eager", x, idx, w, e_comb, e_wsum)
     worst = TOKENS * W
     stream = cp.cuda.Stream(non_blocking=True)
 
@@ -132,6 +148,7 @@ with Communicator(world, backend="cuda") as c:
         out = c.dispatch(x, idx, w, EXPERTS)
         h = out[4]
         again = c.dispatch(x, handle=h)
+        check_combined(f"{n} tokens", x, idx, w, *c.combine(out[0], h, out[2]))
         c.synchronize()
         if not world.allreduce(bool((again[0] == out[0]).all()), op=MPI.LAND):
             raise SystemExit("graph_rows: the cached dispatch at 4096 tokens differs from the first")
