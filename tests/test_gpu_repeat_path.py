@@ -426,3 +426,19 @@ def test_combine_received_rows_per_stream(stub):
         [(o.data.ptr, o.nbytes) for pair in outs for o in pair]
     spans = sorted(set(spans))
     assert all(p + n <= q for (p, n), (q, _) in zip(spans, spans[1:])), "received rows overlap an output"
+
+
+def test_combine_result_tuple_held_keeps_its_arrays(stub):
+    """A caller that keeps a combine's result tuple with weights as it is (``res = combine(...)``, not unpacked)
+    holds both outputs: the next call of the shape returns other memory."""
+    eng, launches, stream, fast = stub
+    h = S.handle(eng, num_tokens=16, hidden=64, num_topk=2, dispatch_id=7)
+    x = cupy.empty((h.num_recv_tokens, 64), np.float32)
+    w = cupy.empty((h.num_recv_tokens, 2), np.float32)
+    normal.combine(eng, x, h, w), normal.combine(eng, x, h, w)  # the record, then its fast path
+    before = len(fast)
+    res = normal.combine(eng, x, h, w)
+    again = normal.combine(eng, x, h, w)
+    assert len(fast) == before + 2, "both calls take the fast path"
+    assert res[0].data.ptr != again[0].data.ptr and res[1].data.ptr != again[1].data.ptr, \
+        "a held result tuple's arrays handed out again"

@@ -23,7 +23,7 @@ __all__ = ["OutputPool"]
 _refs = sys.getrefcount
 
 
-def _held(arrays: tuple) -> tuple:
+def _held(arrays: list) -> tuple:
     """The reference counts that say whether anything outside the pool holds ``arrays`` (see the module doc); the
     pool compares them with those it counted, in this same function, when it alone held the set."""
     if len(arrays) == 1:
@@ -51,14 +51,17 @@ class OutputPool:
     def take(self, stream_ptr: int) -> tuple:
         """A set of arrays for a call on the stream ``stream_ptr`` (see the class doc). Raises what ``make()``
         raises (out of memory)."""
+        # The pool keeps each set as a list and returns a new tuple of it: a caller that hands the tuple on as it is
+        # (combine's (x, weights)) holds the arrays through it, which their counts see (the pool's own tuple would
+        # hold them invisibly).
         for s in self._sets:
             if s[0] == stream_ptr and _held(s[1]) == s[2]:
-                return s[1]
-        arrays = self._make()
+                return tuple(s[1])
+        arrays = list(self._make())
         if len(self._sets) >= self._size:
             del self._sets[0]
         self._sets.append([stream_ptr, arrays, _held(arrays)])
-        return arrays
+        return tuple(arrays)
 
     def __len__(self) -> int:
         return len(self._sets)
