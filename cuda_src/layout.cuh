@@ -47,16 +47,17 @@ struct Part {
 
 // 1: rows of several parts (MoE dispatch / combine) move as one stream of 16-byte vectors, SYMBUF_UNROLL loads in
 // flight a lane across row and part boundaries, where every part is 16-byte aligned and a copy takes at most 32 rows
-// (RowRun::copy_vec); 0: part by part, row by row (copy_bytes each), for a same-run comparison. Default: on in the
-// ring kernel's builds of at most 512 threads (128 registers a thread; ptxas: 144 bytes of spill stores outside the
-// copy loops, none in them), off in the 1024-thread build (64 registers: its spills grow from ~0.4 to ~2 KiB) and
-// in the bulk-copy build (SYMBUF_BULK: its parts go by cp.async.bulk, as it was asked for).
+// (RowRun::copy_vec); 0 (the default): part by part, row by row (copy_bytes each). Off because it was measured
+// slower on the device (one H100, 2 ranks under MPS, tests/device/graph_rows.sh: 128-token graph dispatch /
+// combine 47.9 / 35.7 -> 61.9 / 50.2 us, 4096-token cached dispatch / combine 286 / 404 -> 755 / 877 us; the
+// ring kernel's registers and spills 126 / 312 B -> 128 / 408 B; docs/perf-notes.md). Kept as an A/B build
+// (-DSYMBUF_ROW_VEC=1, builds of at most 512 threads without SYMBUF_BULK only).
 #ifndef SYMBUF_ROW_VEC
-#if (defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512) || SYMBUF_BULK  // (ring_exchange.cu: before this header)
 #define SYMBUF_ROW_VEC 0
-#else
-#define SYMBUF_ROW_VEC 1
 #endif
+#if SYMBUF_ROW_VEC && ((defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512) || SYMBUF_BULK)
+#undef SYMBUF_ROW_VEC
+#define SYMBUF_ROW_VEC 0
 #endif
 // 1: in the ring kernel, a channel share of at most num_copy chunks (a short call) is sliced over every copy warp of
 // its group (vectors, not chunks: ring_prims.cuh spread_share) and published at once; 0: chunk by chunk, for a
