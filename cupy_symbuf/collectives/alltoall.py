@@ -18,6 +18,7 @@ to the peers (:meth:`Engine.call` / :meth:`Engine.reject`).
 """
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import numpy as np
@@ -46,6 +47,7 @@ def _ones(world_size: int) -> np.ndarray:
 
 
 _refs = sys.getrefcount
+_addressof, _CHAR = ctypes.addressof, ctypes.c_char
 
 
 def _refs_at(pool: list, i: int) -> int:
@@ -99,22 +101,30 @@ def _repeat(eng, rec: _Repeat, op: str, x, out):
     heap = eng.heap
     if heap.allocations or heap._freed_tokens or eng.transport.trace is not None:
         return None
+    eng.check_open()
     if out is None:
+        pool = rec.pool
+        if pool and _refs_at(pool, 0) == _FREE:
+            recv, out_addr = pool[0], rec.addrs[0]
+        elif len(pool) > 1 and _refs_at(pool, 1) == _FREE:
+            recv, out_addr = pool[1], rec.addrs[1]
+        else:
+            try:
+                recv, out_addr = rec.take()
+            except BaseException:
+                eng.reject(op, notify=False)
+                raise
         try:
-            recv, out_addr = rec.take()
-        except BaseException:
-            eng.check_open()
-            eng.reject(op, notify=False)
-            raise
+            x_addr = _addressof(_CHAR.from_buffer(x))
+        except (TypeError, ValueError, BufferError):  # read-only, or a dtype the buffer protocol cannot describe
+            x_addr = address_of(x)
     else:
         if type(out) is not np.ndarray or out.shape != rec.out_shape or out.dtype is not rec.dtype or \
                 out.strides != rec.out_strides or not out.flags.writeable:
             return None
-        recv, out_addr = out, address_of(out)
-    x_addr = address_of(x)
-    if out is not None and out_addr < x_addr + rec.nbytes and x_addr < out_addr + rec.out_nbytes:
-        return None  # (overlap: the full path's error)
-    eng.check_open()
+        recv, out_addr, x_addr = out, address_of(out), address_of(x)
+        if out_addr < x_addr + rec.nbytes and x_addr < out_addr + rec.out_nbytes:
+            return None  # (overlap: the full path's error)
     eng.run_prepared(rec.prep, op, x_addr, recv, out_addr)
     return recv
 

@@ -569,8 +569,27 @@ class Engine:
         """Run a prepared call (:meth:`prepare`) of a C-contiguous send part at ``x_addr`` into the C-contiguous
         ``out`` at ``out_addr`` (the plan's shapes: the caller's contract), as :meth:`run` runs its plan: the
         same headers, checks, counters and errors."""
-        rejected = self._run(self.transport.run_prepared, prep, op, x_addr, out, out_addr)
-        self._count(prep.plan)
+        state = self._state
+        if state is not None:
+            state.started = True
+        try:  # (_run, inline)
+            rejected = self.transport.run_prepared(prep, op, x_addr, out, out_addr)
+        except SymBufferRejectedError:
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        if state is not None:
+            state.pending = False
+        n = self._calls.get(prep.plan)  # (_count, inline for a plan counted before)
+        if n is None:
+            self._count(prep.plan)
+        else:
+            self._calls[prep.plan] = n + 1
+            load = self.load
+            load.calls_total += 1
+            if load.adaptive:
+                self._adapt()
         if rejected:
             self._raise_rejected(op, rejected)
 

@@ -533,8 +533,7 @@ class HostTransport:
                   out_nbytes: int) -> None:
         """``MODE_CMA``: copy peer ``r.p``'s ``n`` bytes at ``addr`` in process ``pid`` (checked against the peer's
         pid) to ``dst_address``, byte ``dst`` of an output of ``out_nbytes`` bytes, by ``process_vm_readv``. A
-        failed read sets the abort word and raises :class:`SymBufferError` (the peer's process gone, or the
-        kernel's error)."""
+        failed read sets the abort word and raises :class:`SymBufferError` (:meth:`_cma_error`)."""
         try:
             if pid != self.cma_pids[r.p]:
                 raise OSError(0, f"the header names pid {pid}, rank {r.p} is pid {self.cma_pids[r.p]}")
@@ -544,14 +543,19 @@ class HostTransport:
                                          f"output's {out_nbytes}")
                 self._reader.read(pid, addr, dst_address, n)
         except OSError as exc:
-            gone = exc.errno == errno.ESRCH
-            self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
-            why = (f"rank {r.p}'s process (pid {pid}) is gone: it exited or was killed in the middle of the "
-                   f"call" if gone else f"{exc}")
-            raise SymBufferError(
-                f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
-                f"{r.c}, {n} bytes at {addr:#x}): {why}. The communicator is unusable (the other ranks "
-                f"raise SymBufferAbortedError).") from None
+            raise self._cma_error(op, r, pid, addr, n, exc) from None
+
+    def _cma_error(self, op: str, r: "_Run", pid: int, addr: int, n: int, exc: OSError) -> SymBufferError:
+        """A failed cross-memory attach read of peer ``r.p``'s ``n`` bytes at ``addr`` (pid ``pid``): sets the
+        abort word (the peers raise :class:`SymBufferAbortedError`) and returns the error to raise."""
+        gone = exc.errno == errno.ESRCH
+        self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+        why = (f"rank {r.p}'s process (pid {pid}) is gone: it exited or was killed in the middle of the "
+               f"call" if gone else f"{exc}")
+        return SymBufferError(
+            f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
+            f"{r.c}, {n} bytes at {addr:#x}): {why}. The communicator is unusable (the other ranks "
+            f"raise SymBufferAbortedError).")
 
     # ---- prepared calls: a call shape's exchange with its per-call set-up made once ------------------------
     def prepare(self, plan):
@@ -573,71 +577,90 @@ class HostTransport:
     def run_prepared(self, prep: "Prepared", op: str, x_addr: int, out, out_addr: int) -> list:
         """One call of ``prep`` (:meth:`prepare`): the same protocol, headers and checks as :meth:`exchange_rows`
         for a C-contiguous send part at ``x_addr`` and the C-contiguous output ``out`` at ``out_addr`` (the
-        shapes of the plan: the caller's contract), with the per-call set-up of the plan made once. Returns the ranks that
-        rejected the call; raises as :meth:`exchange_rows`."""
-        me = self.rank
-        if self._abort[me][P.ABORT_FLAG]:
-            self._check_form_ring(op, prep.plan, [p for p in range(self.world_size) if p != me])
-            self.check_abort(op)
-        if self._pending:
+        shapes of the plan: the caller's contract), with the per-call set-up of the plan made once. Returns the
+        ranks that rejected the call; raises as :meth:`exchange_rows`."""
+        if prep.abort.value or self._pending:
+            if prep.abort.value:
+                me = self.rank
+                self._check_form_ring(op, prep.plan, [p for p in range(self.world_size) if p != me])
+                self.check_abort(op)
             self.settle(op)
-        plan, sync, ns = prep.plan, self.buf.sync, self.layout.num_slots
+        sync, ns, cma = prep.sync, prep.ns, prep.cma
         # every call header out (a run in its header's slot, or the place of the rows for cross-memory attach)
-        for x, hdr_of, tmpl, off, n, bodies in prep.sends:
-            x.start()
-            if x.pos_counter - int(x.counter[0]) >= ns:  # the peer is still draining an earlier call's chunks
-                self._wait_prepared(op, plan, x, "send", x.pos_counter - ns + 1)
-            k = x.pos_counter % ns
-            tmpl[P.HDR_SEQ] = x.seq
-            if prep.cma:
+        for x, st, head, tail, hdr_of, tmpl, off, n, bodies in prep.sends:
+            pc = st[0]
+            seq = st[1] + 1
+            if pc - head.value >= ns:  # the peer is still draining an earlier call's chunks
+                x.pos_counter, x.seq = pc, seq
+                self._wait_prepared(op, prep.plan, x, "send", pc - ns + 1)
+            k = pc % ns
+            tmpl[P.HDR_SEQ] = seq
+            if cma:
                 tmpl[P.HDR_DIRECT_OFFSET] = x_addr + off
             elif n:
                 _memmove(bodies[k], x_addr + off, n)
             hdr_of[k][:] = tmpl
-            x.pos_counter += 1
         sync()  # headers and payload before the tails
-        for x in prep.sends:
-            x = x[0]
-            x.remote[0] = x.pos_counter
+        for s in prep.sends:
+            s[3].value = s[1][0] + 1
         if prep.n_self:  # the rows to itself, while the peers read theirs
             _memmove(out_addr + prep.r_self, x_addr + prep.s_self, prep.n_self)
         rejected = pulled = None
-        for r, bodies in prep.recvs:
-            r.start()
-            self._wait_prepared(op, plan, r, "recv", r.pos_counter + 1)
+        for r, st, tail, head, hdr_of, bodies, want_units, pid, dst in prep.recvs:
+            pc = st[0]
+            seq = st[1] + 1
+            if tail.value <= pc:
+                r.start()
+                self._wait_prepared(op, prep.plan, r, "recv", pc + 1)
             sync()  # tail before the header and the payload
-            k = r.pos_counter % ns
-            hdr = r.slots[k][1].tolist()
-            self._check_header(op, plan, r, hdr, plan.sig)
-            r.checked = True
-            if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
-                rejected = (rejected or []) + [r.p]
-                r.end = r.pos
-            elif hdr[P.HDR_MODE] == P.MODE_CMA:
-                self._pull_cma(op, r, hdr[P.HDR_DIRECT_ALLOC], hdr[P.HDR_DIRECT_OFFSET],
-                               out_addr + int(plan.recv_first[r.p]), int(plan.recv_units[r.p]),
-                               int(plan.recv_first[r.p]), prep.out_nbytes)
-                r.pos = r.end
-                pulled = True
-            elif hdr[P.HDR_MODE] != P.MODE_RING or not r.inline:  # a symmetric array, or chunks: the loop's way
-                pulled = self._recv_rest(op, plan, r, hdr, out) or pulled
-                continue
-            else:  # the run is in the header's slot
-                if r.end > r.pos:
-                    _memmove(out_addr + int(plan.recv_first[r.p]) + r.pos, bodies[k], r.end - r.pos)
-                r.pos = r.end
-            r.pos_counter += 1
+            k = pc % ns
+            hdr = hdr_of[k].tolist()
+            if (hdr[P.HDR_MAGIC] == P.HDR_MAGIC_VALUE and hdr[P.HDR_SEQ] == seq and hdr[P.HDR_OP] == prep.op_code and
+                    hdr[P.HDR_STATUS] == P.HDR_OK and hdr[P.HDR_SIG] == prep.sig and hdr[P.HDR_UNITS] == want_units
+                    and hdr[P.HDR_NCHUNKS] == 0 and hdr[P.HDR_NCHANNELS] == 1):
+                mode = hdr[P.HDR_MODE]
+                if mode == P.MODE_CMA and hdr[P.HDR_DIRECT_ALLOC] == pid:
+                    if want_units:
+                        try:
+                            self._reader.read(pid, hdr[P.HDR_DIRECT_OFFSET], out_addr + dst, want_units)
+                        except OSError as exc:
+                            r.start()
+                            raise self._cma_error(op, r, pid, hdr[P.HDR_DIRECT_OFFSET], want_units, exc) from None
+                    pulled = True
+                elif mode == P.MODE_RING and r.inline:  # the run is in the header's slot
+                    if want_units:
+                        _memmove(out_addr + dst, bodies[k], want_units)
+                else:
+                    mode = None
+            else:
+                mode = None
+            if mode is None:  # anything else: the full check, and the loop's ways
+                r.start()
+                self._check_header(op, prep.plan, r, hdr, prep.sig)
+                r.checked = True
+                if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
+                    rejected = (rejected or []) + [r.p]
+                elif hdr[P.HDR_MODE] == P.MODE_CMA:
+                    self._pull_cma(op, r, hdr[P.HDR_DIRECT_ALLOC], hdr[P.HDR_DIRECT_OFFSET], out_addr + dst,
+                                   want_units, dst, prep.out_nbytes)
+                    pulled = True
+                else:  # a symmetric array, or chunks
+                    pulled = self._recv_rest(op, prep.plan, r, hdr, out) or pulled
+                    continue
             sync()  # reads of the slot (and of the peer's memory) before head
-            r.remote[0] = r.pos_counter
-            r.state[P.STATE_COUNTER], r.state[P.STATE_SEQ] = r.pos_counter, r.seq
-        for x in prep.sends:
-            x = x[0]
-            if prep.cma and int(x.counter[0]) < x.pos_counter:  # the peer reads this rank's rows until its head
-                self._wait_prepared(op, plan, x, "send", x.pos_counter)
-            x.state[P.STATE_COUNTER], x.state[P.STATE_SEQ] = x.pos_counter, x.seq
+            head.value = pc + 1
+            st[0], st[1] = pc + 1, seq
+        for x, st, head, tail, hdr_of, tmpl, off, n, bodies in prep.sends:
+            pc = st[0] + 1
+            if cma and head.value < pc:  # the peer reads this rank's rows until its head passes the header
+                x.pos_counter = pc
+                self._wait_prepared(op, prep.plan, x, "send", pc)
+            st[0] = pc
+            st[1] += 1
         if pulled:  # as exchange_rows: a clean read from a peer still inside the call, not a torn one
             sync()
-            self.check_abort(op)
+            if prep.abort.value:
+                self.check_abort(op)
         return sorted(rejected) if rejected else []
 
     def _wait_prepared(self, op: str, plan, run: "_Run", role: str, want: int) -> None:
@@ -988,28 +1011,44 @@ _memmove = ctypes.memmove
 
 class Prepared:
     """A plan's exchange made ready for :meth:`HostTransport.run_prepared` (:meth:`HostTransport.prepare`): per
-    send run its header slots, its own header template (mode and pid set once for cross-memory attach), the byte
-    offset and length of its rows in the send part and its slots' payload addresses; per channel-0 receive run
-    its slots' payload addresses; the rows to itself as byte offsets. Runs are the plan's (``engine_data``), shared
-    with :meth:`HostTransport.exchange_rows`: every call restarts them from their state lines."""
+    send run its state line, the peer's head and tail as ctypes words, its header slots, its own header template
+    (mode and pid set once for cross-memory attach), the byte offset and length of its rows in the send part and its
+    slots' payload addresses; per channel-0 receive run its words, slots, the units and pid its peer's header must
+    name and where its rows go; the rows to itself as byte offsets. Runs are the plan's (``engine_data``), shared
+    with :meth:`HostTransport.exchange_rows`: both keep their counters in the state lines."""
 
-    __slots__ = ("plan", "cma", "sends", "recvs", "n_self", "s_self", "r_self", "out_nbytes")
+    __slots__ = ("plan", "cma", "sends", "recvs", "n_self", "s_self", "r_self", "out_nbytes", "sync", "ns", "abort",
+                 "op_code", "sig")
 
     def __init__(self, tr: "HostTransport", plan, statics):
         me = tr.rank
         self.plan, self.cma = plan, bool(plan.direct)
+        self.op_code, self.sig = plan.op_code, plan.sig
+        self.sync, self.ns = tr.buf._win.Sync, tr.layout.num_slots
+        self.abort = ctypes.c_int64.from_buffer(tr._abort[me][P.ABORT_FLAG:P.ABORT_FLAG + 1])
         self.sends = []
         for x in statics[0]:
             tmpl = x.sender_header.copy()
             if self.cma:
                 tmpl[P.HDR_MODE], tmpl[P.HDR_DIRECT_ALLOC] = P.MODE_CMA, tr.cma_pids[me]
             n = 0 if self.cma else x.hi - x.lo
-            self.sends.append((x, [s[1] for s in x.slots], tmpl, int(plan.send_first[x.p]) + x.lo, n,
-                               [_cma.address_of(s[2]) for s in x.slots]))
-        self.recvs = [(r, [_cma.address_of(s[2]) for s in r.slots]) for r in statics[1]]
+            self.sends.append((x, _words(x.state, 2), _words(x.counter), _words(x.remote), [s[1] for s in x.slots],
+                               tmpl, int(plan.send_first[x.p]) + x.lo, n, [_cma.address_of(s[2]) for s in x.slots]))
+        self.recvs = []
+        for r in statics[1]:
+            units = int(plan.recv_units[r.p])
+            self.recvs.append((r, _words(r.state, 2), _words(r.counter), _words(r.remote), [s[1] for s in r.slots],
+                               [_cma.address_of(s[2]) for s in r.slots], units,
+                               tr.cma_pids[r.p] if tr.cma_pids else -1, int(plan.recv_first[r.p])))
         self.n_self = int(plan.send_units[me])
         self.s_self, self.r_self = int(plan.send_first[me]), int(plan.recv_first[me])
         self.out_nbytes = int(plan.recv_units.sum())
+
+
+def _words(line: np.ndarray, n: int = 1):
+    """The first ``n`` words of a uint64 line of the symmetric buffer as ctypes (``.value`` / ``[i]``: Python ints,
+    one load or store each)."""
+    return (ctypes.c_uint64 * n).from_buffer(line) if n > 1 else ctypes.c_uint64.from_buffer(line)
 
 
 def _yield(idle: int, waited_s: float) -> None:
