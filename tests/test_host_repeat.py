@@ -288,3 +288,42 @@ def test_rejection_on_one_rank_while_the_peers_repeat(comm, monkeypatch, kind, o
     for seed in range(3):
         valid(72 + seed)
     c.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [3, 600, 5000])
+def test_repeat_alltoallv_count_exchange(comm, monkeypatch, kind, rows):
+    """alltoallv without recv_counts, counts fixed and data fresh each call: after the count exchange a repeat call
+    runs the prepared exchange when the counts received are the record's, with NumPy's rows and counts; when a peer
+    sends other counts (legal here) the call goes on by the full path, with the right rows."""
+    c = _comm(comm, kind, monkeypatch)
+    calls = _counting(c)
+    W, me = comm.size, comm.rank
+    counts = np.array([rows + 7 * ((me + j) % 3) for j in range(W)], np.int64)
+    for it in range(4):
+        send = random_rows(rng_for(comm, 400 + it), int(counts.sum()), (16,), np.uint8)
+        want, want_counts = reference_alltoallv(comm, send, counts)
+        got, got_counts = c.alltoallv(send, counts)
+        got_counts[0] = -5  # the caller's copy
+        c.engine.repeat.clear()
+        full, full_counts = c.alltoallv(send, counts)
+        all_ranks(lambda: (np.testing.assert_array_equal(got, want), np.testing.assert_array_equal(full, want),
+                           np.testing.assert_array_equal(full_counts, want_counts)))
+    repeats = _repeats(kind, int(counts.max()) * 16)
+    if W > 1:
+        assert calls[0] == (3 if repeats else 0), calls
+        # the last rank sends one row more to rank 0; rank 0 passes the counts of its record
+        send = random_rows(rng_for(comm, 499), int(counts.sum()), (16,), np.uint8)
+        sc = counts
+        if me == W - 1:
+            sc = counts.copy()
+            sc[0] += 1
+            send = np.insert(send, int(counts[0]), random_rows(rng_for(comm, 498), 1, (16,), np.uint8), axis=0)
+        want, want_counts = reference_alltoallv(comm, send, sc)
+        before = calls[0]
+        got, got_counts = c.alltoallv(send, sc)
+        all_ranks(lambda: (np.testing.assert_array_equal(got, want),
+                           np.testing.assert_array_equal(got_counts, want_counts)))
+        if me == 0:
+            assert calls[0] == before
+    c.close()

@@ -94,10 +94,12 @@ class _Repeat:
         return a, self.addrs[-1]
 
 
-def _repeat(eng, rec: _Repeat, op: str, x, out):
+def _repeat(eng, rec: _Repeat, op: str, x, out, first_step: bool = True):
     """Run ``rec``'s prepared exchange of ``x`` (already matched to its shape, dtype and strides) into ``out`` or a
     pooled output; the output, or None when the call does not match the record after all (the full path then
-    runs and checks everything)."""
+    runs and checks everything). ``first_step``: the exchange is the call's first step (a failure to allocate the
+    output is then a rejection told to the peers; after a count exchange it ends the call as any error between
+    steps does, in :meth:`Engine.call`)."""
     heap = eng.heap
     if heap.allocations or heap._freed_tokens or eng.transport.trace is not None:
         return None
@@ -112,7 +114,8 @@ def _repeat(eng, rec: _Repeat, op: str, x, out):
             try:
                 recv, out_addr = rec.take()
             except BaseException:
-                eng.reject(op, notify=False)
+                if first_step:
+                    eng.reject(op, notify=False)
                 raise
         try:
             x_addr = _addressof(_CHAR.from_buffer(x))
@@ -127,6 +130,12 @@ def _repeat(eng, rec: _Repeat, op: str, x, out):
             return None  # (overlap: the full path's error)
     eng.run_prepared(rec.prep, op, x_addr, recv, out_addr)
     return recv
+
+
+#: ``Engine.repeat``'s key of the record of alltoallv with the count exchange (alltoall's and alltoallv's with
+#: recv_counts: the op's name). It holds the counts sent and received: a repeat call exchanges the counts, then
+#: runs the prepared exchange when they are the record's.
+_NOTIFIED = "alltoallv count exchange"
 
 
 def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pooled: bool, counts=None) -> None:
@@ -255,7 +264,8 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         if key[0] is None or key[1] is None:
             eng.repeat.pop(op, None)
         else:
-            _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None, key[0] + key[1] + (recv_counts,))
+            _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None,
+                      key[0] + key[1] + (recv_counts,))
         return recv, recv_counts.copy()
     with eng.call(op, notify=True):
         relaxed = False if sync == "strong" else check_sync(op, sync)
@@ -263,20 +273,44 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
             raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
                              f"known before the count exchange)")
         W = eng.world_size
-        x = as_array(op, "sendbuf", sendbuf, eng.backend)
-        send_counts, sig = _send_counts(eng, op, x, send_counts)
-        direct = eng.direct_source(op, [x], None)
+        rec = eng.repeat.get(_NOTIFIED)
+        if rec is not None and type(sendbuf) is np.ndarray and sendbuf.shape == rec.shape and \
+                sendbuf.dtype is rec.dtype and sendbuf.strides == rec.strides and not relaxed and \
+                type(send_counts) is np.ndarray and send_counts.ndim == 1 and send_counts.dtype is rec.counts[0] and \
+                send_counts.tobytes() == rec.counts[1] and not (eng.heap.allocations or eng.heap._freed_tokens):
+            x, direct = sendbuf, False  # (checked as the record's call was; the mode is found again if needed)
+            send_counts, sig = rec.counts[2], rec.counts[3]
+        else:
+            rec = None
+            x = as_array(op, "sendbuf", sendbuf, eng.backend)
+            counts_arg = send_counts
+            send_counts, sig = _send_counts(eng, op, x, send_counts)
+            direct = eng.direct_source(op, [x], None)
         # what the peers send (each checked its own counts); their sum is checked exactly here too. The
         # signature message is made only when the ranks differ.
         what = sig_what or (lambda: f"every rank must send rows of the same dtype and row shape, with the same "
                                     f"wire_dtype; this rank has {sig} (no wire_dtype)")
         got = eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0]
-        recv_counts = _checked(eng, ("recv", got.tobytes()),
+        got_bytes = got.tobytes()
+        if rec is not None:
+            if got_bytes == rec.counts[4]:  # the counts of the record's call: its prepared exchange
+                recv = _repeat(eng, rec, op, x, None, first_step=False)
+                if recv is not None:
+                    return recv, rec.counts[5].copy()
+            counts_arg = None  # (no new record from this call)
+            direct = eng.direct_source(op, [x], None)
+        recv_counts = _checked(eng, ("recv", got_bytes),
                                lambda: check_counts(op, "recv_counts (from the count exchange)", got.copy(), W))
         shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
         recv = eng.xp.empty(shape, dtype=x.dtype)
         plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
         eng.run(plan, [x], None, [recv], direct, relaxed)
+        key = _counts_key(counts_arg)
+        if key is None:
+            eng.repeat.pop(_NOTIFIED, None)
+        else:
+            _remember(eng, _NOTIFIED, sendbuf, x, recv, plan, direct, relaxed, True,
+                      key + (send_counts, sig, got_bytes, recv_counts))
     return recv, recv_counts.copy()
 
 
