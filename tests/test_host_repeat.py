@@ -327,3 +327,39 @@ def test_repeat_alltoallv_count_exchange(comm, monkeypatch, kind, rows):
         if me == 0:
             assert calls[0] == before
     c.close()
+
+
+@pytest.mark.parametrize("kind", ["plain", "cma"])
+def test_header_the_repeat_path_does_not_expect_gets_the_full_check(comm, monkeypatch, kind):
+    """Rank 0's repeat calls send call headers that say the run continues on a second channel (a sender that cuts
+    its runs otherwise): rank 1, on its repeat path, hands the header to the full check and raises
+    SymBufferMismatchError naming rank 0 and the ring field before it takes a byte; rank 0 raises
+    SymBufferAbortedError naming rank 1 (this call or its next); no rank returns wrong rows."""
+    if comm.size != 2:
+        pytest.skip("two ranks")
+    c = _comm(comm, kind, monkeypatch)
+    from cupy_symbuf.wire import protocol as P
+    x, want = _alltoall_case(comm, 91, 1, (4096,), np.uint8)
+    for _ in range(2):
+        got = c.alltoall(x)
+        all_ranks(lambda: np.testing.assert_array_equal(got, want))
+    rec = c.engine.repeat["alltoall"]
+    if comm.rank == 0:
+        for s in rec.prep.sends:
+            s[5][P.HDR_NCHANNELS] = 2
+    calls = _counting(c)
+
+    def first():
+        np.testing.assert_array_equal(c.alltoall(x), want)
+
+    err = _every_rank_fails(comm, first, first)
+    assert calls[0] >= 1
+    if comm.rank == 1:
+        assert isinstance(err, cs.SymBufferMismatchError), err
+        assert err.peer == 0 and err.channel == 0 and err.field == P.FIELD_NAMES[P.FIELD_RING], err
+    else:
+        assert isinstance(err, cs.SymBufferAbortedError) and err.aborting_rank == 1, err
+    try:
+        c.close()
+    except cs.SymBufferError:
+        pass
