@@ -133,6 +133,7 @@ def test_changed_shape_dtype_or_counts_take_the_full_path(comm, monkeypatch):
     xs, ws = _alltoall_case(comm, 5, 1, (128,), np.float32)
     variants.append((xs[:, ::2], np.ascontiguousarray(ws[:, ::2])))  # strided: not C-contiguous
     for v, w in variants:
+        c.alltoall(x)  # the record of x's shape again
         base = calls[0]
         got = c.alltoall(v)
         all_ranks(lambda: np.testing.assert_array_equal(got.view(np.uint8), w.view(np.uint8)))
@@ -367,3 +368,27 @@ def test_header_the_repeat_path_does_not_expect_gets_the_full_check(comm, monkey
         c.close()
     except cs.SymBufferError:
         pass
+
+
+def test_symmetric_sendbuf_of_the_record_shape_takes_the_full_path(comm, monkeypatch):
+    """A record made from plain sendbufs: a symmetric array of the same shape takes the full path (direct mode,
+    the right rows), and a view of a freed symmetric array is refused on every rank (ValueError naming it), as
+    without a record."""
+    c = _comm(comm, "default", monkeypatch)
+    calls = _counting(c)
+    x, want = _alltoall_case(comm, 95, 1, (512,), np.float32)
+    c.alltoall(x)
+    c.alltoall(x)
+    base = calls[0]
+    sym = c.empty(x.shape, x.dtype)
+    sym[...] = x
+    got = c.alltoall(sym)
+    all_ranks(lambda: np.testing.assert_array_equal(got, want))
+    assert calls[0] == base
+    c.alltoall(x)
+    c.free(sym)
+    with pytest.raises(ValueError, match="freed"):
+        c.alltoall(sym)
+    got = c.alltoall(x)  # usable
+    all_ranks(lambda: np.testing.assert_array_equal(got, want))
+    c.close()
