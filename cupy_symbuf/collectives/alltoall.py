@@ -100,8 +100,7 @@ def _repeat(eng, rec: _Repeat, op: str, x, out, first_step: bool = True):
     runs and checks everything). ``first_step``: the exchange is the call's first step (a failure to allocate the
     output is then a rejection told to the peers; after a count exchange it ends the call as any error between
     steps does, in :meth:`Engine.call`)."""
-    heap = eng.heap
-    if heap.allocations or heap._freed_tokens or eng.transport.trace is not None:
+    if eng.heap.in_use or eng.transport.trace is not None:
         return None
     eng.check_open()
     if out is None:
@@ -277,7 +276,7 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         if rec is not None and type(sendbuf) is np.ndarray and sendbuf.shape == rec.shape and \
                 sendbuf.dtype is rec.dtype and sendbuf.strides == rec.strides and not relaxed and \
                 type(send_counts) is np.ndarray and send_counts.ndim == 1 and send_counts.dtype is rec.counts[0] and \
-                send_counts.tobytes() == rec.counts[1] and not (eng.heap.allocations or eng.heap._freed_tokens):
+                send_counts.tobytes() == rec.counts[1] and not eng.heap.in_use:
             x, direct = sendbuf, False  # (checked as the record's call was; the mode is found again if needed)
             send_counts, sig = rec.counts[2], rec.counts[3]
         else:
