@@ -392,3 +392,20 @@ def test_symmetric_sendbuf_of_the_record_shape_takes_the_full_path(comm, monkeyp
     got = c.alltoall(x)  # usable
     all_ranks(lambda: np.testing.assert_array_equal(got, want))
     c.close()
+
+
+def test_outputs_past_the_pool_size_are_not_kept(comm, monkeypatch):
+    """An output larger than the pool's bound is allocated per call (the record keeps none alive); the repeat path
+    still runs, with NumPy's rows."""
+    from cupy_symbuf.collectives import alltoall as _a2a
+    monkeypatch.setattr(_a2a, "POOL_BYTES", 1000)
+    c = _comm(comm, "default", monkeypatch)
+    calls = _counting(c)
+    for it in range(3):
+        x, want = _alltoall_case(comm, 80 + it, 1, (512,), np.float32)
+        got = c.alltoall(x)
+        all_ranks(lambda: np.testing.assert_array_equal(got, want))
+    if comm.size > 1:  # (one rank: no repeat path, nothing to exchange)
+        assert len(c.engine.repeat["alltoall"].pool) == 0
+        assert calls[0] == 2
+    c.close()

@@ -58,6 +58,10 @@ def _refs_at(pool: list, i: int) -> int:
 #: what :func:`_refs_at` counts for an array that only its pool list holds
 _FREE = _refs_at([np.empty(0)], 0)
 
+#: the largest output (bytes) a host repeat record keeps in its pool; larger ones are allocated per call (a pool
+#: keeps up to two outputs alive until the communicator's next call of another shape, or its close)
+POOL_BYTES = 16 << 20
+
 
 class _Repeat:
     """The host engine's record of an op's last call shape (``Engine.repeat[op]``): what a call must match to run
@@ -67,10 +71,11 @@ class _Repeat:
     ``sendbuf``, and a communicator with no symmetric arrays (then a plain sendbuf goes by the rings or by
     cross-memory attach by its size alone, as when the record was made) and no telemetry. Everything else the full
     path checked depends only on these. ``pool``: outputs of calls without ``out=``, handed out again only while
-    nothing outside the pool refers to them (``sys.getrefcount``; a view holds its base array), at most two."""
+    nothing outside the pool refers to them (``sys.getrefcount``; a view holds its base array), at most two, of
+    at most :data:`POOL_BYTES` each (``pooled``; larger outputs are allocated per call)."""
 
     __slots__ = ("shape", "dtype", "strides", "out_shape", "out_strides", "nbytes", "out_nbytes", "counts", "prep",
-                 "pool", "addrs")
+                 "pool", "addrs", "pooled")
 
     def __init__(self, x, recv, prep, counts):
         self.shape, self.dtype, self.strides = x.shape, x.dtype, x.strides
@@ -78,6 +83,7 @@ class _Repeat:
         self.nbytes, self.out_nbytes = x.nbytes, recv.nbytes
         self.counts, self.prep = counts, prep
         self.pool, self.addrs = [], []
+        self.pooled = recv.nbytes <= POOL_BYTES
 
     def take(self):
         """``(array, address)``: a pooled output nothing outside the pool holds, else a new one (the oldest of
@@ -111,7 +117,11 @@ def _repeat(eng, rec: _Repeat, op: str, x, out, first_step: bool = True):
             recv, out_addr = pool[1], rec.addrs[1]
         else:
             try:
-                recv, out_addr = rec.take()
+                if rec.pooled:
+                    recv, out_addr = rec.take()
+                else:
+                    recv = np.empty(rec.out_shape, dtype=rec.dtype)
+                    out_addr = address_of(recv)
             except BaseException:
                 if first_step:
                     eng.reject(op, notify=False)
@@ -153,7 +163,7 @@ def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, poole
         repeat.pop(op, None)
         return
     rec = repeat[op] = _Repeat(x, recv, prep, counts)
-    if pooled:  # (handed out again once the caller drops it)
+    if pooled and rec.pooled:  # (handed out again once the caller drops it)
         rec.pool.append(recv)
         rec.addrs.append(address_of(recv))
 
