@@ -409,3 +409,26 @@ def test_outputs_past_the_pool_size_are_not_kept(comm, monkeypatch):
         assert len(c.engine.repeat["alltoall"].pool) == 0
         assert calls[0] == 2
     c.close()
+
+
+@pytest.mark.parametrize("per_peer", [5000, 300000])
+def test_peer_sends_ring_chunks_while_this_rank_repeats(comm, monkeypatch, per_peer):
+    """Every rank but 0 turns to the rings for its sends (the cross-memory attach threshold raised there: in its
+    header's slot, or in chunks over every channel) while rank 0 repeats a call shape read by cross-memory attach:
+    rank 0's repeat path takes each peer's run as its header says (the chunks drained behind their headers), and
+    every rank gets NumPy's rows, call after call."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks")
+    c = _comm(comm, "cma", monkeypatch)
+    calls = _counting(c)
+    W, me = comm.size, comm.rank
+    for it in range(4):
+        x, want = _alltoall_case(comm, 120 + it, 1, (per_peer,), np.uint8)
+        if it >= 2 and me != 0:
+            monkeypatch.setattr(cs.wire.protocol, "CMA_MIN_BYTES", 1 << 62)
+            c.engine.repeat.clear()  # (a record holds the mode its shape had: the full path finds the new one)
+        got = c.alltoall(x)
+        all_ranks(lambda: np.testing.assert_array_equal(got, want))
+    if me == 0:
+        assert calls[0] == 3
+    c.close()
