@@ -209,7 +209,8 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
         eng.run_small(plan, x, recv)
     else:
         eng.run(plan, [x], None, [recv], direct, relaxed)
-        _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None)
+        if eng.backend == "host":
+            _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None)
     return recv
 
 
@@ -269,8 +270,8 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
             eng.reject(op, notify=False)
             raise
         eng.run(plan, [x], None, [recv], direct, relaxed)
-        key = _counts_key(send_counts_arg), _counts_key(recv_counts_arg)
-        if key[0] is None or key[1] is None:
+        key = (_counts_key(send_counts_arg), _counts_key(recv_counts_arg)) if eng.backend == "host" else (None,)
+        if key[0] is None or key[-1] is None:
             eng.repeat.pop(op, None)
         else:
             _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None,
@@ -314,7 +315,7 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         recv = eng.xp.empty(shape, dtype=x.dtype)
         plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
         eng.run(plan, [x], None, [recv], direct, relaxed)
-        key = _counts_key(counts_arg)
+        key = _counts_key(counts_arg) if eng.backend == "host" else None
         if key is None:
             eng.repeat.pop(_NOTIFIED, None)
         else:
