@@ -63,7 +63,7 @@ _FREE = _refs_at([np.empty(0)], 0)
 POOL_BYTES = 16 << 20
 
 
-class _Repeat:
+class _HostRecord:
     """The host engine's record of an op's last call shape (``Engine.repeat[op]``): what a call must match to run
     the prepared exchange (``HostTransport.prepare``) with no other check: ``sendbuf`` a NumPy array of this shape,
     dtype object and strides (C-contiguous), ``sync="strong"``, the counts (alltoallv) of these exact bytes, shape and
@@ -100,7 +100,7 @@ class _Repeat:
         return a, self.addrs[-1]
 
 
-def _repeat(eng, rec: _Repeat, op: str, x, out, first_step: bool = True):
+def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True):
     """Run ``rec``'s prepared exchange of ``x`` (already matched to its shape, dtype and strides) into ``out`` or a
     pooled output; the output, or None when the call does not match the record after all (the full path then
     runs and checks everything). ``first_step``: the exchange is the call's first step (a failure to allocate the
@@ -148,7 +148,7 @@ _NOTIFIED = "alltoallv count exchange"
 
 
 def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pooled: bool, counts=None) -> None:
-    """After a call of the full path that succeeded: make ``op``'s record (:class:`_Repeat`) of its shape when the
+    """After a call of the full path that succeeded: make ``op``'s record (:class:`_HostRecord`) of its shape when the
     host engine can prepare it (a plain C-contiguous NumPy sendbuf of at least one byte, passed as is, moved by
     the rings or by cross-memory attach, ``sync="strong"``), else drop the op's record. ``recv``: the call's
     output (pooled when the call made it)."""
@@ -162,7 +162,7 @@ def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, poole
     if prep is None:
         repeat.pop(op, None)
         return
-    rec = repeat[op] = _Repeat(x, recv, prep, counts)
+    rec = repeat[op] = _HostRecord(x, recv, prep, counts)
     if pooled and rec.pooled:  # (handed out again once the caller drops it)
         rec.pool.append(recv)
         rec.addrs.append(address_of(recv))
@@ -181,7 +181,7 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
     rec = eng.repeat.get(op)
     if rec is not None and type(sendbuf) is np.ndarray and sendbuf.shape == rec.shape and \
             sendbuf.dtype is rec.dtype and sendbuf.strides == rec.strides and sync == "strong":
-        got = _repeat(eng, rec, op, sendbuf, out)
+        got = _run_record(eng, rec, op, sendbuf, out)
         if got is not None:
             return got
     eng.check_open()
@@ -247,7 +247,7 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
             sd, sb, rd, rb, rc = rec.counts
             if send_counts.dtype is sd and recv_counts.dtype is rd and send_counts.ndim == 1 and \
                     recv_counts.ndim == 1 and send_counts.tobytes() == sb and recv_counts.tobytes() == rb:
-                got = _repeat(eng, rec, op, sendbuf, out)
+                got = _run_record(eng, rec, op, sendbuf, out)
                 if got is not None:
                     return got, rc.copy()
         eng.check_open()
@@ -304,7 +304,7 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         got_bytes = got.tobytes()
         if rec is not None:
             if got_bytes == rec.counts[4]:  # the counts of the record's call: its prepared exchange
-                recv = _repeat(eng, rec, op, x, None, first_step=False)
+                recv = _run_record(eng, rec, op, x, None, first_step=False)
                 if recv is not None:
                     return recv, rec.counts[5].copy()
             counts_arg = None  # (no new record from this call)
