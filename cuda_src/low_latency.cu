@@ -23,10 +23,11 @@
 // publishes the weights line as rejected (REJECT_TOPK), so every rank rejects the call. Nothing of this is a host
 // value: CUDA-graph replays compare the ids the replayed dispatches wrote.
 // Ordering: payload stores of every block, __syncthreads, then (thread 0; block 0 first writes n and sig into
-// every destination's line) fence.sc.sys + one red.relaxed.sys.add per destination line: the fence then relaxed
-// RMW is a release pattern, and the RMWs of all blocks form one release sequence, so the acquire load that reads
-// the full count synchronises with every block's stores. No block waits for another before publishing (no
-// last-block round trip). Receivers poll with ld.acquire.sys inside a SpinBudget (bounded, abort word polled).
+// every destination's line) fence.acq_rel.sys (SYMBUF_LL_FENCE) + one red.relaxed.sys.add per destination line:
+// the fence then relaxed RMW is a release pattern, and the RMWs of all blocks form one release sequence, so the
+// acquire load that reads the full count synchronises with every block's stores. No block waits for another before
+// publishing (no last-block round trip). Receivers poll with ld.acquire.sys inside a SpinBudget (bounded, abort
+// word polled).
 // Double buffering: a kernel waits for every peer's flag of its own call, so when call i+2 starts on a rank, every
 // peer has finished call i and no longer reads that half.
 // Rejection (the shared call protocol: a rank whose host rejected its arguments still takes part in the call): the
@@ -51,6 +52,20 @@
 // which keeps the double-buffering argument below.
 #include "protocol.cuh"
 #include "quant.cuh"
+
+// 1: a flag line's release is fence.acq_rel.sys then the relaxed counts (block_sent), or the st.release.sys of the
+// weights line alone (combine A; the __syncthreads before it orders the block's weight stores, the release is
+// cumulative); 0: fence.sc.sys (__threadfence_system) in both places, for a same-run comparison. The PTX memory
+// model's release pattern is a fence.sc or fence.acq_rel followed by a strong write: the acquire loads that read
+// the count or the seq synchronise with it either way; the SC fence adds a total order nothing here needs.
+#ifndef SYMBUF_LL_FENCE
+#define SYMBUF_LL_FENCE 1
+#endif
+// 1: a one-launch dispatch without fp8 reads this rank's own tokens from x in its receive instead of storing them
+// into its own staging rows first (dispatch_body); 0: through the staging rows like every other source's.
+#ifndef SYMBUF_LL_SELF
+#define SYMBUF_LL_SELF 1
+#endif
 
 // Kernel arguments: LLDispatchArgs / LLCombineArgs (cupy_symbuf/wire/kernel_args.py, generated), every field an
 // i64 word, passed by value.
@@ -171,7 +186,11 @@ __device__ __forceinline__ void block_sent(const u64* ll_bases, i64 line_off, in
       w[LL_LINE_WHY] = why;
     }
   }
-  __threadfence_system();  // the block's stores (ordered before by bar.sync) and n/sig before the counts
+#if SYMBUF_LL_FENCE
+  fence_acq_rel_sys();  // the block's stores (ordered before by bar.sync) and n/sig before the counts
+#else
+  __threadfence_system();  // (fence.sc.sys)
+#endif
   for (int r = 0; r < W; ++r) {
     u64* line = reinterpret_cast<u64*>(ll_bases[r] + line_off + static_cast<i64>(me) * LINE_BYTES);
     asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(line + LL_LINE_SEQ), "l"(1ull) : "memory");
@@ -298,6 +317,14 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   const i64 elem = KIND == LL_KIND_F32 ? 4 : 2;
   const i64 segs = (H + LL_SEG_ELEMS - 1) / LL_SEG_ELEMS;
   const i64* topk = reinterpret_cast<const i64*>(a.topk);
+#if SYMBUF_LL_SELF
+  // One launch (LL_PHASE_BOTH), no fp8: this rank's own tokens are not stored into its own staging rows; the
+  // receive reads them from x (this launch's input, unchanged until it ends): 1.8 MB less written a rank at 128 x
+  // 7168 bf16. (A send-only launch stores them: the caller may reuse x before the receive launch.)
+  const bool self_from_x = a.phase == LL_PHASE_BOTH && !a.use_fp8;
+#else
+  constexpr bool self_from_x = false;
+#endif
 
   // ---- send ----
   prof_stamp(a.prof, 0);
@@ -328,7 +355,7 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
     if (!a.use_fp8) {
       // the segment loaded once (above), then a store per destination
       for (int d = 0; d < W; ++d) {
-        if (!(dests >> d & 1)) continue;
+        if (!(dests >> d & 1) || (self_from_x && d == me)) continue;
         int4* d4 = at<int4>(ll_bases[d], row_off + lo * elem);
 #pragma unroll
         for (int u = 0; u < kVec; ++u)
@@ -439,7 +466,8 @@ __device__ void dispatch_body(const LLDispatchArgs& a, u32* smem) {
   for (i64 item = gwarp; item < WN * bsegs; item += total_warps) {
     const i64 st = item / bsegs, g = item % bsegs, s = st / N, t = st % N;
     if (t >= s_ntok[s]) continue;
-    const u8* srow = at<u8>(ll_bases[me], half + a.rows_off + st * R);
+    const u8* srow = self_from_x && s == me ? reinterpret_cast<const u8*>(a.x) + t * a.x_stride
+                                            : at<u8>(ll_bases[me], half + a.rows_off + st * R);
     // the segment's loads first, with the meta load (independent): one memory latency per item
     constexpr int kVec = kSegB / 16 / 32;
     const bool scales_seg = a.use_fp8 && g == bsegs - 1;
@@ -555,7 +583,9 @@ __device__ void combine_body(const LLCombineArgs& a) {
     const i64 why = handle_rejected ? REJECT_HANDLE : topk_differs ? REJECT_TOPK : REJECT_ARGS;
     if (threadIdx.x < W) {
       const int d = threadIdx.x;
+#if !SYMBUF_LL_FENCE
       __threadfence_system();
+#endif
       u64* line = at<u64>(ll_bases[d], half + a.wflags_off + static_cast<i64>(me) * LINE_BYTES);
       volatile i64* lw = reinterpret_cast<volatile i64*>(line);
       lw[LL_LINE_N] = n_line;

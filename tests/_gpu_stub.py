@@ -230,6 +230,20 @@ def engine(launches, world_size: int = 2, rank: int = 0, **config):
     return eng
 
 
+def communicator(eng):
+    """A :class:`~cupy_symbuf.Communicator` over ``eng`` (made without ``__init__``: its guard and engine only), for
+    timing the public methods' wrapper (the guard's entry with the GPU made current, the keyword handling) as the
+    device's benchmark calls them."""
+    from cupy_symbuf.communicator import Communicator
+    from cupy_symbuf.transport import guard as _guard
+    c = object.__new__(type("StubCommunicator", (Communicator,), {"__del__": lambda self: None}))
+    c.__dict__["_engine_obj"] = eng
+    c._guard = eng.guard  # (one guard, as Communicator.engine makes it: the engine's entries are nested ones)
+    eng.guard.device = 0  # GPU 0 made current by every outermost entry (use_device: the stub's getDevice)
+    _guard._THREAD.ready = True  # (this thread's context is bound: use_device asks the driver nothing here)
+    return c
+
+
 def handle(eng, num_tokens: int = 128, hidden: int = 7168, num_topk: int = 8, num_experts: int = 256,
            send_rows=None, recv_rows=None, dispatch_id: int = 1, worst: int = 0):
     """A GPU DispatchHandle of ``eng`` with device routing (its arrays at fake addresses)."""
@@ -280,8 +294,14 @@ def main() -> None:
                 ("cached dispatch, 128 tokens", lambda: normal.dispatch(eng, xs, handle=h)),
                 ("combine with weights, 128 tokens", lambda: normal.combine(eng, x, h, w)),
                 ("combine without weights, 128 tokens", lambda: normal.combine(eng, x, h))]
+        c = []  # the Communicator, made once the engine's rows ran (its guard then makes GPU 0 current)
+        rows += [("Communicator.alltoall 64 KiB", lambda: c[0].alltoall(a64)),
+                 ("Communicator.dispatch, cached, 128 tokens", lambda: c[0].dispatch(xs, handle=h)),
+                 ("Communicator.combine with weights, 128", lambda: c[0].combine(x, h, w))]
         print("# host us per call, launches and allocations stubbed (this machine; best of 5 x 2000 calls)")
         for name, fn in rows:
+            if name.startswith("Communicator.") and not c:
+                c.append(communicator(eng))
             fn()
             launches.clear()
             stream.capture_queries = 0

@@ -10,6 +10,12 @@ communicator open outside any ``with`` block. Run as ``mpiexec -n N python tests
 (longer than ``lifecycle.EXIT_GRACE_S``): every rank's exit-time close must still be clean (exit status 0). Each
 rank prints ``DONE rank=R`` before it ends.
 
+``done_first`` (3 ranks or more): after a right alltoall, an ``alltoallv`` in which rank 1 sends and receives nothing
+while ranks 0 and 2 exchange more rows than a ring holds, rank 2 slowed down in it (its first copy out of rank 0's
+ring sleeps 2.5 s, as a rank descheduled on a loaded host would be): rank 1's part of the call is done at once and
+its program ends with the communicator open; ranks 0 and 2 must still finish their call with the right rows and
+every exit-time close be clean (exit status 0). Ring slots only (``CUPY_SYMBUF_CMA=0``).
+
 ``CUPY_SYMBUF_FAULT_BACKEND=cuda`` runs them on the GPU (as the fault cases).
 """
 import os
@@ -108,9 +114,41 @@ def late() -> None:
     say(f"DONE rank={R}")
 
 
+def done_first() -> None:
+    c = make_comm()
+    right_alltoall(c, 3)
+    rows = 1 << 16  # rows of 1 KiB (256 float32): 64 MiB each way between ranks 0 and 2
+    big = {0: 2, 2: 0}
+    counts = [0] * W
+    if R in big:
+        counts[big[R]] = rows
+    x = np.random.default_rng(40 + R).standard_normal((sum(counts), 256)).astype(np.float32)
+    if R == 2:  # slowed down once, in the middle of the call (its first copy out of rank 0's ring)
+        from cupy_symbuf.transport import host as _host
+        drain = _host._Side.drain
+        slept = []
+
+        def slow_drain(self, slot, p, u, n):
+            if p == 0 and not slept:
+                slept.append(True)
+                time.sleep(2.5)
+            return drain(self, slot, p, u, n)
+        _host._Side.drain = slow_drain
+    y = host(c.alltoallv(dev(x), counts)[0])  # (recvbuf, recv_counts)
+    want = np.random.default_rng(40 + big[R]).standard_normal((rows, 256)).astype(np.float32) if R in big else \
+        np.zeros((0, 256), np.float32)
+    if not np.array_equal(y, want):
+        say(f"WRONG DATA rank={R}")
+        os._exit(3)
+    say(f"DONE rank={R}")
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
-    if case == "late":
+    if case == "done_first":
+        os.environ["CUPY_SYMBUF_CMA"] = "0"
+        done_first()
+    elif case == "late":
         late()
     else:
         leaver(case)

@@ -23,10 +23,13 @@ VARIANTS = [(), ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",), (
             ("-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_TRACE=1", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_UNROLL=4", "-DSYMBUF_PUBLISH_BATCH=4", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_MAX_THREADS=512"),
-            ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024")]
+            ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024"),
+            ("-DSYMBUF_ROW_VEC=0", "-DSYMBUF_LL_FENCE=0", "-DSYMBUF_LL_SELF=0", "-DSYMBUF_MAX_THREADS=512"),
+            ("-DSYMBUF_ROW_VEC=1", "-DSYMBUF_MAX_THREADS=1024"), ("-DSYMBUF_SPREAD=0", "-DSYMBUF_MAX_THREADS=512")]
 VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024",
                "trace-512", "trace-1024", "adaptive-512", "adaptive-1024", "adaptive-trace-debug-1024",
-               "adaptive-trace-512", "unroll4-batch4-512", "no-header-fold-512", "no-header-fold-adaptive-1024"]
+               "adaptive-trace-512", "unroll4-batch4-512", "no-header-fold-512", "no-header-fold-adaptive-1024",
+               "previous-copies-and-fences-512", "row-vec-1024", "no-spread-512"]
 
 
 def _nvrtc_or_skip():
@@ -541,3 +544,47 @@ def test_moe_layout_shared_memory_fits_max_experts():
     assert static + 4 * _gpu.MAX_EXPERTS <= 48 * 1024, (
         f"symbuf_moe_layout: {static} static + 4 * MAX_EXPERTS={_gpu.MAX_EXPERTS} bytes of shared memory exceed "
         f"48 KiB")
+
+
+def test_row_vector_copies_in_the_512_thread_ring_build_only():
+    """SYMBUF_ROW_VEC (default in the ring kernel's builds of at most 512 threads): rows of several parts move as one
+    stream of vectors (warp shuffles of the rows' tokens); SYMBUF_ROW_VEC=0 and the 1024-thread build copy part by
+    part, the same PTX as each other (no row-vector code)."""
+    _nvrtc_or_skip()
+    t512, t1024 = ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",)
+    vec = _kernels.compile_ptx(RING, "compute_90", defines=t512)
+    off = _kernels.compile_ptx(RING, "compute_90", defines=t512 + ("-DSYMBUF_ROW_VEC=0",))
+    big = _kernels.compile_ptx(RING, "compute_90", defines=t1024)
+    assert vec.count("shfl.sync.idx") > off.count("shfl.sync.idx") + 32
+    assert big == _kernels.compile_ptx(RING, "compute_90", defines=t1024 + ("-DSYMBUF_ROW_VEC=0",))
+    assert big.count("shfl.sync.idx") == off.count("shfl.sync.idx")
+    assert _kernels.build_id(RING, t512 + ("-DSYMBUF_ROW_VEC=0",)) != _kernels.build_id(RING, t512)
+
+
+def test_low_latency_releases_without_sc_fences():
+    """SYMBUF_LL_FENCE (default): the low-latency kernels release their flag lines with fence.acq_rel.sys then the
+    relaxed counts, or the weights line's st.release.sys alone; SYMBUF_LL_FENCE=0 keeps __threadfence_system
+    (membar.sys, an SC fence) before them. SYMBUF_LL_SELF=0 builds the dispatch that stages its own tokens too."""
+    _nvrtc_or_skip()
+    new = _kernels.compile_ptx("low_latency.cu", "compute_90")
+    old = _kernels.compile_ptx("low_latency.cu", "compute_90", defines=("-DSYMBUF_LL_FENCE=0",))
+    assert "fence.acq_rel.sys" in new and "membar.sys" not in new and "fence.sc.sys" not in new
+    assert "membar.sys" in old and "fence.acq_rel.sys" not in old
+    assert "red.relaxed.sys.global.add.u64" in new and "st.release.sys.global.u64" in new
+    staged = _kernels.compile_ptx("low_latency.cu", "compute_90", defines=("-DSYMBUF_LL_SELF=0",))
+    assert staged != new
+
+
+def test_short_shares_spread_over_the_copy_warps_in_the_512_thread_ring_build():
+    """SYMBUF_SPREAD (follows SYMBUF_ROW_VEC): the 512-thread build slices a short channel share over its copy warps
+    (their count in shared memory, then the done marks); SYMBUF_SPREAD=0 is the row-vector build without it, and the
+    trace, debug and work-sharing builds never have it (the same PTX either way)."""
+    _nvrtc_or_skip()
+    t512 = ("-DSYMBUF_MAX_THREADS=512",)
+    spread = _kernels.compile_ptx(RING, "compute_90", defines=t512)
+    chunks = _kernels.compile_ptx(RING, "compute_90", defines=t512 + ("-DSYMBUF_SPREAD=0",))
+    assert spread != chunks and spread.count("shfl.sync.idx") > chunks.count("shfl.sync.idx")
+    assert "membar.cta" in spread and "membar.cta" not in chunks  # the slice's release before its count
+    for other in (("-DSYMBUF_ADAPTIVE=1",), ("-DSYMBUF_TRACE=1",), ("-DSYMBUF_DEBUG=1",)):
+        assert _kernels.compile_ptx(RING, "compute_90", defines=t512 + other) == \
+            _kernels.compile_ptx(RING, "compute_90", defines=t512 + other + ("-DSYMBUF_SPREAD=0",)), other

@@ -805,3 +805,68 @@ def test_eager_dispatch_repeats_with_a_rejected_call_between(moe_comm, tokens, n
                                   np.array([[any(e >= 0 and e // (n_exp // W) == r for e in row) for r in range(W)]
                                             for row in idx], bool).reshape(tokens, W))
         all_ranks(check)
+
+
+def test_repeat_calls_of_one_shape(moe_comm):
+    """Combines and cached dispatches of one call shape repeated 12 times (on the GPU from the handle's fast path:
+    outputs from its pool, a launch descriptor of its own), fresh random values written into the same input arrays
+    every call, every other result kept and the rest dropped, the last calls on a side stream (GPU): every result
+    bitwise equal to a NumPy reference, and every kept one intact at the end (a pooled output is never handed out
+    again while the caller holds it, and a dropped one only in stream order)."""
+    comm = moe_comm
+    cuda = comm.backend == "cuda"
+    n_exp, hidden, topk = 4 * W, 64, 3
+    tokens = UNEVEN[RANK % 4] + 5
+    rng = rng_for("repeat-one-shape-dispatch", 0, comm.backend)
+    idx = make_routing("random", rng, tokens, n_exp, topk)
+    h = comm.dispatch(to_dev(comm, rng.standard_normal((tokens, hidden)).astype(np.float32)), to_dev(comm, idx),
+                      None, n_exp)[4]
+    routes = ref_routes(WORLD.allgather(idx), n_exp)
+    n = h.num_recv_tokens
+    cx_dev, cw_dev = to_dev(comm, np.zeros((n, hidden), np.float32)), to_dev(comm, np.zeros((n, topk), np.float32))
+    xs_dev = to_dev(comm, np.zeros((tokens, hidden), np.float32))
+    side = None
+    if cuda:
+        import cupy
+        side = cupy.cuda.Stream(non_blocking=True)
+    kept = []
+    for i in range(12):
+        rng = rng_for("repeat-one-shape-call", i, comm.backend)
+        cx, xs = make_values(rng, (n, hidden), "fp32"), make_values(rng, (tokens, hidden), "fp32")
+        cw = rng.uniform(0.05, 1.0, size=(n, topk)).astype(np.float32)
+        on_side = side is not None and i >= 8
+        if cuda:
+            cupy.cuda.Device().synchronize()  # the previous calls (any stream) done with the inputs
+        cx_dev[...], cw_dev[...], xs_dev[...] = to_dev(comm, cx), to_dev(comm, cw), to_dev(comm, xs)
+        if cuda:
+            cupy.cuda.Device().synchronize()  # the new values in place before a side-stream call reads them
+        with (side if on_side else _Null()):
+            combined, combined_w = comm.combine(cx_dev, h, cw_dev)
+            recv_x = comm.dispatch(xs_dev, handle=h)[0]
+            if on_side:
+                side.synchronize()
+        every = WORLD.allgather((cx, cw, xs))
+        acc = np.zeros((tokens, hidden), np.float32)
+        acc_w = np.zeros((tokens, topk), np.float32)
+        for r in range(W):
+            for row, (s, t) in enumerate(routes[r]):
+                if s == RANK:
+                    acc[t] += every[r][0][row]
+                    acc_w[t] += every[r][1][row]
+        want_recv = np.array([every[s][2][t] for s, t in routes[RANK]], np.float32).reshape(-1, hidden)
+
+        def check():
+            assert_bitwise(f"call {i}: combined_x", combined, acc)
+            assert_bitwise(f"call {i}: combined_topk_weights", combined_w, acc_w)
+            assert_bitwise(f"call {i}: cached dispatch recv_x", recv_x, want_recv)
+        all_ranks(check)
+        if i % 2:
+            kept += [(combined, acc, f"call {i}: combined_x"), (combined_w, acc_w, f"call {i}: combined_topk_weights"),
+                     (recv_x, want_recv, f"call {i}: recv_x")]
+        combined = combined_w = recv_x = None  # (the dropped results: their outputs may be handed out again)
+    comm.synchronize()
+
+    def intact():
+        for got, want, name in kept:
+            assert_bitwise(name + " (at the end)", got, want)
+    all_ranks(intact)

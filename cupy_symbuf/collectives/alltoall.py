@@ -29,6 +29,7 @@ from ..common.checks import as_array, check_counts, check_out
 from ..common.errors import SymBufferMismatchError
 from ..transport.cma import address_of
 from ..transport.engine import check_sync, row_signature
+from ..transport.outputs import OutputPool
 from ..wire import protocol as P
 from ..wire.plan import part_width
 from . import quant
@@ -175,10 +176,71 @@ def _checked_out(eng, op: str, out, shape: tuple, x):
     return check_out(op, out, eng.backend, shape, x.dtype, inputs=(x,))
 
 
+#: the key of :class:`_Repeat` in the engine's per-call-shape memo (:attr:`Engine.call_memo`)
+_REPEAT = "alltoall: the last small call's shape"
+
+
+class _Repeat:
+    """The fast path of a GPU ``alltoall`` by the small-message protocol: the shape the engine ran last with
+    ``sync="strong"`` from a C-contiguous plain CuPy sendbuf (``Config.mode`` "auto" or "ring", in which nothing but
+    the sendbuf's shape and dtype decides the call: a direct source is never asked for), whose checks passed then
+    (the dtype object, the shape and the GPU current then), and what a call of exactly that shape does: the prepared
+    launch (:meth:`Engine.small_prepare`: plan, bytes per peer, grid) and the pool its outputs come from when the
+    caller gives no ``out=`` (:class:`~cupy_symbuf.transport.outputs.OutputPool`). A call that differs in anything
+    (an ``out=`` other than a plain C-contiguous CuPy array of the shape and dtype, apart from the sendbuf) runs the
+    full path. The headers carry the plan's signature as before; every receiver checks it."""
+
+    __slots__ = ("dtype", "shape", "device", "small", "outs")
+
+
+def _repeat(eng, x, plan) -> _Repeat:
+    """The :class:`_Repeat` of a small call of ``x`` (C-contiguous, plain CuPy) that ran the full path with
+    ``plan``."""
+    r = _Repeat()
+    r.dtype, r.shape, r.device = x.dtype, x.shape, x.data.device_id
+    r.small = eng.small_prepare(plan, x.nbytes)
+    xp, shape, dtype = eng.xp, x.shape, x.dtype
+    r.outs = OutputPool(lambda: (xp.empty(shape, dtype=dtype),))
+    return r
+
+
+def _out_fits(out, x, rep: _Repeat) -> bool:
+    """Whether the caller's ``out=`` passes :func:`~cupy_symbuf.common.checks.check_out` for ``x`` (C-contiguous, of
+    ``rep``'s shape and dtype) by what the fast path compares: a plain CuPy array of that dtype object and shape,
+    C-contiguous, on ``rep``'s GPU, whose bytes do not overlap ``x``'s (else the full checks say what is wrong)."""
+    if type(out) is not type(x) or out.dtype is not rep.dtype or out.shape != rep.shape or not out._c_contiguous or \
+            out.data.device_id != rep.device:
+        return False
+    lo, n, xlo = out.data.ptr, out.nbytes, x.data.ptr
+    return not n or lo + n <= xlo or xlo + n <= lo
+
+
 def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
     """See :meth:`Communicator.alltoall` (``eng``: its engine; ``stream`` / ``async_op`` are the Communicator's)."""
     op = "alltoall"
-    rec = eng.repeat.get(op)
+    rep = eng.call_memo.get(_REPEAT)
+    if rep is not None and sync == "strong":  # (only GPU calls make one)
+        cp = eng.xp
+        if type(sendbuf) is cp.ndarray and sendbuf.dtype is rep.dtype and sendbuf.shape == rep.shape and \
+                sendbuf._c_contiguous and sendbuf.data.device_id == rep.device == cp.cuda.runtime.getDevice() and \
+                (out is None or _out_fits(out, sendbuf, rep)):
+            # the call shape run last: the output from a pool or the caller's, one launch (the same checks: none of
+            # them can fail for this shape but the freed-symmetric-array ones, which are made)
+            eng.check_open()
+            try:
+                eng.check_live(op, "sendbuf", sendbuf)
+                stream = cp.cuda.get_current_stream()
+                if out is None:
+                    recv, = rep.outs.take(stream.ptr)
+                else:
+                    eng.check_live(op, "out", out)
+                    recv = out
+            except BaseException:  # KeyboardInterrupt too: never fall a call behind the peers silently
+                eng.reject(op, notify=False)
+                raise
+            eng.run_small_repeat(rep.small, sendbuf.data.ptr, recv.data.ptr, stream)
+            return recv
+    rec = eng.repeat.get(op)  # (only host calls make one)
     if rec is not None and type(sendbuf) is np.ndarray and sendbuf.shape == rec.shape and \
             sendbuf.dtype is rec.dtype and sendbuf.strides == rec.strides and sync == "strong":
         got = _run_record(eng, rec, op, sendbuf, out)
@@ -207,6 +269,11 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
         eng.keep_for_graph(x)
     if x.nbytes <= eng.small_total:  # the small-message protocol (GPU): the size decides, alike on every rank
         eng.run_small(plan, x, recv)
+        if not relaxed and direct is None and x is sendbuf and x._c_contiguous and \
+                eng.config.mode in ("auto", "ring"):  # the next call of this shape: the fast path above
+            rep = eng.call_memo.get(_REPEAT)
+            if rep is None or rep.dtype is not x.dtype or rep.shape != x.shape or rep.device != x.data.device_id:
+                eng.call_memo[_REPEAT] = _repeat(eng, x, plan)
     else:
         eng.run(plan, [x], None, [recv], direct, relaxed)
         if eng.backend == "host":

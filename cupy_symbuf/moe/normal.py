@@ -35,7 +35,10 @@ on the host NumPy scatter-adds. A repeated GPU combine or cached dispatch of one
 runs from a record its first call kept on the handle (the checked kind, the row signature, the prepared launches),
 checking only the arrays' type, shape and device; so does a repeated eager GPU dispatch (no handle, no ``out``:
 its record in the communicator's per-call-shape memo, keyed by the arrays' dtypes, shapes and strides and the
-integer arguments) and ``get_dispatch_layout``.
+integer arguments) and ``get_dispatch_layout``. A combine or cached dispatch of the very shape the handle ran last,
+without ``out`` and outside a CUDA graph capture, compares a few words and launches: its ring launch keeps a
+descriptor of its own, and its outputs come from a pool of the record that hands an array out again only once
+nothing refers to it, a view of it or its memory, and only on the stream it was made on (as CuPy's pool would).
 
 Expert placement
 ----------------
@@ -68,8 +71,9 @@ from . import gpu as _gpu
 from .checks import (FP8_BLOCK, NOTIFY_EXTRA, check_cached, check_counts, check_device_experts, check_expert_alignment,
                      check_handle, check_num_experts, check_topk_idx, check_weights, check_x, combine_kind,
                      count_value_error, row_bytes)
-from .normal_cuda import (cached_device, combine_device, device_outputs, dispatch_cuda, eager_from_record, eager_key,
-                          eager_record, exchange_device, layout_key, new_eager_record, reduce_cuda, remember)
+from .normal_cuda import (REPEAT_COMBINE, REPEAT_DISPATCH, cached_device, cached_repeat, combine_device,
+                          combine_repeat, device_outputs, dispatch_cuda, eager_from_record, eager_key, eager_record,
+                          exchange_device, layout_key, new_eager_record, reduce_cuda, remember)
 from .normal_handle import DispatchHandle, make_ref
 from .routing import token_layout
 from ..collectives import wire_dtype as _wire
@@ -348,6 +352,16 @@ def dispatch(comm, x, topk_idx=None, topk_weights=None, num_experts: Optional[in
         :class:`~cupy_symbuf.SymBufferAbortedError`); no rank returns rows; the communicator is unusable.
     """
     op = "dispatch"
+    if handle is not None and topk_idx is None and topk_weights is None and num_experts is None and \
+            wire_dtype is None and out is None and is_token_in_rank is None and num_tokens_per_rank is None and \
+            num_tokens_per_expert is None and num_worst_tokens == 0 and type(handle) is DispatchHandle:
+        # a GPU cached dispatch of the call shape the handle ran last (its arguments passed every check then):
+        # one output from a pool, one launch (normal_cuda.cached_repeat; None: any difference, the full path)
+        rep = handle.__dict__.get(REPEAT_DISPATCH)
+        if rep is not None:
+            res = cached_repeat(comm, op, handle, rep, x, expert_alignment)
+            if res is not None:
+                return res
     stream, capturing = comm.capture_state()  # (once per call: handed down)
     # captured in a CUDA graph: every array the call allocates (copies, routing, outputs, CuPy's workspaces) lives
     # as long as the communicator, since each replay reads and writes them
@@ -885,6 +899,14 @@ def combine(comm, x, handle: DispatchHandle, topk_weights=None, *, dtype=None, o
     captured in a CUDA graph.
     """
     op = "combine"
+    if out is None and sync == "strong" and type(handle) is DispatchHandle:
+        # a GPU combine of the call shape the handle ran last (its arguments passed every check then): outputs from
+        # a pool, one ring and one reduction launch (normal_cuda.combine_repeat; None: any difference, the full path)
+        rep = handle.__dict__.get(REPEAT_COMBINE)
+        if rep is not None:
+            res = combine_repeat(comm, op, handle, rep, x, topk_weights, dtype)
+            if res is not None:
+                return res
     with comm.call(op, notify=False):
         stream, capturing = comm.capture_state()  # (once per call: handed down)
         # captured: the copies, the returned rows and the outputs live as long as the communicator (see dispatch)

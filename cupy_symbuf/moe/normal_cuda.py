@@ -15,10 +15,12 @@ from .normal_handle import handle_fields, handle_from, make_ref, new_handle
 from .routing import align_counts
 from ..common import dtypes as _dt
 from ..common.checks import check_array, check_out
+from ..transport.outputs import OutputPool
 from ..wire.channel_layout import check_row_fits
 
-__all__ = ["cached_device", "dispatch_cuda", "eager_key", "eager_record", "eager_from_record", "new_eager_record",
-           "remember", "layout_key", "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
+__all__ = ["cached_device", "cached_repeat", "combine_repeat", "REPEAT_DISPATCH", "REPEAT_COMBINE", "dispatch_cuda",
+           "eager_key", "eager_record", "eager_from_record", "new_eager_record", "remember", "layout_key",
+           "device_outputs", "exchange_device", "reduce_cuda", "combine_device"]
 
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
 _add_reduce = np.add.reduce
@@ -31,7 +33,7 @@ class _CachedRecord:
     alignment asked (a new list is returned on every call); ``ring``: the prepared ring launch (made by the first
     call; False where the handle's send index is not int64 C-contiguous: then the arrays are handed over per call)."""
 
-    __slots__ = ("x_shape", "kind", "sig", "plan", "ring", "copy_x", "counts")
+    __slots__ = ("x_shape", "kind", "sig", "plan", "ring", "copy_x", "counts", "repeat")
 
 
 def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
@@ -50,7 +52,7 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
         cx = _rows_contiguous(cp, xv)
         rec.copy_x = cx is not xv
         rec.plan = comm.device_plan(op, rec.sig, [cx], True) if cx.shape[1] else None
-        rec.ring = None
+        rec.ring = rec.repeat = None
         rec.counts = {}
         _records(h)[key] = rec
         x = cx  # (copied once: the copy below returns it as it is)
@@ -75,7 +77,114 @@ def cached_device(comm, op, x, h, align: int, stream, capturing: bool):
     counts = rec.counts.get(align)
     if counts is None:
         counts = rec.counts[align] = h.num_recv_tokens_per_expert(align)
+    if rec.ring and not rec.copy_x and not capturing:  # this shape's fast path (made once per record)
+        if rec.repeat is None:
+            rec.repeat = _repeat_dispatch(comm, op, h, x, rec, recv_x) or False
+        if rec.repeat:
+            h.__dict__[REPEAT_DISPATCH] = rec.repeat
     return recv_x, None, None, list(counts), h
+
+
+#: the handle's ``__dict__`` key of its cached dispatch's :class:`_Repeat` (the last call shape it ran)
+REPEAT_DISPATCH = "_repeat_dispatch"
+#: the handle's ``__dict__`` key of its combine's :class:`_Repeat`
+REPEAT_COMBINE = "_repeat_combine"
+
+
+class _Repeat:
+    """The fast path of a GPU cached dispatch or combine: the call shape the handle ran last without ``out=`` and
+    outside a CUDA graph capture (the arrays' dtype object, shape and strides, on the GPU that was current then; a
+    combine's weights alike, or None, and the very object it passed as ``dtype``), whose full checks passed, and
+    what a call of exactly that shape does: its ring launch with a descriptor of its own
+    (:meth:`~cupy_symbuf.transport.engine.Engine.repeat_prepare`: the handle's send index, counts table and
+    dispatch id stay written), the pools its outputs (and a combine's received rows) come from
+    (:class:`~cupy_symbuf.transport.outputs.OutputPool`), the per-expert counts (cached dispatch) and the
+    reduction's prepared launch (combine). A call whose arguments differ in anything runs the full path (which
+    makes the record of the new shape the fast one). The call signature the ring kernel's headers carry is the one
+    the full path writes (the plan's, with the handle's dispatch id): every receiver checks it as before."""
+
+    __slots__ = ("dtype", "shape", "strides", "w_dtype", "w_shape", "w_strides", "device", "ring", "outs", "back",
+                 "back_memory", "back_bytes", "back_w_off", "counts", "red", "dtype_arg")
+
+
+def _repeat_dispatch(comm, op, h, x, rec, recv_x):
+    """The cached-dispatch :class:`_Repeat` of a call of ``x``'s shape with handle ``h`` that ran the full path (its
+    record ``rec`` prepared the ring launch; ``recv_x``: the call's output, for its shape and dtype); None where
+    the calls must take the full path (one rank)."""
+    ring = comm.repeat_prepare(op, rec.ring, h.send_token_idx.data.ptr, h.routing.table_ptr, tag=h.dispatch_id)
+    if ring is None:
+        return None
+    cp = comm.xp
+    r = _Repeat()
+    r.dtype, r.shape, r.strides, r.w_dtype = x.dtype, x.shape, x.strides, None
+    r.device = x.data.device_id
+    r.ring, r.counts, r.back, r.red, r.dtype_arg = ring, rec.counts, None, None, None
+    shape, dtype = recv_x.shape, recv_x.dtype
+    r.outs = OutputPool(lambda: (cp.empty(shape, dtype),))
+    return r
+
+
+def cached_repeat(comm, op, h, r: _Repeat, x, align):
+    """A cached dispatch of ``x`` with handle ``h`` (made by ``comm``, ``r`` its :class:`_Repeat`) and no other
+    argument but ``expert_alignment`` (``align``) when the call has the repeat record's shape (else None, having
+    done nothing): one output from the record's pool, one ring launch. Returns dispatch's tuple. Outside a CUDA
+    graph capture only (None while the current stream is being captured)."""
+    cp = comm.xp
+    if type(x) is not cp.ndarray or x.dtype is not r.dtype or x.shape != r.shape or x.strides != r.strides or \
+            type(align) is not int or h._comm_ref() is not comm:
+        return None
+    counts = r.counts.get(align)
+    if counts is None or x.data.device_id != r.device or r.device != cp.cuda.runtime.getDevice():
+        return None
+    stream = cp.cuda.get_current_stream()
+    if stream.is_capturing():
+        return None
+    return _run_repeat(comm, op, r, stream, x.data.ptr, 0)[0], None, None, list(counts), h
+
+
+def _back_rows(comm, r: _Repeat, stream_ptr: int) -> int:
+    """The address of a new allocation for a combine's received rows (``r.back_bytes``), kept in ``r.back`` for the
+    calls on the stream ``stream_ptr`` (the rows are written and read by the call's two kernels, in that stream's
+    order, and never handed out: the next call on the stream may write them again; at most two streams kept)."""
+    mem = comm.xp.cuda.alloc(r.back_bytes)
+    if len(r.back) >= 2:
+        r.back.clear()
+        r.back_memory.clear()
+    r.back[stream_ptr], r.back_memory[stream_ptr] = mem.ptr, mem
+    return mem.ptr
+
+
+def _run_repeat(comm, op, r: _Repeat, stream, x_ptr: int, w_ptr: int) -> tuple:
+    """The call of a fast path whose arguments matched its :class:`_Repeat` ``r`` (``x_ptr``: x's address; a
+    combine's ``w_ptr``: the weights', 0: none) on ``stream``, outside a capture: the communicator's entry checks
+    and guard, as :meth:`~cupy_symbuf.transport.engine.Engine.call`; the outputs (and a combine's received rows)
+    from the pools, where an allocation that fails is a rejection told to the peers; the ring launch and a
+    combine's reduction. Returns the outputs."""
+    comm.check_open()
+    guard = comm.guard
+    took = False
+    try:
+        took = guard.enter(op, comm)
+        try:  # (nothing before the launch can fail but an allocation or an interrupt: told to the peers)
+            sp = stream.ptr
+            outs = r.outs.take(sp)
+            if r.red is None:  # a cached dispatch: x's rows into the output
+                ptrs = x_ptr, outs[0].data.ptr
+            else:  # a combine: the rows back (x's, the weights' after them), then the reduction into the outputs
+                back = r.back.get(sp) or _back_rows(comm, r, sp)
+                back_w = back + r.back_w_off if w_ptr else 0
+                ptrs = (x_ptr, w_ptr, back, back_w) if w_ptr else (x_ptr, back)
+        except BaseException:
+            comm.reject(op, notify=False)
+            raise
+        comm.launch_repeat(r.ring, ptrs, stream)
+        if r.red is not None:
+            _gpu.reduce_run(r.red, back, outs[0].data.ptr, x_ptr, back_w, outs[1].data.ptr if w_ptr else 0, w_ptr,
+                            stream)
+        return outs
+    finally:
+        if took:
+            guard.leave()
 
 
 def _dispatch_sig(kind, xv, scales, idx, weights, n_exp) -> str:
@@ -485,7 +594,8 @@ class _CombineRecord:
     strides are the key)."""
 
     __slots__ = ("x_shape", "w_shape", "kind", "copy_x", "copy_w", "sig", "plan", "ring", "red", "send_x", "send_w",
-                 "x_dtype", "back_x_bytes", "back_w_off", "back_bytes", "out_x_bytes", "out_w_off", "out_bytes")
+                 "x_dtype", "back_x_bytes", "back_w_off", "back_bytes", "out_x_bytes", "out_w_off", "out_bytes",
+                 "repeat")
 
 
 #: per handle: at most this many combine / cached-dispatch records (a new one past it clears them)
@@ -527,7 +637,7 @@ def _combine_record(comm, op, x, h, weights, dtype, out, key) -> tuple:
     rec.send_w = weights is not None and cw.shape[1] > 0
     parts = ([cx] if rec.send_x else []) + ([cw] if rec.send_w else [])
     rec.plan = comm.device_plan(op, rec.sig, parts, False) if parts else None
-    rec.ring = None  # (made by the record's first call, from its arrays)
+    rec.ring = rec.repeat = None  # (made by the record's first call, from its arrays)
     # the rows that come back (x's, then the weights') in one allocation, the outputs in another (the returned
     # arrays are new on every call: nothing is handed out twice)
     rows, n = h.send_rows, h.num_tokens
@@ -620,4 +730,63 @@ def combine_device(comm, op, x, h, weights, dtype, out, stream, capturing: bool)
         _gpu.reduce_run(red, back, combined.data.ptr, x.data.ptr if red.self_has_rows else 0, back_w,
                         0 if acc_w is None else acc_w.data.ptr,
                         0 if weights is None or not weights.shape[0] else weights.data.ptr, stream)
+    if out is None and not capturing and not rec.copy_x and not rec.copy_w and rec.send_x and \
+            (weights is None or rec.send_w) and rows and n and x.shape[0]:  # this shape's fast path (made once)
+        if rec.repeat is None:
+            rec.repeat = _repeat_combine(comm, op, h, x, weights, dtype, rec, combined, acc_w) or False
+        if rec.repeat:
+            h.__dict__[REPEAT_COMBINE] = rec.repeat
     return combined, acc_w
+
+
+def _repeat_combine(comm, op, h, x, weights, dtype_arg, rec, combined, acc_w):
+    """The combine :class:`_Repeat` of a call with handle ``h`` and ``dtype=dtype_arg`` that ran the full path with
+    record ``rec`` (its ring launch prepared; x's and the weights' rows sent in place; rows to receive and tokens to
+    reduce; no ``out``): the received rows from a pool of their own (one allocation per stream, never handed out),
+    the outputs ``combined`` / ``acc_w`` (their shapes and dtypes) from another. None where the calls must take the
+    full path (one rank)."""
+    ring = comm.repeat_prepare(op, rec.ring, None, h.routing.rev_table_ptr, tag=h.dispatch_id)
+    if ring is None:
+        return None
+    cp = comm.xp
+    r = _Repeat()
+    r.dtype, r.shape, r.strides = x.dtype, x.shape, x.strides
+    r.w_dtype, r.w_shape, r.w_strides = (None, None, None) if weights is None else \
+        (weights.dtype, weights.shape, weights.strides)
+    r.device, r.dtype_arg = x.data.device_id, dtype_arg
+    r.ring, r.red, r.back_w_off = ring, rec.red, rec.back_w_off
+    r.back, r.back_memory, r.back_bytes = {}, {}, rec.back_bytes  # (per stream: _back_rows)
+    shape, dtype, w_off, nbytes = combined.shape, combined.dtype, rec.out_w_off, rec.out_bytes
+    w_shape = None if acc_w is None else acc_w.shape
+    if w_shape is None:
+        r.outs = OutputPool(lambda: (cp.empty(shape, dtype),))
+    else:
+        r.outs = OutputPool(lambda: _two_arrays(cp, shape, dtype, w_off, nbytes, w_shape)[:2])
+    return r
+
+
+def combine_repeat(comm, op, h, r: _Repeat, x, weights, dtype_arg):
+    """A combine of ``x`` (and ``weights``) with handle ``h`` (made by ``comm``, ``r`` its combine :class:`_Repeat`),
+    no ``out`` and ``dtype=dtype_arg``, when the call has the repeat record's shape and the very ``dtype`` object of
+    the call that made it (else None, having done nothing): the received rows and the outputs from the record's
+    pools, one ring launch, one reduction launch. Returns ``(combined_x, combined_topk_weights or None)``. Outside a
+    CUDA graph capture only (None while capturing)."""
+    cp = comm.xp
+    nd = cp.ndarray
+    if type(x) is not nd or x.dtype is not r.dtype or x.shape != r.shape or x.strides != r.strides or \
+            dtype_arg is not r.dtype_arg or h._comm_ref() is not comm:
+        return None
+    if weights is None:
+        if r.w_dtype is not None:
+            return None
+    elif type(weights) is not nd or weights.dtype is not r.w_dtype or weights.shape != r.w_shape or \
+            weights.strides != r.w_strides or weights.data.device_id != r.device:
+        return None
+    if x.data.device_id != r.device or r.device != cp.cuda.runtime.getDevice():
+        return None
+    stream = cp.cuda.get_current_stream()
+    if stream.is_capturing():
+        return None
+    if weights is None:
+        return _run_repeat(comm, op, r, stream, x.data.ptr, 0)[0], None
+    return _run_repeat(comm, op, r, stream, x.data.ptr, weights.data.ptr)

@@ -101,6 +101,23 @@ class DeviceTransport(Transport, Protocol):
         attribute ``small_peer_bytes``, 0: off); returns the ranks that rejected it when it waited (``blocking``)."""
         ...
 
+    def repeat_prepare(self, op: str, plan, launch, index_ptr, counts: int, tag: int):
+        """A prepared launch with a descriptor of its own holding the words a caller's repeated calls share (index,
+        counts table, tag), or None where there is nothing to launch; run by :meth:`fire_repeat`."""
+        ...
+
+    def fire_repeat(self, r, ptrs, stream) -> list:
+        """:meth:`launch_prepared` of a :meth:`repeat_prepare` launch with the parts' addresses ``ptrs``."""
+        ...
+
+    def small_prepare(self, plan, nbytes: int) -> tuple:
+        """What :meth:`exchange_small` of ``plan`` for ``nbytes`` of sendbuf hands its kernel besides addresses."""
+        ...
+
+    def fire_small(self, prepared: tuple, send_ptr: int, recv_ptr: int, stream) -> list:
+        """:meth:`exchange_small` of a C-contiguous sendbuf by address, with its :meth:`small_prepare`."""
+        ...
+
     def sent_meta(self, M: int) -> np.ndarray:
         """int64 ``[world_size, M]``: what the last echoed count exchange sent."""
         ...

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
 import time
 
 import numpy as np
@@ -39,6 +40,11 @@ CE_KERNEL = "symbuf_ce_finish"
 #: The small-message alltoall (``cuda_src/small_exchange.cu``).
 SMALL_SOURCE = "small_exchange.cu"
 SMALL_KERNEL = "symbuf_small_alltoall"
+
+#: SmallArgs' first fields (send, recv, bytes, op, sig: one pack instead of five field writes)
+_SMALL_HEAD = struct.Struct("@QQqqq")
+assert [_kernel_args.field_offsets("SmallArgs")[f] for f in ("send", "recv", "bytes", "op", "sig")] == \
+    [0, 8, 16, 24, 32]
 
 # re-exported for tests and tools that read descriptor words
 DESC = {n: getattr(P, n) for n in dir(P) if n.startswith("DESC_")}
@@ -98,6 +104,17 @@ class _Launch:
         self.copy_send = copy_send
         self.send_words = [DESC_SEND_PARTS + 4 * i for i in range(num_send)]
         self.recv_words = [DESC_RECV_PARTS + 4 * i for i in range(num_recv)]
+
+
+class RepeatLaunch:
+    """A prepared ring launch (:class:`_Launch`) with a descriptor of its own for one caller's repeated calls of one
+    shape (:meth:`CudaTransport.repeat_prepare`): the words that are the same on every such call (send index, counts
+    table, no direct source, flags, the signature with the call's tag) are written once, so a call writes its parts'
+    addresses and its launch number only (:meth:`CudaTransport.fire_repeat`). ``words``: the descriptor as a
+    memoryview of int64 (an item write costs less than a NumPy one); ``ptr_words``: the words of the addresses a call
+    passes, send parts then receive parts."""
+
+    __slots__ = ("op", "plan", "desc", "addr", "words", "ptr_words")
 
 
 @implements(DeviceTransport)
@@ -573,6 +590,58 @@ class CudaTransport:
         d[DESC_DIRECT_ALLOC] = -1
         return self._fire(op, plan, launch, P.FLAG_REJECT if plan.reject else 0, tag, stream, None)
 
+    def repeat_prepare(self, op: str, plan, launch: _Launch, index_ptr, counts: int, tag: int):
+        """The :class:`RepeatLaunch` of :meth:`launch_prepared` with these arguments that stay the same from call to
+        call (``index_ptr``: None for a plan without a send index; ``counts``: the device counts table; ``tag``), or
+        None where a call must go through :meth:`launch_prepared` (one rank: nothing to move; a byte run whose rows
+        are copied)."""
+        if launch.desc is None or launch.copy_send:
+            return None
+        r = RepeatLaunch()
+        r.op, r.plan = op, plan
+        d = r.desc = launch.desc.copy()  # the plan's words for these strides; never shared with another caller
+        if index_ptr is not None:
+            d[DESC_SEND_INDEX] = index_ptr
+        d[DESC_COUNTS], d[DESC_DIRECT_ALLOC] = counts, -1
+        d[DESC_FLAGS] = P.FLAG_REJECT if plan.reject else 0
+        d[DESC_SIG] = P.call_signature(plan.sig, tag)
+        r.addr = d.ctypes.data
+        r.words = memoryview(d).cast("B").cast("q")
+        r.ptr_words = tuple(launch.send_words) + tuple(launch.recv_words)
+        return r
+
+    def fire_repeat(self, r: RepeatLaunch, ptrs, stream) -> list:
+        """One call of :meth:`launch_prepared` from its :class:`RepeatLaunch`: ``ptrs`` the addresses of the send
+        parts then the receive parts (as ``r.ptr_words``), ``stream`` the current stream. The same descriptor words,
+        checks, ledger entry and launch."""
+        if self.status.words[P.STATUS_FLAG]:  # (check() reads the same word first)
+            self.check(r.op)  # a failure of an earlier, unawaited call surfaces here, before anything else
+        w = r.words
+        for i, p in zip(r.ptr_words, ptrs):
+            w[i] = p
+        if self._home is not None:  # adaptive: the current home map (plans keep no copy of their own)
+            r.desc[P.DESC_HOME: P.DESC_HOME + P.HOME_WORDS] = self._home
+        w[DESC_SEQ] = self.status.ledger.next(r.op, r.plan) if self._launch_stream is stream else \
+            self._next_launch(r.op, stream, r.plan)
+        self._arg_ptrs[0] = r.addr  # the driver copies the descriptor at launch: it may change after
+        if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
+            self.kernel_events[0].record(stream)
+        self._launch(stream.ptr)
+        if self.kernel_events is None and not self.blocking:
+            return ()
+        return self._launched(r.op, stream)
+
+    def _launched(self, op: str, stream) -> list:
+        """After a ring launch: the kernel's end event (``bench --breakdown``), and with ``blocking`` the wait for it:
+        the ranks that rejected the call (else ``[]``)."""
+        if self.kernel_events is not None:
+            self.kernel_events[1].record(stream)
+        if self.blocking:
+            self.check(op, stream)
+            rejected = self.take_rejected()
+            return [] if rejected is None else [rejected[0]]
+        return []
+
     def _fire(self, op: str, plan, launch: _Launch, flags: int, tag: int, stream, ce) -> list:
         """The words every ring launch writes last (flags, signature with ``tag``, home map, launch number), the
         launch on ``stream``, and with ``ce`` (``(direct, recv)``) the copy-engine pull after it; the ranks that
@@ -589,13 +658,7 @@ class CudaTransport:
         self._launch(stream.ptr)
         if ce is not None:
             self._copy_engine_pull(plan, ce[0], ce[1], stream, int(d[DESC_SEQ]))
-        if self.kernel_events is not None:
-            self.kernel_events[1].record(stream)
-        if self.blocking:
-            self.check(op, stream)
-            rejected = self.take_rejected()
-            return [] if rejected is None else [rejected[0]]
-        return []
+        return self._launched(op, stream)
 
     def exchange_small(self, plan, x, recv) -> list:
         """One ``alltoall`` of ``plan`` by the small-message protocol (``cuda_src/small_exchange.cu``): ``x`` and
@@ -605,35 +668,45 @@ class CudaTransport:
         with ``self.blocking`` once it ended, with the rank that rejected the call (its rows in ``recv`` are not
         delivered). Raises an error an earlier kernel recorded, before anything else."""
         cp = _compat.cupy
-        op = plan.op
-        self.check(op)
+        self.check(plan.op)
         stream = cp.cuda.get_current_stream()
         if not x._c_contiguous:  # the kernel reads one byte run per peer
             x = cp.ascontiguousarray(x)
             if stream.is_capturing():  # a captured kernel reads it at every replay
                 self.graph_keep.append(x)
+        return self.fire_small(self.small_prepare(plan, x.nbytes), x.data.ptr, recv.data.ptr, stream)
+
+    def small_prepare(self, plan, nbytes: int) -> tuple:
+        """What a small-message ``alltoall`` of ``plan`` with a sendbuf of ``nbytes`` bytes hands its kernel besides the
+        addresses and the launch number (a caller may keep it for repeated calls of one shape; :meth:`fire_small`)."""
         W = self.world_size
-        n = x.nbytes // W
+        n = nbytes // W
         # items of SMALL_WORDS_PER_ITEM words per peer, on at most the rank's SM share of blocks (the ring kernel's
         # grid): a block takes several items when there are more
         blocks = 2 * self.layout.num_channels
         words = -(-n // 4)
         per = max(1, min(-(-words // P.SMALL_WORDS_PER_ITEM), blocks // W))
+        return plan, n, per, min(W * per, blocks)
+
+    def fire_small(self, prepared: tuple, send_ptr: int, recv_ptr: int, stream) -> list:
+        """:meth:`exchange_small` of a C-contiguous sendbuf at ``send_ptr`` into ``recv_ptr`` on ``stream`` (the
+        current stream) with its :meth:`small_prepare`."""
+        plan, n, per, grid = prepared
+        op = plan.op
+        if self.status.words[P.STATUS_FLAG]:  # (check() reads the same word first)
+            self.check(op)
         a = self._l_small.args
-        a.send, a.recv, a.bytes, a.op, a.sig = x.data.ptr, recv.data.ptr, n, plan.op_code, plan.sig
+        _SMALL_HEAD.pack_into(a, 0, send_ptr, recv_ptr, n, plan.op_code, plan.sig)  # (send, recv, bytes, op, sig)
         a.items_per_peer = per
-        a.seq = self._next_launch(op, stream, plan)
+        a.seq = self.status.ledger.next(op, plan) if self._launch_stream is stream else \
+            self._next_launch(op, stream, plan)
         if self.kernel_events is not None:  # bench --breakdown: time the kernel alone
             self.kernel_events[0].record(stream)
-        self._l_small(min(W * per, blocks), P.SMALL_THREADS, stream=stream)
-        if self.kernel_events is not None:
-            self.kernel_events[1].record(stream)
+        self._l_small(grid, P.SMALL_THREADS, stream=stream)
         self.small_calls += 1
-        if self.blocking:
-            self.check(op, stream)
-            rejected = self.take_rejected()
-            return [] if rejected is None else [rejected[0]]
-        return []
+        if self.kernel_events is None and not self.blocking:
+            return ()
+        return self._launched(op, stream)
 
     def _copy_engine_pull(self, plan, direct, recv, stream, seq: int) -> None:
         """FLAG_CE, after the ring kernel (which checked that every peer's run lies where this assumes and copied

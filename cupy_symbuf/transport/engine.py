@@ -459,6 +459,53 @@ class Engine:
         if rejected:
             self._raise_rejected(op, rejected)
 
+    def repeat_prepare(self, op: str, prepared: tuple, index_ptr, table: int, *, tag: int):
+        """The fast form of :meth:`launch_rows_device` for a caller's repeated calls of one shape (GPU): a launch of
+        :meth:`prepare_rows_device`'s ``prepared`` with a descriptor of its own in which the send index
+        (``index_ptr``, None: none), the counts table and the tag stay written
+        (:class:`~cupy_symbuf.transport.cuda.RepeatLaunch`); None where the calls must go through
+        :meth:`launch_rows_device` (one rank). Run it with :meth:`launch_repeat`."""
+        plan, launch = prepared
+        return self.transport.repeat_prepare(op, plan, launch, index_ptr, int(table), tag)
+
+    def launch_repeat(self, rep, ptrs, stream) -> None:
+        """:meth:`launch_rows_device` of a call whose :meth:`repeat_prepare` the caller kept: ``ptrs`` the addresses
+        of its send parts then its receive parts, ``stream`` the current stream. The same descriptor, ledger entry
+        and checks; an exception inside the launch marks the communicator broken (as :meth:`_run`), a peer's
+        rejection (``Config.blocking``) raises :class:`~cupy_symbuf.SymBufferRejectedError`. It enters no call
+        state: the caller has made every check that could reject the call (a call of its record's shape can fail
+        none), and tells the peers itself when something before this launch fails (:meth:`reject`)."""
+        try:
+            rejected = self.transport.fire_repeat(rep, ptrs, stream)
+        except SymBufferRejectedError:
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        self._count(rep.plan)
+        if rejected:
+            self._raise_rejected(rep.op, rejected)
+
+    def small_prepare(self, plan, nbytes: int) -> tuple:
+        """What :meth:`run_small` of ``plan`` for a sendbuf of ``nbytes`` bytes hands the transport besides the
+        addresses (GPU; kept by a caller for repeated calls of one shape, run by :meth:`run_small_repeat`)."""
+        return self.transport.small_prepare(plan, nbytes)
+
+    def run_small_repeat(self, prepared: tuple, send_ptr: int, recv_ptr: int, stream) -> None:
+        """:meth:`run_small` of a C-contiguous sendbuf at ``send_ptr`` into ``recv_ptr`` with its
+        :meth:`small_prepare`, on ``stream`` (the current stream); no call state, as :meth:`launch_repeat`."""
+        try:
+            rejected = self.transport.fire_small(prepared, send_ptr, recv_ptr, stream)
+        except SymBufferRejectedError:
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        plan = prepared[0]
+        self._count(plan)
+        if rejected:
+            self._raise_rejected(plan.op, rejected)
+
     def device_plan(self, op: str, sig_text: str, send_parts, has_index: bool, row_run: bool = True):
         """The plan :meth:`exchange_rows_device` runs for these arguments (cached by the plan cache; a caller may keep
         it for repeated calls of the same shape and signature)."""
