@@ -18,12 +18,16 @@ to the peers (:meth:`Engine.call` / :meth:`Engine.reject`).
 """
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import numpy as np
 
 from ..common import backend as _compat
 from ..common import dtypes as _dt
 from ..common.checks import as_array, check_counts, check_out
 from ..common.errors import SymBufferMismatchError
+from ..transport.cma import address_of
 from ..transport.engine import check_sync, row_signature
 from ..transport.outputs import OutputPool
 from ..wire import protocol as P
@@ -41,6 +45,128 @@ def _ones(world_size: int) -> np.ndarray:
     ones = _ONES[world_size] = np.ones(world_size, dtype=np.int64)
     ones.flags.writeable = False
     return ones
+
+
+_refs = sys.getrefcount
+_addressof, _CHAR = ctypes.addressof, ctypes.c_char
+
+
+def _refs_at(pool: list, i: int) -> int:
+    a = pool[i]
+    return _refs(a)
+
+
+#: what :func:`_refs_at` counts for an array that only its pool list holds
+_FREE = _refs_at([np.empty(0)], 0)
+
+#: the largest output (bytes) a host repeat record keeps in its pool; larger ones are allocated per call (a pool
+#: keeps up to two outputs alive until the communicator's next call of another shape, or its close)
+POOL_BYTES = 16 << 20
+
+
+class _HostRecord:
+    """The host engine's record of an op's last call shape (``Engine.repeat[op]``): what a call must match to run
+    the prepared exchange (``HostTransport.prepare``) with no other check: ``sendbuf`` a NumPy array of this shape,
+    dtype object and strides (C-contiguous), ``sync="strong"``, the counts (alltoallv) of these exact bytes, shape and
+    dtype object, ``out=`` None or a writeable NumPy array of the output's shape, dtype and C strides apart from
+    ``sendbuf``, and a communicator with no symmetric arrays (then a plain sendbuf goes by the rings or by
+    cross-memory attach by its size alone, as when the record was made) and no telemetry. Everything else the full
+    path checked depends only on these. ``pool``: outputs of calls without ``out=``, handed out again only while
+    nothing outside the pool refers to them (``sys.getrefcount``; a view holds its base array), at most two, of
+    at most :data:`POOL_BYTES` each (``pooled``; larger outputs are allocated per call)."""
+
+    __slots__ = ("shape", "dtype", "strides", "out_shape", "out_strides", "nbytes", "out_nbytes", "counts", "prep",
+                 "pool", "addrs", "pooled")
+
+    def __init__(self, x, recv, prep, counts):
+        self.shape, self.dtype, self.strides = x.shape, x.dtype, x.strides
+        self.out_shape, self.out_strides = recv.shape, recv.strides
+        self.nbytes, self.out_nbytes = x.nbytes, recv.nbytes
+        self.counts, self.prep = counts, prep
+        self.pool, self.addrs = [], []
+        self.pooled = recv.nbytes <= POOL_BYTES
+
+    def take(self):
+        """``(array, address)``: a pooled output nothing outside the pool holds, else a new one (the oldest of
+        two dropped from the pool)."""
+        pool = self.pool
+        for i in range(len(pool)):
+            if _refs_at(pool, i) == _FREE:
+                return pool[i], self.addrs[i]
+        a = np.empty(self.out_shape, dtype=self.dtype)
+        if len(pool) >= 2:
+            del pool[0], self.addrs[0]
+        pool.append(a)
+        self.addrs.append(address_of(a))
+        return a, self.addrs[-1]
+
+
+def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True):
+    """Run ``rec``'s prepared exchange of ``x`` (already matched to its shape, dtype and strides) into ``out`` or a
+    pooled output; the output, or None when the call does not match the record after all (the full path then
+    runs and checks everything). ``first_step``: the exchange is the call's first step (a failure to allocate the
+    output is then a rejection told to the peers; after a count exchange it ends the call as any error between
+    steps does, in :meth:`Engine.call`)."""
+    if eng.heap.in_use or eng.transport.trace is not None:
+        return None
+    eng.check_open()
+    if out is None:
+        pool = rec.pool
+        if pool and _refs_at(pool, 0) == _FREE:
+            recv, out_addr = pool[0], rec.addrs[0]
+        elif len(pool) > 1 and _refs_at(pool, 1) == _FREE:
+            recv, out_addr = pool[1], rec.addrs[1]
+        else:
+            try:
+                if rec.pooled:
+                    recv, out_addr = rec.take()
+                else:
+                    recv = np.empty(rec.out_shape, dtype=rec.dtype)
+                    out_addr = address_of(recv)
+            except BaseException:
+                if first_step:
+                    eng.reject(op, notify=False)
+                raise
+        try:
+            x_addr = _addressof(_CHAR.from_buffer(x))
+        except (TypeError, ValueError, BufferError):  # read-only, or a dtype the buffer protocol cannot describe
+            x_addr = address_of(x)
+    else:
+        if type(out) is not np.ndarray or out.shape != rec.out_shape or out.dtype is not rec.dtype or \
+                out.strides != rec.out_strides or not out.flags.writeable:
+            return None
+        recv, out_addr, x_addr = out, address_of(out), address_of(x)
+        if out_addr < x_addr + rec.nbytes and x_addr < out_addr + rec.out_nbytes:
+            return None  # (overlap: the full path's error)
+    eng.run_prepared(rec.prep, op, x_addr, recv, out_addr)
+    return recv
+
+
+#: ``Engine.repeat``'s key of the record of alltoallv with the count exchange (alltoall's and alltoallv's with
+#: recv_counts: the op's name). It holds the counts sent and received: a repeat call exchanges the counts, then
+#: runs the prepared exchange when they are the record's.
+_NOTIFIED = "alltoallv count exchange"
+
+
+def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pooled: bool, counts=None) -> None:
+    """After a call of the full path that succeeded: make ``op``'s record (:class:`_HostRecord`) of its shape when the
+    host engine can prepare it (a plain C-contiguous NumPy sendbuf of at least one byte, passed as is, moved by
+    the rings or by cross-memory attach, ``sync="strong"``), else drop the op's record. ``recv``: the call's
+    output (pooled when the call made it)."""
+    repeat = eng.repeat
+    if eng.backend != "host":
+        return
+    prep = None
+    if (x is sendbuf and type(x) is np.ndarray and not relaxed and x.nbytes and x.flags.c_contiguous and
+            recv.flags.c_contiguous and (direct is None or direct[0] == P.MODE_CMA)):
+        prep = eng.prepare(plan)
+    if prep is None:
+        repeat.pop(op, None)
+        return
+    rec = repeat[op] = _HostRecord(x, recv, prep, counts)
+    if pooled and rec.pooled:  # (handed out again once the caller drops it)
+        rec.pool.append(recv)
+        rec.addrs.append(address_of(recv))
 
 
 def _checked_out(eng, op: str, out, shape: tuple, x):
@@ -114,6 +240,12 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
                 raise
             eng.run_small_repeat(rep.small, sendbuf.data.ptr, recv.data.ptr, stream)
             return recv
+    rec = eng.repeat.get(op)  # (only host calls make one)
+    if rec is not None and type(sendbuf) is np.ndarray and sendbuf.shape == rec.shape and \
+            sendbuf.dtype is rec.dtype and sendbuf.strides == rec.strides and sync == "strong":
+        got = _run_record(eng, rec, op, sendbuf, out)
+        if got is not None:
+            return got
     eng.check_open()
     try:  # argument checks; a rejection is told to the peers (the lean form of Engine.call)
         x = as_array(op, "sendbuf", sendbuf, eng.backend)
@@ -144,6 +276,8 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
                 eng.call_memo[_REPEAT] = _repeat(eng, x, plan)
     else:
         eng.run(plan, [x], None, [recv], direct, relaxed)
+        if eng.backend == "host":
+            _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None)
     return recv
 
 
@@ -173,10 +307,21 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         with eng.call(op, notify=True):
             return _alltoallv_capacity(eng, op, sendbuf, send_counts, recv_capacity, out, check_sync(op, sync))
     if recv_counts is not None:  # known counts: one step, so the lean form of Engine.call (as alltoall)
+        rec = eng.repeat.get(op)
+        if rec is not None and type(sendbuf) is np.ndarray and sendbuf.shape == rec.shape and \
+                sendbuf.dtype is rec.dtype and sendbuf.strides == rec.strides and sync == "strong" and \
+                recv_capacity is None and type(send_counts) is np.ndarray and type(recv_counts) is np.ndarray:
+            sd, sb, rd, rb, rc = rec.counts
+            if send_counts.dtype is sd and recv_counts.dtype is rd and send_counts.ndim == 1 and \
+                    recv_counts.ndim == 1 and send_counts.tobytes() == sb and recv_counts.tobytes() == rb:
+                got = _run_record(eng, rec, op, sendbuf, out)
+                if got is not None:
+                    return got, rc.copy()
         eng.check_open()
         try:
             relaxed = False if sync == "strong" else check_sync(op, sync)
             x = as_array(op, "sendbuf", sendbuf, eng.backend)
+            send_counts_arg, recv_counts_arg = send_counts, recv_counts
             send_counts, recv_counts, sig, shape, plans = _known_counts(eng, op, x, send_counts, recv_counts)
             direct = eng.direct_source(op, [x], None)
             mode = direct is not None
@@ -192,6 +337,12 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
             eng.reject(op, notify=False)
             raise
         eng.run(plan, [x], None, [recv], direct, relaxed)
+        key = (_counts_key(send_counts_arg), _counts_key(recv_counts_arg)) if eng.backend == "host" else (None,)
+        if key[0] is None or key[-1] is None:
+            eng.repeat.pop(op, None)
+        else:
+            _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None,
+                      key[0] + key[1] + (recv_counts,))
         return recv, recv_counts.copy()
     with eng.call(op, notify=True):
         relaxed = False if sync == "strong" else check_sync(op, sync)
@@ -199,20 +350,44 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
             raise ValueError(f"{op}: argument 'out' needs recv_counts or recv_capacity (the output's size must be "
                              f"known before the count exchange)")
         W = eng.world_size
-        x = as_array(op, "sendbuf", sendbuf, eng.backend)
-        send_counts, sig = _send_counts(eng, op, x, send_counts)
-        direct = eng.direct_source(op, [x], None)
+        rec = eng.repeat.get(_NOTIFIED)
+        if rec is not None and type(sendbuf) is np.ndarray and sendbuf.shape == rec.shape and \
+                sendbuf.dtype is rec.dtype and sendbuf.strides == rec.strides and not relaxed and \
+                type(send_counts) is np.ndarray and send_counts.ndim == 1 and send_counts.dtype is rec.counts[0] and \
+                send_counts.tobytes() == rec.counts[1] and not eng.heap.in_use:
+            x, direct = sendbuf, False  # (checked as the record's call was; the mode is found again if needed)
+            send_counts, sig = rec.counts[2], rec.counts[3]
+        else:
+            rec = None
+            x = as_array(op, "sendbuf", sendbuf, eng.backend)
+            counts_arg = send_counts
+            send_counts, sig = _send_counts(eng, op, x, send_counts)
+            direct = eng.direct_source(op, [x], None)
         # what the peers send (each checked its own counts); their sum is checked exactly here too. The
         # signature message is made only when the ranks differ.
         what = sig_what or (lambda: f"every rank must send rows of the same dtype and row shape, with the same "
                                     f"wire_dtype; this rank has {sig} (no wire_dtype)")
         got = eng.notify(op, send_counts[:, None], sig, sig_what=what)[:, 0]
-        recv_counts = _checked(eng, ("recv", got.tobytes()),
+        got_bytes = got.tobytes()
+        if rec is not None:
+            if got_bytes == rec.counts[4]:  # the counts of the record's call: its prepared exchange
+                recv = _run_record(eng, rec, op, x, None, first_step=False)
+                if recv is not None:
+                    return recv, rec.counts[5].copy()
+            counts_arg = None  # (no new record from this call)
+            direct = eng.direct_source(op, [x], None)
+        recv_counts = _checked(eng, ("recv", got_bytes),
                                lambda: check_counts(op, "recv_counts (from the count exchange)", got.copy(), W))
         shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
         recv = eng.xp.empty(shape, dtype=x.dtype)
         plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
         eng.run(plan, [x], None, [recv], direct, relaxed)
+        key = _counts_key(counts_arg) if eng.backend == "host" else None
+        if key is None:
+            eng.repeat.pop(_NOTIFIED, None)
+        else:
+            _remember(eng, _NOTIFIED, sendbuf, x, recv, plan, direct, relaxed, True,
+                      key + (send_counts, sig, got_bytes, recv_counts))
     return recv, recv_counts.copy()
 
 

@@ -127,6 +127,8 @@ class Engine:
         #: ``collectives/alltoall.py``), so a repeated call re-checks nothing it already passed
         self.call_memo = {}
         self._notify_sigs = {}  # (op, signature text, values per rank) -> (op code, signature) of a count exchange
+        #: host engine: op -> the prepared repeat call of that op's last call shape (``collectives/alltoall.py``)
+        self.repeat = {}
         #: temporaries of calls captured into CUDA graphs (keep_for_graph), released with the communicator
         self.graph_keep = []
         # always-on counters (stats()): calls per plan since the last fold (a dict update per call), folded into
@@ -603,6 +605,40 @@ class Engine:
         self._count(plan)
         if rejected:
             self._raise_rejected(plan.op, rejected)
+
+    def prepare(self, plan):
+        """Host engine: ``plan``'s exchange made ready for :meth:`run_prepared` (the transport's
+        ``prepare``), or None when the transport does not run it that way (see ``HostTransport.prepare``)."""
+        prepare = getattr(self.transport, "prepare", None)
+        return prepare(plan) if prepare is not None and self.backend == "host" else None
+
+    def run_prepared(self, prep, op: str, x_addr: int, out, out_addr: int) -> None:
+        """Run a prepared call (:meth:`prepare`) of a C-contiguous send part at ``x_addr`` into the C-contiguous
+        ``out`` at ``out_addr`` (the plan's shapes: the caller's contract), as :meth:`run` runs its plan: the
+        same headers, checks, counters and errors."""
+        state = self._state
+        if state is not None:
+            state.started = True
+        try:  # (_run, inline)
+            rejected = self.transport.run_prepared(prep, op, x_addr, out, out_addr)
+        except SymBufferRejectedError:
+            raise
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        if state is not None:
+            state.pending = False
+        n = self._calls.get(prep.plan)  # (_count, inline for a plan counted before)
+        if n is None:
+            self._count(prep.plan)
+        else:
+            self._calls[prep.plan] = n + 1
+            load = self.load
+            load.calls_total += 1
+            if load.adaptive:
+                self._adapt()
+        if rejected:
+            self._raise_rejected(op, rejected)
 
     def run_small(self, plan, x, recv) -> None:
         """Run the ``alltoall`` ``plan`` of ``x`` (``[world_size, ...]``, at most :attr:`small_total` bytes) into

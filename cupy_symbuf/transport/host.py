@@ -30,6 +30,7 @@ reads ``tail``, ``Win.Sync()``, copies out, ``Win.Sync()``, then stores ``head``
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import os
@@ -48,7 +49,7 @@ from ..wire.channel_layout import ChannelLayout
 #: CUPY_SYMBUF_DEBUG=1: check every slot offset against its region and the ring invariants (read once).
 DEBUG = os.environ.get("CUPY_SYMBUF_DEBUG", "") not in ("", "0")
 
-__all__ = ["HostTransport"]
+__all__ = ["HostTransport", "Prepared"]
 
 
 _U8 = np.dtype(np.uint8)
@@ -510,24 +511,9 @@ class HostTransport:
         n = int(plan.recv_units[r.p])
         dst = int(plan.recv_first[r.p])
         if mode == P.MODE_CMA:
-            pid, addr = where, base
-            try:
-                if pid != self.cma_pids[r.p]:
-                    raise OSError(0, f"the header names pid {pid}, rank {r.p} is pid {self.cma_pids[r.p]}")
-                if n:
-                    if dst + n > recv.flat.nbytes:  # (a raw write below: the plan and the output must agree)
-                        raise AssertionError(f"{op}: internal: rank {r.p}'s {n} bytes at {dst} overrun the "
-                                             f"output's {recv.flat.nbytes}")
-                    self._reader.read(pid, addr, _cma.address_of(recv.flat) + dst, n)
-            except OSError as exc:
-                gone = exc.errno == errno.ESRCH
-                self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
-                why = (f"rank {r.p}'s process (pid {pid}) is gone: it exited or was killed in the middle of the "
-                       f"call" if gone else f"{exc}")
-                raise SymBufferError(
-                    f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
-                    f"{r.c}, {n} bytes at {addr:#x}): {why}. The communicator is unusable (the other ranks "
-                    f"raise SymBufferAbortedError).") from None
+            nbytes = recv.flat.nbytes
+            self._pull_cma(op, r, where, base, _cma.address_of(recv.flat) + dst if n and dst + n <= nbytes else 0,
+                           n, dst, nbytes)
             return n
         alloc = self.heap.by_id(where) if self.heap is not None else None
         if alloc is None or base < 0 or base + n > alloc.nbytes:
@@ -542,6 +528,208 @@ class HostTransport:
         if n:
             recv.flat[dst: dst + n] = alloc.peer_bytes(r.p)[base: base + n]
         return n
+
+    def _pull_cma(self, op: str, r: "_Run", pid: int, addr: int, dst_address: int, n: int, dst: int,
+                  out_nbytes: int) -> None:
+        """``MODE_CMA``: copy peer ``r.p``'s ``n`` bytes at ``addr`` in process ``pid`` (checked against the peer's
+        pid) to ``dst_address``, byte ``dst`` of an output of ``out_nbytes`` bytes, by ``process_vm_readv``. A
+        failed read sets the abort word and raises :class:`SymBufferError` (:meth:`_cma_error`)."""
+        try:
+            if pid != self.cma_pids[r.p]:
+                raise OSError(0, f"the header names pid {pid}, rank {r.p} is pid {self.cma_pids[r.p]}")
+            if n:
+                if dst + n > out_nbytes:  # (a raw write below: the plan and the output must agree)
+                    raise AssertionError(f"{op}: internal: rank {r.p}'s {n} bytes at {dst} overrun the "
+                                         f"output's {out_nbytes}")
+                self._reader.read(pid, addr, dst_address, n)
+        except OSError as exc:
+            raise self._cma_error(op, r, pid, addr, n, exc) from None
+
+    def _cma_error(self, op: str, r: "_Run", pid: int, addr: int, n: int, exc: OSError) -> SymBufferError:
+        """A failed cross-memory attach read of peer ``r.p``'s ``n`` bytes at ``addr`` (pid ``pid``): sets the
+        abort word (the peers raise :class:`SymBufferAbortedError`) and returns the error to raise."""
+        gone = exc.errno == errno.ESRCH
+        self.set_abort(P.ERR_LOCAL if gone else P.ERR_MISMATCH, r.p, r.c, P.FIELD_OFFSET)
+        why = (f"rank {r.p}'s process (pid {pid}) is gone: it exited or was killed in the middle of the "
+               f"call" if gone else f"{exc}")
+        return SymBufferError(
+            f"{op}: rank {self.rank} could not read rank {r.p}'s rows by cross-memory attach (channel "
+            f"{r.c}, {n} bytes at {addr:#x}): {why}. The communicator is unusable (the other ranks "
+            f"raise SymBufferAbortedError).")
+
+    # ---- prepared calls: a call shape's exchange with its per-call set-up made once ------------------------
+    def prepare(self, plan):
+        """A :class:`Prepared` exchange of ``plan`` for :meth:`run_prepared`, or None when the plan is not one it
+        runs: a byte run (one part, rows in order, C-contiguous on both sides), not rejected, more than one rank,
+        direct only by cross-memory attach, every send run one ring slot (direct, or a run in its header's slot,
+        or nothing), no telemetry and no ``CUPY_SYMBUF_DEBUG``. The receive side takes whatever the peers send."""
+        if (plan.reject or not plan.byte_run or self.world_size == 1 or self.trace is not None or DEBUG or
+                self.visit is not None or (plan.direct and self.cma_pids is None)):
+            return None
+        statics = plan.engine_data
+        if statics is None:
+            statics = plan.engine_data = self._statics(plan)
+        sends = statics[0]
+        if len(sends) != self.world_size - 1 or any(x.c or not (plan.direct or x.nchunks == 0) for x in sends):
+            return None
+        return Prepared(self, plan, statics)
+
+    def run_prepared(self, prep: "Prepared", op: str, x_addr: int, out, out_addr: int) -> list:
+        """One call of ``prep`` (:meth:`prepare`): the same protocol, headers and checks as :meth:`exchange_rows`
+        for a C-contiguous send part at ``x_addr`` and the C-contiguous output ``out`` at ``out_addr`` (the
+        shapes of the plan: the caller's contract), with the per-call set-up of the plan made once. Returns the
+        ranks that rejected the call; raises as :meth:`exchange_rows`."""
+        if prep.abort.value or self._pending:
+            if prep.abort.value:
+                me = self.rank
+                self._check_form_ring(op, prep.plan, [p for p in range(self.world_size) if p != me])
+                self.check_abort(op)
+            self.settle(op)
+        sync, ns, cma = prep.sync, prep.ns, prep.cma
+        # every call header out (a run in its header's slot, or the place of the rows for cross-memory attach)
+        for x, st, head, tail, hdr_of, tmpl, off, n, bodies in prep.sends:
+            pc = st[0]
+            seq = st[1] + 1
+            if pc - head.value >= ns:  # the peer is still draining an earlier call's chunks
+                x.pos_counter, x.seq = pc, seq
+                self._wait_prepared(op, prep.plan, x, "send", pc - ns + 1)
+            k = pc % ns
+            tmpl[P.HDR_SEQ] = seq
+            if cma:
+                tmpl[P.HDR_DIRECT_OFFSET] = x_addr + off
+            elif n:
+                _memmove(bodies[k], x_addr + off, n)
+            hdr_of[k][:] = tmpl
+        sync()  # headers and payload before the tails
+        for s in prep.sends:
+            s[3].value = s[1][0] + 1
+        if prep.n_self:  # the rows to itself, while the peers read theirs
+            _memmove(out_addr + prep.r_self, x_addr + prep.s_self, prep.n_self)
+        rejected = pulled = None
+        for r, st, tail, head, hdr_of, bodies, want_units, pid, dst in prep.recvs:
+            pc = st[0]
+            seq = st[1] + 1
+            if tail.value <= pc:
+                r.start()
+                self._wait_prepared(op, prep.plan, r, "recv", pc + 1)
+            sync()  # tail before the header and the payload
+            k = pc % ns
+            hdr = hdr_of[k].tolist()
+            if (hdr[P.HDR_MAGIC] == P.HDR_MAGIC_VALUE and hdr[P.HDR_SEQ] == seq and hdr[P.HDR_OP] == prep.op_code and
+                    hdr[P.HDR_STATUS] == P.HDR_OK and hdr[P.HDR_SIG] == prep.sig and hdr[P.HDR_UNITS] == want_units
+                    and hdr[P.HDR_NCHUNKS] == 0 and hdr[P.HDR_NCHANNELS] == 1):
+                mode = hdr[P.HDR_MODE]
+                if mode == P.MODE_CMA and hdr[P.HDR_DIRECT_ALLOC] == pid:
+                    if want_units:
+                        try:
+                            self._reader.read(pid, hdr[P.HDR_DIRECT_OFFSET], out_addr + dst, want_units)
+                        except OSError as exc:
+                            r.start()
+                            raise self._cma_error(op, r, pid, hdr[P.HDR_DIRECT_OFFSET], want_units, exc) from None
+                    pulled = True
+                elif mode == P.MODE_RING and r.inline:  # the run is in the header's slot
+                    if want_units:
+                        _memmove(out_addr + dst, bodies[k], want_units)
+                else:
+                    mode = None
+            else:
+                mode = None
+            if mode is None:  # anything else: the full check, and the loop's ways
+                r.start()
+                self._check_header(op, prep.plan, r, hdr, prep.sig)
+                r.checked = True
+                if hdr[P.HDR_STATUS] == P.HDR_REJECTED:
+                    rejected = (rejected or []) + [r.p]
+                elif hdr[P.HDR_MODE] == P.MODE_CMA:
+                    self._pull_cma(op, r, hdr[P.HDR_DIRECT_ALLOC], hdr[P.HDR_DIRECT_OFFSET], out_addr + dst,
+                                   want_units, dst, prep.out_nbytes)
+                    pulled = True
+                else:  # a symmetric array, or chunks
+                    pulled = self._recv_rest(op, prep.plan, r, hdr, out) or pulled
+                    continue
+            sync()  # reads of the slot (and of the peer's memory) before head
+            head.value = pc + 1
+            st[0], st[1] = pc + 1, seq
+        for x, st, head, tail, hdr_of, tmpl, off, n, bodies in prep.sends:
+            pc = st[0] + 1
+            if cma and head.value < pc:  # the peer reads this rank's rows until its head passes the header
+                x.pos_counter = pc
+                self._wait_prepared(op, prep.plan, x, "send", pc)
+            st[0] = pc
+            st[1] += 1
+        if pulled:  # as exchange_rows: a clean read from a peer still inside the call, not a torn one
+            sync()
+            if prep.abort.value:
+                self.check_abort(op)
+        return sorted(rejected) if rejected else []
+
+    def _wait_prepared(self, op: str, plan, run: "_Run", role: str, want: int) -> None:
+        """:meth:`run_prepared`'s bounded wait: until ``run``'s counter line (the peer's head for a sender, its
+        tail for a receiver) reaches ``want``. Polls the abort word and, waiting for a peer's first call header,
+        the call form (``_check_form_ring``); past ``timeout_s`` sets the abort word and raises
+        :class:`SymBufferTimeoutError` naming the rank, peer, channel and counters."""
+        line = run.counter
+        if int(line[0]) >= want:
+            return
+        start = time.monotonic()
+        idle = 0
+        while int(line[0]) < want:
+            idle += 1
+            if role == "recv" and run.c == 0 and not run.checked:
+                self._check_form_ring(op, plan, [run.p])
+                if self._abort[self.rank][P.ABORT_FLAG]:
+                    self._check_form_ring(op, plan, [run.p])
+            self.check_abort(op)
+            waited = time.monotonic() - start
+            if waited > self.timeout_s:
+                self.set_abort(P.ERR_TIMEOUT, run.p, run.c)
+                if role == "recv":
+                    raise SymBufferTimeoutError(rank=self.rank, peer=run.p, channel=run.c, role=role,
+                                                head=run.pos_counter, tail=int(line[0]), timeout_s=self.timeout_s,
+                                                op=op)
+                raise SymBufferTimeoutError(rank=self.rank, peer=run.p, channel=run.c, role=role, head=int(line[0]),
+                                            tail=want, timeout_s=self.timeout_s, op=op)
+            _yield(idle, waited)
+            if int(line[0]) >= want:
+                break
+
+    def _recv_rest(self, op: str, plan, r: "_Run", hdr: list, out) -> bool:
+        """:meth:`run_prepared`, a peer's run that is not in its header's slot nor read by cross-memory attach (its
+        checked header ``hdr`` at ``r.pos_counter``): a symmetric array (read as :meth:`_pull` does), or ring chunks,
+        on channel 0 and the channels its header names, each drained in turn behind its own checked header (this
+        rank's own headers are all out: nothing it waits for here waits for it). Returns whether rows were read out
+        of the peer's memory."""
+        recv = _Side([out], None, plan.recv_units, plan.recv_first, True, plan.row_bytes)
+        ns = self.layout.num_slots
+        sync = self.buf.sync
+        if hdr[P.HDR_MODE] != P.MODE_RING:
+            self._pull(op, plan, r, hdr, recv)
+            r.pos_counter += 1
+            sync()
+            r.remote[0] = r.pos_counter
+            r.state[P.STATE_COUNTER], r.state[P.STATE_SEQ] = r.pos_counter, r.seq
+            return True
+        runs = [r] + [m.start() for m in plan.engine_data[2].get(r.p, [])[: hdr[P.HDR_NCHANNELS] - 1]]
+        for i, run in enumerate(runs):
+            if i:  # another channel's header
+                self._wait_prepared(op, plan, run, "recv", run.pos_counter + 1)
+                sync()
+                self._check_header(op, plan, run, run.slots[run.pos_counter % ns][1].tolist(), plan.sig)
+                run.checked = True
+            run.pos_counter += 1  # the header's slot
+            sync()
+            run.remote[0] = run.pos_counter
+            while run.pos < run.end:
+                self._wait_prepared(op, plan, run, "recv", run.pos_counter + 1)
+                sync()
+                n = min(run.per_chunk, run.end - run.pos)
+                recv.drain(run.slots[run.pos_counter % ns][0], run.p, run.pos, n)
+                run.pos += n
+                run.pos_counter += 1
+                sync()
+                run.remote[0] = run.pos_counter
+            run.state[P.STATE_COUNTER], run.state[P.STATE_SEQ] = run.pos_counter, run.seq
+        return False
 
     def _statics(self, plan) -> tuple:
         """``(sends, recvs, more)``: the :class:`_Run` of every (channel, peer) run of ``plan`` on this rank, made
@@ -817,6 +1005,51 @@ class _Run:
         self.checked = None if self.header is not None else False  # receiver: the peer's header checked
         self.drain = 0             # receiver of a rejecting rank: peer chunks still to skip
         return self
+
+_memmove = ctypes.memmove
+
+
+class Prepared:
+    """A plan's exchange made ready for :meth:`HostTransport.run_prepared` (:meth:`HostTransport.prepare`): per
+    send run its state line, the peer's head and tail as ctypes words, its header slots, its own header template
+    (mode and pid set once for cross-memory attach), the byte offset and length of its rows in the send part and its
+    slots' payload addresses; per channel-0 receive run its words, slots, the units and pid its peer's header must
+    name and where its rows go; the rows to itself as byte offsets. Runs are the plan's (``engine_data``), shared
+    with :meth:`HostTransport.exchange_rows`: both keep their counters in the state lines."""
+
+    __slots__ = ("plan", "cma", "sends", "recvs", "n_self", "s_self", "r_self", "out_nbytes", "sync", "ns", "abort",
+                 "op_code", "sig")
+
+    def __init__(self, tr: "HostTransport", plan, statics):
+        me = tr.rank
+        self.plan, self.cma = plan, bool(plan.direct)
+        self.op_code, self.sig = plan.op_code, plan.sig
+        self.sync, self.ns = tr.buf._win.Sync, tr.layout.num_slots
+        self.abort = ctypes.c_int64.from_buffer(tr._abort[me][P.ABORT_FLAG:P.ABORT_FLAG + 1])
+        self.sends = []
+        for x in statics[0]:
+            tmpl = x.sender_header.copy()
+            if self.cma:
+                tmpl[P.HDR_MODE], tmpl[P.HDR_DIRECT_ALLOC] = P.MODE_CMA, tr.cma_pids[me]
+            n = 0 if self.cma else x.hi - x.lo
+            self.sends.append((x, _words(x.state, 2), _words(x.counter), _words(x.remote), [s[1] for s in x.slots],
+                               tmpl, int(plan.send_first[x.p]) + x.lo, n, [_cma.address_of(s[2]) for s in x.slots]))
+        self.recvs = []
+        for r in statics[1]:
+            units = int(plan.recv_units[r.p])
+            self.recvs.append((r, _words(r.state, 2), _words(r.counter), _words(r.remote), [s[1] for s in r.slots],
+                               [_cma.address_of(s[2]) for s in r.slots], units,
+                               tr.cma_pids[r.p] if tr.cma_pids else -1, int(plan.recv_first[r.p])))
+        self.n_self = int(plan.send_units[me])
+        self.s_self, self.r_self = int(plan.send_first[me]), int(plan.recv_first[me])
+        self.out_nbytes = int(plan.recv_units.sum())
+
+
+def _words(line: np.ndarray, n: int = 1):
+    """The first ``n`` words of a uint64 line of the symmetric buffer as ctypes (``.value`` / ``[i]``: Python ints,
+    one load or store each)."""
+    return (ctypes.c_uint64 * n).from_buffer(line) if n > 1 else ctypes.c_uint64.from_buffer(line)
+
 
 def _yield(idle: int, waited_s: float) -> None:
     """Give the core away while waiting: ``sched_yield`` for the first ``SPIN_S`` seconds of a wait (a peer a chunk

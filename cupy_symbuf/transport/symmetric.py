@@ -583,6 +583,12 @@ class SymmetricHeap:
         return self._segment(id_)
 
     @property
+    def in_use(self) -> bool:
+        """Whether any symmetric array is live, or freed while an array of it is still alive here (then
+        :meth:`find` and :meth:`check_live` may answer something other than None for a plain array's call)."""
+        return bool(self.allocations or self._freed_tokens)
+
+    @property
     def total_bytes(self) -> int:
         """Bytes per rank held by live symmetric arrays."""
         return sum(a.nbytes for a in self.allocations)
