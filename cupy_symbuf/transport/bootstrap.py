@@ -150,6 +150,12 @@ class Bootstrap(Protocol):
     (steps this rank leaves by closing: their senders leave them when they find it closing). So a rank that fails
     (or just closes) while its peers are in a step of the object releases them at once, and every rank's close
     then meets the others'.
+
+    Optional (``MpiBootstrap`` and ``TorchBootstrap`` have it; a bootstrap without it is simply not asked):
+    ``peers_in_other_steps()``, the peers that have begun a step that is not a close and that this rank has not
+    joined (sorted; local, never waits). A rank whose program has ended (its exit-time close: it takes part in no
+    further step) learns from it that those peers wait for it; a peer that left such a step (it withdrew or is
+    closing) is not named.
     """
 
     rank: int
@@ -183,13 +189,6 @@ class Bootstrap(Protocol):
     def discard_leftovers(self) -> int:
         """Drop this bootstrap's queued messages of exchanges that timed out; returns how many (call on every rank,
         after a barrier, before freeing a bootstrap that saw a timeout)."""
-        ...
-
-    def peers_in_other_steps(self) -> list:
-        """The peers that have begun a step of this bootstrap that is not a close and that this rank has not joined
-        (sorted; local, never waits): a rank whose program has ended (it takes part in no further step) learns
-        from it that those peers wait for it. A peer that left such a step (it withdrew or is closing) is not
-        named. Meant for a rank that takes part in close steps only from now on (its exit-time close)."""
         ...
 
     def depart(self, reason: str) -> None:
@@ -379,7 +378,7 @@ class MpiBootstrap:
             self._stepping[r] = True
 
     def peers_in_other_steps(self) -> list:
-        """See :meth:`Bootstrap.peers_in_other_steps`: the peers' messages that arrived are read now (kept, in
+        """See :class:`Bootstrap` (``peers_in_other_steps``): the peers' messages that arrived are read now (kept, in
         order, for this rank's next step, which reads them first) and, with those a close step passed over, say
         which peers began a step that is not a close."""
         for r in range(self.size):
@@ -659,7 +658,7 @@ class TorchBootstrap:
                                          departed=str(reason))
 
     def peers_in_other_steps(self) -> list:
-        """See :meth:`Bootstrap.peers_in_other_steps`: the peers whose "here" key of this rank's next step (not a
+        """See :class:`Bootstrap` (``peers_in_other_steps``): the peers whose "here" key of this rank's next step (not a
         close; the step numbers of the others are this rank's) is set, and that neither withdrew from it nor are
         closing. One counter read when no peer began it."""
         store, seq = self._store, self._seq
