@@ -397,10 +397,12 @@ class Communicator:
             if err is None and not self._broken and not leaving:
                 seen.append(self._peer_abort())
 
-        slow = getattr(self, "_exit_slow", None)  # at interpreter exit (see _close_at_exit)
+        watch = getattr(self, "_exit_watch", None)  # at interpreter exit (see _close_at_exit)
         try:
-            self._heap.close(on_slow=slow)  # the symmetric arrays, then the buffer: collective, bounded, in the same
-            self.buffer.close(on_arrival=on_arrival, on_slow=slow)  # order on every rank; peers wait for it
+            # the symmetric arrays, then the buffer: collective, bounded, in the same order on every rank; peers wait
+            # for it
+            self._heap.close(interrupt=watch)
+            self.buffer.close(on_arrival=on_arrival, interrupt=watch)
         except SymBufferError as exc:
             if not self._broken:
                 self._broken = str(exc)
@@ -426,31 +428,49 @@ class Communicator:
         if rejected is not None and not was_broken:  # a peer rejected a queued call; no synchronize() said so
             raise rejected
 
-    def _close_at_exit(self, on_slow) -> None:
-        """:meth:`close` at interpreter exit (``lifecycle``): ``on_slow`` (``(seconds, fn)``) is handed to its first
-        bounded waits, so that when the peers are not in close() within ``seconds`` (capped at a quarter of
-        ``timeout_s``) ``fn`` tells them this rank has left (:meth:`_left_at_exit`)."""
-        seconds, fn = on_slow
-        self._exit_slow = (min(float(seconds), self.config.timeout_s / 4), fn)
+    def _close_at_exit(self, watch) -> None:
+        """:meth:`close` at interpreter exit (``lifecycle``; ``sys.exit(0)`` inside ``with``): ``watch`` (no
+        arguments, never raises; ``lifecycle.exit_watch``) is polled by its bounded waits while the buffer is still
+        mapped, and tells every open communicator of this rank whose peers wait for it that it has left
+        (:meth:`_left_at_exit`)."""
+        self._exit_watch = watch
         try:
             self.close()
         finally:
-            self._exit_slow = None
+            self._exit_watch = None
 
-    def _left_at_exit(self) -> None:
+    def _left_at_exit(self) -> bool:
         """This rank's program ended with this communicator open (``sys.exit`` or the end of its script, which
-        ``sys.excepthook`` never sees) and its peers are not in close() yet: they may wait for it in a collective,
-        so set the abort word (``ERR_EXITED``): a peer's collective leaves at once naming this rank. A peer that
-        only reaches close() later closes cleanly (close() takes this reason for no failure). Never raises."""
+        ``sys.excepthook`` never sees): it makes no further call. When a peer has begun a call (or a symmetric
+        allocation step) of this communicator that this rank never joined (:meth:`_peers_waiting`), that peer
+        waits for it in vain: set the abort word (``ERR_EXITED``), so its collective leaves at once naming this
+        rank. A peer that is only behind (finishing a call this rank completed, or computing) is left alone and
+        reaches close() later, which completes as usual (close() takes this reason for no failure). Returns True
+        once there is nothing more to look for (the word set, the communicator failed, or closed and unmapped).
+        Never raises."""
         from .wire import protocol as _protocol
-        if getattr(self, "_closed", True) and getattr(self, "_exit_slow", None) is None:
-            return
+        if getattr(self, "_closed", True) and getattr(self, "_exit_watch", None) is None:
+            return True  # closed (and its buffer unmapped), or never made
         if self._broken or getattr(self, "_pid", None) != _getpid():
-            return
+            return True
         try:
+            if not self._peers_waiting():
+                return False
             self._transport.set_abort(_protocol.ERR_EXITED)
         except Exception:  # noqa: BLE001 - the process is ending; the peers' waits stay bounded by timeout_s
             pass
+        return True
+
+    def _peers_waiting(self) -> list:
+        """The peers waiting for this rank in a call or step it never joined: the transport's look at this rank's
+        buffer (``peers_waiting``: a count exchange slot, a call header of a new call) and the bootstrap's at the
+        peers' step messages (``peers_in_other_steps``). Only while the buffer is mapped."""
+        look = getattr(self._transport, "peers_waiting", None)
+        out = set(look()) if look is not None else set()
+        look = getattr(self.buffer.bootstrap, "peers_in_other_steps", None)
+        if look is not None:
+            out.update(look())
+        return sorted(out)
 
     def _end_job(self, message: str, cause) -> None:
         """``abort_on_failure`` in :meth:`close`: depart from the bootstrap (peers waiting for this rank in their
@@ -588,14 +608,14 @@ class Communicator:
         (``ERR_LEFT_WITH``): peers in a collective leave at once with
         :class:`~cupy_symbuf.SymBufferAbortedError` naming this rank, and peers in :meth:`close` raise it (with
         ``abort_on_failure``: end the job with it); then this rank closes (bounded) and its exception propagates.
-        ``sys.exit(0)`` closes as at interpreter exit (``lifecycle.EXIT_GRACE_S``): peers not in close() by then
-        are told this rank left (``ERR_EXITED``)."""
+        ``sys.exit(0)`` closes as at interpreter exit: peers found waiting for this rank in a call it never joined
+        are told it left (``ERR_EXITED``, see ``lifecycle``)."""
         if exc is None or exc_type is GeneratorExit or (exc_type is SystemExit and exc.code in (None, 0)):
             # a normal way out (sys.exit(0), a generator closed): the peers are not aborted; but sys.exit ends the
-            # program: peers not in close() within the exit grace may wait in a collective, so they are told then
+            # program: peers found waiting for this rank in a call it never joined are told then
             if exc_type is SystemExit and not getattr(self, "_closed", True):
                 from .transport import lifecycle as _lifecycle
-                self._close_at_exit((_lifecycle.EXIT_GRACE_S, lambda missing: self._left_at_exit()))
+                self._close_at_exit(_lifecycle.exit_watch())
             else:
                 self.close()
             return

@@ -6,8 +6,14 @@ communicator open outside any ``with`` block. Run as ``mpiexec -n N python tests
 ``RAISED rank=R after=SECONDS aborting=A cls=NAME``), then close it (``CLOSED rank=R took=SECONDS``; with
 ``CUPY_SYMBUF_ABORT_ON_FAILURE=1`` the error is left uncaught instead, and the job ends).
 
+``sys_exit_counts``: as ``sys_exit``, the others' next call an ``alltoallv`` that starts with a count exchange.
+``two_comms``: as ``sys_exit`` with two communicators open on every rank; the others' alltoall is on the OLDER one
+(rank 1's exit-time close of the newer one finds them waiting in the older); handled, they leave both open for
+their own exit-time closes (exit status 0). ``two_comms_alloc``: the same with a symmetric allocation
+(``Communicator.zeros``, a bootstrap step) on the older one instead of the alltoall.
+
 ``late``: every rank makes a right alltoall and ends with the communicator open; rank 1 ends 2.5 s after the others
-(longer than ``lifecycle.EXIT_GRACE_S``): every rank's exit-time close must still be clean (exit status 0). Each
+(rank 1 in no call the others never joined): every rank's exit-time close must still be clean (exit status 0). Each
 rank prints ``DONE rank=R`` before it ends.
 
 ``done_first`` (3 ranks or more): after a right alltoall, an ``alltoallv`` in which rank 1 sends and receives nothing
@@ -73,6 +79,8 @@ def right_alltoall(c, seed: int) -> None:
 
 def leaver(case: str) -> None:
     c = make_comm()
+    if case.startswith("two_comms"):
+        right_alltoall(make_comm(), 4)  # the newer one, closed first at exit
     if case == "sys_exit_with":
         with c:
             leaver_body(c, case)
@@ -91,7 +99,12 @@ def leaver_body(c, case: str) -> None:
     time.sleep(0.3)
     t0 = time.time()
     try:
-        c.alltoall(dev(np.zeros((W, 4), np.float32)))
+        if case == "sys_exit_counts":
+            c.alltoallv(dev(np.zeros((W, 4), np.float32)), [1] * W)
+        elif case == "two_comms_alloc":
+            c.zeros((4,), np.float32)
+        else:
+            c.alltoall(dev(np.zeros((W, 4), np.float32)))
         if BACKEND == "cuda":
             c.synchronize()  # (a queued GPU call reports its abort here, unless Config.blocking)
     except cs.SymBufferAbortedError as exc:
@@ -99,6 +112,8 @@ def leaver_body(c, case: str) -> None:
             f"cls={type(exc).__name__} msg={exc}")
         if not HANDLED:
             raise
+        if case.startswith("two_comms"):
+            return  # both closed at exit, newest first, as on rank 1
         t1 = time.time()
         c.close()
         say(f"CLOSED rank={R} took={time.time() - t1:.3f}")

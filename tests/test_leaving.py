@@ -146,16 +146,24 @@ def _job(case: str, n: int, handled: bool):
 
 
 @pytest.mark.parametrize("case, n, handled", [("sys_exit", 2, True), ("end", 2, True), ("sys_exit", 4, True),
-                                              ("sys_exit", 2, False), ("sys_exit_with", 2, True)],
+                                              ("sys_exit", 2, False), ("sys_exit_with", 2, True),
+                                              ("sys_exit_counts", 2, True), ("sys_exit_counts", 4, True),
+                                              ("two_comms", 2, True), ("two_comms", 4, True),
+                                              ("two_comms_alloc", 2, True), ("two_comms_alloc", 4, True)],
                          ids=["sys_exit-2-handled", "end-2-handled", "sys_exit-4-handled", "sys_exit-2-default",
-                              "sys_exit_with-2-handled"])
+                              "sys_exit_with-2-handled", "sys_exit_counts-2-handled", "sys_exit_counts-4-handled",
+                              "two_comms-2-handled", "two_comms-4-handled", "two_comms_alloc-2-handled",
+                              "two_comms_alloc-4-handled"])
 def test_a_program_ending_with_the_communicator_open_releases_its_peers(case, n, handled):
     """Rank 1's program ends (``sys.exit(0)`` / the end of its script) with a communicator open outside any
-    ``with`` block (``sys_exit_with``: ``sys.exit(0)`` inside one), while the others enter an alltoall: they raise ``SymBufferAbortedError`` naming rank 1 within
-    a few seconds (its exit-time close sets the abort word once they are not in close() within
-    ``lifecycle.EXIT_GRACE_S``), not after ``timeout_s``; handled, they close at once and the job ends with status
-    0; by default the job ends nonzero with that error. (Was: ``SystemExit`` never reached ``sys.excepthook``,
-    and the peers waited ``timeout_s``.)"""
+    ``with`` block (``sys_exit_with``: ``sys.exit(0)`` inside one), while the others enter an alltoall
+    (``sys_exit_counts``: an alltoallv that starts with a count exchange; ``two_comms``: an alltoall on the older
+    of two open communicators while rank 1 closes the newer; ``two_comms_alloc``: a symmetric allocation there, a
+    bootstrap step): they raise ``SymBufferAbortedError`` naming rank 1 within a few seconds (its exit-time
+    close finds them waiting in a call it never joined and sets the abort word), not after ``timeout_s``;
+    handled, they close at once (``two_comms``: at their exit) and the job ends with status 0; by default the job
+    ends nonzero with that error. (Was: ``SystemExit`` never reached ``sys.excepthook``, and the peers waited
+    ``timeout_s``.)"""
     rc, out, took = _job(case, n, handled)
     raised = {int(m.group(1)): (float(m.group(2)), int(m.group(3)), m.group(4))
               for m in re.finditer(r"RAISED rank=(\d+) after=([\d.]+) aborting=(-?\d+) cls=(\w+)", out)}
@@ -164,7 +172,8 @@ def test_a_program_ending_with_the_communicator_open_releases_its_peers(case, n,
         assert set(raised) == expected, out
         assert rc == 0, f"exit status {rc}:\n{out}"
         closed = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"CLOSED rank=(\d+) took=([\d.]+)", out)}
-        assert set(closed) == expected and max(closed.values()) < BOUND_S, out
+        if not case.startswith("two_comms"):
+            assert set(closed) == expected and max(closed.values()) < BOUND_S, out
     else:
         assert raised and rc != 0, f"exit status {rc}:\n{out}"
     for r, (after, aborting, cls) in raised.items():
@@ -176,10 +185,9 @@ def test_a_program_ending_with_the_communicator_open_releases_its_peers(case, n,
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_ranks_ending_at_different_times_still_close_cleanly(n):
-    """Every rank's program ends with the communicator open, rank 1 2.5 s after the others (longer than
-    ``lifecycle.EXIT_GRACE_S``): the early ranks tell the peers they left (abort word), but rank 1, in no
-    collective with them, closes cleanly: the exit-time closes are collective, the job ends with status 0 and
-    nothing is reported."""
+    """Every rank's program ends with the communicator open, rank 1 2.5 s after the others: rank 1 is in no call
+    the early ranks never joined, so they never set the abort word; the exit-time closes are collective, the job
+    ends with status 0 and nothing is reported."""
     rc, out, took = _job("late", n, handled=False)
     assert rc == 0, f"exit status {rc}:\n{out}"
     assert sorted(int(r) for r in re.findall(r"DONE rank=(\d+)", out)) == list(range(n)), out
@@ -187,14 +195,13 @@ def test_ranks_ending_at_different_times_still_close_cleanly(n):
     assert took < TIMEOUT_S, out
 
 
-@pytest.mark.xfail(strict=True, reason="open defect: the exit-time close sets the abort word (ERR_EXITED) after "
-                   "EXIT_GRACE_S whatever the peers wait for; every wait of every peer polls it and leaves")
 def test_a_rank_done_with_its_call_ending_first_aborts_no_peer():
     """Three ranks; in an ``alltoallv`` rank 1 sends and receives nothing while ranks 0 and 2 exchange more than a
     ring holds, rank 2 slowed down in it: rank 1's part is done at once and its program ends with the communicator
-    open. Its exit-time close waits ``lifecycle.EXIT_GRACE_S`` for peers that are still (rightly) in a call in
-    which they need nothing more from rank 1: they must finish it with the right rows and close cleanly (exit
-    status 0), not leave it with ``SymBufferAbortedError`` naming rank 1."""
+    open. Its exit-time close waits (longer than a second) for peers that are still (rightly) in a call in which
+    they need nothing more from rank 1: they must finish it with the right rows and close cleanly (exit status 0),
+    not leave it with ``SymBufferAbortedError`` naming rank 1. (Failed before: the exit-time close set the abort
+    word after a fixed second, whatever the peers waited for.)"""
     rc, out, took = _job("done_first", 3, handled=False)
     assert rc == 0, f"exit status {rc}:\n{out}"
     assert sorted(int(r) for r in re.findall(r"DONE rank=(\d+)", out)) == [0, 1, 2], out

@@ -55,6 +55,13 @@ class Transport(Protocol):
         """Raise :class:`~cupy_symbuf.SymBufferAbortedError` when this rank's abort line is set."""
         ...
 
+    def peers_waiting(self) -> list:
+        """The peers that have begun a call this rank never joined (sorted; one look at this rank's buffer, no
+        waiting): their first words of that call (count exchange slot or channel-0 call header, on the GPU also a
+        small-protocol header) are in this rank's buffer. Meaningful once this rank makes no more calls (its
+        exit-time close): a peer still finishing a call this rank completed is never named."""
+        ...
+
     def set_home(self, load) -> None:
         """Adaptive channels: take the home map of ``load`` (:class:`~cupy_symbuf.transport.adaptive.ChannelLoad`)."""
         ...

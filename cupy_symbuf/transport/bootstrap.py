@@ -150,6 +150,12 @@ class Bootstrap(Protocol):
     (steps this rank leaves by closing: their senders leave them when they find it closing). So a rank that fails
     (or just closes) while its peers are in a step of the object releases them at once, and every rank's close
     then meets the others'.
+
+    Optional (``MpiBootstrap`` and ``TorchBootstrap`` have it; a bootstrap without it is simply not asked):
+    ``peers_in_other_steps()``, the peers that have begun a step that is not a close and that this rank has not
+    joined (sorted; local, never waits). A rank whose program has ended (its exit-time close: it takes part in no
+    further step) learns from it that those peers wait for it; a peer that left such a step (it withdrew or is
+    closing) is not named.
     """
 
     rank: int
@@ -222,7 +228,10 @@ class MpiBootstrap:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._held: "dict[int, list]" = {}  # rank -> its close messages met in a wait of another step
+        self._held: "dict[int, list]" = {}  # rank -> its messages met before this rank's step of them (in order)
+        #: rank -> whether its last message met outside a step of this rank (passed over by a close step, or read
+        #: by peers_in_other_steps) began a step that is not a close
+        self._stepping: "dict[int, bool]" = {}
 
     def __repr__(self) -> str:
         return f"MpiBootstrap(rank={self.rank}, size={self.size})"
@@ -321,6 +330,8 @@ class MpiBootstrap:
                     self._held.setdefault(r, []).insert(0, m)
                     raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
                                                  closing=True)
+                if state["closing"]:
+                    self._note(r, m)
                 if state["closing"] and not their_closing:
                     continue  # a step this rank leaves by closing: rank r leaves it too once it finds this close
                 if their_what != what:
@@ -355,6 +366,32 @@ class MpiBootstrap:
             spins = 0 if progressed else spins + 1
             _sleep(spins)
         return got
+
+    def _note(self, r: int, m) -> None:
+        """Rank ``r``'s message ``m``, met outside a step of this rank of it: a "here" of a step that is not a close
+        begins a step rank ``r`` waits in; its withdrawal or any close message ends that (see
+        :meth:`peers_in_other_steps`)."""
+        closing = len(m) > 3 and bool(m[3])
+        if closing or m[0] == _WITHDRAWN:
+            self._stepping[r] = False
+        elif m[0] == _HERE:
+            self._stepping[r] = True
+
+    def peers_in_other_steps(self) -> list:
+        """See :class:`Bootstrap` (``peers_in_other_steps``): the peers' messages that arrived are read now (kept, in
+        order, for this rank's next step, which reads them first) and, with those a close step passed over, say
+        which peers began a step that is not a close."""
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            while True:
+                msg = self.comm.improbe(source=r, tag=TAG)
+                if msg is None:
+                    break
+                m = msg.recv()
+                self._held.setdefault(r, []).append(m)
+                self._note(r, m)
+        return sorted(r for r, waits in self._stepping.items() if waits)
 
     def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None, interrupt=None) -> None:
         """``comm.Barrier()`` bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""
@@ -619,6 +656,17 @@ class TorchBootstrap:
                 reason = "reason unknown"
             raise CollectiveTimeoutError(rank=self.rank, missing=gone, what=what, role=role, timeout_s=timeout_s,
                                          departed=str(reason))
+
+    def peers_in_other_steps(self) -> list:
+        """See :class:`Bootstrap` (``peers_in_other_steps``): the peers whose "here" key of this rank's next step (not a
+        close; the step numbers of the others are this rank's) is set, and that neither withdrew from it nor are
+        closing. One counter read when no peer began it."""
+        store, seq = self._store, self._seq
+        if self.size == 1 or store.add(self._key(seq, "n_here"), 0) <= 0:
+            return []
+        return [r for r in range(self.size) if r != self.rank and store.check([self._key(seq, "here", r)])
+                and not store.check([self._key(seq, "withdrawn", r)])
+                and not store.check([f"{self._prefix}/closing/{r}"])]
 
     def barrier(self, timeout_s: float, what: str, *, role: str = "close", on_slow=None, interrupt=None) -> None:
         """A barrier bounded by ``timeout_s`` (:class:`CollectiveTimeoutError` names the missing ranks)."""

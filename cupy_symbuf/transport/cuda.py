@@ -459,6 +459,59 @@ class CudaTransport:
                 rt.memcpyAsync(base + off, flag.ctypes.data, 8, _MEMCPY_DEFAULT, side.ptr)
             side.synchronize()
 
+    def peers_waiting(self) -> list:
+        """The peers that have begun a call this rank never joined (sorted), from the words they write into this
+        rank's buffer first in every call (read with small copies on the side stream; waits for no kernel): a count
+        exchange (the peer's notify slot of the epoch after this rank's last one, the device epoch), a ring call
+        (its channel-0 ``tail`` past what this rank's receiver consumed), or a small-protocol call (its small header
+        in the half of this rank's next call sequence number, with that call's flag: the ring kernel's test of a
+        rejecting receiver). Not read: the low-latency buffers' flags (a peer waiting in a low-latency dispatch or
+        combine is not named). Read at exit, after every queued kernel of this rank finished (``close``; none is named
+        while the last launch's stream still has work): each call it made consumed what its peers sent in it, so a
+        peer merely behind is not named."""
+        cp = _compat.cupy
+        rt = cp.cuda.runtime
+        L, me, W = self.layout, self.rank, self.world_size
+        peers = [p for p in range(W) if p != me]
+        last = self._launch_stream
+        if not peers or (last is not None and not last.done):
+            return []  # a kernel of this rank is still queued: its call may still be under way (none named)
+        base = self.buf.peer_ptrs[me]
+        # per peer: channel-0 tail, receiver state (counter, seq), notify epochs of both parities; then our epoch
+        first = np.zeros(5 * len(peers) + 1, np.int64)
+        srcs = []
+        for p in peers:
+            srcs += [base + L.tail_offset(0, p), base + L.recv_head_offset(0, p) + 8 * P.STATE_COUNTER,
+                     base + L.recv_head_offset(0, p) + 8 * P.STATE_SEQ,
+                     base + L.notify_slot_offset(0, p) + 8 * P.NOTIFY_EPOCH,
+                     base + L.notify_slot_offset(1, p) + 8 * P.NOTIFY_EPOCH]
+        srcs.append(int(self._epoch.data.ptr))
+        small = bool(self.small_peer_bytes)
+        with cp.cuda.Device(self.buf.device_id):
+            side = self._side_stream()
+            for i, src in enumerate(srcs):
+                rt.memcpyAsync(first.ctypes.data + 8 * i, src, 8, _MEMCPY_DEFAULT, side.ptr)
+            side.synchronize()
+            epoch = int(first[-1])
+            out, unsure = [], []
+            for i, p in enumerate(peers):
+                tail, consumed, seq, e0, e1 = (int(v) for v in first[5 * i: 5 * i + 5])
+                if tail > consumed or (e1 if (epoch + 1) & 1 else e0) >= epoch + 1:
+                    out.append(p)
+                elif small:
+                    unsure.append((p, seq + 1))
+            if unsure:
+                hdr = np.zeros(len(unsure), np.int64)
+                for i, (p, nxt) in enumerate(unsure):
+                    rt.memcpyAsync(hdr.ctypes.data + 8 * i,
+                                   base + L.small_slot_offset(nxt & 1, p) + 8 * P.SMALL_H_OP, 8, _MEMCPY_DEFAULT,
+                                   side.ptr)
+                side.synchronize()
+                mod = _kernels.small_flag_mod()
+                out += [p for (p, nxt), word in zip(unsure, hdr.tolist())
+                        if (word >> 32) & 0xFFFFFFFF == P.small_flag(nxt, mod)]
+        return sorted(out)
+
     # ---- symmetric table ------------------------------------------------------------------------------------
     def sym_register(self, seg) -> bool:
         """Enter symmetric segment ``seg`` (``SymmetricSegment``: ``id``, ``buffer``) in the symmetric table (one

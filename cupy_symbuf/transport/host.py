@@ -924,6 +924,23 @@ class HostTransport:
         hdr = self._slot_views(self.rank, self.layout.ring_offset(0, p))[mine % self.layout.num_slots][1]
         return int(hdr[P.HDR_OP]) if int(hdr[P.HDR_MAGIC]) == P.HDR_MAGIC_VALUE else 0
 
+    def peers_waiting(self) -> list:
+        """The peers that have begun a call this rank never joined (sorted; one look, no waiting): the first thing
+        of every call reaches every peer at once, either a count exchange (the peer's notify slot of the epoch after
+        this rank's last one) or a channel-0 call header (the peer's ring tail past what this rank's receiver
+        consumed: every call this rank made consumed all its peers sent it in that call). A peer still finishing a
+        call this rank completed, or not in a call, is not named. Read at exit, when this rank makes no more calls
+        (``Communicator`` at exit: such a peer waits for this rank)."""
+        me, nxt = self.rank, self._epoch + 1
+        out = []
+        for p in range(self.world_size):
+            if p == me:
+                continue
+            tail, state = self._form_lines(p)
+            if int(tail[0]) > int(state[P.STATE_COUNTER]) or int(self._epoch_word(nxt, p)[0]) >= nxt:
+                out.append(p)
+        return out
+
     def _check_form_notify(self, op: str, incoming: list, epoch: int, op_code: int, peers) -> None:
         """Inside the count exchange of ``epoch`` (``incoming``: every rank's slot here), of ``peers``: a peer whose
         channel-0 call header of a new call arrived while its slot of this epoch did not is in a call without a count

@@ -21,11 +21,14 @@
   (``Communicator.__exit__``, ``ERR_LEFT_WITH``) before closing it; peers already in ``close()`` then raise
   ``SymBufferAbortedError`` naming the rank (with ``abort_on_failure``: the job ends with it).
 * A program that ends without an exception (``sys.exit``, the end of its script: ``SystemExit`` never reaches
-  ``sys.excepthook``) with communicators open closes them at exit, as above; when the peers are not in ``close()``
-  within :data:`EXIT_GRACE_S` (at most a quarter of ``timeout_s``), they may be waiting for this rank in a
-  collective: the abort word of every open communicator of this rank is set (``ERR_EXITED``), so such a peer leaves
-  at once naming this rank, while a peer that only reaches ``close()`` later (it had more to do, and no collective
-  with this rank) closes cleanly. Ranks that all leave together close as before, the abort word untouched.
+  ``sys.excepthook``) with communicators open closes them at exit, as above. Its bounded waits poll
+  :func:`exit_watch` (every :data:`EXIT_POLL_S`) while the peers are not all in ``close()``: an open communicator of
+  this rank whose peer has begun a call or a step of it that this rank never joined (evidence in this rank's own
+  buffer: a count exchange slot of the next epoch, a call header past what this rank consumed, a small-protocol
+  header of its next call; or the peer's bootstrap step message) gets its abort word set (``ERR_EXITED``), so that
+  peer leaves at once naming this rank. A peer that is only behind (finishing a call this rank completed, or
+  computing) is never told: it reaches ``close()`` later and the exit close completes cleanly. Ranks that all leave
+  together close as before, the abort word untouched.
 * :func:`live_mpi_objects` counts the MPI communicators and windows this package holds (tests check it for leaks).
 """
 from __future__ import annotations
@@ -40,7 +43,7 @@ import weakref
 from ..common.config import env_abort_default
 
 __all__ = ["register", "unregister", "keep_dropped", "open_objects", "abort_job", "env_abort_default",
-           "live_mpi_objects", "depart", "peer_cause"]
+           "live_mpi_objects", "depart", "peer_cause", "exit_watch"]
 
 _lock = threading.Lock()
 #: creation number -> (object, its state callback, its abort callback), all held weakly (Communicator or standalone
@@ -56,9 +59,9 @@ GRACE_S = 1.0
 #: ends first (its own failure: :data:`GRACE_S`), and the launcher (torchrun) ends this one, naming that rank as the
 #: first failure. Bounds the wait when that rank goes on (it caught its exception).
 CAUSE_FIRST_S = 5.0
-#: Seconds an exit-time close waits for the peers to reach ``close()`` before it tells them this rank has left
-#: (see the module docstring); capped at a quarter of the communicator's ``timeout_s``.
-EXIT_GRACE_S = 1.0
+#: Seconds between two looks of an exit-time close at whether a peer waits for this rank in a call it never joined
+#: (see the module docstring and :func:`exit_watch`).
+EXIT_POLL_S = 0.05
 
 
 def live_mpi_objects() -> dict:
@@ -79,11 +82,11 @@ def register(obj, *, state, abort=None, depart=None, leave=None, exit_close=None
     environment's default)``; ``abort(exc_type)`` (optional) is called when this rank's program ends with an
     uncaught exception: it sets the object's abort word so that its peers stop waiting for this rank;
     ``depart(reason)`` (optional) is called by :func:`abort_job` before the job ends: this rank takes part in no
-    further exchange of the object (``Bootstrap.depart``); ``leave()`` (optional) is called at exit when a close
-    there waits for the peers longer than :data:`EXIT_GRACE_S`: this rank's program has ended, it takes part in
-    no further collective of the object (the communicator sets its abort word); ``exit_close(on_slow)``
-    (optional) closes the object at exit instead of ``obj.close()``, ``on_slow`` (``(seconds, fn)``) for its
-    bounded waits."""
+    further exchange of the object (``Bootstrap.depart``); ``leave()`` (optional) is polled at exit while a close
+    there waits for the peers (:func:`exit_watch`): this rank's program has ended and takes part in no further
+    collective of the object, so when a peer waits for it in one, the object sets its abort word; it returns True
+    once it need not be polled again; ``exit_close(watch)`` (optional) closes the object at exit instead of
+    ``obj.close()``, its bounded waits polling ``watch`` (no arguments)."""
     global _installed
     with _lock:
         if not _installed:
@@ -200,28 +203,43 @@ def _open_objects() -> list:
     return [e[0] for e in _open_entries()]
 
 
+def exit_watch():
+    """A callable (no arguments, never raises) for the bounded waits of an exit-time close: at most every
+    :data:`EXIT_POLL_S` it polls the ``leave`` callback of every object open now (see :func:`register`), each of
+    which sets its object's abort word when a peer waits for this rank in a call of it that this rank never joined;
+    one that answers True (told, failed or closed) is not polled again."""
+    import time
+    leaves = [e[5] for e in _open_entries() if e[5] is not None]
+    done: set = set()
+    due = [0.0]
+
+    def watch() -> None:
+        now = time.monotonic()
+        if now < due[0]:
+            return
+        due[0] = now + EXIT_POLL_S
+        for i, leave in enumerate(leaves):
+            if i in done:
+                continue
+            try:
+                if leave():
+                    done.add(i)
+            except Exception:  # pragma: no cover - the process is ending
+                done.add(i)
+
+    return watch
+
+
 def _at_exit() -> None:
     entries = _open_entries()
-    leaves = [e[5] for e in entries if e[5] is not None]
-    told = []
-
-    def peers_slow(missing) -> None:  # a close below waited EXIT_GRACE_S for them: tell every open object, once
-        if told:
-            return
-        told.append(missing)
-        for leave in leaves:
-            try:
-                leave()
-            except Exception:  # pragma: no cover - the process is ending
-                pass
-
+    watch = exit_watch()
     for obj, broken, policy, _, _, _, closer in entries:
         if broken and policy:
             abort_job(f"{type(obj).__name__} failed and was never closed: {broken}", getattr(obj, "rank", None))
             return
         try:
             if closer is not None:
-                closer((EXIT_GRACE_S, peers_slow))
+                closer(watch)
             else:
                 obj.close()  # bounded; aborts by itself for a failed communicator with the policy on
         except Exception as exc:

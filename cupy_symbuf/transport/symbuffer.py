@@ -702,14 +702,15 @@ class SymBuffer:
         """True once :meth:`close` ran (or construction failed)."""
         return self._closed
 
-    def close(self, *, on_arrival=None, on_slow=None) -> None:
+    def close(self, *, on_arrival=None, on_slow=None, interrupt=None) -> None:
         """Unmap peers and free the buffer; collective over ``comm``, bounded by ``timeout_s``. Idempotent.
 
         ``on_arrival``: called with no arguments on every rank once every rank is in close() (after the bounded
         barrier), while the buffer is still mapped (``Communicator.close`` reads its abort word there); must not
         raise. ``on_slow``: ``(seconds, fn)``, ``fn(missing_ranks)`` called once (while the buffer is still
-        mapped) when the first barrier waits longer than that (``Communicator.close`` at exit sets the abort word
-        there); by default, while an exception propagates, a note on stderr.
+        mapped) when the first barrier waits longer than that; by default, while an exception propagates, a note on stderr. ``interrupt``: the bootstrap's (called
+        every ``DEPARTED_POLL_S`` of that barrier, while the buffer is still mapped; ``Communicator.close`` at exit
+        looks there for peers waiting for this rank).
 
         A peer that never closes (failed, exited) gives :class:`~cupy_symbuf.SymBufferTimeoutError` (role "close",
         ``missing`` names the ranks) within ``timeout_s``; this rank's buffer then stays allocated (a peer may still
@@ -732,7 +733,7 @@ class SymBuffer:
                 # nobody may still write into a buffer we are about to free (raises when a peer never comes: the
                 # buffer is then left allocated, our mappings of the peers are still closed below)
                 try:
-                    self.bootstrap.barrier(self.timeout_s, what, on_slow=slow)
+                    self.bootstrap.barrier(self.timeout_s, what, on_slow=slow, interrupt=interrupt)
                     if on_arrival is not None:
                         on_arrival()
                 finally:
@@ -747,7 +748,8 @@ class SymBuffer:
                 rt.free(self._local_ptr)
             self._local_ptr = 0
         else:
-            self.bootstrap.barrier(self.timeout_s, what, on_slow=slow)  # raises: window, comm left allocated
+            # raises: window, comm left allocated
+            self.bootstrap.barrier(self.timeout_s, what, on_slow=slow, interrupt=interrupt)
             if on_arrival is not None:
                 on_arrival()
             self._host_views = []

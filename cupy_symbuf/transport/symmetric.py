@@ -513,10 +513,10 @@ class SymmetricHeap:
                 return seg
         return None
 
-    def close(self, on_slow=None) -> None:
+    def close(self, on_slow=None, interrupt=None) -> None:
         """Release every segment (collective; from ``Communicator.close``), newest first; those that some rank
-        still holds arrays over (live or freed) stay mapped until the process exits. ``on_slow``: the bootstrap's
-        (``(seconds, fn)``) for the agreement step."""
+        still holds arrays over (live or freed) stay mapped until the process exits. ``on_slow`` (``(seconds,
+        fn)``) and ``interrupt`` (polled): the bootstrap's, for the agreement step."""
         live, self.allocations = self.allocations, []
         self._live = {}
         for alloc in live:
@@ -528,7 +528,7 @@ class SymmetricHeap:
         if not segments:
             return
         everyone = self.buffer.bootstrap.allgather(mine, self.timeout_s, "Communicator.close (symmetric arrays)",
-                                                   role="close", on_slow=on_slow)
+                                                   role="close", on_slow=on_slow, interrupt=interrupt)
         held = set()
         for h in everyone:
             held.update(h)
