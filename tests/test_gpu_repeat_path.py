@@ -344,6 +344,20 @@ def test_outputs_handed_out_again_only_when_free(stub):
         launches.use_stream(stream)
 
 
+def test_changes_to_a_dropped_output_never_reach_the_next_one(stub):
+    """The pool hands out views of its arrays: a caller that reshapes the array it got in place and drops it gets
+    the call's shape from the next call over the same memory (the pool's array itself was never reshaped)."""
+    eng, launches, stream, fast = stub
+    a = cupy.empty((2, 256), np.float32)
+    _a2a.alltoall(eng, a), _a2a.alltoall(eng, a)
+    y = _a2a.alltoall(eng, a)
+    p = y.data.ptr
+    y.shape = (512,)
+    del y
+    z = _a2a.alltoall(eng, a)
+    assert z.data.ptr == p and z.shape == (2, 256) and z.dtype == np.float32
+
+
 def _ptr(held) -> int:
     """Where the output ``held`` (or its view, memory pointer or allocation) starts."""
     if isinstance(held, cupy.ndarray):

@@ -185,11 +185,54 @@ def test_pooled_output_not_handed_out_while_held(comm, monkeypatch):
     if comm.size > 1:
         del view, y0, y2, y3
         first = c.alltoall(xs[4])
-        ident = id(first)
+        addr = first.__array_interface__["data"][0]
         del first
-        again = c.alltoall(xs[5])  # the dropped output, handed out again
-        assert id(again) == ident
+        again = c.alltoall(xs[5])  # the dropped output's memory, handed out again
+        assert again.__array_interface__["data"][0] == addr
         all_ranks(lambda: np.testing.assert_array_equal(again, wants[5]))
+    c.close()
+
+
+@pytest.mark.parametrize("op", ["alltoall", "alltoallv", "alltoallv count exchange"])
+def test_changes_to_a_dropped_output_never_reach_the_next_one(comm, monkeypatch, op):
+    """A caller may change the array object it got (shape, dtype, the writeable flag; resize) and drop it: the next
+    call's output of that shape still has the call's shape, dtype and a writeable buffer, and NumPy's rows (the pool
+    hands out views of its arrays; a resize of one is NumPy's own error, never a write into freed memory)."""
+    c = _comm(comm, "default", monkeypatch)
+    W = comm.size
+    counts = np.full(W, 3, np.int64)
+
+    def call(x):
+        if op == "alltoall":
+            return c.alltoall(x)
+        if op == "alltoallv":
+            return c.alltoallv(x, counts, recv_counts=counts)[0]
+        return c.alltoallv(x, counts)[0]
+
+    rng = rng_for(comm, 77)
+    for change in ["shape", "dtype", "readonly", "resize", "none"]:
+        for _ in range(3):  # the full path's output, then the repeat path's
+            x = random_rows(rng, 3 * W, (8,), np.float32)
+            want, _ = reference_alltoallv(comm, x, counts)
+            y = call(x.reshape(W, 3, 8) if op == "alltoall" else x)
+            np.testing.assert_array_equal(y.reshape(want.shape), want)
+            shape, dtype = y.shape, y.dtype
+            if change == "shape":
+                y.shape = (-1,)
+            elif change == "dtype":
+                y.dtype = np.uint8
+            elif change == "readonly":
+                y.flags.writeable = False
+            elif change == "resize":
+                with pytest.raises(ValueError):
+                    y.resize((6 * W, 8))
+            del y
+            x = random_rows(rng, 3 * W, (8,), np.float32)
+            want, _ = reference_alltoallv(comm, x, counts)
+            z = call(x.reshape(W, 3, 8) if op == "alltoall" else x)
+            assert z.shape == shape and z.dtype == dtype and z.flags.writeable, (change, z.shape, z.dtype)
+            np.testing.assert_array_equal(z.reshape(want.shape), want)
+            del z
     c.close()
 
 

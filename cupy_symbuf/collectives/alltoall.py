@@ -71,8 +71,9 @@ class _HostRecord:
     dtype object, ``out=`` None or a writeable NumPy array of the output's shape, dtype and C strides apart from
     ``sendbuf``, and a communicator with no symmetric arrays (then a plain sendbuf goes by the rings or by
     cross-memory attach by its size alone, as when the record was made) and no telemetry. Everything else the full
-    path checked depends only on these. ``pool``: outputs of calls without ``out=``, handed out again only while
-    nothing outside the pool refers to them (``sys.getrefcount``; a view holds its base array), at most two, of
+    path checked depends only on these. ``pool``: outputs of calls without ``out=`` (the caller gets a view of one),
+    handed out again only while nothing outside the pool refers to them (``sys.getrefcount``; a view holds its base
+    array), at most two, of
     at most :data:`POOL_BYTES` each (``pooled``; larger outputs are allocated per call)."""
 
     __slots__ = ("shape", "dtype", "strides", "out_shape", "out_strides", "nbytes", "out_nbytes", "counts", "prep",
@@ -139,7 +140,7 @@ def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True)
         if out_addr < x_addr + rec.nbytes and x_addr < out_addr + rec.out_nbytes:
             return None  # (overlap: the full path's error)
     eng.run_prepared(rec.prep, op, x_addr, recv, out_addr)
-    return recv
+    return recv if out is not None else recv.view()
 
 
 #: ``Engine.repeat``'s key of the record of alltoallv with the count exchange (alltoall's and alltoallv's with
@@ -148,25 +149,29 @@ def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True)
 _NOTIFIED = "alltoallv count exchange"
 
 
-def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pooled: bool, counts=None) -> None:
+def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pooled: bool, counts=None):
     """After a call of the full path that succeeded: make ``op``'s record (:class:`_HostRecord`) of its shape when the
     host engine can prepare it (a plain C-contiguous NumPy sendbuf of at least one byte, passed as is, moved by
     the rings or by cross-memory attach, ``sync="strong"``), else drop the op's record. ``recv``: the call's
-    output (pooled when the call made it)."""
+    output (pooled when the call made it). Returns the output to hand the caller: a view of a pooled ``recv``
+    (so what the caller changes in the array object it got, its shape, dtype, flags or a ``resize``, never
+    reaches the pool's array, which a later call hands out again once that view is dropped), else ``recv``."""
     repeat = eng.repeat
     if eng.backend != "host":
-        return
+        return recv
     prep = None
     if (x is sendbuf and type(x) is np.ndarray and not relaxed and x.nbytes and x.flags.c_contiguous and
             recv.flags.c_contiguous and (direct is None or direct[0] == P.MODE_CMA)):
         prep = eng.prepare(plan)
     if prep is None:
         repeat.pop(op, None)
-        return
+        return recv
     rec = repeat[op] = _HostRecord(x, recv, prep, counts)
-    if pooled and rec.pooled:  # (handed out again once the caller drops it)
+    if pooled and rec.pooled:  # (handed out again once the caller drops its view)
         rec.pool.append(recv)
         rec.addrs.append(address_of(recv))
+        return recv.view()
+    return recv
 
 
 def _checked_out(eng, op: str, out, shape: tuple, x):
@@ -277,7 +282,7 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
     else:
         eng.run(plan, [x], None, [recv], direct, relaxed)
         if eng.backend == "host":
-            _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None)
+            recv = _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None)
     return recv
 
 
@@ -341,8 +346,8 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         if key[0] is None or key[-1] is None:
             eng.repeat.pop(op, None)
         else:
-            _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None,
-                      key[0] + key[1] + (recv_counts,))
+            recv = _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None,
+                             key[0] + key[1] + (recv_counts,))
         return recv, recv_counts.copy()
     with eng.call(op, notify=True):
         relaxed = False if sync == "strong" else check_sync(op, sync)
@@ -386,8 +391,8 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         if key is None:
             eng.repeat.pop(_NOTIFIED, None)
         else:
-            _remember(eng, _NOTIFIED, sendbuf, x, recv, plan, direct, relaxed, True,
-                      key + (send_counts, sig, got_bytes, recv_counts))
+            recv = _remember(eng, _NOTIFIED, sendbuf, x, recv, plan, direct, relaxed, True,
+                             key + (send_counts, sig, got_bytes, recv_counts))
     return recv, recv_counts.copy()
 
 

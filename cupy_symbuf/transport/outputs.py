@@ -54,14 +54,16 @@ class OutputPool:
         # The pool keeps each set as a list and returns a new tuple of it: a caller that hands the tuple on as it is
         # (combine's (x, weights)) holds the arrays through it, which their counts see (the pool's own tuple would
         # hold them invisibly).
+        # The caller gets views of the set's arrays: what it changes in the array objects it got (their shape, a
+        # flag) stays in its views, and the views hold the arrays and their memory, which the counts see.
         for s in self._sets:
             if s[0] == stream_ptr and _held(s[1]) == s[2]:
-                return tuple(s[1])
+                return tuple([a.view() for a in s[1]])
         arrays = list(self._make())
         if len(self._sets) >= self._size:
             del self._sets[0]
         self._sets.append([stream_ptr, arrays, _held(arrays)])
-        return tuple(arrays)
+        return tuple([a.view() for a in arrays])
 
     def __len__(self) -> int:
         return len(self._sets)
