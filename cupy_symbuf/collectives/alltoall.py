@@ -73,8 +73,7 @@ class _HostRecord:
     cross-memory attach by its size alone, as when the record was made) and no telemetry. Everything else the full
     path checked depends only on these. ``pool``: outputs of calls without ``out=`` (the caller gets a view of one),
     handed out again only while nothing outside the pool refers to them (``sys.getrefcount``; a view holds its base
-    array), at most two, of
-    at most :data:`POOL_BYTES` each (``pooled``; larger outputs are allocated per call)."""
+    array), at most two, of at most :data:`POOL_BYTES` each (``pooled``; larger outputs are allocated per call)."""
 
     __slots__ = ("shape", "dtype", "strides", "out_shape", "out_strides", "nbytes", "out_nbytes", "counts", "prep",
                  "pool", "addrs", "pooled")
