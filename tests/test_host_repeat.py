@@ -210,6 +210,15 @@ def test_changes_to_a_dropped_output_never_reach_the_next_one(comm, monkeypatch,
         return c.alltoallv(x, counts)[0]
 
     rng = rng_for(comm, 77)
+    try:
+        _change_and_drop(comm, op, call, rng, counts)
+    finally:
+        c.close()
+
+
+def _change_and_drop(comm, op, call, rng, counts):
+    """The body of test_changes_to_a_dropped_output_never_reach_the_next_one (``call`` runs ``op``)."""
+    W = comm.size
     for change in ["shape", "dtype", "readonly", "resize", "none"]:
         for _ in range(3):  # the full path's output, then the repeat path's
             x = random_rows(rng, 3 * W, (8,), np.float32)
@@ -223,9 +232,11 @@ def test_changes_to_a_dropped_output_never_reach_the_next_one(comm, monkeypatch,
                 y.dtype = np.uint8
             elif change == "readonly":
                 y.flags.writeable = False
-            elif change == "resize":
-                with pytest.raises(ValueError):
-                    y.resize((6 * W, 8))
+            elif change == "resize":  # a pooled output is a view (NumPy refuses); an unpooled one is the caller's
+                try:
+                    y.resize((6 * W, 8), refcheck=False)
+                except ValueError:
+                    pass
             del y
             x = random_rows(rng, 3 * W, (8,), np.float32)
             want, _ = reference_alltoallv(comm, x, counts)
@@ -233,7 +244,6 @@ def test_changes_to_a_dropped_output_never_reach_the_next_one(comm, monkeypatch,
             assert z.shape == shape and z.dtype == dtype and z.flags.writeable, (change, z.shape, z.dtype)
             np.testing.assert_array_equal(z.reshape(want.shape), want)
             del z
-    c.close()
 
 
 @pytest.mark.parametrize("kind", ["plain", "cma"])
