@@ -45,38 +45,6 @@ struct Part {
   i64 base, stride, width, offset;  // bytes; offset = first byte of the part inside the packed row
 };
 
-// 1: rows of several parts (MoE dispatch / combine) move as one stream of 16-byte vectors, SYMBUF_UNROLL loads in
-// flight a lane across row and part boundaries, where every part is 16-byte aligned and a copy takes at most 32 rows
-// (RowRun::copy_vec); 0 (the default): part by part, row by row (copy_bytes each). Off because it was measured
-// slower on the device (one H100, 2 ranks under MPS, tests/device/graph_rows.sh: 128-token graph dispatch /
-// combine 47.9 / 35.7 -> 61.9 / 50.2 us, 4096-token cached dispatch / combine 286 / 404 -> 755 / 877 us; the
-// ring kernel's registers and spills 126 / 312 B -> 128 / 408 B; docs/perf-notes.md). Kept as an A/B build
-// (-DSYMBUF_ROW_VEC=1, builds of at most 512 threads without SYMBUF_BULK only).
-#ifndef SYMBUF_ROW_VEC
-#define SYMBUF_ROW_VEC 0
-#endif
-#if SYMBUF_ROW_VEC && ((defined(SYMBUF_MAX_THREADS) && SYMBUF_MAX_THREADS > 512) || SYMBUF_BULK)
-#undef SYMBUF_ROW_VEC
-#define SYMBUF_ROW_VEC 0
-#endif
-// 1: in the ring kernel, a channel share of at most num_copy chunks (a short call) is sliced over every copy warp of
-// its group (vectors, not chunks: ring_prims.cuh spread_share) and published at once; 0: chunk by chunk, for a
-// same-run comparison. Follows SYMBUF_ROW_VEC; off in the trace, debug and work-sharing builds (they follow chunks).
-#ifndef SYMBUF_SPREAD
-#define SYMBUF_SPREAD SYMBUF_ROW_VEC
-#endif
-#if !SYMBUF_ROW_VEC || SYMBUF_TRACE || SYMBUF_DEBUG || SYMBUF_ADAPTIVE
-#undef SYMBUF_SPREAD
-#define SYMBUF_SPREAD 0
-#endif
-// 16-byte loads in flight a lane in RowRun::copy_vec (8: 4 KiB a warp, as copy_bytes' SYMBUF_UNROLL)
-#ifndef SYMBUF_ROW_VEC_UNROLL
-#define SYMBUF_ROW_VEC_UNROLL 8
-#endif
-#if SYMBUF_ROW_VEC
-constexpr int kVecToFlat = 0, kVecFromFlat = 1, kVecParts = 2;  // RowRun::copy_vec's directions
-#endif
-
 // One side of one peer's row run, with its parts in shared memory. Ring chunks hold whole packed rows (at most
 // chunk_bytes / row_bytes of them, chunk_rows in ring_prims.cuh); a byte run has 1-byte rows and one dense part.
 struct RowRun {
@@ -95,130 +63,6 @@ struct RowRun {
     const i64 token = index ? __ldg(index + row0 + r) : row0 + r;
     return reinterpret_cast<u8*>(parts[i].base) + token * parts[i].stride;
   }
-#if SYMBUF_ROW_VEC
-  // Every part's rows are whole 16-byte vectors at 16-byte aligned addresses (base, row stride, width and offset in
-  // the packed row all multiples of 16): the rows can move as one stream of vectors (copy_vec).
-  __device__ __forceinline__ bool vec_rows() const {
-    i64 m = row_bytes;
-    for (int i = 0; i < num_parts; ++i) m |= parts[i].base | parts[i].stride | parts[i].width | parts[i].offset;
-    return (m & 15) == 0;
-  }
-  // One warp copies run rows [r, r + n) (n <= 32) as one stream of 16-byte vectors across row and part boundaries:
-  // vector v is byte 16 * (v % rv) of packed row v / rv (rv = row_bytes / 16), lane l takes v = l, l + 32, ...,
-  // SYMBUF_ROW_VEC_UNROLL loads in flight a lane, every load of a batch before its first store (copy_walk). The part-by-part copy
-  // (copy_bytes per part and row) issues one part of one row at a time: a 14336-byte x row then its 64-byte top-k
-  // and 32-byte weights parts are 3 + 4 + 1 + 1 dependent round trips a row; here a two-row chunk is 8. kMode:
-  // kVecToFlat this run's parts -> packed rows at `flat` (a sender's ring slot; .nc loads of the read-only send
-  // parts), kVecFromFlat packed rows -> this run's parts (a receiver; .cg loads of the peer-written ring),
-  // kVecParts this run's parts -> `to`'s parts, row r + j to row r + j (a rank's own rows; .nc loads). The rows'
-  // tokens (index, or row0 + row) are read once, lane k holding row r + k's, before any payload load. Needs
-  // vec_rows() of both runs (the same part widths and offsets: the plan's).
-  template <int kMode>
-  __device__ __forceinline__ void copy_vec(const RowRun& to, u8* flat, i64 r, i64 n, int lane) const {
-    // 32-bit vector arithmetic (n <= 32 rows of at most a slot, chunk_bytes <= 64 MiB: < 2^27 vectors)
-    const int rv = static_cast<int>(row_bytes >> 4);
-    const VecParts ends = vec_parts(rv);
-    const i64 tok_from = lane < n && index != nullptr ? __ldg(index + row0 + r + lane) : row0 + r + lane;
-    const i64 tok_to = kMode != kVecParts ? 0
-                       : (lane < n && to.index != nullptr ? __ldg(to.index + to.row0 + r + lane) : to.row0 + r + lane);
-    const RowRun& dst_run = kMode == kVecParts ? to : *this;
-    const u64 f = reinterpret_cast<u64>(flat);
-    const auto packed = [&](int jj, int oo) {
-      return f + static_cast<u64>(jj) * static_cast<u64>(row_bytes) + (static_cast<u64>(oo) << 4);
-    };
-    copy_walk<kMode == kVecFromFlat>(
-        0, static_cast<int>(n) * rv, rv, lane,
-        [&](int jj, int oo) {
-          return kMode == kVecFromFlat ? packed(jj, oo)
-                                       : part_vec(*this, ends.part(oo), __shfl_sync(~0u, tok_from, jj & 31), oo);
-        },
-        [&](int jj, int oo) {
-          return kMode == kVecToFlat ? packed(jj, oo)
-                                     : part_vec(dst_run, ends.part(oo),
-                                                __shfl_sync(~0u, kMode == kVecParts ? tok_to : tok_from, jj & 31), oo);
-        });
-  }
-  // One copy warp's slice (copy_id of num_copy, in vectors) of a whole channel share, rows [lo, hi) of the run,
-  // between the parts and the ring slots that hold them: share row j (from lo) is row j % rpc of the slot of counter
-  // c0 + j / rpc (rpc = rows per chunk, the chunk cut of chunk_rows), so the slots hold exactly what the per-chunk
-  // copy puts there. The slice spans at most 32 rows and 32 chunks (the caller's condition); their tokens and slot
-  // addresses are read / computed once (lane k: the slice's k-th row and chunk) and passed by shuffle. kToFlat: parts
-  // -> slots (.nc loads of the read-only send parts); else slots -> parts (.cg loads of the peer-written ring).
-  template <bool kToFlat>
-  __device__ __forceinline__ void copy_ring_slice(u8* ring, u64 c0, i64 num_slots, i64 chunk_bytes, i64 lo, i64 hi,
-                                                  i64 rpc, int copy_id, int num_copy, int lane) const {
-    const int rv = static_cast<int>(row_bytes >> 4);
-    const int total = static_cast<int>(hi - lo) * rv;
-    const int va = static_cast<int>(static_cast<i64>(total) * copy_id / num_copy);
-    const int vb = static_cast<int>(static_cast<i64>(total) * (copy_id + 1) / num_copy);
-    if (vb <= va) return;
-    const VecParts ends = vec_parts(rv);
-    const int per = static_cast<int>(rpc);
-    const int ra = va / rv, ka = ra / per;  // the slice's first row and chunk (from lo)
-    const int rb = (vb - 1) / rv + 1;
-    const i64 tok = lane < rb - ra && index != nullptr ? __ldg(index + row0 + lo + ra + lane) : row0 + lo + ra + lane;
-    const u64 slot = reinterpret_cast<u64>(ring) +
-                     static_cast<u64>(((c0 + static_cast<u64>(ka + lane)) % static_cast<u64>(num_slots)) *
-                                      static_cast<u64>(chunk_bytes));
-    const auto packed = [&](int jj, int oo) {
-      const int k = jj / per;
-      return __shfl_sync(~0u, slot, (k - ka) & 31) + static_cast<u64>(jj - k * per) * static_cast<u64>(row_bytes) +
-             (static_cast<u64>(oo) << 4);
-    };
-    const auto part = [&](int jj, int oo) {
-      return part_vec(*this, ends.part(oo), __shfl_sync(~0u, tok, (jj - ra) & 31), oo);
-    };
-    if (kToFlat) copy_walk<false>(va, vb, rv, lane, part, packed);
-    else copy_walk<true>(va, vb, rv, lane, packed, part);
-  }
-  // Part ends of a run in vectors (parts in offset order): part p of vector o is the number of ends <= o.
-  struct VecParts {
-    int e0, e1, e2;
-    __device__ __forceinline__ int part(int o) const { return (o >= e0) + (o >= e1) + (o >= e2); }
-  };
-  __device__ __forceinline__ VecParts vec_parts(int rv) const {
-    return VecParts{num_parts > 1 ? static_cast<int>((parts[0].offset + parts[0].width) >> 4) : rv,
-                    num_parts > 2 ? static_cast<int>((parts[1].offset + parts[1].width) >> 4) : rv,
-                    num_parts > 3 ? static_cast<int>((parts[2].offset + parts[2].width) >> 4) : rv};
-  }
-  // Address of vector o of part p of the row of token `tok` in run `run`.
-  static __device__ __forceinline__ u64 part_vec(const RowRun& run, int p, i64 tok, int o) {
-    const Part& q = run.parts[p];
-    return static_cast<u64>(q.base + tok * q.stride + (static_cast<i64>(o) << 4) - q.offset);
-  }
-  // The warp's vectors v = b0 + lane, b0 + lane + 32, ... < end, vector v at row v / rv, vector v % rv of the packed
-  // row; src(row, vector) and dst(row, vector) give where it comes from and goes to (every lane calls them for every
-  // slot of a batch: they may shuffle). SYMBUF_ROW_VEC_UNROLL loads in flight a lane, every load of a batch before
-  // its first store; .cg loads (kFromRing: a peer-written ring slot) or .nc (read-only send parts).
-  template <bool kFromRing, class Src, class Dst>
-  __device__ __forceinline__ void copy_walk(int b0, int end, int rv, int lane, Src src, Dst dst) const {
-    constexpr int kU = SYMBUF_ROW_VEC_UNROLL;
-    const int sj = 32 / rv, so = 32 - sj * rv;  // one warp step of 32 vectors, in rows and vectors
-    int j = (b0 + lane) / rv, o = (b0 + lane) - j * rv;
-    for (int b = b0; b < end; b += kU * 32) {  // warp-uniform: every lane runs every batch
-      int4 val[kU];
-      int jj = j, oo = o;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const u64 a = src(jj, oo);
-        if (b + u * 32 + lane < end)
-          val[u] = kFromRing ? ld_cg_global(reinterpret_cast<const int4*>(a))
-                             : ld_nc_global(reinterpret_cast<const int4*>(a));
-        oo += so, jj += sj;
-        if (oo >= rv) oo -= rv, ++jj;
-      }
-      jj = j, oo = o;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const u64 a = dst(jj, oo);
-        if (b + u * 32 + lane < end) st_na_global(reinterpret_cast<int4*>(a), val[u]);
-        oo += so, jj += sj;
-        if (oo >= rv) oo -= rv, ++jj;
-      }
-      j = jj, o = oo;
-    }
-  }
-#endif
   // One warp copies run rows [r, r + n) between the parts and packed rows at `flat` (a ring slot).
   // kToFlat: parts -> flat (sender; the source is read-only during the kernel); else flat -> parts (receiver).
   // skip: parts (bit i = part i) not copied (MODE_PUSH: the sender wrote them into our outputs itself).
@@ -241,12 +85,6 @@ struct RowRun {
       else copy_bytes<true>(p, flat, n * row_bytes, lane);
       return;
     }
-#if SYMBUF_ROW_VEC
-    if (n <= 32 && vec_rows()) {
-      copy_vec<kToFlat ? kVecToFlat : kVecFromFlat>(*this, flat, r, n, lane);
-      return;
-    }
-#endif
     for (i64 j = 0; j < n; ++j) {
       for (int i = 0; i < num_parts; ++i) {
         u8* f = flat + j * row_bytes + parts[i].offset;

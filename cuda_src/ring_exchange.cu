@@ -24,11 +24,6 @@
 // Every wait is bounded by DESC_TIMEOUT_NS and polls this rank's abort word (protocol.cuh, SpinBudget); the first
 // failure writes the error record (role, rank, peer, channel, head, tail, kind, field).
 #define SYMBUF_BULK_KERNEL 1  // the ring kernel may copy with cp.async.bulk (SYMBUF_BULK, primitives.cuh)
-// Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128. (Before the
-// headers: SYMBUF_ROW_VEC's default follows it, layout.cuh.)
-#ifndef SYMBUF_MAX_THREADS
-#define SYMBUF_MAX_THREADS 1024
-#endif
 #include "ring_prims.cuh"
 #include "moe_layout.cuh"
 
@@ -36,6 +31,11 @@
 // per chunk / direct slice / own-rows share. A build of its own, so a communicator without trace pays nothing.
 #ifndef SYMBUF_TRACE
 #define SYMBUF_TRACE 0
+#endif
+
+// Threads per block (__launch_bounds__): 1024 gives 32 warps but 64 registers per thread; 512 gives 128.
+#ifndef SYMBUF_MAX_THREADS
+#define SYMBUF_MAX_THREADS 1024
 #endif
 
 #if SYMBUF_TRACE
@@ -293,9 +293,6 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
                                      // sender, MODE_PUSH: the receiver's first row of our run (-1: push nothing)
   __shared__ i64 s_push_delta[MAX_PEERS * MAX_PARTS];  // sender, MODE_PUSH: receiver's block minus ours, per part
   __shared__ WaitCtx s_ctx;
-#if SYMBUF_SPREAD
-  __shared__ u64 s_spread[MAX_PEERS];  // per group: copy warps done with their slice of a short share (spread_share)
-#endif
 #if SYMBUF_ADAPTIVE
   __shared__ ShareWork s_work[MAX_PEERS];     // per peer: its run, for warps of other groups (work sharing)
   __shared__ u64 s_ready[MAX_PEERS];          // != 0: s_work[peer] written (st.release.cta by the group's leader)
@@ -448,9 +445,6 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   if (leader) {
     s_abort[peer] = 0;
     s_gate[peer] = kGateWait;
-#if SYMBUF_SPREAD
-    s_spread[peer] = 0;
-#endif
   }
 #endif
   // Sender: copy warps write chunks into the peer's ring and the publisher releases tail there; backpressure reads
@@ -476,14 +470,6 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
   const bool direct_send = is_sender && my_send_direct;
   const i64 rows_per_chunk = hi > lo ? chunk_rows(hi - lo, row_bytes, chunk_bytes, num_copy) : 1;
   const i64 nchunks = hi > lo && !direct_send ? (hi - lo + rows_per_chunk - 1) / rows_per_chunk : 0;
-#if SYMBUF_SPREAD
-  // a short share (every chunk in the ring at once beside the call header's slot: the slices wait for room for all of
-  // them before any is published, so the header's slot must not be one of theirs; at most one chunk a copy warp; a
-  // slice of at most 17 rows a warp) of rows of 16-byte vectors: sliced over the copy warps (spread_share); the same
-  // for every warp of the group
-  const bool spread = !solo && !push_mask && nchunks > 0 && nchunks <= num_copy && nchunks < num_slots &&
-                      hi - lo <= 16 * static_cast<i64>(num_copy) && (is_sender ? send : recv).vec_rows();
-#endif
   const u64 first = state[STATE_COUNTER];  // the call header's counter
   const u64 call_seq = state[STATE_SEQ] + 1;
   const u64 c0 = first + 1;                // payload chunk k has counter c0 + k
@@ -564,19 +550,7 @@ symbuf_ring_exchange(const __grid_constant__ RingArgs desc) {
     if (share) share_all(share_ctx, copy_id == 0 || !home_ok ? peer : home, peer, lane, copy_id == 0);
 #endif
     // ring (and push): this warp's chunks k = copy_id, copy_id + num_copy, ...
-#if SYMBUF_SPREAD
-    if (spread && go == kGateCopy) {  // a short share: a slice of it instead of chunks
-      if (is_sender)
-        spread_share<true>(send, ring, c0, nchunks, num_slots, chunk_bytes, lo, hi, rows_per_chunk, copy_id, num_copy,
-                           &s_ctx, peer, local_counter, abort_flag, &s_spread[peer], &done[copy_id], lane);
-      else
-        spread_share<false>(recv, ring, c0, nchunks, num_slots, chunk_bytes, lo, hi, rows_per_chunk, copy_id,
-                            num_copy, &s_ctx, peer, local_counter, abort_flag, &s_spread[peer], &done[copy_id], lane);
-    }
-    const i64 todo = go == kGateCopy && !share && !spread ? nchunks : 0;
-#else
     const i64 todo = go == kGateCopy && !share ? nchunks : 0;
-#endif
     u64 seen = is_sender ? 0 : c0;  // sender: the last head read; receiver: the last tail read
     for (i64 k = copy_id; k < todo; k += num_copy) {
       const u64 t = c0 + static_cast<u64>(k);  // ring counter of this chunk

@@ -223,41 +223,6 @@ __device__ __forceinline__ void post_chunk(bool solo, u64* remote_counter, u64* 
   else st_release_cta(done_mark, t + 1);
 }
 
-#if SYMBUF_SPREAD
-// A short channel share (SYMBUF_SPREAD, ring_exchange.cu: at most num_copy chunks, fewer than num_slots, rows of
-// 16-byte vectors): every copy warp copies a slice of the whole share's vectors instead of whole chunks (a share of
-// 11 rows cut into 6 chunks of 2 rows kept 6 of 10 warps busy for 2 rows each; sliced, each warp moves ~1.1 rows).
-// Lane 0 first waits for the last chunk's condition (sender: room for every slot of the share; receiver: tail past
-// the share, i.e. the whole share arrived: no pipelining within it), the warp copies its slice, then lane 0 counts
-// the warp in the group's word `count` (fence.cta, then the add: a release at cta scope), waits until every copy warp
-// counted (each counts once, also after a failed wait, so the wait ends), and marks done = the share's end: the
-// publisher (publish_runs, unchanged) then releases the whole share with one st.release.sys of tail / head, and its
-// acquire of any warp's mark follows that warp's acquire of the full count, so every slice is covered. The bytes
-// in the slots are exactly the per-chunk copy's, so the peer may cut and copy per chunk (each side chooses alone).
-template <bool kSender>
-__device__ __forceinline__ void spread_share(const RowRun& run, u8* ring, u64 c0, i64 nchunks, i64 num_slots,
-                                             i64 chunk_bytes, i64 lo, i64 hi, i64 rows_per_chunk, int copy_id,
-                                             int num_copy, const WaitCtx* ctx, int peer, const u64* local_counter,
-                                             volatile int* abort_flag, u64* count, u64* done_mark, int lane) {
-  const u64 end = c0 + static_cast<u64>(nchunks);
-  u64 seen = kSender ? 0 : c0;
-  if (lane == 0) wait_chunk(ctx, peer, kSender, local_counter, end - 1, c0, num_slots, seen, abort_flag);
-  __syncwarp();  // lane 0's acquire precedes every lane's accesses to the slots
-  const bool go = __shfl_sync(0xffffffffu, *abort_flag, 0) == 0;
-  if (go) run.copy_ring_slice<kSender>(ring, c0, num_slots, chunk_bytes, lo, hi, rows_per_chunk, copy_id, num_copy,
-                                       lane);
-  __syncwarp();  // every lane's accesses to the slots precede lane 0's count
-  if (lane == 0) {
-    __threadfence_block();
-    atomicAdd(reinterpret_cast<unsigned long long*>(count), 1ull);
-    while (ld_acquire_cta(count) < static_cast<u64>(num_copy)) {  // bounded: every copy warp counts once
-    }
-    if (go && !*abort_flag) st_release_cta(done_mark, end);
-  }
-  __syncwarp();
-}
-#endif
-
 // ---- direct pull and own rows (no ring slot) ---------------------------------------------------------------------
 // One warp's slice k of `total` of an n-byte copy (16-byte aligned cuts; the last slice takes the rest); returns the
 // slice's bytes. kFromPeer: .cg loads (the source is a peer's block: MODE_DIRECT), else .nc (our own sendbuf).
@@ -271,21 +236,12 @@ __device__ __forceinline__ i64 copy_slice(u8* dst, const u8* src, i64 n, int k, 
 }
 
 // This rank's rows [a, b) to itself (peer == rank: no ring), by one of the group's group_warps warps: one span of
-// bytes cut into 16-byte aligned slices, one per warp, when both ends are dense; else (SYMBUF_ROW_VEC, every part
-// 16-byte aligned) a contiguous share of the rows per warp as vector streams (RowRun::copy_vec); else one warp per
-// row. Returns the bytes this warp copied.
+// bytes cut into 16-byte aligned slices, one per warp, when both ends are dense, else one warp per row. Returns the
+// bytes this warp copied.
 __device__ __forceinline__ i64 copy_own_rows(const RowRun& send, const RowRun& recv, i64 a, i64 b,
                                              i64 row_bytes, int warp_in_group, int group_warps, int lane) {
   if (send.dense() && recv.dense())
     return copy_slice<false>(recv.at(0, a), send.at(0, a), (b - a) * row_bytes, warp_in_group, group_warps, lane);
-#if SYMBUF_ROW_VEC
-  if (send.vec_rows() && recv.vec_rows()) {  // a contiguous share of the rows a warp, 32 rows a copy_vec at most
-    const i64 lo = a + (b - a) * warp_in_group / group_warps, hi = a + (b - a) * (warp_in_group + 1) / group_warps;
-    for (i64 r = lo; r < hi; r += 32)
-      send.copy_vec<kVecParts>(recv, nullptr, r, min(static_cast<i64>(32), hi - r), lane);
-    return (hi - lo) * row_bytes;
-  }
-#endif
   i64 bytes = 0;
   for (i64 r = a + warp_in_group; r < b; r += group_warps) {
     for (int i = 0; i < send.num_parts; ++i) copy_bytes<false>(recv.at(i, r), send.at(i, r), send.parts[i].width, lane);

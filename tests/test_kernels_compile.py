@@ -24,13 +24,11 @@ VARIANTS = [(), ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",), (
             ("-DSYMBUF_UNROLL=4", "-DSYMBUF_PUBLISH_BATCH=4", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_MAX_THREADS=512"),
             ("-DSYMBUF_HEADER_FOLD=0", "-DSYMBUF_ADAPTIVE=1", "-DSYMBUF_MAX_THREADS=1024"),
-            ("-DSYMBUF_ROW_VEC=0", "-DSYMBUF_LL_FENCE=0", "-DSYMBUF_LL_SELF=0", "-DSYMBUF_MAX_THREADS=512"),
-            ("-DSYMBUF_ROW_VEC=1", "-DSYMBUF_MAX_THREADS=512"), ("-DSYMBUF_ROW_VEC=1", "-DSYMBUF_MAX_THREADS=1024"),
-            ("-DSYMBUF_ROW_VEC=1", "-DSYMBUF_SPREAD=0", "-DSYMBUF_MAX_THREADS=512")]
+            ("-DSYMBUF_LL_FENCE=0", "-DSYMBUF_LL_SELF=0", "-DSYMBUF_MAX_THREADS=512")]
 VARIANT_IDS = ["default", "512-threads", "1024-threads", "debug", "512-threads-debug", "bulk-512", "bulk-1024",
                "trace-512", "trace-1024", "adaptive-512", "adaptive-1024", "adaptive-trace-debug-1024",
                "adaptive-trace-512", "unroll4-batch4-512", "no-header-fold-512", "no-header-fold-adaptive-1024",
-               "previous-copies-and-fences-512", "row-vec-512", "row-vec-1024", "row-vec-no-spread-512"]
+               "previous-ll-fences-512"]
 
 
 def _nvrtc_or_skip():
@@ -547,23 +545,6 @@ def test_moe_layout_shared_memory_fits_max_experts():
         f"48 KiB")
 
 
-def test_row_vector_copies_only_when_asked_in_the_512_thread_ring_build():
-    """SYMBUF_ROW_VEC (off by default: measured slower on the device; -DSYMBUF_ROW_VEC=1 in the ring kernel's builds
-    of at most 512 threads): rows of several parts move as one stream of vectors (warp shuffles of the rows'
-    tokens); the default and the 1024-thread build copy part by part, the same PTX as SYMBUF_ROW_VEC=0."""
-    _nvrtc_or_skip()
-    t512, t1024 = ("-DSYMBUF_MAX_THREADS=512",), ("-DSYMBUF_MAX_THREADS=1024",)
-    default = _kernels.compile_ptx(RING, "compute_90", defines=t512)
-    vec = _kernels.compile_ptx(RING, "compute_90", defines=t512 + ("-DSYMBUF_ROW_VEC=1",))
-    off = _kernels.compile_ptx(RING, "compute_90", defines=t512 + ("-DSYMBUF_ROW_VEC=0",))
-    assert default == off
-    assert vec.count("shfl.sync.idx") > off.count("shfl.sync.idx") + 32
-    big = _kernels.compile_ptx(RING, "compute_90", defines=t1024 + ("-DSYMBUF_ROW_VEC=1",))
-    assert big == _kernels.compile_ptx(RING, "compute_90", defines=t1024 + ("-DSYMBUF_ROW_VEC=0",))
-    assert big.count("shfl.sync.idx") == off.count("shfl.sync.idx")
-    assert _kernels.build_id(RING, t512 + ("-DSYMBUF_ROW_VEC=1",)) != _kernels.build_id(RING, t512)
-
-
 def test_low_latency_releases_without_sc_fences():
     """SYMBUF_LL_FENCE (default): the low-latency kernels release their flag lines with fence.acq_rel.sys then the
     relaxed counts, or the weights line's st.release.sys alone; SYMBUF_LL_FENCE=0 keeps __threadfence_system
@@ -578,16 +559,3 @@ def test_low_latency_releases_without_sc_fences():
     assert staged != new
 
 
-def test_short_shares_spread_over_the_copy_warps_in_the_512_thread_ring_build():
-    """SYMBUF_SPREAD (follows SYMBUF_ROW_VEC, off by default): the 512-thread row-vector build slices a short channel share over its copy warps
-    (their count in shared memory, then the done marks); SYMBUF_SPREAD=0 is the row-vector build without it, and the
-    trace, debug and work-sharing builds never have it (the same PTX either way)."""
-    _nvrtc_or_skip()
-    t512 = ("-DSYMBUF_MAX_THREADS=512", "-DSYMBUF_ROW_VEC=1")
-    spread = _kernels.compile_ptx(RING, "compute_90", defines=t512)
-    chunks = _kernels.compile_ptx(RING, "compute_90", defines=t512 + ("-DSYMBUF_SPREAD=0",))
-    assert spread != chunks and spread.count("shfl.sync.idx") > chunks.count("shfl.sync.idx")
-    assert "membar.cta" in spread and "membar.cta" not in chunks  # the slice's release before its count
-    for other in (("-DSYMBUF_ADAPTIVE=1",), ("-DSYMBUF_TRACE=1",), ("-DSYMBUF_DEBUG=1",)):
-        assert _kernels.compile_ptx(RING, "compute_90", defines=t512 + other) == \
-            _kernels.compile_ptx(RING, "compute_90", defines=t512 + other + ("-DSYMBUF_SPREAD=0",)), other

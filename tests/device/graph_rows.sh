@@ -4,13 +4,12 @@
 # under MPS, then the medians per build and row (tests/device/graph_rows.py prints the rows). Under 150 s (each
 # build's first run compiles its kernels: ~30 s; a later run ~15 s).
 #
-#   bash tests/device/graph_rows.sh            timing (old: SYMBUF_ROW_VEC=0 SYMBUF_LL_FENCE=0 SYMBUF_LL_SELF=0,
-#                                              PTX identical to the tree before them (SYMBUF_SPREAD follows
-#                                              SYMBUF_ROW_VEC); new: the defaults)
+#   bash tests/device/graph_rows.sh            timing (old: SYMBUF_LL_FENCE=0 SYMBUF_LL_SELF=0, the low-latency
+#                                              kernels before those changes; new: the defaults)
 #   bash tests/device/graph_rows.sh test       then the GPU correctness tests at 2 ranks (cuda only), ~3-5 min more
 #
-# Builds, in the order GR_SEQ (default "old new nospread new old"): old and new as above, nospread = new with
-# -DSYMBUF_SPREAD=0 (row vectors chunk by chunk, no slicing of short shares), fold0 = new with -DSYMBUF_HEADER_FOLD=0
+# Builds, in the order GR_SEQ (default "old new nospread new old"): old and new as above, nospread =
+# new again (the row-vector build it compared was removed, docs/perf-notes.md), fold0 = new with -DSYMBUF_HEADER_FOLD=0
 # (the ring's call header released at once instead of with the first chunk: the receiver checks it while the sender
 # copies; one release more a group; e.g. GR_SEQ="old new fold0 new old"). Knobs: GR_OLD / GR_NEW / GR_FOLD0 (the
 # builds' CUPY_SYMBUF_NVRTC_DEFINES), GR_SEQ, ROWS_ITERS (replays a row, 200), ROWS_BIG_ITERS (the 4096-token rows'
@@ -21,7 +20,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RU
 export NCCL_NVLS_ENABLE=0 CUPY_SYMBUF_ABORT_ON_FAILURE=0 CUPY_SYMBUF_TIMEOUT_S=${CUPY_SYMBUF_TIMEOUT_S:-30}
 LOG=${OUT:-/tmp}/graph_rows
 mkdir -p "$LOG"
-OLD=${GR_OLD:-"-DSYMBUF_ROW_VEC=0 -DSYMBUF_LL_FENCE=0 -DSYMBUF_LL_SELF=0"}
+OLD=${GR_OLD:-"-DSYMBUF_LL_FENCE=0 -DSYMBUF_LL_SELF=0"}
 NEW=${GR_NEW:-""}
 FOLD0=${GR_FOLD0:-"-DSYMBUF_HEADER_FOLD=0"}  # the third build: the call header released at once, not with chunk 0
 MPIRUN=${GR_MPIRUN:-"mpirun --oversubscribe --bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE
@@ -43,7 +42,7 @@ rc_all=0
 declare -A n_run=()
 for b in ${GR_SEQ:-old new nospread new old}; do
   case $b in
-    old) defs=$OLD ;; new) defs=$NEW ;; nospread) defs="$NEW -DSYMBUF_SPREAD=0" ;; fold0) defs="$NEW $FOLD0" ;;
+    old) defs=$OLD ;; new) defs=$NEW ;; nospread) defs="$NEW" ;; fold0) defs="$NEW $FOLD0" ;;
     *) echo "unknown build $b"; continue ;;
   esac
   r=$((${n_run[$b]:-0} + 1)); n_run[$b]=$r
