@@ -18,7 +18,6 @@ to the peers (:meth:`Engine.call` / :meth:`Engine.reject`).
 """
 from __future__ import annotations
 
-import ctypes
 import sys
 
 import numpy as np
@@ -48,7 +47,6 @@ def _ones(world_size: int) -> np.ndarray:
 
 
 _refs = sys.getrefcount
-_addressof, _CHAR = ctypes.addressof, ctypes.c_char
 
 
 def _refs_at(pool: list, i: int) -> int:
@@ -86,14 +84,12 @@ class _HostRecord:
         self.pool, self.addrs = [], []
         self.pooled = recv.nbytes <= POOL_BYTES
 
-    def take(self):
-        """``(array, address)``: a pooled output nothing outside the pool holds, else a new one (the oldest of
-        two dropped from the pool)."""
+    def add(self, a=None):
+        """``(array, address)``: ``a`` (an output of the record's shape; None: a new one) put in the pool, the
+        oldest of two dropped (:func:`_run_record` hands out a pooled one that nothing outside the pool holds)."""
+        if a is None:
+            a = np.empty(self.out_shape, dtype=self.dtype)
         pool = self.pool
-        for i in range(len(pool)):
-            if _refs_at(pool, i) == _FREE:
-                return pool[i], self.addrs[i]
-        a = np.empty(self.out_shape, dtype=self.dtype)
         if len(pool) >= 2:
             del pool[0], self.addrs[0]
         pool.append(a)
@@ -119,7 +115,7 @@ def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True)
         else:
             try:
                 if rec.pooled:
-                    recv, out_addr = rec.take()
+                    recv, out_addr = rec.add()
                 else:
                     recv = np.empty(rec.out_shape, dtype=rec.dtype)
                     out_addr = address_of(recv)
@@ -127,10 +123,7 @@ def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True)
                 if first_step:
                     eng.reject(op, notify=False)
                 raise
-        try:
-            x_addr = _addressof(_CHAR.from_buffer(x))
-        except (TypeError, ValueError, BufferError):  # read-only, or a dtype the buffer protocol cannot describe
-            x_addr = address_of(x)
+        x_addr = address_of(x)
     else:
         if type(out) is not np.ndarray or out.shape != rec.out_shape or out.dtype is not rec.dtype or \
                 out.strides != rec.out_strides or not out.flags.writeable:
@@ -167,8 +160,7 @@ def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, poole
         return recv
     rec = repeat[op] = _HostRecord(x, recv, prep, counts)
     if pooled and rec.pooled:  # (handed out again once the caller drops its view)
-        rec.pool.append(recv)
-        rec.addrs.append(address_of(recv))
+        rec.add(recv)
         return recv.view()
     return recv
 

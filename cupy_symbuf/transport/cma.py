@@ -44,17 +44,18 @@ def supported() -> bool:
     return _readv is not None
 
 
-_CHAR = ctypes.c_char
+_CHAR, _addressof = ctypes.c_char, ctypes.addressof
 
 
 def address_of(a: np.ndarray) -> int:
     """The address of the first byte of ``a`` (a C-contiguous NumPy array). For a writeable array of at least one
-    byte of a NumPy built-in dtype (those the buffer protocol can describe) it is read through a ctypes view of the
-    buffer, a fraction of ``__array_interface__``'s cost (that builds a dict of the array's description: ~1 us hot
-    and several right after a large copy has evicted the caches)."""
-    if a.dtype.isbuiltin == 1 and a.flags.writeable and a.nbytes:
-        return ctypes.addressof(_CHAR.from_buffer(a))
-    return a.__array_interface__["data"][0]
+    byte that the buffer protocol can describe it is read through a ctypes view of the buffer, a fraction of
+    ``__array_interface__``'s cost (that builds a dict of the array's description: ~1 us hot and several right
+    after a large copy has evicted the caches)."""
+    try:
+        return _addressof(_CHAR.from_buffer(a))
+    except (TypeError, ValueError, BufferError):  # read-only, empty, or a dtype the buffer protocol cannot describe
+        return a.__array_interface__["data"][0]
 
 
 class Reader:
