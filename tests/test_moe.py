@@ -537,8 +537,9 @@ def test_combine_row_strided_x_on_some_ranks(moe_comm):
 
 def test_combine_out_overlapping_weights_rejected(moe_comm):
     """combine(out=) whose memory overlaps topk_weights on rank 0 (the reduction reads the weights while it writes
-    out): rank 0 raises ValueError naming the overlap, the others SymBufferRejectedError naming rank 0; then a
-    combine with separate arrays equals the NumPy reference (integers in fp32: exact)."""
+    out): rank 0 raises ValueError naming the overlap, the others SymBufferRejectedError naming rank 0 (GPU: from the
+    call or from synchronize()); then a combine with separate arrays equals the NumPy reference (integers in fp32:
+    exact)."""
     from cupy_symbuf import SymBufferRejectedError
     comm = moe_comm
     idx, x, recv_x, h, reached = dispatch_integers(comm, "out-over-weights", "random", 16, 8, 2, 50)
@@ -551,8 +552,9 @@ def test_combine_out_overlapping_weights_rejected(moe_comm):
         with pytest.raises(ValueError, match="'out' overlaps an input"):
             comm.combine(recv_x, h, w, out=out)
     elif W > 1:
-        with pytest.raises(SymBufferRejectedError, match="rank 0"):
+        with pytest.raises(SymBufferRejectedError, match="rank 0"):  # GPU: the queued call reports it from synchronize
             comm.combine(recv_x, h, w, out=out)
+            comm.synchronize()
     if RANK == 0 or W > 1:
         w = xp.ones((n_recv, k), np.float32)
         combined, cw = comm.combine(recv_x, h, w, out=xp.full((16, 8), np.nan, np.float32))
