@@ -167,3 +167,17 @@ for traced in (False, True):
         for lab, fn in cases:
             timeline(c, lab + (" [trace build]" if traced else ""), fn, traced)
         world.Barrier()
+
+# How the 128-token rows scale with the blocks the ring kernel takes (loop us, no stamps): more channels = more copy
+# warps in parallel and fewer rows a channel; if the rows barely move, the copies are not what holds them.
+on[0] = False
+for sms in (8, 24, 48, 96):
+    with cs.Communicator(world, cs.Config(num_sms=sms)) as c:
+        rx, _, rw, _, h = c.dispatch(x, idx, w, E)
+        c.synchronize()
+        d = loop_us(c, lambda: c.dispatch(x, handle=h))
+        cb = loop_us(c, lambda: c.combine(rx, h, rw))
+        a = loop_us(c, lambda: c.alltoall(a64))
+        if me == 0:
+            print(f"# num_sms {sms:3d}: cached dispatch 128 {d:6.1f} us, combine 128 {cb:6.1f} us, alltoall 64 KiB "
+                  f"{a:6.1f} us (loop)", flush=True)
