@@ -23,10 +23,10 @@ import sys
 import numpy as np
 
 from ..common import backend as _compat
+from ..common.address import address_of
 from ..common import dtypes as _dt
 from ..common.checks import as_array, check_counts, check_out
 from ..common.errors import SymBufferMismatchError
-from ..transport.cma import address_of
 from ..transport.engine import check_sync, row_signature
 from ..transport.outputs import OutputPool
 from ..wire import protocol as P

@@ -16,10 +16,10 @@ from typing import Optional
 import numpy as np
 
 from ..common import backend as _compat
+from ..common.address import address_of
 from ..wire import protocol as P
 from ..wire.plan import PlanCache, check_bytes, kernel_geometry, part_width
 from ..common.errors import SymBufferError, SymBufferMismatchError, SymBufferRejectedError, mismatch_error
-from . import cma as _cma
 from .status import rejection_text
 
 __all__ = ["Engine", "row_signature"]
@@ -34,13 +34,6 @@ def row_signature(a) -> str:
     and ``'|V8'`` for any 8-byte structured dtype."""
     dt = np.dtype(a.dtype)
     return f"{dt.str}:{dt}{tuple(a.shape[1:])}"
-
-
-def _addr(a) -> int:
-    """Device address of a CuPy array, an address given as an int, or 0 for None."""
-    if a is None:
-        return 0
-    return a if isinstance(a, int) else a.data.ptr
 
 
 class _CallState:
@@ -327,11 +320,11 @@ class Engine:
         self._epoch += 1
         tr = self.transport
         if layout is not None:  # (eager: echo, no device checks, scale 1)
-            self._run(tr.notify_layout_device, layout, num_values, op, op_code=code, sig=sig, meta=_addr(meta),
-                      bad=_addr(local_reject), sums=_addr(sums), table=_addr(table), capacity=capacity, last=False)
+            self._run(tr.notify_layout_device, layout, num_values, op, op_code=code, sig=sig, meta=address_of(meta),
+                      bad=address_of(local_reject), sums=address_of(sums), table=address_of(table), capacity=capacity, last=False)
         else:
-            self._run(tr.notify_device, _addr(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
-                      local_reject=_addr(local_reject), echo=not worst, sums=_addr(sums), table=_addr(table),
+            self._run(tr.notify_device, address_of(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
+                      local_reject=address_of(local_reject), echo=not worst, sums=address_of(sums), table=address_of(table),
                       scale=scale, capacity=capacity, device_checks=worst, last=False)
         if worst:
             return None
@@ -576,7 +569,7 @@ class Engine:
                 found = (P.MODE_DIRECT,) + sym
             elif self.backend == "host" and self.transport.cma_pids is not None and x.flags.c_contiguous and \
                     (mode == "direct" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
-                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], _cma.address_of(x))
+                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], address_of(x))
         # copy_engine: the peers pull an alltoall of CE_MIN_BYTES per peer from where this rank's rows would lie
         # in their symmetric array, so a plain sendbuf of that size is refused (told to them) instead
         must = mode == "direct" or (mode == "copy_engine" and op == "alltoall" and self.backend == "cuda" and
@@ -773,7 +766,7 @@ class Engine:
         the count exchange's values ``meta`` (int64 ``[W]``) and ``bad`` (int64 ``[2]``: 1 when a count is
         negative or the sum differs, then the first negative count's rank or -1), the ``local_reject`` word of
         :meth:`notify_device`. Local, no communication step: a rejection after it is still told to the peers."""
-        self.transport.counts_meta(_addr(counts), num_rows, _addr(meta), _addr(bad))
+        self.transport.counts_meta(address_of(counts), num_rows, address_of(meta), address_of(bad))
 
 
 SYNC_MODES = ("strong", "relaxed")

@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from ..common.address import address_of
 from . import cma as _cma
 from .base import Transport, implements
 from . import trace as _trace
@@ -512,7 +513,7 @@ class HostTransport:
         dst = int(plan.recv_first[r.p])
         if mode == P.MODE_CMA:
             nbytes = recv.flat.nbytes
-            self._pull_cma(op, r, where, base, _cma.address_of(recv.flat) + dst if n and dst + n <= nbytes else 0,
+            self._pull_cma(op, r, where, base, address_of(recv.flat) + dst if n and dst + n <= nbytes else 0,
                            n, dst, nbytes)
             return n
         alloc = self.heap.by_id(where) if self.heap is not None else None
@@ -1050,12 +1051,12 @@ class Prepared:
                 tmpl[P.HDR_MODE], tmpl[P.HDR_DIRECT_ALLOC] = P.MODE_CMA, tr.cma_pids[me]
             n = 0 if self.cma else x.hi - x.lo
             self.sends.append((x, _words(x.state, 2), _words(x.counter), _words(x.remote), [s[1] for s in x.slots],
-                               tmpl, int(plan.send_first[x.p]) + x.lo, n, [_cma.address_of(s[2]) for s in x.slots]))
+                               tmpl, int(plan.send_first[x.p]) + x.lo, n, [address_of(s[2]) for s in x.slots]))
         self.recvs = []
         for r in statics[1]:
             units = int(plan.recv_units[r.p])
             self.recvs.append((r, _words(r.state, 2), _words(r.counter), _words(r.remote), [s[1] for s in r.slots],
-                               [_cma.address_of(s[2]) for s in r.slots], units,
+                               [address_of(s[2]) for s in r.slots], units,
                                tr.cma_pids[r.p] if tr.cma_pids else -1, int(plan.recv_first[r.p])))
         self.n_self = int(plan.send_units[me])
         self.s_self, self.r_self = int(plan.send_first[me]), int(plan.recv_first[me])
