@@ -64,7 +64,7 @@ POOL_BYTES = 16 << 20
 
 class _HostRecord:
     """The host engine's record of an op's last call shape (``Engine.repeat[op]``): what a call must match to run
-    the prepared exchange (``HostTransport.prepare``) with no other check: ``sendbuf`` a NumPy array of this shape,
+    the prepared exchange (``HostTransport.prepare_exchange``) with no other check: ``sendbuf`` a NumPy array of this shape,
     dtype object and strides (C-contiguous), ``sync="strong"``, the counts (alltoallv) of these exact bytes, shape and
     dtype object, ``out=`` None or a writeable NumPy array of the output's shape, dtype and C strides apart from
     ``sendbuf``, and a communicator with no symmetric arrays (then a plain sendbuf goes by the rings or by
@@ -154,7 +154,7 @@ def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, poole
     prep = None
     if (x is sendbuf and type(x) is np.ndarray and not relaxed and x.nbytes and x.flags.c_contiguous and
             recv.flags.c_contiguous and (direct is None or direct[0] == P.MODE_CMA)):
-        prep = eng.prepare(plan)
+        prep = eng.prepare_exchange(plan)
     if prep is None:
         repeat.pop(op, None)
         return recv

@@ -599,14 +599,15 @@ class Engine:
         if rejected:
             self._raise_rejected(plan.op, rejected)
 
-    def prepare(self, plan):
+    def prepare_exchange(self, plan):
         """Host engine: ``plan``'s exchange made ready for :meth:`run_prepared` (the transport's
-        ``prepare``), or None when the transport does not run it that way (see ``HostTransport.prepare``)."""
-        prepare = getattr(self.transport, "prepare", None)
-        return prepare(plan) if prepare is not None and self.backend == "host" else None
+        ``prepare_exchange``), or None when the transport does not run it that way (see
+        ``HostTransport.prepare_exchange``; a device transport has none)."""
+        prepare = getattr(self.transport, "prepare_exchange", None)
+        return prepare(plan) if prepare is not None else None
 
     def run_prepared(self, prep, op: str, x_addr: int, out, out_addr: int) -> None:
-        """Run a prepared call (:meth:`prepare`) of a C-contiguous send part at ``x_addr`` into the C-contiguous
+        """Run a prepared call (:meth:`prepare_exchange`) of a C-contiguous send part at ``x_addr`` into the C-contiguous
         ``out`` at ``out_addr`` (the plan's shapes: the caller's contract), as :meth:`run` runs its plan: the
         same headers, checks, counters and errors."""
         state = self._state

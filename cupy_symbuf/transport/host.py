@@ -559,7 +559,7 @@ class HostTransport:
             f"raise SymBufferAbortedError).")
 
     # ---- prepared calls: a call shape's exchange with its per-call set-up made once ------------------------
-    def prepare(self, plan):
+    def prepare_exchange(self, plan):
         """A :class:`Prepared` exchange of ``plan`` for :meth:`run_prepared`, or None when the plan is not one it
         runs: a byte run (one part, rows in order, C-contiguous on both sides), not rejected, more than one rank,
         direct only by cross-memory attach, every send run one ring slot (direct, or a run in its header's slot,
@@ -576,7 +576,7 @@ class HostTransport:
         return Prepared(self, plan, statics)
 
     def run_prepared(self, prep: "Prepared", op: str, x_addr: int, out, out_addr: int) -> list:
-        """One call of ``prep`` (:meth:`prepare`): the same protocol, headers and checks as :meth:`exchange_rows`
+        """One call of ``prep`` (:meth:`prepare_exchange`): the same protocol, headers and checks as :meth:`exchange_rows`
         for a C-contiguous send part at ``x_addr`` and the C-contiguous output ``out`` at ``out_addr`` (the
         shapes of the plan: the caller's contract), with the per-call set-up of the plan made once. Returns the
         ranks that rejected the call; raises as :meth:`exchange_rows`."""
@@ -1028,7 +1028,7 @@ _memmove = ctypes.memmove
 
 
 class Prepared:
-    """A plan's exchange made ready for :meth:`HostTransport.run_prepared` (:meth:`HostTransport.prepare`): per
+    """A plan's exchange made ready for :meth:`HostTransport.run_prepared` (:meth:`HostTransport.prepare_exchange`): per
     send run its state line, the peer's head and tail as ctypes words, its header slots, its own header template
     (mode and pid set once for cross-memory attach), the byte offset and length of its rows in the send part and its
     slots' payload addresses; per channel-0 receive run its words, slots, the units and pid its peer's header must
