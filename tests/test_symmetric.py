@@ -316,8 +316,8 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
 
 def _sendbuf_kinds(rng, W, per_peer):
     """Plain C-contiguous sendbufs of every kind whose address the engine finds differently
-    (``common.address.address_of``): writeable of a built-in dtype (through the buffer), read-only and of a dtype the buffer
-    protocol cannot describe (bfloat16; through ``__array_interface__``), and a view that starts inside a larger
+    (``common.address.address_of``): writeable of a built-in dtype (through the buffer), read-only and of a dtype the
+    buffer protocol cannot describe (bfloat16; through ``__array_interface__``), and a view that starts inside a larger
     array."""
     import ml_dtypes
     f32 = random_rows(rng, W, (per_peer // 4,), np.float32)

@@ -321,11 +321,12 @@ class Engine:
         tr = self.transport
         if layout is not None:  # (eager: echo, no device checks, scale 1)
             self._run(tr.notify_layout_device, layout, num_values, op, op_code=code, sig=sig, meta=address_of(meta),
-                      bad=address_of(local_reject), sums=address_of(sums), table=address_of(table), capacity=capacity, last=False)
+                      bad=address_of(local_reject), sums=address_of(sums), table=address_of(table), capacity=capacity,
+                      last=False)
         else:
             self._run(tr.notify_device, address_of(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
-                      local_reject=address_of(local_reject), echo=not worst, sums=address_of(sums), table=address_of(table),
-                      scale=scale, capacity=capacity, device_checks=worst, last=False)
+                      local_reject=address_of(local_reject), echo=not worst, sums=address_of(sums),
+                      table=address_of(table), scale=scale, capacity=capacity, device_checks=worst, last=False)
         if worst:
             return None
         out = self._run(tr.notify_result, op, num_values, last=False)
@@ -607,9 +608,9 @@ class Engine:
         return prepare(plan) if prepare is not None else None
 
     def run_prepared(self, prep, op: str, x_addr: int, out, out_addr: int) -> None:
-        """Run a prepared call (:meth:`prepare_exchange`) of a C-contiguous send part at ``x_addr`` into the C-contiguous
-        ``out`` at ``out_addr`` (the plan's shapes: the caller's contract), as :meth:`run` runs its plan: the
-        same headers, checks, counters and errors."""
+        """Run a prepared call (:meth:`prepare_exchange`) of a C-contiguous send part at ``x_addr`` into the
+        C-contiguous ``out`` at ``out_addr`` (the plan's shapes: the caller's contract), as :meth:`run` runs its plan:
+        the same headers, checks, counters and errors."""
         state = self._state
         if state is not None:
             state.started = True

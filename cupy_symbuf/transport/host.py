@@ -576,10 +576,10 @@ class HostTransport:
         return Prepared(self, plan, statics)
 
     def run_prepared(self, prep: "Prepared", op: str, x_addr: int, out, out_addr: int) -> list:
-        """One call of ``prep`` (:meth:`prepare_exchange`): the same protocol, headers and checks as :meth:`exchange_rows`
-        for a C-contiguous send part at ``x_addr`` and the C-contiguous output ``out`` at ``out_addr`` (the
-        shapes of the plan: the caller's contract), with the per-call set-up of the plan made once. Returns the
-        ranks that rejected the call; raises as :meth:`exchange_rows`."""
+        """One call of ``prep`` (:meth:`prepare_exchange`): the same protocol, headers and checks as
+        :meth:`exchange_rows` for a C-contiguous send part at ``x_addr`` and the C-contiguous output ``out`` at
+        ``out_addr`` (the shapes of the plan: the caller's contract), with the per-call set-up of the plan made once.
+        Returns the ranks that rejected the call; raises as :meth:`exchange_rows`."""
         if prep.abort.value or self._pending:
             if prep.abort.value:
                 me = self.rank
