@@ -164,20 +164,27 @@ class Engine:
 
     def _run(self, fn, *args, last: bool = True, **kwargs):
         """Run one transport step (``last``: the call's last one); an exception of any type inside it marks the
-        communicator broken and tells the peers (:meth:`fail`)."""
+        communicator broken and tells the peers (:meth:`_step_failed`)."""
         state = self._state
         if state is not None:
             state.started = True
         try:
             out = fn(*args, **kwargs)
-        except SymBufferRejectedError:
-            raise  # a peer rejected a queued call (synchronize): the rings are in step, the communicator usable
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         if state is not None:
             state.pending = not last
         return out
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """What an exception out of a transport step does (:meth:`_run` and the hot paths that inline it, which call
+        this only once the step raised, so their way through costs nothing more): a peer's rejection of a queued
+        call (:class:`~cupy_symbuf.SymBufferRejectedError`, from ``synchronize`` or a blocking launch: the rings are
+        in step, the communicator usable) nothing; anything else marks the communicator broken and tells the peers
+        (:meth:`fail`). The caller re-raises ``exc``."""
+        if not isinstance(exc, SymBufferRejectedError):
+            self.fail(exc)
 
     def mark_broken(self, why: str) -> None:
         """Mark the communicator unusable (once) with the message ``why``, telling no peer: for an owner above
@@ -471,10 +478,8 @@ class Engine:
         none), and tells the peers itself when something before this launch fails (:meth:`reject`)."""
         try:
             rejected = self.transport.fire_repeat(rep, ptrs, stream)
-        except SymBufferRejectedError:
-            raise
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         self._count(rep.plan)
         if rejected:
@@ -490,10 +495,8 @@ class Engine:
         :meth:`small_prepare`, on ``stream`` (the current stream); no call state, as :meth:`launch_repeat`."""
         try:
             rejected = self.transport.fire_small(prepared, send_ptr, recv_ptr, stream)
-        except SymBufferRejectedError:
-            raise
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         plan = prepared[0]
         self._count(plan)
@@ -616,10 +619,8 @@ class Engine:
             state.started = True
         try:  # (_run, inline)
             rejected = self.transport.run_prepared(prep, op, x_addr, out, out_addr)
-        except SymBufferRejectedError:
-            raise
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         if state is not None:
             state.pending = False
