@@ -465,8 +465,7 @@ class Communicator:
         """The peers waiting for this rank in a call or step it never joined: the transport's look at this rank's
         buffer (``peers_waiting``: a count exchange slot, a call header of a new call) and the bootstrap's at the
         peers' step messages (``peers_in_other_steps``). Only while the buffer is mapped."""
-        look = getattr(self._transport, "peers_waiting", None)
-        out = set(look()) if look is not None else set()
+        out = set(self._transport.peers_waiting())  # (every transport has it: transport.base.Transport)
         look = getattr(self.buffer.bootstrap, "peers_in_other_steps", None)
         if look is not None:
             out.update(look())

@@ -193,6 +193,65 @@ def test_pooled_output_not_handed_out_while_held(comm, monkeypatch):
     c.close()
 
 
+def _holders():
+    """Ways a caller keeps a repeat call's output ``y`` (dropped itself) and reads it again: ``(hold, read)``."""
+    import ctypes
+    return {"a view of a view": (lambda y: y.reshape(-1)[1:].view(), lambda h: h),
+            "a memoryview": (lambda y: memoryview(y), np.asarray),
+            "np.frombuffer": (lambda y: np.frombuffer(y, np.float32), lambda h: h),
+            "a ctypes array over its buffer": (lambda y: (ctypes.c_char * y.nbytes).from_buffer(y),
+                                               lambda h: np.frombuffer(h, np.float32)),
+            "a DLPack consumer": (lambda y: np.from_dlpack(y), lambda h: h)}
+
+
+@pytest.mark.parametrize("holder", list(_holders()))
+def test_pooled_output_held_by_any_consumer_is_not_overwritten(comm, monkeypatch, holder):
+    """A repeat call's output that the caller dropped but still reaches through something made from it (a view of
+    a view, a memoryview, ``np.frombuffer``, a ctypes array, a DLPack consumer) keeps its rows through the calls
+    after it, whose outputs are NumPy's rows in other memory; once that is dropped too the memory is handed out
+    again."""
+    hold, read = _holders()[holder]
+    c = _comm(comm, "default", monkeypatch)
+    try:
+        calls = _counting(c)
+        xs, wants = zip(*[_alltoall_case(comm, 140 + i, 1, (1000,), np.float32) for i in range(6)])
+        c.alltoall(xs[0])  # the full path; the calls below repeat it
+        y = c.alltoall(xs[1])
+        addr = y.__array_interface__["data"][0]
+        held = hold(y)
+        del y
+        live = []
+        for x in xs[2:5]:  # the pool's other output, handed out again while the held one is not
+            live.append(c.alltoall(x))
+            live[-1] = live[-1].copy() if len(live) < 3 else live[-1]
+        got = read(held)
+        all_ranks(lambda: [np.testing.assert_array_equal(got.reshape(-1), wants[1].reshape(-1)[-got.size:])] +
+                  [np.testing.assert_array_equal(z, w) for z, w in zip(live, wants[2:5])])
+        assert not np.shares_memory(got, live[-1])
+        if comm.size > 1:
+            assert calls[0] == 4
+            del held, got, live
+            assert c.alltoall(xs[5]).__array_interface__["data"][0] == addr  # dropped: handed out again
+    finally:
+        c.close()
+
+
+def test_host_pool_counts_the_base_of_its_arrays():
+    """An :class:`OutputPool` of NumPy arrays that are views of a larger array (``host=True``): a caller's view of a
+    set's array holds that larger array (NumPy makes a view of a view a view of the owner), so the pool counts the
+    base too and never hands out a set while such a view lives; dropped, the set is handed out again."""
+    from cupy_symbuf.transport.outputs import OutputPool
+    pool = OutputPool(lambda: (np.empty(64, np.uint8)[16:],), host=True)
+    v, = pool.take()
+    assert v.base is not None and v.base.base is None  # (the caller's view refers to the owner, not the set's array)
+    w, = pool.take()
+    assert not np.shares_memory(v, w)
+    addr = v.ctypes.data
+    del v, w
+    u, addr_u = pool.take_one()
+    assert u.ctypes.data == addr == addr_u and len(pool) == 2
+
+
 @pytest.mark.parametrize("op", ["alltoall", "alltoallv", "alltoallv count exchange"])
 def test_changes_to_a_dropped_output_never_reach_the_next_one(comm, monkeypatch, op):
     """A caller may change the array object it got (shape, dtype, the writeable flag; resize) and drop it: the next

@@ -316,8 +316,8 @@ def test_cma_plain_sendbufs(comm, monkeypatch):
 
 def _sendbuf_kinds(rng, W, per_peer):
     """Plain C-contiguous sendbufs of every kind whose address the engine finds differently
-    (``cma.address_of``): writeable of a built-in dtype (through the buffer), read-only and of a dtype the buffer
-    protocol cannot describe (bfloat16; through ``__array_interface__``), and a view that starts inside a larger
+    (``common.address.address_of``): writeable of a built-in dtype (through the buffer), read-only and of a dtype the
+    buffer protocol cannot describe (bfloat16; through ``__array_interface__``), and a view that starts inside a larger
     array."""
     import ml_dtypes
     f32 = random_rows(rng, W, (per_peer // 4,), np.float32)
@@ -357,12 +357,19 @@ def test_cma_addresses_of_every_sendbuf_kind(comm, monkeypatch):
 
 
 def test_address_of_matches_array_interface():
-    """``cma.address_of`` gives ``__array_interface__``'s address for every kind of array it is handed."""
-    from cupy_symbuf.transport import cma
+    """``address_of`` gives ``__array_interface__``'s address for every kind of NumPy array it is handed (through
+    the buffer or not: non-contiguous and reversed views too), an int as is and 0 for None; ``address_range`` the
+    bytes of a C-contiguous array."""
+    from cupy_symbuf.common.address import address_of, address_range
     kinds = _sendbuf_kinds(np.random.default_rng(3), 2, 1024)
     kinds["empty"] = np.empty((0, 4), np.float32)
+    base = np.arange(60, dtype=np.float64).reshape(6, 10)
+    kinds.update({"columns": base[:, 3:], "reversed": base[::-1], "transposed": base.T, "every other": base[::2]})
     for name, a in kinds.items():
-        assert cma.address_of(a) == a.__array_interface__["data"][0], name
+        assert address_of(a) == a.__array_interface__["data"][0], name
+    assert address_of(None) == 0 and address_of(12345) == 12345
+    lo = base.__array_interface__["data"][0]
+    assert address_range(base[1:]) == (lo + 80, lo + base.nbytes)
 
 
 @pytest.mark.parametrize("sendbuf", ["symmetric", "plain"])

@@ -18,15 +18,15 @@ to the peers (:meth:`Engine.call` / :meth:`Engine.reject`).
 """
 from __future__ import annotations
 
-import sys
+import math
 
 import numpy as np
 
 from ..common import backend as _compat
+from ..common.address import address_of
 from ..common import dtypes as _dt
 from ..common.checks import as_array, check_counts, check_out
 from ..common.errors import SymBufferMismatchError
-from ..transport.cma import address_of
 from ..transport.engine import check_sync, row_signature
 from ..transport.outputs import OutputPool
 from ..wire import protocol as P
@@ -46,55 +46,52 @@ def _ones(world_size: int) -> np.ndarray:
     return ones
 
 
-_refs = sys.getrefcount
-
-
-def _refs_at(pool: list, i: int) -> int:
-    a = pool[i]
-    return _refs(a)
-
-
-#: what :func:`_refs_at` counts for an array that only its pool list holds
-_FREE = _refs_at([np.empty(0)], 0)
-
 #: the largest output (bytes) a host repeat record keeps in its pool; larger ones are allocated per call (a pool
 #: keeps up to two outputs alive until the communicator's next call of another shape, or its close)
 POOL_BYTES = 16 << 20
 
 
 class _HostRecord:
-    """The host engine's record of an op's last call shape (``Engine.repeat[op]``): what a call must match to run
-    the prepared exchange (``HostTransport.prepare``) with no other check: ``sendbuf`` a NumPy array of this shape,
+    """The host engine's record of an op's last call shape (``Engine.repeat[op]``): what a call must match to run the
+    prepared exchange (``HostTransport.prepare_exchange``) with no other check: ``sendbuf`` a NumPy array of this shape,
     dtype object and strides (C-contiguous), ``sync="strong"``, the counts (alltoallv) of these exact bytes, shape and
     dtype object, ``out=`` None or a writeable NumPy array of the output's shape, dtype and C strides apart from
-    ``sendbuf``, and a communicator with no symmetric arrays (then a plain sendbuf goes by the rings or by
-    cross-memory attach by its size alone, as when the record was made) and no telemetry. Everything else the full
-    path checked depends only on these. ``pool``: outputs of calls without ``out=`` (the caller gets a view of one),
-    handed out again only while nothing outside the pool refers to them (``sys.getrefcount``; a view holds its base
-    array), at most two, of at most :data:`POOL_BYTES` each (``pooled``; larger outputs are allocated per call)."""
+    ``sendbuf``, and a communicator with no symmetric arrays (then a plain sendbuf goes by the rings or by cross-memory
+    attach by its size alone, as when the record was made) and no telemetry. Everything else the full path checked
+    depends only on these. ``pool``: the outputs of calls without ``out=``
+    (:class:`~cupy_symbuf.transport.outputs.OutputPool`: the caller gets a view of one, handed out again only once
+    nothing outside the pool refers to it; the first is the output of the full path's call that made the record,
+    :func:`_full_output`), at most two, of at most :data:`POOL_BYTES` each (``pooled``; larger outputs are allocated per
+    call)."""
 
     __slots__ = ("shape", "dtype", "strides", "out_shape", "out_strides", "nbytes", "out_nbytes", "counts", "prep",
-                 "pool", "addrs", "pooled")
+                 "pool", "pooled")
 
-    def __init__(self, x, recv, prep, counts):
+    def __init__(self, x, recv, prep, counts, pool):
         self.shape, self.dtype, self.strides = x.shape, x.dtype, x.strides
         self.out_shape, self.out_strides = recv.shape, recv.strides
         self.nbytes, self.out_nbytes = x.nbytes, recv.nbytes
         self.counts, self.prep = counts, prep
-        self.pool, self.addrs = [], []
+        self.pool = _output_pool(recv.shape, x.dtype) if pool is None else pool
         self.pooled = recv.nbytes <= POOL_BYTES
 
-    def add(self, a=None):
-        """``(array, address)``: ``a`` (an output of the record's shape; None: a new one) put in the pool, the
-        oldest of two dropped (:func:`_run_record` hands out a pooled one that nothing outside the pool holds)."""
-        if a is None:
-            a = np.empty(self.out_shape, dtype=self.dtype)
-        pool = self.pool
-        if len(pool) >= 2:
-            del pool[0], self.addrs[0]
-        pool.append(a)
-        self.addrs.append(address_of(a))
-        return a, self.addrs[-1]
+
+def _output_pool(shape: tuple, dtype) -> OutputPool:
+    """A host record's pool of outputs of ``shape`` and ``dtype`` (NumPy)."""
+    return OutputPool(lambda: (np.empty(shape, dtype=dtype),), host=True)
+
+
+def _full_output(eng, shape: tuple, x, sendbuf, relaxed: bool):
+    """``(output, pool)``: the full path's output (no ``out=``) of ``shape`` and ``x``'s dtype, and the
+    :class:`OutputPool` it is a view from when the call may leave a record (:func:`_remember`: host, the sendbuf
+    passed as is, ``sync="strong"``, more than one rank, at most :data:`POOL_BYTES`; the record keeps the pool, so
+    its first repeat call hands out this output again once the caller dropped it), else None."""
+    if eng.backend == "host" and x is sendbuf and not relaxed and eng.world_size > 1 and \
+            0 < math.prod(shape) * x.dtype.itemsize <= POOL_BYTES:
+        pool = _output_pool(shape, x.dtype)
+        recv, = pool.take()
+        return recv, pool
+    return eng.xp.empty(shape, dtype=x.dtype), None
 
 
 def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True):
@@ -107,22 +104,16 @@ def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True)
         return None
     eng.check_open()
     if out is None:
-        pool = rec.pool
-        if pool and _refs_at(pool, 0) == _FREE:
-            recv, out_addr = pool[0], rec.addrs[0]
-        elif len(pool) > 1 and _refs_at(pool, 1) == _FREE:
-            recv, out_addr = pool[1], rec.addrs[1]
-        else:
-            try:
-                if rec.pooled:
-                    recv, out_addr = rec.add()
-                else:
-                    recv = np.empty(rec.out_shape, dtype=rec.dtype)
-                    out_addr = address_of(recv)
-            except BaseException:
-                if first_step:
-                    eng.reject(op, notify=False)
-                raise
+        try:
+            if rec.pooled:
+                recv, out_addr = rec.pool.take_one()  # (a view of a pooled output)
+            else:
+                recv = np.empty(rec.out_shape, dtype=rec.dtype).view()
+                out_addr = address_of(recv)
+        except BaseException:
+            if first_step:
+                eng.reject(op, notify=False)
+            raise
         x_addr = address_of(x)
     else:
         if type(out) is not np.ndarray or out.shape != rec.out_shape or out.dtype is not rec.dtype or \
@@ -132,7 +123,7 @@ def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True)
         if out_addr < x_addr + rec.nbytes and x_addr < out_addr + rec.out_nbytes:
             return None  # (overlap: the full path's error)
     eng.run_prepared(rec.prep, op, x_addr, recv, out_addr)
-    return recv if out is not None else recv.view()
+    return recv
 
 
 #: ``Engine.repeat``'s key of the record of alltoallv with the count exchange (alltoall's and alltoallv's with
@@ -141,28 +132,32 @@ def _run_record(eng, rec: _HostRecord, op: str, x, out, first_step: bool = True)
 _NOTIFIED = "alltoallv count exchange"
 
 
-def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pooled: bool, counts=None):
+def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pool, counts=None):
     """After a call of the full path that succeeded: make ``op``'s record (:class:`_HostRecord`) of its shape when the
     host engine can prepare it (a plain C-contiguous NumPy sendbuf of at least one byte, passed as is, moved by
     the rings or by cross-memory attach, ``sync="strong"``), else drop the op's record. ``recv``: the call's
-    output (pooled when the call made it). Returns the output to hand the caller: a view of a pooled ``recv``
-    (so what the caller changes in the array object it got, its shape, dtype, flags or a ``resize``, never
-    reaches the pool's array, which a later call hands out again once that view is dropped), else ``recv``."""
+    output; ``pool``: the pool it is a view from (:func:`_full_output`), or None. Returns the output to hand the
+    caller: ``recv`` (a view of a pooled array, so what the caller changes in the array object it got, its shape,
+    dtype, flags or a ``resize``, never reaches the pool's array), or the pool's array itself when no record keeps
+    the pool (:func:`_unpooled`)."""
     repeat = eng.repeat
     if eng.backend != "host":
         return recv
     prep = None
     if (x is sendbuf and type(x) is np.ndarray and not relaxed and x.nbytes and x.flags.c_contiguous and
             recv.flags.c_contiguous and (direct is None or direct[0] == P.MODE_CMA)):
-        prep = eng.prepare(plan)
+        prep = eng.prepare_exchange(plan)
     if prep is None:
         repeat.pop(op, None)
-        return recv
-    rec = repeat[op] = _HostRecord(x, recv, prep, counts)
-    if pooled and rec.pooled:  # (handed out again once the caller drops its view)
-        rec.add(recv)
-        return recv.view()
+        return _unpooled(recv, pool)
+    repeat[op] = _HostRecord(x, recv, prep, counts, pool)
     return recv
+
+
+def _unpooled(recv, pool):
+    """The full path's output to hand the caller when no record keeps ``pool`` (:func:`_full_output`): the pool's
+    array itself (the caller's alone, as a new array), or ``recv`` when it came from no pool."""
+    return recv if pool is None else recv.base
 
 
 def _checked_out(eng, op: str, out, shape: tuple, x):
@@ -253,8 +248,9 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
         direct = eng.direct_source(op, [x], None)
         ones = _ONES.get(W)
         plan = eng.rows_plan(op, x, _ones(W) if ones is None else ones, direct is not None)
+        pool = None
         if out is None:
-            recv = eng.xp.empty(x.shape, dtype=x.dtype)
+            recv, pool = _full_output(eng, x.shape, x, sendbuf, relaxed)
         else:  # (_checked_out, inline: the no-allocation form of the hot path)
             eng.check_live(op, "out", out)
             recv = check_out(op, out, eng.backend, x.shape, x.dtype, inputs=(x,))
@@ -273,7 +269,7 @@ def alltoall(eng, sendbuf, out=None, sync: str = "strong"):
     else:
         eng.run(plan, [x], None, [recv], direct, relaxed)
         if eng.backend == "host":
-            recv = _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None)
+            recv = _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, pool)
     return recv
 
 
@@ -324,8 +320,9 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
             plan = plans[mode]
             if plan is None:  # (remembered with the counts: a repeated call builds no plan key)
                 plan = plans[mode] = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, mode)
+            pool = None
             if out is None:
-                recv = eng.xp.empty(shape, dtype=x.dtype)
+                recv, pool = _full_output(eng, shape, x, sendbuf, relaxed)
             else:
                 eng.check_live(op, "out", out)
                 recv = check_out(op, out, eng.backend, shape, x.dtype, inputs=(x,))
@@ -336,9 +333,9 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         key = (_counts_key(send_counts_arg), _counts_key(recv_counts_arg)) if eng.backend == "host" else (None,)
         if key[0] is None or key[-1] is None:
             eng.repeat.pop(op, None)
+            recv = _unpooled(recv, pool)
         else:
-            recv = _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, out is None,
-                             key[0] + key[1] + (recv_counts,))
+            recv = _remember(eng, op, sendbuf, x, recv, plan, direct, relaxed, pool, key[0] + key[1] + (recv_counts,))
         return recv, recv_counts.copy()
     with eng.call(op, notify=True):
         relaxed = False if sync == "strong" else check_sync(op, sync)
@@ -375,14 +372,15 @@ def alltoallv(eng, sendbuf, send_counts, recv_counts=None, recv_capacity=None, o
         recv_counts = _checked(eng, ("recv", got_bytes),
                                lambda: check_counts(op, "recv_counts (from the count exchange)", got.copy(), W))
         shape = (int(recv_counts.sum()),) + tuple(x.shape[1:])
-        recv = eng.xp.empty(shape, dtype=x.dtype)
+        recv, pool = _full_output(eng, shape, x, sendbuf, relaxed)
         plan = eng.plans.get(op, sig, [part_width(x)], False, send_counts, recv_counts, direct is not None)
         eng.run(plan, [x], None, [recv], direct, relaxed)
         key = _counts_key(counts_arg) if eng.backend == "host" else None
         if key is None:
             eng.repeat.pop(_NOTIFIED, None)
+            recv = _unpooled(recv, pool)
         else:
-            recv = _remember(eng, _NOTIFIED, sendbuf, x, recv, plan, direct, relaxed, True,
+            recv = _remember(eng, _NOTIFIED, sendbuf, x, recv, plan, direct, relaxed, pool,
                              key + (send_counts, sig, got_bytes, recv_counts))
     return recv, recv_counts.copy()
 

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..common import backend as _compat
+from ..common.address import address_range
 from ..common.checks import as_array, type_name
 from .alltoall import alltoall as _alltoall, alltoallv_displaced
 
@@ -310,11 +311,6 @@ def message_block(op: str, name: str, spec, world_size: int, backend: str, *, wr
     return Message(flat, dt, counts, displ + np.arange(W, dtype=np.int64) * count)
 
 
-def _address_range(a, backend: str):
-    lo = a.data.ptr if backend == "cuda" else a.__array_interface__["data"][0]
-    return lo, lo + a.nbytes
-
-
 def _check_pair(op: str, snd: Message, rcv: Message, rank: int, backend: str) -> None:
     """What one rank can check of a send and receive spec together: the same datatype (the self block must match),
     the self block's counts, no shared memory."""
@@ -325,8 +321,8 @@ def _check_pair(op: str, snd: Message, rcv: Message, rank: int, backend: str) ->
         raise ValueError(f"{op}: argument 'recvbuf' expects {rcv.counts[rank]} elements from this rank ({rank}) but "
                          f"'sendbuf' sends it {snd.counts[rank]}; the counts of a rank's block to itself must agree")
     if snd.flat.size and rcv.flat.size:
-        slo, shi = _address_range(snd.flat, backend)
-        rlo, rhi = _address_range(rcv.flat, backend)
+        slo, shi = address_range(snd.flat)
+        rlo, rhi = address_range(rcv.flat)
         if slo < rhi and rlo < shi:
             raise ValueError(f"{op}: argument 'recvbuf' shares memory with 'sendbuf' (MPI forbids the aliasing; "
                              f"MPI.IN_PLACE is not supported): pass separate buffers")

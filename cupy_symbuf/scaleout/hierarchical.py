@@ -42,6 +42,7 @@ import numpy as np
 from ..transport import agree as _agree
 from ..transport.bootstrap import as_bootstrap
 from ..common import backend as _compat
+from ..common.address import address_of
 from ..common import dtypes as _dt
 from ..common.checks import check_array
 from ..moe import checks as _moe_checks
@@ -75,11 +76,6 @@ def _told(op: str):
                 raise
         return "SymBufferRejectedError naming this rank"
     return reject
-
-
-def _address(a) -> int:
-    """The data address of a NumPy or CuPy array."""
-    return int(a.data.ptr) if hasattr(a.data, "ptr") else int(a.__array_interface__["data"][0])
 
 
 def node_size_from_env() -> Optional[int]:
@@ -440,7 +436,7 @@ class HierarchicalCommunicator:
         from cupy.cuda import nccl
         xp = self._xp
         landed = xp.empty(int(rc.sum()), np.uint8)
-        sp, rp = _address(send), _address(landed)
+        sp, rp = address_of(send), address_of(landed)
         stream = _compat.cupy.cuda.get_current_stream().ptr if xp is not np else 0
         nccl.groupStart()
         try:

@@ -15,7 +15,9 @@ import sys
 
 import numpy as np
 
-__all__ = ["Reader", "address_of", "read_into", "supported"]
+from ..common.address import address_of
+
+__all__ = ["Reader", "read_into", "supported"]
 
 
 class _IOVec(ctypes.Structure):
@@ -42,20 +44,6 @@ _readv = _load()
 def supported() -> bool:
     """This process can call ``process_vm_readv`` at all (Linux, libc has it)."""
     return _readv is not None
-
-
-_CHAR, _addressof = ctypes.c_char, ctypes.addressof
-
-
-def address_of(a: np.ndarray) -> int:
-    """The address of the first byte of ``a`` (a C-contiguous NumPy array). For a writeable array of at least one
-    byte that the buffer protocol can describe it is read through a ctypes view of the buffer, a fraction of
-    ``__array_interface__``'s cost (that builds a dict of the array's description: ~1 us hot and several right
-    after a large copy has evicted the caches)."""
-    try:
-        return _addressof(_CHAR.from_buffer(a))
-    except (TypeError, ValueError, BufferError):  # read-only, empty, or a dtype the buffer protocol cannot describe
-        return a.__array_interface__["data"][0]
 
 
 class Reader:

@@ -477,7 +477,10 @@ class CudaTransport:
         if not peers or (last is not None and not last.done):
             return []  # a kernel of this rank is still queued: its call may still be under way (none named)
         base = self.buf.peer_ptrs[me]
-        # per peer: channel-0 tail, receiver state (counter, seq), notify epochs of both parities; then our epoch
+        # per peer: channel-0 tail, receiver state (counter, seq), notify epochs of both parities; then our epoch.
+        # Only the next call's parity ((epoch + 1) & 1) is tested, but the epoch is a device word (advanced by the
+        # notify kernel, graph replays included: the host has no copy of it), read in this same batch of copies:
+        # both parities cost one more 8-byte copy per peer, one parity a second round of copies and synchronize.
         first = np.zeros(5 * len(peers) + 1, np.int64)
         srcs = []
         for p in peers:

@@ -16,10 +16,10 @@ from typing import Optional
 import numpy as np
 
 from ..common import backend as _compat
+from ..common.address import address_of
 from ..wire import protocol as P
 from ..wire.plan import PlanCache, check_bytes, kernel_geometry, part_width
 from ..common.errors import SymBufferError, SymBufferMismatchError, SymBufferRejectedError, mismatch_error
-from . import cma as _cma
 from .status import rejection_text
 
 __all__ = ["Engine", "row_signature"]
@@ -34,13 +34,6 @@ def row_signature(a) -> str:
     and ``'|V8'`` for any 8-byte structured dtype."""
     dt = np.dtype(a.dtype)
     return f"{dt.str}:{dt}{tuple(a.shape[1:])}"
-
-
-def _addr(a) -> int:
-    """Device address of a CuPy array, an address given as an int, or 0 for None."""
-    if a is None:
-        return 0
-    return a if isinstance(a, int) else a.data.ptr
 
 
 class _CallState:
@@ -171,20 +164,27 @@ class Engine:
 
     def _run(self, fn, *args, last: bool = True, **kwargs):
         """Run one transport step (``last``: the call's last one); an exception of any type inside it marks the
-        communicator broken and tells the peers (:meth:`fail`)."""
+        communicator broken and tells the peers (:meth:`_step_failed`)."""
         state = self._state
         if state is not None:
             state.started = True
         try:
             out = fn(*args, **kwargs)
-        except SymBufferRejectedError:
-            raise  # a peer rejected a queued call (synchronize): the rings are in step, the communicator usable
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         if state is not None:
             state.pending = not last
         return out
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """What an exception out of a transport step does (:meth:`_run` and the hot paths that inline it, which call
+        this only once the step raised, so their way through costs nothing more): a peer's rejection of a queued
+        call (:class:`~cupy_symbuf.SymBufferRejectedError`, from ``synchronize`` or a blocking launch: the rings are
+        in step, the communicator usable) nothing; anything else marks the communicator broken and tells the peers
+        (:meth:`fail`). The caller re-raises ``exc``."""
+        if not isinstance(exc, SymBufferRejectedError):
+            self.fail(exc)
 
     def mark_broken(self, why: str) -> None:
         """Mark the communicator unusable (once) with the message ``why``, telling no peer: for an owner above
@@ -327,12 +327,13 @@ class Engine:
         self._epoch += 1
         tr = self.transport
         if layout is not None:  # (eager: echo, no device checks, scale 1)
-            self._run(tr.notify_layout_device, layout, num_values, op, op_code=code, sig=sig, meta=_addr(meta),
-                      bad=_addr(local_reject), sums=_addr(sums), table=_addr(table), capacity=capacity, last=False)
+            self._run(tr.notify_layout_device, layout, num_values, op, op_code=code, sig=sig, meta=address_of(meta),
+                      bad=address_of(local_reject), sums=address_of(sums), table=address_of(table), capacity=capacity,
+                      last=False)
         else:
-            self._run(tr.notify_device, _addr(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
-                      local_reject=_addr(local_reject), echo=not worst, sums=_addr(sums), table=_addr(table),
-                      scale=scale, capacity=capacity, device_checks=worst, last=False)
+            self._run(tr.notify_device, address_of(meta), num_values, op, op_code=code, status=P.HDR_OK, sig=sig,
+                      local_reject=address_of(local_reject), echo=not worst, sums=address_of(sums),
+                      table=address_of(table), scale=scale, capacity=capacity, device_checks=worst, last=False)
         if worst:
             return None
         out = self._run(tr.notify_result, op, num_values, last=False)
@@ -477,10 +478,8 @@ class Engine:
         none), and tells the peers itself when something before this launch fails (:meth:`reject`)."""
         try:
             rejected = self.transport.fire_repeat(rep, ptrs, stream)
-        except SymBufferRejectedError:
-            raise
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         self._count(rep.plan)
         if rejected:
@@ -496,10 +495,8 @@ class Engine:
         :meth:`small_prepare`, on ``stream`` (the current stream); no call state, as :meth:`launch_repeat`."""
         try:
             rejected = self.transport.fire_small(prepared, send_ptr, recv_ptr, stream)
-        except SymBufferRejectedError:
-            raise
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         plan = prepared[0]
         self._count(plan)
@@ -576,7 +573,7 @@ class Engine:
                 found = (P.MODE_DIRECT,) + sym
             elif self.backend == "host" and self.transport.cma_pids is not None and x.flags.c_contiguous and \
                     (mode == "direct" or x.nbytes >= P.CMA_MIN_BYTES * self.world_size):
-                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], _cma.address_of(x))
+                found = (P.MODE_CMA, self.transport.cma_pids[self.rank], address_of(x))
         # copy_engine: the peers pull an alltoall of CE_MIN_BYTES per peer from where this rank's rows would lie
         # in their symmetric array, so a plain sendbuf of that size is refused (told to them) instead
         must = mode == "direct" or (mode == "copy_engine" and op == "alltoall" and self.backend == "cuda" and
@@ -606,25 +603,24 @@ class Engine:
         if rejected:
             self._raise_rejected(plan.op, rejected)
 
-    def prepare(self, plan):
+    def prepare_exchange(self, plan):
         """Host engine: ``plan``'s exchange made ready for :meth:`run_prepared` (the transport's
-        ``prepare``), or None when the transport does not run it that way (see ``HostTransport.prepare``)."""
-        prepare = getattr(self.transport, "prepare", None)
-        return prepare(plan) if prepare is not None and self.backend == "host" else None
+        ``prepare_exchange``), or None when the transport does not run it that way (see
+        ``HostTransport.prepare_exchange``; a device transport has none)."""
+        prepare = getattr(self.transport, "prepare_exchange", None)
+        return prepare(plan) if prepare is not None else None
 
     def run_prepared(self, prep, op: str, x_addr: int, out, out_addr: int) -> None:
-        """Run a prepared call (:meth:`prepare`) of a C-contiguous send part at ``x_addr`` into the C-contiguous
-        ``out`` at ``out_addr`` (the plan's shapes: the caller's contract), as :meth:`run` runs its plan: the
-        same headers, checks, counters and errors."""
+        """Run a prepared call (:meth:`prepare_exchange`) of a C-contiguous send part at ``x_addr`` into the
+        C-contiguous ``out`` at ``out_addr`` (the plan's shapes: the caller's contract), as :meth:`run` runs its plan:
+        the same headers, checks, counters and errors."""
         state = self._state
         if state is not None:
             state.started = True
         try:  # (_run, inline)
             rejected = self.transport.run_prepared(prep, op, x_addr, out, out_addr)
-        except SymBufferRejectedError:
-            raise
         except BaseException as exc:
-            self.fail(exc)
+            self._step_failed(exc)
             raise
         if state is not None:
             state.pending = False
@@ -773,7 +769,7 @@ class Engine:
         the count exchange's values ``meta`` (int64 ``[W]``) and ``bad`` (int64 ``[2]``: 1 when a count is
         negative or the sum differs, then the first negative count's rank or -1), the ``local_reject`` word of
         :meth:`notify_device`. Local, no communication step: a rejection after it is still told to the peers."""
-        self.transport.counts_meta(_addr(counts), num_rows, _addr(meta), _addr(bad))
+        self.transport.counts_meta(address_of(counts), num_rows, address_of(meta), address_of(bad))
 
 
 SYNC_MODES = ("strong", "relaxed")

@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from ..common.address import address_of
 from . import cma as _cma
 from .base import Transport, implements
 from . import trace as _trace
@@ -512,7 +513,7 @@ class HostTransport:
         dst = int(plan.recv_first[r.p])
         if mode == P.MODE_CMA:
             nbytes = recv.flat.nbytes
-            self._pull_cma(op, r, where, base, _cma.address_of(recv.flat) + dst if n and dst + n <= nbytes else 0,
+            self._pull_cma(op, r, where, base, address_of(recv.flat) + dst if n and dst + n <= nbytes else 0,
                            n, dst, nbytes)
             return n
         alloc = self.heap.by_id(where) if self.heap is not None else None
@@ -558,7 +559,7 @@ class HostTransport:
             f"raise SymBufferAbortedError).")
 
     # ---- prepared calls: a call shape's exchange with its per-call set-up made once ------------------------
-    def prepare(self, plan):
+    def prepare_exchange(self, plan):
         """A :class:`Prepared` exchange of ``plan`` for :meth:`run_prepared`, or None when the plan is not one it
         runs: a byte run (one part, rows in order, C-contiguous on both sides), not rejected, more than one rank,
         direct only by cross-memory attach, every send run one ring slot (direct, or a run in its header's slot,
@@ -575,10 +576,10 @@ class HostTransport:
         return Prepared(self, plan, statics)
 
     def run_prepared(self, prep: "Prepared", op: str, x_addr: int, out, out_addr: int) -> list:
-        """One call of ``prep`` (:meth:`prepare`): the same protocol, headers and checks as :meth:`exchange_rows`
-        for a C-contiguous send part at ``x_addr`` and the C-contiguous output ``out`` at ``out_addr`` (the
-        shapes of the plan: the caller's contract), with the per-call set-up of the plan made once. Returns the
-        ranks that rejected the call; raises as :meth:`exchange_rows`."""
+        """One call of ``prep`` (:meth:`prepare_exchange`): the same protocol, headers and checks as
+        :meth:`exchange_rows` for a C-contiguous send part at ``x_addr`` and the C-contiguous output ``out`` at
+        ``out_addr`` (the shapes of the plan: the caller's contract), with the per-call set-up of the plan made once.
+        Returns the ranks that rejected the call; raises as :meth:`exchange_rows`."""
         if prep.abort.value or self._pending:
             if prep.abort.value:
                 me = self.rank
@@ -1027,7 +1028,7 @@ _memmove = ctypes.memmove
 
 
 class Prepared:
-    """A plan's exchange made ready for :meth:`HostTransport.run_prepared` (:meth:`HostTransport.prepare`): per
+    """A plan's exchange made ready for :meth:`HostTransport.run_prepared` (:meth:`HostTransport.prepare_exchange`): per
     send run its state line, the peer's head and tail as ctypes words, its header slots, its own header template
     (mode and pid set once for cross-memory attach), the byte offset and length of its rows in the send part and its
     slots' payload addresses; per channel-0 receive run its words, slots, the units and pid its peer's header must
@@ -1050,12 +1051,12 @@ class Prepared:
                 tmpl[P.HDR_MODE], tmpl[P.HDR_DIRECT_ALLOC] = P.MODE_CMA, tr.cma_pids[me]
             n = 0 if self.cma else x.hi - x.lo
             self.sends.append((x, _words(x.state, 2), _words(x.counter), _words(x.remote), [s[1] for s in x.slots],
-                               tmpl, int(plan.send_first[x.p]) + x.lo, n, [_cma.address_of(s[2]) for s in x.slots]))
+                               tmpl, int(plan.send_first[x.p]) + x.lo, n, [address_of(s[2]) for s in x.slots]))
         self.recvs = []
         for r in statics[1]:
             units = int(plan.recv_units[r.p])
             self.recvs.append((r, _words(r.state, 2), _words(r.counter), _words(r.remote), [s[1] for s in r.slots],
-                               [_cma.address_of(s[2]) for s in r.slots], units,
+                               [address_of(s[2]) for s in r.slots], units,
                                tr.cma_pids[r.p] if tr.cma_pids else -1, int(plan.recv_first[r.p])))
         self.n_self = int(plan.send_units[me])
         self.s_self, self.r_self = int(plan.send_first[me]), int(plan.recv_first[me])

@@ -39,6 +39,7 @@ from typing import Optional
 import numpy as np
 
 from ..common import backend as _compat
+from ..common.address import address_of
 from ..common.log import logger
 from ..wire import protocol as P
 from .symbuffer import SymBuffer
@@ -173,7 +174,7 @@ class SymmetricAllocation:
         self.array = array  # held while live (None once freed: then only token_ref says whether views remain)
         self.root = _token(array)
         self.token_ref = weakref.ref(self.root)
-        self.base = _address(array)
+        self.base = address_of(array)
 
     @property
     def buffer(self) -> SymBuffer:
@@ -195,13 +196,6 @@ class SymmetricAllocation:
     def __repr__(self) -> str:
         return (f"SymmetricAllocation(id={self.id}, shape={self.shape}, dtype={self.dtype}, nbytes={self.nbytes}, "
                 f"segment={self.segment.id}, offset={self.offset})")
-
-
-def _address(a) -> int:
-    """Address of the first byte of ``a`` (NumPy: the data pointer; CuPy: ``data.ptr``)."""
-    if isinstance(a, np.ndarray):
-        return a.__array_interface__["data"][0]
-    return int(a.data.ptr)
 
 
 def _root(a):
@@ -559,7 +553,7 @@ class SymmetricHeap:
         token = _token(a)
         alloc = self._live.get(id(token))
         if alloc is not None and token is alloc.root:
-            start = _address(a)
+            start = address_of(a)
             if a.nbytes == 0 or alloc.base <= start < alloc.base + alloc.nbytes:
                 return alloc
         return None
@@ -573,7 +567,7 @@ class SymmetricHeap:
         alloc = self._owning(a)
         if alloc is None:
             return None
-        off = _address(a) - alloc.base
+        off = address_of(a) - alloc.base
         if off + a.nbytes > alloc.nbytes:
             return None
         return alloc.segment, alloc.offset + off
