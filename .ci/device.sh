@@ -39,6 +39,8 @@
 #                   Communicator forced staged (CUPY_SYMBUF_TRANSPORT=staged)
 #   trace           tests/device/channel_trace.py at 4 ranks: the skewed trace run, static and work-sharing
 #                   builds (diagnostics PNGs and report, the cost of tracing)
+#   timeline        tests/device/call_timeline.py at 2 ranks: the small calls' kernels and ring events on the GPU
+#                   clock (stamps before every launch, the trace build), loop times by num_sms (8, 24, 48, 96)
 #   soak            examples/soak.py --backend cuda, 10,000 iterations at SOAK_RANKS (default 2 4)
 #   examples        every example at 2 ranks (mpirun; torch_moe_layer.py runs in the torchrun stage)
 #   torchrun        torchrun jobs, no MPI, 2 ranks on GPU 0 (MPS), gloo groups: examples/torch_moe_layer.py and
@@ -201,7 +203,7 @@ compare() {
   return 0
 }
 
-STAGE_NAMES="suite1 files1 files2 files4 parts1 parts2 parts4 multi cvd faults ll small small-wrap small-profile small-bench deepep torchrun adaptive hier staged trace soak examples sanitize info sass bench control latency moe
+STAGE_NAMES="suite1 files1 files2 files4 parts1 parts2 parts4 multi cvd faults ll small small-wrap small-profile small-bench deepep torchrun adaptive hier staged trace timeline soak examples sanitize info sass bench control latency moe
 alltoallv fp8 bench-adaptive bench-hier bench-staged tune profile ep8 compare"
 STAGE_NAMES=$(echo $STAGE_NAMES)
 STAGES=${*:-gpu}
@@ -343,6 +345,9 @@ while [ $# -gt 0 ]; do
       run staged2 90 $MPIRUN -n 2 $GPU0 $CUDA_ONLY $PYTEST -x tests/test_staged.py
       TAIL=8 run staged_core2 240 $MPIRUN -n 2 $GPU0 $CUDA_ONLY -x CUPY_SYMBUF_TRANSPORT=staged $PYTEST \
         tests/test_alltoall.py tests/test_symmetric.py tests/test_moe.py tests/test_low_latency.py ;;
+    timeline)
+      mps_on
+      TAIL=200 run timeline2 120 $MPIRUN -n 2 $GPU0 python3 tests/device/call_timeline.py ;;
     trace)
       mps_on
       TAIL=30 run trace4 150 $MPIRUN -n 4 $GPU0 -x TRACE_DIR=$LOGDIR/trace python3 tests/device/channel_trace.py
