@@ -254,9 +254,11 @@ def test_host_pool_counts_the_base_of_its_arrays():
 
 @pytest.mark.parametrize("op", ["alltoall", "alltoallv", "alltoallv count exchange"])
 def test_changes_to_a_dropped_output_never_reach_the_next_one(comm, monkeypatch, op):
-    """A caller may change the array object it got (shape, dtype, the writeable flag; resize) and drop it: the next
-    call's output of that shape still has the call's shape, dtype and a writeable buffer, and NumPy's rows (the pool
-    hands out views of its arrays; a resize of one is NumPy's own error, never a write into freed memory)."""
+    """A caller may change the array object it got (shape, dtype, the writeable flag; resize), or the array it is a
+    view of (``y.base``: shape, dtype, the writeable flag), and drop it: the next call's output of that shape still has
+    the call's shape, dtype and a writeable buffer, and NumPy's rows (the pool hands out views of its arrays, which
+    are views of owners it never hands out; a resize of one is NumPy's own error, never a write into freed
+    memory)."""
     c = _comm(comm, "default", monkeypatch)
     W = comm.size
     counts = np.full(W, 3, np.int64)
@@ -278,20 +280,24 @@ def test_changes_to_a_dropped_output_never_reach_the_next_one(comm, monkeypatch,
 def _change_and_drop(comm, op, call, rng, counts):
     """The body of test_changes_to_a_dropped_output_never_reach_the_next_one (``call`` runs ``op``)."""
     W = comm.size
-    for change in ["shape", "dtype", "readonly", "resize", "none"]:
+    for change in ["shape", "dtype", "readonly", "resize", "base shape", "base dtype", "base readonly", "none"]:
         for _ in range(3):  # the full path's output, then the repeat path's
             x = random_rows(rng, 3 * W, (8,), np.float32)
             want, _ = reference_alltoallv(comm, x, counts)
             y = call(x.reshape(W, 3, 8) if op == "alltoall" else x)
             np.testing.assert_array_equal(y.reshape(want.shape), want)
             shape, dtype = y.shape, y.dtype
-            if change == "shape":
+            what = change
+            if change.startswith("base "):  # the array the output is a view of (itself where it is no view)
+                y = y if y.base is None else y.base
+                what = change[5:]
+            if what == "shape":
                 y.shape = (-1,)
-            elif change == "dtype":
+            elif what == "dtype":
                 y.dtype = np.uint8
-            elif change == "readonly":
+            elif what == "readonly":
                 y.flags.writeable = False
-            elif change == "resize":  # a pooled output is a view (NumPy refuses); an unpooled one is the caller's
+            elif what == "resize":  # a pooled output is a view (NumPy refuses); an unpooled one is the caller's
                 try:
                     y.resize((6 * W, 8), refcheck=False)
                 except ValueError:

@@ -77,8 +77,11 @@ class _HostRecord:
 
 
 def _output_pool(shape: tuple, dtype) -> OutputPool:
-    """A host record's pool of outputs of ``shape`` and ``dtype`` (NumPy)."""
-    return OutputPool(lambda: (np.empty(shape, dtype=dtype),), host=True)
+    """A host record's pool of outputs of ``shape`` and ``dtype`` (NumPy). Each pooled array is a view of a new
+    array, which the caller's views refer to as their ``base`` (NumPy makes a view of a view a view of the owner):
+    what the caller changes in that owner (``y.base.shape``, ``dtype``, the writeable flag) never reaches the pooled
+    view that later calls hand out views of, and the pool counts the owner (``host=True``)."""
+    return OutputPool(lambda: (np.empty(shape, dtype=dtype).view(),), host=True)
 
 
 def _full_output(eng, shape: tuple, x, sendbuf, relaxed: bool):
@@ -138,8 +141,8 @@ def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pool,
     the rings or by cross-memory attach, ``sync="strong"``), else drop the op's record. ``recv``: the call's
     output; ``pool``: the pool it is a view from (:func:`_full_output`), or None. Returns the output to hand the
     caller: ``recv`` (a view of a pooled array, so what the caller changes in the array object it got, its shape,
-    dtype, flags or a ``resize``, never reaches the pool's array), or the pool's array itself when no record keeps
-    the pool (:func:`_unpooled`)."""
+    dtype, flags or a ``resize``, or in its ``base``, never reaches the pool's array: :func:`_output_pool`), or the
+    array the pool's array is a view of when no record keeps the pool (:func:`_unpooled`)."""
     repeat = eng.repeat
     if eng.backend != "host":
         return recv
@@ -155,8 +158,8 @@ def _remember(eng, op: str, sendbuf, x, recv, plan, direct, relaxed: bool, pool,
 
 
 def _unpooled(recv, pool):
-    """The full path's output to hand the caller when no record keeps ``pool`` (:func:`_full_output`): the pool's
-    array itself (the caller's alone, as a new array), or ``recv`` when it came from no pool."""
+    """The full path's output to hand the caller when no record keeps ``pool`` (:func:`_full_output`): the array
+    the pool's array is a view of (the caller's alone, as a new array), or ``recv`` when it came from no pool."""
     return recv if pool is None else recv.base
 
 

@@ -15,7 +15,10 @@ when it alone held the set. CuPy: of each array (a view holds its base array: ``
 it). NumPy: of each array and, when it is a view, of its base (NumPy's ``ndarray.data`` is a new memoryview at each
 access, which counts nothing; every view, memoryview, ctypes object, ``np.frombuffer`` array or DLPack consumer made
 from an array holds it or its base). The caller always gets views of the pool's arrays, so what it changes in the
-array objects it got (their shape, dtype, a flag; NumPy refuses to ``resize`` a view) never reaches the pool. A bare
+array objects it got (their shape, dtype, a flag; NumPy refuses to ``resize`` a view) never reaches the pool; a view's
+``base`` is the pool's array itself unless that is a view (NumPy and CuPy make a view of a view a view of the
+owner), so a host pool's ``make`` returns views of new arrays: then ``y.base`` is an owner the pool never hands
+out views of, and what the caller changes in it does not reach the pool either. A bare
 integer address kept by the caller (``a.data.ptr``, ``a.ctypes.data``) is not a reference: the memory behind it is
 reused, as it would be by the allocator once the array is dropped.
 """
