@@ -358,6 +358,30 @@ def test_changes_to_a_dropped_output_never_reach_the_next_one(stub):
     assert z.data.ptr == p and z.shape == (2, 256) and z.dtype == np.float32
 
 
+@pytest.mark.parametrize("flat", [True, False])
+def test_changes_to_a_dropped_outputs_base_never_reach_the_next_one(stub, flat):
+    """A caller that reshapes the array its output is a view of (``y.base.shape = ...``; CuPy allows no other change
+    in place) and drops the output gets the call's shape from the next call over the same memory, on every fast
+    path (alltoall, cached dispatch, combine with weights: two outputs). Failed before (a new user's attack): the
+    next output came back with the changed shape."""
+    eng, launches, stream, fast = stub
+    h = S.handle(eng, num_tokens=8, hidden=32, num_topk=2)
+    x = cupy.empty((h.num_recv_tokens, 32), np.float32)
+    w = cupy.empty((h.num_recv_tokens, 2), np.float32)
+    xs = cupy.empty((8, 32), np.float32)
+    a = cupy.empty((2, 256), np.float32)
+    for fn in (lambda: (_a2a.alltoall(eng, a),), lambda: normal.dispatch(eng, xs, handle=h)[:1],
+               lambda: normal.combine(eng, x, h, w)):
+        fn(), fn()
+        ys = fn()
+        want = [(y.data.ptr, y.shape, y.dtype) for y in ys]
+        for y in ys:
+            y.base.shape = (y.size,) if flat else (y.size // 2, 2)
+        del ys, y
+        got = fn()
+        assert [(z.data.ptr, z.shape, z.dtype) for z in got] == want
+
+
 def _ptr(held) -> int:
     """Where the output ``held`` (or its view, memory pointer or allocation) starts."""
     if isinstance(held, cupy.ndarray):

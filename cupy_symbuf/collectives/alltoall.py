@@ -77,11 +77,9 @@ class _HostRecord:
 
 
 def _output_pool(shape: tuple, dtype) -> OutputPool:
-    """A host record's pool of outputs of ``shape`` and ``dtype`` (NumPy). Each pooled array is a view of a new
-    array, which the caller's views refer to as their ``base`` (NumPy makes a view of a view a view of the owner):
-    what the caller changes in that owner (``y.base.shape``, ``dtype``, the writeable flag) never reaches the pooled
-    view that later calls hand out views of, and the pool counts the owner (``host=True``)."""
-    return OutputPool(lambda: (np.empty(shape, dtype=dtype).view(),), host=True)
+    """A host record's pool of outputs of ``shape`` and ``dtype`` (NumPy; the pool keeps views of the arrays made
+    here, which the caller's views refer to as their ``base``: see transport/outputs.py)."""
+    return OutputPool(lambda: (np.empty(shape, dtype=dtype),), host=True)
 
 
 def _full_output(eng, shape: tuple, x, sendbuf, relaxed: bool):

@@ -15,10 +15,11 @@ when it alone held the set. CuPy: of each array (a view holds its base array: ``
 it). NumPy: of each array and, when it is a view, of its base (NumPy's ``ndarray.data`` is a new memoryview at each
 access, which counts nothing; every view, memoryview, ctypes object, ``np.frombuffer`` array or DLPack consumer made
 from an array holds it or its base). The caller always gets views of the pool's arrays, so what it changes in the
-array objects it got (their shape, dtype, a flag; NumPy refuses to ``resize`` a view) never reaches the pool; a view's
-``base`` is the pool's array itself unless that is a view (NumPy and CuPy make a view of a view a view of the
-owner), so a host pool's ``make`` returns views of new arrays: then ``y.base`` is an owner the pool never hands
-out views of, and what the caller changes in it does not reach the pool either. A bare
+array objects it got (their shape, dtype, a flag; NumPy refuses to ``resize`` a view) never reaches the pool; and the
+pool keeps views of the arrays ``make()`` returns, never those arrays themselves (NumPy and CuPy make a view of a
+view a view of the owner), so the ``base`` of what the caller got is an owner the pool never hands out views of:
+what the caller changes in it (``y.base.shape``, ``dtype``, the writeable flag) does not reach the pool either, and
+the pool counts the owners too (holding only ``y.base`` holds the memory). A bare
 integer address kept by the caller (``a.data.ptr``, ``a.ctypes.data``) is not a reference: the memory behind it is
 reused, as it would be by the allocator once the array is dropped.
 """
@@ -34,17 +35,18 @@ _refs = sys.getrefcount
 
 
 def _held(arrays: list) -> tuple:
-    """CuPy: the reference counts that say whether anything outside the pool holds ``arrays`` (see the module doc);
-    the pool compares them with those it counted, in this same function, when it alone held the set."""
+    """CuPy: the reference counts that say whether anything outside the pool holds ``arrays`` (see the module doc):
+    of each array, of the owner it is a view of, of its memory pointer and of the allocation; the pool compares
+    them with those it counted, in this same function, when it alone held the set."""
     if len(arrays) == 1:
         a = arrays[0]
-        return _refs(a), _refs(a.data), _refs(a.data.mem)
+        return _refs(a), _refs(a.base), _refs(a.data), _refs(a.data.mem)
     a, b = arrays
-    return _refs(a), _refs(a.data), _refs(b), _refs(b.data), _refs(a.data.mem)
+    return _refs(a), _refs(a.base), _refs(a.data), _refs(b), _refs(b.base), _refs(b.data), _refs(a.data.mem)
 
 
 def _held_host(arrays: list) -> tuple:
-    """NumPy: :func:`_held`'s counts of each array and, when it is a view, of its base (see the module doc)."""
+    """NumPy: the counts of each array and of its base (the owner it is a view of; see the module doc)."""
     if len(arrays) == 1:
         a = arrays[0]
         base = a.base
@@ -101,7 +103,7 @@ class OutputPool:
     def _new(self, stream_ptr: int) -> list:
         """A new set from ``make()``, its counts taken while only the pool holds it, in place of the oldest set
         when the pool is full."""
-        arrays = list(self._make())
+        arrays = [a.view() for a in self._make()]  # (views of owners never handed out: see the module doc)
         if len(self._sets) >= self._size:
             del self._sets[0]
         s = [stream_ptr, arrays, self._held(arrays), address_of(arrays[0])]
