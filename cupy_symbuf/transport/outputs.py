@@ -49,14 +49,9 @@ def _held_host(arrays: list) -> tuple:
     """NumPy: the counts of each array and of its base (the owner it is a view of; see the module doc)."""
     if len(arrays) == 1:
         a = arrays[0]
-        base = a.base
-        return (_refs(a),) if base is None else (_refs(a), _refs(base))
-    counts = []
-    for a in arrays:
-        counts.append(_refs(a))
-        if a.base is not None:
-            counts.append(_refs(a.base))
-    return tuple(counts)
+        return _refs(a), _refs(a.base)
+    a, b = arrays
+    return _refs(a), _refs(a.base), _refs(b), _refs(b.base)
 
 
 class OutputPool:
