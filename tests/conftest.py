@@ -12,6 +12,8 @@ os.environ.setdefault("CUPY_SYMBUF_ABORT_ON_FAILURE", "0")
 # no file means no table); tests/test_tuning.py points it at its own tables and checks the packaged one.
 os.environ.setdefault("CUPY_SYMBUF_TUNING", os.path.join(os.path.dirname(__file__), "no-tuning-table.json"))
 
+import time  # noqa: E402
+
 import pytest  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
@@ -45,6 +47,34 @@ def backend(request):
 @pytest.fixture
 def comm():
     return MPI.COMM_WORLD
+
+
+@pytest.fixture(autouse=True)
+def _world_fence():
+    """After every test (2+ ranks): the ranks meet, and bootstrap messages left on ``MPI.COMM_WORLD`` are taken
+    off and make the test that left them an error (a test that needs a timed-out exchange makes it on a
+    ``scratch_comm``). Without the fence one rank's failure (it skipped the test's later collective steps) or
+    one stale message put every later test on every rank out of step, and the log showed the cascade, not its
+    origin."""
+    yield
+    world = MPI.COMM_WORLD
+    if world.size == 1:
+        return
+    from cupy_symbuf.transport.bootstrap import TAG
+    world.Barrier()
+    time.sleep(0.002)  # a message sent just before a peer's Barrier may still be on its way
+    left = []
+    status = MPI.Status()
+    while True:
+        msg = world.improbe(source=MPI.ANY_SOURCE, tag=TAG, status=status)
+        if msg is None:
+            break
+        m = msg.recv()
+        left.append((status.Get_source(),) + tuple(m[:2]))
+    world.Barrier()
+    if left:
+        pytest.fail(f"rank {world.rank}: the test left {len(left)} cupy_symbuf bootstrap message(s) on "
+                    f"MPI.COMM_WORLD (source rank, kind, step): {left}", pytrace=False)
 
 
 def _gpu_for_rank():
