@@ -409,7 +409,8 @@ def test_debug_switch_reports_ring_invariant(comm, monkeypatch):
         c.alltoall(x)  # fine with the checks on
         comm.Barrier()
         if comm.rank == 0:  # our head line for (channel 0, peer 1): what rank 1 consumed; now far past our tail
-            c.buffer.host_view(0)[c.layout.head_offset(0, 1): c.layout.head_offset(0, 1) + 8].view(np.uint64)[0] = 10 ** 6
+            head = c.layout.head_offset(0, 1)
+            c.buffer.host_view(0)[head: head + 8].view(np.uint64)[0] = 10 ** 6
         comm.Barrier()
         with pytest.raises(cs.SymBufferError) as info:
             c.alltoall(x)

@@ -35,7 +35,8 @@ def test_trace_and_diagnostics_name_the_hot_rank(comm, backend):
         st = c.stats()
         with checks.local("this rank's trace agrees with stats()"):
             assert rec.dtype == _trace.TRACE_DTYPE and len(rec) > 0 and (rec["t1"] >= rec["t0"]).all()
-            assert set(np.unique(rec["op"]).tolist()) <= {cs.wire.protocol.OPS["alltoall"], cs.wire.protocol.OPS["alltoallv"]}
+            assert set(np.unique(rec["op"]).tolist()) <= {cs.wire.protocol.OPS["alltoall"],
+                                                          cs.wire.protocol.OPS["alltoallv"]}
             assert (rec["channel"] >= 0).all() or backend == "host"  # host IDLE records have no channel
             if W > 1:  # every peer's run is seen, in both directions
                 assert set(rec[rec["kind"] == _trace.SEND]["peer"].tolist()) == set(range(W)) - {me}
