@@ -1,4 +1,6 @@
 """Helpers for tests: move arrays between NumPy and the backend, poison outputs, build references."""
+import contextlib
+
 import numpy as np
 
 
@@ -68,6 +70,38 @@ def all_ranks(check) -> None:
     errs = [e for e in world.allgather(err) if e]
     if errs:
         pytest.fail("\n".join(errs), pytrace=False)
+
+
+class RankChecks:
+    """Rank-local checks of a test that makes collective steps after them (a timing bound, a local count, a warning
+    the garbage collector raises, an error that depends on which rank was slow). A check that fails is kept, not
+    raised, so this rank still makes every later collective step with the others; :meth:`gather` (a collective
+    step itself, on every rank of ``MPI.COMM_WORLD`` after the test's last step) then fails the test on every rank,
+    naming each rank and what failed there::
+
+        checks = RankChecks()
+        with checks.local("close() bounded"):
+            assert took < bound, took
+        comm.Barrier()  # made on every rank, whatever failed above
+        checks.gather()
+
+    A ``local`` block must hold no collective step: a failure skips the rest of the block."""
+
+    def __init__(self):
+        self.failures = []
+
+    @contextlib.contextmanager
+    def local(self, what: str):
+        import pytest
+        try:
+            yield
+        except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported on every rank by gather()
+            self.failures.append(f"{what}: {type(e).__name__}: {e}")
+
+    def gather(self) -> None:
+        import pytest
+        failures = self.failures
+        all_ranks(lambda: not failures or pytest.fail("; ".join(failures), pytrace=False))
 
 
 class SymmetricSend:

@@ -23,7 +23,7 @@ from mpi4py import MPI
 import cupy_symbuf as cs
 from cupy_symbuf.hierarchical import HierarchicalCommunicator
 from cupy_symbuf.low_latency import LowLatencyBuffer
-from _util import all_ranks, to_backend, to_numpy
+from _util import RankChecks, all_ranks, to_backend, to_numpy
 
 CFG = dict(timeout_s=10.0)
 
@@ -146,27 +146,30 @@ def test_second_thread_is_refused_while_a_call_is_inside(backend, comm, mode):
             worker = threading.Thread(target=work, name=f"worker-{victim}")
             worker.start()
             seen = {}
+            checks = RankChecks()  # the victim's waits are timed: a failure there still lets the peers in
             if me:
-                assert inside.wait(10)
-                # the worker holds the communicator's guard (it set `inside` just before its call)
-                deadline = time.monotonic() + 10
-                while c._guard.owner != worker.ident and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                assert c._guard.owner == worker.ident
-                time.sleep(0.05)
-                end = time.monotonic() + 0.3
-                while time.monotonic() < end:
-                    for name, call in calls.items():
-                        try:
-                            call()
-                            seen[name] = "returned"
-                        except RuntimeError as exc:
-                            seen[name] = str(exc)
+                with checks.local("the worker is inside its call, holding the guard"):
+                    assert inside.wait(10)
+                    # the worker holds the communicator's guard (it set `inside` just before its call)
+                    deadline = time.monotonic() + 10
+                    while c._guard.owner != worker.ident and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    assert c._guard.owner == worker.ident
+                    time.sleep(0.05)
+                    end = time.monotonic() + 0.3
+                    while time.monotonic() < end:
+                        for name, call in calls.items():
+                            try:
+                                call()
+                                seen[name] = "returned"
+                            except RuntimeError as exc:
+                                seen[name] = str(exc)
                 if mode == "waiting_for_a_peer":
                     for r in range(W):
                         if r != victim:
                             comm.send(None, dest=r, tag=771)
             worker.join(30)
+            checks.gather()
 
             def check():
                 assert not worker.is_alive()

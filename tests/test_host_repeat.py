@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cupy_symbuf as cs
-from _util import all_ranks, random_rows, reference_alltoallv, rng_for
+from _util import RankChecks, all_ranks, random_rows, reference_alltoallv, rng_for
 from test_agreement import _every_rank_fails
 
 CFG = dict(chunk_bytes=1 << 16, num_slots=4, timeout_s=20)
@@ -78,15 +78,16 @@ def test_repeat_alltoall_equals_full_path_and_numpy(comm, monkeypatch, kind, row
         x, want = _alltoall_case(comm, 100 + it, 1, row_shape, dtype)
         got = c.alltoall(x)
         out = _poisoned(x.shape, x.dtype)
-        assert c.alltoall(x, out=out) is out
+        returned = c.alltoall(x, out=out)
         c.engine.repeat.clear()  # the full path (makes the record again)
         full = c.alltoall(x)
-        all_ranks(lambda: (np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8)),
+        all_ranks(lambda: (returned is out or pytest.fail("alltoall(out=) did not return out"),
+                           np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8)),
                            np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8)),
                            np.testing.assert_array_equal(full.view(np.uint8), want.view(np.uint8))))
+    c.close()  # before this rank's own count is checked: a count failing on one rank must not skip the close
     if comm.size > 1:  # every call but the full path's (the first, and the one after each clear)
         assert calls[0] == (2 * 5 - 1 if _repeats(kind, x[0].nbytes) else 0), calls
-    c.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -111,11 +112,11 @@ def test_repeat_alltoallv_recv_counts_equals_full_path_and_numpy(comm, monkeypat
         full, _ = c.alltoallv(send, counts, recv_counts=rc)
         all_ranks(lambda: (np.testing.assert_array_equal(out, want), np.testing.assert_array_equal(got2, want),
                            np.testing.assert_array_equal(full, want),
-                           np.testing.assert_array_equal(got_counts, want_counts)))
-        assert got is out
+                           np.testing.assert_array_equal(got_counts, want_counts),
+                           got is out or pytest.fail("alltoallv(out=) did not return out")))
+    c.close()  # before this rank's own count is checked: a count failing on one rank must not skip the close
     if W > 1:
         assert calls[0] == (4 * 2 - 1 if _repeats(kind, int(counts.max()) * 16) else 0), calls
-    c.close()
 
 
 def test_changed_shape_dtype_or_counts_take_the_full_path(comm, monkeypatch):
@@ -136,8 +137,8 @@ def test_changed_shape_dtype_or_counts_take_the_full_path(comm, monkeypatch):
         c.alltoall(x)  # the record of x's shape again
         base = calls[0]
         got = c.alltoall(v)
-        all_ranks(lambda: np.testing.assert_array_equal(got.view(np.uint8), w.view(np.uint8)))
-        assert calls[0] == base, "a changed call took the repeat path"
+        all_ranks(lambda: (np.testing.assert_array_equal(got.view(np.uint8), w.view(np.uint8)),
+                           calls[0] == base or pytest.fail("a changed call took the repeat path")))
     # alltoallv: the counts change value (same sum on this rank), dtype or type
     counts = np.array([4 + (me + j) % 2 for j in range(W)], np.int64)
     send = random_rows(rng_for(comm, 9), int(counts.sum()), (8,), np.uint8)
@@ -147,8 +148,8 @@ def test_changed_shape_dtype_or_counts_take_the_full_path(comm, monkeypatch):
     for sc, r in [(counts.astype(np.int32), rc), (counts, rc.astype(np.int32)), (list(counts), rc), (counts, list(rc))]:
         base = calls[0]
         got, got_rc = c.alltoallv(send, sc, recv_counts=r)
-        all_ranks(lambda: (np.testing.assert_array_equal(got, want), np.testing.assert_array_equal(got_rc, rc)))
-        assert calls[0] == base
+        all_ranks(lambda: (np.testing.assert_array_equal(got, want), np.testing.assert_array_equal(got_rc, rc),
+                           calls[0] == base or pytest.fail("a changed call took the repeat path")))
     if W > 1:  # other values: the rows to rank 0 move one place (the same total on every rank)
         counts2 = counts.copy()
         counts2[0], counts2[-1] = counts2[0] + 1, counts2[-1] - 1
@@ -156,15 +157,16 @@ def test_changed_shape_dtype_or_counts_take_the_full_path(comm, monkeypatch):
         c.alltoallv(send, counts, recv_counts=rc)
         base = calls[0]
         got, _ = c.alltoallv(send, counts2, recv_counts=rc2)
-        all_ranks(lambda: np.testing.assert_array_equal(got, want2))
-        assert calls[0] == base
+        all_ranks(lambda: (np.testing.assert_array_equal(got, want2),
+                           calls[0] == base or pytest.fail("a changed call took the repeat path")))
         c.alltoallv(send, counts2, recv_counts=rc2)
-        assert calls[0] == base + 1  # its shape is the record now
+        repeated = calls[0] - base  # its shape is the record now
         counts2[1] += 0  # in place, same values: still the repeat path
         rc2[0] = rc2[0]
         got, _ = c.alltoallv(send, counts2, recv_counts=rc2)
-        assert calls[0] == base + 2
-        all_ranks(lambda: np.testing.assert_array_equal(got, want2))
+        all_ranks(lambda: (repeated == 1 or pytest.fail(f"{repeated} repeat calls, not 1"),
+                           calls[0] == base + 2 or pytest.fail(f"{calls[0] - base} repeat calls, not 2"),
+                           np.testing.assert_array_equal(got, want2)))
     c.close()
 
 
@@ -180,16 +182,18 @@ def test_pooled_output_not_handed_out_while_held(comm, monkeypatch):
     del y1
     y3 = c.alltoall(xs[3])
     all_ranks(lambda: (np.testing.assert_array_equal(y0, wants[0]), np.testing.assert_array_equal(view, wants[1][1:]),
-                       np.testing.assert_array_equal(y2, wants[2]), np.testing.assert_array_equal(y3, wants[3])))
-    assert not any(np.shares_memory(a, b) for a, b in [(y0, y2), (y0, y3), (view, y2), (view, y3), (y2, y3)])
+                       np.testing.assert_array_equal(y2, wants[2]), np.testing.assert_array_equal(y3, wants[3]),
+                       not any(np.shares_memory(a, b) for a, b in [(y0, y2), (y0, y3), (view, y2), (view, y3),
+                                                                    (y2, y3)]) or pytest.fail("a held output shared")))
     if comm.size > 1:
         del view, y0, y2, y3
         first = c.alltoall(xs[4])
         addr = first.__array_interface__["data"][0]
         del first
         again = c.alltoall(xs[5])  # the dropped output's memory, handed out again
-        assert again.__array_interface__["data"][0] == addr
-        all_ranks(lambda: np.testing.assert_array_equal(again, wants[5]))
+        all_ranks(lambda: (again.__array_interface__["data"][0] == addr or
+                           pytest.fail("the dropped output's memory was not handed out again"),
+                           np.testing.assert_array_equal(again, wants[5])))
     c.close()
 
 
@@ -226,12 +230,14 @@ def test_pooled_output_held_by_any_consumer_is_not_overwritten(comm, monkeypatch
             live[-1] = live[-1].copy() if len(live) < 3 else live[-1]
         got = read(held)
         all_ranks(lambda: [np.testing.assert_array_equal(got.reshape(-1), wants[1].reshape(-1)[-got.size:])] +
-                  [np.testing.assert_array_equal(z, w) for z, w in zip(live, wants[2:5])])
-        assert not np.shares_memory(got, live[-1])
+                  [np.testing.assert_array_equal(z, w) for z, w in zip(live, wants[2:5])] +
+                  [not np.shares_memory(got, live[-1]) or pytest.fail("the held output was written")])
         if comm.size > 1:
-            assert calls[0] == 4
+            repeats = calls[0]
             del held, got, live
-            assert c.alltoall(xs[5]).__array_interface__["data"][0] == addr  # dropped: handed out again
+            again = c.alltoall(xs[5]).__array_interface__["data"][0]  # dropped: handed out again
+            all_ranks(lambda: (repeats == 4 or pytest.fail(f"{repeats} repeat calls, not 4"),
+                               again == addr or pytest.fail("the dropped output's memory was not handed out again")))
     finally:
         c.close()
 
@@ -348,18 +354,19 @@ def test_peer_differs_while_this_rank_repeats(comm, monkeypatch, kind, what):
         np.testing.assert_array_equal(c.alltoall(x), wa)
 
     err = _every_rank_fails(comm, first, second)
+    repeated = calls[0] - before
+    try:  # every rank closes (collective) before its own checks
+        c.close()
+    except cs.SymBufferError:
+        pass
     assert err is not None, f"rank {me} saw no error"
     if me == 0:
-        assert calls[0] == before + 1  # rank 0's call was a repeat call
+        assert repeated == 1, repeated  # rank 0's call was a repeat call
         if isinstance(err, cs.SymBufferAbortedError):  # (more ranks: rank 1 found its dtype differs first)
             assert W > 2 and what == "dtype" and err.aborting_rank == 1, err
         else:
             assert isinstance(err, cs.SymBufferMismatchError) and err.peer == 1, err
             assert ("row count" if what == "counts" else "signature") in err.field, err
-    try:
-        c.close()
-    except cs.SymBufferError:
-        pass
 
 
 @pytest.mark.parametrize("kind", ["plain", "cma"])
@@ -391,23 +398,27 @@ def test_rejection_on_one_rank_while_the_peers_repeat(comm, monkeypatch, kind, o
     send, rc = valid(70)
     valid(71)
     before = calls[0]
+    checks = RankChecks()  # what this rank raised: checked on every rank before the next (collective) calls
     if me == 0:
-        with pytest.raises(ValueError) as info:
-            if op == "alltoall":
-                c.alltoall(send[:W + 1])
-            else:
-                bad = rc.copy()
-                bad[1] = -1
-                c.alltoallv(send, counts, recv_counts=bad)
-        assert not isinstance(info.value, cs.SymBufferRejectedError)
+        with checks.local("rank 0's own rejection"):
+            with pytest.raises(ValueError) as info:
+                if op == "alltoall":
+                    c.alltoall(send[:W + 1])
+                else:
+                    bad = rc.copy()
+                    bad[1] = -1
+                    c.alltoallv(send, counts, recv_counts=bad)
+            assert not isinstance(info.value, cs.SymBufferRejectedError), repr(info.value)
     else:
-        with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected") as info:
-            if op == "alltoall":
-                c.alltoall(send[:W])
-            else:
-                c.alltoallv(send, counts, recv_counts=rc)
-        assert info.value.rejecting_rank == 0
-        assert calls[0] == before + 1  # raised by the repeat path
+        with checks.local("the peers' SymBufferRejectedError, from the repeat path"):
+            with pytest.raises(cs.SymBufferRejectedError, match="rank 0 rejected") as info:
+                if op == "alltoall":
+                    c.alltoall(send[:W])
+                else:
+                    c.alltoallv(send, counts, recv_counts=rc)
+            assert info.value.rejecting_rank == 0, repr(info.value)
+            assert calls[0] == before + 1, calls[0] - before  # raised by the repeat path
+    checks.gather()
     for seed in range(3):
         valid(72 + seed)
     c.close()
@@ -434,7 +445,8 @@ def test_repeat_alltoallv_count_exchange(comm, monkeypatch, kind, rows):
                            np.testing.assert_array_equal(full_counts, want_counts)))
     repeats = _repeats(kind, int(counts.max()) * 16)
     if W > 1:
-        assert calls[0] == (3 if repeats else 0), calls
+        n = calls[0]
+        all_ranks(lambda: n == (3 if repeats else 0) or pytest.fail(f"{n} repeat calls"))
         # the last rank sends one row more to rank 0; rank 0 passes the counts of its record
         send = random_rows(rng_for(comm, 499), int(counts.sum()), (16,), np.uint8)
         sc = counts
@@ -446,9 +458,8 @@ def test_repeat_alltoallv_count_exchange(comm, monkeypatch, kind, rows):
         before = calls[0]
         got, got_counts = c.alltoallv(send, sc)
         all_ranks(lambda: (np.testing.assert_array_equal(got, want),
-                           np.testing.assert_array_equal(got_counts, want_counts)))
-        if me == 0:
-            assert calls[0] == before
+                           np.testing.assert_array_equal(got_counts, want_counts),
+                           me != 0 or calls[0] == before or pytest.fail("rank 0's call took the repeat path")))
     c.close()
 
 
@@ -476,16 +487,16 @@ def test_header_the_repeat_path_does_not_expect_gets_the_full_check(comm, monkey
         np.testing.assert_array_equal(c.alltoall(x), want)
 
     err = _every_rank_fails(comm, first, first)
+    try:  # every rank closes (collective) before its own checks
+        c.close()
+    except cs.SymBufferError:
+        pass
     assert calls[0] >= 1
     if comm.rank == 1:
         assert isinstance(err, cs.SymBufferMismatchError), err
         assert err.peer == 0 and err.channel == 0 and err.field == P.FIELD_NAMES[P.FIELD_RING], err
     else:
         assert isinstance(err, cs.SymBufferAbortedError) and err.aborting_rank == 1, err
-    try:
-        c.close()
-    except cs.SymBufferError:
-        pass
 
 
 def test_symmetric_sendbuf_of_the_record_shape_takes_the_full_path(comm, monkeypatch):
@@ -501,8 +512,8 @@ def test_symmetric_sendbuf_of_the_record_shape_takes_the_full_path(comm, monkeyp
     sym = c.empty(x.shape, x.dtype)
     sym[...] = x
     got = c.alltoall(sym)
-    all_ranks(lambda: np.testing.assert_array_equal(got, want))
-    assert calls[0] == base
+    all_ranks(lambda: (np.testing.assert_array_equal(got, want),
+                       calls[0] == base or pytest.fail("a symmetric sendbuf took the repeat path")))
     c.alltoall(x)
     c.free(sym)
     with pytest.raises(ValueError, match="freed"):
@@ -523,10 +534,11 @@ def test_outputs_past_the_pool_size_are_not_kept(comm, monkeypatch):
         x, want = _alltoall_case(comm, 80 + it, 1, (512,), np.float32)
         got = c.alltoall(x)
         all_ranks(lambda: np.testing.assert_array_equal(got, want))
+    pooled = len(c.engine.repeat["alltoall"].pool) if comm.size > 1 else 0
+    c.close()  # before this rank's own counts are checked
     if comm.size > 1:  # (one rank: no repeat path, nothing to exchange)
-        assert len(c.engine.repeat["alltoall"].pool) == 0
+        assert pooled == 0
         assert calls[0] == 2
-    c.close()
 
 
 @pytest.mark.parametrize("per_peer", [5000, 300000])
@@ -547,6 +559,6 @@ def test_peer_sends_ring_chunks_while_this_rank_repeats(comm, monkeypatch, per_p
             c.engine.repeat.clear()  # (a record holds the mode its shape had: the full path finds the new one)
         got = c.alltoall(x)
         all_ranks(lambda: np.testing.assert_array_equal(got, want))
+    c.close()  # before this rank's own count is checked
     if me == 0:
         assert calls[0] == 3
-    c.close()

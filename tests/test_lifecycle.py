@@ -13,7 +13,7 @@ from cupy_symbuf.transport import agree as _agree
 from cupy_symbuf.transport import lifecycle as _lifecycle
 from cupy_symbuf.transport import symbuffer
 from cupy_symbuf.wire.channel_layout import ChannelLayout
-from _util import to_backend, to_numpy
+from _util import RankChecks, to_backend, to_numpy
 
 
 def _need2(comm):
@@ -171,19 +171,24 @@ def scratch_comm(comm):
 
 def test_peer_that_never_constructs_times_out_naming_it(comm, scratch_comm):
     sub = scratch_comm
+    checks = RankChecks()  # rank 0's checks may fail there only: every rank still makes every step below
     if comm.rank == 0:
-        t0 = time.monotonic()
-        with pytest.raises(cs.SymBufferTimeoutError) as info:
-            cs.Communicator(sub, cs.Config(timeout_s=0.5), backend="host")
-        assert time.monotonic() - t0 < 3.0
-        err = info.value
-        assert err.role == "construction" and err.missing == list(range(1, comm.size))
-        assert "never arrived" in str(err) and f"rank 0: rank{'s' if comm.size > 2 else ''} 1" in str(err)
+        with checks.local("rank 0's construction times out, bounded"):
+            t0 = time.monotonic()
+            with pytest.raises(cs.SymBufferTimeoutError) as info:
+                cs.Communicator(sub, cs.Config(timeout_s=0.5), backend="host")
+            took = time.monotonic() - t0
+            err = info.value
+            assert err.role == "construction" and err.missing == list(range(1, comm.size)), repr(err)
+            assert "never arrived" in str(err) and f"rank 0: rank{'s' if comm.size > 2 else ''} 1" in str(err), err
+            assert took < 5.0, f"the construction raised {took:.1f} s in (timeout_s 0.5)"
     comm.Barrier()
     if comm.rank != 0:  # a late arrival does not go on alone: rank 0 withdrew
-        with pytest.raises(cs.SymBufferTimeoutError, match=r"rank 0 gave up waiting") as info:
-            cs.Communicator(sub, cs.Config(timeout_s=2.0), backend="host")
-        assert info.value.withdrawn and 0 in info.value.missing
+        with checks.local("a late arrival raises rank 0's withdrawal"):
+            with pytest.raises(cs.SymBufferTimeoutError, match=r"rank 0 gave up waiting") as info:
+                cs.Communicator(sub, cs.Config(timeout_s=2.0), backend="host")
+            assert info.value.withdrawn and 0 in info.value.missing, repr(info.value)
+    checks.gather()
 
 
 def test_bounded_barrier_never_splits_when_a_confirm_comes_after_the_deadline(comm, monkeypatch, scratch_comm):
@@ -246,7 +251,8 @@ def test_exception_leaving_with_releases_peers_at_once(comm):
     SymBufferAbortedError naming rank 1 well within 1 s (not after timeout_s), and every rank's close() is clean."""
     _need2(comm)
     comm.Barrier()
-    t_raise = None
+    t_raise = t_left = None
+    checks = RankChecks()  # a peer's checks may fail there only: every rank still reaches the allgather below
     try:
         with cs.Communicator(comm, cs.Config(timeout_s=20), backend="host") as c:
             _check_alltoall(c)
@@ -255,15 +261,16 @@ def test_exception_leaving_with_releases_peers_at_once(comm):
                 time.sleep(0.3)
                 t_raise = time.time()
                 raise KeyError("left on purpose")
-            t0 = time.time()
-            with pytest.raises(cs.SymBufferAbortedError, match=r"aborted by rank 1: an exception left its 'with "
-                                                               r"Communicator' block") as info:
-                c.alltoall(np.zeros((comm.size, 4), np.float32))
-            assert info.value.aborting_rank == 1
+            with checks.local("a peer's call raises rank 1's abort"):
+                with pytest.raises(cs.SymBufferAbortedError, match=r"aborted by rank 1: an exception left its "
+                                                                   r"'with Communicator' block") as info:
+                    c.alltoall(np.zeros((comm.size, 4), np.float32))
+                assert info.value.aborting_rank == 1, repr(info.value)
             t_left = time.time()
     except KeyError:
         assert comm.rank == 1
-    times = comm.allgather((t_raise, t_left if comm.rank != 1 else None))
+    checks.gather()
+    times = comm.allgather((t_raise, t_left))
     raised = times[1][0]
     for r, (_, left) in enumerate(times):
         if r != 1:
@@ -276,6 +283,7 @@ def test_exception_leaving_with_is_seen_by_peers_in_close(comm):
     _need2(comm)
     comm.Barrier()
     before = _lifecycle.live_mpi_objects()
+    outcome = None
     try:
         with cs.Communicator(comm, cs.Config(timeout_s=20), backend="host") as c:
             _check_alltoall(c)
@@ -283,32 +291,46 @@ def test_exception_leaving_with_is_seen_by_peers_in_close(comm):
                 time.sleep(0.5)
                 raise KeyError("left on purpose")
     except KeyError:
-        assert comm.rank == 1
+        outcome = "raised KeyError"
     except cs.SymBufferAbortedError as exc:
-        assert comm.rank != 1 and exc.aborting_rank == 1 and "'with Communicator'" in str(exc)
-    else:
-        pytest.fail("close() returned although rank 1 left by an exception")
-    assert c._closed and _lifecycle.live_mpi_objects() == before  # freed on every rank
+        outcome = exc
+    checks = RankChecks()  # what close() did on this rank, checked on every rank after the last step
+    with checks.local("close()"):
+        if comm.rank == 1:
+            assert outcome == "raised KeyError", outcome
+        else:
+            assert outcome is not None, "close() returned although rank 1 left by an exception"
+            assert outcome.aborting_rank == 1 and "'with Communicator'" in str(outcome), repr(outcome)
+    with checks.local("freed"):
+        assert c._closed and _lifecycle.live_mpi_objects() == before
     comm.Barrier()
+    checks.gather()
 
 
 def test_close_with_a_peer_that_never_closes_is_bounded(comm):
     _need2(comm)
     c = cs.Communicator(comm, cs.Config(timeout_s=0.5), backend="host")
     _check_alltoall(c)
+    checks = RankChecks()  # each rank's checks may fail there only: every rank still makes both Barriers
     if comm.rank == 0:
-        t0 = time.monotonic()
-        with pytest.raises(cs.SymBufferTimeoutError) as info:
-            c.close()
-        assert time.monotonic() - t0 < 3.0
-        assert info.value.role == "close" and info.value.missing == list(range(1, comm.size))
-        c.close()  # idempotent: closed (its buffer left allocated) after the timeout
+        with checks.local("rank 0's close() times out, bounded"):
+            t0 = time.monotonic()
+            with pytest.raises(cs.SymBufferTimeoutError) as info:
+                c.close()
+            took = time.monotonic() - t0
+            assert info.value.role == "close" and info.value.missing == list(range(1, comm.size)), repr(info.value)
+            assert took < 5.0, f"close() raised {took:.1f} s in (timeout_s 0.5)"
+        with checks.local("a second close()"):
+            c.close()  # idempotent: closed (its buffer left allocated) after the timeout
     comm.Barrier()
     if comm.rank != 0:
-        with pytest.raises(cs.SymBufferTimeoutError, match=r"gave up waiting"):
-            c.close()
-    assert c._closed
+        with checks.local("a late close() raises rank 0's withdrawal"):
+            with pytest.raises(cs.SymBufferTimeoutError, match=r"gave up waiting"):
+                c.close()
+    with checks.local("closed"):
+        assert c._closed
     comm.Barrier()
+    checks.gather()
 
 
 def test_closing_a_failed_communicator_ends_the_job_by_default(comm, monkeypatch):
@@ -326,27 +348,33 @@ def test_closing_a_failed_communicator_ends_the_job_by_default(comm, monkeypatch
 
 def test_abort_is_local_and_peers_raise_naming_the_rank(backend, comm):
     c = cs.Communicator(comm, cs.Config(timeout_s=10.0), backend=backend)
+    checks = RankChecks()  # each rank's checks may fail there only: every rank still makes every step
     try:
         _check_alltoall(c)
         comm.Barrier()
         if comm.rank == 0:
             c.abort("test abort")
-            assert "aborted by this rank (rank 0): test abort" in c.describe()
-            with pytest.raises(cs.SymBufferError, match=r"unusable .*aborted by this rank \(rank 0\): test abort"):
-                c.alltoall(to_backend(np.ones((comm.size, 2), np.float32), backend))
+            with checks.local("rank 0 after its abort"):
+                assert "aborted by this rank (rank 0): test abort" in c.describe(), c.describe()
+                with pytest.raises(cs.SymBufferError,
+                                   match=r"unusable .*aborted by this rank \(rank 0\): test abort"):
+                    c.alltoall(to_backend(np.ones((comm.size, 2), np.float32), backend))
         comm.Barrier()
         if comm.rank != 0:
-            t0 = time.monotonic()
-            with pytest.raises(cs.SymBufferError) as info:
-                c.alltoall(to_backend(np.ones((comm.size, 2), np.float32), backend))
-                if backend == "cuda":
-                    c.synchronize()
-            assert time.monotonic() - t0 < 5.0, "peers must leave well before timeout_s"
-            assert isinstance(info.value, cs.SymBufferAbortedError), repr(info.value)
-            assert info.value.aborting_rank == 0 and "rank 0" in str(info.value)
+            with checks.local("a peer's call raises rank 0's abort"):
+                t0 = time.monotonic()
+                with pytest.raises(cs.SymBufferError) as info:
+                    c.alltoall(to_backend(np.ones((comm.size, 2), np.float32), backend))
+                    if backend == "cuda":
+                        c.synchronize()
+                took = time.monotonic() - t0
+                assert isinstance(info.value, cs.SymBufferAbortedError), repr(info.value)
+                assert info.value.aborting_rank == 0 and "rank 0" in str(info.value), repr(info.value)
+                assert took < 5.0, f"the peer raised {took:.1f} s in: it must leave well before timeout_s (10 s)"
     finally:
         comm.Barrier()
         c.close()
+    checks.gather()
 
 
 def test_abort_cause_names_another_rank_and_departing_never_raises():
@@ -389,6 +417,9 @@ def test_rank_that_completed_its_call_closes_at_once_after_a_peer_aborted(comm, 
     c = cs.Communicator(comm, cs.Config(timeout_s=timeout_s), backend="host")
     completed = comm.rank >= 2
     took_close, err = None, None
+    # what each rank sees here may differ by rank (a timing, the error its close() raised): every check is kept
+    # until every rank has made every step, then the ranks fail together, each named
+    checks = RankChecks()
     try:
         _check_alltoall(c)
         # every rank's call has returned before rank 1 aborts (a rank still inside it would raise the abort, as
@@ -397,9 +428,10 @@ def test_rank_that_completed_its_call_closes_at_once_after_a_peer_aborted(comm, 
         if comm.rank == 1:
             c.abort("left on purpose")
         elif comm.rank == 0:
-            with pytest.raises(cs.SymBufferAbortedError) as info:
-                _check_alltoall(c)
-            assert info.value.aborting_rank == 1, info.value
+            with checks.local("rank 0's next call raises rank 1's abort"):
+                with pytest.raises(cs.SymBufferAbortedError) as info:
+                    _check_alltoall(c)
+                assert info.value.aborting_rank == 1, info.value
         if completed != completed_first:
             time.sleep(0.5)
     finally:  # every rank closes, whatever failed above
@@ -409,81 +441,120 @@ def test_rank_that_completed_its_call_closes_at_once_after_a_peer_aborted(comm, 
         except cs.SymBufferError as exc:
             err = exc
         took_close = time.monotonic() - t0
-    assert c._closed
-    if completed:  # its last call returned rows: close() tells it of the abort (after freeing)
-        assert isinstance(err, cs.SymBufferAbortedError) and err.aborting_rank == 1, repr(err)
-    else:  # the abort was raised (rank 0) or made (rank 1) here already
-        assert err is None or isinstance(err, cs.SymBufferAbortedError), repr(err)
+    with checks.local("close()"):
+        assert c._closed
+        if completed:  # its last call returned rows: close() tells it of the abort (after freeing)
+            assert isinstance(err, cs.SymBufferAbortedError) and err.aborting_rank == 1, repr(err)
+        else:  # the abort was raised (rank 0) or made (rank 1) here already
+            assert err is None or isinstance(err, cs.SymBufferAbortedError), repr(err)
     t1 = time.monotonic()
     with cs.Communicator(comm, cs.Config(timeout_s=timeout_s), backend="host") as c2:
         took_construct = time.monotonic() - t1
         _check_alltoall(c2)
-    bound = timeout_s / 4
-    assert took_close < bound and took_construct < bound, (
-        f"rank {comm.rank}: close() took {took_close:.1f} s, the next construction {took_construct:.1f} s "
-        f"(timeout_s {timeout_s:g})")
-    assert _lifecycle.live_mpi_objects() == before
-    comm.Barrier()
+    # a rank that waits out timeout_s takes 20 s; half of it leaves room for a loaded machine
+    bound = timeout_s / 2
+    with checks.local("well under timeout_s"):
+        assert took_close < bound and took_construct < bound, (
+            f"close() took {took_close:.1f} s, the next construction {took_construct:.1f} s "
+            f"(timeout_s {timeout_s:g})")
+    with checks.local("freed"):
+        assert _lifecycle.live_mpi_objects() == before
+    checks.gather()
 
 
 # ---- leaks, re-creation, fork ------------------------------------------------------------------------------
 
 def test_unclosed_communicator_warns_once_and_is_kept_for_exit(comm, monkeypatch):
+    """A communicator dropped open warns (once per process) and is kept in the registry for exit to close. What
+    the garbage collector did is local to each rank: every check is kept until every rank has made every
+    collective step (constructions, closes), and every rank closes exactly the communicators this test made,
+    newest first, whether or not its collector dropped them."""
     from cupy_symbuf import communicator as _communicator
     monkeypatch.setattr(_communicator, "_LEAK_WARNED", [])  # once per process: as if none was dropped yet
+    open_before = [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator)]  # e.g. dropped earlier
+
+    def made_here():  # the communicators this test made, still registered (dropped or open), newest first
+        return [o for o in _lifecycle.open_objects()
+                if isinstance(o, cs.Communicator) and not any(o is b for b in open_before)]
+
+    def dropped():
+        return [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator) and o._dropped]
+
+    checks = RankChecks()
     c = cs.Communicator(comm, backend="host")
-    with pytest.warns(cs.SymBufferLeakWarning, match=r"created at \S*test_lifecycle.py:\d+ was dropped without close"):
-        del c
-        gc.collect()
+    with checks.local("the first drop warns"):
+        with pytest.warns(cs.SymBufferLeakWarning,
+                          match=r"created at \S*test_lifecycle.py:\d+ was dropped without close"):
+            del c
+            gc.collect()
     # kept (strongly) in the registry: exit would close it collectively; here the test closes it
-    kept = [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator) and o._dropped]
-    assert len(kept) == 1 and cs.info()["live_communicators"]["dropped"] == 1
+    with checks.local("one dropped communicator kept"):
+        assert len(dropped()) == 1 and cs.info()["live_communicators"]["dropped"] == 1, \
+            cs.info()["live_communicators"]
     with warnings.catch_warnings(record=True) as seen:  # shown once per process
         warnings.simplefilter("always")
         d = cs.Communicator(comm, backend="host")
         del d
         gc.collect()
-    assert not [w for w in seen if issubclass(w.category, (ResourceWarning, cs.SymBufferLeakWarning))]
-    kept = [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator) and o._dropped]
-    assert len(kept) == 2
-    for o in kept:  # newest first, as exit does
-        o.close()
-    assert cs.info()["live_communicators"]["dropped"] == 0
+    with checks.local("the second drop is silent"):
+        assert not [w for w in seen if issubclass(w.category, (ResourceWarning, cs.SymBufferLeakWarning))], \
+            [str(w.message) for w in seen]
+    with checks.local("two dropped communicators kept"):
+        assert len(dropped()) == 2 and all(o._dropped for o in made_here()), cs.info()["live_communicators"]
+    mine = made_here()
+    with checks.local("this test's two communicators registered"):
+        assert len(mine) == 2, mine
+    while mine:  # newest first, as exit does (collective: every rank closes the same ones)
+        mine.pop(0).close()
+    with checks.local("none dropped left"):
+        assert cs.info()["live_communicators"]["dropped"] == 0, cs.info()["live_communicators"]
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         c = cs.Communicator(comm, backend="host")
         c.close()
         del c
         gc.collect()
-    assert not [w for w in seen if issubclass(w.category, (ResourceWarning, cs.SymBufferLeakWarning))]
+    with checks.local("a closed communicator is silent"):
+        assert not [w for w in seen if issubclass(w.category, (ResourceWarning, cs.SymBufferLeakWarning))], \
+            [str(w.message) for w in seen]
+    checks.gather()
 
 
 def test_unclosed_symbuffer_warns(comm):
     b = cs.SymBuffer(comm, 1024, backend="host")
     win, dup = b._win, b.comm
-    with pytest.warns(ResourceWarning, match=r"unclosed SymBuffer"):
-        del b
-        gc.collect()
+    checks = RankChecks()  # the garbage collector's warning is local: every rank still frees (collectively)
+    with checks.local("an unclosed SymBuffer warns"):
+        with pytest.warns(ResourceWarning, match=r"unclosed SymBuffer"):
+            del b
+            gc.collect()
     comm.Barrier()
     win.Unlock_all()
     win.Free()
     dup.Free()
     _lifecycle.count("win", -1)
     _lifecycle.count("comm", -1)
+    checks.gather()
 
 
 def test_create_close_cycles_do_not_leak_mpi_objects(comm):
     before = _lifecycle.live_mpi_objects()
     open_before = [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator)]  # e.g. dropped earlier
     cfg = cs.Config(num_sms=2, chunk_bytes=1024, num_slots=2)
+    checks = RankChecks()  # the counts are local: every rank makes all 100 cycles, then the ranks fail together
     for i in range(100):
         with cs.Communicator(comm, cfg, backend="host") as c:
             assert c.world_size == comm.size
             if i % 25 == 0:
                 _check_alltoall(c)
-            assert _lifecycle.live_mpi_objects() == {"comm": before["comm"] + 1, "win": before["win"] + 1}
-    assert _lifecycle.live_mpi_objects() == before
-    assert [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator)] == open_before
+            if not checks.failures:
+                with checks.local(f"cycle {i}: one communicator and one window more while open"):
+                    live = _lifecycle.live_mpi_objects()
+                    assert live == {"comm": before["comm"] + 1, "win": before["win"] + 1}, (live, before)
+    with checks.local("none left"):
+        assert _lifecycle.live_mpi_objects() == before
+        assert [o for o in _lifecycle.open_objects() if isinstance(o, cs.Communicator)] == open_before
+    checks.gather()
 
 
 def test_sub_communicator_after_closing_the_world_one(backend, comm):
@@ -500,6 +571,7 @@ def test_sub_communicator_after_closing_the_world_one(backend, comm):
 
 def test_fork_child_leaves_the_parents_communicator_alone(comm):
     c = cs.Communicator(comm, backend="host")
+    checks = RankChecks()  # the child's outcome is local: every rank's parent still makes every step
     try:
         _check_alltoall(c)
         pid = os.fork()
@@ -518,12 +590,14 @@ def test_fork_child_leaves_the_parents_communicator_alone(comm):
             finally:
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        with checks.local("the child's outcome (0: refused naming os.fork())"):
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
         _check_alltoall(c)  # the parent keeps working
         _check_alltoall(c, width=5)
     finally:
         comm.Barrier()
         c.close()
+    checks.gather()
 
 
 def test_atexit_closes_open_communicators_newest_first(comm, monkeypatch):
@@ -547,8 +621,9 @@ def test_close_releases_what_captured_graphs_kept(backend, comm):
     c.engine.graph_keep.append(kept)
     del kept
     gc.collect()
-    assert ref() is not None  # held for replays while the communicator is open
+    held_while_open = ref() is not None  # held for replays while the communicator is open
     _check_alltoall(c)
-    c.close()
+    c.close()  # every rank closes (collective), then checks what the garbage collector left here
+    assert held_while_open, "a captured call's temporary was freed while the communicator was open"
     assert ref() is None, "close() kept a captured call's temporary alive"
     del c

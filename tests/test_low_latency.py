@@ -14,7 +14,7 @@ import zlib
 import numpy as np
 import pytest
 
-from _util import all_ranks  # noqa: E402  (tests/ is on sys.path under pytest)
+from _util import RankChecks, all_ranks  # noqa: E402  (tests/ is on sys.path under pytest)
 
 MPI = pytest.importorskip("mpi4py.MPI")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -418,57 +418,67 @@ def _reject_dispatch(c, ll, bad: int, it: int, how: str = "too_many") -> None:
     """Rank ``bad`` rejects a dispatch (``how``: one token more than N, a KeyboardInterrupt during its checks, or a
     keyword Python cannot bind, ``use_fp9=``);
     it raises its own error, every other rank SymBufferRejectedError naming it (GPU: from synchronize, the
-    call's counts then zero). Collective."""
+    call's counts then zero). Collective: each rank's checks are gathered at the end (a check failing on one rank
+    fails every rank there, so none is left waiting in the caller's next collective step)."""
     N, H, E = ll.N, ll.H, ll.num_experts
     x, i, _ = inputs("full", it, RANK, N, H, E, 4, "bfloat16")
+    checks = RankChecks()
     if RANK == bad:
-        if how == "too_many":
-            x, i = np.zeros((N + 1, H), np.uint16), np.zeros((N + 1, 4), np.int64)
-            with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank") as ei:
+        with checks.local(f"rank {bad}'s own rejection"):
+            if how == "too_many":
+                x, i = np.zeros((N + 1, H), np.uint16), np.zeros((N + 1, 4), np.int64)
+                with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank") as ei:
+                    ll.dispatch(dev(c, x), dev(c, i))
+                assert not isinstance(ei.value, SymBufferRejectedError), repr(ei.value)
+            elif how == "typo":
+                with pytest.raises(TypeError, match="use_fp9.*the peers were told"):
+                    ll.dispatch(dev(c, x), dev(c, i), use_fp9=True)
+            else:
+                def interrupted(*a, **k):
+                    raise KeyboardInterrupt("simulated Ctrl-C during the argument checks")
+                ll._check_topk = interrupted
+                try:
+                    with pytest.raises(KeyboardInterrupt):  # (one token fewer: a new shape, never the GPU hot path)
+                        ll.dispatch(dev(c, x[:-1]), dev(c, i[:-1]))
+                finally:
+                    del ll._check_topk
+    else:
+        with checks.local(f"the peers' SymBufferRejectedError naming rank {bad}"):
+            with pytest.raises(SymBufferRejectedError, match=f"low_latency_dispatch.*rank {bad} rejected") as ei:
                 ll.dispatch(dev(c, x), dev(c, i))
-            assert not isinstance(ei.value, SymBufferRejectedError)
-        elif how == "typo":
-            with pytest.raises(TypeError, match="use_fp9.*the peers were told"):
-                ll.dispatch(dev(c, x), dev(c, i), use_fp9=True)
-        else:
-            def interrupted(*a, **k):
-                raise KeyboardInterrupt("simulated Ctrl-C during the argument checks")
-            ll._check_topk = interrupted
-            try:
-                with pytest.raises(KeyboardInterrupt):  # (one token fewer: a new shape, never the GPU hot path)
-                    ll.dispatch(dev(c, x[:-1]), dev(c, i[:-1]))
-            finally:
-                del ll._check_topk
-        return
-    with pytest.raises(SymBufferRejectedError, match=f"low_latency_dispatch.*rank {bad} rejected") as ei:
-        ll.dispatch(dev(c, x), dev(c, i))
-        if c.backend == "cuda":
-            ll.synchronize()
-    assert ei.value.rejecting_rank == bad and ei.value.rank == RANK
-    if c.backend == "cuda":  # the call took an output set (returned, or raised with Config(blocking=True))
-        cnt = ll._sets[(ll._dispatch_calls - 1) & 1]["recv_count"]
-        assert not host(cnt).any(), "a rejected dispatch leaves zero counts"
+                if c.backend == "cuda":
+                    ll.synchronize()
+            assert ei.value.rejecting_rank == bad and ei.value.rank == RANK, repr(ei.value)
+            if c.backend == "cuda":  # the call took an output set (returned, or raised with Config(blocking=True))
+                cnt = ll._sets[(ll._dispatch_calls - 1) & 1]["recv_count"]
+                assert not host(cnt).any(), "a rejected dispatch leaves zero counts"
+    checks.gather()
 
 
 def _reject_combine(c, ll, bad: int, it: int) -> None:
     """After a valid dispatch, rank ``bad`` passes float64 weights to combine (TypeError); the others raise
-    SymBufferRejectedError naming it (GPU: from synchronize, the call's rows then zero)."""
+    SymBufferRejectedError naming it (GPU: from synchronize, the call's rows then zero). Collective, each rank's
+    checks gathered at the end (as :func:`_reject_dispatch`)."""
     N, H, E, L = ll.N, ll.H, ll.num_experts, ll.L
     x, i, w = inputs("full", it, RANK, N, H, E, 4, "bfloat16")
     _, _, h = ll.dispatch(dev(c, x), dev(c, i))
     y = dev(c, expert_outputs(it, RANK, L, W * N, H, "bfloat16"))
+    checks = RankChecks()
     if RANK == bad:
-        with pytest.raises(TypeError, match="float32"):
-            ll.combine(y, dev(c, i), dev(c, w.astype(np.float64)), h)
-        return
-    with pytest.raises(SymBufferRejectedError, match=f"low_latency_combine.*rank {bad} rejected") as ei:
-        ll.combine(y, dev(c, i), dev(c, w), h)
-        if c.backend == "cuda":
-            ll.synchronize()
-    assert ei.value.rejecting_rank == bad
-    if c.backend == "cuda":
-        out = ll._combine_out[(ll._combine_calls - 1) & 1][: x.shape[0]]
-        assert not host(out).any(), "a rejected combine leaves zero rows"
+        with checks.local(f"rank {bad}'s own rejection"):
+            with pytest.raises(TypeError, match="float32"):
+                ll.combine(y, dev(c, i), dev(c, w.astype(np.float64)), h)
+    else:
+        with checks.local(f"the peers' SymBufferRejectedError naming rank {bad}"):
+            with pytest.raises(SymBufferRejectedError, match=f"low_latency_combine.*rank {bad} rejected") as ei:
+                ll.combine(y, dev(c, i), dev(c, w), h)
+                if c.backend == "cuda":
+                    ll.synchronize()
+            assert ei.value.rejecting_rank == bad, repr(ei.value)
+            if c.backend == "cuda":
+                out = ll._combine_out[(ll._combine_calls - 1) & 1][: x.shape[0]]
+                assert not host(out).any(), "a rejected combine leaves zero rows"
+    checks.gather()
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["queued", "blocking"])
@@ -546,6 +556,7 @@ def test_exception_inside_a_call_aborts_the_peers(comm, kind, exc_type):
                 b.synchronize()
 
         t_fault = 0.0
+        checks = RankChecks()  # what each rank's call raised: gathered once every rank made the allreduce
         WORLD.Barrier()
         if RANK == 0:
             def injected(*a, **k):
@@ -556,13 +567,16 @@ def test_exception_inside_a_call_aborts_the_peers(comm, kind, exc_type):
                 setattr(b._host, f"{kind}_send", injected)
             time.sleep(0.3)
             t_fault = time.time()
-            with pytest.raises(exc_type):
-                call()
+            with checks.local("rank 0's own exception"):
+                with pytest.raises(exc_type):
+                    call()
         else:
-            with pytest.raises(SymBufferAbortedError) as ei:
-                call()
+            with checks.local("the peers' SymBufferAbortedError"):
+                with pytest.raises(SymBufferAbortedError) as ei:
+                    call()
             t_left = time.time()
-        t_fault = WORLD.allreduce(t_fault, op=MPI.MAX)
+        t_fault = WORLD.allreduce(t_fault, op=MPI.MAX)  # made by every rank, whatever it raised
+        checks.gather()
         if RANK != 0:
             assert ei.value.aborting_rank == 0 and "rank 0" in str(ei.value), ei.value
             assert t_left - t_fault < 1.0, f"the peer left {t_left - t_fault:.2f} s after the fault"

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from mpi4py.util import dtlib
 
 import cupy_symbuf as cs
-from _util import all_ranks, rng_for, to_backend, to_numpy
+from _util import RankChecks, all_ranks, rng_for, to_backend, to_numpy
 
 CFG = cs.Config(chunk_bytes=1024, num_slots=2, timeout_s=30)
 POISON = 0x5A
@@ -372,22 +372,27 @@ def test_declared_recv_counts_differ_from_what_the_peer_sends(backend, comm):
     sends = comm.allgather(send)
     want = np.concatenate([sends[s][int(m[s, :me].sum()):][:m[s, me]] for s in range(W)])
     seen = []
-    for _ in range(2):
-        got = to_backend(_poisoned(int(rc.sum()), np.float64), backend)
+    checks = RankChecks()  # this rank's rows: checked on every rank after every rank's calls and close
+    try:
+        for i in range(2):
+            got = to_backend(_poisoned(int(rc.sum()), np.float64), backend)
+            try:
+                c.Alltoallv([to_backend(send, backend), sc, MPI.DOUBLE], [got, rc, MPI.DOUBLE])
+            except cs.SymBufferError as exc:
+                seen.append(exc)
+                break
+            with checks.local(f"call {i} returned rows"):  # only a rank whose declared counts were right
+                np.testing.assert_array_equal(to_numpy(got), want)
+        errors = comm.allgather(type(seen[0]).__name__ if seen else None)
+    finally:  # every rank closes (collective), whatever failed on this rank above
         try:
-            c.Alltoallv([to_backend(send, backend), sc, MPI.DOUBLE], [got, rc, MPI.DOUBLE])
-        except cs.SymBufferError as exc:
-            seen.append(exc)
-            break
-        np.testing.assert_array_equal(to_numpy(got), want)  # only a rank whose declared counts were right
-    errors = comm.allgather(type(seen[0]).__name__ if seen else None)
+            c.close()
+        except cs.SymBufferError:
+            pass
+    checks.gather()
     assert all(errors), errors
     if me == 0:
         assert isinstance(seen[0], cs.SymBufferMismatchError), seen[0]
-    try:
-        c.close()
-    except cs.SymBufferError:
-        pass
 
 
 def test_no_mpi_shaped_call_on_a_closed_communicator(backend, comm):

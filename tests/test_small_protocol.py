@@ -14,7 +14,7 @@ import pytest
 import cupy_symbuf as cs
 from cupy_symbuf.wire import protocol as P
 from cupy_symbuf.wire.channel_layout import ChannelLayout
-from _util import all_ranks, random_rows, rng_for, to_backend, to_numpy
+from _util import RankChecks, all_ranks, random_rows, rng_for, to_backend, to_numpy
 
 #: Payload bytes per peer the tests' communicators send by the small protocol (Config.small_bytes = W * this).
 PEER = 4096
@@ -249,18 +249,25 @@ def test_rank_rejects_a_small_call(backend, comm, blocking, who):
         rng = rng_for(comm, 6)
         x = random_rows(rng, W + 1 if bad else W, (25,), np.float32)
         import time
+        checks = RankChecks()  # what this rank raised, and when: checked on every rank before the next calls
         t0 = time.monotonic()
         if bad:
-            with pytest.raises(ValueError, match="world_size") as info:
-                c.alltoall(to_backend(x, backend))
-            assert not isinstance(info.value, cs.SymBufferRejectedError)
+            with checks.local("its own rejection"):
+                with pytest.raises(ValueError, match="world_size") as info:
+                    c.alltoall(to_backend(x, backend))
+                assert not isinstance(info.value, cs.SymBufferRejectedError), repr(info.value)
             c.synchronize()
         else:
-            with pytest.raises(cs.SymBufferRejectedError, match="rejected") as info:
-                c.alltoall(to_backend(x, backend))
-                c.synchronize()
-            assert info.value.rejecting_rank in ((0,) if who == "one" else (0, 1)) and info.value.rank == me
-        assert time.monotonic() - t0 < 10, "the rejection must not wait for a timeout"
+            with checks.local("the peers' rejection"):
+                with pytest.raises(cs.SymBufferRejectedError, match="rejected") as info:
+                    c.alltoall(to_backend(x, backend))
+                    c.synchronize()
+                assert info.value.rejecting_rank in ((0,) if who == "one" else (0, 1)) and info.value.rank == me, \
+                    repr(info.value)
+        took = time.monotonic() - t0
+        with checks.local("prompt"):
+            assert took < 10, f"{took:.1f} s: the rejection must not wait for a timeout (timeout_s 20)"
+        checks.gather()
         for seed, per_peer in ((7, 100), (8, 2 * PEER), (9, PEER)):
             y = random_rows(rng_for(comm, seed), W, (per_peer // 4,), np.float32)
             want = _reference(comm, y)
@@ -446,25 +453,31 @@ def test_rejection_then_a_ring_call_at_once(backend, comm):
             want = _reference(comm, big)
             tail = random_rows(rng, W, (3 + rep,), np.float32)
             want_tail = _reference(comm, tail)
+            checks = RankChecks()  # what this rank raised, and when: every rank makes every call, then checks
             t0 = time.monotonic()
             if bad:
                 time.sleep(0.001 * (rep % 4))  # the peers' small kernels wait, their ring calls queued behind
-                with pytest.raises(ValueError, match="world_size") as info:
-                    c.alltoall(to_backend(x, backend))
-                assert not isinstance(info.value, cs.SymBufferRejectedError)
+                with checks.local(f"repetition {rep}: its own rejection"):
+                    with pytest.raises(ValueError, match="world_size") as info:
+                        c.alltoall(to_backend(x, backend))
+                    assert not isinstance(info.value, cs.SymBufferRejectedError), repr(info.value)
                 y = c.alltoall(to_backend(big, backend))
                 c.synchronize()
             else:
                 c.alltoall(to_backend(x, backend))
                 y = c.alltoall(to_backend(big, backend))
-                with pytest.raises(cs.SymBufferRejectedError, match="rejected") as info:
-                    c.synchronize()
-                assert info.value.rejecting_rank == who and info.value.rank == me, rep
+                with checks.local(f"repetition {rep}: the peers' rejection"):
+                    with pytest.raises(cs.SymBufferRejectedError, match="rejected") as info:
+                        c.synchronize()
+                    assert info.value.rejecting_rank == who and info.value.rank == me, repr(info.value)
+            checks.gather()
             all_ranks(lambda: _expect(y, want))
             z = c.alltoall(to_backend(tail, backend))
             c.synchronize()
             all_ranks(lambda: _expect(z, want_tail))
-            assert time.monotonic() - t0 < 10, f"repetition {rep}: a timeout, not a rejection"
+            took = time.monotonic() - t0
+            all_ranks(lambda: took < 10 or pytest.fail(f"repetition {rep}: {took:.1f} s: a timeout, not a rejection "
+                                                       f"(timeout_s 20)"))
     finally:
         _close(c)
 

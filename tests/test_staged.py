@@ -25,7 +25,7 @@ from cupy_symbuf.transport import lifecycle as _lifecycle
 from cupy_symbuf.common.config import Config
 from cupy_symbuf.transport.symbuffer import SymBuffer, _PAGE, choose_transport
 from cupy_symbuf.transport.topology import Topology
-from _util import all_ranks
+from _util import RankChecks, all_ranks
 
 WORLD = MPI.COMM_WORLD
 RANK, W = WORLD.Get_rank(), WORLD.Get_size()
@@ -611,17 +611,24 @@ def test_gpu_info_reports_the_transport(capsys):
     import json
 
     from cupy_symbuf.diagnostics import info as _info
-    assert _info.main(["--json", "--backend", "cuda", "--transport", "staged"]) == 0
+    checks = RankChecks()  # rank 0's checks of the first report may fail there only: every rank makes the second
+    rc = _info.main(["--json", "--backend", "cuda", "--transport", "staged"])
     out = capsys.readouterr().out
-    if RANK == 0:
-        r = json.loads(out)
-        assert r["transport"] == {"requested": "staged", "from_topology": "staged",
-                                  "reason": "requested (Config.transport='staged' / CUPY_SYMBUF_TRANSPORT=staged)"}
-        assert r["communicator"]["transport"] == "staged" and "transport: staged" in r["communicator"]["describe"]
-    assert _info.main(["--backend", "cuda", "--transport", "staged"]) == 0
+    with checks.local("the JSON report"):
+        assert rc == 0, rc
+        if RANK == 0:
+            r = json.loads(out)
+            assert r["transport"] == {"requested": "staged", "from_topology": "staged",
+                                      "reason": "requested (Config.transport='staged' / CUPY_SYMBUF_TRANSPORT=staged)"}
+            assert r["communicator"]["transport"] == "staged" and "transport: staged" in r["communicator"]["describe"]
+    rc = _info.main(["--backend", "cuda", "--transport", "staged"])
     out = capsys.readouterr().out
-    if RANK == 0:
-        assert "transport=staged (requested" in out and "transport: requested staged, from the topology: staged" in out
+    with checks.local("the text report"):
+        assert rc == 0, rc
+        if RANK == 0:
+            assert "transport=staged (requested" in out and \
+                "transport: requested staged, from the topology: staged" in out, out
+    checks.gather()
 
 
 def test_fake_staged_parts_start_on_pages_whatever_mpi_returns(fake_cuda, monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 from mpi4py import MPI
 
 import cupy_symbuf as cs
-from _util import to_numpy
+from _util import RankChecks, to_numpy
 
 
 def test_peer_views_see_peer_writes(backend, comm):
@@ -20,13 +20,16 @@ def test_peer_views_see_peer_writes(backend, comm):
             mine[...] = pattern
             buf.sync()
         comm.Barrier()
-        for r in range(buf.world_size):
-            expected = (np.arange(1024, dtype=np.int32) * 7919 + 1000003 * (r + 1)).astype(np.int32)
-            got = to_numpy(buf.peer_view(r, np.int32, (16, 64), offset_bytes=0)).reshape(-1)
-            np.testing.assert_array_equal(got, expected)
-            tail = to_numpy(buf.peer_view(r, np.int32, offset_bytes=4000))
-            np.testing.assert_array_equal(tail, expected[1000:])
+        checks = RankChecks()  # what this rank sees of its peers' writes: every rank still makes the Barrier
+        with checks.local("the peers' writes seen here"):
+            for r in range(buf.world_size):
+                expected = (np.arange(1024, dtype=np.int32) * 7919 + 1000003 * (r + 1)).astype(np.int32)
+                got = to_numpy(buf.peer_view(r, np.int32, (16, 64), offset_bytes=0)).reshape(-1)
+                np.testing.assert_array_equal(got, expected, err_msg=f"rank {r}'s part")
+                tail = to_numpy(buf.peer_view(r, np.int32, offset_bytes=4000))
+                np.testing.assert_array_equal(tail, expected[1000:], err_msg=f"rank {r}'s part from byte 4000")
         comm.Barrier()
+        checks.gather()
 
 
 def test_self_entry_of_peer_table_is_local_pointer(backend, comm):

@@ -97,12 +97,12 @@ def test_communicator_topology(comm, backend):
     every rank's GPU and the pairs that share one against CuPy's own answers."""
     ref = _reference(comm)
     with cs.Communicator(comm, backend=backend) as c:
-        assert "_topology_obj" not in c.__dict__
+        lazy = "_topology_obj" not in c.__dict__  # checked with the rest below, on every rank (all_ranks)
         if comm.rank == 0:
             alone = c.topology.describe()
         comm.Barrier()
         t = c.topology
-        assert comm.rank != 0 or alone == t.describe()
+        alone_same = comm.rank != 0 or alone == t.describe()
         gpus = None
         if backend == "cuda":
             import cupy
@@ -110,6 +110,8 @@ def test_communicator_topology(comm, backend):
             gpus = comm.allgather((bytes(props["uuid"]).hex(), cupy.cuda.Device().pci_bus_id.lower()))
 
     def check():
+        assert lazy, "the topology was built at construction"
+        assert alone_same, "rank 0's topology read alone differs from the one read after the Barrier"
         assert c.topology is t and isinstance(t, cs.Topology)
         with pytest.raises(AttributeError):
             c.topology = None
