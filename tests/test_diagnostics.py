@@ -2,6 +2,7 @@
 trace's byte totals agree with stats(), and the report names the hot rank; the PNGs are written."""
 import importlib.util
 import os
+import pathlib
 import tempfile
 
 import numpy as np
@@ -58,7 +59,7 @@ def test_trace_and_diagnostics_name_the_hot_rank(comm, backend):
             with checks.local("rank 0's report names the hot rank"):
                 out = os.path.join(folder, "diag")
                 assert diagnostics.main([os.path.join(folder, "trace_rank*.npz"), "--out", out]) == 0
-                text = open(os.path.join(out, "report.txt")).read()
+                text = pathlib.Path(out, "report.txt").read_text()
                 if W > 1:
                     assert "hot ranks (received > 1.25x the mean): rank 0 " in text, text
                 summary = diagnostics.summarize(diagnostics.load(

@@ -2,6 +2,7 @@
 explicit fields win, a broken table fails on every rank, and --tune writes an entry the library then reads."""
 import json
 import os
+import pathlib
 import tempfile
 import types
 
@@ -36,7 +37,7 @@ def test_entry_sets_unset_fields(comm, table_path):
         tuning.save_entry(table_path, key, {"default": {"num_sms": 6, "chunk_bytes": 131072, "num_slots": 5}})
         tuning.save_entry(table_path, "host/x/world=999", {"default": {"num_sms": 8}})  # other entries are kept
     comm.Barrier()
-    assert set(json.load(open(table_path))["entries"]) == {key, "host/x/world=999"}
+    assert set(json.loads(pathlib.Path(table_path).read_text())["entries"]) == {key, "host/x/world=999"}
     assert key.startswith("host/") and key.endswith(f"/cores={os.cpu_count()}/world={comm.size}")
     with cs.Communicator(comm, backend="host") as c:
         assert (c.config.num_sms, c.config.chunk_bytes, c.config.num_slots) == (6, 131072, 5)
@@ -80,7 +81,7 @@ def test_bench_tune_writes_an_entry_the_library_reads(comm, table_path, transpor
     assert bench.main(["--backend", "host", "--tune", "--sizes", "8K,64K", "--tune-rounds", "1", "--iters", "2",
                        "--warmup", "1", "--tune-out", table_path] + transport) == 0
     comm.Barrier()
-    entry = json.load(open(table_path))["entries"][tuning.table_key("host", comm.size)]
+    entry = json.loads(pathlib.Path(table_path).read_text())["entries"][tuning.table_key("host", comm.size)]
     chosen = entry["default"]
     cands = [dict(cfg) for cfg in (r["config"] for r in entry["rows"])]
     assert {k: chosen[k] for k in ("num_sms", "chunk_bytes")} in cands
