@@ -221,15 +221,17 @@ DEPARTED_POLL_S = 0.02
 class _Exchanges:
     """This rank's record of the bounded exchanges on one MPI communicator, shared by every :class:`MpiBootstrap`
     over it: ``next``, the number of this rank's next exchange that is not a close (every rank counts the same
-    steps); ``stale``, how many messages of earlier exchanges were dropped; ``held``, rank -> its messages met
+    steps); ``done``, the number of this rank's last exchange that completed (-1: none yet); ``stale``, how many
+    messages of earlier exchanges were dropped; ``held``, rank -> its messages met
     before this rank's step of them (in order); ``stepping``, rank -> whether its last message met outside a step of
     this rank of it (passed over by a close step, or read by ``peers_in_other_steps``) began a step that is not a
     close."""
 
-    __slots__ = ("next", "stale", "held", "stepping")
+    __slots__ = ("next", "done", "stale", "held", "stepping")
 
     def __init__(self):
         self.next = 0
+        self.done = -1
         self.stale = 0
         self.held: "dict[int, list]" = {}
         self.stepping: "dict[int, bool]" = {}
@@ -353,6 +355,8 @@ class MpiBootstrap:
             sends += [comm.isend((_CONFIRM, what, None, closing, state["n"]), dest=r, tag=TAG) for r in peers]
             state["deadline"] = heard + max(t for t, _ in got.values()) + DELIVERY_GRACE_S
             self._gather(_CONFIRM, what, peers, state, role, timeout_s)
+            if not closing:
+                self._x.done = state["n"]
             return out
         except BaseException:
             # any way out but a return (a timeout, a peer's withdrawal, ranks calling different steps, Ctrl-C): the
@@ -410,6 +414,11 @@ class MpiBootstrap:
                 if not their_closing and their_n is not None:
                     mine = self._x.next if state["closing"] else state["n"]
                     if their_n < mine:  # an exchange that timed out or was left here: its sender left it too
+                        if their_kind == _WITHDRAWN and their_n == self._x.done and not state["closing"]:
+                            # rank r withdrew from the exchange this rank completed last (it stalled past its
+                            # second round's bound): it is not coming to this one
+                            raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role,
+                                                         timeout_s=timeout_s, withdrawn=True)
                         self._x.stale += 1
                         progressed = True
                         continue
