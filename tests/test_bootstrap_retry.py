@@ -1,0 +1,196 @@
+"""A bounded exchange that timed out (or was left) leaves messages queued on its communicator: a peer that arrived
+late, a "confirm" or "withdrawn" never read. They must never be taken for a later exchange on the same
+communicator: a construction retried after a timeout works at once, while ranks calling different steps still raise
+the step mismatch on every rank. Every test runs on a duplicate of ``MPI.COMM_WORLD`` (the leftovers of its
+timed-out steps are dropped before it is freed)."""
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cupy_symbuf as cs
+from cupy_symbuf.transport import agree as _agree
+from cupy_symbuf.transport.bootstrap import MpiBootstrap
+from _util import all_ranks, random_rows, rng_for
+
+SHORT_S = 0.4  # the timed-out step's timeout_s on the ranks that come on time
+LATE_S = 1.2  # how late the late ranks come (well past SHORT_S)
+RETRY_S = 20.0  # the retry's timeout_s: a retry that waits for stale messages would take this long
+AT_ONCE_S = 5.0  # a retry that works at once takes well under this (4 ranks on 2 loaded cores)
+
+
+@pytest.fixture
+def sub(comm):
+    """A duplicate of ``comm`` (two ranks at least) for a test that leaves messages of timed-out steps on it."""
+    if comm.size < 2:
+        pytest.skip("needs a peer that comes late")
+    s = comm.Dup()
+    yield s
+    comm.Barrier()
+    time.sleep(0.05)
+    _agree.discard_leftovers(s)
+    comm.Barrier()
+    s.Free()
+
+
+def _late_ranks(which: str, size: int) -> list:
+    return {"first_peer": [1], "last": [size - 1], "all_but_0": list(range(1, size))}[which]
+
+
+def _time_out(comm, sub, late: list, late_timeout_s: float, step) -> str:
+    """``step(timeout_s)`` on every rank, the ``late`` ranks ``LATE_S`` after the others; returns how it ended
+    here (every rank must raise a timeout: the ones on time never hear from the late ones, which find them gone)."""
+    comm.Barrier()
+    if comm.rank in late:
+        time.sleep(LATE_S)
+    try:
+        step(late_timeout_s if comm.rank in late else SHORT_S)
+        return "passed"
+    except cs.SymBufferTimeoutError as exc:
+        return "withdrawn" if getattr(exc, "withdrawn", False) else "timeout"
+    finally:
+        comm.Barrier()
+
+
+def _check_alltoall(comm, c, seed: int) -> None:
+    """An alltoall of fresh random rows on ``c`` against NumPy (every rank's rows gathered over ``comm``)."""
+    W, R = comm.size, comm.rank
+    x = random_rows(rng_for(comm, seed), W, (3, 5), np.float32)  # row j goes to rank j
+    y = np.asarray(c.alltoall(x))
+    everyone = comm.allgather(x)
+    expected = np.stack([everyone[j][R] for j in range(W)])
+    np.testing.assert_array_equal(y.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("late_timeout_s", [SHORT_S, 5.0], ids=["late_short", "late_long"])
+@pytest.mark.parametrize("which", ["first_peer", "last", "all_but_0"])
+def test_construction_retried_after_a_timeout_works_at_once(comm, sub, which, late_timeout_s):
+    """The late ranks come ``LATE_S`` after the others gave up (``SHORT_S``): every rank raises a timeout (the late
+    ones "withdrawn" at once). Left queued: the late ranks' "here" / "confirm" / "withdrawn" on the others, the
+    others' "withdrawn" on the late ones and on each other. Then every rank builds a Communicator on the same
+    comm: the first try constructs at once and its alltoall is right (was: it met those messages and failed, and
+    so did the next try)."""
+    late = _late_ranks(which, comm.size)
+    first = _time_out(comm, sub, late, late_timeout_s,
+                      lambda t: cs.Communicator(sub, cs.Config(timeout_s=t), backend="host").close())
+    outcomes = comm.allgather(first)
+    assert all(o != "passed" for o in outcomes), outcomes
+    assert all(outcomes[r] == "withdrawn" for r in late if r != 0), outcomes
+
+    def retry():
+        t0 = time.monotonic()
+        with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:
+            _check_alltoall(comm, c, 11)
+        assert time.monotonic() - t0 < AT_ONCE_S, f"the retry took {time.monotonic() - t0:.1f} s"
+        with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:  # and the next one
+            _check_alltoall(comm, c, 12)
+    all_ranks(retry)
+    assert sum(comm.allgather(MpiBootstrap(sub).stale_dropped)) > 0  # the leftovers were met, and dropped
+
+
+@pytest.mark.parametrize("kind", ["exchange_all", "barrier"])
+def test_agreement_step_retried_after_a_timeout_works_at_once(comm, sub, kind):
+    """A bounded ``exchange_all`` / ``barrier`` (role "construction") that timed out, rank 1 late, then the same
+    step and another one on every rank: both at once, with every rank's object."""
+    def step(t):
+        if kind == "barrier":
+            _agree.barrier(sub, t, "retry test", role="construction")
+        else:
+            _agree.exchange_all(sub, comm.rank, t, "retry test")
+    first = _time_out(comm, sub, [1], SHORT_S, step)
+    assert first != "passed"
+    mine = float(rng_for(comm, 21).random())
+    expected = comm.allgather(mine)
+
+    def retry():
+        t0 = time.monotonic()
+        assert _agree.exchange_all(sub, mine, RETRY_S, "retry test") == expected
+        assert _agree.exchange_all(sub, -mine, RETRY_S, "another step") == [-v for v in expected]
+        _agree.barrier(sub, RETRY_S, "a barrier", role="construction")
+        assert time.monotonic() - t0 < AT_ONCE_S, f"the retry took {time.monotonic() - t0:.1f} s"
+    all_ranks(retry)
+
+
+@pytest.mark.parametrize("after_timeout", [False, True], ids=["fresh", "after_timeout"])
+def test_ranks_calling_different_steps_raise_on_every_rank(comm, sub, after_timeout):
+    """Rank 0 calls one step, the others another: every rank raises the step mismatch (not a timeout), at once,
+    also on a communicator that carries a timed-out step's leftovers; the next step called alike works."""
+    if after_timeout:
+        assert _time_out(comm, sub, [1], SHORT_S, lambda t: _agree.exchange_all(sub, 0, t, "step A")) != "passed"
+    t0 = time.monotonic()
+    try:
+        _agree.exchange_all(sub, comm.rank, RETRY_S, "step A" if comm.rank == 0 else "step B")
+        outcome = "passed"
+    except cs.SymBufferTimeoutError as exc:
+        outcome = f"timeout: {exc}"
+    except cs.SymBufferError as exc:
+        outcome = "mismatch" if "the ranks are not calling the same step" in str(exc) else f"other: {exc}"
+    took = time.monotonic() - t0
+    outcomes = comm.allgather(outcome)
+    assert all(o == "mismatch" for o in outcomes), outcomes
+    assert took < AT_ONCE_S, took
+    assert _agree.exchange_all(sub, comm.rank, RETRY_S, "step A") == list(range(comm.size))
+
+
+def test_a_rank_absent_from_a_timed_out_step_takes_its_next_call_for_it(comm, sub):
+    """Rank 1 never calls a step the others timed out in: the ranks' k-th steps on a communicator are the same
+    step, so its next call is its late arrival there (it raises "gave up waiting" at once, as any late rank);
+    the call after that meets the others' next step."""
+    if comm.rank != 1:
+        with pytest.raises(cs.SymBufferTimeoutError):
+            _agree.exchange_all(sub, comm.rank, SHORT_S, "absent test")
+    comm.Barrier()
+    if comm.rank == 1:
+        t0 = time.monotonic()
+        with pytest.raises(cs.SymBufferTimeoutError, match="gave up waiting") as info:
+            _agree.exchange_all(sub, comm.rank, RETRY_S, "absent test")
+        assert info.value.withdrawn and time.monotonic() - t0 < AT_ONCE_S
+    comm.Barrier()
+    all_ranks(lambda: _check_list(_agree.exchange_all(sub, comm.rank, RETRY_S, "absent test"), comm.size))
+
+
+def _check_list(got, size):
+    assert got == list(range(size)), got
+
+
+def test_a_rank_whose_peers_dropped_its_messages_meets_their_next_step(comm, sub):
+    """Rank 0 made a step alone (it timed out) and the others dropped its messages (``discard_leftovers``): rank 0
+    has counted one step more than they. The next step called on every rank still meets at once (the others take
+    rank 0's step number from its "here")."""
+    if comm.rank == 0:
+        with pytest.raises(cs.SymBufferTimeoutError):
+            _agree.exchange_all(sub, 0, SHORT_S, "lonely step")
+    comm.Barrier()
+    time.sleep(0.05)
+    if comm.rank != 0:
+        _agree.discard_leftovers(sub)
+    comm.Barrier()
+
+    def meet():
+        t0 = time.monotonic()
+        _check_list(_agree.exchange_all(sub, comm.rank, RETRY_S, "next step"), comm.size)
+        _check_list(_agree.exchange_all(sub, comm.rank, RETRY_S, "the step after"), comm.size)
+        assert time.monotonic() - t0 < AT_ONCE_S
+    all_ranks(meet)
+
+
+def test_exchange_count_lives_per_communicator(comm):
+    """The count is the communicator's (every bootstrap over it shares it), starts at 0 on a duplicate, and goes
+    with a freed communicator (a handle MPI reuses starts afresh)."""
+    d = comm.Dup()
+    try:
+        for i in range(3):
+            assert _agree.exchange_all(d, comm.rank, RETRY_S, f"count {i}") == list(range(comm.size))
+        assert MpiBootstrap(d)._x.next == 3 and MpiBootstrap(d)._x is MpiBootstrap(d)._x
+        dd = MpiBootstrap(d).dup()
+        assert dd._x.next == 0
+        dd.free()
+    finally:
+        d.Free()
+    again = comm.Dup()
+    try:
+        assert MpiBootstrap(again)._x.next == 0
+    finally:
+        again.Free()
+    assert MPI.COMM_WORLD.Get_size() == comm.size
