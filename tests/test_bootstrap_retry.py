@@ -13,6 +13,7 @@ import cupy_symbuf as cs
 from cupy_symbuf.transport import agree as _agree
 from cupy_symbuf.transport.bootstrap import MpiBootstrap
 from _util import all_ranks, random_rows, rng_for
+from test_lifecycle import scratch_comm  # noqa: F401 (a fixture: the duplicate, its leftovers dropped, freed)
 
 SHORT_S = 0.4  # the timed-out step's timeout_s on the ranks that come on time
 LATE_S = 1.2  # how late the late ranks come (well past SHORT_S)
@@ -21,17 +22,9 @@ AT_ONCE_S = 5.0  # a retry that works at once takes well under this (4 ranks on 
 
 
 @pytest.fixture
-def sub(comm):
+def sub(scratch_comm):
     """A duplicate of ``comm`` (two ranks at least) for a test that leaves messages of timed-out steps on it."""
-    if comm.size < 2:
-        pytest.skip("needs a peer that comes late")
-    s = comm.Dup()
-    yield s
-    comm.Barrier()
-    time.sleep(0.05)
-    _agree.discard_leftovers(s)
-    comm.Barrier()
-    s.Free()
+    return scratch_comm
 
 
 def _late_ranks(which: str, size: int) -> list:
