@@ -82,12 +82,15 @@ def test_construction_retried_after_a_timeout_works_at_once(comm, sub, which, la
     assert sum(comm.allgather(MpiBootstrap(sub).stale_dropped)) > 0  # the leftovers were met, and dropped
 
 
-@pytest.mark.parametrize("kind", ["exchange_all", "barrier"])
+@pytest.mark.parametrize("kind", ["exchange_all", "barrier", "close_barrier"])
 def test_agreement_step_retried_after_a_timeout_works_at_once(comm, sub, kind):
-    """A bounded ``exchange_all`` / ``barrier`` (role "construction") that timed out, rank 1 late, then the same
-    step and another one on every rank: both at once, with every rank's object."""
+    """A bounded ``exchange_all`` / ``barrier`` (role "construction", or "close": ``agree.barrier``'s default)
+    that timed out, rank 1 late, then the same step and others on every rank (a close barrier, a construction):
+    all at once, with every rank's object."""
     def step(t):
-        if kind == "barrier":
+        if kind == "close_barrier":
+            _agree.barrier(sub, t, "retry test")
+        elif kind == "barrier":
             _agree.barrier(sub, t, "retry test", role="construction")
         else:
             _agree.exchange_all(sub, comm.rank, t, "retry test")
@@ -98,9 +101,14 @@ def test_agreement_step_retried_after_a_timeout_works_at_once(comm, sub, kind):
 
     def retry():
         t0 = time.monotonic()
+        if kind == "close_barrier":
+            _agree.barrier(sub, RETRY_S, "retry test")
         assert _agree.exchange_all(sub, mine, RETRY_S, "retry test") == expected
         assert _agree.exchange_all(sub, -mine, RETRY_S, "another step") == [-v for v in expected]
         _agree.barrier(sub, RETRY_S, "a barrier", role="construction")
+        _agree.barrier(sub, RETRY_S, "a close barrier")
+        with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:
+            _check_alltoall(comm, c, 22)
         assert time.monotonic() - t0 < AT_ONCE_S, f"the retry took {time.monotonic() - t0:.1f} s"
     all_ranks(retry)
 

@@ -224,16 +224,17 @@ DEPARTED_POLL_S = 0.02
 class _Exchanges:
     """This rank's record of the bounded exchanges on one MPI communicator, shared by every :class:`MpiBootstrap`
     over it: ``next``, the number of this rank's next exchange that is not a close (every rank counts the same
-    steps); ``done``, the number of this rank's last exchange that completed (-1: none yet); ``stale``, how many
+    steps); ``close_next``, the same for close steps (role :data:`CLOSE`, numbered apart); ``done``, the number of this rank's last exchange that completed (-1: none yet); ``stale``, how many
     messages of earlier exchanges were dropped; ``held``, rank -> its messages met
     before this rank's step of them (in order); ``stepping``, rank -> whether its last message met outside a step of
     this rank of it (passed over by a close step, or read by ``peers_in_other_steps``) began a step that is not a
     close."""
 
-    __slots__ = ("next", "done", "stale", "held", "stepping")
+    __slots__ = ("next", "close_next", "done", "stale", "held", "stepping")
 
     def __init__(self):
         self.next = 0
+        self.close_next = 0
         self.done = -1
         self.stale = 0
         self.held: "dict[int, list]" = {}
@@ -267,9 +268,11 @@ class MpiBootstrap:
     of an earlier number (an exchange that timed out or was left, whose peer arrived late) is dropped, counted in
     :attr:`stale_dropped`, never taken for the current one. The same number with another step name is ranks
     calling different steps (:class:`~cupy_symbuf.SymBufferError`). A "here" of a later number means its sender
-    made exchanges this rank never joined (this rank did not call a step that timed out on the peers): this rank
-    takes that number and sends its "here" again, so the ranks meet at the highest count. Close steps carry no
-    number (they pass over the other steps' messages, see :class:`Bootstrap`)."""
+    made exchanges this rank never joined (its messages were dropped here, or this rank skipped steps): this rank
+    takes that number and sends its "here" again, so the ranks meet at the highest count. Close steps (role
+    :data:`CLOSE`) are numbered apart, by the same rules among themselves: a close message of an earlier close step
+    (one that timed out) neither meets a later close step nor tells another step that its sender is closing; the
+    rest of the close protocol (see :class:`Bootstrap`) sees only current messages."""
 
     def __init__(self, comm):
         MPI = _mpi()
@@ -327,8 +330,11 @@ class MpiBootstrap:
         out: list = [None] * size
         out[rank] = obj
         closing = role == CLOSE
-        number = None
-        if not closing:  # counted on entry, whatever happens next: every rank that calls the step counts it
+        # counted on entry, whatever happens next: every rank that calls the step counts it
+        if closing:
+            number = self._x.close_next
+            self._x.close_next += 1
+        else:
             number = self._x.next
             self._x.next += 1
         if size == 1:
@@ -385,7 +391,9 @@ class MpiBootstrap:
     def _stale(self, m) -> bool:
         """Message ``m`` (read between steps) belongs to an exchange, not a close, that this rank has entered
         already: that exchange timed out or was left here, and the peer's message arrived late."""
-        return not (len(m) > 3 and m[3]) and len(m) > 4 and m[4] is not None and m[4] < self._x.next
+        if len(m) <= 4 or m[4] is None:
+            return False
+        return m[4] < (self._x.close_next if m[3] else self._x.next)
 
     def _gather(self, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> dict:
         """One message of ``kind`` from every rank of ``peers``, by the deadline in ``state``; messages of earlier
@@ -408,16 +416,11 @@ class MpiBootstrap:
                 their_kind, their_what, their_obj = m[:3]
                 their_closing = len(m) > 3 and bool(m[3])
                 their_n = m[4] if len(m) > 4 else None
-                if their_closing and not state["closing"]:
-                    # rank r is closing: it left this step (or never came) and takes part in no other; its message
-                    # waits for this rank's own close
-                    self._held.setdefault(r, []).insert(0, m)
-                    raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
-                                                 closing=True)
-                if not their_closing and their_n is not None:
-                    mine = self._x.next if state["closing"] else state["n"]
+                if their_n is not None:
+                    alike = their_closing == state["closing"]  # a step of this step's kind (close or not)
+                    mine = state["n"] if alike else self._x.close_next if their_closing else self._x.next
                     if their_n < mine:  # an exchange that timed out or was left here: its sender left it too
-                        if their_kind == _WITHDRAWN and their_n == self._x.done and not state["closing"]:
+                        if their_kind == _WITHDRAWN and their_n == self._x.done and not their_closing and alike:
                             # rank r withdrew from the exchange this rank completed last (it stalled past its
                             # second round's bound): it is not coming to this one
                             raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role,
@@ -425,11 +428,15 @@ class MpiBootstrap:
                         self._x.stale += 1
                         progressed = True
                         continue
-                    if their_n > mine and not state["closing"] and their_what == what:
+                    if their_n > mine and alike and their_what == what:
                         if kind == _HERE and their_kind == _HERE:
                             # rank r made exchanges this rank never joined: meet at its number (the peers still at
                             # this one do the same on r's "here"; the ones ahead drop ours)
-                            state["n"], self._x.next = their_n, their_n + 1
+                            state["n"] = their_n
+                            if their_closing:
+                                self._x.close_next = their_n + 1
+                            else:
+                                self._x.next = their_n + 1
                             state["here"]()
                             got.clear()
                             state.pop("late", None)
@@ -440,6 +447,12 @@ class MpiBootstrap:
                         self._held.setdefault(r, []).insert(0, m)  # for this rank's later step
                         ahead.add(r)
                         continue
+                if their_closing and not state["closing"]:
+                    # rank r is closing: it left this step (or never came) and takes part in no other; its message
+                    # waits for this rank's own close
+                    self._held.setdefault(r, []).insert(0, m)
+                    raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
+                                                 closing=True)
                 if state["closing"]:
                     self._note(r, m)
                 if state["closing"] and not their_closing:
