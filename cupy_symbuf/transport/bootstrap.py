@@ -138,7 +138,7 @@ class Bootstrap(Protocol):
     ``rank``, ``size``: this process's rank and the number of ranks. Every wait is bounded by ``timeout_s``
     (seconds): a peer that never arrives gives :class:`CollectiveTimeoutError` (``role`` "construction" or
     "close") naming the missing ranks; ``what`` names the step in errors (ranks calling different steps raise
-    :class:`~cupy_symbuf.SymBufferError`). The k-th step (not a close) of every rank on a group is the same step:
+    :class:`~cupy_symbuf.SymBufferError`). The k-th step of every rank on a group is the same step (close steps counted apart):
     a peer's message of an exchange that timed out or was left (it arrived late) is never taken for a later one,
     so a step retried on the same group after a timeout meets at once; a rank that never called a step its peers
     timed out in takes its next call for it (it finds them gone: ``withdrawn``). ``on_slow``: ``(seconds, fn)``,
@@ -224,7 +224,7 @@ DEPARTED_POLL_S = 0.02
 class _Exchanges:
     """This rank's record of the bounded exchanges on one MPI communicator, shared by every :class:`MpiBootstrap`
     over it: ``next``, the number of this rank's next exchange that is not a close (every rank counts the same
-    steps); ``close_next``, the same for close steps (role :data:`CLOSE`, numbered apart); ``done``, the number of this rank's last exchange that completed (-1: none yet); ``stale``, how many
+    steps, on entry); ``close_next``, the same for close steps (role :data:`CLOSE`, numbered apart); ``done``, the number of this rank's last exchange that completed (-1: none yet); ``stale``, how many
     messages of earlier exchanges were dropped; ``held``, rank -> its messages met
     before this rank's step of them (in order); ``stepping``, rank -> whether its last message met outside a step of
     this rank of it (passed over by a close step, or read by ``peers_in_other_steps``) began a step that is not a
@@ -389,8 +389,9 @@ class MpiBootstrap:
         return None if msg is None else msg.recv()
 
     def _stale(self, m) -> bool:
-        """Message ``m`` (read between steps) belongs to an exchange, not a close, that this rank has entered
-        already: that exchange timed out or was left here, and the peer's message arrived late."""
+        """Message ``m`` (read between steps) belongs to an exchange (a close step or not: counted apart) that
+        this rank has entered already: that exchange timed out or was left here, and the peer's message arrived
+        late."""
         if len(m) <= 4 or m[4] is None:
             return False
         return m[4] < (self._x.close_next if m[3] else self._x.next)
