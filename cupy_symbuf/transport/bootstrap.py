@@ -138,12 +138,12 @@ class Bootstrap(Protocol):
     ``rank``, ``size``: this process's rank and the number of ranks. Every wait is bounded by ``timeout_s``
     (seconds): a peer that never arrives gives :class:`CollectiveTimeoutError` (``role`` "construction" or
     "close") naming the missing ranks; ``what`` names the step in errors (ranks calling different steps raise
-    :class:`~cupy_symbuf.SymBufferError`). The k-th step of every rank on a group is the same step (close steps counted apart):
-    a peer's message of an exchange that timed out or was left (it arrived late) is never taken for a later one,
-    so a step retried on the same group after a timeout meets at once; a rank that never called a step its peers
-    timed out in takes its next call for it (it finds them gone: ``withdrawn``). ``on_slow``: ``(seconds, fn)``,
-    ``fn(missing_ranks)`` called once when a wait takes longer than that. ``interrupt``: a callable (no arguments) called when a wait starts and every
-    :data:`DEPARTED_POLL_S` while it waits; an exception it raises leaves the exchange as any failure does (the
+    :class:`~cupy_symbuf.SymBufferError`). The k-th step of every rank on a group is the same step (close steps
+    counted apart): a peer's message of an exchange that timed out or was left (it arrived late) is never taken for
+    a later one, so a step retried on the same group after a timeout meets at once; a rank that never called a step
+    its peers timed out in takes its next call for it (it finds them gone: ``withdrawn``). ``on_slow``:
+    ``(seconds, fn)``, ``fn(missing_ranks)`` called once when a wait takes longer than that. ``interrupt``: a
+    callable (no arguments) called when a wait starts and every :data:`DEPARTED_POLL_S` while it waits; an exception it raises leaves the exchange as any failure does (the
     peers are told: ``withdrawn``) and propagates (a symmetric allocation step reads the communicator's abort word
     there).
 
