@@ -143,9 +143,9 @@ class Bootstrap(Protocol):
     a later one, so a step retried on the same group after a timeout meets at once; a rank that never called a step
     its peers timed out in takes its next call for it (it finds them gone: ``withdrawn``). ``on_slow``:
     ``(seconds, fn)``, ``fn(missing_ranks)`` called once when a wait takes longer than that. ``interrupt``: a
-    callable (no arguments) called when a wait starts and every :data:`DEPARTED_POLL_S` while it waits; an exception it raises leaves the exchange as any failure does (the
-    peers are told: ``withdrawn``) and propagates (a symmetric allocation step reads the communicator's abort word
-    there).
+    callable (no arguments) called when a wait starts and every :data:`DEPARTED_POLL_S` while it waits; an
+    exception it raises leaves the exchange as any failure does (the peers are told: ``withdrawn``) and propagates
+    (a symmetric allocation step reads the communicator's abort word there).
 
     Steps of ``role`` :data:`CLOSE` are the closing of what this bootstrap serves (its last steps). A rank that
     waits in a step of another role and finds a peer closing raises :class:`CollectiveTimeoutError`
@@ -224,11 +224,11 @@ DEPARTED_POLL_S = 0.02
 class _Exchanges:
     """This rank's record of the bounded exchanges on one MPI communicator, shared by every :class:`MpiBootstrap`
     over it: ``next``, the number of this rank's next exchange that is not a close (every rank counts the same
-    steps, on entry); ``close_next``, the same for close steps (role :data:`CLOSE`, numbered apart); ``done``, the number of this rank's last exchange that completed (-1: none yet); ``stale``, how many
-    messages of earlier exchanges were dropped; ``held``, rank -> its messages met
-    before this rank's step of them (in order); ``stepping``, rank -> whether its last message met outside a step of
-    this rank of it (passed over by a close step, or read by ``peers_in_other_steps``) began a step that is not a
-    close."""
+    steps, on entry); ``close_next``, the same for close steps (role :data:`CLOSE`, numbered apart); ``done``, the
+    number of this rank's last exchange (not a close) that completed (-1: none yet); ``stale``, how many messages
+    of earlier exchanges were dropped; ``held``, rank -> its messages met before this rank's step of them (in
+    order); ``stepping``, rank -> whether its last message met outside a step of this rank of it (passed over by a
+    close step, or read by ``peers_in_other_steps``) began a step that is not a close."""
 
     __slots__ = ("next", "close_next", "done", "stale", "held", "stepping")
 
