@@ -195,3 +195,23 @@ def test_exchange_count_lives_per_communicator(comm):
     finally:
         again.Free()
     assert MPI.COMM_WORLD.Get_size() == comm.size
+
+
+@pytest.mark.parametrize("role", ["construction", "close"])
+def test_a_look_at_the_inbox_during_a_step_keeps_that_steps_messages(comm, sub, role):
+    """``peers_in_other_steps`` run from a wait's ``interrupt`` (as the exit-time close's watch does, through
+    another bootstrap over the same communicator) reads the messages of the step in progress: it keeps them for
+    it, never drops them as a left step's (the step then completes at once instead of timing out)."""
+    def look():
+        time.sleep(0.05)  # the late peer's message arrives here: the look, not the wait, reads it
+        MpiBootstrap(sub).peers_in_other_steps()
+    comm.Barrier()
+    if comm.rank == 1:
+        time.sleep(0.3)
+
+    def step():
+        t0 = time.monotonic()
+        got = MpiBootstrap(sub).allgather(comm.rank, RETRY_S, "looked-at step", role=role, interrupt=look)
+        _check_list(got, comm.size)
+        assert time.monotonic() - t0 < AT_ONCE_S, f"the step took {time.monotonic() - t0:.1f} s"
+    all_ranks(step)

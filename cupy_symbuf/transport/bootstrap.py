@@ -225,17 +225,19 @@ class _Exchanges:
     """This rank's record of the bounded exchanges on one MPI communicator, shared by every :class:`MpiBootstrap`
     over it: ``next``, the number of this rank's next exchange that is not a close (every rank counts the same
     steps, on entry); ``close_next``, the same for close steps (role :data:`CLOSE`, numbered apart); ``done``, the
-    number of this rank's last exchange (not a close) that completed (-1: none yet); ``stale``, how many messages
+    number of this rank's last exchange (not a close) that completed (-1: none yet); ``current``, closing (bool) ->
+    the number of the step of that kind this rank is in (None between steps); ``stale``, how many messages
     of earlier exchanges were dropped; ``held``, rank -> its messages met before this rank's step of them (in
     order); ``stepping``, rank -> whether its last message met outside a step of this rank of it (passed over by a
     close step, or read by ``peers_in_other_steps``) began a step that is not a close."""
 
-    __slots__ = ("next", "close_next", "done", "stale", "held", "stepping")
+    __slots__ = ("next", "close_next", "done", "current", "stale", "held", "stepping")
 
     def __init__(self):
         self.next = 0
         self.close_next = 0
         self.done = -1
+        self.current: "dict[bool, Optional[int]]" = {False: None, True: None}
         self.stale = 0
         self.held: "dict[int, list]" = {}
         self.stepping: "dict[int, bool]" = {}
@@ -350,8 +352,13 @@ class MpiBootstrap:
 
         state = {"deadline": deadline, "t0": t0, "on_slow": on_slow, "interrupt": interrupt, "closing": closing,
                  "n": number, "here": here}
+        self._x.current[closing] = number  # peers_in_other_steps (called by interrupt) keeps this step's messages
         if interrupt is not None:
-            interrupt()  # before anything is sent: nothing of this exchange reaches the peers
+            try:
+                interrupt()  # before anything is sent: nothing of this exchange reaches the peers
+            except BaseException:
+                self._x.current[closing] = None
+                raise
         try:
             here()
             got = self._gather(_HERE, what, peers, state, role, timeout_s)
@@ -377,6 +384,7 @@ class MpiBootstrap:
                 pass
             raise
         finally:
+            self._x.current[closing] = None
             pending = [req for req in sends if not req.test()[0]]
             _ORPHANS.extend(pending)  # small messages complete eagerly; these keep their buffers alive if not
 
@@ -389,12 +397,15 @@ class MpiBootstrap:
         return None if msg is None else msg.recv()
 
     def _stale(self, m) -> bool:
-        """Message ``m`` (read between steps) belongs to an exchange (a close step or not: counted apart) that
-        this rank has entered already: that exchange timed out or was left here, and the peer's message arrived
-        late."""
+        """Message ``m`` (read outside a wait for it: by :meth:`peers_in_other_steps`, perhaps from a wait's
+        ``interrupt``) belongs to an exchange (a close step or not: counted apart) that this rank has left: it timed
+        out or was left here, and the peer's message arrived late. The messages of a step this rank is in are
+        not."""
         if len(m) <= 4 or m[4] is None:
             return False
-        return m[4] < (self._x.close_next if m[3] else self._x.next)
+        closing = bool(m[3])
+        now = self._x.current[closing]
+        return m[4] < (now if now is not None else self._x.close_next if closing else self._x.next)
 
     def _gather(self, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> dict:
         """One message of ``kind`` from every rank of ``peers``, by the deadline in ``state``; messages of earlier
@@ -433,7 +444,7 @@ class MpiBootstrap:
                         if kind == _HERE and their_kind == _HERE:
                             # rank r made exchanges this rank never joined: meet at its number (the peers still at
                             # this one do the same on r's "here"; the ones ahead drop ours)
-                            state["n"] = their_n
+                            state["n"] = self._x.current[their_closing] = their_n
                             if their_closing:
                                 self._x.close_next = their_n + 1
                             else:
