@@ -2,17 +2,17 @@
 late, a "confirm" or "withdrawn" never read. They must never be taken for a later exchange on the same
 communicator: a construction retried after a timeout works at once, while ranks calling different steps still raise
 the step mismatch on every rank. Every test runs on a duplicate of ``MPI.COMM_WORLD`` (the leftovers of its
-timed-out steps are dropped before it is freed)."""
+timed-out steps are dropped before it is freed). Rank-local checks are kept (``RankChecks``) so that every rank
+makes every collective step whatever failed on it."""
 import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import cupy_symbuf as cs
 from cupy_symbuf.transport import agree as _agree
 from cupy_symbuf.transport.bootstrap import MpiBootstrap
-from _util import all_ranks, random_rows, rng_for
+from _util import RankChecks, random_rows, rng_for
 from test_lifecycle import scratch_comm  # noqa: F401 (a fixture: the duplicate, its leftovers dropped, freed)
 
 SHORT_S = 0.4  # the timed-out step's timeout_s on the ranks that come on time
@@ -31,29 +31,38 @@ def _late_ranks(which: str, size: int) -> list:
     return {"first_peer": [1], "last": [size - 1], "all_but_0": list(range(1, size))}[which]
 
 
-def _time_out(comm, sub, late: list, late_timeout_s: float, step) -> str:
-    """``step(timeout_s)`` on every rank, the ``late`` ranks ``LATE_S`` after the others; returns how it ended
-    here (every rank must raise a timeout: the ones on time never hear from the late ones, which find them gone)."""
-    comm.Barrier()
-    if comm.rank in late:
-        time.sleep(LATE_S)
+def _outcome(step) -> str:
+    """How ``step()`` ended on this rank: "passed", "withdrawn" / "timeout" (a SymBufferTimeoutError), "mismatch"
+    (the step mismatch) or another error's text."""
     try:
-        step(late_timeout_s if comm.rank in late else SHORT_S)
+        step()
         return "passed"
     except cs.SymBufferTimeoutError as exc:
         return "withdrawn" if getattr(exc, "withdrawn", False) else "timeout"
-    finally:
-        comm.Barrier()
+    except cs.SymBufferError as exc:
+        return "mismatch" if "the ranks are not calling the same step" in str(exc) else f"{type(exc).__name__}: {exc}"
 
 
-def _check_alltoall(comm, c, seed: int) -> None:
-    """An alltoall of fresh random rows on ``c`` against NumPy (every rank's rows gathered over ``comm``)."""
-    W, R = comm.size, comm.rank
-    x = random_rows(rng_for(comm, seed), W, (3, 5), np.float32)  # row j goes to rank j
-    y = np.asarray(c.alltoall(x))
+def _time_out(comm, late: list, late_timeout_s: float, step) -> list:
+    """``step(timeout_s)`` on every rank, the ``late`` ranks ``LATE_S`` after the others; every rank's outcome
+    (each must raise a timeout: the ranks on time never hear from the late ones, which find them gone)."""
+    comm.Barrier()
+    if comm.rank in late:
+        time.sleep(LATE_S)
+    mine = _outcome(lambda: step(late_timeout_s if comm.rank in late else SHORT_S))
+    return comm.allgather(mine)
+
+
+def _rows(comm, seed: int):
+    """This rank's fresh random rows (row j goes to rank j) and what it must receive (every rank's rows gathered
+    over ``comm``, the NumPy reference)."""
+    x = random_rows(rng_for(comm, seed), comm.size, (3, 5), np.float32)
     everyone = comm.allgather(x)
-    expected = np.stack([everyone[j][R] for j in range(W)])
-    np.testing.assert_array_equal(y.view(np.uint32), expected.view(np.uint32))
+    return x, np.stack([everyone[j][comm.rank] for j in range(comm.size)])
+
+
+def _alltoall_right(c, x, expected) -> None:
+    np.testing.assert_array_equal(np.asarray(c.alltoall(x)).view(np.uint32), expected.view(np.uint32))
 
 
 @pytest.mark.parametrize("late_timeout_s", [SHORT_S, 5.0], ids=["late_short", "late_long"])
@@ -65,21 +74,24 @@ def test_construction_retried_after_a_timeout_works_at_once(comm, sub, which, la
     comm: the first try constructs at once and its alltoall is right (was: it met those messages and failed, and
     so did the next try)."""
     late = _late_ranks(which, comm.size)
-    first = _time_out(comm, sub, late, late_timeout_s,
-                      lambda t: cs.Communicator(sub, cs.Config(timeout_s=t), backend="host").close())
-    outcomes = comm.allgather(first)
-    assert all(o != "passed" for o in outcomes), outcomes
+    outcomes = _time_out(comm, late, late_timeout_s,
+                         lambda t: cs.Communicator(sub, cs.Config(timeout_s=t), backend="host").close())
+    assert all(o in ("timeout", "withdrawn") for o in outcomes), outcomes
     assert all(outcomes[r] == "withdrawn" for r in late if r != 0), outcomes
-
-    def retry():
+    x1, want1 = _rows(comm, 11)
+    x2, want2 = _rows(comm, 12)
+    checks = RankChecks()
+    with checks.local("the first retry"):  # collective steps of the library only: they fail on every rank alike
         t0 = time.monotonic()
         with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:
-            _check_alltoall(comm, c, 11)
+            _alltoall_right(c, x1, want1)
         assert time.monotonic() - t0 < AT_ONCE_S, f"the retry took {time.monotonic() - t0:.1f} s"
-        with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:  # and the next one
-            _check_alltoall(comm, c, 12)
-    all_ranks(retry)
-    assert sum(comm.allgather(MpiBootstrap(sub).stale_dropped)) > 0  # the leftovers were met, and dropped
+    with checks.local("the next construction"):
+        with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:
+            _alltoall_right(c, x2, want2)
+    dropped = sum(comm.allgather(MpiBootstrap(sub).stale_dropped))
+    checks.gather()
+    assert dropped > 0  # the leftovers were met, and dropped
 
 
 @pytest.mark.parametrize("kind", ["exchange_all", "barrier", "close_barrier"])
@@ -94,12 +106,13 @@ def test_agreement_step_retried_after_a_timeout_works_at_once(comm, sub, kind):
             _agree.barrier(sub, t, "retry test", role="construction")
         else:
             _agree.exchange_all(sub, comm.rank, t, "retry test")
-    first = _time_out(comm, sub, [1], SHORT_S, step)
-    assert first != "passed"
+    outcomes = _time_out(comm, [1], SHORT_S, step)
+    assert "passed" not in outcomes, outcomes
     mine = float(rng_for(comm, 21).random())
     expected = comm.allgather(mine)
-
-    def retry():
+    x, want = _rows(comm, 22)
+    checks = RankChecks()
+    with checks.local("the retried steps"):
         t0 = time.monotonic()
         if kind == "close_barrier":
             _agree.barrier(sub, RETRY_S, "retry test")
@@ -108,9 +121,9 @@ def test_agreement_step_retried_after_a_timeout_works_at_once(comm, sub, kind):
         _agree.barrier(sub, RETRY_S, "a barrier", role="construction")
         _agree.barrier(sub, RETRY_S, "a close barrier")
         with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:
-            _check_alltoall(comm, c, 22)
+            _alltoall_right(c, x, want)
         assert time.monotonic() - t0 < AT_ONCE_S, f"the retry took {time.monotonic() - t0:.1f} s"
-    all_ranks(retry)
+    checks.gather()
 
 
 @pytest.mark.parametrize("after_timeout", [False, True], ids=["fresh", "after_timeout"])
@@ -118,83 +131,83 @@ def test_ranks_calling_different_steps_raise_on_every_rank(comm, sub, after_time
     """Rank 0 calls one step, the others another: every rank raises the step mismatch (not a timeout), at once,
     also on a communicator that carries a timed-out step's leftovers; the next step called alike works."""
     if after_timeout:
-        assert _time_out(comm, sub, [1], SHORT_S, lambda t: _agree.exchange_all(sub, 0, t, "step A")) != "passed"
+        first = _time_out(comm, [1], SHORT_S, lambda t: _agree.exchange_all(sub, 0, t, "step A"))
+        assert "passed" not in first, first
     t0 = time.monotonic()
-    try:
-        _agree.exchange_all(sub, comm.rank, RETRY_S, "step A" if comm.rank == 0 else "step B")
-        outcome = "passed"
-    except cs.SymBufferTimeoutError as exc:
-        outcome = f"timeout: {exc}"
-    except cs.SymBufferError as exc:
-        outcome = "mismatch" if "the ranks are not calling the same step" in str(exc) else f"other: {exc}"
+    mine = _outcome(lambda: _agree.exchange_all(sub, comm.rank, RETRY_S, "step A" if comm.rank == 0 else "step B"))
     took = time.monotonic() - t0
-    outcomes = comm.allgather(outcome)
-    assert all(o == "mismatch" for o in outcomes), outcomes
-    assert took < AT_ONCE_S, took
-    assert _agree.exchange_all(sub, comm.rank, RETRY_S, "step A") == list(range(comm.size))
+    outcomes = comm.allgather((mine, took))
+    assert all(o == "mismatch" for o, _ in outcomes), outcomes
+    assert all(t < AT_ONCE_S for _, t in outcomes), outcomes
+    checks = RankChecks()
+    with checks.local("the next step"):
+        assert _agree.exchange_all(sub, comm.rank, RETRY_S, "step A") == list(range(comm.size))
+    checks.gather()
 
 
 def test_a_rank_absent_from_a_timed_out_step_takes_its_next_call_for_it(comm, sub):
     """Rank 1 never calls a step the others timed out in: the ranks' k-th steps on a communicator are the same
     step, so its next call is its late arrival there (it raises "gave up waiting" at once, as any late rank);
     the call after that meets the others' next step."""
+    checks = RankChecks()
     if comm.rank != 1:
-        with pytest.raises(cs.SymBufferTimeoutError):
-            _agree.exchange_all(sub, comm.rank, SHORT_S, "absent test")
+        with checks.local("the step without rank 1"):
+            with pytest.raises(cs.SymBufferTimeoutError):
+                _agree.exchange_all(sub, comm.rank, SHORT_S, "absent test")
     comm.Barrier()
     if comm.rank == 1:
-        t0 = time.monotonic()
-        with pytest.raises(cs.SymBufferTimeoutError, match="gave up waiting") as info:
-            _agree.exchange_all(sub, comm.rank, RETRY_S, "absent test")
-        assert info.value.withdrawn and time.monotonic() - t0 < AT_ONCE_S
+        with checks.local("rank 1's next call"):
+            t0 = time.monotonic()
+            with pytest.raises(cs.SymBufferTimeoutError, match="gave up waiting") as info:
+                _agree.exchange_all(sub, comm.rank, RETRY_S, "absent test")
+            assert info.value.withdrawn and time.monotonic() - t0 < AT_ONCE_S
     comm.Barrier()
-    all_ranks(lambda: _check_list(_agree.exchange_all(sub, comm.rank, RETRY_S, "absent test"), comm.size))
-
-
-def _check_list(got, size):
-    assert got == list(range(size)), got
+    with checks.local("the step after"):
+        assert _agree.exchange_all(sub, comm.rank, RETRY_S, "absent test") == list(range(comm.size))
+    checks.gather()
 
 
 def test_a_rank_whose_peers_dropped_its_messages_meets_their_next_step(comm, sub):
     """Rank 0 made a step alone (it timed out) and the others dropped its messages (``discard_leftovers``): rank 0
     has counted one step more than they. The next step called on every rank still meets at once (the others take
     rank 0's step number from its "here")."""
+    checks = RankChecks()
     if comm.rank == 0:
-        with pytest.raises(cs.SymBufferTimeoutError):
-            _agree.exchange_all(sub, 0, SHORT_S, "lonely step")
+        with checks.local("the lonely step"):
+            with pytest.raises(cs.SymBufferTimeoutError):
+                _agree.exchange_all(sub, 0, SHORT_S, "lonely step")
     comm.Barrier()
     time.sleep(0.05)
     if comm.rank != 0:
         _agree.discard_leftovers(sub)
     comm.Barrier()
-
-    def meet():
+    with checks.local("the next steps"):
         t0 = time.monotonic()
-        _check_list(_agree.exchange_all(sub, comm.rank, RETRY_S, "next step"), comm.size)
-        _check_list(_agree.exchange_all(sub, comm.rank, RETRY_S, "the step after"), comm.size)
+        assert _agree.exchange_all(sub, comm.rank, RETRY_S, "next step") == list(range(comm.size))
+        assert _agree.exchange_all(sub, comm.rank, RETRY_S, "the step after") == list(range(comm.size))
         assert time.monotonic() - t0 < AT_ONCE_S
-    all_ranks(meet)
+    checks.gather()
 
 
 def test_exchange_count_lives_per_communicator(comm):
     """The count is the communicator's (every bootstrap over it shares it), starts at 0 on a duplicate, and goes
     with a freed communicator (a handle MPI reuses starts afresh)."""
+    checks = RankChecks()
     d = comm.Dup()
-    try:
-        for i in range(3):
-            assert _agree.exchange_all(d, comm.rank, RETRY_S, f"count {i}") == list(range(comm.size))
+    got = [_agree.exchange_all(d, comm.rank, RETRY_S, f"count {i}") for i in range(3)]
+    with checks.local("three steps counted on the communicator"):
+        assert got == [list(range(comm.size))] * 3
         assert MpiBootstrap(d)._x.next == 3 and MpiBootstrap(d)._x is MpiBootstrap(d)._x
-        dd = MpiBootstrap(d).dup()
+    dd = MpiBootstrap(d).dup()
+    with checks.local("a duplicate starts at 0"):
         assert dd._x.next == 0
-        dd.free()
-    finally:
-        d.Free()
+    dd.free()
+    d.Free()
     again = comm.Dup()
-    try:
+    with checks.local("a new communicator starts at 0"):
         assert MpiBootstrap(again)._x.next == 0
-    finally:
-        again.Free()
-    assert MPI.COMM_WORLD.Get_size() == comm.size
+    again.Free()
+    checks.gather()
 
 
 @pytest.mark.parametrize("role", ["construction", "close"])
@@ -208,10 +221,10 @@ def test_a_look_at_the_inbox_during_a_step_keeps_that_steps_messages(comm, sub, 
     comm.Barrier()
     if comm.rank == 1:
         time.sleep(0.3)
-
-    def step():
+    checks = RankChecks()
+    with checks.local("the looked-at step"):
         t0 = time.monotonic()
         got = MpiBootstrap(sub).allgather(comm.rank, RETRY_S, "looked-at step", role=role, interrupt=look)
-        _check_list(got, comm.size)
+        assert got == list(range(comm.size)), got
         assert time.monotonic() - t0 < AT_ONCE_S, f"the step took {time.monotonic() - t0:.1f} s"
-    all_ranks(step)
+    checks.gather()
