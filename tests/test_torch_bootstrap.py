@@ -159,3 +159,10 @@ def test_import_without_mpi4py():
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", _NO_MPI], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "IMPORTED 17" in r.stdout, r.stdout + r.stderr
+
+
+@jobs
+def test_torchrun_construction_retried_after_a_timeout(no_shm_left):
+    """A construction retried on the same group after a timed-out one (rank 1 late) works at once: the timed-out
+    exchange's store keys are never read again (each bootstrap has its own key prefix, each exchange its number)."""
+    _passes("retry")

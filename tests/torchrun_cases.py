@@ -210,6 +210,24 @@ def exit_leave() -> None:
 _KEEP = []
 
 
+def retry() -> None:
+    """Rank 1 comes 1.5 s late to a construction rank 0 gives up after 0.5 s: both raise CollectiveTimeoutError
+    (rank 1 "withdrawn"); then a construction on the same group works at once, its alltoall matching NumPy."""
+    me = dist.get_rank()
+    if me == 1:
+        time.sleep(1.5)
+    try:
+        cs.Communicator(None, cs.Config(timeout_s=0.5, abort_on_failure=False), backend="host").close()
+        raise AssertionError("constructed without the late rank")
+    except CollectiveTimeoutError as exc:
+        assert exc.withdrawn == (me == 1), repr(exc)
+    dist.barrier()
+    t0 = time.monotonic()
+    with cs.Communicator(None, cs.Config(timeout_s=30.0, abort_on_failure=False), backend="host") as c:
+        _right_alltoall(c, 29)
+    assert time.monotonic() - t0 < 7.5, f"rank {me}: the retry took {time.monotonic() - t0:.1f} s"
+
+
 if __name__ == "__main__":
     case = sys.argv[1]
     dist.init_process_group("gloo")

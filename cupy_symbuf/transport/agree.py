@@ -29,7 +29,9 @@ def exchange_all(group, obj: Any, timeout_s: float, what: str, *, role: str = "c
     """Every rank's ``obj`` (a list indexed by rank), like an allgather but bounded by ``timeout_s``: the
     :meth:`~cupy_symbuf.transport.bootstrap.Bootstrap.allgather` of ``group`` (a Bootstrap or an mpi4py
     communicator). Raises :class:`CollectiveTimeoutError` naming the ranks that never arrived, and
-    :class:`~cupy_symbuf.SymBufferError` when a peer's message belongs to another step (``what`` differs).
+    :class:`~cupy_symbuf.SymBufferError` when a peer's message of this exchange belongs to another step (``what``
+    differs: ranks calling different steps; a message of an earlier exchange that timed out is never taken for
+    this one, see :class:`~cupy_symbuf.transport.bootstrap.Bootstrap`).
     ``on_slow``: ``(seconds, fn)``: ``fn(missing_ranks)`` is called once when the wait takes longer than that."""
     return as_bootstrap(group).allgather(obj, timeout_s, what, role=role, on_slow=on_slow)
 

@@ -17,13 +17,14 @@ shared-memory window is MPI's under MpiBootstrap (``MpiBootstrap.comm``), POSIX 
 bootstrap otherwise: that is the data path's memory, not an exchange. mpi4py is imported only when an MPI
 communicator is used (or None is passed with torch.distributed not initialised).
 
-Messages of an exchange that timed out may stay queued (their peer arrives later). A later exchange skips the
-leftover "confirm" / "withdrawn" messages and raises on a leftover of another step, but a leftover "here" of the
-same step can still be taken for a fresh one (then that exchange fails with "withdrawn"): after a construction or
-close timeout, build no further communicator on that bootstrap; the job is meant to end
-(``Config.abort_on_failure``). Closing is the exception to "same step or error": a rank that closes (role
-:data:`CLOSE`) while its peers wait in another step releases them at once, and its close meets theirs (see
-:class:`Bootstrap`), leaving no message of the abandoned step behind.
+Messages of an exchange that timed out (or was left any other way) may stay queued: their peer arrives later.
+They are never taken for a later exchange: MpiBootstrap numbers the exchanges of each MPI communicator (a count
+every rank keeps per communicator, cached on it as an MPI attribute, so it outlives the per-call bootstraps of
+:func:`as_bootstrap`, starts at 0 on a new ``Dup`` / ``Split``, and goes with a freed handle) and drops a message of
+an earlier number; TorchBootstrap's store keys carry a fresh prefix per bootstrap and the exchange's number. So a
+construction retried on the same communicator after a timeout works at once. Closing is the exception to "same step
+or error": a rank that closes (role :data:`CLOSE`) while its peers wait in another step releases them at once, and
+its close meets theirs (see :class:`Bootstrap`), leaving no message of the abandoned step behind.
 """
 from __future__ import annotations
 
@@ -137,11 +138,14 @@ class Bootstrap(Protocol):
     ``rank``, ``size``: this process's rank and the number of ranks. Every wait is bounded by ``timeout_s``
     (seconds): a peer that never arrives gives :class:`CollectiveTimeoutError` (``role`` "construction" or
     "close") naming the missing ranks; ``what`` names the step in errors (ranks calling different steps raise
-    :class:`~cupy_symbuf.SymBufferError`). ``on_slow``: ``(seconds, fn)``, ``fn(missing_ranks)`` called once when
-    a wait takes longer than that. ``interrupt``: a callable (no arguments) called when a wait starts and every
-    :data:`DEPARTED_POLL_S` while it waits; an exception it raises leaves the exchange as any failure does (the
-    peers are told: ``withdrawn``) and propagates (a symmetric allocation step reads the communicator's abort word
-    there).
+    :class:`~cupy_symbuf.SymBufferError`). The k-th step of every rank on a group is the same step (close steps
+    counted apart): a peer's message of an exchange that timed out or was left (it arrived late) is never taken for
+    a later one, so a step retried on the same group after a timeout meets at once; a rank that never called a step
+    its peers timed out in takes its next call for it (it finds them gone: ``withdrawn``). ``on_slow``:
+    ``(seconds, fn)``, ``fn(missing_ranks)`` called once when a wait takes longer than that. ``interrupt``: a
+    callable (no arguments) called when a wait starts and every :data:`DEPARTED_POLL_S` while it waits; an
+    exception it raises leaves the exchange as any failure does (the peers are told: ``withdrawn``) and propagates
+    (a symmetric allocation step reads the communicator's abort word there).
 
     Steps of ``role`` :data:`CLOSE` are the closing of what this bootstrap serves (its last steps). A rank that
     waits in a step of another role and finds a peer closing raises :class:`CollectiveTimeoutError`
@@ -217,9 +221,60 @@ DELIVERY_GRACE_S = 1.0
 DEPARTED_POLL_S = 0.02
 
 
+class _Exchanges:
+    """This rank's record of the bounded exchanges on one MPI communicator, shared by every :class:`MpiBootstrap`
+    over it: ``next``, the number of this rank's next exchange that is not a close (every rank counts the same
+    steps, on entry); ``close_next``, the same for close steps (role :data:`CLOSE`, numbered apart); ``done``, the
+    number of this rank's last exchange (not a close) that completed (-1: none yet); ``current``, closing (bool) ->
+    the number of the step of that kind this rank is in (None between steps); ``stale``, how many messages
+    of earlier exchanges were dropped; ``held``, rank -> its messages met before this rank's step of them (in
+    order); ``stepping``, rank -> whether its last message met outside a step of this rank of it (passed over by a
+    close step, or read by ``peers_in_other_steps``) began a step that is not a close."""
+
+    __slots__ = ("next", "close_next", "done", "current", "stale", "held", "stepping")
+
+    def __init__(self):
+        self.next = 0
+        self.close_next = 0
+        self.done = -1
+        self.current: "dict[bool, Optional[int]]" = {False: None, True: None}
+        self.stale = 0
+        self.held: "dict[int, list]" = {}
+        self.stepping: "dict[int, bool]" = {}
+
+
+_KEYVAL = None  # the MPI attribute key of a communicator's _Exchanges (made at first use)
+_KEYVAL_LOCK = threading.Lock()
+
+
+def _exchanges(comm) -> _Exchanges:
+    """``comm``'s :class:`_Exchanges`, cached on the communicator itself (an MPI attribute: not copied by
+    ``Dup``, deleted by ``Free``, so a freed handle that MPI reuses for a new communicator starts afresh)."""
+    global _KEYVAL
+    with _KEYVAL_LOCK:
+        if _KEYVAL is None:
+            _KEYVAL = _mpi().Comm.Create_keyval()
+        got = comm.Get_attr(_KEYVAL)
+        if got is None:
+            got = _Exchanges()
+            comm.Set_attr(_KEYVAL, got)
+        return got
+
+
 class MpiBootstrap:
     """:class:`Bootstrap` over an mpi4py intra-communicator ``comm`` (kept as the attribute ``comm``: the host
-    backend's shared-memory window is allocated on it). Implements :class:`Bootstrap`."""
+    backend's shared-memory window is allocated on it). Implements :class:`Bootstrap`.
+
+    The exchanges that are not a close are numbered per communicator: this rank's count lives on ``comm`` (see
+    :func:`as_bootstrap`: a bootstrap is made per call), every message carries its exchange's number, and a message
+    of an earlier number (an exchange that timed out or was left, whose peer arrived late) is dropped, counted in
+    :attr:`stale_dropped`, never taken for the current one. The same number with another step name is ranks
+    calling different steps (:class:`~cupy_symbuf.SymBufferError`). A "here" of a later number means its sender
+    made exchanges this rank never joined (its messages were dropped here, or this rank skipped steps): this rank
+    takes that number and sends its "here" again, so the ranks meet at the highest count. Close steps (role
+    :data:`CLOSE`) are numbered apart, by the same rules among themselves: a close message of an earlier close step
+    (one that timed out) neither meets a later close step nor tells another step that its sender is closing; the
+    rest of the close protocol (see :class:`Bootstrap`) sees only current messages."""
 
     def __init__(self, comm):
         MPI = _mpi()
@@ -228,10 +283,17 @@ class MpiBootstrap:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self._held: "dict[int, list]" = {}  # rank -> its messages met before this rank's step of them (in order)
+        self._x = _exchanges(comm)  # this communicator's exchange count and held messages (see _Exchanges)
+        self._held = self._x.held  # rank -> its messages met before this rank's step of them (in order)
         #: rank -> whether its last message met outside a step of this rank (passed over by a close step, or read
         #: by peers_in_other_steps) began a step that is not a close
-        self._stepping: "dict[int, bool]" = {}
+        self._stepping = self._x.stepping
+
+    @property
+    def stale_dropped(self) -> int:
+        """Messages of earlier exchanges on this communicator that this rank dropped (their exchange had timed out
+        or been left here before they arrived)."""
+        return self._x.stale
 
     def __repr__(self) -> str:
         return f"MpiBootstrap(rank={self.rank}, size={self.size})"
@@ -260,24 +322,45 @@ class MpiBootstrap:
         Every message carries whether its step closes (role :data:`CLOSE`); a peer's close message met in a wait
         of another role is kept back (``_held``) for this rank's own close, and a close step drops the peers'
         messages of other steps (see :class:`Bootstrap`).
-        Raises :class:`~cupy_symbuf.SymBufferError` when a peer's message belongs to another step (``what``
-        differs: a stale message of an earlier exchange that timed out, or ranks calling different steps).
+        Every message of a step that is not a close carries the exchange's number (see the class docstring): a
+        message of an earlier exchange (one that timed out or was left, on this bootstrap or on another over the
+        same communicator) is dropped, so a retry after a timeout meets only its own messages.
+        Raises :class:`~cupy_symbuf.SymBufferError` when a peer's message of this exchange belongs to another step
+        (``what`` differs: ranks calling different steps).
         """
         comm, rank, size = self.comm, self.rank, self.size
         out: list = [None] * size
         out[rank] = obj
+        closing = role == CLOSE
+        # counted on entry, whatever happens next: every rank that calls the step counts it
+        if closing:
+            number = self._x.close_next
+            self._x.close_next += 1
+        else:
+            number = self._x.next
+            self._x.next += 1
         if size == 1:
             return out
         peers = [r for r in range(size) if r != rank]
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        closing = role == CLOSE
-        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow, "interrupt": interrupt, "closing": closing}
-        if interrupt is not None:
-            interrupt()  # before anything is sent: nothing of this exchange reaches the peers
         sends: list = []
+
+        def here():  # (again after taking a peer's higher number: see _gather)
+            sends.extend(comm.isend((_HERE, what, (timeout_s, obj), closing, state["n"]), dest=r, tag=TAG)
+                         for r in peers)
+
+        state = {"deadline": deadline, "t0": t0, "on_slow": on_slow, "interrupt": interrupt, "closing": closing,
+                 "n": number, "here": here}
+        self._x.current[closing] = number  # peers_in_other_steps (called by interrupt) keeps this step's messages
+        if interrupt is not None:
+            try:
+                interrupt()  # before anything is sent: nothing of this exchange reaches the peers
+            except BaseException:
+                self._x.current[closing] = None
+                raise
         try:
-            sends += [comm.isend((_HERE, what, (timeout_s, obj), closing), dest=r, tag=TAG) for r in peers]
+            here()
             got = self._gather(_HERE, what, peers, state, role, timeout_s)
             heard = time.monotonic()
             if heard > deadline:  # heard from everyone, but too late: a peer may have withdrawn already
@@ -285,19 +368,23 @@ class MpiBootstrap:
                                              role=role, timeout_s=timeout_s, late=True)
             for r, (_, v) in got.items():
                 out[r] = v
-            sends += [comm.isend((_CONFIRM, what, None, closing), dest=r, tag=TAG) for r in peers]
+            sends += [comm.isend((_CONFIRM, what, None, closing, state["n"]), dest=r, tag=TAG) for r in peers]
             state["deadline"] = heard + max(t for t, _ in got.values()) + DELIVERY_GRACE_S
             self._gather(_CONFIRM, what, peers, state, role, timeout_s)
+            if not closing:
+                self._x.done = state["n"]
             return out
         except BaseException:
             # any way out but a return (a timeout, a peer's withdrawal, ranks calling different steps, Ctrl-C): the
             # peers, perhaps already in the second round, must not wait for our confirm nor go on without us
             try:
-                sends += [comm.isend((_WITHDRAWN, what, None, closing), dest=r, tag=TAG) for r in peers]
+                sends += [comm.isend((_WITHDRAWN, what, None, closing, state["n"]), dest=r, tag=TAG)
+                          for r in peers]
             except Exception:  # pragma: no cover - the original error matters more
                 pass
             raise
         finally:
+            self._x.current[closing] = None
             pending = [req for req in sends if not req.test()[0]]
             _ORPHANS.extend(pending)  # small messages complete eagerly; these keep their buffers alive if not
 
@@ -309,21 +396,69 @@ class MpiBootstrap:
         msg = self.comm.improbe(source=r, tag=TAG)
         return None if msg is None else msg.recv()
 
+    def _stale(self, m) -> bool:
+        """Message ``m`` (read outside a wait for it: by :meth:`peers_in_other_steps`, perhaps from a wait's
+        ``interrupt``) belongs to an exchange (a close step or not: counted apart) that this rank has left: it timed
+        out or was left here, and the peer's message arrived late. The messages of a step this rank is in are
+        not."""
+        if len(m) <= 4 or m[4] is None:
+            return False
+        closing = bool(m[3])
+        now = self._x.current[closing]
+        return m[4] < (now if now is not None else self._x.close_next if closing else self._x.next)
+
     def _gather(self, kind: str, what: str, peers: list, state: dict, role: str, timeout_s: float) -> dict:
-        """One message of ``kind`` from every rank of ``peers``, by the deadline in ``state``."""
+        """One message of ``kind`` from every rank of ``peers``, by the deadline in ``state``; messages of earlier
+        exchanges are dropped, a peer's "here" of a later one makes this rank take its number (see the class
+        docstring)."""
         rank = self.rank
         waiting = list(peers)
         got: dict = {}
         spins = 0
         interrupt, next_look = state.get("interrupt"), 0.0
+        ahead: set = set()  # peers whose next message belongs to a later exchange (kept for it)
         while waiting:
             progressed = False
             for r in list(waiting):
+                if r in ahead:
+                    continue
                 m = self._next(r)
                 if m is None:
                     continue
                 their_kind, their_what, their_obj = m[:3]
                 their_closing = len(m) > 3 and bool(m[3])
+                their_n = m[4] if len(m) > 4 else None
+                if their_n is not None:
+                    alike = their_closing == state["closing"]  # a step of this step's kind (close or not)
+                    mine = state["n"] if alike else self._x.close_next if their_closing else self._x.next
+                    if their_n < mine:  # an exchange that timed out or was left here: its sender left it too
+                        if their_kind == _WITHDRAWN and their_n == self._x.done and not their_closing and alike:
+                            # rank r withdrew from the exchange this rank completed last (it stalled past its
+                            # second round's bound): it is not coming to this one
+                            raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role,
+                                                         timeout_s=timeout_s, withdrawn=True)
+                        self._x.stale += 1
+                        progressed = True
+                        continue
+                    if their_n > mine and alike and their_what == what:
+                        if kind == _HERE and their_kind == _HERE:
+                            # rank r made exchanges this rank never joined: meet at its number (the peers still at
+                            # this one do the same on r's "here"; the ones ahead drop ours)
+                            state["n"] = self._x.current[their_closing] = their_n
+                            if their_closing:
+                                self._x.close_next = their_n + 1
+                            else:
+                                self._x.next = their_n + 1
+                            state["here"]()
+                            got.clear()
+                            state.pop("late", None)
+                            waiting[:] = [p for p in peers if p != r]
+                            got[r] = their_obj
+                            progressed = True
+                            break
+                        self._held.setdefault(r, []).insert(0, m)  # for this rank's later step
+                        ahead.add(r)
+                        continue
                 if their_closing and not state["closing"]:
                     # rank r is closing: it left this step (or never came) and takes part in no other; its message
                     # waits for this rank's own close
@@ -336,8 +471,7 @@ class MpiBootstrap:
                     continue  # a step this rank leaves by closing: rank r leaves it too once it finds this close
                 if their_what != what:
                     raise SymBufferError(f"{what}: rank {rank} received rank {r}'s message for {their_what!r}: the "
-                                         f"ranks are not calling the same step (or a message of an earlier step "
-                                         f"that timed out arrived late)")
+                                         f"ranks are not calling the same step")
                 if kind == _HERE and their_kind != _HERE:
                     continue  # a rank's first message of an exchange is "here": this one is left from a failed one
                 if their_kind == _WITHDRAWN:
@@ -389,6 +523,9 @@ class MpiBootstrap:
                 if msg is None:
                     break
                 m = msg.recv()
+                if self._stale(m):  # of a step this rank has left: its sender is not waiting in it for this rank
+                    self._x.stale += 1
+                    continue
                 self._held.setdefault(r, []).append(m)
                 self._note(r, m)
         return sorted(r for r, waits in self._stepping.items() if waits)
@@ -417,8 +554,12 @@ class MpiBootstrap:
         return MpiBootstrap(self.comm.Dup())
 
     def free(self) -> None:
+        """Free what :meth:`dup` / :meth:`split` / :meth:`split_node` made (``MPI.COMM_WORLD`` and ``COMM_SELF`` are
+        kept); the messages of ours already queued on it are dropped first (MPI may hand a freed communicator's
+        unreceived messages to a later one), and its exchange count goes with it."""
         MPI = _mpi()
         if self.comm not in (MPI.COMM_NULL, MPI.COMM_WORLD, MPI.COMM_SELF):
+            self.discard_leftovers()
             self.comm.Free()
 
     def discard_leftovers(self) -> int:
