@@ -167,6 +167,43 @@ def test_a_rank_absent_from_a_timed_out_step_takes_its_next_call_for_it(comm, su
     checks.gather()
 
 
+def test_a_rank_absent_from_a_timed_out_close_step_is_not_told_its_peers_are_closing(comm, sub):
+    """Rank 1 never calls a close-role step (``agree.barrier``'s default role) that the others timed out in: their
+    messages of it (a "here", then their "withdrawn") do not tell rank 1's other steps that they are closing (was:
+    every later step that is not a close raised "rank 0 left this communicator (closing it ...)" on rank 1, and
+    "gave up waiting" on the others, for good: no construction on the communicator ever worked again). Those steps
+    meet at once; rank 1's next close step takes them as its late arrival there ("gave up waiting" at once), and the
+    close step after meets the others'."""
+    checks = RankChecks()
+    if comm.rank != 1:
+        with checks.local("the close step without rank 1"):
+            with pytest.raises(cs.SymBufferTimeoutError):
+                _agree.barrier(sub, SHORT_S, "absent close test")
+    comm.Barrier()
+    time.sleep(0.05)
+    x, want = _rows(comm, 31)
+    with checks.local("the steps after"):
+        t0 = time.monotonic()
+        assert _agree.exchange_all(sub, comm.rank, RETRY_S, "next step") == list(range(comm.size))
+        assert _agree.exchange_all(sub, -comm.rank, RETRY_S, "the step after") == [-r for r in range(comm.size)]
+        with cs.Communicator(sub, cs.Config(timeout_s=RETRY_S), backend="host") as c:
+            _alltoall_right(c, x, want)
+        assert time.monotonic() - t0 < AT_ONCE_S, f"the steps took {time.monotonic() - t0:.1f} s"
+    comm.Barrier()
+    if comm.rank == 1:
+        with checks.local("rank 1's next close step"):
+            t0 = time.monotonic()
+            with pytest.raises(cs.SymBufferTimeoutError, match="gave up waiting") as info:
+                _agree.barrier(sub, RETRY_S, "absent close test")
+            assert info.value.withdrawn and time.monotonic() - t0 < AT_ONCE_S
+    comm.Barrier()
+    with checks.local("the close step after"):
+        t0 = time.monotonic()
+        _agree.barrier(sub, RETRY_S, "absent close test")
+        assert time.monotonic() - t0 < AT_ONCE_S
+    checks.gather()
+
+
 def test_a_rank_whose_peers_dropped_its_messages_meets_their_next_step(comm, sub):
     """Rank 0 made a step alone (it timed out) and the others dropped its messages (``discard_leftovers``): rank 0
     has counted one step more than they. The next step called on every rank still meets at once (the others take

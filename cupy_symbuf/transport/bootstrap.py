@@ -417,89 +417,114 @@ class MpiBootstrap:
         spins = 0
         interrupt, next_look = state.get("interrupt"), 0.0
         ahead: set = set()  # peers whose next message belongs to a later exchange (kept for it)
-        while waiting:
-            progressed = False
-            for r in list(waiting):
-                if r in ahead:
-                    continue
-                m = self._next(r)
-                if m is None:
-                    continue
-                their_kind, their_what, their_obj = m[:3]
-                their_closing = len(m) > 3 and bool(m[3])
-                their_n = m[4] if len(m) > 4 else None
-                if their_n is not None:
-                    alike = their_closing == state["closing"]  # a step of this step's kind (close or not)
-                    mine = state["n"] if alike else self._x.close_next if their_closing else self._x.next
-                    if their_n < mine:  # an exchange that timed out or was left here: its sender left it too
-                        if their_kind == _WITHDRAWN and their_n == self._x.done and not their_closing and alike:
-                            # rank r withdrew from the exchange this rank completed last (it stalled past its
-                            # second round's bound): it is not coming to this one
-                            raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role,
-                                                         timeout_s=timeout_s, withdrawn=True)
-                        self._x.stale += 1
+        aside: dict = {}  # rank -> its messages of close steps it left, kept for this rank's own close steps
+        try:
+            while waiting:
+                progressed = False
+                for r in list(waiting):
+                    if r in ahead:
+                        continue
+                    m = self._next(r)
+                    if m is None:
+                        continue
+                    their_kind, their_what, their_obj = m[:3]
+                    their_closing = len(m) > 3 and bool(m[3])
+                    their_n = m[4] if len(m) > 4 else None
+                    if their_n is not None:
+                        alike = their_closing == state["closing"]  # a step of this step's kind (close or not)
+                        mine = state["n"] if alike else self._x.close_next if their_closing else self._x.next
+                        if their_n < mine:  # an exchange that timed out or was left here: its sender left it too
+                            if their_kind == _WITHDRAWN and their_n == self._x.done and not their_closing and alike:
+                                # rank r withdrew from the exchange this rank completed last (it stalled past its
+                                # second round's bound): it is not coming to this one
+                                raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role,
+                                                             timeout_s=timeout_s, withdrawn=True)
+                            self._x.stale += 1
+                            progressed = True
+                            continue
+                        if their_n > mine and alike and their_what == what:
+                            if kind == _HERE and their_kind == _HERE:
+                                # rank r made exchanges this rank never joined: meet at its number (the peers still at
+                                # this one do the same on r's "here"; the ones ahead drop ours)
+                                state["n"] = self._x.current[their_closing] = their_n
+                                if their_closing:
+                                    self._x.close_next = their_n + 1
+                                else:
+                                    self._x.next = their_n + 1
+                                state["here"]()
+                                got.clear()
+                                state.pop("late", None)
+                                waiting[:] = [p for p in peers if p != r]
+                                got[r] = their_obj
+                                progressed = True
+                                break
+                            self._held.setdefault(r, []).insert(0, m)  # for this rank's later step
+                            ahead.add(r)
+                            continue
+                    if their_closing and not state["closing"] and their_n is not None \
+                            and self._left_close(r, their_n, [m] + aside.get(r, [])):
+                        # rank r withdrew from close step their_n (it timed out there: this rank never came): it
+                        # is not closing; its messages of that step wait for this rank's own close step of that
+                        # number, which takes them as its late arrival (as a step that is not a close does)
+                        aside.setdefault(r, []).append(m)
                         progressed = True
                         continue
-                    if their_n > mine and alike and their_what == what:
-                        if kind == _HERE and their_kind == _HERE:
-                            # rank r made exchanges this rank never joined: meet at its number (the peers still at
-                            # this one do the same on r's "here"; the ones ahead drop ours)
-                            state["n"] = self._x.current[their_closing] = their_n
-                            if their_closing:
-                                self._x.close_next = their_n + 1
-                            else:
-                                self._x.next = their_n + 1
-                            state["here"]()
-                            got.clear()
-                            state.pop("late", None)
-                            waiting[:] = [p for p in peers if p != r]
-                            got[r] = their_obj
-                            progressed = True
-                            break
-                        self._held.setdefault(r, []).insert(0, m)  # for this rank's later step
-                        ahead.add(r)
-                        continue
-                if their_closing and not state["closing"]:
-                    # rank r is closing: it left this step (or never came) and takes part in no other; its message
-                    # waits for this rank's own close
-                    self._held.setdefault(r, []).insert(0, m)
-                    raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
-                                                 closing=True)
-                if state["closing"]:
-                    self._note(r, m)
-                if state["closing"] and not their_closing:
-                    continue  # a step this rank leaves by closing: rank r leaves it too once it finds this close
-                if their_what != what:
-                    raise SymBufferError(f"{what}: rank {rank} received rank {r}'s message for {their_what!r}: the "
-                                         f"ranks are not calling the same step")
-                if kind == _HERE and their_kind != _HERE:
-                    continue  # a rank's first message of an exchange is "here": this one is left from a failed one
-                if their_kind == _WITHDRAWN:
-                    raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
-                                                 withdrawn=True)
-                if their_kind != kind:
-                    raise SymBufferError(f"{what}: rank {rank} expected a {kind!r} message from rank {r}, got "
-                                         f"{their_kind!r} (ranks out of step)")
-                got[r] = their_obj
-                waiting.remove(r)
-                progressed = True
-                if time.monotonic() > state["deadline"]:
-                    state.setdefault("late", []).append(r)
-            if not waiting:
-                break
-            now = time.monotonic()
-            if interrupt is not None and now >= next_look:
-                next_look = now + DEPARTED_POLL_S
-                interrupt()
-            if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
-                state["on_slow"][1](sorted(waiting))
-                state["on_slow"] = None
-            if now > state["deadline"]:
-                raise CollectiveTimeoutError(rank=rank, missing=sorted(waiting), what=what, role=role,
-                                             timeout_s=timeout_s)
-            spins = 0 if progressed else spins + 1
-            _sleep(spins)
+                    if their_closing and not state["closing"]:
+                        # rank r is closing: it left this step (or never came) and takes part in no other; its message
+                        # waits for this rank's own close
+                        self._held.setdefault(r, []).insert(0, m)
+                        raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
+                                                     closing=True)
+                    if state["closing"]:
+                        self._note(r, m)
+                    if state["closing"] and not their_closing:
+                        continue  # a step this rank leaves by closing: rank r leaves it too once it finds this close
+                    if their_what != what:
+                        raise SymBufferError(f"{what}: rank {rank} received rank {r}'s message for {their_what!r}: the "
+                                             f"ranks are not calling the same step")
+                    if kind == _HERE and their_kind != _HERE:
+                        continue  # a rank's first message of an exchange is "here": this one is left from a failed one
+                    if their_kind == _WITHDRAWN:
+                        raise CollectiveTimeoutError(rank=rank, missing=[r], what=what, role=role, timeout_s=timeout_s,
+                                                     withdrawn=True)
+                    if their_kind != kind:
+                        raise SymBufferError(f"{what}: rank {rank} expected a {kind!r} message from rank {r}, got "
+                                             f"{their_kind!r} (ranks out of step)")
+                    got[r] = their_obj
+                    waiting.remove(r)
+                    progressed = True
+                    if time.monotonic() > state["deadline"]:
+                        state.setdefault("late", []).append(r)
+                if not waiting:
+                    break
+                now = time.monotonic()
+                if interrupt is not None and now >= next_look:
+                    next_look = now + DEPARTED_POLL_S
+                    interrupt()
+                if state["on_slow"] is not None and now - state["t0"] > state["on_slow"][0]:
+                    state["on_slow"][1](sorted(waiting))
+                    state["on_slow"] = None
+                if now > state["deadline"]:
+                    raise CollectiveTimeoutError(rank=rank, missing=sorted(waiting), what=what, role=role,
+                                                 timeout_s=timeout_s)
+                spins = 0 if progressed else spins + 1
+                _sleep(spins)
+        finally:
+            for r, ms in aside.items():  # back in front of what came after them, in order
+                self._held[r] = ms + self._held.get(r, [])
         return got
+
+    def _left_close(self, r: int, n: int, met: list) -> bool:
+        """Rank ``r`` withdrew from close step ``n``: its "withdrawn" of that step arrived (among ``met``, its
+        messages this wait has read, or in ``_held``; the messages of ``r`` that arrived are read into ``_held``, in
+        order, to look)."""
+        while True:
+            msg = self.comm.improbe(source=r, tag=TAG)
+            if msg is None:
+                break
+            self._held.setdefault(r, []).append(msg.recv())
+        return any(x[0] == _WITHDRAWN and len(x) > 4 and bool(x[3]) and x[4] == n
+                   for x in met + self._held.get(r, []))
 
     def _note(self, r: int, m) -> None:
         """Rank ``r``'s message ``m``, met outside a step of this rank of it: a "here" of a step that is not a close
