@@ -514,15 +514,20 @@ class MpiBootstrap:
                 self._held[r] = ms + self._held.get(r, [])
         return got
 
+    def _arrived(self, r: int):
+        """Rank ``r``'s messages to this bootstrap that have arrived and were not read yet, in order (read as
+        iterated)."""
+        while True:
+            msg = self.comm.improbe(source=r, tag=TAG)
+            if msg is None:
+                return
+            yield msg.recv()
+
     def _left_close(self, r: int, n: int, met: list) -> bool:
         """Rank ``r`` withdrew from close step ``n``: its "withdrawn" of that step arrived (among ``met``, its
         messages this wait has read, or in ``_held``; the messages of ``r`` that arrived are read into ``_held``, in
         order, to look)."""
-        while True:
-            msg = self.comm.improbe(source=r, tag=TAG)
-            if msg is None:
-                break
-            self._held.setdefault(r, []).append(msg.recv())
+        self._held.setdefault(r, []).extend(self._arrived(r))
         return any(x[0] == _WITHDRAWN and len(x) > 4 and bool(x[3]) and x[4] == n
                    for x in met + self._held.get(r, []))
 
@@ -543,11 +548,7 @@ class MpiBootstrap:
         for r in range(self.size):
             if r == self.rank:
                 continue
-            while True:
-                msg = self.comm.improbe(source=r, tag=TAG)
-                if msg is None:
-                    break
-                m = msg.recv()
+            for m in self._arrived(r):
                 if self._stale(m):  # of a step this rank has left: its sender is not waiting in it for this rank
                     self._x.stale += 1
                     continue
